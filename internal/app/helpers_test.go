@@ -1,0 +1,118 @@
+package app
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// fakeEngine is an httptest upstream that answers registration probes like an OpenAI server
+// serving models, and sends everything else to handle.
+func fakeEngine(t *testing.T, ownedBy string, models []string, handle http.HandlerFunc) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
+			var data []map[string]any
+			for _, m := range models {
+				data = append(data, map[string]any{"id": m, "object": "model", "owned_by": ownedBy})
+			}
+			_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})
+			return
+		}
+		handle(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// startGateway wires a gateway over cfg, waits until every worker registered, and serves its
+// API on an httptest server.
+func startGateway(t *testing.T, cfg config.Config) (*Gateway, *httptest.Server) {
+	t.Helper()
+	g, err := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	g.Registrar.Start(ctx)
+	t.Cleanup(func() { cancel(); g.Registrar.Wait() })
+	deadline := time.Now().Add(10 * time.Second)
+	for _, w := range g.Registry.Snapshot().Workers {
+		for !w.Registered() {
+			if time.Now().After(deadline) {
+				t.Fatalf("worker %s never registered", w.URL)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	srv := httptest.NewServer(g.Server.Handler())
+	t.Cleanup(srv.Close)
+	return g, srv
+}
+
+func testConfig(urls ...string) config.Config {
+	cfg := config.Default()
+	cfg.WorkerURLs = urls
+	return cfg
+}
+
+func post(t *testing.T, url, body string, hdr ...string) *http.Response {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	return resp
+}
+
+func readAll(t *testing.T, r io.Reader) string {
+	t.Helper()
+	b, err := io.ReadAll(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// envelope decodes a gateway-minted OpenAI error.
+type envelope struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Code    string  `json:"code"`
+		Param   *string `json:"param"`
+	} `json:"error"`
+}
+
+func wantEnvelope(t *testing.T, resp *http.Response, status int, code string) envelope {
+	t.Helper()
+	body := readAll(t, resp.Body)
+	if resp.StatusCode != status {
+		t.Fatalf("status = %d, want %d (body %s)", resp.StatusCode, status, body)
+	}
+	var e envelope
+	if err := json.Unmarshal([]byte(body), &e); err != nil {
+		t.Fatalf("body %q is not an error envelope: %v", body, err)
+	}
+	if e.Error.Code != code || e.Error.Message == "" || e.Error.Type == "" {
+		t.Fatalf("envelope = %+v, want code %q with message and type", e, code)
+	}
+	return e
+}

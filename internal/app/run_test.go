@@ -1,0 +1,231 @@
+package app
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// syncBuffer is a goroutine-safe bytes.Buffer for a running server's output.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+var addrLine = regexp.MustCompile(`baton serving on (http://\S+) \(metrics on (http://\S+)/metrics\)`)
+
+// runBaton runs Run in the background and returns the API and metrics base URLs, a stop
+// function (as SIGTERM would) and a channel with Run's result.
+func runBaton(t *testing.T, args ...string) (api, metricsURL string, stop func(), result <-chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	out, logs := &syncBuffer{}, &syncBuffer{}
+	res := make(chan error, 1)
+	go func() {
+		res <- Run(ctx, append([]string{"serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"}, args...), out, logs)
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if m := addrLine.FindStringSubmatch(out.String()); m != nil {
+			t.Cleanup(func() {
+				cancel()
+				if t.Failed() {
+					t.Logf("baton logs:\n%s", logs.String())
+				}
+			})
+			return m[1], m[2], cancel, res
+		}
+		select {
+		case err := <-res:
+			cancel()
+			t.Fatalf("Run ended early: %v\nlogs: %s", err, logs.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			cancel()
+			t.Fatalf("baton did not start; stdout %q", out.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func getStatus(t *testing.T, url string) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func TestGracefulDrainOfOpenStream(t *testing.T) {
+	release := make(chan struct{})
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: {\"n\":1}\n\n")
+		w.(http.Flusher).Flush()
+		<-release
+		io.WriteString(w, "data: {\"n\":2}\n\ndata: [DONE]\n\n")
+	})
+	api, _, stop, result := runBaton(t, "--worker-urls", up.URL)
+	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+
+	resp := post(t, api+"/v1/chat/completions", `{"model":"m","stream":true}`)
+	br := bufio.NewReader(resp.Body)
+	if line, _ := br.ReadString('\n'); line != "data: {\"n\":1}\n" {
+		t.Fatalf("first event %q", line)
+	}
+	stop() // SIGTERM
+	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 503 })
+	select {
+	case err := <-result:
+		t.Fatalf("Run returned (%v) while a stream was open", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	rest, err := io.ReadAll(br)
+	if err != nil {
+		t.Fatalf("stream broken during drain: %v", err)
+	}
+	if string(rest) != "\ndata: {\"n\":2}\n\ndata: [DONE]\n\n" {
+		t.Errorf("rest of stream %q", rest)
+	}
+	select {
+	case err := <-result:
+		if err != nil {
+			t.Fatalf("Run = %v, want nil after drain", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after the stream ended")
+	}
+}
+
+func TestReadinessWaitsForAWorkerAndMetricsServe(t *testing.T) {
+	var up bool
+	var mu sync.Mutex
+	eng := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		io.WriteString(w, `{"ok":true}`)
+	})
+	// A front that drops connections until the engine is "loaded".
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		ok := up
+		mu.Unlock()
+		if !ok {
+			c, _, _ := w.(http.Hijacker).Hijack()
+			c.Close()
+			return
+		}
+		req, _ := http.NewRequest(r.Method, eng.URL+r.URL.Path, r.Body)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			w.WriteHeader(502)
+			return
+		}
+		defer resp.Body.Close()
+		w.WriteHeader(resp.StatusCode)
+		io.Copy(w, resp.Body)
+	}))
+	defer front.Close()
+	api, metricsURL, _, _ := runBaton(t, "--worker-urls", front.URL, "--detect-interval-secs", "1")
+	if s := getStatus(t, api+"/readiness"); s != 503 {
+		t.Fatalf("readiness %d before any worker registered, want 503", s)
+	}
+	if s := getStatus(t, api+"/liveness"); s != 200 {
+		t.Fatalf("liveness %d, want 200", s)
+	}
+	resp := post(t, api+"/v1/chat/completions", `{"model":"m"}`)
+	wantEnvelope(t, resp, 503, "no_available_workers")
+	mu.Lock()
+	up = true
+	mu.Unlock()
+	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+	if resp := post(t, api+"/v1/chat/completions", `{"model":"m"}`); resp.StatusCode != 200 {
+		t.Fatalf("status %d after registration", resp.StatusCode)
+	}
+	mresp, err := http.Get(metricsURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := readAll(t, mresp.Body)
+	for _, want := range []string{
+		`baton_requests_total{model="m",route="POST /v1/chat/completions",status="200"} 1`,
+		`baton_requests_total{model="m",route="POST /v1/chat/completions",status="503"} 1`,
+		`baton_worker_requests_active{role="regular",worker="` + front.URL + `"} 0`,
+		`baton_worker_ready{role="regular",worker="` + front.URL + `"} 1`,
+		`baton_request_duration_seconds_count{model="m",route="POST /v1/chat/completions"} 2`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
+
+func TestStartupErrors(t *testing.T) {
+	var out, errOut bytes.Buffer
+	err := Run(context.Background(), []string{"--port", "99999", "--policy", "bogus"}, &out, &errOut)
+	if err == nil || !strings.Contains(err.Error(), "port 99999") || !strings.Contains(err.Error(), `policy "bogus"`) {
+		t.Fatalf("Run = %v, want both problems reported", err)
+	}
+	if err := Run(context.Background(), []string{"frobnicate"}, &out, &errOut); err == nil {
+		t.Fatal("unknown command: want error")
+	}
+	if err := Run(context.Background(), []string{"--help"}, &out, &errOut); !errors.Is(err, config.ErrHelp) || !strings.Contains(out.String(), "--worker-urls") {
+		t.Fatalf("--help = %v, usage %q", err, out.String())
+	}
+}
+
+func TestConfigFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "baton.yaml")
+	os.WriteFile(path, []byte(`
+port: 31000
+policy: random
+workers:
+  - url: http://10.0.0.1:8000
+    role: regular
+    runtime: vllm
+    models: [llama]
+    labels: {zone: a}
+    api_key: k
+`), 0o600)
+	cfg, err := config.Parse([]string{"--config", path, "--port", "32000"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Port != 32000 || cfg.Policy != "random" || len(cfg.Workers) != 1 || cfg.Workers[0].Labels["zone"] != "a" || cfg.MetricsPort != 29000 {
+		t.Fatalf("config = %+v", cfg)
+	}
+	os.WriteFile(path, []byte("port: 1\nprot: 2\nworkers:\n  - url: http://x\n    rolee: prefill\n"), 0o600)
+	if _, err := config.Parse([]string{"--config", path}, io.Discard); err == nil || !strings.Contains(err.Error(), "prot") {
+		t.Fatalf("unknown key: err = %v", err)
+	}
+}

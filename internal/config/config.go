@@ -1,0 +1,193 @@
+// Package config holds Baton's one configuration tree: defaults, YAML loading (strict), command
+// line flags and validation that reports every problem at once.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+// Worker roles.
+const (
+	RoleRegular = "regular"
+	RolePrefill = "prefill"
+	RoleDecode  = "decode"
+)
+
+// Worker runtimes. The empty runtime means "detect at registration".
+const (
+	RuntimeVLLM    = "vllm"
+	RuntimeSGLang  = "sglang"
+	RuntimeGeneric = "generic"
+)
+
+// Policy names.
+const (
+	PolicyRoundRobin = "round_robin"
+	PolicyRandom     = "random"
+)
+
+// Config is the whole of Baton's configuration. Every field has a YAML key and most a flag of
+// the same name in kebab case.
+type Config struct {
+	// Host is the address the API server binds. Default "0.0.0.0".
+	Host string `json:"host"`
+	// Port is the API server's port. Default 30000; 0 picks a free port.
+	Port int `json:"port"`
+	// MetricsPort is the Prometheus /metrics port. Default 29000; 0 picks a free port; -1 disables.
+	MetricsPort int `json:"metrics_port"`
+	// WorkerURLs are regular workers given by URL only (the --worker-urls flag).
+	WorkerURLs []string `json:"worker_urls"`
+	// Workers are workers with full settings.
+	Workers []Worker `json:"workers"`
+	// Policy selects a worker among those serving a request's model. Default "round_robin".
+	Policy string `json:"policy"`
+	// RequestTimeoutSecs bounds one upstream request, streams included. Default 1800.
+	RequestTimeoutSecs int `json:"request_timeout_secs"`
+	// MaxPayloadSize is the largest request body accepted, in bytes. Default 512 MiB.
+	MaxPayloadSize int64 `json:"max_payload_size"`
+	// APIKey, when set, is required as "Authorization: Bearer <key>" on inference routes.
+	APIKey string `json:"api_key"`
+	// LogLevel is debug, info, warn or error. Default "info".
+	LogLevel string `json:"log_level"`
+	// LogJSON writes logs as JSON lines instead of text.
+	LogJSON bool `json:"log_json"`
+	// ShutdownGracePeriodSecs bounds how long in-flight requests may drain after SIGTERM.
+	// Default 180.
+	ShutdownGracePeriodSecs int `json:"shutdown_grace_period_secs"`
+	// DetectIntervalSecs is the longest wait between registration attempts for a worker that
+	// is not reachable yet. Default 10.
+	DetectIntervalSecs int `json:"detect_interval_secs"`
+}
+
+// Worker is one inference engine Baton routes to.
+type Worker struct {
+	// URL is the engine's base URL, e.g. http://10.0.0.5:8000. Required.
+	URL string `json:"url"`
+	// Role is regular, prefill or decode. Default regular.
+	Role string `json:"role,omitempty"`
+	// Runtime is vllm, sglang or generic; empty means detect from the engine.
+	Runtime string `json:"runtime,omitempty"`
+	// Models the engine serves; empty means read them from the engine's /v1/models.
+	Models []string `json:"models,omitempty"`
+	// Labels are free-form key/value pairs.
+	Labels map[string]string `json:"labels,omitempty"`
+	// APIKey is sent to this worker as its bearer token instead of the client's.
+	APIKey string `json:"api_key,omitempty"`
+}
+
+// Default returns the configuration with every default filled in.
+func Default() Config {
+	return Config{
+		Host:                    "0.0.0.0",
+		Port:                    30000,
+		MetricsPort:             29000,
+		Policy:                  PolicyRoundRobin,
+		RequestTimeoutSecs:      1800,
+		MaxPayloadSize:          512 << 20,
+		LogLevel:                "info",
+		ShutdownGracePeriodSecs: 180,
+		DetectIntervalSecs:      10,
+	}
+}
+
+// LoadFile reads a YAML (or JSON) file into c, strictly: unknown keys are errors. Keys absent
+// from the file keep c's values.
+func (c *Config) LoadFile(path string) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	if err := yaml.UnmarshalStrict(data, c); err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	return nil
+}
+
+// AllWorkers returns Workers followed by a regular worker for each of WorkerURLs.
+func (c *Config) AllWorkers() []Worker {
+	out := slices.Clone(c.Workers)
+	for _, u := range c.WorkerURLs {
+		out = append(out, Worker{URL: u, Role: RoleRegular})
+	}
+	return out
+}
+
+// Validate reports every problem in c at once, joined.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if c.Port < 0 || c.Port > 65535 {
+		bad("port %d is out of range 0-65535", c.Port)
+	}
+	if c.MetricsPort < -1 || c.MetricsPort > 65535 {
+		bad("metrics_port %d is out of range -1-65535", c.MetricsPort)
+	}
+	if c.MetricsPort > 0 && c.MetricsPort == c.Port {
+		bad("metrics_port %d must differ from port", c.MetricsPort)
+	}
+	if !slices.Contains([]string{PolicyRoundRobin, PolicyRandom}, c.Policy) {
+		bad("policy %q is unknown (want round_robin or random)", c.Policy)
+	}
+	if c.RequestTimeoutSecs <= 0 {
+		bad("request_timeout_secs must be positive, got %d", c.RequestTimeoutSecs)
+	}
+	if c.MaxPayloadSize <= 0 {
+		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)
+	}
+	if !slices.Contains([]string{"debug", "info", "warn", "error"}, strings.ToLower(c.LogLevel)) {
+		bad("log_level %q is unknown (want debug, info, warn or error)", c.LogLevel)
+	}
+	if c.ShutdownGracePeriodSecs < 0 {
+		bad("shutdown_grace_period_secs must not be negative, got %d", c.ShutdownGracePeriodSecs)
+	}
+	if c.DetectIntervalSecs <= 0 {
+		bad("detect_interval_secs must be positive, got %d", c.DetectIntervalSecs)
+	}
+	seen := map[string]bool{}
+	for i, w := range c.AllWorkers() {
+		where := fmt.Sprintf("worker %d (%s)", i, w.URL)
+		if err := checkURL(w.URL); err != nil {
+			bad("%s: %v", where, err)
+		}
+		if seen[w.URL] {
+			bad("%s: URL is listed twice", where)
+		}
+		seen[w.URL] = true
+		if !slices.Contains([]string{"", RoleRegular, RolePrefill, RoleDecode}, w.Role) {
+			bad("%s: role %q is unknown (want regular, prefill or decode)", where, w.Role)
+		}
+		if !slices.Contains([]string{"", RuntimeVLLM, RuntimeSGLang, RuntimeGeneric}, w.Runtime) {
+			bad("%s: runtime %q is unknown (want vllm, sglang or generic)", where, w.Runtime)
+		}
+		for _, m := range w.Models {
+			if m == "" {
+				bad("%s: empty model name", where)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func checkURL(raw string) error {
+	if raw == "" {
+		return errors.New("url is required")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return fmt.Errorf("url: %v", err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("url scheme must be http or https")
+	}
+	if u.Host == "" {
+		return fmt.Errorf("url has no host")
+	}
+	return nil
+}

@@ -1,0 +1,170 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+)
+
+// ErrHelp is returned by Parse when -h or --help was given; the usage has been written.
+var ErrHelp = errors.New("help requested")
+
+// flag is one command line flag. Flags are long, kebab case, smg-compatible: "--name value",
+// "--name=value", and for lists "--name v1 v2 ..." (values up to the next "--flag").
+type flag struct {
+	name  string
+	arg   string // placeholder in usage; empty for booleans
+	list  bool
+	help  string
+	apply func(c *Config, vals []string) error
+}
+
+func strFlag(name, help string, field func(*Config) *string) flag {
+	return flag{name: name, arg: "STRING", help: help, apply: func(c *Config, v []string) error {
+		*field(c) = v[0]
+		return nil
+	}}
+}
+
+func intFlag(name, help string, field func(*Config) *int) flag {
+	return flag{name: name, arg: "N", help: help, apply: func(c *Config, v []string) error {
+		n, err := strconv.Atoi(v[0])
+		if err != nil {
+			return fmt.Errorf("--%s: %q is not an integer", name, v[0])
+		}
+		*field(c) = n
+		return nil
+	}}
+}
+
+func boolFlag(name, help string, field func(*Config) *bool) flag {
+	return flag{name: name, help: help, apply: func(c *Config, v []string) error {
+		if len(v) == 0 {
+			*field(c) = true
+			return nil
+		}
+		b, err := strconv.ParseBool(v[0])
+		if err != nil {
+			return fmt.Errorf("--%s: %q is not a boolean", name, v[0])
+		}
+		*field(c) = b
+		return nil
+	}}
+}
+
+var serveFlags = []flag{
+	{name: "config", arg: "FILE", help: "YAML configuration file (strict: unknown keys are errors); flags override it"},
+	strFlag("host", "address to bind (default 0.0.0.0)", func(c *Config) *string { return &c.Host }),
+	intFlag("port", "API port (default 30000; 0 picks a free port)", func(c *Config) *int { return &c.Port }),
+	intFlag("metrics-port", "Prometheus /metrics port (default 29000; -1 disables)", func(c *Config) *int { return &c.MetricsPort }),
+	{name: "worker-urls", arg: "URL...", list: true, help: "regular workers by URL", apply: func(c *Config, v []string) error {
+		c.WorkerURLs = append(c.WorkerURLs, v...)
+		return nil
+	}},
+	strFlag("policy", "worker selection policy: round_robin | random (default round_robin)", func(c *Config) *string { return &c.Policy }),
+	intFlag("request-timeout-secs", "upper bound on one upstream request, streams included (default 1800)", func(c *Config) *int { return &c.RequestTimeoutSecs }),
+	{name: "max-payload-size", arg: "BYTES", help: "largest request body accepted (default 536870912)", apply: func(c *Config, v []string) error {
+		n, err := strconv.ParseInt(v[0], 10, 64)
+		if err != nil {
+			return fmt.Errorf("--max-payload-size: %q is not an integer", v[0])
+		}
+		c.MaxPayloadSize = n
+		return nil
+	}},
+	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
+	strFlag("log-level", "debug | info | warn | error (default info)", func(c *Config) *string { return &c.LogLevel }),
+	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
+	intFlag("shutdown-grace-period-secs", "how long in-flight requests may drain on SIGTERM (default 180)", func(c *Config) *int { return &c.ShutdownGracePeriodSecs }),
+	intFlag("detect-interval-secs", "longest wait between registration attempts for an unreachable worker (default 10)", func(c *Config) *int { return &c.DetectIntervalSecs }),
+}
+
+// Parse builds the serve configuration from defaults, then the --config file if given, then
+// the other flags, and validates it. Every flag and validation problem is reported at once.
+func Parse(args []string, usage io.Writer) (Config, error) {
+	byName := map[string]*flag{}
+	for i := range serveFlags {
+		byName[serveFlags[i].name] = &serveFlags[i]
+	}
+	type setting struct {
+		f    *flag
+		vals []string
+	}
+	var (
+		settings []setting
+		errs     []error
+		path     string
+	)
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		if a == "-h" || a == "--help" || a == "-help" {
+			writeUsage(usage)
+			return Config{}, ErrHelp
+		}
+		if !strings.HasPrefix(a, "--") {
+			errs = append(errs, fmt.Errorf("unexpected argument %q", a))
+			continue
+		}
+		name, val, hasVal := strings.Cut(a[2:], "=")
+		f, ok := byName[name]
+		if !ok {
+			errs = append(errs, fmt.Errorf("unknown flag --%s", name))
+			continue
+		}
+		var vals []string
+		switch {
+		case hasVal:
+			vals = []string{val}
+		case f.arg == "": // boolean without a value
+		case f.list:
+			for i+1 < len(args) && !strings.HasPrefix(args[i+1], "--") {
+				i++
+				vals = append(vals, args[i])
+			}
+			if len(vals) == 0 {
+				errs = append(errs, fmt.Errorf("--%s needs at least one value", name))
+				continue
+			}
+		default:
+			if i+1 >= len(args) {
+				errs = append(errs, fmt.Errorf("--%s needs a value", name))
+				continue
+			}
+			i++
+			vals = []string{args[i]}
+		}
+		if name == "config" {
+			path = vals[0]
+			continue
+		}
+		settings = append(settings, setting{f, vals})
+	}
+	cfg := Default()
+	if path != "" {
+		if err := cfg.LoadFile(path); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, s := range settings {
+		if err := s.f.apply(&cfg, s.vals); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := cfg.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return cfg, errors.Join(errs...)
+}
+
+func writeUsage(w io.Writer) {
+	fmt.Fprintln(w, "usage: baton [serve] [flags]")
+	fmt.Fprintln(w, "       baton sim|demo [flags]  (see 'baton sim --help')")
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	for _, f := range serveFlags {
+		fmt.Fprintf(tw, "  --%s %s\t%s\n", f.name, f.arg, f.help)
+	}
+	_ = tw.Flush()
+}

@@ -1,0 +1,122 @@
+// Package metrics holds every Prometheus collector Baton exports, on a private registry.
+// Names are baton_..., in base units; label values are bounded (model names are capped).
+package metrics
+
+import (
+	"net/http"
+	"strconv"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// MaxModels caps the distinct model label values; later models are reported as "other".
+const MaxModels = 1024
+
+// Upstream error kinds.
+const (
+	KindTransport = "transport"  // connection refused, reset before response
+	KindTimeout   = "timeout"    // request deadline passed
+	KindStatus    = "status"     // upstream answered 5xx
+	KindMidStream = "mid_stream" // upstream failed after the first byte reached the client
+)
+
+// DurationBuckets are the buckets of every *_seconds histogram, 1 ms to 2 h.
+var DurationBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200}
+
+// Metrics is the set of Baton's collectors.
+type Metrics struct {
+	Registry *prometheus.Registry
+
+	Requests       *prometheus.CounterVec   // route, model, status
+	Duration       *prometheus.HistogramVec // route, model
+	UpstreamErrors *prometheus.CounterVec   // worker, kind
+
+	mu     sync.Mutex
+	models map[string]struct{}
+}
+
+// New creates the collectors and registers them, plus per-worker gauges read from reg at scrape
+// time (no cost on the request path).
+func New(reg *worker.Registry) *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		Requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_requests_total",
+			Help: "Client requests by route, model and final status.",
+		}, []string{"route", "model", "status"}),
+		Duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "baton_request_duration_seconds",
+			Help:    "Time from request arrival to the end of the response, streams included.",
+			Buckets: DurationBuckets,
+		}, []string{"route", "model"}),
+		UpstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_upstream_errors_total",
+			Help: "Failed upstream requests by worker and kind (transport, timeout, status, mid_stream).",
+		}, []string{"worker", "kind"}),
+		models: map[string]struct{}{},
+	}
+	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
+		&workerCollector{reg: reg},
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Model returns the label value for model: itself while fewer than MaxModels are known, else
+// "other". The empty model is "none".
+func (m *Metrics) Model(model string) string {
+	if model == "" {
+		return "none"
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.models[model]; ok {
+		return model
+	}
+	if len(m.models) >= MaxModels {
+		return "other"
+	}
+	m.models[model] = struct{}{}
+	return model
+}
+
+// ObserveRequest records one finished client request.
+func (m *Metrics) ObserveRequest(route, model string, status int, seconds float64) {
+	model = m.Model(model)
+	m.Requests.WithLabelValues(route, model, strconv.Itoa(status)).Inc()
+	m.Duration.WithLabelValues(route, model).Observe(seconds)
+}
+
+// Handler serves the registry in the Prometheus text format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{})
+}
+
+var (
+	inflightDesc = prometheus.NewDesc("baton_worker_requests_active",
+		"Requests in flight on a worker through Baton, streams included.", []string{"worker", "role"}, nil)
+	readyDesc = prometheus.NewDesc("baton_worker_ready",
+		"1 when the worker is registered and may receive traffic, else 0.", []string{"worker", "role"}, nil)
+)
+
+type workerCollector struct{ reg *worker.Registry }
+
+func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- inflightDesc
+	ch <- readyDesc
+}
+
+func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, w := range c.reg.Snapshot().Workers {
+		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(w.InFlight()), w.URL, w.Role)
+		ready := 0.0
+		if w.Ready() {
+			ready = 1
+		}
+		ch <- prometheus.MustNewConstMetric(readyDesc, prometheus.GaugeValue, ready, w.URL, w.Role)
+	}
+}

@@ -1,0 +1,96 @@
+// Package openai holds the wire helpers Baton shares across routes: the OpenAI error envelope,
+// top-level JSON field reading and editing on raw bytes, and header names.
+package openai
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+)
+
+// Error codes Baton mints. Upstream errors are relayed unchanged and never use these.
+const (
+	CodeInvalidJSON         = "invalid_json"
+	CodePayloadTooLarge     = "payload_too_large"
+	CodeInvalidAPIKey       = "invalid_api_key"
+	CodeModelNotFound       = "model_not_found"
+	CodeNoAvailableWorkers  = "no_available_workers"
+	CodeUpstreamUnreachable = "upstream_unreachable"
+	CodeUpstreamTimeout     = "upstream_timeout"
+	CodeDraining            = "server_draining"
+	CodeNotFound            = "not_found"
+	CodeMethodNotAllowed    = "method_not_allowed"
+)
+
+// Error is a gateway-minted error: its status and the fields of the OpenAI error envelope.
+type Error struct {
+	Status  int    // HTTP status sent to the client.
+	Code    string // Machine-readable code, e.g. "model_not_found".
+	Message string // Human-readable message.
+	Param   string // Request parameter at fault; empty means JSON null.
+}
+
+// Error implements error.
+func (e *Error) Error() string { return strconv.Itoa(e.Status) + " " + e.Code + ": " + e.Message }
+
+// ErrorType returns the OpenAI error "type" for a status.
+func ErrorType(status int) string {
+	switch {
+	case status == http.StatusUnauthorized:
+		return "authentication_error"
+	case status == http.StatusForbidden:
+		return "permission_error"
+	case status == http.StatusNotFound:
+		return "not_found_error"
+	case status == http.StatusTooManyRequests:
+		return "rate_limit_error"
+	case status >= 400 && status < 500:
+		return "invalid_request_error"
+	case status == http.StatusServiceUnavailable:
+		return "service_unavailable_error"
+	default:
+		return "server_error"
+	}
+}
+
+type envelope struct {
+	Error envelopeBody `json:"error"`
+}
+
+type envelopeBody struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Code    string  `json:"code"`
+	Param   *string `json:"param"`
+}
+
+// Marshal returns the envelope bytes for e.
+func (e *Error) Marshal() []byte {
+	b := envelopeBody{Message: e.Message, Type: ErrorType(e.Status), Code: e.Code}
+	if e.Param != "" {
+		p := e.Param
+		b.Param = &p
+	}
+	out, _ := json.Marshal(envelope{Error: b}) // plain strings: cannot fail
+	return out
+}
+
+// WriteError writes e as an OpenAI error envelope with its status.
+func WriteError(w http.ResponseWriter, e *Error) {
+	body := e.Marshal()
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Set(HeaderErrorCode, e.Code)
+	w.WriteHeader(e.Status)
+	_, _ = w.Write(body)
+}
+
+// Header names Baton reads or writes.
+const (
+	HeaderRequestID   = "X-Request-Id"
+	HeaderErrorCode   = "X-Baton-Error-Code"
+	HeaderWorker      = "X-Baton-Worker"
+	HeaderTraceparent = "Traceparent"
+	HeaderTracestate  = "Tracestate"
+)

@@ -1,0 +1,131 @@
+package openai
+
+import (
+	"encoding/json"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestGet(t *testing.T) {
+	body := []byte(` { "model" : "m\u0031", "seed":9007199254740993, "nested":{"model":"x"}, "s":"a\"b}", "arr":[1,{"k":"]"}], "t":true } `)
+	tests := []struct {
+		key  string
+		want string
+		ok   bool
+	}{
+		{"model", `"m\u0031"`, true},
+		{"seed", `9007199254740993`, true},
+		{"nested", `{"model":"x"}`, true},
+		{"s", `"a\"b}"`, true},
+		{"arr", `[1,{"k":"]"}]`, true},
+		{"t", `true`, true},
+		{"absent", ``, false},
+	}
+	for _, tc := range tests {
+		got, ok := Get(body, tc.key)
+		if ok != tc.ok || string(got) != tc.want {
+			t.Errorf("Get(%q) = %q, %v; want %q, %v", tc.key, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestGetEscapedKey(t *testing.T) {
+	got, ok := Get([]byte(`{"mod\u0065l":"a"}`), "model")
+	if !ok || string(got) != `"a"` {
+		t.Fatalf("got %q %v, want \"a\" true", got, ok)
+	}
+}
+
+func TestSetDelete(t *testing.T) {
+	tests := []struct {
+		name, in, key, val, want string
+		del                      bool
+	}{
+		{"replace keeps position", `{"a":1, "b" : 2,"c":3}`, "b", `"x"`, `{"a":1, "b" : "x","c":3}`, false},
+		{"append", `{"a":1}`, "b", `[1]`, `{"a":1,"b":[1]}`, false},
+		{"append empty", `{ }`, "b", `null`, `{"b":null }`, false},
+		{"duplicates collapse", `{"b":1,"a":2,"b":3}`, "b", `4`, `{"b":4,"a":2}`, false},
+		{"delete middle", `{"a":1,"b":2,"c":3}`, "b", ``, `{"a":1,"c":3}`, true},
+		{"delete first", `{"b":2, "c":3}`, "b", ``, `{"c":3}`, true},
+		{"delete only", `{"b":2}`, "b", ``, `{}`, true},
+		{"delete absent", `{"a":1}`, "b", ``, `{"a":1}`, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var got []byte
+			var err error
+			if tc.del {
+				got, err = Delete([]byte(tc.in), tc.key)
+			} else {
+				got, err = Set([]byte(tc.in), tc.key, []byte(tc.val))
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(got) != tc.want {
+				t.Errorf("got %s, want %s", got, tc.want)
+			}
+			if !json.Valid(got) {
+				t.Errorf("result is not valid JSON: %s", got)
+			}
+		})
+	}
+}
+
+func TestParseRequest(t *testing.T) {
+	r, err := ParseRequest([]byte(`{"stream":true,"model":"llama","x":{"model":"no"}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(Request{Body: r.Body, Model: "llama", Stream: true}, *r); diff != "" {
+		t.Errorf("ParseRequest (-want +got):\n%s", diff)
+	}
+	for _, bad := range []string{`{"model":`, `[1,2]`, `"s"`, `{"model":3}`, ``} {
+		if _, err := ParseRequest([]byte(bad)); err == nil {
+			t.Errorf("ParseRequest(%q): want error", bad)
+		}
+	}
+}
+
+// FuzzMembers checks the scanner against encoding/json on every valid object: same keys, same
+// values, and Set/Delete keep the document valid.
+func FuzzMembers(f *testing.F) {
+	for _, s := range []string{`{"a":1}`, `{"model":"x","n":[1,{"b":"}"}],"s":"\\\""}`, `{}`, ` {"a" : null , "a":true}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var want map[string]json.RawMessage
+		// encoding/json rewrites invalid UTF-8 in keys, so it is no oracle for those bytes.
+		if !utf8.Valid(b) || !json.Valid(b) || json.Unmarshal(b, &want) != nil || want == nil {
+			return
+		}
+		got := map[string]json.RawMessage{}
+		if err := eachMember(b, func(k []byte, m member) bool {
+			got[string(k)] = json.RawMessage(b[m.valStart:m.valEnd])
+			return true
+		}); err != nil {
+			t.Fatalf("eachMember(%q): %v", b, err)
+		}
+		if len(got) != len(want) {
+			t.Fatalf("keys: got %d, want %d", len(got), len(want))
+		}
+		for k := range want {
+			if _, ok := got[k]; !ok {
+				t.Fatalf("missing key %q", k)
+			}
+		}
+		s, err := Set(b, "kv", []byte(`{"x":1}`))
+		if err != nil || !json.Valid(s) {
+			t.Fatalf("Set(%q) = %q, %v", b, s, err)
+		}
+		d, err := Delete(b, "model")
+		if err != nil || !json.Valid(d) {
+			t.Fatalf("Delete(%q) = %q, %v", b, d, err)
+		}
+		if _, ok := Get(d, "model"); ok {
+			t.Fatalf("Delete left model in %q", d)
+		}
+	})
+}

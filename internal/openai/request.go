@@ -1,0 +1,48 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+)
+
+// Request is the small typed view of a client body that Baton routes on. The raw bytes stay the
+// source of truth: Baton forwards them and edits only the members it owns.
+type Request struct {
+	Body   []byte // The client's bytes, unchanged.
+	Model  string // Top-level "model"; empty when absent or null.
+	Stream bool   // Top-level "stream" is true.
+}
+
+// ParseRequest validates body as a JSON object and reads the members Baton routes on in one pass
+// over the top level. Errors are client errors (HTTP 400).
+func ParseRequest(body []byte) (*Request, error) {
+	if !json.Valid(body) {
+		return nil, fmt.Errorf("request body is not valid JSON")
+	}
+	r := &Request{Body: body}
+	var perr error
+	err := eachMember(body, func(key []byte, m member) bool {
+		raw := body[m.valStart:m.valEnd]
+		switch string(key) {
+		case "model":
+			if bytes.Equal(raw, []byte("null")) {
+				return true
+			}
+			if err := json.Unmarshal(raw, &r.Model); err != nil {
+				perr = fmt.Errorf(`"model" must be a string`)
+				return false
+			}
+		case "stream":
+			r.Stream = bytes.Equal(raw, []byte("true"))
+		}
+		return true
+	})
+	if err != nil {
+		return nil, err
+	}
+	if perr != nil {
+		return nil, perr
+	}
+	return r, nil
+}

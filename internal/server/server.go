@@ -1,0 +1,253 @@
+// Package server holds Baton's HTTP front: routes, middleware (request id, auth, body limit,
+// metrics, access log), health and readiness.
+package server
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/subtle"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/metrics"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/policy"
+	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Routes forwarded to regular workers, each to the same path on the worker.
+var inferenceRoutes = []string{
+	"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/generate",
+	"/v1/embeddings", "/v1/rerank", "/rerank",
+}
+
+// Server is Baton's API server.
+type Server struct {
+	cfg      config.Config
+	reg      *worker.Registry
+	policy   policy.Policy
+	proxy    *proxy.Proxy
+	metrics  *metrics.Metrics
+	log      *slog.Logger
+	draining atomic.Bool
+	inflight atomic.Int64 // client requests being served (streams included)
+}
+
+// New returns a server routing over reg.
+func New(cfg config.Config, reg *worker.Registry, p policy.Policy, px *proxy.Proxy, m *metrics.Metrics, log *slog.Logger) *Server {
+	return &Server{cfg: cfg, reg: reg, policy: p, proxy: px, metrics: m, log: log}
+}
+
+// Handler returns the API handler with its middleware.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	for _, route := range inferenceRoutes {
+		mux.Handle("POST "+route, s.authed(http.HandlerFunc(s.serveInference)))
+	}
+	mux.Handle("GET /v1/models", s.authed(http.HandlerFunc(s.serveModels)))
+	mux.HandleFunc("GET /health", s.serveLiveness)
+	mux.HandleFunc("GET /liveness", s.serveLiveness)
+	mux.HandleFunc("GET /readiness", s.serveReadiness)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeNotFound,
+			Message: fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path)})
+	})
+	return s.observe(mux)
+}
+
+// SetDraining marks the server as shutting down: readiness answers 503 from now on.
+func (s *Server) SetDraining() { s.draining.Store(true) }
+
+// InFlight returns the number of client requests being served.
+func (s *Server) InFlight() int64 { return s.inflight.Load() }
+
+type ctxKey struct{}
+
+// reqInfo carries what the handler learned back to the middleware.
+type reqInfo struct {
+	model string
+}
+
+// statusWriter records the status written; Unwrap keeps http.ResponseController working.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// observe is the outer middleware: request id, in-flight count, metrics and the access log. It
+// records requests that end in an aborted connection too, then lets the abort through.
+func (s *Server) observe(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		rid := r.Header.Get(openai.HeaderRequestID)
+		if rid == "" {
+			rid = newRequestID()
+			r.Header.Set(openai.HeaderRequestID, rid)
+		}
+		w.Header().Set(openai.HeaderRequestID, rid)
+		info := &reqInfo{}
+		r = r.WithContext(context.WithValue(r.Context(), ctxKey{}, info))
+		sw := &statusWriter{ResponseWriter: w}
+		s.inflight.Add(1)
+		defer func() {
+			s.inflight.Add(-1)
+			status := sw.status
+			if r.Context().Err() != nil && status == 0 {
+				status = 499 // client closed the request
+			}
+			route := r.Pattern
+			if route == "" || route == "/" {
+				route = "other"
+			}
+			s.metrics.ObserveRequest(route, info.model, status, time.Since(start).Seconds())
+			s.log.Debug("request", "request_id", rid, "method", r.Method, "path", r.URL.Path,
+				"model", info.model, "status", status, "duration", time.Since(start))
+		}()
+		next.ServeHTTP(sw, r)
+	})
+}
+
+// authed requires the configured API key as a bearer token.
+func (s *Server) authed(next http.Handler) http.Handler {
+	if s.cfg.APIKey == "" {
+		return next
+	}
+	want := []byte("Bearer " + s.cfg.APIKey)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got := []byte(r.Header.Get("Authorization"))
+		if subtle.ConstantTimeCompare(got, want) != 1 {
+			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
+				Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// readBody reads the whole body once, bounded by the configured limit.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *openai.Error) {
+	if r.ContentLength > s.cfg.MaxPayloadSize {
+		return nil, tooLarge(s.cfg.MaxPayloadSize)
+	}
+	size := 512
+	if r.ContentLength > 0 {
+		size = int(r.ContentLength) + 1 // +1 so the final Read sees EOF without growing
+	}
+	buf := make([]byte, 0, size)
+	lr := http.MaxBytesReader(w, r.Body, s.cfg.MaxPayloadSize)
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		n, err := lr.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if err == io.EOF {
+			return buf, nil
+		}
+		if err != nil {
+			var mbe *http.MaxBytesError
+			if errors.As(err, &mbe) {
+				return nil, tooLarge(s.cfg.MaxPayloadSize)
+			}
+			return nil, &openai.Error{Status: http.StatusBadRequest, Code: "body_read_failed", Message: "reading request body: " + err.Error()}
+		}
+	}
+}
+
+func tooLarge(limit int64) *openai.Error {
+	return &openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
+		Message: fmt.Sprintf("request body exceeds the limit of %d bytes", limit)}
+}
+
+// serveInference forwards an inference request to one worker serving its model.
+func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
+	body, oerr := s.readBody(w, r)
+	if oerr != nil {
+		openai.WriteError(w, oerr)
+		return
+	}
+	req, err := openai.ParseRequest(body)
+	if err != nil {
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
+		return
+	}
+	if info, ok := r.Context().Value(ctxKey{}).(*reqInfo); ok {
+		info.model = req.Model
+	}
+	wk, oerr := s.pick(config.RoleRegular, req.Model)
+	if oerr != nil {
+		openai.WriteError(w, oerr)
+		return
+	}
+	w.Header().Set(openai.HeaderWorker, wk.URL)
+	switch err := s.proxy.Forward(w, r, wk, r.URL.Path, body); {
+	case errors.Is(err, proxy.ErrAbort):
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// pick selects a ready worker of role serving model.
+func (s *Server) pick(role, model string) (*worker.Worker, *openai.Error) {
+	cands, pending := s.reg.Snapshot().Candidates(role, model)
+	if len(cands) == 0 && !pending && model != "" {
+		return nil, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model",
+			Message: fmt.Sprintf("the model %q is not served by any worker", model)}
+	}
+	ready := worker.Ready(cands)
+	if len(ready) == 0 {
+		msg := "no worker is ready"
+		if model != "" {
+			msg = fmt.Sprintf("no worker is ready to serve model %q", model)
+		}
+		return nil, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
+	}
+	return s.policy.Pick(ready), nil
+}
+
+func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	_, _ = io.WriteString(w, "ok\n")
+}
+
+// serveReadiness answers 200 while a routable worker exists and the server is not draining.
+func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
+	switch {
+	case s.draining.Load():
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining, Message: "shutting down"})
+	case !s.reg.Snapshot().HasReady(config.RoleRegular):
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable worker yet"})
+	default:
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		_, _ = io.WriteString(w, "ready\n")
+	}
+}
+
+func newRequestID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}

@@ -1,0 +1,176 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// ErrUnreachable means the engine did not answer; registration is retried.
+var ErrUnreachable = errors.New("engine not reachable")
+
+// probeTimeout bounds each registration probe.
+const probeTimeout = 5 * time.Second
+
+// Detect asks the engine what it is: GET /v1/models owned_by ("vllm"/"sglang"), else
+// GET /version (vLLM), else GET /server_info or /get_server_info (SGLang), else generic. Models
+// come from /v1/models. Configured runtime and models win over what the engine says.
+func Detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
+	in := &Info{Runtime: w.configured.Runtime}
+	for _, id := range w.configured.Models {
+		in.Models = append(in.Models, Model{ID: id})
+	}
+	status, body, err := probe(ctx, client, w, "/v1/models")
+	if err != nil {
+		return nil, err
+	}
+	if status >= 500 {
+		return nil, fmt.Errorf("%w: GET /v1/models answered %d", ErrUnreachable, status)
+	}
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
+	ownedBy := ""
+	if status == http.StatusOK && json.Unmarshal(body, &list) == nil {
+		var reported []Model
+		for _, raw := range list.Data {
+			var card struct {
+				ID      string `json:"id"`
+				OwnedBy string `json:"owned_by"`
+			}
+			if json.Unmarshal(raw, &card) != nil || card.ID == "" {
+				continue
+			}
+			if ownedBy == "" {
+				ownedBy = card.OwnedBy
+			}
+			reported = append(reported, Model{ID: card.ID, Card: raw})
+		}
+		if len(w.configured.Models) == 0 {
+			in.Models = reported
+		} else {
+			in.Models = withCards(in.Models, reported)
+		}
+	}
+	if in.Runtime != "" {
+		return in, nil
+	}
+	switch ownedBy {
+	case config.RuntimeVLLM:
+		in.Runtime = config.RuntimeVLLM
+		return in, nil
+	case config.RuntimeSGLang:
+		in.Runtime = config.RuntimeSGLang
+		return in, nil
+	}
+	if s, _, err := probe(ctx, client, w, "/version"); err == nil && s == http.StatusOK {
+		in.Runtime = config.RuntimeVLLM
+		return in, nil
+	}
+	for _, p := range []string{"/server_info", "/get_server_info"} {
+		if s, _, err := probe(ctx, client, w, p); err == nil && s == http.StatusOK {
+			in.Runtime = config.RuntimeSGLang
+			return in, nil
+		}
+	}
+	in.Runtime = config.RuntimeGeneric
+	return in, nil
+}
+
+// withCards attaches reported cards to configured models of the same id.
+func withCards(configured, reported []Model) []Model {
+	for i := range configured {
+		for _, r := range reported {
+			if r.ID == configured[i].ID {
+				configured[i].Card = r.Card
+			}
+		}
+	}
+	return configured
+}
+
+func probe(ctx context.Context, client *http.Client, w *Worker, path string) (int, []byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, w.URL+path, nil)
+	if err != nil {
+		return 0, nil, err
+	}
+	if w.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+w.APIKey)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, nil, fmt.Errorf("%w: %v", ErrUnreachable, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		return 0, nil, fmt.Errorf("%w: %v", ErrUnreachable, err)
+	}
+	return resp.StatusCode, body, nil
+}
+
+// Registrar registers workers in the background: each worker is probed until it answers, then
+// marked ready. An engine that is still loading never stops Baton from starting.
+type Registrar struct {
+	Registry    *Registry
+	Client      *http.Client
+	Log         *slog.Logger
+	MaxInterval time.Duration // longest wait between attempts for one worker
+
+	wg sync.WaitGroup
+}
+
+// Start registers every worker of the registry that is not registered yet, each in its own
+// goroutine, until it succeeds or ctx ends. Wait waits for them.
+func (r *Registrar) Start(ctx context.Context) {
+	for _, w := range r.Registry.Snapshot().Workers {
+		if w.Registered() {
+			continue
+		}
+		r.wg.Go(func() { r.register(ctx, w) })
+	}
+}
+
+// Wait waits for the registration goroutines to end.
+func (r *Registrar) Wait() { r.wg.Wait() }
+
+func (r *Registrar) register(ctx context.Context, w *Worker) {
+	delay := 200 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		in, err := Detect(ctx, r.Client, w)
+		if err == nil {
+			w.setInfo(in)
+			w.SetReady(true)
+			r.Registry.Rebuild()
+			ids := make([]string, len(in.Models))
+			for i, m := range in.Models {
+				ids[i] = m.ID
+			}
+			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
+			return
+		}
+		if attempt == 1 {
+			r.Log.Warn("worker not reachable yet; registering it in the background", "worker", w.URL, "err", err)
+		} else {
+			r.Log.Debug("worker still not reachable", "worker", w.URL, "attempt", attempt, "err", err)
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		delay = min(delay*2, r.MaxInterval)
+	}
+}

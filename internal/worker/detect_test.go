@@ -1,0 +1,139 @@
+package worker
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+func engine(t *testing.T, routes map[string]string) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, ok := routes[r.URL.Path]
+		if !ok {
+			http.NotFound(w, r)
+			return
+		}
+		io.WriteString(w, body)
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func TestDetect(t *testing.T) {
+	models := func(owner string) string {
+		return `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"` + owner + `"},{"id":"m2","owned_by":"` + owner + `"}]}`
+	}
+	tests := []struct {
+		name        string
+		routes      map[string]string
+		cfg         config.Worker
+		wantRuntime string
+		wantModels  []string
+	}{
+		{"vllm by owned_by", map[string]string{"/v1/models": models("vllm")}, config.Worker{}, "vllm", []string{"m1", "m2"}},
+		{"sglang by owned_by", map[string]string{"/v1/models": models("sglang")}, config.Worker{}, "sglang", []string{"m1", "m2"}},
+		{"vllm by /version", map[string]string{"/v1/models": models("someone"), "/version": `{"version":"0.11"}`}, config.Worker{}, "vllm", []string{"m1", "m2"}},
+		{"sglang by /server_info", map[string]string{"/v1/models": models("x"), "/server_info": `{}`}, config.Worker{}, "sglang", []string{"m1", "m2"}},
+		{"sglang by /get_server_info", map[string]string{"/get_server_info": `{}`}, config.Worker{}, "sglang", nil},
+		{"generic", map[string]string{"/v1/models": models("openai")}, config.Worker{}, "generic", []string{"m1", "m2"}},
+		{"generic without models", map[string]string{}, config.Worker{}, "generic", nil},
+		{"configured wins", map[string]string{"/v1/models": models("vllm")}, config.Worker{Runtime: "sglang", Models: []string{"only"}}, "sglang", []string{"only"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := engine(t, tc.routes)
+			tc.cfg.URL = srv.URL
+			in, err := Detect(context.Background(), srv.Client(), New(tc.cfg))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ids []string
+			for _, m := range in.Models {
+				ids = append(ids, m.ID)
+			}
+			if in.Runtime != tc.wantRuntime || len(ids) != len(tc.wantModels) {
+				t.Fatalf("got %s %v, want %s %v", in.Runtime, ids, tc.wantRuntime, tc.wantModels)
+			}
+			for i := range ids {
+				if ids[i] != tc.wantModels[i] {
+					t.Fatalf("models %v, want %v", ids, tc.wantModels)
+				}
+			}
+		})
+	}
+}
+
+func TestDetectUnreachable(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	if _, err := Detect(context.Background(), http.DefaultClient, New(config.Worker{URL: "http://" + addr})); err == nil {
+		t.Fatal("want error for a closed port")
+	}
+}
+
+// An engine that is down at startup (it drops every connection, as while it loads) is
+// registered later, on its own, and only then becomes ready.
+func TestRegistrarRetriesUntilReachable(t *testing.T) {
+	var up atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !up.Load() {
+			c, _, _ := w.(http.Hijacker).Hijack()
+			c.Close()
+			return
+		}
+		io.WriteString(w, `{"data":[{"id":"m1","owned_by":"vllm"}]}`)
+	}))
+	defer srv.Close()
+
+	w := New(config.Worker{URL: srv.URL})
+	reg := NewRegistry(w)
+	r := &Registrar{Registry: reg, Client: srv.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)), MaxInterval: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer func() { cancel(); r.Wait() }()
+	r.Start(ctx)
+	time.Sleep(100 * time.Millisecond)
+	if w.Ready() || w.Registered() {
+		t.Fatal("worker ready before its engine started")
+	}
+	if c, pending := reg.Snapshot().Candidates(config.RoleRegular, "m1"); len(c) != 0 || !pending {
+		t.Fatalf("candidates %v pending %v before registration, want none and pending", c, pending)
+	}
+	up.Store(true)
+	deadline := time.Now().Add(10 * time.Second)
+	for !w.Ready() {
+		if time.Now().After(deadline) {
+			t.Fatal("worker never became ready")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if c, _ := reg.Snapshot().Candidates(config.RoleRegular, "m1"); len(c) != 1 || w.Runtime() != "vllm" {
+		t.Fatalf("after registration: candidates %v runtime %q", c, w.Runtime())
+	}
+}
+
+func TestAcquireReleasesOnce(t *testing.T) {
+	w := New(config.Worker{URL: "http://x"})
+	rel := w.Acquire()
+	w.Acquire()()
+	if w.InFlight() != 1 {
+		t.Fatalf("in flight %d, want 1", w.InFlight())
+	}
+	rel()
+	rel()
+	if w.InFlight() != 0 {
+		t.Fatalf("in flight %d after double release, want 0", w.InFlight())
+	}
+}
