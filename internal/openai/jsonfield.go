@@ -39,12 +39,12 @@ func eachMember(b []byte, fn func(key []byte, m member) bool) error {
 			return errMalformed
 		}
 		keyStart := i
-		keyEnd, escaped, err := skipString(b, i)
+		keyEnd, err := skipString(b, i)
 		if err != nil {
 			return err
 		}
 		key := b[keyStart+1 : keyEnd-1]
-		if escaped {
+		if bytes.IndexByte(key, '\\') >= 0 {
 			var s string
 			if err := json.Unmarshal(b[keyStart:keyEnd], &s); err != nil {
 				return errMalformed
@@ -90,22 +90,25 @@ func skipWS(b []byte, i int) int {
 	return i
 }
 
-// skipString returns the index just past the string starting at b[i] == '"', and whether it
-// contains escapes.
-func skipString(b []byte, i int) (end int, escaped bool, err error) {
-	for j := i + 1; j < len(b); {
-		k := bytes.IndexAny(b[j:], "\"\\")
+// skipString returns the index just past the string starting at b[i] == '"'. It finds the closing quote with bytes.IndexByte: a quote preceded by an odd
+// run of backslashes is escaped and skipped.
+func skipString(b []byte, i int) (int, error) {
+	j := i + 1
+	for {
+		k := bytes.IndexByte(b[j:], '"')
 		if k < 0 {
-			return 0, false, errMalformed
+			return 0, errMalformed
 		}
 		j += k
-		if b[j] == '"' {
-			return j + 1, escaped, nil
+		n := 0
+		for p := j - 1; p > i && b[p] == '\\'; p-- {
+			n++
 		}
-		escaped = true
-		j += 2
+		if n%2 == 0 {
+			return j + 1, nil
+		}
+		j++
 	}
-	return 0, false, errMalformed
 }
 
 // skipValue returns the index just past the JSON value starting at b[i].
@@ -115,14 +118,13 @@ func skipValue(b []byte, i int) (int, error) {
 	}
 	switch b[i] {
 	case '"':
-		end, _, err := skipString(b, i)
-		return end, err
+		return skipString(b, i)
 	case '{', '[':
 		depth := 0
 		for j := i; j < len(b); j++ {
 			switch b[j] {
 			case '"':
-				end, _, err := skipString(b, j)
+				end, err := skipString(b, j)
 				if err != nil {
 					return 0, err
 				}

@@ -2,6 +2,7 @@ package openai
 
 import (
 	"encoding/json"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
@@ -126,6 +127,31 @@ func FuzzMembers(f *testing.F) {
 		}
 		if _, ok := Get(d, "model"); ok {
 			t.Fatalf("Delete left model in %q", d)
+		}
+	})
+}
+
+func TestValid(t *testing.T) {
+	for _, s := range []string{`{}`, `[]`, ` 1 `, `-0.5e+10`, `"a\u00e9\n"`, `{"a":[true,false,null,{"b":"c"}]}`, `"` + strings.Repeat("x", 100) + `\"y"`} {
+		if !Valid([]byte(s)) {
+			t.Errorf("Valid(%q) = false", s)
+		}
+	}
+	for _, s := range []string{``, `{`, `{"a"}`, `01`, `1.`, `-`, `"\x"`, "\"a\tb\"", `[1,]`, `{"a":1,}`, `tru`, `"\u12g4"`, `1 2`, "\"\x01\""} {
+		if Valid([]byte(s)) {
+			t.Errorf("Valid(%q) = true", s)
+		}
+	}
+}
+
+// FuzzValid checks Valid against encoding/json.
+func FuzzValid(f *testing.F) {
+	for _, s := range []string{`{"a":1}`, `[1,2.5e-3,"x\"\\"]`, `"\u00e9abcdefghij"`, `{"k":"0123456789abcdef\n"}`, "\"\x1f\""} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if got, want := Valid(b), json.Valid(b); got != want {
+			t.Fatalf("Valid(%q) = %v, json.Valid = %v", b, got, want)
 		}
 	})
 }

@@ -17,7 +17,7 @@ type Request struct {
 // ParseRequest validates body as a JSON object and reads the members Baton routes on in one pass
 // over the top level. Errors are client errors (HTTP 400).
 func ParseRequest(body []byte) (*Request, error) {
-	if !json.Valid(body) {
+	if !Valid(body) {
 		return nil, fmt.Errorf("request body is not valid JSON")
 	}
 	r := &Request{Body: body}

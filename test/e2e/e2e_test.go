@@ -1,0 +1,172 @@
+// Package e2e builds the baton binary and drives it as a process against engines on 127.0.0.1.
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "baton-e2e")
+	if err != nil {
+		panic(err)
+	}
+	binary = filepath.Join(dir, "baton")
+	out, err := exec.Command("go", "build", "-o", binary, "../../cmd/baton").CombinedOutput()
+	if err != nil {
+		os.Stderr.Write(out)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+var addrLine = regexp.MustCompile(`baton serving on (http://\S+) `)
+
+// startBaton runs the binary with args and returns its API URL; the process gets SIGTERM at
+// cleanup and must exit 0.
+func startBaton(t *testing.T, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(binary, append([]string{"--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"}, args...)...)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs strings.Builder
+	cmd.Stderr = &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if m := addrLine.FindStringSubmatch(sc.Text()); m != nil {
+				lines <- m[1]
+			}
+		}
+	}()
+	var api string
+	select {
+	case api = <-lines:
+	case <-time.After(20 * time.Second):
+		cmd.Process.Kill()
+		t.Fatalf("baton did not start; logs:\n%s", logs.String())
+	}
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("baton exited with %v after SIGTERM; logs:\n%s", err, logs.String())
+			}
+		case <-time.After(20 * time.Second):
+			cmd.Process.Kill()
+			t.Errorf("baton did not exit after SIGTERM")
+		}
+	})
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := http.Get(api + "/readiness")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return api
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("baton never became ready; logs:\n%s", logs.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// openAIEngine is a small OpenAI-style engine: it answers chat and completions, streamed or not.
+func openAIEngine(t *testing.T) *httptest.Server {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/models":
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
+		case "/v1/chat/completions", "/v1/completions":
+			var req struct {
+				Stream bool `json:"stream"`
+			}
+			json.NewDecoder(r.Body).Decode(&req)
+			if req.Stream {
+				w.Header().Set("Content-Type", "text/event-stream")
+				for _, tok := range []string{"hel", "lo"} {
+					io.WriteString(w, `data: {"choices":[{"delta":{"content":"`+tok+`"}}]}`+"\n\n")
+					w.(http.Flusher).Flush()
+				}
+				io.WriteString(w, "data: [DONE]\n\n")
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"path":"`+r.URL.Path+`","choices":[{"text":"hello"}]}`)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func TestBinaryServesChatStreamAndCompletion(t *testing.T) {
+	eng := openAIEngine(t)
+	api := startBaton(t, "--worker-urls", eng.URL)
+
+	for _, path := range []string{"/v1/chat/completions", "/v1/completions"} {
+		resp, err := http.Post(api+path, "application/json", strings.NewReader(`{"model":"m","messages":[]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(body) != `{"path":"`+path+`","choices":[{"text":"hello"}]}` {
+			t.Errorf("%s: %d %s", path, resp.StatusCode, body)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, api+"/v1/chat/completions", strings.NewReader(`{"model":"m","stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	want := "data: {\"choices\":[{\"delta\":{\"content\":\"hel\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\ndata: [DONE]\n\n"
+	if err != nil || string(body) != want || resp.Header.Get("Content-Type") != "text/event-stream" {
+		t.Errorf("stream: %v %q", err, body)
+	}
+}
+
+func TestBinaryStartupErrorExitsNonZero(t *testing.T) {
+	out, err := exec.Command(binary, "--policy", "nope", "--port", "70000").CombinedOutput()
+	var ee *exec.ExitError
+	if err == nil || !errors.As(err, &ee) || ee.ExitCode() == 0 {
+		t.Fatalf("exit: %v, want non-zero", err)
+	}
+	if lines := strings.Count(strings.TrimSpace(string(out)), "\n"); lines != 0 || !strings.Contains(string(out), "policy") || !strings.Contains(string(out), "port 70000") {
+		t.Errorf("want one line naming both problems, got %q", out)
+	}
+}
