@@ -36,8 +36,12 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		return Serve(ctx, cfg, stdout, stderr)
+	case "sim":
+		return runSim(ctx, args, stdout)
+	case "demo":
+		return runDemo(ctx, args, stdout, stderr)
 	default:
-		return fmt.Errorf("unknown command %q (want serve)", cmd)
+		return fmt.Errorf("unknown command %q (want serve, sim or demo)", cmd)
 	}
 }
 

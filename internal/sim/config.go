@@ -1,0 +1,170 @@
+// Package sim holds engine simulators: real HTTP servers that follow vLLM's and SGLang's
+// protocols (OpenAI routes, NIXL and Mooncake KV handoffs, SGLang bootstrap rendezvous, data
+// parallel ranks) around a deterministic fake model. Tests, the demo and the benchmarks run them
+// in-process; `baton sim` runs one as a process.
+package sim
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"slices"
+	"time"
+)
+
+// Engines, roles and connectors.
+const (
+	EngineVLLM   = "vllm"
+	EngineSGLang = "sglang"
+
+	RolePrefill = "prefill"
+	RoleDecode  = "decode"
+	RoleBoth    = "both"
+
+	ConnectorNixl     = "nixl"
+	ConnectorMooncake = "mooncake"
+	ConnectorNone     = "none"
+
+	PolicyFail      = "fail"
+	PolicyRecompute = "recompute"
+)
+
+// Config describes one simulated engine. The zero value of a duration means "no delay".
+type Config struct {
+	Engine      string // vllm or sglang
+	Role        string // prefill, decode or both
+	KVConnector string // vLLM: nixl, mooncake or none
+	Model       string // served model name
+	EngineID    string // KV engine id (vLLM); "" makes one up. DP ranks get "_dp{rank}".
+	DPSize      int    // data parallel size; 0 means 1
+	Host        string // address to bind; the KV side channel and bootstrap server bind it too
+	Port        int    // API port; 0 picks a free one
+
+	// BootstrapPort is the SGLang / Mooncake bootstrap server port on a prefill engine; 0 picks
+	// a free one. An SGLang decode engine uses it when a request's bootstrap_port is null.
+	BootstrapPort int
+	// SideChannelPort is the first NIXL side channel port (rank r listens on +r); 0 picks free ones.
+	SideChannelPort int
+
+	PrefillPerToken time.Duration // cost of each prompt token computed locally
+	DecodePerToken  time.Duration // cost of each output token
+	MaxConcurrency  int           // requests running at once; 0 means 256
+	QueueSize       int           // requests waiting beyond that; 0 means 1024; more get 503
+
+	KVTimeout        time.Duration // pinned prefill KV is freed after this (NIXL/Mooncake); 0 means 30 s
+	BootstrapTimeout time.Duration // SGLang: a leg whose partner never arrives fails; 0 means 10 s
+	KVLoadFailure    string        // decode whose KV cannot be loaded: fail (500) or recompute
+	PrefixCache      bool          // remember prompts computed here and report them as local-cache hits
+
+	Faults Faults // faults applied to every inference request
+}
+
+// Faults make an engine misbehave. A request may add its own with the X-Sim-Fault header, e.g.
+// "status=503,rate=0.5", "latency=200ms", "hang", "drop-after=3".
+type Faults struct {
+	Status    int           // fail with this status ...
+	Rate      float64       // ... with this probability (0 with Status set means always)
+	Latency   time.Duration // added before answering
+	Hang      bool          // never answer (until the client leaves)
+	DropAfter int           // stream: drop the connection after this many events (0: never)
+}
+
+func (c *Config) withDefaults() Config {
+	out := *c
+	if out.Engine == "" {
+		out.Engine = EngineVLLM
+	}
+	if out.Role == "" {
+		out.Role = RoleBoth
+	}
+	if out.KVConnector == "" {
+		out.KVConnector = ConnectorNone
+		if out.Engine == EngineVLLM && out.Role != RoleBoth {
+			out.KVConnector = ConnectorNixl
+		}
+	}
+	if out.Model == "" {
+		out.Model = "sim-model"
+	}
+	if out.DPSize <= 0 {
+		out.DPSize = 1
+	}
+	if out.Host == "" {
+		out.Host = "127.0.0.1"
+	}
+	if out.MaxConcurrency <= 0 {
+		out.MaxConcurrency = 256
+	}
+	if out.QueueSize <= 0 {
+		out.QueueSize = 1024
+	}
+	if out.KVTimeout <= 0 {
+		out.KVTimeout = 30 * time.Second
+	}
+	if out.BootstrapTimeout <= 0 {
+		out.BootstrapTimeout = 10 * time.Second
+	}
+	if out.KVLoadFailure == "" {
+		out.KVLoadFailure = PolicyFail
+	}
+	return out
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if !slices.Contains([]string{EngineVLLM, EngineSGLang}, c.Engine) {
+		errs = append(errs, fmt.Errorf("engine %q: want vllm or sglang", c.Engine))
+	}
+	if !slices.Contains([]string{RolePrefill, RoleDecode, RoleBoth}, c.Role) {
+		errs = append(errs, fmt.Errorf("role %q: want prefill, decode or both", c.Role))
+	}
+	if !slices.Contains([]string{ConnectorNixl, ConnectorMooncake, ConnectorNone}, c.KVConnector) {
+		errs = append(errs, fmt.Errorf("kv-connector %q: want nixl, mooncake or none", c.KVConnector))
+	}
+	if !slices.Contains([]string{PolicyFail, PolicyRecompute}, c.KVLoadFailure) {
+		errs = append(errs, fmt.Errorf("kv-load-failure-policy %q: want fail or recompute", c.KVLoadFailure))
+	}
+	if c.Faults.Rate < 0 || c.Faults.Rate > 1 {
+		errs = append(errs, fmt.Errorf("fault-rate %v: want 0..1", c.Faults.Rate))
+	}
+	return errors.Join(errs...)
+}
+
+// ParseFlags reads a simulator configuration from `baton sim` flags.
+func ParseFlags(args []string, usage io.Writer) (Config, error) {
+	var c Config
+	fs := flag.NewFlagSet("baton sim", flag.ContinueOnError)
+	fs.SetOutput(usage)
+	fs.StringVar(&c.Engine, "engine", EngineVLLM, "vllm | sglang")
+	fs.StringVar(&c.Role, "role", RoleBoth, "prefill | decode | both")
+	fs.StringVar(&c.KVConnector, "kv-connector", "", "vLLM KV connector: nixl | mooncake | none (default nixl for prefill/decode)")
+	fs.StringVar(&c.Model, "model", "sim-model", "served model name")
+	fs.StringVar(&c.EngineID, "engine-id", "", "KV engine id (default: made up)")
+	fs.IntVar(&c.DPSize, "data-parallel-size", 1, "data parallel ranks")
+	fs.StringVar(&c.Host, "host", "127.0.0.1", "address to bind")
+	fs.IntVar(&c.Port, "port", 8000, "API port (0 picks a free one)")
+	fs.IntVar(&c.BootstrapPort, "bootstrap-port", 0, "bootstrap server port for SGLang/Mooncake prefill (0 picks a free one)")
+	fs.IntVar(&c.SideChannelPort, "side-channel-port", 0, "first NIXL side channel port (0 picks free ones)")
+	fs.DurationVar(&c.PrefillPerToken, "prefill-per-token", 0, "cost of each prompt token computed locally, e.g. 20us")
+	fs.DurationVar(&c.DecodePerToken, "decode-per-token", 0, "cost of each output token, e.g. 10ms")
+	fs.IntVar(&c.MaxConcurrency, "max-concurrency", 256, "requests running at once")
+	fs.IntVar(&c.QueueSize, "queue-size", 1024, "requests waiting beyond max-concurrency; more get 503")
+	fs.DurationVar(&c.KVTimeout, "kv-timeout", 30*time.Second, "pinned prefill KV is freed after this")
+	fs.DurationVar(&c.BootstrapTimeout, "bootstrap-timeout", 10*time.Second, "SGLang: a leg whose partner never arrives fails after this")
+	fs.StringVar(&c.KVLoadFailure, "kv-load-failure-policy", PolicyFail, "fail | recompute")
+	fs.BoolVar(&c.PrefixCache, "prefix-cache", false, "report repeated prompts as local-cache hits")
+	fs.IntVar(&c.Faults.Status, "fault-status", 0, "fail requests with this status")
+	fs.Float64Var(&c.Faults.Rate, "fault-rate", 0, "probability of the fault status (0 with a status: always)")
+	fs.DurationVar(&c.Faults.Latency, "fault-latency", 0, "latency added to every request")
+	fs.BoolVar(&c.Faults.Hang, "fault-hang", false, "never answer")
+	fs.IntVar(&c.Faults.DropAfter, "fault-drop-after", 0, "drop streams after this many events")
+	if err := fs.Parse(args); err != nil {
+		return Config{}, err
+	}
+	if fs.NArg() > 0 {
+		return Config{}, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	d := c.withDefaults()
+	return d, d.validate()
+}

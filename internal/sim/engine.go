@@ -1,0 +1,406 @@
+package sim
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Header names the simulator reads or writes.
+const (
+	HeaderKVSource = "X-Sim-KV-Source" // where the KV of this response came from
+	HeaderEngineID = "X-Sim-Engine-Id" // engine id of the rank that served
+	HeaderDPRank   = "X-Sim-Dp-Rank"   // data parallel rank that served
+	HeaderFault    = "X-Sim-Fault"     // per-request fault injection
+	HeaderDPRankIn = "X-Data-Parallel-Rank"
+)
+
+// KV sources, as reported in HeaderKVSource and the prompt-token counters.
+const (
+	SourceRemote     = "remote"      // loaded from a prefill engine
+	SourceRecompute  = "recompute"   // computed here
+	SourceLocalCache = "local-cache" // found in this engine's prefix cache
+)
+
+// Engine is one simulated inference engine.
+type Engine struct {
+	cfg       Config
+	engineIDs []string // per DP rank
+	client    *http.Client
+
+	ln        net.Listener
+	srv       *http.Server
+	side      []*http.Server // NIXL side channel, one per DP rank
+	sidePorts []int
+	boot      *http.Server // SGLang or Mooncake bootstrap server (prefill engines)
+	bootPort  int
+
+	slots   chan struct{}
+	waiting atomic.Int64
+	running atomic.Int64
+	rr      atomic.Uint64
+
+	kv     *kvStore
+	rooms  *roomTable
+	prefix sync.Map // prompt digest -> struct{}, when PrefixCache
+
+	stats stats
+	wg    sync.WaitGroup
+}
+
+// Stats are the engine's counters, as exported on /metrics.
+type Stats struct {
+	PromptTokensRemote     int64 // prompt tokens whose KV came from a prefill engine
+	PromptTokensRecompute  int64 // prompt tokens computed here
+	PromptTokensLocalCache int64 // prompt tokens found in the prefix cache
+	HandoffsPinned         int64 // prefill KV pinned for a decode engine
+	HandoffsPulled         int64 // pinned KV taken by a decode engine
+	HandoffsExpired        int64 // pinned KV freed by timeout, never taken
+	KVLoadFailures         int64 // decode could not load the KV it was told about
+	RequestsOK             int64
+	RequestsFailed         int64
+	RequestsCancelled      int64 // the client left before the answer was complete
+	RequestsRejected       int64 // 503: queue full
+}
+
+type stats struct {
+	remote, recompute, local                 atomic.Int64
+	pinned, pulled, expired, loadFail        atomic.Int64
+	ok, failed, cancelled, rejected, running atomic.Int64
+}
+
+// Stats returns a snapshot of the counters.
+func (e *Engine) Stats() Stats {
+	s := &e.stats
+	return Stats{
+		PromptTokensRemote: s.remote.Load(), PromptTokensRecompute: s.recompute.Load(), PromptTokensLocalCache: s.local.Load(),
+		HandoffsPinned: s.pinned.Load(), HandoffsPulled: s.pulled.Load(), HandoffsExpired: s.expired.Load(),
+		KVLoadFailures: s.loadFail.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
+		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(),
+	}
+}
+
+// Start starts an engine for cfg: its API server and, by role, its NIXL side channel or
+// bootstrap server. Close stops everything.
+func Start(cfg Config) (*Engine, error) {
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	e := &Engine{
+		cfg:    c,
+		client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}},
+		slots:  make(chan struct{}, c.MaxConcurrency),
+		rooms:  newRoomTable(),
+	}
+	e.kv = newKVStore(e)
+	base := c.EngineID
+	if base == "" {
+		base = c.Engine + "-" + randHex(4)
+	}
+	for r := 0; r < c.DPSize; r++ {
+		id := base
+		if c.DPSize > 1 {
+			id = fmt.Sprintf("%s_dp%d", base, r)
+		}
+		e.engineIDs = append(e.engineIDs, id)
+	}
+	var err error
+	if e.ln, err = net.Listen("tcp", net.JoinHostPort(c.Host, strconv.Itoa(c.Port))); err != nil {
+		return nil, fmt.Errorf("sim listen: %w", err)
+	}
+	e.srv = &http.Server{Handler: e.routes(), ReadHeaderTimeout: 10 * time.Second}
+	if err := e.startSide(); err != nil {
+		e.Close()
+		return nil, err
+	}
+	e.serve(e.srv, e.ln)
+	return e, nil
+}
+
+func (e *Engine) serve(s *http.Server, ln net.Listener) {
+	e.wg.Go(func() { _ = s.Serve(ln) })
+}
+
+// startSide starts the KV side servers this engine's role and connector need.
+func (e *Engine) startSide() error {
+	c := e.cfg
+	prefill := c.Role == RolePrefill || c.Role == RoleBoth
+	switch {
+	case c.Engine == EngineVLLM && c.KVConnector == ConnectorNixl && prefill:
+		for r := 0; r < c.DPSize; r++ {
+			port := 0
+			if c.SideChannelPort > 0 {
+				port = c.SideChannelPort + r
+			}
+			ln, err := net.Listen("tcp", net.JoinHostPort(c.Host, strconv.Itoa(port)))
+			if err != nil {
+				return fmt.Errorf("nixl side channel: %w", err)
+			}
+			s := &http.Server{Handler: e.sideRoutes(r), ReadHeaderTimeout: 10 * time.Second}
+			e.side = append(e.side, s)
+			e.sidePorts = append(e.sidePorts, ln.Addr().(*net.TCPAddr).Port)
+			e.serve(s, ln)
+		}
+	case (c.Engine == EngineVLLM && c.KVConnector == ConnectorMooncake && prefill) ||
+		(c.Engine == EngineSGLang && c.Role == RolePrefill):
+		ln, err := net.Listen("tcp", net.JoinHostPort(c.Host, strconv.Itoa(c.BootstrapPort)))
+		if err != nil {
+			return fmt.Errorf("bootstrap server: %w", err)
+		}
+		e.bootPort = ln.Addr().(*net.TCPAddr).Port
+		e.boot = &http.Server{Handler: e.bootstrapRoutes(), ReadHeaderTimeout: 10 * time.Second}
+		e.serve(e.boot, ln)
+	}
+	return nil
+}
+
+// Close stops the engine's servers and timers; open requests are cut.
+func (e *Engine) Close() {
+	for _, s := range append(e.side, e.srv, e.boot) {
+		if s != nil {
+			_ = s.Close()
+		}
+	}
+	e.kv.close()
+	e.wg.Wait()
+	e.client.CloseIdleConnections()
+}
+
+// URL is the engine's API base URL.
+func (e *Engine) URL() string { return "http://" + e.ln.Addr().String() }
+
+// Addr is the engine's API host:port.
+func (e *Engine) Addr() string { return e.ln.Addr().String() }
+
+// BootstrapPort is the bootstrap server's port, or 0 when the engine runs none.
+func (e *Engine) BootstrapPort() int { return e.bootPort }
+
+// EngineIDs are the KV engine ids, one per DP rank.
+func (e *Engine) EngineIDs() []string { return e.engineIDs }
+
+// Config is the engine's configuration with defaults filled in.
+func (e *Engine) Config() Config { return e.cfg }
+
+func (e *Engine) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", e.inference(routeChat))
+	mux.HandleFunc("POST /v1/completions", e.inference(routeCompletions))
+	mux.HandleFunc("POST /v1/responses", e.inference(routeResponses))
+	mux.HandleFunc("GET /v1/models", e.serveModels)
+	mux.HandleFunc("GET /health", e.serveHealth)
+	mux.HandleFunc("GET /metrics", e.serveMetrics)
+	mux.HandleFunc("GET /debug/kv", e.serveDebugKV)
+	if e.cfg.Engine == EngineVLLM {
+		mux.HandleFunc("GET /version", func(w http.ResponseWriter, _ *http.Request) {
+			writeJSON(w, 200, map[string]any{"version": "0.11.0+baton.sim"})
+		})
+	} else {
+		mux.HandleFunc("POST /generate", e.inference(routeGenerate))
+		mux.HandleFunc("GET /server_info", e.serveServerInfo)
+		mux.HandleFunc("GET /get_server_info", e.serveServerInfo)
+		mux.HandleFunc("GET /get_model_info", e.serveModelInfo)
+		mux.HandleFunc("GET /model_info", e.serveModelInfo)
+		mux.HandleFunc("GET /health_generate", e.serveHealth)
+	}
+	return mux
+}
+
+func (e *Engine) serveHealth(w http.ResponseWriter, r *http.Request) {
+	if f := e.faults(r); f.Hang {
+		<-r.Context().Done()
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+func (e *Engine) serveModels(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, 200, map[string]any{"object": "list", "data": []any{map[string]any{
+		"id": e.cfg.Model, "object": "model", "created": 1700000000, "owned_by": e.cfg.Engine,
+		"root": e.cfg.Model, "parent": nil, "max_model_len": 32768,
+	}}})
+}
+
+func (e *Engine) serveServerInfo(w http.ResponseWriter, _ *http.Request) {
+	mode := "null"
+	if e.cfg.Role != RoleBoth {
+		mode = e.cfg.Role
+	}
+	var bport any
+	if e.bootPort != 0 {
+		bport = e.bootPort
+	} else if e.cfg.BootstrapPort != 0 {
+		bport = e.cfg.BootstrapPort
+	}
+	writeJSON(w, 200, map[string]any{
+		"model_path": e.cfg.Model, "served_model_name": e.cfg.Model, "tp_size": 1, "dp_size": e.cfg.DPSize,
+		"disaggregation_mode": mode, "disaggregation_bootstrap_port": bport, "disaggregation_transfer_backend": "fake",
+		"load_balance_method": "follow_bootstrap_room", "max_queued_requests": e.cfg.QueueSize,
+		"internal_states": []any{map[string]any{"last_gen_throughput": 0.0}}, "version": "0.5.0+baton.sim",
+	})
+}
+
+func (e *Engine) serveModelInfo(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, 200, map[string]any{"model_path": e.cfg.Model, "tokenizer_path": e.cfg.Model, "is_generation": true,
+		"preferred_sampling_params": nil, "weight_version": "default"})
+}
+
+// serveMetrics writes engine-style Prometheus text.
+func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
+	p := e.cfg.Engine + ":"
+	s := e.Stats()
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+	var b strings.Builder
+	gauge := func(name, help string, v int64) {
+		fmt.Fprintf(&b, "# HELP %s%s %s\n# TYPE %s%s gauge\n%s%s %d\n", p, name, help, p, name, p, name, v)
+	}
+	gauge("num_requests_running", "Requests running.", e.running.Load())
+	gauge("num_requests_waiting", "Requests waiting in the queue.", e.waiting.Load())
+	fmt.Fprintf(&b, "# HELP %sprompt_tokens_by_source_total Prompt tokens by where their KV came from.\n# TYPE %sprompt_tokens_by_source_total counter\n", p, p)
+	for _, kv := range []struct {
+		src string
+		v   int64
+	}{{"external_kv_transfer", s.PromptTokensRemote}, {"local_compute", s.PromptTokensRecompute}, {"local_cache_hit", s.PromptTokensLocalCache}} {
+		fmt.Fprintf(&b, "%sprompt_tokens_by_source_total{source=%q} %d\n", p, kv.src, kv.v)
+	}
+	fmt.Fprintf(&b, "# HELP %skv_handoffs_total Prefill KV handoffs by event.\n# TYPE %skv_handoffs_total counter\n", p, p)
+	for _, kv := range []struct {
+		ev string
+		v  int64
+	}{{"pinned", s.HandoffsPinned}, {"pulled", s.HandoffsPulled}, {"expired", s.HandoffsExpired}, {"load_failed", s.KVLoadFailures}} {
+		fmt.Fprintf(&b, "%skv_handoffs_total{event=%q} %d\n", p, kv.ev, kv.v)
+	}
+	fmt.Fprintf(&b, "# HELP %srequests_total Requests by outcome.\n# TYPE %srequests_total counter\n", p, p)
+	for _, kv := range []struct {
+		o string
+		v int64
+	}{{"ok", s.RequestsOK}, {"failed", s.RequestsFailed}, {"cancelled", s.RequestsCancelled}, {"rejected", s.RequestsRejected}} {
+		fmt.Fprintf(&b, "%srequests_total{outcome=%q} %d\n", p, kv.o, kv.v)
+	}
+	_, _ = io.WriteString(w, b.String())
+}
+
+func (e *Engine) serveDebugKV(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, 200, map[string]any{"pinned": e.kv.list(), "rooms": e.rooms.list(), "stats": e.Stats()})
+}
+
+// admit takes a run slot, waiting in the bounded queue; false means the queue is full.
+func (e *Engine) admit(ctx context.Context) (release func(), ok bool, err error) {
+	select {
+	case e.slots <- struct{}{}:
+	default:
+		if e.waiting.Add(1) > int64(e.cfg.QueueSize) {
+			e.waiting.Add(-1)
+			return nil, false, nil
+		}
+		select {
+		case e.slots <- struct{}{}:
+			e.waiting.Add(-1)
+		case <-ctx.Done():
+			e.waiting.Add(-1)
+			return nil, true, ctx.Err()
+		}
+	}
+	e.running.Add(1)
+	return func() { e.running.Add(-1); <-e.slots }, true, nil
+}
+
+// faults returns the engine's faults overlaid with the request's X-Sim-Fault header.
+func (e *Engine) faults(r *http.Request) Faults {
+	f := e.cfg.Faults
+	h := r.Header.Get(HeaderFault)
+	if h == "" {
+		return f
+	}
+	for _, part := range strings.Split(h, ",") {
+		k, v, _ := strings.Cut(strings.TrimSpace(part), "=")
+		switch k {
+		case "status":
+			f.Status, _ = strconv.Atoi(v)
+		case "rate":
+			f.Rate, _ = strconv.ParseFloat(v, 64)
+		case "latency":
+			f.Latency, _ = time.ParseDuration(v)
+		case "hang":
+			f.Hang = true
+		case "drop-after":
+			f.DropAfter, _ = strconv.Atoi(v)
+		}
+	}
+	return f
+}
+
+func (f Faults) fails() bool {
+	return f.Status != 0 && (f.Rate == 0 || rand.Float64() < f.Rate)
+}
+
+// sleep waits d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// apiError is an error the engine answers with.
+type apiError struct {
+	status int
+	msg    string
+}
+
+func (e *apiError) Error() string { return fmt.Sprintf("%d: %s", e.status, e.msg) }
+
+func errorf(status int, format string, args ...any) *apiError {
+	return &apiError{status: status, msg: fmt.Sprintf(format, args...)}
+}
+
+// errorBody is the engine's error JSON: vLLM's nested envelope or SGLang's flat one.
+func (e *Engine) errorBody(ae *apiError) map[string]any {
+	if e.cfg.Engine == EngineSGLang {
+		return map[string]any{"object": "error", "message": ae.msg, "type": http.StatusText(ae.status), "param": nil, "code": ae.status}
+	}
+	typ := map[int]string{400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}[ae.status]
+	if typ == "" {
+		typ = strings.ReplaceAll(http.StatusText(ae.status), " ", "") + "Error"
+	}
+	return map[string]any{"error": map[string]any{"message": ae.msg, "type": typ, "param": nil, "code": ae.status}}
+}
+
+func (e *Engine) writeError(w http.ResponseWriter, ae *apiError) {
+	writeJSON(w, ae.status, e.errorBody(ae))
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, _ := json.Marshal(v)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(status)
+	_, _ = w.Write(b)
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = crand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+var errDropped = errors.New("connection dropped by fault injection")

@@ -1,0 +1,255 @@
+package sim
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// kvParams is vLLM's kv_transfer_params as the simulator reads it.
+type kvParams struct {
+	DoRemoteDecode      bool    `json:"do_remote_decode"`
+	DoRemotePrefill     bool    `json:"do_remote_prefill"`
+	RemoteEngineID      *string `json:"remote_engine_id"`
+	RemoteBlockIDs      []int   `json:"remote_block_ids"`
+	RemoteRequestID     *string `json:"remote_request_id"`
+	RemoteHost          *string `json:"remote_host"`
+	RemotePort          *int    `json:"remote_port"`
+	TransferID          *string `json:"transfer_id"`
+	RemoteBootstrapAddr *string `json:"remote_bootstrap_addr"`
+}
+
+// blockSize is the simulated KV block size in tokens.
+const blockSize = 16
+
+// pinnedKV is prefill KV held for a decode engine.
+type pinnedKV struct {
+	ID           string    `json:"id"`
+	Connector    string    `json:"connector"`
+	EngineID     string    `json:"engine_id"`
+	PromptTokens int       `json:"prompt_tokens"`
+	Digest       string    `json:"digest"`
+	PinnedAt     time.Time `json:"pinned_at"`
+	ExpiresAt    time.Time `json:"expires_at"`
+	timer        *time.Timer
+}
+
+// kvStore holds pinned KV until a decode engine takes it or it expires.
+type kvStore struct {
+	e       *Engine
+	mu      sync.Mutex
+	m       map[string]*pinnedKV
+	waiters map[string][]chan struct{}
+}
+
+func newKVStore(e *Engine) *kvStore {
+	return &kvStore{e: e, m: map[string]*pinnedKV{}, waiters: map[string][]chan struct{}{}}
+}
+
+func (s *kvStore) pin(p *pinnedKV) {
+	p.PinnedAt = time.Now()
+	p.ExpiresAt = p.PinnedAt.Add(s.e.cfg.KVTimeout)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.m[p.ID] = p
+	s.e.stats.pinned.Add(1)
+	p.timer = time.AfterFunc(s.e.cfg.KVTimeout, func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.m[p.ID] == p {
+			delete(s.m, p.ID)
+			s.e.stats.expired.Add(1)
+		}
+	})
+	for _, ch := range s.waiters[p.ID] {
+		close(ch)
+	}
+	delete(s.waiters, p.ID)
+}
+
+// take removes and returns the KV pinned under id for engineID.
+func (s *kvStore) take(id, engineID string) (*pinnedKV, *apiError) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, ok := s.m[id]
+	if !ok {
+		return nil, errorf(http.StatusNotFound, "no KV pinned under %q (unknown or expired)", id)
+	}
+	if p.EngineID != engineID {
+		return nil, errorf(http.StatusConflict, "KV %q belongs to engine %q, not %q", id, p.EngineID, engineID)
+	}
+	delete(s.m, id)
+	p.timer.Stop()
+	s.e.stats.pulled.Add(1)
+	return p, nil
+}
+
+// wait is take, waiting up to timeout for the KV to be pinned (Mooncake: decode may arrive
+// before the prefill finished).
+func (s *kvStore) wait(ctx context.Context, id, engineID string, timeout time.Duration) (*pinnedKV, *apiError) {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	for {
+		s.mu.Lock()
+		_, ok := s.m[id]
+		var ch chan struct{}
+		if !ok {
+			ch = make(chan struct{})
+			s.waiters[id] = append(s.waiters[id], ch)
+		}
+		s.mu.Unlock()
+		if ok {
+			return s.take(id, engineID)
+		}
+		select {
+		case <-ch:
+		case <-deadline.C:
+			return nil, errorf(http.StatusNotFound, "timed out after %s waiting for KV %q", timeout, id)
+		case <-ctx.Done():
+			return nil, errorf(499, "decode left while waiting for KV %q", id)
+		}
+	}
+}
+
+func (s *kvStore) list() []*pinnedKV {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*pinnedKV, 0, len(s.m))
+	for _, p := range s.m {
+		out = append(out, p)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].PinnedAt.Before(out[j].PinnedAt) })
+	return out
+}
+
+func (s *kvStore) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.m {
+		p.timer.Stop()
+	}
+}
+
+// sideRoutes is the NIXL side channel of one DP rank: decode engines pull pinned KV here.
+func (e *Engine) sideRoutes(rank int) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /nixl/pull", func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		p, aerr := e.kv.take(q.Get("request_id"), q.Get("engine_id"))
+		if aerr != nil {
+			writeJSON(w, aerr.status, map[string]any{"error": aerr.msg})
+			return
+		}
+		writeJSON(w, 200, p)
+	})
+	return mux
+}
+
+// bootstrapRoutes is the bootstrap server of a prefill engine: Mooncake's query/register and
+// KV fetch, SGLang's rendezvous by room.
+func (e *Engine) bootstrapRoutes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(200) })
+	mux.HandleFunc("GET /query", func(w http.ResponseWriter, _ *http.Request) {
+		out := map[string]any{}
+		for r, id := range e.engineIDs {
+			out[strconv.Itoa(r)] = map[string]any{"engine_id": id, "worker_addr": map[string]any{"0": map[string]any{"0": e.Addr()}}}
+		}
+		writeJSON(w, 200, out)
+	})
+	mux.HandleFunc("POST /register", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, 200, map[string]any{"ok": true}) })
+	mux.HandleFunc("GET /mooncake/fetch", func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		timeout, _ := time.ParseDuration(q.Get("timeout"))
+		if timeout <= 0 {
+			timeout = e.cfg.KVTimeout
+		}
+		p, aerr := e.kv.wait(r.Context(), q.Get("transfer_id"), q.Get("engine_id"), timeout)
+		if aerr != nil {
+			writeJSON(w, aerr.status, map[string]any{"error": aerr.msg})
+			return
+		}
+		writeJSON(w, 200, p)
+	})
+	mux.HandleFunc("GET /route", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, 200, map[string]any{"prefill_dp_size": e.cfg.DPSize, "prefill_tp_size": 1})
+	})
+	mux.HandleFunc("POST /bootstrap/join", e.serveJoin)
+	return mux
+}
+
+// loadRemote loads the KV a decode request was told about. It returns true when the KV was
+// loaded, false to recompute, or an error to fail the request (kv-load-failure-policy fail).
+func (e *Engine) loadRemote(ctx context.Context, kv *kvParams, prompt []uint32) (bool, *apiError) {
+	if kv == nil || !kv.DoRemotePrefill {
+		return false, nil
+	}
+	var (
+		u   string
+		eng string
+	)
+	switch {
+	case kv.TransferID != nil || kv.RemoteBootstrapAddr != nil: // Mooncake
+		if kv.TransferID == nil || kv.RemoteEngineID == nil || kv.RemoteBootstrapAddr == nil {
+			return false, nil // vLLM warns and does no transfer: a silent recompute
+		}
+		eng = *kv.RemoteEngineID
+		u = fmt.Sprintf("%s/mooncake/fetch?transfer_id=%s&engine_id=%s&timeout=%s", *kv.RemoteBootstrapAddr,
+			url.QueryEscape(*kv.TransferID), url.QueryEscape(eng), e.cfg.BootstrapTimeout)
+	default: // NIXL
+		if len(kv.RemoteBlockIDs) == 0 || kv.RemoteEngineID == nil || kv.RemoteRequestID == nil || kv.RemoteHost == nil || kv.RemotePort == nil {
+			return false, nil // "Got invalid KVTransferParams": no transfer
+		}
+		eng = *kv.RemoteEngineID
+		u = fmt.Sprintf("http://%s/nixl/pull?request_id=%s&engine_id=%s", netJoin(*kv.RemoteHost, *kv.RemotePort),
+			url.QueryEscape(*kv.RemoteRequestID), url.QueryEscape(eng))
+	}
+	p, err := e.fetchKV(ctx, u)
+	if err == nil && p.Digest != fmt.Sprintf("%016x", Digest(prompt)) {
+		err = fmt.Errorf("KV from %s is for a different prompt", eng)
+	}
+	if err == nil {
+		return true, nil
+	}
+	if ctx.Err() != nil {
+		return false, errorf(499, "client left")
+	}
+	e.stats.loadFail.Add(1)
+	if e.cfg.KVLoadFailure == PolicyRecompute {
+		return false, nil
+	}
+	return false, errorf(http.StatusInternalServerError, "KV load failed: %v", err)
+}
+
+func (e *Engine) fetchKV(ctx context.Context, u string) (*pinnedKV, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := e.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		var body struct {
+			Error string `json:"error"`
+		}
+		_ = json.NewDecoder(resp.Body).Decode(&body)
+		return nil, fmt.Errorf("%s", body.Error)
+	}
+	var p pinnedKV
+	if err := json.NewDecoder(resp.Body).Decode(&p); err != nil {
+		return nil, err
+	}
+	return &p, nil
+}
+
+func netJoin(host string, port int) string { return net.JoinHostPort(host, strconv.Itoa(port)) }

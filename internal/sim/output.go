@@ -1,0 +1,260 @@
+package sim
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+)
+
+const created = 1700000000
+
+func (j *job) object() string {
+	return map[route]string{routeChat: "chat.completion", routeCompletions: "text_completion", routeResponses: "response"}[j.route]
+}
+
+func usage(results []itemResult) (prompt, cached, completion int) {
+	for _, r := range results {
+		prompt += r.promptTokens
+		cached += r.cached
+		for _, c := range r.choices {
+			completion += len(c.tokens)
+		}
+	}
+	return
+}
+
+func openAIUsage(results []itemResult) map[string]any {
+	p, c, o := usage(results)
+	return map[string]any{"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o,
+		"prompt_tokens_details": map[string]any{"cached_tokens": c}}
+}
+
+func responsesUsage(results []itemResult) map[string]any {
+	p, c, o := usage(results)
+	return map[string]any{"input_tokens": p, "input_tokens_details": map[string]any{"cached_tokens": c},
+		"output_tokens": o, "output_tokens_details": map[string]any{"reasoning_tokens": 0}, "total_tokens": p + o}
+}
+
+// kvTransferParams is vLLM's top-level response field: the first prompt's params, or null.
+func kvTransferParams(results []itemResult) any {
+	if len(results) > 0 && results[0].kvParams != nil {
+		return results[0].kvParams
+	}
+	return nil
+}
+
+// writeFull writes a non-streamed response.
+func (e *Engine) writeFull(w http.ResponseWriter, j *job, results []itemResult) {
+	switch j.route {
+	case routeChat, routeCompletions:
+		var choices []any
+		for i, res := range results {
+			for c, ch := range res.choices {
+				idx := i*j.n + c
+				if j.route == routeChat {
+					choices = append(choices, map[string]any{"index": idx, "message": map[string]any{"role": "assistant", "content": Detokenize(ch.tokens)},
+						"logprobs": nil, "finish_reason": ch.finish})
+				} else {
+					choices = append(choices, map[string]any{"index": idx, "text": Detokenize(ch.tokens), "logprobs": nil, "finish_reason": ch.finish})
+				}
+			}
+		}
+		out := map[string]any{"id": j.id, "object": j.object(), "created": created, "model": e.cfg.Model,
+			"choices": choices, "usage": openAIUsage(results)}
+		if e.cfg.Engine == EngineVLLM {
+			out["kv_transfer_params"] = kvTransferParams(results)
+		}
+		writeJSON(w, 200, out)
+	case routeResponses:
+		out := e.responseObject(j, results, "completed")
+		if e.cfg.Engine == EngineVLLM {
+			out["kv_transfer_params"] = kvTransferParams(results)
+		}
+		writeJSON(w, 200, out)
+	case routeGenerate:
+		var outs []any
+		for i, res := range results {
+			for c, ch := range res.choices {
+				outs = append(outs, e.generateObject(j, res, ch, len(ch.tokens), true, i*j.n+c))
+			}
+		}
+		if len(outs) == 1 {
+			writeJSON(w, 200, outs[0])
+		} else {
+			writeJSON(w, 200, outs)
+		}
+	}
+}
+
+func (e *Engine) responseObject(j *job, results []itemResult, status string) map[string]any {
+	text := ""
+	if status == "completed" {
+		text = Detokenize(results[0].choices[0].tokens)
+	}
+	out := map[string]any{"id": j.id, "object": "response", "created_at": created, "model": e.cfg.Model, "status": status,
+		"output": []any{map[string]any{"type": "message", "id": "msg_" + j.id, "role": "assistant", "status": status,
+			"content": []any{map[string]any{"type": "output_text", "text": text, "annotations": []any{}}}}}}
+	if status == "completed" {
+		out["usage"] = responsesUsage(results)
+		if results[0].choices[0].finish == FinishLength {
+			out["status"] = "incomplete"
+			out["incomplete_details"] = map[string]any{"reason": "max_output_tokens"}
+		}
+	}
+	return out
+}
+
+// generateObject is SGLang's /generate answer after k tokens of choice ch.
+func (e *Engine) generateObject(j *job, res itemResult, ch choice, k int, final bool, index int) map[string]any {
+	meta := map[string]any{"id": fmt.Sprintf("%s-%d", j.id, index), "prompt_tokens": res.promptTokens,
+		"completion_tokens": k, "cached_tokens": res.cached, "finish_reason": nil, "e2e_latency": 0.0}
+	if final {
+		switch {
+		case res.prefillLeg:
+			meta["finish_reason"] = map[string]any{"type": "length", "length": 0}
+		case ch.finish == FinishLength:
+			meta["finish_reason"] = map[string]any{"type": "length", "length": len(ch.tokens)}
+		default:
+			meta["finish_reason"] = map[string]any{"type": "stop", "matched": nil}
+		}
+	}
+	if j.returnLogprob {
+		meta["input_token_logprobs"] = res.inputLogprobs
+		out := make([][]any, k)
+		for i, id := range ch.tokens[:k] {
+			out[i] = []any{Logprob(id, res.promptTokens+i), id, nil}
+		}
+		meta["output_token_logprobs"] = out
+	}
+	o := map[string]any{"text": Detokenize(ch.tokens[:k]), "output_ids": ch.tokens[:k], "meta_info": meta}
+	if len(j.items) > 1 || j.n > 1 {
+		o["index"] = index
+	}
+	return o
+}
+
+// sse writes events, flushing each, and drops the connection after dropAfter events (fault).
+type sse struct {
+	w         io.Writer
+	rc        *http.ResponseController
+	n         int
+	dropAfter int
+}
+
+func (s *sse) event(name string, v any) error {
+	if s.dropAfter > 0 && s.n >= s.dropAfter {
+		return errDropped
+	}
+	s.n++
+	b, _ := json.Marshal(v)
+	var err error
+	if name != "" {
+		_, err = fmt.Fprintf(s.w, "event: %s\ndata: %s\n\n", name, b)
+	} else {
+		_, err = fmt.Fprintf(s.w, "data: %s\n\n", b)
+	}
+	if err == nil {
+		err = s.rc.Flush()
+	}
+	return err
+}
+
+func (s *sse) done() error {
+	if _, err := io.WriteString(s.w, "data: [DONE]\n\n"); err != nil {
+		return err
+	}
+	return s.rc.Flush()
+}
+
+// writeStream writes a streamed response, one event per token, paced by the decode cost.
+func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job, results []itemResult, f Faults) error {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(200)
+	s := &sse{w: w, rc: http.NewResponseController(w), dropAfter: f.DropAfter}
+	tick := func() error { return sleep(ctx, e.cfg.DecodePerToken) }
+	chunk := func(idx int, delta map[string]any, finish any) map[string]any {
+		c := map[string]any{"index": idx, "logprobs": nil, "finish_reason": finish}
+		if j.route == routeChat {
+			c["delta"] = delta
+		} else {
+			c["text"] = delta["content"]
+		}
+		return map[string]any{"id": j.id, "object": j.object() + map[bool]string{true: ".chunk", false: ""}[j.route == routeChat],
+			"created": created, "model": e.cfg.Model, "choices": []any{c}}
+	}
+	switch j.route {
+	case routeChat, routeCompletions:
+		for i, res := range results {
+			for c, ch := range res.choices {
+				idx := i*j.n + c
+				if j.route == routeChat {
+					if err := s.event("", chunk(idx, map[string]any{"role": "assistant", "content": ""}, nil)); err != nil {
+						return err
+					}
+				}
+				for _, tok := range ch.tokens {
+					if err := tick(); err != nil {
+						return err
+					}
+					if err := s.event("", chunk(idx, map[string]any{"content": TokenText(tok)}, nil)); err != nil {
+						return err
+					}
+				}
+				empty := map[string]any{"content": ""}
+				if j.route == routeChat {
+					empty = map[string]any{}
+				}
+				if err := s.event("", chunk(idx, empty, ch.finish)); err != nil {
+					return err
+				}
+			}
+		}
+		if j.includeUsage {
+			u := map[string]any{"id": j.id, "object": j.object() + map[bool]string{true: ".chunk", false: ""}[j.route == routeChat],
+				"created": created, "model": e.cfg.Model, "choices": []any{}, "usage": openAIUsage(results)}
+			if err := s.event("", u); err != nil {
+				return err
+			}
+		}
+		return s.done()
+	case routeResponses:
+		if err := s.event("response.created", map[string]any{"type": "response.created", "response": e.responseObject(j, results, "in_progress")}); err != nil {
+			return err
+		}
+		for _, tok := range results[0].choices[0].tokens {
+			if err := tick(); err != nil {
+				return err
+			}
+			if err := s.event("response.output_text.delta", map[string]any{"type": "response.output_text.delta", "item_id": "msg_" + j.id,
+				"output_index": 0, "content_index": 0, "delta": TokenText(tok)}); err != nil {
+				return err
+			}
+		}
+		return s.event("response.completed", map[string]any{"type": "response.completed", "response": e.responseObject(j, results, "completed")})
+	default: // generate: cumulative text per chunk
+		for i, res := range results {
+			for c, ch := range res.choices {
+				for k := 1; k <= len(ch.tokens); k++ {
+					if err := tick(); err != nil {
+						return err
+					}
+					if err := s.event("", e.generateObject(j, res, ch, k, k == len(ch.tokens), i*j.n+c)); err != nil {
+						return err
+					}
+				}
+				if len(ch.tokens) == 0 {
+					if err := s.event("", e.generateObject(j, res, ch, 0, true, i*j.n+c)); err != nil {
+						return err
+					}
+				}
+			}
+		}
+		return s.done()
+	}
+}
+
+var _ = time.Second

@@ -1,0 +1,373 @@
+package sim
+
+import (
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"strconv"
+)
+
+type route int
+
+const (
+	routeChat route = iota
+	routeCompletions
+	routeResponses
+	routeGenerate
+)
+
+// bootstrap is one item's SGLang bootstrap fields.
+type bootstrap struct {
+	host string
+	port *int // nil: the decode engine's own configured bootstrap port
+	room uint64
+}
+
+func (b *bootstrap) fake() bool { return b != nil && b.host == fakeBootstrapHost }
+
+type item struct {
+	prompt []uint32
+	boot   *bootstrap
+}
+
+// job is one parsed inference request.
+type job struct {
+	route         route
+	items         []item
+	n             int
+	s             Sampling
+	stream        bool
+	includeUsage  bool
+	kv            *kvParams
+	rank          int // DP rank serving this request
+	prefillRank   int // SGLang decode: the prefill's DP rank (-1: room % prefill dp size)
+	returnLogprob bool
+	id            string // response id
+	reqID         string // internal request id
+}
+
+type message struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+type rawSampling struct {
+	MaxNewTokens *int            `json:"max_new_tokens"`
+	Stop         json.RawMessage `json:"stop"`
+	StopTokenIDs []uint32        `json:"stop_token_ids"`
+	IgnoreEOS    bool            `json:"ignore_eos"`
+	N            *int            `json:"n"`
+	Seed         *int64          `json:"sampling_seed"`
+}
+
+type rawRequest struct {
+	Model          *string         `json:"model"`
+	Messages       []message       `json:"messages"`
+	Prompt         json.RawMessage `json:"prompt"`
+	Input          json.RawMessage `json:"input"`
+	Instructions   string          `json:"instructions"`
+	Text           json.RawMessage `json:"text"`
+	InputIDs       json.RawMessage `json:"input_ids"`
+	SamplingParams *rawSampling    `json:"sampling_params"`
+	Stream         bool            `json:"stream"`
+	StreamOptions  *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	MaxOutputTokens     *int            `json:"max_output_tokens"`
+	MinTokens           *int            `json:"min_tokens"`
+	N                   *int            `json:"n"`
+	Seed                *int64          `json:"seed"`
+	Stop                json.RawMessage `json:"stop"`
+	StopTokenIDs        []uint32        `json:"stop_token_ids"`
+	IgnoreEOS           bool            `json:"ignore_eos"`
+	KVTransferParams    *kvParams       `json:"kv_transfer_params"`
+	BootstrapHost       json.RawMessage `json:"bootstrap_host"`
+	BootstrapPort       json.RawMessage `json:"bootstrap_port"`
+	BootstrapRoom       json.RawMessage `json:"bootstrap_room"`
+	RoutedDPRank        *int            `json:"routed_dp_rank"`
+	DisaggPrefillDPRank *int            `json:"disagg_prefill_dp_rank"`
+	ReturnLogprob       bool            `json:"return_logprob"`
+}
+
+// parse reads a request body into a job, validating it the way the engine would.
+func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError) {
+	var raw rawRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	if err := dec.Decode(&raw); err != nil {
+		return nil, errorf(400, "invalid request body: %v", err)
+	}
+	if raw.Model != nil && *raw.Model != e.cfg.Model && rt != routeGenerate {
+		return nil, errorf(404, "The model `%s` does not exist.", *raw.Model)
+	}
+	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1}
+	if raw.StreamOptions != nil {
+		if !raw.Stream && e.cfg.Engine == EngineVLLM {
+			return nil, errorf(400, "Stream options can only be defined when `stream=True`.")
+		}
+		j.includeUsage = raw.StreamOptions.IncludeUsage
+	}
+	prompts, aerr := e.prompts(rt, &raw)
+	if aerr != nil {
+		return nil, aerr
+	}
+	s := Sampling{IgnoreEOS: raw.IgnoreEOS, StopTokenIDs: raw.StopTokenIDs}
+	var stop json.RawMessage
+	switch rt {
+	case routeChat:
+		s.MaxTokens = firstInt(raw.MaxCompletionTokens, raw.MaxTokens)
+		stop = raw.Stop
+	case routeCompletions:
+		s.MaxTokens = firstInt(raw.MaxTokens)
+		stop = raw.Stop
+	case routeResponses:
+		s.MaxTokens = firstInt(raw.MaxOutputTokens)
+	case routeGenerate:
+		if sp := raw.SamplingParams; sp != nil {
+			s.MaxTokens = firstInt(sp.MaxNewTokens)
+			s.IgnoreEOS, s.StopTokenIDs, stop = sp.IgnoreEOS, sp.StopTokenIDs, sp.Stop
+			if sp.N != nil {
+				raw.N = sp.N
+			}
+			if sp.Seed != nil {
+				raw.Seed = sp.Seed
+			}
+		}
+		j.returnLogprob = raw.ReturnLogprob
+	}
+	if len(stop) > 0 && !bytes.Equal(stop, []byte("null")) {
+		var one string
+		if json.Unmarshal(stop, &one) == nil {
+			s.Stop = []string{one}
+		} else if err := json.Unmarshal(stop, &s.Stop); err != nil {
+			return nil, errorf(400, "stop must be a string or a list of strings")
+		}
+	}
+	if raw.Seed != nil {
+		s.Seed = uint64(*raw.Seed)
+	}
+	if raw.N != nil {
+		if *raw.N < 1 {
+			return nil, errorf(400, "n must be at least 1, got %d", *raw.N)
+		}
+		j.n = *raw.N
+	}
+	if raw.MinTokens != nil && s.MaxTokens > 0 && *raw.MinTokens > s.MaxTokens {
+		return nil, errorf(400, "min_tokens (%d) must be less than or equal to max_tokens (%d)", *raw.MinTokens, s.MaxTokens)
+	}
+	if s.MaxTokens < 0 {
+		return nil, errorf(400, "max_tokens must be at least 1")
+	}
+	j.s = s
+	for _, p := range prompts {
+		if len(p) == 0 {
+			return nil, errorf(400, "the prompt is empty")
+		}
+		j.items = append(j.items, item{prompt: p})
+	}
+	if aerr := e.parseBootstrap(j, &raw); aerr != nil {
+		return nil, aerr
+	}
+	if aerr := e.pickRank(j, &raw, r); aerr != nil {
+		return nil, aerr
+	}
+	rid := r.Header.Get("X-Request-Id")
+	if rid == "" {
+		rid = randHex(8)
+	}
+	prefix := map[route]string{routeChat: "chatcmpl-", routeCompletions: "cmpl-", routeResponses: "resp_", routeGenerate: ""}[rt]
+	j.id = prefix + rid
+	j.reqID = j.id + "-" + randHex(4) // vLLM ≥ 0.14 randomizes internal ids
+	return j, nil
+}
+
+func firstInt(ps ...*int) int {
+	for _, p := range ps {
+		if p != nil {
+			return *p
+		}
+	}
+	return 0
+}
+
+// prompts returns the token ids of each prompt of the request.
+func (e *Engine) prompts(rt route, raw *rawRequest) ([][]uint32, *apiError) {
+	switch rt {
+	case routeChat:
+		if len(raw.Messages) == 0 {
+			return nil, errorf(400, "messages must not be empty")
+		}
+		return [][]uint32{chatPrompt(raw.Messages)}, nil
+	case routeResponses:
+		var msgs []message
+		if raw.Instructions != "" {
+			b, _ := json.Marshal(raw.Instructions)
+			msgs = append(msgs, message{Role: "system", Content: b})
+		}
+		var s string
+		if json.Unmarshal(raw.Input, &s) == nil {
+			b, _ := json.Marshal(s)
+			msgs = append(msgs, message{Role: "user", Content: b})
+		} else {
+			var in []message
+			if err := json.Unmarshal(raw.Input, &in); err != nil || len(in) == 0 {
+				return nil, errorf(400, "input must be a string or a list of messages")
+			}
+			msgs = append(msgs, in...)
+		}
+		return [][]uint32{chatPrompt(msgs)}, nil
+	case routeCompletions:
+		return textOrIDs(raw.Prompt, "prompt")
+	default:
+		if len(raw.InputIDs) > 0 && !bytes.Equal(raw.InputIDs, []byte("null")) {
+			return textOrIDs(raw.InputIDs, "input_ids")
+		}
+		return textOrIDs(raw.Text, "text")
+	}
+}
+
+// textOrIDs reads a string, a list of strings, a list of ids or a list of id lists.
+func textOrIDs(raw json.RawMessage, field string) ([][]uint32, *apiError) {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return [][]uint32{Tokenize(s)}, nil
+	}
+	var ss []string
+	if json.Unmarshal(raw, &ss) == nil && len(ss) > 0 {
+		out := make([][]uint32, len(ss))
+		for i, t := range ss {
+			out[i] = Tokenize(t)
+		}
+		return out, nil
+	}
+	var ids []uint32
+	if json.Unmarshal(raw, &ids) == nil && len(ids) > 0 {
+		return [][]uint32{ids}, nil
+	}
+	var batch [][]uint32
+	if json.Unmarshal(raw, &batch) == nil && len(batch) > 0 {
+		return batch, nil
+	}
+	return nil, errorf(400, "%s must be a string, a list of strings, or token ids", field)
+}
+
+// chatPrompt applies the fake chat template: a role token, then the content's words, per
+// message, then the assistant token.
+func chatPrompt(msgs []message) []uint32 {
+	var ids []uint32
+	for _, m := range msgs {
+		ids = append(ids, wordID("<|"+m.Role+"|>"))
+		ids = append(ids, Tokenize(contentText(m.Content))...)
+	}
+	return append(ids, wordID("<|assistant|>"))
+}
+
+func contentText(raw json.RawMessage) string {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	var parts []struct {
+		Text string `json:"text"`
+	}
+	_ = json.Unmarshal(raw, &parts)
+	out := ""
+	for _, p := range parts {
+		out += " " + p.Text
+	}
+	return out
+}
+
+// parseBootstrap reads SGLang's bootstrap fields, scalar or one per item.
+func (e *Engine) parseBootstrap(j *job, raw *rawRequest) *apiError {
+	if len(raw.BootstrapRoom) == 0 || bytes.Equal(raw.BootstrapRoom, []byte("null")) {
+		return nil
+	}
+	n := len(j.items)
+	rooms, err := scalarOrList[uint64](raw.BootstrapRoom, n)
+	if err != nil {
+		return errorf(400, "bootstrap_room: %v", err)
+	}
+	hosts, err := scalarOrList[string](raw.BootstrapHost, n)
+	if err != nil {
+		return errorf(400, "bootstrap_host: %v", err)
+	}
+	ports, err := scalarOrList[*int](raw.BootstrapPort, n)
+	if err != nil {
+		return errorf(400, "bootstrap_port: %v", err)
+	}
+	if len(rooms) != n && !(n == 1 && j.n > 1) {
+		return errorf(400, "bootstrap_room has %d entries for a batch of %d", len(rooms), n)
+	}
+	if n == 1 && j.n > 1 && len(rooms) == j.n {
+		// chat n>1: one room per choice; the simulator pairs on the first.
+		rooms, hosts, ports = rooms[:1], hosts[:1], ports[:1]
+	}
+	for i := range j.items {
+		j.items[i].boot = &bootstrap{host: pick(hosts, i), port: pick(ports, i), room: rooms[i]}
+	}
+	if raw.DisaggPrefillDPRank != nil {
+		j.prefillRank = *raw.DisaggPrefillDPRank
+	}
+	return nil
+}
+
+func pick[T any](xs []T, i int) T {
+	var zero T
+	if i < len(xs) {
+		return xs[i]
+	}
+	if len(xs) == 1 {
+		return xs[0]
+	}
+	return zero
+}
+
+// scalarOrList reads a JSON scalar (repeated n times) or a list.
+func scalarOrList[T any](raw json.RawMessage, n int) ([]T, error) {
+	if len(raw) == 0 {
+		return make([]T, n), nil
+	}
+	var one T
+	if err := json.Unmarshal(raw, &one); err == nil {
+		out := make([]T, n)
+		for i := range out {
+			out[i] = one
+		}
+		return out, nil
+	}
+	var list []T
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return nil, err
+	}
+	return list, nil
+}
+
+// pickRank chooses the DP rank that serves the request: routed_dp_rank (SGLang), the
+// X-Data-Parallel-Rank header, the bootstrap room (SGLang follow_bootstrap_room), or round robin.
+func (e *Engine) pickRank(j *job, raw *rawRequest, r *http.Request) *apiError {
+	size := e.cfg.DPSize
+	check := func(rank int) *apiError {
+		if rank < 0 || rank >= size {
+			return errorf(400, "data_parallel_rank %d is out of range [0, %d)", rank, size)
+		}
+		j.rank = rank
+		return nil
+	}
+	if e.cfg.Engine == EngineSGLang && raw.RoutedDPRank != nil {
+		return check(*raw.RoutedDPRank)
+	}
+	if h := r.Header.Get(HeaderDPRankIn); h != "" {
+		if rank, err := strconv.Atoi(h); err == nil {
+			return check(rank)
+		}
+	}
+	if e.cfg.Engine == EngineSGLang && len(j.items) > 0 && j.items[0].boot != nil {
+		j.rank = int(j.items[0].boot.room % uint64(size))
+		return nil
+	}
+	j.rank = int((e.rr.Add(1) - 1) % uint64(size))
+	return nil
+}

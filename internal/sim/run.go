@@ -1,0 +1,267 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+)
+
+// itemResult is the outcome of one prompt of a request.
+type itemResult struct {
+	digest        uint64
+	promptTokens  int
+	cached        int
+	source        string
+	prefillLeg    bool    // SGLang prefill leg: one token, finish length 0
+	first         *uint32 // SGLang decode leg: the prefill's token, where generation continues
+	inputLogprobs [][]any // the part of the prompt's logprobs this engine reports
+	choices       []choice
+	kvParams      map[string]any // vLLM NIXL prefill: handoff params for the decode
+}
+
+type choice struct {
+	tokens []uint32
+	finish string
+}
+
+// inference is the handler of every generation route.
+func (e *Engine) inference(rt route) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		f := e.faults(r)
+		if f.Hang {
+			<-ctx.Done()
+			e.stats.cancelled.Add(1)
+			return
+		}
+		if sleep(ctx, f.Latency) != nil {
+			e.stats.cancelled.Add(1)
+			return
+		}
+		if f.fails() {
+			e.stats.failed.Add(1)
+			e.writeError(w, errorf(f.Status, "injected fault: status %d", f.Status))
+			return
+		}
+		j, aerr := e.parse(rt, r, body)
+		if aerr != nil {
+			e.stats.failed.Add(1)
+			e.writeError(w, aerr)
+			return
+		}
+		release, ok, err := e.admit(ctx)
+		if !ok {
+			e.stats.rejected.Add(1)
+			e.writeError(w, errorf(503, "The request queue is full."))
+			return
+		}
+		if err != nil {
+			e.stats.cancelled.Add(1)
+			return
+		}
+		defer release()
+		results, aerr := e.run(ctx, j)
+		if aerr != nil {
+			if aerr.status == 499 {
+				e.stats.cancelled.Add(1)
+				return
+			}
+			e.stats.failed.Add(1)
+			e.writeError(w, aerr)
+			return
+		}
+		h := w.Header()
+		h.Set(HeaderKVSource, results[0].source)
+		h.Set(HeaderEngineID, e.engineIDs[j.rank])
+		h.Set(HeaderDPRank, fmt.Sprint(j.rank))
+		if j.stream {
+			err = e.writeStream(ctx, w, j, results, f)
+		} else {
+			if err = sleep(ctx, e.decodeTime(results)); err == nil {
+				e.writeFull(w, j, results)
+			}
+		}
+		if err != nil {
+			e.stats.cancelled.Add(1)
+			if err == errDropped {
+				panic(http.ErrAbortHandler)
+			}
+			return
+		}
+		e.stats.ok.Add(1)
+	}
+}
+
+func (e *Engine) decodeTime(results []itemResult) time.Duration {
+	n := 0
+	for _, res := range results {
+		for _, c := range res.choices {
+			n += len(c.tokens)
+		}
+	}
+	return time.Duration(n) * e.cfg.DecodePerToken
+}
+
+// run does the prefill phase of every item (local compute, KV load, or rendezvous) and the
+// generation, and pins handoff KV on a prefill engine.
+func (e *Engine) run(ctx context.Context, j *job) ([]itemResult, *apiError) {
+	results := make([]itemResult, len(j.items))
+	for i, it := range j.items {
+		res := &results[i]
+		res.digest = Digest(it.prompt)
+		res.promptTokens = len(it.prompt)
+		if aerr := e.prefill(ctx, j, it, res); aerr != nil {
+			return nil, aerr
+		}
+		for c := 0; c < j.n; c++ {
+			s := j.s
+			s.Seed += uint64(c)
+			var ch choice
+			switch {
+			case res.prefillLeg:
+				ch = choice{tokens: []uint32{Token(res.digest, s.Seed, 0)}, finish: FinishLength}
+			default:
+				ch.tokens, ch.finish = Generate(res.digest, s)
+				if res.first != nil && len(ch.tokens) > 0 {
+					ch.tokens[0] = *res.first
+				}
+			}
+			res.choices = append(res.choices, ch)
+		}
+		if i == 0 {
+			e.maybePin(j, it, res)
+		}
+	}
+	return results, nil
+}
+
+// prefill fills res with where the item's KV came from, doing transfers and compute cost.
+func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) *apiError {
+	n := len(it.prompt)
+	local := func() error {
+		if _, hit := e.prefix.Load(res.digest); hit && e.cfg.PrefixCache {
+			res.source, res.cached = SourceLocalCache, n-1
+			e.stats.local.Add(int64(n - 1))
+			e.stats.recompute.Add(1)
+			return sleep(ctx, e.cfg.PrefillPerToken)
+		}
+		res.source = SourceRecompute
+		e.stats.recompute.Add(int64(n))
+		if e.cfg.PrefixCache {
+			e.prefix.Store(res.digest, struct{}{})
+		}
+		return sleep(ctx, time.Duration(n)*e.cfg.PrefillPerToken)
+	}
+	remote := func(cached int) error {
+		res.source, res.cached = SourceRemote, cached
+		e.stats.remote.Add(int64(n - 1))
+		e.stats.recompute.Add(1)
+		return sleep(ctx, e.cfg.PrefillPerToken)
+	}
+	cancelled := func(err error) *apiError {
+		if err != nil {
+			return errorf(499, "cancelled")
+		}
+		return nil
+	}
+	if e.cfg.Engine == EngineVLLM {
+		if j.kv != nil && j.kv.DoRemotePrefill && e.cfg.Role != RolePrefill {
+			loaded, aerr := e.loadRemote(ctx, j.kv, it.prompt)
+			if aerr != nil {
+				return aerr
+			}
+			if loaded {
+				return cancelled(remote(n - 1))
+			}
+		}
+		return cancelled(local())
+	}
+	// SGLang.
+	if j.returnLogprob {
+		res.inputLogprobs = inputLogprobs(it.prompt, 0, n)
+	}
+	b := it.boot
+	switch {
+	case e.cfg.Role == RolePrefill && b == nil:
+		return errorf(400, "bootstrap_room is required on a prefill server")
+	case e.cfg.Role == RolePrefill:
+		res.prefillLeg = true
+		if b.fake() {
+			return cancelled(local())
+		}
+		return e.prefillRendezvous(ctx, j.rank, b.room, func() (roomKV, error) {
+			err := local()
+			return roomKV{Digest: fmt.Sprintf("%016x", res.digest), FirstToken: Token(res.digest, j.s.Seed, 0),
+				PromptTokens: n, CachedTokens: 0, InputLogprobs: inputLogprobs(it.prompt, 0, n-1)}, err
+		})
+	case e.cfg.Role == RoleDecode && b != nil && !b.fake():
+		port := e.cfg.BootstrapPort
+		if b.port != nil {
+			port = *b.port
+		}
+		kv, aerr := e.joinRoom(ctx, b.host, port, b.room, j.prefillRank)
+		if aerr != nil {
+			return aerr
+		}
+		if kv.Digest != fmt.Sprintf("%016x", res.digest) {
+			e.stats.loadFail.Add(1)
+			return errorf(500, "KV received for room %d is for a different prompt", b.room)
+		}
+		res.first = &kv.FirstToken
+		if j.returnLogprob {
+			res.inputLogprobs = inputLogprobs(it.prompt, n-1, n)
+		}
+		return cancelled(remote(kv.CachedTokens))
+	}
+	return cancelled(local())
+}
+
+// inputLogprobs are SGLang's input_token_logprobs for prompt positions [from, to).
+func inputLogprobs(prompt []uint32, from, to int) [][]any {
+	out := make([][]any, 0, to-from)
+	for i := from; i < to; i++ {
+		var lp any
+		if i > 0 {
+			lp = Logprob(prompt[i], i)
+		}
+		out = append(out, []any{lp, prompt[i], nil})
+	}
+	return out
+}
+
+// maybePin pins the KV of a vLLM prefill request for a decode engine, the way the connectors
+// do: only when the request asked for a remote decode, was not streamed, and ended by length.
+func (e *Engine) maybePin(j *job, it item, res *itemResult) {
+	if e.cfg.Engine != EngineVLLM || e.cfg.Role == RoleDecode || e.cfg.KVConnector == ConnectorNone ||
+		j.kv == nil || !j.kv.DoRemoteDecode || j.stream || res.choices[0].finish != FinishLength {
+		return
+	}
+	p := &pinnedKV{Connector: e.cfg.KVConnector, EngineID: e.engineIDs[j.rank], PromptTokens: len(it.prompt),
+		Digest: fmt.Sprintf("%016x", res.digest)}
+	switch e.cfg.KVConnector {
+	case ConnectorNixl:
+		p.ID = j.reqID
+		e.kv.pin(p)
+		blocks := make([]int, (len(it.prompt)+blockSize-1)/blockSize)
+		for i := range blocks {
+			blocks[i] = i
+		}
+		res.kvParams = map[string]any{
+			"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": p.EngineID,
+			"remote_block_ids": blocks, "remote_request_id": j.reqID, "remote_host": e.cfg.Host,
+			"remote_port": e.sidePorts[j.rank], "tp_size": 1,
+		}
+	case ConnectorMooncake:
+		if j.kv.TransferID == nil { // "Missing transfer_id in kv_transfer_params from router!"
+			return
+		}
+		p.ID = *j.kv.TransferID
+		e.kv.pin(p)
+	}
+}
