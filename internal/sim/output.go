@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"time"
 )
 
 const created = 1700000000
@@ -257,4 +256,3 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 	}
 }
 
-var _ = time.Second

@@ -195,6 +195,9 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 		if b.fake() {
 			return cancelled(local())
 		}
+		if j.returnLogprob { // the prefill reports the prompt but its last token; decode has that one
+			res.inputLogprobs = inputLogprobs(it.prompt, 0, n-1)
+		}
 		return e.prefillRendezvous(ctx, j.rank, b.room, func() (roomKV, error) {
 			err := local()
 			return roomKV{Digest: fmt.Sprintf("%016x", res.digest), FirstToken: Token(res.digest, j.s.Seed, 0),

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"net/url"
 	"sort"
 	"strconv"
 	"sync"
@@ -165,4 +164,3 @@ func (e *Engine) joinRoom(ctx context.Context, host string, port int, roomID uin
 	return &kv, nil
 }
 
-var _ = url.QueryEscape
