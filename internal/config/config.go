@@ -48,6 +48,13 @@ type Config struct {
 	Workers []Worker `json:"workers"`
 	// Policy selects a worker among those serving a request's model. Default "round_robin".
 	Policy string `json:"policy"`
+	// PDDisaggregation turns on prefill/decode disaggregation: generation routes go to a
+	// prefill worker and a decode worker at once.
+	PDDisaggregation bool `json:"pd_disaggregation"`
+	// PrefillPolicy selects the prefill worker of a pair; empty means Policy.
+	PrefillPolicy string `json:"prefill_policy"`
+	// DecodePolicy selects the decode worker of a pair; empty means Policy.
+	DecodePolicy string `json:"decode_policy"`
 	// RequestTimeoutSecs bounds one upstream request, streams included. Default 1800.
 	RequestTimeoutSecs int `json:"request_timeout_secs"`
 	// MaxPayloadSize is the largest request body accepted, in bytes. Default 512 MiB.
@@ -80,6 +87,11 @@ type Worker struct {
 	Labels map[string]string `json:"labels,omitempty"`
 	// APIKey is sent to this worker as its bearer token instead of the client's.
 	APIKey string `json:"api_key,omitempty"`
+	// BootstrapPort is a prefill worker's bootstrap server port (SGLang); absent or null sends
+	// bootstrap_port null, and the engines use their own default.
+	BootstrapPort *int `json:"bootstrap_port,omitempty"`
+	// DPSize is the worker's data parallel size; above 1 Baton picks a rank for each leg.
+	DPSize int `json:"dp_size,omitempty"`
 }
 
 // Default returns the configuration with every default filled in.
@@ -110,6 +122,17 @@ func (c *Config) LoadFile(path string) error {
 	return nil
 }
 
+// PolicyFor returns the policy name for workers of role.
+func (c *Config) PolicyFor(role string) string {
+	switch {
+	case role == RolePrefill && c.PrefillPolicy != "":
+		return c.PrefillPolicy
+	case role == RoleDecode && c.DecodePolicy != "":
+		return c.DecodePolicy
+	}
+	return c.Policy
+}
+
 // AllWorkers returns Workers followed by a regular worker for each of WorkerURLs.
 func (c *Config) AllWorkers() []Worker {
 	out := slices.Clone(c.Workers)
@@ -132,8 +155,10 @@ func (c *Config) Validate() error {
 	if c.MetricsPort > 0 && c.MetricsPort == c.Port {
 		bad("metrics_port %d must differ from port", c.MetricsPort)
 	}
-	if !slices.Contains([]string{PolicyRoundRobin, PolicyRandom}, c.Policy) {
-		bad("policy %q is unknown (want round_robin or random)", c.Policy)
+	for _, p := range []struct{ key, val string }{{"policy", c.Policy}, {"prefill_policy", c.PrefillPolicy}, {"decode_policy", c.DecodePolicy}} {
+		if (p.val != "" || p.key == "policy") && !slices.Contains([]string{PolicyRoundRobin, PolicyRandom}, p.val) {
+			bad("%s %q is unknown (want round_robin or random)", p.key, p.val)
+		}
 	}
 	if c.RequestTimeoutSecs <= 0 {
 		bad("request_timeout_secs must be positive, got %d", c.RequestTimeoutSecs)
@@ -170,6 +195,15 @@ func (c *Config) Validate() error {
 			if m == "" {
 				bad("%s: empty model name", where)
 			}
+		}
+		if (w.Role == RolePrefill || w.Role == RoleDecode) && !c.PDDisaggregation {
+			bad("%s: role %s needs pd_disaggregation", where, w.Role)
+		}
+		if w.BootstrapPort != nil && (*w.BootstrapPort < 1 || *w.BootstrapPort > 65535) {
+			bad("%s: bootstrap_port %d is out of range 1-65535", where, *w.BootstrapPort)
+		}
+		if w.DPSize < 0 {
+			bad("%s: dp_size %d must not be negative", where, w.DPSize)
 		}
 	}
 	return errors.Join(errs...)

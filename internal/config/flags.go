@@ -18,6 +18,9 @@ type flag struct {
 	name  string
 	arg   string // placeholder in usage; empty for booleans
 	list  bool
+	// optPort: one value, then an optional second one when it is an integer or "none"
+	// (--prefill URL [BOOTSTRAP_PORT|none]).
+	optPort bool
 	help  string
 	apply func(c *Config, vals []string) error
 }
@@ -65,6 +68,25 @@ var serveFlags = []flag{
 		return nil
 	}},
 	strFlag("policy", "worker selection policy: round_robin | random (default round_robin)", func(c *Config) *string { return &c.Policy }),
+	boolFlag("pd-disaggregation", "prefill/decode disaggregation: generation goes to a prefill and a decode worker", func(c *Config) *bool { return &c.PDDisaggregation }),
+	{name: "prefill", arg: "URL [BOOTSTRAP_PORT|none]", optPort: true, help: "a prefill worker (repeatable); the bootstrap port SGLang legs name", apply: func(c *Config, v []string) error {
+		w := Worker{URL: v[0], Role: RolePrefill}
+		if len(v) > 1 && v[1] != "none" {
+			n, err := strconv.Atoi(v[1])
+			if err != nil {
+				return fmt.Errorf("--prefill %s: bootstrap port %q is not an integer", v[0], v[1])
+			}
+			w.BootstrapPort = &n
+		}
+		c.Workers = append(c.Workers, w)
+		return nil
+	}},
+	{name: "decode", arg: "URL", help: "a decode worker (repeatable)", apply: func(c *Config, v []string) error {
+		c.Workers = append(c.Workers, Worker{URL: v[0], Role: RoleDecode})
+		return nil
+	}},
+	strFlag("prefill-policy", "policy for the prefill worker of a pair (default: --policy)", func(c *Config) *string { return &c.PrefillPolicy }),
+	strFlag("decode-policy", "policy for the decode worker of a pair (default: --policy)", func(c *Config) *string { return &c.DecodePolicy }),
 	intFlag("request-timeout-secs", "upper bound on one upstream request, streams included (default 1800)", func(c *Config) *int { return &c.RequestTimeoutSecs }),
 	{name: "max-payload-size", arg: "BYTES", help: "largest request body accepted (default 536870912)", apply: func(c *Config, v []string) error {
 		n, err := strconv.ParseInt(v[0], 10, 64)
@@ -134,6 +156,10 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 			}
 			i++
 			vals = []string{args[i]}
+			if f.optPort && i+1 < len(args) && isPortArg(args[i+1]) {
+				i++
+				vals = append(vals, args[i])
+			}
 		}
 		if name == "config" {
 			path = vals[0]
@@ -167,4 +193,12 @@ func writeUsage(w io.Writer) {
 		fmt.Fprintf(tw, "  --%s %s\t%s\n", f.name, f.arg, f.help)
 	}
 	_ = tw.Flush()
+}
+
+func isPortArg(s string) bool {
+	if s == "none" {
+		return true
+	}
+	_, err := strconv.Atoi(s)
+	return err == nil
 }

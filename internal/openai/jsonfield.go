@@ -170,89 +170,125 @@ func Get(body []byte, key string) (raw []byte, ok bool) {
 	return raw, ok
 }
 
+// Field is one top-level member to set: its key and raw JSON value.
+type Field struct {
+	Key   string
+	Value []byte
+}
+
 // Set returns a copy of the JSON object body with the top-level member key set to the raw JSON
 // value val: an existing member keeps its position (duplicates after the first are removed), a
 // new one is appended. Every other byte is unchanged. val must be valid JSON.
 func Set(body []byte, key string, val []byte) ([]byte, error) {
-	return edit(body, key, val, true)
+	return Edit(body, []Field{{key, val}}, nil)
 }
 
 // Delete returns a copy of body without the top-level member key (all occurrences). Every other
 // byte is unchanged.
 func Delete(body []byte, key string) ([]byte, error) {
-	return edit(body, key, nil, false)
+	return Edit(body, nil, []string{key})
 }
 
-func edit(body []byte, key string, val []byte, set bool) ([]byte, error) {
-	var hits []member
-	var last member
-	n := 0
+// Edit returns a copy of the JSON object body with sets applied as Set does and the members
+// named in dels removed, in one pass over the body. Every other byte is unchanged.
+func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
+	type kept struct {
+		m   member
+		val []byte // replacement value, or nil to keep the original
+	}
+	var (
+		members [16]kept
+		ms      = members[:0]
+		all     int
+		first   member
+		last    member
+	)
+	found := make([]bool, len(sets))
 	err := eachMember(body, func(k []byte, m member) bool {
-		if string(k) == key {
-			hits = append(hits, m)
+		if all == 0 {
+			first = m
 		}
 		last = m
-		n++
+		all++
+		for i, f := range sets {
+			if string(k) == f.Key {
+				if !found[i] {
+					found[i] = true
+					ms = append(ms, kept{m: m, val: f.Value})
+				}
+				return true
+			}
+		}
+		for _, d := range dels {
+			if string(k) == d {
+				return true
+			}
+		}
+		ms = append(ms, kept{m: m})
 		return true
 	})
 	if err != nil {
 		return nil, err
 	}
-	out := make([]byte, 0, len(body)+len(key)+len(val)+8)
-	if len(hits) == 0 {
-		if !set {
-			return append(out, body...), nil
-		}
-		// Append after the last member, or into the empty object.
-		var at int
-		if n == 0 {
-			at = bytes.IndexByte(body, '{') + 1
-		} else {
-			at = last.valEnd
-		}
-		out = append(out, body[:at]...)
-		if n > 0 {
-			out = append(out, ',')
-		}
-		out = appendKey(out, key)
-		out = append(out, val...)
-		return append(out, body[at:]...), nil
+	size := len(body)
+	for _, f := range sets {
+		size += len(f.Key) + len(f.Value) + 4
 	}
-	// Replace the first hit's value, remove later hits (and their separating comma).
-	pos := 0
-	for idx, h := range hits {
-		if idx == 0 && set {
-			out = append(out, body[pos:h.valStart]...)
-			out = append(out, val...)
-			pos = h.valEnd
+	out := make([]byte, 0, size)
+	var head, tail []byte // bytes before the first member and after the last
+	if all == 0 {
+		i := bytes.IndexByte(body, '{') + 1
+		head, tail = body[:i], body[i:]
+	} else {
+		head, tail = body[:first.keyStart], body[last.valEnd:]
+	}
+	out = append(out, head...)
+	prevEnd := -1
+	for i, k := range ms {
+		if i > 0 {
+			// The separator that preceded this member, when its predecessor was kept too.
+			if prevEnd >= 0 && !changedBetween(body, prevEnd, k.m.keyStart) {
+				out = append(out, body[prevEnd:k.m.keyStart]...)
+			} else {
+				out = append(out, ',')
+			}
+		}
+		out = append(out, body[k.m.keyStart:k.m.valStart]...)
+		if k.val != nil {
+			out = append(out, k.val...)
+		} else {
+			out = append(out, body[k.m.valStart:k.m.valEnd]...)
+		}
+		prevEnd = k.m.valEnd
+	}
+	for i, f := range sets {
+		if found[i] {
 			continue
 		}
-		start, end := memberSpan(body, h)
-		out = append(out, body[pos:start]...)
-		pos = end
+		if len(out) > len(head) {
+			out = append(out, ',')
+		}
+		out = appendKey(out, f.Key)
+		out = append(out, f.Value...)
 	}
-	return append(out, body[pos:]...), nil
+	return append(out, tail...), nil
 }
 
-// memberSpan returns the byte range to cut to remove member m together with one adjoining comma.
-func memberSpan(body []byte, m member) (start, end int) {
-	// Prefer removing the comma that precedes the member.
-	j := m.keyStart - 1
-	for j >= 0 && isWS(body[j]) {
-		j--
+// changedBetween reports whether body[from:to] is more than one separator (whitespace and a
+// single comma), i.e. whether members were removed in between.
+func changedBetween(body []byte, from, to int) bool {
+	commas := 0
+	for _, c := range body[from:to] {
+		switch c {
+		case ',':
+			commas++
+		case ' ', '\t', '\r', '\n':
+		default:
+			return true
+		}
 	}
-	if j >= 0 && body[j] == ',' {
-		return j, m.valEnd
-	}
-	// First member: remove the comma that follows, and the whitespace after it.
-	k := skipWS(body, m.valEnd)
-	if k < len(body) && body[k] == ',' {
-		return m.keyStart, skipWS(body, k+1)
-	}
-	return m.keyStart, m.valEnd
+	return commas != 1
 }
-
-func isWS(c byte) bool { return c == ' ' || c == '\t' || c == '\r' || c == '\n' }
 
 func appendKey(out []byte, key string) []byte {
 	k, _ := json.Marshal(key)

@@ -93,7 +93,7 @@ func TestParseRequest(t *testing.T) {
 // FuzzMembers checks the scanner against encoding/json on every valid object: same keys, same
 // values, and Set/Delete keep the document valid.
 func FuzzMembers(f *testing.F) {
-	for _, s := range []string{`{"a":1}`, `{"model":"x","n":[1,{"b":"}"}],"s":"\\\""}`, `{}`, ` {"a" : null , "a":true}`} {
+	for _, s := range []string{`{"a":1}`, `{"model":"x","n":[1,{"b":"}"}],"s":"\\\""}`, `{}`, ` {"a" : null , "a":true}`, `{"stream":true}`, `{"a":1,"stream":2}`, `{"stream":1, "a":2 ,"model":3}`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -127,6 +127,30 @@ func FuzzMembers(f *testing.F) {
 		}
 		if _, ok := Get(d, "model"); ok {
 			t.Fatalf("Delete left model in %q", d)
+		}
+		// Several edits at once: the result means what the edits say.
+		e, err := Edit(b, []Field{{"kv", []byte(`[1]`)}, {"model", []byte(`"m"`)}}, []string{"stream", "a"})
+		if err != nil || !json.Valid(e) {
+			t.Fatalf("Edit(%q) = %q, %v", b, e, err)
+		}
+		var after map[string]json.RawMessage
+		if err := json.Unmarshal(e, &after); err != nil {
+			t.Fatalf("Edit result %q: %v", e, err)
+		}
+		want["kv"], want["model"] = json.RawMessage(`[1]`), json.RawMessage(`"m"`)
+		delete(want, "stream")
+		delete(want, "a")
+		if len(after) != len(want) {
+			t.Fatalf("Edit(%q) = %q: keys %d, want %d", b, e, len(after), len(want))
+		}
+		for k, v := range want {
+			if k == "kv" || k == "model" {
+				if string(after[k]) != string(v) {
+					t.Fatalf("Edit(%q) = %q: %s = %s", b, e, k, after[k])
+				}
+			} else if _, ok := after[k]; !ok {
+				t.Fatalf("Edit(%q) = %q lost %q", b, e, k)
+			}
 		}
 	})
 }

@@ -1,5 +1,7 @@
-// Package proxy forwards one request to one worker and relays the answer: the client's bytes
-// out, the worker's status, headers and body back, SSE flushed as it arrives.
+// Package proxy sends requests to workers and relays their answers: the client's bytes out,
+// the worker's status, headers and body back, SSE flushed as it arrives. It is the one place
+// that classifies upstream failures: the status the client gets, and whether the failure
+// counts against the worker.
 package proxy
 
 import (
@@ -11,7 +13,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -30,26 +31,33 @@ var (
 	ErrAbort = errors.New("upstream failed after the first byte")
 )
 
+// ReadError is an upstream body read failure during Relay. Written reports whether any byte of
+// the response had reached the client; when not, the caller can still answer with a status.
+type ReadError struct {
+	Err     error
+	Written bool
+}
+
+func (e *ReadError) Error() string { return "reading upstream response: " + e.Err.Error() }
+func (e *ReadError) Unwrap() error { return e.Err }
+
 // NewTransport returns the pooled upstream transport Baton uses for every worker. Compression
 // is left to the engines and clients: Baton never asks for it, so bodies pass through untouched.
 func NewTransport() *http.Transport {
 	return &http.Transport{
-		Proxy: nil,
 		DialContext: (&net.Dialer{
 			Timeout:   10 * time.Second,
 			KeepAlive: 30 * time.Second,
 		}).DialContext,
-		MaxIdleConns:          0,
-		MaxIdleConnsPerHost:   512,
-		IdleConnTimeout:       90 * time.Second,
-		DisableCompression:    true,
-		ExpectContinueTimeout: 0,
-		WriteBufferSize:       64 << 10,
-		ReadBufferSize:        64 << 10,
+		MaxIdleConnsPerHost: 512,
+		IdleConnTimeout:     90 * time.Second,
+		DisableCompression:  true,
+		WriteBufferSize:     64 << 10,
+		ReadBufferSize:      64 << 10,
 	}
 }
 
-// Proxy forwards requests to workers.
+// Proxy sends requests to workers.
 type Proxy struct {
 	// Transport sends upstream requests.
 	Transport http.RoundTripper
@@ -69,103 +77,184 @@ var hopHeaders = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Pro
 
 var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
 
-// Forward POSTs body to path on w and relays the response to rw. It returns nil when the whole
-// response reached the client, ErrClientGone, ErrAbort (the caller must abort the connection), or
-// an *openai.Error written to the client already.
+// Send POSTs body to path on w with the client's allowlisted headers plus extra, under ctx.
+func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, path string, body []byte, extra http.Header) (*http.Response, error) {
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+path, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	out.URL.RawQuery = in.URL.RawQuery
+	CopyRequestHeaders(out.Header, in.Header, w)
+	for k, v := range extra {
+		out.Header[k] = v
+	}
+	out.Header.Set("Content-Type", "application/json")
+	out.ContentLength = int64(len(body))
+	return p.Transport.RoundTrip(out)
+}
+
+// Forward POSTs body to path on w and relays the response to rw (regular mode). It returns nil
+// when the whole response reached the client, ErrClientGone, ErrAbort (the caller must abort the
+// connection), or an *openai.Error already written to the client.
 func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
 	ctx, cancel := context.WithTimeout(r.Context(), p.Timeout)
 	defer cancel()
-	out, err := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+path, bytes.NewReader(body))
-	if err != nil {
-		e := &openai.Error{Status: http.StatusInternalServerError, Code: "bad_upstream_url", Message: err.Error()}
-		openai.WriteError(rw, e)
-		return e
-	}
-	out.URL.RawQuery = r.URL.RawQuery
-	CopyRequestHeaders(out.Header, r.Header, w)
-	out.Header.Set("Content-Type", "application/json")
-	out.ContentLength = int64(len(body))
-
 	release := w.Acquire()
 	defer release()
-	resp, err := p.Transport.RoundTrip(out)
+	resp, err := p.Send(ctx, r, w, path, body, nil)
 	if err != nil {
-		return p.fail(rw, r, w, err)
+		return p.fail(rw, r, w, "", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
-	h := rw.Header()
-	rid, via := h.Get(openai.HeaderRequestID), h.Get(openai.HeaderWorker)
-	copyResponseHeaders(h, resp.Header)
-	if rid != "" {
-		h.Set(openai.HeaderRequestID, rid)
+	err = p.Relay(rw, resp, nil)
+	if err == nil {
+		w.Record(resp.StatusCode, nil)
 	}
-	if via != "" {
-		h.Set(openai.HeaderWorker, via)
-	}
-	rw.WriteHeader(resp.StatusCode)
-	stream := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-	if err := p.relay(rw, resp.Body, stream); err != nil {
-		if r.Context().Err() != nil {
-			return ErrClientGone
-		}
-		kind := metrics.KindMidStream
-		if errors.Is(err, context.DeadlineExceeded) {
-			kind = metrics.KindTimeout
-		}
-		p.countError(w, kind)
-		p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "err", err)
-		return ErrAbort
-	}
-	return nil
+	return p.finish(rw, r, w, "", err)
 }
 
-// relay copies the upstream body to the client. For SSE it flushes after every read, so each
-// event leaves as soon as it arrives and nothing is re-buffered.
-func (p *Proxy) relay(rw http.ResponseWriter, body io.Reader, stream bool) error {
+// finish maps Relay's result: a read failure before the first byte is answered like a send
+// failure, after it the connection must be aborted.
+func (p *Proxy) finish(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
+	var re *ReadError
+	switch {
+	case err == nil, errors.Is(err, ErrClientGone):
+		return err
+	case r.Context().Err() != nil:
+		return ErrClientGone
+	case errors.As(err, &re) && !re.Written:
+		return p.fail(rw, r, w, leg, re.Err)
+	}
+	kind := metrics.KindMidStream
+	if errors.Is(err, context.DeadlineExceeded) {
+		kind = metrics.KindTimeout
+	}
+	w.Record(0, err)
+	p.countError(w, kind)
+	p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "leg", leg, "err", err)
+	return ErrAbort
+}
+
+// Relay writes resp to rw: status, headers and body. The head is written only once the first
+// body bytes arrived, so a failure before them leaves the client unanswered (ReadError with
+// Written false). SSE bodies are flushed after every read; with transform set, they are split
+// into events and each is passed through transform (which may return it unchanged).
+func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
+	stream := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	rc := http.NewResponseController(rw)
+	written := false
+	writeHead := func() {
+		h := rw.Header()
+		rid, via := h.Get(openai.HeaderRequestID), h.Get(openai.HeaderWorker)
+		copyResponseHeaders(h, resp.Header)
+		if transform != nil {
+			h.Del("Content-Length")
+		}
+		if rid != "" {
+			h.Set(openai.HeaderRequestID, rid)
+		}
+		if via != "" {
+			h.Set(openai.HeaderWorker, via)
+		}
+		rw.WriteHeader(resp.StatusCode)
+		written = true
+	}
+	emit := func(b []byte) error {
+		if !written {
+			writeHead()
+		}
+		if len(b) > 0 {
+			if _, err := rw.Write(b); err != nil {
+				return ErrClientGone
+			}
+		}
+		if stream {
+			if err := rc.Flush(); err != nil {
+				return ErrClientGone
+			}
+		}
+		return nil
+	}
+	if transform != nil && stream {
+		er := openai.NewEventReader(resp.Body)
+		for {
+			ev, err := er.Next()
+			if len(ev) > 0 {
+				if werr := emit(transform(ev)); werr != nil {
+					return werr
+				}
+			}
+			if err == io.EOF {
+				if !written {
+					writeHead()
+				}
+				return nil
+			}
+			if err != nil {
+				return &ReadError{Err: err, Written: written}
+			}
+		}
+	}
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
 	buf := *bp
-	rc := http.NewResponseController(rw)
 	for {
-		n, err := body.Read(buf)
+		n, err := resp.Body.Read(buf)
 		if n > 0 {
-			if _, werr := rw.Write(buf[:n]); werr != nil {
-				return fmt.Errorf("write to client: %w", werr)
-			}
-			if stream {
-				if ferr := rc.Flush(); ferr != nil {
-					return fmt.Errorf("flush to client: %w", ferr)
-				}
+			if werr := emit(buf[:n]); werr != nil {
+				return werr
 			}
 		}
 		if err == io.EOF {
+			if !written {
+				writeHead()
+			}
 			return nil
 		}
 		if err != nil {
-			return err
+			return &ReadError{Err: err, Written: written}
 		}
 	}
 }
 
-// fail maps an error before any response byte to the client's status and writes it.
-func (p *Proxy) fail(rw http.ResponseWriter, r *http.Request, w *worker.Worker, err error) error {
+// Classify maps an error before any response byte to the client's status and error code.
+// leg ("prefill", "decode" or "") prefixes the code.
+func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *openai.Error {
+	prefix := ""
+	if leg != "" {
+		prefix = leg + "_"
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout,
+			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
+	}
+	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable,
+		Message: fmt.Sprintf("%sworker %s: %v", legWord(leg), w.URL, unwrapURLError(err))}
+}
+
+func legWord(leg string) string {
+	if leg == "" {
+		return ""
+	}
+	return leg + " "
+}
+
+// fail answers the client for a failure before any response byte, and records it against w.
+func (p *Proxy) fail(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
 	if r.Context().Err() != nil {
 		return ErrClientGone
 	}
-	var e *openai.Error
-	if errors.Is(err, context.DeadlineExceeded) {
-		p.countError(w, metrics.KindTimeout)
-		e = &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
-			Message: fmt.Sprintf("worker %s did not answer within %s", w.URL, p.Timeout)}
-	} else {
-		p.countError(w, metrics.KindTransport)
-		e = &openai.Error{Status: http.StatusBadGateway, Code: openai.CodeUpstreamUnreachable,
-			Message: fmt.Sprintf("worker %s: %v", w.URL, unwrapURLError(err))}
+	e := Classify(w, leg, p.Timeout, err)
+	w.Record(0, err)
+	kind := metrics.KindTransport
+	if e.Status == http.StatusGatewayTimeout {
+		kind = metrics.KindTimeout
 	}
-	p.Log.Warn("upstream request failed", "worker", w.URL, "status", e.Status, "err", err)
+	p.countError(w, kind)
+	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg, "status", e.Status, "err", err)
 	openai.WriteError(rw, e)
 	return e
 }
@@ -208,10 +297,5 @@ func copyResponseHeaders(dst, src http.Header) {
 	}
 	for _, k := range hopHeaders {
 		dst.Del(k)
-	}
-	if cl := src.Get("Content-Length"); cl != "" {
-		if _, err := strconv.ParseInt(cl, 10, 64); err != nil {
-			dst.Del("Content-Length")
-		}
 	}
 }

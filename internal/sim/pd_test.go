@@ -357,3 +357,17 @@ func readAllErr(resp *http.Response, b []byte) (int, error) {
 		}
 	}
 }
+
+func TestFaultRate(t *testing.T) {
+	e := start(t, Config{Model: "m", Faults: Faults{Status: 500, Rate: 0.5}})
+	failed := 0
+	for i := 0; i < 200; i++ {
+		if post(t, e.URL()+"/v1/completions", `{"prompt":"a","max_tokens":1}`).status == 500 {
+			failed++
+		}
+	}
+	// Binomial(200, 0.5): outside [60, 140] has probability below 1e-8.
+	if failed < 60 || failed > 140 {
+		t.Errorf("%d of 200 failed at rate 0.5", failed)
+	}
+}

@@ -4,7 +4,11 @@
 package worker
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"net/http"
+	"net/url"
 	"strings"
 	"sync/atomic"
 
@@ -31,10 +35,20 @@ type Worker struct {
 	Labels map[string]string
 	APIKey string // bearer token for this worker; empty forwards the client's
 
+	// BootstrapHost is the host of URL, as SGLang legs name their prefill (IPv6 in brackets).
+	BootstrapHost string
+	// BootstrapPort is the prefill's bootstrap server port; nil sends JSON null.
+	BootstrapPort *int
+	// DPSize is the number of data parallel ranks Baton addresses; 0 or 1 means none.
+	DPSize int
+
 	configured config.Worker
 	info       atomic.Pointer[Info] // nil until registration succeeds
 	ready      atomic.Bool
 	inflight   atomic.Int64
+	rank       atomic.Uint64 // round robin over DP ranks
+	successes  atomic.Int64
+	failures   atomic.Int64
 }
 
 // New returns a worker for c, not yet registered and not ready.
@@ -43,12 +57,23 @@ func New(c config.Worker) *Worker {
 	if role == "" {
 		role = config.RoleRegular
 	}
+	u := strings.TrimRight(c.URL, "/")
+	host := "localhost"
+	if pu, err := url.Parse(u); err == nil && pu.Hostname() != "" {
+		host = pu.Hostname()
+		if strings.Contains(host, ":") {
+			host = "[" + host + "]"
+		}
+	}
 	return &Worker{
-		URL:        strings.TrimRight(c.URL, "/"),
-		Role:       role,
-		Labels:     c.Labels,
-		APIKey:     c.APIKey,
-		configured: c,
+		URL:           u,
+		Role:          role,
+		Labels:        c.Labels,
+		APIKey:        c.APIKey,
+		BootstrapHost: host,
+		BootstrapPort: c.BootstrapPort,
+		DPSize:        c.DPSize,
+		configured:    c,
 	}
 }
 
@@ -109,3 +134,49 @@ func (w *Worker) Serves(model string) bool {
 }
 
 func (w *Worker) setInfo(in *Info) { w.info.Store(in) }
+
+// IsFailure reports whether an upstream outcome counts against the worker, and whether it is a
+// sample at all. Transport errors and 408/500/502/503/504 are failures; 429 is no sample (the
+// engine is busy, not broken); a cancellation Baton or the client caused is no sample; every
+// other status is a success.
+func IsFailure(status int, err error) (failure, sample bool) {
+	if err != nil {
+		if errors.Is(err, context.Canceled) {
+			return false, false
+		}
+		return true, true
+	}
+	switch status {
+	case http.StatusTooManyRequests:
+		return false, false
+	case http.StatusRequestTimeout, http.StatusInternalServerError, http.StatusBadGateway,
+		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return true, true
+	}
+	return false, true
+}
+
+// Record takes one outcome of a request this worker served: its status, or the error that kept
+// it from answering.
+func (w *Worker) Record(status int, err error) {
+	failure, sample := IsFailure(status, err)
+	switch {
+	case !sample:
+	case failure:
+		w.failures.Add(1)
+	default:
+		w.successes.Add(1)
+	}
+}
+
+// Outcomes returns the success and failure samples recorded so far.
+func (w *Worker) Outcomes() (successes, failures int64) { return w.successes.Load(), w.failures.Load() }
+
+// NextRank returns the next data parallel rank to use on this worker, round robin, and false
+// when the worker has no DP ranks configured.
+func (w *Worker) NextRank() (int, bool) {
+	if w.DPSize <= 1 {
+		return 0, false
+	}
+	return int((w.rank.Add(1) - 1) % uint64(w.DPSize)), true
+}

@@ -1,0 +1,88 @@
+package openai
+
+import (
+	"bytes"
+	"io"
+)
+
+// EventReader splits an SSE stream into events. Each event is returned with its terminating
+// blank line, exactly as read, so an event that is not changed is relayed byte for byte.
+type EventReader struct {
+	r   io.Reader
+	buf []byte
+	off int // start of unread bytes in buf
+	err error
+}
+
+// NewEventReader returns an EventReader over r.
+func NewEventReader(r io.Reader) *EventReader { return &EventReader{r: r, buf: make([]byte, 0, 8<<10)} }
+
+// Next returns the next event. At the end of the stream it returns any unterminated remainder
+// and then io.EOF; other read errors are returned as they happen. The returned slice is valid
+// until the next call.
+func (e *EventReader) Next() ([]byte, error) {
+	for {
+		if end := eventEnd(e.buf[e.off:]); end > 0 {
+			ev := e.buf[e.off : e.off+end]
+			e.off += end
+			return ev, nil
+		}
+		if e.err != nil {
+			if e.off < len(e.buf) {
+				ev := e.buf[e.off:]
+				e.off = len(e.buf)
+				return ev, nil
+			}
+			return nil, e.err
+		}
+		// Compact, grow, read.
+		if e.off > 0 {
+			n := copy(e.buf, e.buf[e.off:])
+			e.buf, e.off = e.buf[:n], 0
+		}
+		if len(e.buf) == cap(e.buf) {
+			e.buf = append(e.buf, make([]byte, len(e.buf))...)[:len(e.buf)]
+		}
+		n, err := e.r.Read(e.buf[len(e.buf):cap(e.buf)])
+		e.buf = e.buf[:len(e.buf)+n]
+		if err != nil {
+			e.err = err
+		}
+	}
+}
+
+// eventEnd returns the length of the first complete event in b (through its blank line), or 0.
+func eventEnd(b []byte) int {
+	for i := 0; i < len(b); {
+		j := bytes.IndexByte(b[i:], '\n')
+		if j < 0 {
+			return 0
+		}
+		i += j + 1
+		if i < len(b) && b[i] == '\n' {
+			return i + 1
+		}
+		if i+1 < len(b) && b[i] == '\r' && b[i+1] == '\n' {
+			return i + 2
+		}
+	}
+	return 0
+}
+
+// EventData returns the payload of an event's "data:" line (the first, when there are several),
+// without the prefix space; ok is false when the event has none.
+func EventData(ev []byte) (data []byte, ok bool) {
+	for len(ev) > 0 {
+		line := ev
+		if i := bytes.IndexByte(ev, '\n'); i >= 0 {
+			line, ev = ev[:i], ev[i+1:]
+		} else {
+			ev = nil
+		}
+		line = bytes.TrimSuffix(line, []byte("\r"))
+		if d, found := bytes.CutPrefix(line, []byte("data:")); found {
+			return bytes.TrimPrefix(d, []byte(" ")), true
+		}
+	}
+	return nil, false
+}
