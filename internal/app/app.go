@@ -16,6 +16,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/server"
@@ -62,6 +63,7 @@ type Gateway struct {
 	Registry  *worker.Registry
 	Metrics   *metrics.Metrics
 	Server    *server.Server
+	Parallel  *pd.Parallel
 	Registrar *worker.Registrar
 	Log       *slog.Logger
 }
@@ -74,9 +76,13 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	reg := worker.NewRegistry(ws...)
 	m := metrics.New(reg)
-	pol, err := policy.New(cfg.Policy)
-	if err != nil {
-		return nil, err
+	policies := map[string]policy.Policy{}
+	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
+		p, err := policy.New(cfg.PolicyFor(role))
+		if err != nil {
+			return nil, err
+		}
+		policies[role] = p
 	}
 	transport := proxy.NewTransport()
 	px := &proxy.Proxy{
@@ -85,11 +91,13 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Metrics:   m,
 		Log:       log,
 	}
+	parallel := &pd.Parallel{Proxy: px, Metrics: m, Log: log}
 	return &Gateway{
 		Config:   cfg,
 		Registry: reg,
 		Metrics:  m,
-		Server:   server.New(cfg, reg, pol, px, m, log),
+		Parallel: parallel,
+		Server:   server.New(cfg, reg, policies, px, parallel, m, log),
 		Registrar: &worker.Registrar{
 			Registry:    reg,
 			Client:      &http.Client{Transport: transport},
@@ -155,6 +163,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	stopBG()
 	g.Registrar.Wait()
+	g.Parallel.Wait()
 	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
 		return fmt.Errorf("serve: %w", serveErr)
 	}

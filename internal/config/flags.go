@@ -15,14 +15,14 @@ var ErrHelp = errors.New("help requested")
 // flag is one command line flag. Flags are long, kebab case, smg-compatible: "--name value",
 // "--name=value", and for lists "--name v1 v2 ..." (values up to the next "--flag").
 type flag struct {
-	name  string
-	arg   string // placeholder in usage; empty for booleans
-	list  bool
+	name string
+	arg  string // placeholder in usage; empty for booleans
+	list bool
 	// optPort: one value, then an optional second one when it is an integer or "none"
 	// (--prefill URL [BOOTSTRAP_PORT|none]).
 	optPort bool
-	help  string
-	apply func(c *Config, vals []string) error
+	help    string
+	apply   func(c *Config, vals []string) error
 }
 
 func strFlag(name, help string, field func(*Config) *string) flag {

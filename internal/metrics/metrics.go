@@ -36,6 +36,11 @@ type Metrics struct {
 	Duration       *prometheus.HistogramVec // route, model
 	UpstreamErrors *prometheus.CounterVec   // worker, kind
 
+	PDRequests          *prometheus.CounterVec   // model, dispatch, outcome
+	PDTTFT              *prometheus.HistogramVec // model, runtime
+	PDPrefillDuration   *prometheus.HistogramVec // model, runtime
+	PDBootstrapFailures prometheus.Counter
+
 	mu     sync.Mutex
 	models map[string]struct{}
 }
@@ -58,9 +63,28 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_upstream_errors_total",
 			Help: "Failed upstream requests by worker and kind (transport, timeout, status, mid_stream).",
 		}, []string{"worker", "kind"}),
+		PDRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_requests_total",
+			Help: "PD requests by model, dispatch (parallel, sequential) and outcome (success, prefill_failed, decode_failed, client_cancelled, aborted).",
+		}, []string{"model", "dispatch", "outcome"}),
+		PDTTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "baton_pd_ttft_seconds",
+			Help:    "Time from dispatch of the first leg to the first byte of the decode response.",
+			Buckets: DurationBuckets,
+		}, []string{"model", "runtime"}),
+		PDPrefillDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "baton_pd_prefill_duration_seconds",
+			Help:    "Time from dispatch to the end of the prefill response.",
+			Buckets: DurationBuckets,
+		}, []string{"model", "runtime"}),
+		PDBootstrapFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_pd_bootstrap_failures_total",
+			Help: "Requests whose bootstrap fields could not be injected into the legs.",
+		}),
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
+		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -101,6 +125,8 @@ var (
 		"Requests in flight on a worker through Baton, streams included.", []string{"worker", "role"}, nil)
 	readyDesc = prometheus.NewDesc("baton_worker_ready",
 		"1 when the worker is registered and may receive traffic, else 0.", []string{"worker", "role"}, nil)
+	outcomeDesc = prometheus.NewDesc("baton_worker_outcomes_total",
+		"Outcome samples of requests a worker served (failure: transport error or 408/500/502/503/504).", []string{"worker", "role", "outcome"}, nil)
 )
 
 type workerCollector struct{ reg *worker.Registry }
@@ -108,6 +134,7 @@ type workerCollector struct{ reg *worker.Registry }
 func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- inflightDesc
 	ch <- readyDesc
+	ch <- outcomeDesc
 }
 
 func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
@@ -118,5 +145,8 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 			ready = 1
 		}
 		ch <- prometheus.MustNewConstMetric(readyDesc, prometheus.GaugeValue, ready, w.URL, w.Role)
+		ok, failed := w.Outcomes()
+		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(ok), w.URL, w.Role, "success")
+		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(failed), w.URL, w.Role, "failure")
 	}
 }

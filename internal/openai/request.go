@@ -12,6 +12,9 @@ type Request struct {
 	Body   []byte // The client's bytes, unchanged.
 	Model  string // Top-level "model"; empty when absent or null.
 	Stream bool   // Top-level "stream" is true.
+	N      int    // Top-level "n"; 0 when absent.
+	// ReturnLogprob is SGLang /generate's top-level "return_logprob" is true.
+	ReturnLogprob bool
 }
 
 // ParseRequest validates body as a JSON object and reads the members Baton routes on in one pass
@@ -35,6 +38,16 @@ func ParseRequest(body []byte) (*Request, error) {
 			}
 		case "stream":
 			r.Stream = bytes.Equal(raw, []byte("true"))
+		case "return_logprob":
+			r.ReturnLogprob = bytes.Equal(raw, []byte("true"))
+		case "n":
+			if bytes.Equal(raw, []byte("null")) {
+				return true
+			}
+			if err := json.Unmarshal(raw, &r.N); err != nil || r.N < 0 {
+				perr = fmt.Errorf(`"n" must be a positive integer`)
+				return false
+			}
 		}
 		return true
 	})

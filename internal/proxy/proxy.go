@@ -103,7 +103,7 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	defer release()
 	resp, err := p.Send(ctx, r, w, path, body, nil)
 	if err != nil {
-		return p.fail(rw, r, w, "", err)
+		return p.Fail(rw, r, w, "", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
@@ -113,12 +113,12 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if err == nil {
 		w.Record(resp.StatusCode, nil)
 	}
-	return p.finish(rw, r, w, "", err)
+	return p.Finish(rw, r, w, "", err)
 }
 
-// finish maps Relay's result: a read failure before the first byte is answered like a send
+// Finish maps Relay's result: a read failure before the first byte is answered like a send
 // failure, after it the connection must be aborted.
-func (p *Proxy) finish(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
+func (p *Proxy) Finish(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
 	var re *ReadError
 	switch {
 	case err == nil, errors.Is(err, ErrClientGone):
@@ -126,7 +126,7 @@ func (p *Proxy) finish(rw http.ResponseWriter, r *http.Request, w *worker.Worker
 	case r.Context().Err() != nil:
 		return ErrClientGone
 	case errors.As(err, &re) && !re.Written:
-		return p.fail(rw, r, w, leg, re.Err)
+		return p.Fail(rw, r, w, leg, re.Err)
 	}
 	kind := metrics.KindMidStream
 	if errors.Is(err, context.DeadlineExceeded) {
@@ -242,8 +242,8 @@ func legWord(leg string) string {
 	return leg + " "
 }
 
-// fail answers the client for a failure before any response byte, and records it against w.
-func (p *Proxy) fail(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
+// Fail answers the client for a failure before any response byte, and records it against w.
+func (p *Proxy) Fail(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
 	if r.Context().Err() != nil {
 		return ErrClientGone
 	}

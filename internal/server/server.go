@@ -18,6 +18,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
@@ -29,28 +30,43 @@ var inferenceRoutes = []string{
 	"/v1/embeddings", "/v1/rerank", "/rerank",
 }
 
+// pdRoutes are the generation routes that go through PD in PD mode.
+var pdRoutes = map[string]bool{
+	"/generate": true, "/v1/chat/completions": true, "/v1/completions": true, "/v1/messages": true, "/v1/responses": true,
+}
+
 // Server is Baton's API server.
 type Server struct {
 	cfg      config.Config
 	reg      *worker.Registry
-	policy   policy.Policy
+	policies map[string]policy.Policy // by role
 	proxy    *proxy.Proxy
+	parallel pd.Executor // PD dispatch for bootstrap engines
 	metrics  *metrics.Metrics
 	log      *slog.Logger
 	draining atomic.Bool
 	inflight atomic.Int64 // client requests being served (streams included)
 }
 
-// New returns a server routing over reg.
-func New(cfg config.Config, reg *worker.Registry, p policy.Policy, px *proxy.Proxy, m *metrics.Metrics, log *slog.Logger) *Server {
-	return &Server{cfg: cfg, reg: reg, policy: p, proxy: px, metrics: m, log: log}
+// New returns a server routing over reg with a policy per worker role.
+func New(cfg config.Config, reg *worker.Registry, policies map[string]policy.Policy, px *proxy.Proxy, parallel pd.Executor, m *metrics.Metrics, log *slog.Logger) *Server {
+	return &Server{cfg: cfg, reg: reg, policies: policies, proxy: px, parallel: parallel, metrics: m, log: log}
 }
 
 // Handler returns the API handler with its middleware.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	for _, route := range inferenceRoutes {
-		mux.Handle("POST "+route, s.authed(http.HandlerFunc(s.serveInference)))
+		h := http.HandlerFunc(s.serveInference)
+		if s.cfg.PDDisaggregation && pdRoutes[route] {
+			h = s.servePD
+		}
+		mux.Handle("POST "+route, s.authed(h))
+	}
+	if s.cfg.PDDisaggregation {
+		mux.HandleFunc("GET /health_generate", s.serveHealthGenerate)
+		mux.Handle("GET /get_server_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
+		mux.Handle("GET /get_model_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 	}
 	mux.Handle("GET /v1/models", s.authed(http.HandlerFunc(s.serveModels)))
 	mux.HandleFunc("GET /health", s.serveLiveness)
@@ -183,20 +199,35 @@ func tooLarge(limit int64) *openai.Error {
 		Message: fmt.Sprintf("request body exceeds the limit of %d bytes", limit)}
 }
 
-// serveInference forwards an inference request to one worker serving its model.
-func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
+// readRequest reads and parses the body of an inference request, answering bad input itself.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) *openai.Request {
 	body, oerr := s.readBody(w, r)
 	if oerr != nil {
 		openai.WriteError(w, oerr)
-		return
+		return nil
 	}
 	req, err := openai.ParseRequest(body)
 	if err != nil {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
-		return
+		return nil
 	}
 	if info, ok := r.Context().Value(ctxKey{}).(*reqInfo); ok {
 		info.model = req.Model
+	}
+	return req
+}
+
+// serveInference forwards an inference request to one regular worker serving its model.
+func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
+	req := s.readRequest(w, r)
+	if req == nil {
+		return
+	}
+	body := req.Body
+	if s.cfg.PDDisaggregation && !s.hasRole(config.RoleRegular) {
+		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: "not_implemented_in_pd_mode",
+			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
+		return
 	}
 	wk, oerr := s.pick(config.RoleRegular, req.Model)
 	if oerr != nil {
@@ -225,7 +256,17 @@ func (s *Server) pick(role, model string) (*worker.Worker, *openai.Error) {
 		}
 		return nil, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
 	}
-	return s.policy.Pick(ready), nil
+	return s.policies[role].Pick(ready), nil
+}
+
+// hasRole reports whether any worker of role is configured.
+func (s *Server) hasRole(role string) bool {
+	for _, w := range s.reg.Snapshot().Workers {
+		if w.Role == role {
+			return true
+		}
+	}
+	return false
 }
 
 func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
@@ -238,7 +279,9 @@ func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
 	switch {
 	case s.draining.Load():
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining, Message: "shutting down"})
-	case !s.reg.Snapshot().HasReady(config.RoleRegular):
+	case s.cfg.PDDisaggregation && !(s.reg.Snapshot().HasReady(config.RolePrefill) && s.reg.Snapshot().HasReady(config.RoleDecode)):
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable prefill and decode worker yet"})
+	case !s.cfg.PDDisaggregation && !s.reg.Snapshot().HasReady(config.RoleRegular):
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable worker yet"})
 	default:
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")

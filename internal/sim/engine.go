@@ -69,6 +69,7 @@ type Stats struct {
 	HandoffsPulled         int64 // pinned KV taken by a decode engine
 	HandoffsExpired        int64 // pinned KV freed by timeout, never taken
 	KVLoadFailures         int64 // decode could not load the KV it was told about
+	RequestsReceived       int64 // inference requests that reached a handler
 	RequestsOK             int64
 	RequestsFailed         int64
 	RequestsCancelled      int64 // the client left before the answer was complete
@@ -76,9 +77,9 @@ type Stats struct {
 }
 
 type stats struct {
-	remote, recompute, local                 atomic.Int64
-	pinned, pulled, expired, loadFail        atomic.Int64
-	ok, failed, cancelled, rejected, running atomic.Int64
+	remote, recompute, local                  atomic.Int64
+	pinned, pulled, expired, loadFail         atomic.Int64
+	received, ok, failed, cancelled, rejected atomic.Int64
 }
 
 // Stats returns a snapshot of the counters.
@@ -87,7 +88,7 @@ func (e *Engine) Stats() Stats {
 	return Stats{
 		PromptTokensRemote: s.remote.Load(), PromptTokensRecompute: s.recompute.Load(), PromptTokensLocalCache: s.local.Load(),
 		HandoffsPinned: s.pinned.Load(), HandoffsPulled: s.pulled.Load(), HandoffsExpired: s.expired.Load(),
-		KVLoadFailures: s.loadFail.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
+		KVLoadFailures: s.loadFail.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
 		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(),
 	}
 }

@@ -255,4 +255,3 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 		return s.done()
 	}
 }
-

@@ -30,8 +30,10 @@ type choice struct {
 func (e *Engine) inference(rt route) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx := r.Context()
+		e.stats.received.Add(1)
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
+			e.stats.cancelled.Add(1)
 			return
 		}
 		f := e.faults(r)

@@ -163,4 +163,3 @@ func (e *Engine) joinRoom(ctx context.Context, host string, port int, roomID uin
 	}
 	return &kv, nil
 }
-

@@ -1,0 +1,404 @@
+package app
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+const pdModel = "m"
+
+func simEngine(t *testing.T, c sim.Config) *sim.Engine {
+	t.Helper()
+	c.Model = pdModel
+	if c.BootstrapTimeout == 0 {
+		c.BootstrapTimeout = 30 * time.Second // long: a test passes only if Baton cancels, not the engine's timeout
+	}
+	e, err := sim.Start(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}
+
+// sglangPD starts an SGLang prefill and decode pair and a PD gateway over them.
+func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...func(*config.Config)) (p, d *sim.Engine, g *Gateway, url string) {
+	t.Helper()
+	pc.Engine, pc.Role = sim.EngineSGLang, sim.RolePrefill
+	dc.Engine, dc.Role = sim.EngineSGLang, sim.RoleDecode
+	p, d = simEngine(t, pc), simEngine(t, dc)
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	port := p.BootstrapPort()
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+	for _, f := range tweak {
+		f(&cfg)
+	}
+	g, srv := startGateway(t, cfg)
+	return p, d, g, srv.URL
+}
+
+// postTimeout posts with a client deadline, so a leg left waiting for a partner fails the test
+// instead of hanging it.
+func postTimeout(t *testing.T, url, body string) (*http.Response, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading %s: %v", url, err)
+	}
+	return resp, string(b)
+}
+
+// answerText extracts the generated text of any route's answer, streamed or not.
+func answerText(t *testing.T, body string) string {
+	t.Helper()
+	if strings.HasPrefix(body, "data: ") || strings.HasPrefix(body, "event: ") {
+		var sb strings.Builder
+		for _, ev := range strings.Split(body, "\n\n") {
+			for _, line := range strings.Split(ev, "\n") {
+				d, ok := strings.CutPrefix(line, "data: ")
+				if !ok || d == "[DONE]" {
+					continue
+				}
+				var v map[string]any
+				json.Unmarshal([]byte(d), &v)
+				if ch, _ := v["choices"].([]any); len(ch) > 0 {
+					c := ch[0].(map[string]any)
+					if delta, ok := c["delta"].(map[string]any); ok {
+						s, _ := delta["content"].(string)
+						sb.WriteString(s)
+					} else if s, ok := c["text"].(string); ok {
+						sb.WriteString(s)
+					}
+				} else if s, ok := v["delta"].(string); ok {
+					sb.WriteString(s)
+				} else if s, ok := v["text"].(string); ok { // /generate: cumulative
+					sb.Reset()
+					sb.WriteString(s)
+				}
+			}
+		}
+		return sb.String()
+	}
+	var v map[string]any
+	if err := json.Unmarshal([]byte(body), &v); err != nil {
+		t.Fatalf("answer %q: %v", body, err)
+	}
+	if ch, _ := v["choices"].([]any); len(ch) > 0 {
+		c := ch[0].(map[string]any)
+		if m, ok := c["message"].(map[string]any); ok {
+			return m["content"].(string)
+		}
+		return c["text"].(string)
+	}
+	if out, ok := v["output"].([]any); ok {
+		return out[0].(map[string]any)["content"].([]any)[0].(map[string]any)["text"].(string)
+	}
+	return v["text"].(string)
+}
+
+var pdCases = []struct{ name, route, body string }{
+	{"chat", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"relay race baton"}],"max_tokens":7}`},
+	{"chat stream", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"relay race baton"}],"max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}`},
+	{"completions", "/v1/completions", `{"model":"m","prompt":"the quick brown fox","max_tokens":5}`},
+	{"completions stream", "/v1/completions", `{"model":"m","prompt":"the quick brown fox","max_tokens":5,"stream":true}`},
+	{"generate", "/generate", `{"text":"one two three","sampling_params":{"max_new_tokens":6}}`},
+	{"generate stream", "/generate", `{"text":"one two three","sampling_params":{"max_new_tokens":6},"stream":true}`},
+	{"generate ids", "/generate", `{"input_ids":[5,6,7,8],"sampling_params":{"max_new_tokens":4}}`},
+}
+
+func TestPDParallelSameTextAsAggregated(t *testing.T) {
+	p, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	for _, tc := range pdCases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, want := postTimeout(t, agg.URL()+tc.route, tc.body)
+			resp, got := postTimeout(t, gw+tc.route, tc.body)
+			if resp.StatusCode != 200 {
+				t.Fatalf("status %d: %s", resp.StatusCode, got)
+			}
+			if a, b := answerText(t, got), answerText(t, want); a != b || a == "" {
+				t.Errorf("PD text %q, aggregated %q", a, b)
+			}
+			if src := resp.Header.Get(sim.HeaderKVSource); src != sim.SourceRemote {
+				t.Errorf("decode KV source %q, want remote", src)
+			}
+			if resp.Header.Get("X-Baton-Prefill-Worker") != p.URL() || resp.Header.Get("X-Baton-Decode-Worker") != d.URL() {
+				t.Errorf("worker headers %q %q", resp.Header.Get("X-Baton-Prefill-Worker"), resp.Header.Get("X-Baton-Decode-Worker"))
+			}
+		})
+	}
+	if s := p.Stats(); s.RequestsOK != int64(len(pdCases)) || s.RequestsCancelled != 0 {
+		t.Errorf("prefill stats %+v", s)
+	}
+}
+
+func TestPDParallelBatch(t *testing.T) {
+	_, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	for _, body := range []string{
+		`{"text":["alpha beta","gamma delta epsilon"],"sampling_params":{"max_new_tokens":3}}`,
+		`{"input_ids":[[1,2,3],[4,5]],"sampling_params":{"max_new_tokens":3}}`,
+	} {
+		_, want := postTimeout(t, agg.URL()+"/generate", body)
+		resp, got := postTimeout(t, gw+"/generate", body)
+		if resp.StatusCode != 200 || stripIDs(got) != stripIDs(want) {
+			t.Errorf("batch %s: %d\n got %s\nwant %s", body, resp.StatusCode, got, want)
+		}
+	}
+	_, want := postTimeout(t, agg.URL()+"/v1/completions", `{"model":"m","prompt":["a b","c d"],"max_tokens":3}`)
+	if resp, got := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":["a b","c d"],"max_tokens":3}`); resp.StatusCode != 200 || !strings.Contains(got, answerText(t, want)) {
+		t.Errorf("completions batch: %d %s", resp.StatusCode, got)
+	}
+	if d.Stats().RequestsOK != 3 {
+		t.Errorf("decode stats %+v", d.Stats())
+	}
+}
+
+func TestPDParallelDPRanks(t *testing.T) {
+	p, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, func(c *config.Config) {
+		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
+	})
+	ranks := map[string]bool{}
+	for i := 0; i < 4; i++ {
+		resp, body := postTimeout(t, gw+"/generate", `{"text":"dp ranks","sampling_params":{"max_new_tokens":2}}`)
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+		ranks[resp.Header.Get(sim.HeaderDPRank)] = true
+	}
+	if len(ranks) != 2 {
+		t.Errorf("decode ranks used %v, want both", ranks)
+	}
+	if p.Stats().RequestsOK != 4 {
+		t.Errorf("prefill stats %+v", p.Stats())
+	}
+}
+
+func TestPDParallelLogprobMerge(t *testing.T) {
+	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	body := `{"text":"a b c d e f","sampling_params":{"max_new_tokens":3},"return_logprob":true}`
+	inputLP := func(s string) string {
+		var v map[string]any
+		json.Unmarshal([]byte(s), &v)
+		b, _ := json.Marshal(v["meta_info"].(map[string]any)["input_token_logprobs"])
+		return string(b)
+	}
+	_, want := postTimeout(t, agg.URL()+"/generate", body)
+	resp, got := postTimeout(t, gw+"/generate", body)
+	if resp.StatusCode != 200 || inputLP(got) != inputLP(want) {
+		t.Fatalf("merged %s\nwant %s", inputLP(got), inputLP(want))
+	}
+	sbody := strings.Replace(body, `"return_logprob":true`, `"return_logprob":true,"stream":true`, 1)
+	resp, got = postTimeout(t, gw+"/generate", sbody)
+	events := 0
+	for _, ev := range strings.Split(strings.TrimSpace(got), "\n\n") {
+		d := strings.TrimPrefix(ev, "data: ")
+		if d == "[DONE]" {
+			continue
+		}
+		events++
+		if inputLP(d) != inputLP(want) {
+			t.Errorf("streamed event logprobs %s, want %s", inputLP(d), inputLP(want))
+		}
+	}
+	if resp.StatusCode != 200 || events != 3 {
+		t.Errorf("stream: %d, %d events", resp.StatusCode, events)
+	}
+}
+
+func TestPDParallelFailures(t *testing.T) {
+	const body = `{"text":"fail fast","sampling_params":{"max_new_tokens":3}}`
+	for _, tc := range []struct {
+		name           string
+		pc, dc         sim.Config
+		status         int
+		code           string
+		penalised      string // prefill, decode or none
+		cancelledOther string // the leg the simulator shows cancelled
+	}{
+		{"prefill 503", sim.Config{Faults: sim.Faults{Status: 503}}, sim.Config{}, 503, "prefill_upstream_error", "prefill", "decode"},
+		{"prefill 400", sim.Config{Faults: sim.Faults{Status: 400}}, sim.Config{}, 400, "prefill_upstream_error", "none", "decode"},
+		{"prefill 429", sim.Config{Faults: sim.Faults{Status: 429}}, sim.Config{}, 429, "prefill_upstream_error", "none", "decode"},
+		{"decode 500", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 500}}, 500, "decode_upstream_error", "decode", "prefill"},
+		{"decode 404", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 404}}, 404, "decode_upstream_error", "none", "prefill"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, d, g, gw := sglangPD(t, tc.pc, tc.dc)
+			for _, stream := range []bool{false, true} {
+				b := body
+				if stream {
+					b = strings.Replace(body, "{", `{"stream":true,`, 1)
+				}
+				resp, got := postTimeout(t, gw+"/generate", b)
+				var e envelope
+				if resp.StatusCode != tc.status || json.Unmarshal([]byte(got), &e) != nil || e.Error.Code != tc.code {
+					t.Fatalf("stream=%v: %d %s, want %d %s", stream, resp.StatusCode, got, tc.status, tc.code)
+				}
+			}
+			// The other leg was cancelled: every request it received ended cancelled (a leg
+			// cancelled before it was sent never reaches the engine).
+			other := map[string]*sim.Engine{"prefill": p, "decode": d}[tc.cancelledOther]
+			waitFor(t, func() bool { s := other.Stats(); return s.RequestsCancelled == s.RequestsReceived })
+			if s := other.Stats(); s.RequestsOK != 0 || s.RequestsFailed != 0 {
+				t.Errorf("%s leg not cancelled: %+v", tc.cancelledOther, s)
+			}
+			ws := g.Registry.Snapshot().Workers
+			_, pf := ws[0].Outcomes()
+			_, df := ws[1].Outcomes()
+			want := map[string][2]int64{"prefill": {2, 0}, "decode": {0, 2}, "none": {0, 0}}[tc.penalised]
+			if pf != want[0] || df != want[1] {
+				t.Errorf("failures prefill=%d decode=%d, want %v", pf, df, want)
+			}
+			waitFor(t, func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
+		})
+	}
+}
+
+func TestPDParallelPrefillDown(t *testing.T) {
+	p, d, g, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	p.Close() // the prefill dies after registration: connection refused
+	resp, got := postTimeout(t, gw+"/generate", `{"text":"anyone there","sampling_params":{"max_new_tokens":2}}`)
+	var e envelope
+	json.Unmarshal([]byte(got), &e)
+	if resp.StatusCode != 502 || e.Error.Code != "prefill_upstream_unreachable" {
+		t.Fatalf("%d %s", resp.StatusCode, got)
+	}
+	// The decode either was cancelled by Baton or failed on its own to reach the dead bootstrap
+	// server; it never answered with a result.
+	waitFor(t, func() bool { s := d.Stats(); return s.RequestsCancelled+s.RequestsFailed == s.RequestsReceived && s.RequestsOK == 0 })
+	ws := g.Registry.Snapshot().Workers
+	if _, f := ws[0].Outcomes(); f != 1 {
+		t.Errorf("prefill failures %d, want 1", f)
+	}
+	if _, f := ws[1].Outcomes(); f != 0 {
+		t.Errorf("decode penalised for the prefill's failure: %d", f)
+	}
+}
+
+func TestPDParallelClientDisconnectCancelsBoth(t *testing.T) {
+	p, d, g, gw := sglangPD(t, sim.Config{}, sim.Config{DecodePerToken: 200 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/generate", strings.NewReader(`{"text":"long answer","sampling_params":{"max_new_tokens":50},"stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1)
+	resp.Body.Read(buf) // the stream is flowing
+	cancel()
+	resp.Body.Close()
+	waitFor(t, func() bool { return d.Stats().RequestsCancelled == 1 })
+	ws := g.Registry.Snapshot().Workers
+	waitFor(t, func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
+	if _, f := ws[1].Outcomes(); f != 0 {
+		t.Errorf("client cancel counted against decode: %d", f)
+	}
+	_ = p
+}
+
+func TestPDHealthAndInfo(t *testing.T) {
+	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	resp, err := http.Get(gw + "/health_generate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if body := readAll(t, resp.Body); resp.StatusCode != 200 || !strings.Contains(body, "prefill=") {
+		t.Errorf("health_generate: %d %s", resp.StatusCode, body)
+	}
+	resp, _ = http.Get(gw + "/get_server_info")
+	if body := readAll(t, resp.Body); !strings.Contains(body, `"disaggregation_mode":"prefill"`) {
+		t.Errorf("get_server_info: %s", body)
+	}
+	if s := getStatus(t, gw+"/readiness"); s != 200 {
+		t.Errorf("readiness %d", s)
+	}
+	// Non-PD routes without regular workers: 501.
+	wantEnvelope(t, post(t, gw+"/v1/embeddings", `{"model":"m","input":"x"}`), 501, "not_implemented_in_pd_mode")
+	wantEnvelope(t, post(t, gw+"/v1/chat/completions", `{"model":"nope","messages":[]}`), 404, "model_not_found")
+}
+
+func TestBootstrapInjection(t *testing.T) {
+	got := make(chan string, 4)
+	engine := func(role string) *config.Worker {
+		srv := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+			b, _ := io.ReadAll(r.Body)
+			got <- role + " " + string(b)
+			io.WriteString(w, `{"text":"x","meta_info":{}}`)
+		})
+		return &config.Worker{URL: srv.URL, Role: role}
+	}
+	pw, dw := engine("prefill"), engine("decode")
+	port := 9001
+	pw.BootstrapPort, pw.DPSize, dw.DPSize = &port, 4, 2
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{*pw, *dw}
+	_, gw := startGateway(t, cfg)
+	body := `{"zeta":1,"text":["a","b"],"bootstrap_room":5,"seed":9007199254740993}`
+	if resp := post(t, gw.URL+"/generate", body); resp.StatusCode != 200 {
+		t.Fatal(resp.StatusCode)
+	}
+	legs := map[string]map[string]json.RawMessage{}
+	raws := map[string]string{}
+	var mu sync.Mutex
+	for i := 0; i < 2; i++ {
+		s := <-got
+		role, b, _ := strings.Cut(s, " ")
+		var m map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(b), &m); err != nil {
+			t.Fatalf("%s leg body %s: %v", role, b, err)
+		}
+		mu.Lock()
+		legs[role], raws[role] = m, b
+		mu.Unlock()
+	}
+	for _, role := range []string{"prefill", "decode"} {
+		b := raws[role]
+		if !strings.HasPrefix(b, `{"zeta":1,"text":["a","b"],"bootstrap_room":[`) || !strings.Contains(b, `"seed":9007199254740993`) {
+			t.Errorf("%s leg does not keep the client's bytes: %s", role, b)
+		}
+		if string(legs[role]["bootstrap_host"]) != `["127.0.0.1","127.0.0.1"]` || string(legs[role]["bootstrap_port"]) != `[9001,9001]` {
+			t.Errorf("%s leg bootstrap fields: %s", role, b)
+		}
+	}
+	if string(legs["prefill"]["bootstrap_room"]) != string(legs["decode"]["bootstrap_room"]) {
+		t.Errorf("rooms differ: %s vs %s", legs["prefill"]["bootstrap_room"], legs["decode"]["bootstrap_room"])
+	}
+	var rooms []uint64
+	json.Unmarshal(legs["prefill"]["bootstrap_room"], &rooms)
+	if len(rooms) != 2 || rooms[0] == rooms[1] || rooms[0] >= 1<<63 || rooms[1] >= 1<<63 {
+		t.Errorf("rooms %v", rooms)
+	}
+	if legs["prefill"]["routed_dp_rank"] == nil || string(legs["decode"]["disagg_prefill_dp_rank"]) != string(legs["prefill"]["routed_dp_rank"]) || legs["decode"]["routed_dp_rank"] == nil {
+		t.Errorf("dp ranks: prefill %s, decode %s", raws["prefill"], raws["decode"])
+	}
+	if _, ok := legs["prefill"]["disagg_prefill_dp_rank"]; ok {
+		t.Error("prefill leg got disagg_prefill_dp_rank")
+	}
+}
+
+var idField = regexp.MustCompile(`"id":"[^"]*"`)
+
+// stripIDs removes response ids (made from each request's id) so answers can be compared.
+func stripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }

@@ -1,0 +1,125 @@
+// Package pd runs prefill/decode disaggregated requests: one client request becomes a prefill
+// leg and a decode leg on a selected pair of workers, and Baton owns the KV handoff between
+// them. Parallel dispatch (SGLang and other bootstrap engines) sends both legs at once with
+// bootstrap fields; sequential dispatch (vLLM) sends the prefill first and relays its
+// kv_transfer_params to the decode.
+package pd
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Header names Baton sets on PD responses.
+const (
+	HeaderPrefillWorker = "X-Baton-Prefill-Worker"
+	HeaderDecodeWorker  = "X-Baton-Decode-Worker"
+)
+
+// Leg names, used in error codes, logs and metrics.
+const (
+	LegPrefill = "prefill"
+	LegDecode  = "decode"
+)
+
+// Request is one client request on a PD route.
+type Request struct {
+	*openai.Request
+	Path string // route path, the same on the workers
+}
+
+// Pair is the selected prefill and decode workers of one request.
+type Pair struct {
+	Prefill, Decode *worker.Worker
+}
+
+// Executor runs one PD request over a selected pair and writes the response. It returns nil
+// when the whole response reached the client, proxy.ErrClientGone, proxy.ErrAbort (the caller
+// must abort the connection), or an *openai.Error already written to the client.
+type Executor interface {
+	Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair) error
+}
+
+// BatchSize returns how many sequences the request holds for bootstrap purposes, or 0 for a
+// single one: a /generate batch (text list or input_ids list of lists), a /v1/completions prompt
+// list (of strings or of token lists; a flat token list is one prompt), or chat n>1.
+func BatchSize(req *Request) int {
+	switch req.Path {
+	case "/generate":
+		if raw, ok := openai.Get(req.Body, "input_ids"); ok {
+			return listLen(raw, true)
+		}
+		if raw, ok := openai.Get(req.Body, "text"); ok {
+			return listLen(raw, false)
+		}
+	case "/v1/completions":
+		if raw, ok := openai.Get(req.Body, "prompt"); ok {
+			return listLen(raw, true)
+		}
+	case "/v1/chat/completions":
+		if req.N > 1 {
+			return req.N
+		}
+	}
+	return 0
+}
+
+// listLen returns the length of a JSON array of strings or arrays, 0 for anything else. With
+// nested set, an array of numbers (one token list) is not a batch.
+func listLen(raw json.RawMessage, nested bool) int {
+	var items []json.RawMessage
+	if json.Unmarshal(raw, &items) != nil || len(items) == 0 {
+		return 0
+	}
+	switch items[0][0] {
+	case '"':
+		return len(items)
+	case '[':
+		if nested {
+			return len(items)
+		}
+	}
+	return 0
+}
+
+// upstreamError builds the client's error for a leg that answered non-2xx: the leg's exact
+// status, its message, and a code naming the leg.
+func upstreamError(leg string, w *worker.Worker, status int, body []byte) *openai.Error {
+	return &openai.Error{Status: status, Code: leg + "_upstream_error",
+		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
+}
+
+// upstreamMessage extracts an engine's error message: error.message, message, or the text.
+func upstreamMessage(body []byte) string {
+	var v struct {
+		Error   json.RawMessage `json:"error"`
+		Message string          `json:"message"`
+	}
+	if json.Unmarshal(body, &v) == nil {
+		var nested struct {
+			Message string `json:"message"`
+		}
+		var flat string
+		switch {
+		case json.Unmarshal(v.Error, &nested) == nil && nested.Message != "":
+			return nested.Message
+		case json.Unmarshal(v.Error, &flat) == nil && flat != "":
+			return flat
+		case v.Message != "":
+			return v.Message
+		}
+	}
+	s := strings.TrimSpace(string(body))
+	if len(s) > 1024 {
+		s = s[:1024] + "…"
+	}
+	if s == "" {
+		s = "(empty body)"
+	}
+	return s
+}

@@ -1,0 +1,146 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// servePD runs a generation request through a prefill/decode pair.
+func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
+	req := s.readRequest(w, r)
+	if req == nil {
+		return
+	}
+	pair, oerr := s.pickPair(req.Model)
+	if oerr != nil {
+		openai.WriteError(w, oerr)
+		return
+	}
+	h := w.Header()
+	h.Set(pd.HeaderPrefillWorker, pair.Prefill.URL)
+	h.Set(pd.HeaderDecodeWorker, pair.Decode.URL)
+	h.Set(openai.HeaderWorker, pair.Decode.URL)
+	err := s.executorFor(pair.Prefill).Execute(w, r, &pd.Request{Request: req, Path: r.URL.Path}, pair)
+	if errors.Is(err, proxy.ErrAbort) {
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// executorFor chooses the dispatch strategy by the prefill worker's runtime.
+func (s *Server) executorFor(prefill *worker.Worker) pd.Executor {
+	return s.parallel
+}
+
+// pickPair selects a prefill and a decode worker serving model, each by its own policy.
+func (s *Server) pickPair(model string) (pd.Pair, *openai.Error) {
+	snap := s.reg.Snapshot()
+	pc, pPending := snap.Candidates(config.RolePrefill, model)
+	dc, dPending := snap.Candidates(config.RoleDecode, model)
+	if model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
+		return pd.Pair{}, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model",
+			Message: fmt.Sprintf("the model %q is not served by any prefill or decode worker", model)}
+	}
+	var pair pd.Pair
+	for _, leg := range []struct {
+		role string
+		cand []*worker.Worker
+		out  **worker.Worker
+	}{{config.RolePrefill, pc, &pair.Prefill}, {config.RoleDecode, dc, &pair.Decode}} {
+		ready := worker.Ready(leg.cand)
+		if len(ready) == 0 {
+			msg := fmt.Sprintf("no %s worker is ready", leg.role)
+			if model != "" {
+				msg = fmt.Sprintf("no %s worker is ready to serve model %q", leg.role, model)
+			}
+			return pd.Pair{}, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
+		}
+		*leg.out = s.policies[leg.role].Pick(ready)
+	}
+	return pair, nil
+}
+
+// serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.
+func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
+	pair, oerr := s.pickPair("")
+	if oerr != nil {
+		openai.WriteError(w, oerr)
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]string, 2)
+	for i, wk := range []*worker.Worker{pair.Prefill, pair.Decode} {
+		wg.Go(func() {
+			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, wk.URL+"/health_generate", nil)
+			proxy.CopyRequestHeaders(req.Header, r.Header, wk)
+			resp, err := s.proxy.Transport.RoundTrip(req)
+			if err != nil {
+				errs[i] = fmt.Sprintf("%s %s: %v", wk.Role, wk.URL, err)
+				return
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode/100 != 2 {
+				errs[i] = fmt.Sprintf("%s %s answered %d", wk.Role, wk.URL, resp.StatusCode)
+			}
+		})
+	}
+	wg.Wait()
+	if msg := strings.Trim(strings.Join(errs, "; "), "; "); msg != "" {
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: "health_generate_failed", Message: msg})
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintf(w, "health generate passed on prefill=%s decode=%s\n", pair.Prefill.URL, pair.Decode.URL)
+}
+
+// servePrefillInfo proxies GET /get_server_info and /get_model_info to a ready prefill worker,
+// relaying its answer unchanged.
+func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
+	ready := worker.Ready(s.reg.Snapshot().Workers)
+	var prefill *worker.Worker
+	for _, wk := range ready {
+		if wk.Role == config.RolePrefill {
+			prefill = wk
+			break
+		}
+	}
+	if prefill == nil {
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no prefill worker is ready"})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, prefill.URL+r.URL.Path, nil)
+	proxy.CopyRequestHeaders(req.Header, r.Header, prefill)
+	resp, err := s.proxy.Transport.RoundTrip(req)
+	if err != nil {
+		openai.WriteError(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
+		return
+	}
+	defer resp.Body.Close()
+	w.Header().Set(openai.HeaderWorker, prefill.URL)
+	if err := s.proxy.Relay(w, resp, nil); err != nil {
+		var re *proxy.ReadError
+		if errors.As(err, &re) && !re.Written {
+			openai.WriteError(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
+			return
+		}
+		if !errors.Is(err, proxy.ErrClientGone) {
+			panic(http.ErrAbortHandler)
+		}
+	}
+}
