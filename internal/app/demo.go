@@ -10,8 +10,20 @@ import (
 	"github.com/baton-llm/baton/internal/sim"
 )
 
-// runDemo starts simulated engines and a gateway in front of them on 127.0.0.1, prints what
-// runs and what to try, and serves until ctx ends.
+// demoPair is one simulated prefill/decode pair of the demo, serving its own model.
+type demoPair struct {
+	model   string
+	engine  string
+	connect string // vLLM KV connector
+	what    string
+}
+
+var demoPairs = []demoPair{
+	{model: "demo-sglang", engine: sim.EngineSGLang, what: "SGLang prefill + decode, parallel dispatch, bootstrap rendezvous"},
+}
+
+// runDemo starts simulated engines and a PD gateway in front of them on 127.0.0.1, prints
+// what runs and what to try, and serves until ctx ends.
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("baton demo", flag.ContinueOnError)
 	fs.SetOutput(stdout)
@@ -21,40 +33,45 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	engines := []sim.Config{
-		{Engine: sim.EngineVLLM, Role: sim.RoleBoth, Model: demoModel},
-		{Engine: sim.EngineVLLM, Role: sim.RoleBoth, Model: demoModel},
-		{Engine: sim.EngineSGLang, Role: sim.RoleBoth, Model: demoModel},
-	}
 	cfg := config.Default()
 	cfg.Host, cfg.Port, cfg.MetricsPort, cfg.LogLevel = "127.0.0.1", *port, *metricsPort, *logLevel
-	fmt.Fprintln(stdout, "Baton demo: simulated engines (deterministic fake model, no GPU) behind one gateway.")
-	for _, ec := range engines {
-		e, err := sim.Start(ec)
+	cfg.PDDisaggregation = true
+	fmt.Fprintln(stdout, "Baton demo: simulated engines (deterministic fake model, no GPU) behind one PD gateway.")
+	for _, dp := range demoPairs {
+		pe, err := sim.Start(sim.Config{Engine: dp.engine, Role: sim.RolePrefill, KVConnector: dp.connect, Model: dp.model})
 		if err != nil {
 			return err
 		}
-		defer e.Close()
-		cfg.WorkerURLs = append(cfg.WorkerURLs, e.URL())
-		fmt.Fprintf(stdout, "  engine  %-6s %-7s %s\n", ec.Engine, ec.Role, e.URL())
+		defer pe.Close()
+		de, err := sim.Start(sim.Config{Engine: dp.engine, Role: sim.RoleDecode, KVConnector: dp.connect, Model: dp.model})
+		if err != nil {
+			return err
+		}
+		defer de.Close()
+		pw := config.Worker{URL: pe.URL(), Role: config.RolePrefill}
+		if bp := pe.BootstrapPort(); bp != 0 {
+			pw.BootstrapPort = &bp
+		}
+		cfg.Workers = append(cfg.Workers, pw, config.Worker{URL: de.URL(), Role: config.RoleDecode})
+		fmt.Fprintf(stdout, "  model %-14s %s\n    prefill %s   decode %s\n", dp.model, dp.what, pe.URL(), de.URL())
 	}
 	gw := fmt.Sprintf("http://127.0.0.1:%d", *port)
 	if *port == 0 {
 		gw = "http://127.0.0.1:<port printed below>"
 	}
+	m := demoPairs[0].model
 	fmt.Fprintf(stdout, `
-Try:
-  curl -s %[1]s/v1/models
-  curl -s %[1]s/v1/chat/completions -H 'Content-Type: application/json' \
+Try (each model above works the same way):
+  curl -si %[1]s/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model":"%[2]s","messages":[{"role":"user","content":"hello baton"}],"max_tokens":8}'
   curl -sN %[1]s/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model":"%[2]s","messages":[{"role":"user","content":"stream please"}],"stream":true,"stream_options":{"include_usage":true}}'
-  curl -s %[1]s/v1/completions -H 'Content-Type: application/json' -d '{"model":"%[2]s","prompt":"once upon a time"}'
-  curl -s localhost:%[3]d/metrics | grep ^baton_
-Every response names its engine in the X-Baton-Worker header (curl -i). Ctrl-C stops the demo.
+  curl -s %[1]s/generate -H 'Content-Type: application/json' \
+    -d '{"model":"%[2]s","text":"once upon a time","sampling_params":{"max_new_tokens":8},"return_logprob":true}'
+  curl -s localhost:%[3]d/metrics | grep ^baton_pd
+Response headers name the pair (X-Baton-Prefill-Worker, X-Baton-Decode-Worker) and where the
+decode's KV came from (X-Sim-KV-Source: remote). Ctrl-C stops the demo.
 
-`, gw, demoModel, *metricsPort)
+`, gw, m, *metricsPort)
 	return Serve(ctx, cfg, stdout, stderr)
 }
-
-const demoModel = "baton-demo"

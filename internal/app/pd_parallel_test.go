@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -286,7 +288,10 @@ func TestPDParallelPrefillDown(t *testing.T) {
 	}
 	// The decode either was cancelled by Baton or failed on its own to reach the dead bootstrap
 	// server; it never answered with a result.
-	waitFor(t, func() bool { s := d.Stats(); return s.RequestsCancelled+s.RequestsFailed == s.RequestsReceived && s.RequestsOK == 0 })
+	waitFor(t, func() bool {
+		s := d.Stats()
+		return s.RequestsCancelled+s.RequestsFailed == s.RequestsReceived && s.RequestsOK == 0
+	})
 	ws := g.Registry.Snapshot().Workers
 	if _, f := ws[0].Outcomes(); f != 1 {
 		t.Errorf("prefill failures %d, want 1", f)
@@ -402,3 +407,20 @@ var idField = regexp.MustCompile(`"id":"[^"]*"`)
 
 // stripIDs removes response ids (made from each request's id) so answers can be compared.
 func stripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }
+
+func TestPDParallelMetrics(t *testing.T) {
+	_, _, g, gw := sglangPD(t, sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503, Rate: 0}})
+	postTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
+	if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")); v != 1 {
+		t.Errorf("decode_failed count %v", v)
+	}
+	_, _, g2, gw2 := sglangPD(t, sim.Config{}, sim.Config{})
+	postTimeout(t, gw2+"/generate", `{"text":"x","model":"m"}`)
+	if v := testutil.ToFloat64(g2.Metrics.PDRequests.WithLabelValues("m", "parallel", "success")); v != 1 {
+		t.Errorf("success count %v", v)
+	}
+	if n := testutil.CollectAndCount(g2.Metrics.PDTTFT); n != 1 {
+		t.Errorf("ttft series %d", n)
+	}
+	waitFor(t, func() bool { return testutil.CollectAndCount(g2.Metrics.PDPrefillDuration) == 1 })
+}

@@ -54,8 +54,8 @@ func TestSimCommand(t *testing.T) {
 func TestDemoCommand(t *testing.T) {
 	api := runUntil(t, regexp.MustCompile(`baton serving on (http://\S+)`), "demo", "--port", "0", "--metrics-port", "0")
 	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
-	resp := post(t, api+"/v1/chat/completions", `{"model":"baton-demo","messages":[{"role":"user","content":"hello baton"}],"max_tokens":4}`)
-	if body := readAll(t, resp.Body); resp.StatusCode != 200 || !strings.Contains(body, `"completion_tokens":4`) {
-		t.Errorf("demo chat: %d %s", resp.StatusCode, body)
+	resp := post(t, api+"/v1/chat/completions", `{"model":"demo-sglang","messages":[{"role":"user","content":"hello baton"}],"max_tokens":4}`)
+	if body := readAll(t, resp.Body); resp.StatusCode != 200 || !strings.Contains(body, `"completion_tokens":4`) || resp.Header.Get("X-Sim-KV-Source") != "remote" {
+		t.Errorf("demo chat: %d %s (kv source %q)", resp.StatusCode, body, resp.Header.Get("X-Sim-KV-Source"))
 	}
 }
