@@ -92,17 +92,22 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Log:       log,
 	}
 	parallel := &pd.Parallel{Proxy: px, Metrics: m, Log: log}
+	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector,
+		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}
 	return &Gateway{
 		Config:   cfg,
 		Registry: reg,
 		Metrics:  m,
 		Parallel: parallel,
-		Server:   server.New(cfg, reg, policies, px, parallel, m, log),
+		Server:   server.New(cfg, reg, policies, px, parallel, sequential, m, log),
 		Registrar: &worker.Registrar{
 			Registry:    reg,
 			Client:      &http.Client{Transport: transport},
 			Log:         log,
 			MaxInterval: time.Duration(cfg.DetectIntervalSecs) * time.Second,
+			OnRegistered: func(w *worker.Worker) {
+				logConnector(log, cfg, w)
+			},
 		},
 		Log: log,
 	}, nil
@@ -186,4 +191,20 @@ func (g *Gateway) drain(api *http.Server, grace time.Duration) {
 		g.Log.Warn("drain grace period passed; closing open connections", "in_flight", g.Server.InFlight())
 		_ = api.Close()
 	}
+}
+
+// logConnector makes a vLLM prefill worker's effective KV connector visible at registration,
+// and warns when none is configured: its decodes would recompute unless the engine happens to
+// return kv_transfer_params.
+func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
+	if w.Role != config.RolePrefill || w.Runtime() != config.RuntimeVLLM {
+		return
+	}
+	c := pd.ConnectorFor(w, cfg.KVConnector)
+	if c.Name == "" {
+		log.Warn("vLLM prefill worker has no KV connector configured: passthrough mode, decodes recompute unless the engine returns kv_transfer_params; set kv_connector (NixlConnector or MooncakeConnector) on the worker or --kv-connector",
+			"worker", w.URL)
+		return
+	}
+	log.Info("vLLM prefill worker KV connector", "worker", w.URL, "mode", c.Mode, "detail", c.String())
 }

@@ -55,6 +55,14 @@ type Config struct {
 	PrefillPolicy string `json:"prefill_policy"`
 	// DecodePolicy selects the decode worker of a pair; empty means Policy.
 	DecodePolicy string `json:"decode_policy"`
+	// KVConnector is the KV connector of vLLM prefill workers that configure none.
+	KVConnector string `json:"kv_connector"`
+	// PDRequireHandoff turns a PD request whose decode would recompute the prompt (no KV
+	// handoff) into a 502 instead of a silent fallback.
+	PDRequireHandoff bool `json:"pd_require_handoff"`
+	// PDMooncakeDispatch is how Mooncake legs are sent: concurrent (both at once, the decode
+	// waits for the KV) or sequential (prefill first). Default concurrent.
+	PDMooncakeDispatch string `json:"pd_mooncake_dispatch"`
 	// RequestTimeoutSecs bounds one upstream request, streams included. Default 1800.
 	RequestTimeoutSecs int `json:"request_timeout_secs"`
 	// MaxPayloadSize is the largest request body accepted, in bytes. Default 512 MiB.
@@ -92,6 +100,12 @@ type Worker struct {
 	BootstrapPort *int `json:"bootstrap_port,omitempty"`
 	// DPSize is the worker's data parallel size; above 1 Baton picks a rank for each leg.
 	DPSize int `json:"dp_size,omitempty"`
+	// KVConnector is a vLLM prefill worker's KV connector: NixlConnector, MooncakeConnector, or
+	// anything else (passthrough). Empty uses the kv_connector label, then the global default.
+	KVConnector string `json:"kv_connector,omitempty"`
+	// KVEngineID is the vLLM engine id (kv_transfer_config.engine_id) Mooncake handoffs name;
+	// with dp_size > 1 Baton appends _dp{rank}. Empty uses the kv_engine_id label.
+	KVEngineID string `json:"kv_engine_id,omitempty"`
 }
 
 // Default returns the configuration with every default filled in.
@@ -105,6 +119,7 @@ func Default() Config {
 		MaxPayloadSize:          512 << 20,
 		LogLevel:                "info",
 		ShutdownGracePeriodSecs: 180,
+		PDMooncakeDispatch:      "concurrent",
 		DetectIntervalSecs:      10,
 	}
 }
@@ -159,6 +174,9 @@ func (c *Config) Validate() error {
 		if (p.val != "" || p.key == "policy") && !slices.Contains([]string{PolicyRoundRobin, PolicyRandom}, p.val) {
 			bad("%s %q is unknown (want round_robin or random)", p.key, p.val)
 		}
+	}
+	if c.PDMooncakeDispatch != "concurrent" && c.PDMooncakeDispatch != "sequential" {
+		bad("pd_mooncake_dispatch %q is unknown (want concurrent or sequential)", c.PDMooncakeDispatch)
 	}
 	if c.RequestTimeoutSecs <= 0 {
 		bad("request_timeout_secs must be positive, got %d", c.RequestTimeoutSecs)

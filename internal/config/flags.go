@@ -85,6 +85,9 @@ var serveFlags = []flag{
 		c.Workers = append(c.Workers, Worker{URL: v[0], Role: RoleDecode})
 		return nil
 	}},
+	strFlag("kv-connector", "KV connector of vLLM prefill workers that configure none: NixlConnector | MooncakeConnector", func(c *Config) *string { return &c.KVConnector }),
+	boolFlag("pd-require-handoff", "strict mode: a PD request whose decode would recompute the prompt fails with 502", func(c *Config) *bool { return &c.PDRequireHandoff }),
+	strFlag("pd-mooncake-dispatch", "Mooncake legs: concurrent (default) or sequential", func(c *Config) *string { return &c.PDMooncakeDispatch }),
 	strFlag("prefill-policy", "policy for the prefill worker of a pair (default: --policy)", func(c *Config) *string { return &c.PrefillPolicy }),
 	strFlag("decode-policy", "policy for the decode worker of a pair (default: --policy)", func(c *Config) *string { return &c.DecodePolicy }),
 	intFlag("request-timeout-secs", "upper bound on one upstream request, streams included (default 1800)", func(c *Config) *int { return &c.RequestTimeoutSecs }),

@@ -40,6 +40,9 @@ type Metrics struct {
 	PDTTFT              *prometheus.HistogramVec // model, runtime
 	PDPrefillDuration   *prometheus.HistogramVec // model, runtime
 	PDBootstrapFailures prometheus.Counter
+	PDConnectorMode     *prometheus.CounterVec // mode
+	PDHandoffs          *prometheus.CounterVec // outcome, connector
+	PDHandoffsAbandoned *prometheus.CounterVec // connector
 
 	mu     sync.Mutex
 	models map[string]struct{}
@@ -81,10 +84,22 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_pd_bootstrap_failures_total",
 			Help: "Requests whose bootstrap fields could not be injected into the legs.",
 		}),
+		PDConnectorMode: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_kv_connector_mode_total",
+			Help: "vLLM PD requests by the prefill worker's connector mode (nixl, mooncake, passthrough).",
+		}, []string{"mode"}),
+		PDHandoffs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_kv_handoffs_total",
+			Help: "vLLM PD requests by KV handoff outcome (nixl, mooncake, passthrough, or none-*: the decode recomputes) and connector.",
+		}, []string{"outcome", "connector"}),
+		PDHandoffsAbandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_kv_handoffs_abandoned_total",
+			Help: "KV handoffs prepared on a prefill but never consumed by a decode (decode failed or client left); the KV stays pinned until the engine's timeout.",
+		}, []string{"connector"}),
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
-		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures,
+		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -86,3 +86,32 @@ func EventData(ev []byte) (data []byte, ok bool) {
 	}
 	return nil, false
 }
+
+// ReplaceEventData returns ev with the payload of its first "data:" line replaced by data; its
+// other lines (event names, ids) are kept.
+func ReplaceEventData(ev, data []byte) []byte {
+	out := make([]byte, 0, len(ev)+len(data))
+	rest := ev
+	replaced := false
+	for len(rest) > 0 {
+		line := rest
+		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
+			line, rest = rest[:i+1], rest[i+1:]
+		} else {
+			rest = nil
+		}
+		if !replaced && bytes.HasPrefix(line, []byte("data:")) {
+			replaced = true
+			out = append(out, "data: "...)
+			out = append(out, data...)
+			if bytes.HasSuffix(line, []byte("\r\n")) {
+				out = append(out, '\r', '\n')
+			} else {
+				out = append(out, '\n')
+			}
+			continue
+		}
+		out = append(out, line...)
+	}
+	return out
+}

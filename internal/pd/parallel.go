@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -56,8 +57,6 @@ func (p prefillResult) failed() bool {
 
 // Execute implements Executor.
 func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair) error {
-	model := x.Metrics.Model(req.Model)
-	runtime := pair.Prefill.Runtime()
 	pBody, dBody, err := BootstrapBodies(req, pair)
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
@@ -65,14 +64,51 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 		openai.WriteError(rw, e)
 		return e
 	}
+	res := x.run(rw, r, req, pair, concurrentPlan{
+		prefillBody: pBody, decodeBody: dBody, dispatch: "parallel",
+		needPrefill: req.ReturnLogprob,
+		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
+			pre := prefillLogprobs(p.body)
+			if len(pre) == 0 {
+				return nil, nil
+			}
+			return func(ev []byte) []byte { return mergeEvent(ev, pre) }, func(b []byte) []byte { return mergeBody(b, pre) }
+		},
+	})
+	return res.err
+}
+
+// concurrentPlan is one concurrent dispatch: both legs at once.
+type concurrentPlan struct {
+	prefillBody, decodeBody     []byte
+	prefillHeader, decodeHeader http.Header
+	dispatch                    string // metrics label
+	// needPrefill holds the decode's answer until the prefill answered; rewrite then returns
+	// the transforms of the decode's streamed events and of its whole body (nil: unchanged).
+	needPrefill bool
+	rewrite     func(p prefillResult) (event func([]byte) []byte, body func([]byte) []byte)
+}
+
+// concurrentResult is how a concurrent dispatch ended.
+type concurrentResult struct {
+	err           error
+	outcome       string // success, prefill_failed, decode_failed, client_cancelled, aborted
+	decodeStarted bool   // the decode's first body byte arrived
+}
+
+// run sends both legs at once and relays the decode's answer. A leg that fails before the
+// decode's first byte cancels the other; the client gets the failing leg's status.
+func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, plan concurrentPlan) (res concurrentResult) {
+	model := x.Metrics.Model(req.Model)
+	runtime := pair.Prefill.Runtime()
 	start := time.Now()
 	timeout := x.Proxy.Timeout
 	ctx, cancel := context.WithTimeout(r.Context(), timeout)
 	defer cancel()
 	dCtx, dCancel := context.WithCancelCause(ctx)
 	defer dCancel(nil)
-	// The prefill leg may outlive the handler (it answers after the transfer, around the time
-	// the decode starts streaming); it is cancelled when the client leaves or the decode fails.
+	// The prefill leg may outlive the handler (it can answer around the time the decode starts
+	// streaming); it is cancelled when the client leaves or the decode fails.
 	pCtx, pCancel := context.WithCancelCause(context.WithoutCancel(r.Context()))
 	pCtx, pTimeout := context.WithTimeout(pCtx, timeout)
 	unlink := context.AfterFunc(dCtx, func() { pCancel(context.Cause(dCtx)) })
@@ -85,84 +121,93 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 		defer pCancel(nil)
 		defer pTimeout()
 		defer releaseP()
-		res := x.prefill(pCtx, r, req, pair.Prefill, pBody)
-		if res.failed() {
+		p := x.prefill(pCtx, r, req, pair.Prefill, plan.prefillBody, plan.prefillHeader, plan.needPrefill)
+		if p.failed() {
 			dCancel(errPrefillFailed)
-		} else if res.err == nil {
+		} else if p.err == nil {
 			x.Metrics.PDPrefillDuration.WithLabelValues(model, runtime).Observe(time.Since(start).Seconds())
 		}
-		pres <- res
+		pres <- p
 	})
-	outcome := "success"
-	defer func() { x.Metrics.PDRequests.WithLabelValues(model, "parallel", outcome).Inc() }()
+	res.outcome = "success"
+	defer func() { x.Metrics.PDRequests.WithLabelValues(model, plan.dispatch, res.outcome).Inc() }()
+	fail := func(derr error) concurrentResult {
+		res.err = x.legFailed(rw, r, pair, derr, dCtx, pres, &res.outcome)
+		return res
+	}
 
-	dresp, derr := x.Proxy.Send(dCtx, r, pair.Decode, req.Path, dBody, nil)
+	dresp, derr := x.Proxy.Send(dCtx, r, pair.Decode, req.Path, plan.decodeBody, plan.decodeHeader)
 	if derr == nil && (dresp.StatusCode < 200 || dresp.StatusCode > 299) {
 		body, _ := io.ReadAll(io.LimitReader(dresp.Body, 1<<20))
 		dresp.Body.Close()
 		if context.Cause(dCtx) != errPrefillFailed {
 			pair.Decode.Record(dresp.StatusCode, nil)
 			dCancel(errDecodeFailed)
-			outcome = "decode_failed"
+			res.outcome = "decode_failed"
 			e := upstreamError(LegDecode, pair.Decode, dresp.StatusCode, body)
 			x.Log.Warn("decode leg failed", "decode", pair.Decode.URL, "prefill", pair.Prefill.URL, "status", dresp.StatusCode)
 			openai.WriteError(rw, e)
-			return e
+			res.err = e
+			return res
 		}
 	}
 	if derr != nil || context.Cause(dCtx) == errPrefillFailed {
-		return x.legFailed(rw, r, req, pair, derr, dCtx, pres, &outcome)
+		return fail(derr)
 	}
 	defer dresp.Body.Close()
 
-	var transform func([]byte) []byte
-	if req.ReturnLogprob {
+	var eventT, bodyT func([]byte) []byte
+	if plan.needPrefill {
 		p := <-pres
 		pres <- p
 		if p.failed() {
 			dCancel(errPrefillFailed)
-			return x.legFailed(rw, r, req, pair, errPrefillFailed, dCtx, pres, &outcome)
+			return fail(errPrefillFailed)
 		}
-		pre := prefillLogprobs(p.body)
-		if len(pre) > 0 {
-			if req.Stream {
-				transform = func(ev []byte) []byte { return mergeEvent(ev, pre) }
-			} else {
-				return x.relayMerged(rw, r, req, pair, dresp, pre, start, model, runtime, &outcome)
-			}
-		}
+		eventT, bodyT = plan.rewrite(p)
 	}
 	dresp.Body = &firstByte{ReadCloser: dresp.Body, at: func() {
+		res.decodeStarted = true
 		x.Metrics.PDTTFT.WithLabelValues(model, runtime).Observe(time.Since(start).Seconds())
 	}}
-	err = x.Proxy.Relay(rw, dresp, transform)
+	var err error
+	if bodyT != nil && !isStream(dresp) {
+		err = relayBody(rw, dresp, bodyT)
+	} else {
+		err = x.Proxy.Relay(rw, dresp, eventT)
+	}
 	var re *proxy.ReadError
 	if errors.As(err, &re) && !re.Written && context.Cause(dCtx) == errPrefillFailed {
-		return x.legFailed(rw, r, req, pair, errPrefillFailed, dCtx, pres, &outcome)
+		return fail(errPrefillFailed)
 	}
 	if err == nil {
 		unlink() // the decode is complete: let the prefill leg finish on its own
 		pair.Decode.Record(dresp.StatusCode, nil)
 	} else if context.Cause(dCtx) == errPrefillFailed {
-		outcome = "prefill_failed"
+		res.outcome = "prefill_failed"
 		x.Log.Warn("prefill leg failed after the decode began answering; aborting", "prefill", pair.Prefill.URL)
-		return proxy.ErrAbort
+		res.err = proxy.ErrAbort
+		return res
 	}
-	err = x.Proxy.Finish(rw, r, pair.Decode, LegDecode, err)
+	res.err = x.Proxy.Finish(rw, r, pair.Decode, LegDecode, err)
 	switch {
-	case errors.Is(err, proxy.ErrClientGone):
-		outcome = "client_cancelled"
-	case errors.Is(err, proxy.ErrAbort):
-		outcome = "aborted"
-	case err != nil:
-		outcome = "decode_failed"
+	case errors.Is(res.err, proxy.ErrClientGone):
+		res.outcome = "client_cancelled"
+	case errors.Is(res.err, proxy.ErrAbort):
+		res.outcome = "aborted"
+	case res.err != nil:
+		res.outcome = "decode_failed"
 	}
-	return err
+	return res
+}
+
+func isStream(resp *http.Response) bool {
+	return strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 }
 
 // legFailed answers a request whose decode leg did not answer: because its prefill failed
 // (the prefill's error is the client's), because the client left, or on its own.
-func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
+func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, pair Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
 	if context.Cause(dCtx) == errPrefillFailed {
 		p := <-pres
 		pres <- p
@@ -185,9 +230,10 @@ func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, req *Reque
 	return x.Proxy.Fail(rw, r, pair.Decode, LegDecode, derr)
 }
 
-// prefill sends the prefill leg and reads its whole answer, recording its outcome.
-func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w *worker.Worker, body []byte) prefillResult {
-	resp, err := x.Proxy.Send(ctx, r, w, req.Path, body, nil)
+// prefill sends the prefill leg and reads its whole answer (keeping it when keep is set or the
+// leg failed), recording its outcome.
+func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w *worker.Worker, body []byte, hdr http.Header, keep bool) prefillResult {
+	resp, err := x.Proxy.Send(ctx, r, w, req.Path, body, hdr)
 	if err != nil {
 		if ctx.Err() != nil { // Baton cancelled the leg: not the worker's fault
 			return prefillResult{err: context.Canceled}
@@ -198,7 +244,7 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w
 	defer resp.Body.Close()
 	ok := resp.StatusCode >= 200 && resp.StatusCode <= 299
 	var b []byte
-	if ok && !req.ReturnLogprob {
+	if ok && !keep {
 		_, err = io.Copy(io.Discard, resp.Body)
 	} else {
 		b, err = io.ReadAll(io.LimitReader(resp.Body, maxPrefillBody))
@@ -214,22 +260,18 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w
 	return prefillResult{status: resp.StatusCode, body: b}
 }
 
-// relayMerged answers a non-streamed decode with the prefill's logprobs merged in.
-func (x *Parallel) relayMerged(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, dresp *http.Response, pre map[int][]byte, start time.Time, model, runtime string, outcome *string) error {
+// relayBody answers with the decode's whole non-streamed body passed through transform.
+func relayBody(rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
 	body, err := io.ReadAll(dresp.Body)
 	if err != nil {
-		*outcome = "decode_failed"
-		return x.Proxy.Fail(rw, r, pair.Decode, LegDecode, err)
+		return &proxy.ReadError{Err: err}
 	}
-	x.Metrics.PDTTFT.WithLabelValues(model, runtime).Observe(time.Since(start).Seconds())
-	pair.Decode.Record(dresp.StatusCode, nil)
-	merged := mergeBody(body, pre)
+	out := transform(body)
 	h := rw.Header()
-	h.Set("Content-Type", "application/json")
-	h.Set("Content-Length", strconv.Itoa(len(merged)))
+	proxy.CopyResponseHeaders(h, dresp.Header)
+	h.Set("Content-Length", strconv.Itoa(len(out)))
 	rw.WriteHeader(dresp.StatusCode)
-	if _, err := rw.Write(merged); err != nil {
-		*outcome = "client_cancelled"
+	if _, err := rw.Write(out); err != nil {
 		return proxy.ErrClientGone
 	}
 	return nil

@@ -149,7 +149,7 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 	writeHead := func() {
 		h := rw.Header()
 		rid, via := h.Get(openai.HeaderRequestID), h.Get(openai.HeaderWorker)
-		copyResponseHeaders(h, resp.Header)
+		CopyResponseHeaders(h, resp.Header)
 		if transform != nil {
 			h.Del("Content-Length")
 		}
@@ -286,7 +286,8 @@ func CopyRequestHeaders(dst, src http.Header, w *worker.Worker) {
 	}
 }
 
-func copyResponseHeaders(dst, src http.Header) {
+// CopyResponseHeaders copies an upstream response's headers except hop-by-hop ones.
+func CopyResponseHeaders(dst, src http.Header) {
 	for k, v := range src {
 		dst[k] = v
 	}

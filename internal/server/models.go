@@ -2,6 +2,9 @@ package server
 
 import (
 	"encoding/json"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/pd"
 	"net/http"
 	"strconv"
 )
@@ -29,6 +32,51 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 		}
 	}
 	body, _ := json.Marshal(map[string]any{"object": "list", "data": data})
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	_, _ = w.Write(body)
+}
+
+// workerView is one worker in GET /workers.
+type workerView struct {
+	URL           string   `json:"url"`
+	Role          string   `json:"role"`
+	Runtime       string   `json:"runtime,omitempty"`
+	Models        []string `json:"models"`
+	Ready         bool     `json:"ready"`
+	Registered    bool     `json:"registered"`
+	InFlight      int64    `json:"in_flight"`
+	Successes     int64    `json:"successes"`
+	Failures      int64    `json:"failures"`
+	BootstrapPort *int     `json:"bootstrap_port,omitempty"`
+	DPSize        int      `json:"dp_size,omitempty"`
+	// KVConnector is the effective connector mode of a vLLM prefill worker.
+	KVConnector string            `json:"kv_connector,omitempty"`
+	KVDetail    string            `json:"kv_connector_detail,omitempty"`
+	Labels      map[string]string `json:"labels,omitempty"`
+}
+
+// serveWorkers answers GET /workers: every worker with its live state and, for vLLM prefill
+// workers, the effective KV connector mode.
+func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
+	out := []workerView{}
+	for _, wk := range s.reg.Snapshot().Workers {
+		ok, failed := wk.Outcomes()
+		v := workerView{URL: wk.URL, Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
+			Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
+			BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels}
+		if in := wk.Info(); in != nil {
+			for _, m := range in.Models {
+				v.Models = append(v.Models, m.ID)
+			}
+		}
+		if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
+			c := pd.ConnectorFor(wk, s.cfg.KVConnector)
+			v.KVConnector, v.KVDetail = c.Mode, c.String()
+		}
+		out = append(out, v)
+	}
+	body, _ := json.Marshal(map[string]any{"workers": out, "total": len(out)})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	_, _ = w.Write(body)

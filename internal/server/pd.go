@@ -40,6 +40,9 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 
 // executorFor chooses the dispatch strategy by the prefill worker's runtime.
 func (s *Server) executorFor(prefill *worker.Worker) pd.Executor {
+	if prefill.Runtime() == config.RuntimeVLLM {
+		return s.sequential
+	}
 	return s.parallel
 }
 

@@ -37,20 +37,21 @@ var pdRoutes = map[string]bool{
 
 // Server is Baton's API server.
 type Server struct {
-	cfg      config.Config
-	reg      *worker.Registry
-	policies map[string]policy.Policy // by role
-	proxy    *proxy.Proxy
-	parallel pd.Executor // PD dispatch for bootstrap engines
-	metrics  *metrics.Metrics
-	log      *slog.Logger
-	draining atomic.Bool
-	inflight atomic.Int64 // client requests being served (streams included)
+	cfg        config.Config
+	reg        *worker.Registry
+	policies   map[string]policy.Policy // by role
+	proxy      *proxy.Proxy
+	parallel   pd.Executor // PD dispatch for bootstrap engines
+	sequential pd.Executor // PD dispatch for vLLM
+	metrics    *metrics.Metrics
+	log        *slog.Logger
+	draining   atomic.Bool
+	inflight   atomic.Int64 // client requests being served (streams included)
 }
 
 // New returns a server routing over reg with a policy per worker role.
-func New(cfg config.Config, reg *worker.Registry, policies map[string]policy.Policy, px *proxy.Proxy, parallel pd.Executor, m *metrics.Metrics, log *slog.Logger) *Server {
-	return &Server{cfg: cfg, reg: reg, policies: policies, proxy: px, parallel: parallel, metrics: m, log: log}
+func New(cfg config.Config, reg *worker.Registry, policies map[string]policy.Policy, px *proxy.Proxy, parallel, sequential pd.Executor, m *metrics.Metrics, log *slog.Logger) *Server {
+	return &Server{cfg: cfg, reg: reg, policies: policies, proxy: px, parallel: parallel, sequential: sequential, metrics: m, log: log}
 }
 
 // Handler returns the API handler with its middleware.
@@ -69,6 +70,7 @@ func (s *Server) Handler() http.Handler {
 		mux.Handle("GET /get_model_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 	}
 	mux.Handle("GET /v1/models", s.authed(http.HandlerFunc(s.serveModels)))
+	mux.Handle("GET /workers", s.authed(http.HandlerFunc(s.serveWorkers)))
 	mux.HandleFunc("GET /health", s.serveLiveness)
 	mux.HandleFunc("GET /liveness", s.serveLiveness)
 	mux.HandleFunc("GET /readiness", s.serveReadiness)

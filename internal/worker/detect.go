@@ -126,6 +126,8 @@ type Registrar struct {
 	Client      *http.Client
 	Log         *slog.Logger
 	MaxInterval time.Duration // longest wait between attempts for one worker
+	// OnRegistered, when set, is called once for each worker that registered.
+	OnRegistered func(w *Worker)
 
 	wg sync.WaitGroup
 }
@@ -157,6 +159,9 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 				ids[i] = m.ID
 			}
 			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
+			if r.OnRegistered != nil {
+				r.OnRegistered(w)
+			}
 			return
 		}
 		if attempt == 1 {

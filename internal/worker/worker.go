@@ -4,11 +4,13 @@
 package worker
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync/atomic"
 
@@ -41,6 +43,12 @@ type Worker struct {
 	BootstrapPort *int
 	// DPSize is the number of data parallel ranks Baton addresses; 0 or 1 means none.
 	DPSize int
+	// DPSizeInvalid is set when a dp_size label is not a positive integer: the DP topology
+	// is unknown, and Baton mints no engine id for the worker (fail closed).
+	DPSizeInvalid bool
+	// KVConnector and KVEngineID are a vLLM prefill worker's connector settings (fields win
+	// over the kv_connector and kv_engine_id labels).
+	KVConnector, KVEngineID string
 
 	configured config.Worker
 	info       atomic.Pointer[Info] // nil until registration succeeds
@@ -65,7 +73,7 @@ func New(c config.Worker) *Worker {
 			host = "[" + host + "]"
 		}
 	}
-	return &Worker{
+	w := &Worker{
 		URL:           u,
 		Role:          role,
 		Labels:        c.Labels,
@@ -73,8 +81,23 @@ func New(c config.Worker) *Worker {
 		BootstrapHost: host,
 		BootstrapPort: c.BootstrapPort,
 		DPSize:        c.DPSize,
+		KVConnector:   cmp.Or(c.KVConnector, c.Labels["kv_connector"]),
+		KVEngineID:    cmp.Or(c.KVEngineID, c.Labels["kv_engine_id"]),
 		configured:    c,
 	}
+	if label, ok := c.Labels["dp_size"]; ok && c.DPSize == 0 {
+		if n, err := strconv.Atoi(label); err == nil && n > 0 {
+			w.DPSize = n
+		} else {
+			w.DPSizeInvalid = true
+		}
+	}
+	if label, ok := c.Labels["bootstrap_port"]; ok && c.BootstrapPort == nil {
+		if n, err := strconv.Atoi(label); err == nil && n > 0 && n < 65536 {
+			w.BootstrapPort = &n
+		}
+	}
+	return w
 }
 
 // String returns the worker's URL.

@@ -1,0 +1,165 @@
+package pd
+
+import (
+	"cmp"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/google/uuid"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Connector modes of a vLLM prefill worker.
+const (
+	ModeNixl        = "nixl"
+	ModeMooncake    = "mooncake"
+	ModePassthrough = "passthrough"
+)
+
+// Handoff outcomes, reported per request in HeaderKVHandoff and baton_pd_kv_handoffs_total.
+// The none-* outcomes mean the decode recomputes the prompt.
+const (
+	HandoffNixl          = "nixl"
+	HandoffMooncake      = "mooncake"
+	HandoffPassthrough   = "passthrough"
+	HandoffNoneN         = "none-n>1"
+	HandoffNoneMissing   = "none-missing-params"
+	HandoffNoneNoEngine  = "none-no-engine-id"
+	HandoffNonePrefix    = "none-"
+	HeaderKVHandoff      = "X-Baton-Kv-Handoff"
+	HeaderDPRank         = "X-Data-Parallel-Rank"
+	DefaultBootstrapPort = 8998
+	keyKVTransferParams  = "kv_transfer_params"
+)
+
+// Connector is the effective KV connector of a vLLM prefill worker.
+type Connector struct {
+	Mode          string // nixl, mooncake or passthrough
+	Name          string // the configured connector name, "" when none
+	EngineID      string // Mooncake: the base engine id; "" when unknown
+	BootstrapAddr string // Mooncake: http://host:port of the prefill's bootstrap server
+	DPSize        int    // data parallel ranks; 0 or 1 means none
+	DPInvalid     bool   // a dp_size label that is not a positive integer: mint nothing
+}
+
+// ConnectorFor returns the connector of prefill worker w; def is the default connector name for
+// workers that configure none. Names match vLLM's (NixlConnector, MooncakeConnector); the short
+// forms nixl and mooncake are accepted too.
+func ConnectorFor(w *worker.Worker, def string) Connector {
+	c := Connector{Name: cmp.Or(w.KVConnector, def), DPSize: w.DPSize, DPInvalid: w.DPSizeInvalid, EngineID: w.KVEngineID}
+	switch c.Name {
+	case "NixlConnector", "nixl":
+		c.Mode = ModeNixl
+	case "MooncakeConnector", "mooncake":
+		c.Mode = ModeMooncake
+		port := DefaultBootstrapPort
+		if w.BootstrapPort != nil {
+			port = *w.BootstrapPort
+		}
+		c.BootstrapAddr = "http://" + w.BootstrapHost + ":" + strconv.Itoa(port)
+	default:
+		c.Mode = ModePassthrough
+	}
+	return c
+}
+
+// EngineID returns the engine id to name in a Mooncake handoff for the given DP rank, or "" when
+// none can be minted: no base id, an invalid dp_size, or DP ranks without a pinned rank.
+func (c Connector) engineID(rank int, pinned bool) string {
+	switch {
+	case c.EngineID == "" || c.DPInvalid:
+		return ""
+	case c.DPSize > 1 && !pinned:
+		return ""
+	case c.DPSize > 1:
+		return fmt.Sprintf("%s_dp%d", c.EngineID, rank)
+	}
+	return c.EngineID
+}
+
+// String describes the connector for logs and the admin view.
+func (c Connector) String() string {
+	s := c.Mode
+	if c.Mode == ModeMooncake {
+		s += fmt.Sprintf(" (engine id %q, bootstrap %s)", c.EngineID, c.BootstrapAddr)
+	}
+	if c.DPSize > 1 {
+		s += fmt.Sprintf(", dp_size %d", c.DPSize)
+	}
+	if c.DPInvalid {
+		s += ", dp_size label invalid: no engine id is minted"
+	}
+	return s
+}
+
+// PrefillProbe builds the prefill leg from the client's body so that it ends after one token,
+// by length, not streamed, which is what makes a vLLM connector hand the KV off: stream=false;
+// stream_options and min_tokens dropped; n=1 when present; the token cap set to 1 on the route's
+// key (max_completion_tokens for chat when the client used it, max_output_tokens for responses,
+// else max_tokens); stop and stop_token_ids cleared and ignore_eos=true (an EOS or stop on the
+// one token would lose the handoff); store=false for responses. tag, when non-nil, becomes
+// kv_transfer_params; otherwise a client's kv_transfer_params is removed. Every other byte of
+// the client's body is unchanged.
+func PrefillProbe(path string, body, tag []byte) ([]byte, error) {
+	one := []byte("1")
+	sets := []openai.Field{{Key: "stream", Value: []byte("false")}, {Key: "ignore_eos", Value: []byte("true")}}
+	dels := []string{"stream_options", "min_tokens", "stop", "stop_token_ids"}
+	if _, ok := openai.Get(body, "n"); ok {
+		sets = append(sets, openai.Field{Key: "n", Value: one})
+	}
+	_, hasMCT := openai.Get(body, "max_completion_tokens")
+	switch {
+	case path == "/v1/chat/completions" && hasMCT:
+		sets = append(sets, openai.Field{Key: "max_completion_tokens", Value: one})
+		dels = append(dels, "max_tokens")
+	case path == "/v1/responses":
+		sets = append(sets, openai.Field{Key: "max_output_tokens", Value: one}, openai.Field{Key: "store", Value: []byte("false")})
+	default:
+		sets = append(sets, openai.Field{Key: "max_tokens", Value: one})
+	}
+	if tag != nil {
+		sets = append(sets, openai.Field{Key: keyKVTransferParams, Value: tag})
+	} else {
+		dels = append(dels, keyKVTransferParams)
+	}
+	return openai.Edit(body, sets, dels)
+}
+
+// nixlTag is the prefill leg's kv_transfer_params for NIXL.
+var nixlTag = []byte(`{"do_remote_decode":true,"do_remote_prefill":false}`)
+
+// newTransferID mints a Mooncake transfer id: xfer-<uuid v7>.
+func newTransferID() string {
+	id, err := uuid.NewV7()
+	if err != nil {
+		id = uuid.New()
+	}
+	return "xfer-" + id.String()
+}
+
+func mooncakePrefillTag(transferID string) []byte {
+	b, _ := json.Marshal(transferID)
+	return []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":` + string(b) + `}`)
+}
+
+func mooncakeDecodeParams(transferID, engineID, bootstrapAddr string) []byte {
+	t, _ := json.Marshal(transferID)
+	e, _ := json.Marshal(engineID)
+	a, _ := json.Marshal(bootstrapAddr)
+	return []byte(`{"do_remote_decode":false,"do_remote_prefill":true,"transfer_id":` + string(t) +
+		`,"remote_engine_id":` + string(e) + `,"remote_bootstrap_addr":` + string(a) + `}`)
+}
+
+// harvest returns the top-level kv_transfer_params of a prefill response, verbatim, or nil when
+// absent or null.
+func harvest(body []byte) []byte {
+	raw, ok := openai.Get(body, keyKVTransferParams)
+	if !ok || strings.TrimSpace(string(raw)) == "null" {
+		return nil
+	}
+	return raw
+}

@@ -1,0 +1,115 @@
+package pd
+
+import (
+	"bytes"
+	"encoding/json"
+	"strconv"
+
+	"github.com/baton-llm/baton/internal/openai"
+)
+
+// The client's usage is the truth: prompt and cached tokens as the prefill saw them (its own
+// prefix-cache hits), completion tokens from the decode. A decode that loaded the KV reports the
+// transferred tokens as cached; Baton rewrites that in the body and in the streamed usage chunk.
+
+// prefillUsage is the prompt side of the usage a prefill reported.
+type prefillUsage struct {
+	prompt, cached int
+	ok             bool
+}
+
+type usageJSON struct {
+	PromptTokens  *int `json:"prompt_tokens"`
+	InputTokens   *int `json:"input_tokens"`
+	PromptDetails struct {
+		Cached int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+	InputDetails struct {
+		Cached int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+// readPrefillUsage reads usage from a prefill response (chat/completions or responses shape).
+func readPrefillUsage(body []byte) prefillUsage {
+	var v struct {
+		Usage *usageJSON `json:"usage"`
+	}
+	if json.Unmarshal(body, &v) != nil || v.Usage == nil {
+		return prefillUsage{}
+	}
+	switch u := v.Usage; {
+	case u.PromptTokens != nil:
+		return prefillUsage{prompt: *u.PromptTokens, cached: u.PromptDetails.Cached, ok: true}
+	case u.InputTokens != nil:
+		return prefillUsage{prompt: *u.InputTokens, cached: u.InputDetails.Cached, ok: true}
+	}
+	return prefillUsage{}
+}
+
+// fixUsage rewrites the usage of a decode response object (or of the response inside a
+// responses-API event) with the prefill's prompt view. It returns obj unchanged when there is
+// no usage to fix.
+func fixUsage(obj []byte, pu prefillUsage) []byte {
+	if inner, ok := openai.Get(obj, "response"); ok && len(inner) > 0 && inner[0] == '{' {
+		if fixed := fixUsage(inner, pu); !bytes.Equal(fixed, inner) {
+			if out, err := openai.Set(obj, "response", fixed); err == nil {
+				return out
+			}
+		}
+		return obj
+	}
+	u, ok := openai.Get(obj, "usage")
+	if !ok || len(u) == 0 || u[0] != '{' {
+		return obj
+	}
+	var (
+		promptKey, completionKey, detailsKey = "prompt_tokens", "completion_tokens", "prompt_tokens_details"
+	)
+	if _, ok := openai.Get(u, promptKey); !ok {
+		promptKey, completionKey, detailsKey = "input_tokens", "output_tokens", "input_tokens_details"
+		if _, ok := openai.Get(u, promptKey); !ok {
+			return obj
+		}
+	}
+	completion := 0
+	if raw, ok := openai.Get(u, completionKey); ok {
+		_ = json.Unmarshal(raw, &completion)
+	}
+	details := []byte("{}")
+	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
+		details = raw
+	}
+	details, err := openai.Set(details, "cached_tokens", strconv.AppendInt(nil, int64(pu.cached), 10))
+	if err != nil {
+		return obj
+	}
+	u2, err := openai.Edit(u, []openai.Field{
+		{Key: promptKey, Value: strconv.AppendInt(nil, int64(pu.prompt), 10)},
+		{Key: "total_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt+completion), 10)},
+		{Key: detailsKey, Value: details},
+	}, nil)
+	if err != nil {
+		return obj
+	}
+	out, err := openai.Set(obj, "usage", u2)
+	if err != nil {
+		return obj
+	}
+	return out
+}
+
+// fixUsageEvent rewrites the usage in one streamed event; events without usage pass unchanged.
+func fixUsageEvent(ev []byte, pu prefillUsage) []byte {
+	if !bytes.Contains(ev, []byte(`"usage"`)) {
+		return ev
+	}
+	data, ok := openai.EventData(ev)
+	if !ok || len(data) == 0 || data[0] != '{' {
+		return ev
+	}
+	fixed := fixUsage(data, pu)
+	if bytes.Equal(fixed, data) {
+		return ev
+	}
+	return openai.ReplaceEventData(ev, fixed)
+}
