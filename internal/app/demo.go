@@ -19,8 +19,13 @@ type demoPair struct {
 }
 
 var demoPairs = []demoPair{
+	{model: "demo-nixl", engine: sim.EngineVLLM, connect: sim.ConnectorNixl, what: "vLLM + NixlConnector: prefill first, its kv_transfer_params relayed to the decode"},
+	{model: "demo-mooncake", engine: sim.EngineVLLM, connect: sim.ConnectorMooncake, what: "vLLM + MooncakeConnector: Baton mints transfer_id, both legs at once"},
 	{model: "demo-sglang", engine: sim.EngineSGLang, what: "SGLang prefill + decode, parallel dispatch, bootstrap rendezvous"},
 }
+
+// connectorNames are the vLLM names of the simulator's connectors.
+var connectorNames = map[string]string{sim.ConnectorNixl: "NixlConnector", sim.ConnectorMooncake: "MooncakeConnector"}
 
 // runDemo starts simulated engines and a PD gateway in front of them on 127.0.0.1, prints
 // what runs and what to try, and serves until ctx ends.
@@ -38,7 +43,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	cfg.PDDisaggregation = true
 	fmt.Fprintln(stdout, "Baton demo: simulated engines (deterministic fake model, no GPU) behind one PD gateway.")
 	for _, dp := range demoPairs {
-		pe, err := sim.Start(sim.Config{Engine: dp.engine, Role: sim.RolePrefill, KVConnector: dp.connect, Model: dp.model})
+		pe, err := sim.Start(sim.Config{Engine: dp.engine, Role: sim.RolePrefill, KVConnector: dp.connect, Model: dp.model, EngineID: dp.model + "-prefill"})
 		if err != nil {
 			return err
 		}
@@ -48,7 +53,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			return err
 		}
 		defer de.Close()
-		pw := config.Worker{URL: pe.URL(), Role: config.RolePrefill}
+		pw := config.Worker{URL: pe.URL(), Role: config.RolePrefill, KVConnector: connectorNames[dp.connect]}
+		if dp.connect == sim.ConnectorMooncake {
+			pw.KVEngineID = pe.EngineIDs()[0]
+		}
 		if bp := pe.BootstrapPort(); bp != 0 {
 			pw.BootstrapPort = &bp
 		}
@@ -61,16 +69,18 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	m := demoPairs[0].model
 	fmt.Fprintf(stdout, `
-Try (each model above works the same way):
+Try (every model above works the same way; /generate is SGLang's, use demo-sglang there):
   curl -si %[1]s/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model":"%[2]s","messages":[{"role":"user","content":"hello baton"}],"max_tokens":8}'
   curl -sN %[1]s/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model":"%[2]s","messages":[{"role":"user","content":"stream please"}],"stream":true,"stream_options":{"include_usage":true}}'
   curl -s %[1]s/generate -H 'Content-Type: application/json' \
-    -d '{"model":"%[2]s","text":"once upon a time","sampling_params":{"max_new_tokens":8},"return_logprob":true}'
+    -d '{"model":"demo-sglang","text":"once upon a time","sampling_params":{"max_new_tokens":8},"return_logprob":true}'
+  curl -s %[1]s/workers
   curl -s localhost:%[3]d/metrics | grep ^baton_pd
-Response headers name the pair (X-Baton-Prefill-Worker, X-Baton-Decode-Worker) and where the
-decode's KV came from (X-Sim-KV-Source: remote). Ctrl-C stops the demo.
+Response headers name the pair (X-Baton-Prefill-Worker, X-Baton-Decode-Worker), the KV handoff
+(X-Baton-Kv-Handoff: nixl, mooncake, or none-* when the decode recomputes) and where the decode's
+KV came from (X-Sim-Kv-Source: remote). Ctrl-C stops the demo.
 
 `, gw, m, *metricsPort)
 	return Serve(ctx, cfg, stdout, stderr)

@@ -54,8 +54,15 @@ func TestSimCommand(t *testing.T) {
 func TestDemoCommand(t *testing.T) {
 	api := runUntil(t, regexp.MustCompile(`baton serving on (http://\S+)`), "demo", "--port", "0", "--metrics-port", "0")
 	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
-	resp := post(t, api+"/v1/chat/completions", `{"model":"demo-sglang","messages":[{"role":"user","content":"hello baton"}],"max_tokens":4}`)
-	if body := readAll(t, resp.Body); resp.StatusCode != 200 || !strings.Contains(body, `"completion_tokens":4`) || resp.Header.Get("X-Sim-KV-Source") != "remote" {
-		t.Errorf("demo chat: %d %s (kv source %q)", resp.StatusCode, body, resp.Header.Get("X-Sim-KV-Source"))
+	for _, model := range []string{"demo-nixl", "demo-mooncake", "demo-sglang"} {
+		waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+		var resp *http.Response
+		waitFor(t, func() bool { // each pair registers on its own
+			resp = post(t, api+"/v1/chat/completions", `{"model":"`+model+`","messages":[{"role":"user","content":"hello baton"}],"max_tokens":4}`)
+			return resp.StatusCode != 503
+		})
+		if body := readAll(t, resp.Body); resp.StatusCode != 200 || !strings.Contains(body, `"completion_tokens":4`) || resp.Header.Get("X-Sim-KV-Source") != "remote" {
+			t.Errorf("demo chat on %s: %d %s (kv source %q, handoff %q)", model, resp.StatusCode, body, resp.Header.Get("X-Sim-KV-Source"), resp.Header.Get("X-Baton-Kv-Handoff"))
+		}
 	}
 }
