@@ -65,7 +65,25 @@ type Gateway struct {
 	Server    *server.Server
 	Parallel  *pd.Parallel
 	Registrar *worker.Registrar
+	Health    *worker.HealthChecker // nil when health checks are disabled
 	Log       *slog.Logger
+}
+
+// Start starts the background work: registration and health checks, until ctx ends.
+func (g *Gateway) Start(ctx context.Context) {
+	g.Registrar.Start(ctx)
+	if g.Health != nil {
+		g.Health.Start(ctx)
+	}
+}
+
+// Wait waits for the background work Start began, and for prefill legs still finishing.
+func (g *Gateway) Wait() {
+	g.Registrar.Wait()
+	if g.Health != nil {
+		g.Health.Wait()
+	}
+	g.Parallel.Wait()
 }
 
 // New wires a gateway from cfg. It does no I/O.
@@ -76,6 +94,20 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	reg := worker.NewRegistry(ws...)
 	m := metrics.New(reg)
+	cb := cfg.CircuitBreaker
+	breaker := &worker.BreakerConfig{
+		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold,
+		Timeout: time.Duration(cb.TimeoutSecs) * time.Second, Disabled: cb.Disable,
+		OnTransition: func(w *worker.Worker, from, to int) {
+			f, t := metrics.BreakerStateName(from), metrics.BreakerStateName(to)
+			m.BreakerTransitions.WithLabelValues(w.URL, f, t).Inc()
+			log.Warn("circuit breaker", "worker", w.URL, "role", w.Role, "from", f, "to", t)
+		},
+	}
+	for _, w := range ws {
+		w.UseBreaker(breaker)
+	}
+	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: time.Duration(cfg.PairHealth.QuarantineSecs) * time.Second}
 	policies := map[string]policy.Policy{}
 	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
 		p, err := policy.New(cfg.PolicyFor(role))
@@ -91,18 +123,35 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Metrics:   m,
 		Log:       log,
 	}
-	parallel := &pd.Parallel{Proxy: px, Metrics: m, Log: log}
-	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector,
+	parallel := &pd.Parallel{Proxy: px, Metrics: m, Log: log, Pairs: pairs}
+	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector, Pairs: pairs,
 		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}
+	client := &http.Client{Transport: transport}
+	var health *worker.HealthChecker
+	if hc := cfg.HealthCheck; !hc.Disable {
+		health = &worker.HealthChecker{
+			Registry: reg, Client: client, Log: log, Endpoint: hc.Endpoint,
+			Interval: time.Duration(hc.IntervalSecs) * time.Second, Timeout: time.Duration(hc.TimeoutSecs) * time.Second,
+			FailureThreshold: hc.FailureThreshold, SuccessThreshold: hc.SuccessThreshold,
+			OnProbe: func(w *worker.Worker, ok bool) {
+				result := "ok"
+				if !ok {
+					result = "failed"
+				}
+				m.HealthChecks.WithLabelValues(w.URL, result).Inc()
+			},
+		}
+	}
 	return &Gateway{
+		Health:   health,
 		Config:   cfg,
 		Registry: reg,
 		Metrics:  m,
 		Parallel: parallel,
-		Server:   server.New(cfg, reg, policies, px, parallel, sequential, m, log),
+		Server:   server.New(cfg, reg, policies, px, parallel, sequential, pairs, m, log),
 		Registrar: &worker.Registrar{
 			Registry:    reg,
-			Client:      &http.Client{Transport: transport},
+			Client:      client,
 			Log:         log,
 			MaxInterval: time.Duration(cfg.DetectIntervalSecs) * time.Second,
 			OnRegistered: func(w *worker.Worker) {
@@ -146,7 +195,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 
 	bg, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
-	g.Registrar.Start(bg)
+	g.Start(bg)
 	errc := make(chan error, 2)
 	go func() { errc <- api.Serve(ln) }()
 	if msrv != nil {
@@ -167,8 +216,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		_ = msrv.Close()
 	}
 	stopBG()
-	g.Registrar.Wait()
-	g.Parallel.Wait()
+	g.Wait()
 	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
 		return fmt.Errorf("serve: %w", serveErr)
 	}

@@ -42,8 +42,8 @@ func startGateway(t *testing.T, cfg config.Config) (*Gateway, *httptest.Server) 
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	g.Registrar.Start(ctx)
-	t.Cleanup(func() { cancel(); g.Registrar.Wait() })
+	g.Start(ctx)
+	t.Cleanup(func() { cancel(); g.Wait() })
 	deadline := time.Now().Add(10 * time.Second)
 	for _, w := range g.Registry.Snapshot().Workers {
 		for !w.Registered() {

@@ -43,6 +43,7 @@ func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...func(*config.Config)) (p
 	cfg.PDDisaggregation = true
 	port := p.BootstrapPort()
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
 	for _, f := range tweak {
 		f(&cfg)
 	}

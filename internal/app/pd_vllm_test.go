@@ -38,6 +38,7 @@ func vllmPD(t *testing.T, connector string, pc, dc sim.Config, tweak ...func(*co
 		pw.BootstrapPort = &bp
 	}
 	cfg.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode}}
+	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
 	for _, f := range tweak {
 		f(&cfg)
 	}

@@ -79,6 +79,68 @@ type Config struct {
 	// DetectIntervalSecs is the longest wait between registration attempts for a worker that
 	// is not reachable yet. Default 10.
 	DetectIntervalSecs int `json:"detect_interval_secs"`
+
+	Retry          Retry          `json:"retry"`
+	CircuitBreaker CircuitBreaker `json:"circuit_breaker"`
+	HealthCheck    HealthCheck    `json:"health_check"`
+	Admission      Admission      `json:"admission"`
+	PairHealth     PairHealth     `json:"pair_health"`
+}
+
+// Retry is how a failed request is retried: on 408/429/500/502/503/504 and transport errors,
+// before any byte reached the client, re-selecting the worker (PD: the pair) each time.
+type Retry struct {
+	// MaxRetries is the number of attempts in total, the first included. Default 5.
+	MaxRetries int `json:"max_retries"`
+	// InitialBackoffMs is the wait before the second attempt. Default 50.
+	InitialBackoffMs int `json:"initial_backoff_ms"`
+	// MaxBackoffMs caps a wait. Default 30000.
+	MaxBackoffMs int `json:"max_backoff_ms"`
+	// BackoffMultiplier grows the wait after each attempt. Default 1.5.
+	BackoffMultiplier float64 `json:"backoff_multiplier"`
+	// JitterFactor randomises each wait by ± this fraction. Default 0.2.
+	JitterFactor float64 `json:"jitter_factor"`
+	// Disable turns retries off (one attempt).
+	Disable bool `json:"disable"`
+}
+
+// CircuitBreaker takes a failing worker out of rotation: open after FailureThreshold
+// consecutive failures, half-open after TimeoutSecs (a few probe requests), closed after
+// SuccessThreshold successes. 429 is no failure; client cancellations never count.
+type CircuitBreaker struct {
+	FailureThreshold int  `json:"failure_threshold"`     // default 10
+	SuccessThreshold int  `json:"success_threshold"`     // default 3
+	TimeoutSecs      int  `json:"timeout_duration_secs"` // default 60
+	Disable          bool `json:"disable"`
+}
+
+// HealthCheck probes every worker periodically; workers leave and rejoin rotation on their own.
+type HealthCheck struct {
+	IntervalSecs     int    `json:"interval_secs"`     // default 60
+	TimeoutSecs      int    `json:"timeout_secs"`      // default 5
+	FailureThreshold int    `json:"failure_threshold"` // consecutive failures to leave rotation; default 3
+	SuccessThreshold int    `json:"success_threshold"` // consecutive successes to rejoin; default 2
+	Endpoint         string `json:"endpoint"`          // default /health
+	Disable          bool   `json:"disable"`
+}
+
+// Admission bounds the requests Baton serves at once; beyond the queue it answers 503 with
+// Retry-After.
+type Admission struct {
+	// MaxConcurrentRequests is the number of inference requests served at once; -1 or 0 means
+	// no limit. Default -1.
+	MaxConcurrentRequests int `json:"max_concurrent_requests"`
+	// QueueSize is how many more may wait for a slot. Default 100.
+	QueueSize int `json:"queue_size"`
+	// QueueTimeoutSecs is how long one may wait. Default 60.
+	QueueTimeoutSecs int `json:"queue_timeout_secs"`
+}
+
+// PairHealth quarantines a prefill/decode pair whose requests keep failing at the seam while
+// each worker looks healthy on its own; other pairs are preferred meanwhile.
+type PairHealth struct {
+	FailureThreshold int `json:"failure_threshold"` // consecutive failures; default 3
+	QuarantineSecs   int `json:"quarantine_secs"`   // default 30
 }
 
 // Worker is one inference engine Baton routes to.
@@ -120,6 +182,11 @@ func Default() Config {
 		LogLevel:                "info",
 		ShutdownGracePeriodSecs: 180,
 		PDMooncakeDispatch:      "concurrent",
+		Retry:                   Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
+		CircuitBreaker:          CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
+		HealthCheck:             HealthCheck{IntervalSecs: 60, TimeoutSecs: 5, FailureThreshold: 3, SuccessThreshold: 2, Endpoint: "/health"},
+		Admission:               Admission{MaxConcurrentRequests: -1, QueueSize: 100, QueueTimeoutSecs: 60},
+		PairHealth:              PairHealth{FailureThreshold: 3, QuarantineSecs: 30},
 		DetectIntervalSecs:      10,
 	}
 }
@@ -192,6 +259,21 @@ func (c *Config) Validate() error {
 	}
 	if c.DetectIntervalSecs <= 0 {
 		bad("detect_interval_secs must be positive, got %d", c.DetectIntervalSecs)
+	}
+	if r := c.Retry; r.MaxRetries < 1 || r.InitialBackoffMs <= 0 || r.MaxBackoffMs < r.InitialBackoffMs || r.BackoffMultiplier < 1 || r.JitterFactor < 0 || r.JitterFactor > 1 {
+		bad("retry: want max_retries >= 1, initial_backoff_ms > 0, max_backoff_ms >= initial_backoff_ms, backoff_multiplier >= 1, jitter_factor in [0,1]; got %+v", r)
+	}
+	if b := c.CircuitBreaker; b.FailureThreshold < 1 || b.SuccessThreshold < 1 || b.TimeoutSecs <= 0 {
+		bad("circuit_breaker: want failure_threshold >= 1, success_threshold >= 1, timeout_duration_secs > 0; got %+v", b)
+	}
+	if h := c.HealthCheck; h.IntervalSecs <= 0 || h.TimeoutSecs <= 0 || h.FailureThreshold < 1 || h.SuccessThreshold < 1 || !strings.HasPrefix(h.Endpoint, "/") {
+		bad("health_check: want interval_secs > 0, timeout_secs > 0, thresholds >= 1, endpoint starting with /; got %+v", h)
+	}
+	if a := c.Admission; a.QueueSize < 0 || a.QueueTimeoutSecs <= 0 {
+		bad("admission: want queue_size >= 0 and queue_timeout_secs > 0; got %+v", a)
+	}
+	if p := c.PairHealth; p.FailureThreshold < 1 || p.QuarantineSecs < 0 {
+		bad("pair_health: want failure_threshold >= 1 and quarantine_secs >= 0; got %+v", p)
 	}
 	seen := map[string]bool{}
 	for i, w := range c.AllWorkers() {

@@ -43,6 +43,17 @@ func intFlag(name, help string, field func(*Config) *int) flag {
 	}}
 }
 
+func floatFlag(name, help string, field func(*Config) *float64) flag {
+	return flag{name: name, arg: "X", help: help, apply: func(c *Config, v []string) error {
+		f, err := strconv.ParseFloat(v[0], 64)
+		if err != nil {
+			return fmt.Errorf("--%s: %q is not a number", name, v[0])
+		}
+		*field(c) = f
+		return nil
+	}}
+}
+
 func boolFlag(name, help string, field func(*Config) *bool) flag {
 	return flag{name: name, help: help, apply: func(c *Config, v []string) error {
 		if len(v) == 0 {
@@ -103,6 +114,25 @@ var serveFlags = []flag{
 	strFlag("log-level", "debug | info | warn | error (default info)", func(c *Config) *string { return &c.LogLevel }),
 	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
 	intFlag("shutdown-grace-period-secs", "how long in-flight requests may drain on SIGTERM (default 180)", func(c *Config) *int { return &c.ShutdownGracePeriodSecs }),
+	intFlag("retry-max-retries", "attempts in total, the first included (default 5)", func(c *Config) *int { return &c.Retry.MaxRetries }),
+	intFlag("retry-initial-backoff-ms", "wait before the second attempt (default 50)", func(c *Config) *int { return &c.Retry.InitialBackoffMs }),
+	intFlag("retry-max-backoff-ms", "longest wait between attempts (default 30000)", func(c *Config) *int { return &c.Retry.MaxBackoffMs }),
+	floatFlag("retry-backoff-multiplier", "growth of the wait per attempt (default 1.5)", func(c *Config) *float64 { return &c.Retry.BackoffMultiplier }),
+	floatFlag("retry-jitter-factor", "± fraction of randomness in each wait (default 0.2)", func(c *Config) *float64 { return &c.Retry.JitterFactor }),
+	boolFlag("disable-retries", "one attempt per request", func(c *Config) *bool { return &c.Retry.Disable }),
+	intFlag("cb-failure-threshold", "consecutive failures that open a worker's circuit (default 10)", func(c *Config) *int { return &c.CircuitBreaker.FailureThreshold }),
+	intFlag("cb-success-threshold", "successes in half-open that close it (default 3)", func(c *Config) *int { return &c.CircuitBreaker.SuccessThreshold }),
+	intFlag("cb-timeout-duration-secs", "time open before half-open probes (default 60)", func(c *Config) *int { return &c.CircuitBreaker.TimeoutSecs }),
+	boolFlag("disable-circuit-breaker", "never open circuits", func(c *Config) *bool { return &c.CircuitBreaker.Disable }),
+	intFlag("health-check-interval-secs", "time between health probes of a worker (default 60)", func(c *Config) *int { return &c.HealthCheck.IntervalSecs }),
+	intFlag("health-check-timeout-secs", "timeout of one health probe (default 5)", func(c *Config) *int { return &c.HealthCheck.TimeoutSecs }),
+	intFlag("health-failure-threshold", "failed probes that take a worker out of rotation (default 3)", func(c *Config) *int { return &c.HealthCheck.FailureThreshold }),
+	intFlag("health-success-threshold", "good probes that bring it back (default 2)", func(c *Config) *int { return &c.HealthCheck.SuccessThreshold }),
+	strFlag("health-check-endpoint", "path probed (default /health)", func(c *Config) *string { return &c.HealthCheck.Endpoint }),
+	boolFlag("disable-health-check", "no active health checks", func(c *Config) *bool { return &c.HealthCheck.Disable }),
+	intFlag("max-concurrent-requests", "inference requests served at once; -1 = no limit (default -1)", func(c *Config) *int { return &c.Admission.MaxConcurrentRequests }),
+	intFlag("queue-size", "requests that may wait for a slot (default 100)", func(c *Config) *int { return &c.Admission.QueueSize }),
+	intFlag("queue-timeout-secs", "how long a request may wait for a slot (default 60)", func(c *Config) *int { return &c.Admission.QueueTimeoutSecs }),
 	intFlag("detect-interval-secs", "longest wait between registration attempts for an unreachable worker (default 10)", func(c *Config) *int { return &c.DetectIntervalSecs }),
 }
 

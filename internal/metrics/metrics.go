@@ -44,6 +44,14 @@ type Metrics struct {
 	PDHandoffs          *prometheus.CounterVec // outcome, connector
 	PDHandoffsAbandoned *prometheus.CounterVec // connector
 
+	Retries            *prometheus.CounterVec // route, reason
+	RetriesExhausted   *prometheus.CounterVec // route
+	QueueDepth         prometheus.Gauge
+	QueueWait          prometheus.Histogram
+	Rejections         *prometheus.CounterVec // reason
+	BreakerTransitions *prometheus.CounterVec // worker, from, to
+	HealthChecks       *prometheus.CounterVec // worker, result
+
 	mu     sync.Mutex
 	models map[string]struct{}
 }
@@ -96,10 +104,40 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_pd_kv_handoffs_abandoned_total",
 			Help: "KV handoffs prepared on a prefill but never consumed by a decode (decode failed or client left); the KV stays pinned until the engine's timeout.",
 		}, []string{"connector"}),
+		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_retries_total",
+			Help: "Retried attempts by route and the reason of the failed attempt (status_<code>, transport, timeout).",
+		}, []string{"route", "reason"}),
+		RetriesExhausted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_retries_exhausted_total",
+			Help: "Requests that failed after their last allowed attempt.",
+		}, []string{"route"}),
+		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_queue_depth",
+			Help: "Requests waiting for a slot (max_concurrent_requests).",
+		}),
+		QueueWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "baton_queue_wait_seconds",
+			Help:    "Time requests waited for a slot.",
+			Buckets: DurationBuckets,
+		}),
+		Rejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_rejections_total",
+			Help: "Requests refused with 503 by admission control, by reason (queue_full, queue_timeout).",
+		}, []string{"reason"}),
+		BreakerTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_circuit_transitions_total",
+			Help: "Circuit breaker state changes by worker.",
+		}, []string{"worker", "from", "to"}),
+		HealthChecks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_health_checks_total",
+			Help: "Active health probes by worker and result (ok, failed).",
+		}, []string{"worker", "result"}),
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned,
+		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -140,6 +178,8 @@ var (
 		"Requests in flight on a worker through Baton, streams included.", []string{"worker", "role"}, nil)
 	readyDesc = prometheus.NewDesc("baton_worker_ready",
 		"1 when the worker is registered and may receive traffic, else 0.", []string{"worker", "role"}, nil)
+	breakerDesc = prometheus.NewDesc("baton_worker_circuit_state",
+		"Circuit breaker state: 0 closed, 1 open, 2 half-open.", []string{"worker", "role"}, nil)
 	outcomeDesc = prometheus.NewDesc("baton_worker_outcomes_total",
 		"Outcome samples of requests a worker served (failure: transport error or 408/500/502/503/504).", []string{"worker", "role", "outcome"}, nil)
 )
@@ -150,6 +190,7 @@ func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- inflightDesc
 	ch <- readyDesc
 	ch <- outcomeDesc
+	ch <- breakerDesc
 }
 
 func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
@@ -160,8 +201,20 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 			ready = 1
 		}
 		ch <- prometheus.MustNewConstMetric(readyDesc, prometheus.GaugeValue, ready, w.URL, w.Role)
+		ch <- prometheus.MustNewConstMetric(breakerDesc, prometheus.GaugeValue, float64(w.BreakerState()), w.URL, w.Role)
 		ok, failed := w.Outcomes()
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(ok), w.URL, w.Role, "success")
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(failed), w.URL, w.Role, "failure")
 	}
+}
+
+// BreakerStateName names a breaker state for labels and logs.
+func BreakerStateName(state int) string {
+	switch state {
+	case worker.BreakerOpen:
+		return "open"
+	case worker.BreakerHalfOpen:
+		return "half_open"
+	}
+	return "closed"
 }

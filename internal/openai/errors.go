@@ -28,6 +28,13 @@ type Error struct {
 	Code    string // Machine-readable code, e.g. "model_not_found".
 	Message string // Human-readable message.
 	Param   string // Request parameter at fault; empty means JSON null.
+
+	// RetryAfter, when set, is sent as the Retry-After header.
+	RetryAfter string
+	// Worker is the URL of the worker whose failure this is, if any; a retry avoids it.
+	Worker string
+	// NoRetry marks a failure that a retry cannot fix, even with a retryable status.
+	NoRetry bool
 }
 
 // Error implements error.
@@ -82,6 +89,9 @@ func WriteError(w http.ResponseWriter, e *Error) {
 	h.Set("Content-Type", "application/json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	h.Set(HeaderErrorCode, e.Code)
+	if e.RetryAfter != "" {
+		h.Set("Retry-After", e.RetryAfter)
+	}
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(body)
 }

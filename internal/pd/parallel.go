@@ -35,6 +35,8 @@ type Parallel struct {
 	Proxy   *proxy.Proxy
 	Metrics *metrics.Metrics
 	Log     *slog.Logger
+	// Pairs learns which pairs fail at the seam; nil learns nothing.
+	Pairs *worker.PairHealth
 
 	wg sync.WaitGroup // prefill legs still finishing after their decode completed
 }
@@ -47,6 +49,7 @@ func (x *Parallel) Wait() { x.wg.Wait() }
 // prefillResult is how a prefill leg ended.
 type prefillResult struct {
 	status int
+	header http.Header
 	body   []byte // kept for logprob merging and error messages
 	err    error  // transport or read error; context.Canceled when Baton cancelled it
 }
@@ -61,7 +64,6 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
 		e := &openai.Error{Status: http.StatusBadRequest, Code: "bootstrap_injection_failed", Message: err.Error()}
-		openai.WriteError(rw, e)
 		return e
 	}
 	res := x.run(rw, r, req, pair, concurrentPlan{
@@ -130,7 +132,17 @@ func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pa
 		pres <- p
 	})
 	res.outcome = "success"
-	defer func() { x.Metrics.PDRequests.WithLabelValues(model, plan.dispatch, res.outcome).Inc() }()
+	defer func() {
+		x.Metrics.PDRequests.WithLabelValues(model, plan.dispatch, res.outcome).Inc()
+		switch res.outcome {
+		case "success":
+			x.Pairs.Record(pair.Prefill, pair.Decode, true)
+		case "prefill_failed", "decode_failed", "aborted":
+			if seamFailure(res.err) {
+				x.Pairs.Record(pair.Prefill, pair.Decode, false)
+			}
+		}
+	}()
 	fail := func(derr error) concurrentResult {
 		res.err = x.legFailed(rw, r, pair, derr, dCtx, pres, &res.outcome)
 		return res
@@ -144,9 +156,8 @@ func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pa
 			pair.Decode.Record(dresp.StatusCode, nil)
 			dCancel(errDecodeFailed)
 			res.outcome = "decode_failed"
-			e := upstreamError(LegDecode, pair.Decode, dresp.StatusCode, body)
+			e := upstreamError(LegDecode, pair.Decode, dresp.StatusCode, dresp.Header, body)
 			x.Log.Warn("decode leg failed", "decode", pair.Decode.URL, "prefill", pair.Prefill.URL, "status", dresp.StatusCode)
-			openai.WriteError(rw, e)
 			res.err = e
 			return res
 		}
@@ -189,7 +200,7 @@ func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pa
 		res.err = proxy.ErrAbort
 		return res
 	}
-	res.err = x.Proxy.Finish(rw, r, pair.Decode, LegDecode, err)
+	res.err = x.Proxy.Finish(r, pair.Decode, LegDecode, err)
 	switch {
 	case errors.Is(res.err, proxy.ErrClientGone):
 		res.outcome = "client_cancelled"
@@ -217,17 +228,16 @@ func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, pair Pair,
 		if p.err != nil {
 			e = proxy.Classify(pair.Prefill, LegPrefill, x.Proxy.Timeout, p.err)
 		} else {
-			e = upstreamError(LegPrefill, pair.Prefill, p.status, p.body)
+			e = upstreamError(LegPrefill, pair.Prefill, p.status, p.header, p.body)
 		}
-		openai.WriteError(rw, e)
 		return e
 	}
-	if r.Context().Err() != nil {
+	if proxy.ClientGone(r) {
 		*outcome = "client_cancelled"
 		return proxy.ErrClientGone
 	}
 	*outcome = "decode_failed"
-	return x.Proxy.Fail(rw, r, pair.Decode, LegDecode, derr)
+	return x.Proxy.Failure(r, pair.Decode, LegDecode, derr)
 }
 
 // prefill sends the prefill leg and reads its whole answer (keeping it when keep is set or the
@@ -257,7 +267,7 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w
 		return prefillResult{status: resp.StatusCode, err: err}
 	}
 	w.Record(resp.StatusCode, nil)
-	return prefillResult{status: resp.StatusCode, body: b}
+	return prefillResult{status: resp.StatusCode, header: resp.Header, body: b}
 }
 
 // relayBody answers with the decode's whole non-streamed body passed through transform.
@@ -338,3 +348,13 @@ func BootstrapBodies(req *Request, pair Pair) (prefill, decode []byte, err error
 
 // newRoom returns a bootstrap room: uniform in [0, 2^63-1].
 func newRoom() uint64 { return rand.Uint64() & (1<<63 - 1) }
+
+// seamFailure reports whether a PD failure is the kind a broken pair produces: a 5xx or a
+// transport error, not a client error, and not a cancellation.
+func seamFailure(err error) bool {
+	var e *openai.Error
+	if errors.As(err, &e) {
+		return e.Status >= 500
+	}
+	return errors.Is(err, proxy.ErrAbort)
+}

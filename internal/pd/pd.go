@@ -89,9 +89,13 @@ func listLen(raw json.RawMessage, nested bool) int {
 
 // upstreamError builds the client's error for a leg that answered non-2xx: the leg's exact
 // status, its message, and a code naming the leg.
-func upstreamError(leg string, w *worker.Worker, status int, body []byte) *openai.Error {
-	return &openai.Error{Status: status, Code: leg + "_upstream_error",
+func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *openai.Error {
+	e := &openai.Error{Status: status, Code: leg + "_upstream_error", Worker: w.URL,
 		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
+	if header != nil {
+		e.RetryAfter = header.Get("Retry-After")
+	}
+	return e
 }
 
 // upstreamMessage extracts an engine's error message: error.message, message, or the text.

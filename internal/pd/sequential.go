@@ -14,6 +14,7 @@ import (
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Sequential runs vLLM's protocol: a one-token prefill tagged for the connector, then the
@@ -32,6 +33,8 @@ type Sequential struct {
 	MooncakeConcurrent bool
 	// Concurrent runs concurrent dispatches.
 	Concurrent *Parallel
+	// Pairs learns which pairs fail at the seam; nil learns nothing.
+	Pairs *worker.PairHealth
 }
 
 var _ Executor = (*Sequential)(nil)
@@ -84,7 +87,6 @@ func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 	plan, err := x.plan(req, pair)
 	if err != nil {
 		e := &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
-		openai.WriteError(rw, e)
 		return e
 	}
 	x.Metrics.PDConnectorMode.WithLabelValues(plan.conn.Mode).Inc()
@@ -148,6 +150,12 @@ func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 	if params != nil && !started {
 		x.abandoned(plan.conn, pair, outcome)
 	}
+	switch {
+	case outcome == "success":
+		x.Pairs.Record(pair.Prefill, pair.Decode, true)
+	case params != nil && seamFailure(err):
+		x.Pairs.Record(pair.Prefill, pair.Decode, false) // the decode failed on a handoff
+	}
 	return err
 }
 
@@ -160,21 +168,17 @@ func (x *Sequential) prefill(rw http.ResponseWriter, r *http.Request, req *Reque
 	defer release()
 	resp, err := x.Proxy.Send(ctx, r, pair.Prefill, req.Path, plan.probe, plan.prefillHeader)
 	if err != nil {
-		return nil, x.Proxy.Fail(rw, r, pair.Prefill, LegPrefill, err)
+		return nil, x.Proxy.Failure(r, pair.Prefill, LegPrefill, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillBody))
 	if err != nil {
-		return nil, x.Proxy.Fail(rw, r, pair.Prefill, LegPrefill, err)
+		return nil, x.Proxy.Failure(r, pair.Prefill, LegPrefill, err)
 	}
 	pair.Prefill.Record(resp.StatusCode, nil)
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		e := upstreamError(LegPrefill, pair.Prefill, resp.StatusCode, body)
+		e := upstreamError(LegPrefill, pair.Prefill, resp.StatusCode, resp.Header, body)
 		x.Log.Warn("prefill leg failed; decode not contacted", "prefill", pair.Prefill.URL, "status", resp.StatusCode)
-		if ra := resp.Header.Get("Retry-After"); ra != "" {
-			rw.Header().Set("Retry-After", ra)
-		}
-		openai.WriteError(rw, e)
 		return nil, e
 	}
 	return body, nil
@@ -197,9 +201,10 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair Pair, con
 	if !x.RequireHandoff {
 		return nil
 	}
-	e := &openai.Error{Status: http.StatusBadGateway, Code: "kv_handoff_unavailable",
+	// A retry may land on a pair that hands off, unless nothing could: n>1, or no engine id.
+	noRetry := handoff == HandoffNoneN || handoff == HandoffNoneNoEngine
+	e := &openai.Error{Status: http.StatusBadGateway, Code: "kv_handoff_unavailable", NoRetry: noRetry,
 		Message: fmt.Sprintf("no KV handoff for this request (%s, connector %s) and --pd-require-handoff is set", handoff, conn.Mode)}
-	openai.WriteError(rw, e)
 	return e
 }
 
@@ -216,18 +221,14 @@ func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Reques
 	}
 	resp, err := x.Proxy.Send(ctx, r, pair.Decode, req.Path, body, hdr)
 	if err != nil {
-		return false, x.Proxy.Fail(rw, r, pair.Decode, LegDecode, err)
+		return false, x.Proxy.Failure(r, pair.Decode, LegDecode, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 		pair.Decode.Record(resp.StatusCode, nil)
-		e := upstreamError(LegDecode, pair.Decode, resp.StatusCode, b)
+		e := upstreamError(LegDecode, pair.Decode, resp.StatusCode, resp.Header, b)
 		x.Log.Warn("decode leg failed", "decode", pair.Decode.URL, "prefill", pair.Prefill.URL, "status", resp.StatusCode)
-		if ra := resp.Header.Get("Retry-After"); ra != "" {
-			rw.Header().Set("Retry-After", ra)
-		}
-		openai.WriteError(rw, e)
 		return false, e
 	}
 	resp.Body = &firstByte{ReadCloser: resp.Body, at: func() {
@@ -245,7 +246,7 @@ func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Reques
 	if err == nil {
 		pair.Decode.Record(resp.StatusCode, nil)
 	}
-	return started, x.Proxy.Finish(rw, r, pair.Decode, LegDecode, err)
+	return started, x.Proxy.Finish(r, pair.Decode, LegDecode, err)
 }
 
 // abandoned counts a handoff prepared but never consumed: the prefill's KV stays pinned until

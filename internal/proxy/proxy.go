@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -30,6 +31,35 @@ var (
 	// response, never a silently truncated one.
 	ErrAbort = errors.New("upstream failed after the first byte")
 )
+
+// UpstreamError is a worker's answer with a retryable error status (408, 429, 5xx), held back
+// so that the request can be retried elsewhere. If it is the final answer, Write relays it to
+// the client unchanged.
+type UpstreamError struct {
+	Worker string
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+func (e *UpstreamError) Error() string {
+	return fmt.Sprintf("worker %s answered %d", e.Worker, e.Status)
+}
+
+// Write relays the held answer: status, headers and body as the worker sent them.
+func (e *UpstreamError) Write(rw http.ResponseWriter) {
+	h := rw.Header()
+	CopyResponseHeaders(h, e.Header)
+	h.Set("Content-Length", strconv.Itoa(len(e.Body)))
+	rw.WriteHeader(e.Status)
+	_, _ = rw.Write(e.Body)
+}
+
+// ClientGone reports whether the client of r went away (as opposed to a deadline passing).
+func ClientGone(r *http.Request) bool { return errors.Is(r.Context().Err(), context.Canceled) }
+
+// maxErrorBody bounds an error answer held back for a retry.
+const maxErrorBody = 1 << 20
 
 // ReadError is an upstream body read failure during Relay. Written reports whether any byte of
 // the response had reached the client; when not, the caller can still answer with a status.
@@ -95,7 +125,8 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, pa
 
 // Forward POSTs body to path on w and relays the response to rw (regular mode). It returns nil
 // when the whole response reached the client, ErrClientGone, ErrAbort (the caller must abort the
-// connection), or an *openai.Error already written to the client.
+// connection), or, with nothing written yet, an *openai.Error or an *UpstreamError for the
+// caller to retry or write.
 func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
 	ctx, cancel := context.WithTimeout(r.Context(), p.Timeout)
 	defer cancel()
@@ -103,30 +134,38 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	defer release()
 	resp, err := p.Send(ctx, r, w, path, body, nil)
 	if err != nil {
-		return p.Fail(rw, r, w, "", err)
+		return p.Failure(r, w, "", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
+	if RetryableStatus(resp.StatusCode) {
+		b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+		if err != nil {
+			return p.Failure(r, w, "", err)
+		}
+		w.Record(resp.StatusCode, nil)
+		return &UpstreamError{Worker: w.URL, Status: resp.StatusCode, Header: resp.Header, Body: b}
+	}
 	err = p.Relay(rw, resp, nil)
 	if err == nil {
 		w.Record(resp.StatusCode, nil)
 	}
-	return p.Finish(rw, r, w, "", err)
+	return p.Finish(r, w, "", err)
 }
 
-// Finish maps Relay's result: a read failure before the first byte is answered like a send
-// failure, after it the connection must be aborted.
-func (p *Proxy) Finish(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
+// Finish maps Relay's result: a read failure before the first byte is a failure like a send
+// failure (nothing was written: the caller may retry); after it the connection must be aborted.
+func (p *Proxy) Finish(r *http.Request, w *worker.Worker, leg string, err error) error {
 	var re *ReadError
 	switch {
 	case err == nil, errors.Is(err, ErrClientGone):
 		return err
-	case r.Context().Err() != nil:
+	case ClientGone(r):
 		return ErrClientGone
 	case errors.As(err, &re) && !re.Written:
-		return p.Fail(rw, r, w, leg, re.Err)
+		return p.Failure(r, w, leg, re.Err)
 	}
 	kind := metrics.KindMidStream
 	if errors.Is(err, context.DeadlineExceeded) {
@@ -228,11 +267,22 @@ func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *o
 		prefix = leg + "_"
 	}
 	if errors.Is(err, context.DeadlineExceeded) {
-		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout,
+		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, Worker: w.URL,
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
 	}
-	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable,
+	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable, Worker: w.URL,
 		Message: fmt.Sprintf("%sworker %s: %v", legWord(leg), w.URL, unwrapURLError(err))}
+}
+
+// RetryableStatus reports whether an upstream status is worth a retry elsewhere: 408, 429, 500,
+// 502, 503, 504.
+func RetryableStatus(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusTooManyRequests, http.StatusInternalServerError,
+		http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return true
+	}
+	return false
 }
 
 func legWord(leg string) string {
@@ -242,9 +292,10 @@ func legWord(leg string) string {
 	return leg + " "
 }
 
-// Fail answers the client for a failure before any response byte, and records it against w.
-func (p *Proxy) Fail(rw http.ResponseWriter, r *http.Request, w *worker.Worker, leg string, err error) error {
-	if r.Context().Err() != nil {
+// Failure classifies a failure before any response byte, records it against w, and returns the
+// error for the client (not written: the caller may retry), or ErrClientGone.
+func (p *Proxy) Failure(r *http.Request, w *worker.Worker, leg string, err error) error {
+	if ClientGone(r) {
 		return ErrClientGone
 	}
 	e := Classify(w, leg, p.Timeout, err)
@@ -255,7 +306,6 @@ func (p *Proxy) Fail(rw http.ResponseWriter, r *http.Request, w *worker.Worker, 
 	}
 	p.countError(w, kind)
 	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg, "status", e.Status, "err", err)
-	openai.WriteError(rw, e)
 	return e
 }
 

@@ -23,19 +23,18 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
-	pair, oerr := s.pickPair(req.Model)
-	if oerr != nil {
-		openai.WriteError(w, oerr)
-		return
-	}
-	h := w.Header()
-	h.Set(pd.HeaderPrefillWorker, pair.Prefill.URL)
-	h.Set(pd.HeaderDecodeWorker, pair.Decode.URL)
-	h.Set(openai.HeaderWorker, pair.Decode.URL)
-	err := s.executorFor(pair.Prefill).Execute(w, r, &pd.Request{Request: req, Path: r.URL.Path}, pair)
-	if errors.Is(err, proxy.ErrAbort) {
-		panic(http.ErrAbortHandler)
-	}
+	preq := &pd.Request{Request: req, Path: r.URL.Path}
+	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
+		pair, oerr := s.pickPair(req.Model, avoid)
+		if oerr != nil {
+			return oerr
+		}
+		h := w.Header()
+		h.Set(pd.HeaderPrefillWorker, pair.Prefill.URL)
+		h.Set(pd.HeaderDecodeWorker, pair.Decode.URL)
+		h.Set(openai.HeaderWorker, pair.Decode.URL)
+		return s.executorFor(pair.Prefill).Execute(w, r, preq, pair)
+	})
 }
 
 // executorFor chooses the dispatch strategy by the prefill worker's runtime.
@@ -46,8 +45,9 @@ func (s *Server) executorFor(prefill *worker.Worker) pd.Executor {
 	return s.parallel
 }
 
-// pickPair selects a prefill and a decode worker serving model, each by its own policy.
-func (s *Server) pickPair(model string) (pd.Pair, *openai.Error) {
+// pickPair selects a prefill and a decode worker serving model, each by its own policy,
+// preferring workers not in avoid and a decode not quarantined with the chosen prefill.
+func (s *Server) pickPair(model string, avoid map[string]bool) (pd.Pair, *openai.Error) {
 	snap := s.reg.Snapshot()
 	pc, pPending := snap.Candidates(config.RolePrefill, model)
 	dc, dPending := snap.Candidates(config.RoleDecode, model)
@@ -61,22 +61,40 @@ func (s *Server) pickPair(model string) (pd.Pair, *openai.Error) {
 		cand []*worker.Worker
 		out  **worker.Worker
 	}{{config.RolePrefill, pc, &pair.Prefill}, {config.RoleDecode, dc, &pair.Decode}} {
-		ready := worker.Ready(leg.cand)
-		if len(ready) == 0 {
-			msg := fmt.Sprintf("no %s worker is ready", leg.role)
+		avail := preferOthers(worker.Available(leg.cand), avoid)
+		if len(avail) == 0 {
+			msg := fmt.Sprintf("no %s worker is available (all unhealthy, circuits open, or still registering)", leg.role)
 			if model != "" {
-				msg = fmt.Sprintf("no %s worker is ready to serve model %q", leg.role, model)
+				msg = fmt.Sprintf("no %s worker is available to serve model %q (all unhealthy, circuits open, or still registering)", leg.role, model)
 			}
 			return pd.Pair{}, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
 		}
-		*leg.out = s.policies[leg.role].Pick(ready)
+		if leg.role == config.RoleDecode {
+			avail = s.unquarantined(pair.Prefill, avail)
+		}
+		*leg.out = s.policies[leg.role].Pick(avail)
 	}
 	return pair, nil
 }
 
+// unquarantined returns the decodes not quarantined with prefill, or all of them when every
+// pair is quarantined.
+func (s *Server) unquarantined(prefill *worker.Worker, decodes []*worker.Worker) []*worker.Worker {
+	var out []*worker.Worker
+	for _, d := range decodes {
+		if !s.pairs.Quarantined(prefill, d) {
+			out = append(out, d)
+		}
+	}
+	if len(out) == 0 {
+		return decodes
+	}
+	return out
+}
+
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.
 func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
-	pair, oerr := s.pickPair("")
+	pair, oerr := s.pickPair("", nil)
 	if oerr != nil {
 		openai.WriteError(w, oerr)
 		return

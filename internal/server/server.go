@@ -45,13 +45,17 @@ type Server struct {
 	sequential pd.Executor // PD dispatch for vLLM
 	metrics    *metrics.Metrics
 	log        *slog.Logger
+	admit      *admission
+	pairs      *worker.PairHealth
 	draining   atomic.Bool
 	inflight   atomic.Int64 // client requests being served (streams included)
 }
 
 // New returns a server routing over reg with a policy per worker role.
-func New(cfg config.Config, reg *worker.Registry, policies map[string]policy.Policy, px *proxy.Proxy, parallel, sequential pd.Executor, m *metrics.Metrics, log *slog.Logger) *Server {
-	return &Server{cfg: cfg, reg: reg, policies: policies, proxy: px, parallel: parallel, sequential: sequential, metrics: m, log: log}
+func New(cfg config.Config, reg *worker.Registry, policies map[string]policy.Policy, px *proxy.Proxy, parallel, sequential pd.Executor, pairs *worker.PairHealth, m *metrics.Metrics, log *slog.Logger) *Server {
+	a := cfg.Admission
+	return &Server{cfg: cfg, reg: reg, policies: policies, proxy: px, parallel: parallel, sequential: sequential, pairs: pairs,
+		admit: newAdmission(a.MaxConcurrentRequests, a.QueueSize, time.Duration(a.QueueTimeoutSecs)*time.Second, m), metrics: m, log: log}
 }
 
 // Handler returns the API handler with its middleware.
@@ -62,7 +66,7 @@ func (s *Server) Handler() http.Handler {
 		if s.cfg.PDDisaggregation && pdRoutes[route] {
 			h = s.servePD
 		}
-		mux.Handle("POST "+route, s.authed(h))
+		mux.Handle("POST "+route, s.authed(s.admit.wrap(h)))
 	}
 	if s.cfg.PDDisaggregation {
 		mux.HandleFunc("GET /health_generate", s.serveHealthGenerate)
@@ -231,34 +235,49 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
-	wk, oerr := s.pick(config.RoleRegular, req.Model)
-	if oerr != nil {
-		openai.WriteError(w, oerr)
-		return
-	}
-	w.Header().Set(openai.HeaderWorker, wk.URL)
-	switch err := s.proxy.Forward(w, r, wk, r.URL.Path, body); {
-	case errors.Is(err, proxy.ErrAbort):
-		panic(http.ErrAbortHandler)
-	}
+	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
+		wk, oerr := s.pick(config.RoleRegular, req.Model, avoid)
+		if oerr != nil {
+			return oerr
+		}
+		w.Header().Set(openai.HeaderWorker, wk.URL)
+		return s.proxy.Forward(w, r, wk, r.URL.Path, body)
+	})
 }
 
-// pick selects a ready worker of role serving model.
-func (s *Server) pick(role, model string) (*worker.Worker, *openai.Error) {
+// pick selects an available worker of role serving model, preferring those not in avoid.
+func (s *Server) pick(role, model string, avoid map[string]bool) (*worker.Worker, *openai.Error) {
 	cands, pending := s.reg.Snapshot().Candidates(role, model)
 	if len(cands) == 0 && !pending && model != "" {
 		return nil, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model",
 			Message: fmt.Sprintf("the model %q is not served by any worker", model)}
 	}
-	ready := worker.Ready(cands)
-	if len(ready) == 0 {
-		msg := "no worker is ready"
+	avail := preferOthers(worker.Available(cands), avoid)
+	if len(avail) == 0 {
+		msg := fmt.Sprintf("no %s worker is available (all unhealthy, circuits open, or still registering)", role)
 		if model != "" {
-			msg = fmt.Sprintf("no worker is ready to serve model %q", model)
+			msg = fmt.Sprintf("no %s worker is available to serve model %q (all unhealthy, circuits open, or still registering)", role, model)
 		}
 		return nil, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
 	}
-	return s.policies[role].Pick(ready), nil
+	return s.policies[role].Pick(avail), nil
+}
+
+// preferOthers returns the workers of ws not in avoid, or ws when that would leave none.
+func preferOthers(ws []*worker.Worker, avoid map[string]bool) []*worker.Worker {
+	if len(avoid) == 0 {
+		return ws
+	}
+	var out []*worker.Worker
+	for _, w := range ws {
+		if !avoid[w.URL] {
+			out = append(out, w)
+		}
+	}
+	if len(out) == 0 {
+		return ws
+	}
+	return out
 }
 
 // hasRole reports whether any worker of role is configured.

@@ -57,6 +57,10 @@ type Worker struct {
 	rank       atomic.Uint64 // round robin over DP ranks
 	successes  atomic.Int64
 	failures   atomic.Int64
+	breaker    *breaker // nil: always closed
+
+	// health check state, owned by the HealthChecker
+	healthFails, healthOKs atomic.Int32
 }
 
 // New returns a worker for c, not yet registered and not ready.
@@ -130,10 +134,17 @@ func (w *Worker) InFlight() int64 { return w.inflight.Load() }
 // release function is safe to call more than once; only the first call counts.
 func (w *Worker) Acquire() (release func()) {
 	w.inflight.Add(1)
+	probe := w.breaker != nil && w.breaker.state.Load() == BreakerHalfOpen
+	if probe {
+		w.breaker.probes.Add(1)
+	}
 	var done atomic.Bool
 	return func() {
 		if done.CompareAndSwap(false, true) {
 			w.inflight.Add(-1)
+			if probe {
+				w.breaker.probes.Add(-1)
+			}
 		}
 	}
 }
@@ -185,10 +196,14 @@ func (w *Worker) Record(status int, err error) {
 	failure, sample := IsFailure(status, err)
 	switch {
 	case !sample:
+		return
 	case failure:
 		w.failures.Add(1)
 	default:
 		w.successes.Add(1)
+	}
+	if w.breaker != nil {
+		w.breaker.record(failure)
 	}
 }
 

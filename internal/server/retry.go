@@ -1,0 +1,141 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/proxy"
+)
+
+// errRequestTimeout is the cause of a request whose total deadline passed.
+var errRequestTimeout = errors.New("request deadline exceeded")
+
+// attemptFunc is one try at a request. r carries the request's total deadline; avoid holds the
+// URLs of workers that already failed this request. It returns nil once the response is
+// complete, proxy.ErrClientGone or proxy.ErrAbort, or an unwritten *openai.Error or
+// *proxy.UpstreamError.
+type attemptFunc func(r *http.Request, avoid map[string]bool) error
+
+// headers an attempt sets that must not leak into the next one.
+var attemptHeaders = []string{openai.HeaderWorker, "X-Baton-Prefill-Worker", "X-Baton-Decode-Worker", "X-Baton-Kv-Handoff"}
+
+// withRetries runs attempt until it succeeds, fails for good, or runs out of tries or time:
+// retries happen only on 408/429/500/502/503/504 and transport errors, only before any byte
+// reached the client, waiting an exponential, jittered backoff (cancelled with the client), each
+// retry re-selecting the worker. The final failure is written here.
+func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt attemptFunc) {
+	timeout := time.Duration(s.cfg.RequestTimeoutSecs) * time.Second
+	ctx, cancel := context.WithTimeoutCause(r.Context(), timeout, errRequestTimeout)
+	defer cancel()
+	r = r.WithContext(ctx)
+	rc := s.cfg.Retry
+	tries := uint(rc.MaxRetries)
+	if rc.Disable {
+		tries = 1
+	}
+	b := &backoff.ExponentialBackOff{
+		InitialInterval:     time.Duration(rc.InitialBackoffMs) * time.Millisecond,
+		RandomizationFactor: rc.JitterFactor,
+		Multiplier:          rc.BackoffMultiplier,
+		MaxInterval:         time.Duration(rc.MaxBackoffMs) * time.Millisecond,
+	}
+	route := r.Pattern
+	avoid := map[string]bool{}
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		for _, h := range attemptHeaders {
+			w.Header().Del(h)
+		}
+		err := attempt(r, avoid)
+		if err == nil {
+			return struct{}{}, nil
+		}
+		if _, ok := retryReason(err); !ok {
+			return struct{}{}, backoff.Permanent(err)
+		}
+		if u := failedWorker(err); u != "" {
+			avoid[u] = true
+		}
+		return struct{}{}, err
+	},
+		backoff.WithBackOff(b), backoff.WithMaxTries(tries), backoff.WithMaxElapsedTime(timeout),
+		backoff.WithNotify(func(err error, d time.Duration) {
+			reason, _ := retryReason(err)
+			s.metrics.Retries.WithLabelValues(route, reason).Inc()
+			s.log.Debug("retrying", "route", route, "reason", reason, "backoff", d, "err", err)
+		}))
+	if err == nil {
+		return
+	}
+	if _, ok := retryReason(err); ok {
+		s.metrics.RetriesExhausted.WithLabelValues(route).Inc()
+	}
+	s.writeFailure(w, r, err)
+}
+
+// writeFailure answers the client for the final failure of a request.
+func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error) {
+	var (
+		oe *openai.Error
+		ue *proxy.UpstreamError
+	)
+	switch {
+	case errors.Is(err, proxy.ErrAbort):
+		panic(http.ErrAbortHandler)
+	case errors.As(err, &oe):
+		openai.WriteError(w, oe)
+	case errors.As(err, &ue):
+		ue.Write(w)
+	case errors.Is(err, proxy.ErrClientGone), proxy.ClientGone(r):
+	case errors.Is(err, errRequestTimeout), errors.Is(err, context.DeadlineExceeded):
+		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
+			Message: "the request did not complete within request_timeout_secs"})
+	default:
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadGateway, Code: "internal_error", Message: err.Error()})
+	}
+}
+
+// retryReason reports whether err may be retried and why (a metrics label).
+func retryReason(err error) (string, bool) {
+	var (
+		oe *openai.Error
+		ue *proxy.UpstreamError
+	)
+	switch {
+	case errors.As(err, &oe):
+		if oe.NoRetry || !proxy.RetryableStatus(oe.Status) {
+			return "", false
+		}
+		switch {
+		case strings.HasSuffix(oe.Code, openai.CodeUpstreamUnreachable):
+			return "transport", true
+		case strings.HasSuffix(oe.Code, openai.CodeUpstreamTimeout):
+			return "timeout", true
+		}
+		return "status_" + strconv.Itoa(oe.Status), true
+	case errors.As(err, &ue):
+		return "status_" + strconv.Itoa(ue.Status), proxy.RetryableStatus(ue.Status)
+	}
+	return "", false
+}
+
+// failedWorker returns the URL of the worker a failure belongs to, if known.
+func failedWorker(err error) string {
+	var (
+		oe *openai.Error
+		ue *proxy.UpstreamError
+	)
+	switch {
+	case errors.As(err, &oe):
+		return oe.Worker
+	case errors.As(err, &ue):
+		return ue.Worker
+	}
+	return ""
+}

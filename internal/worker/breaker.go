@@ -1,0 +1,147 @@
+package worker
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Breaker states.
+const (
+	BreakerClosed   = 0
+	BreakerOpen     = 1
+	BreakerHalfOpen = 2
+)
+
+// BreakerConfig configures a worker's circuit breaker.
+type BreakerConfig struct {
+	FailureThreshold int           // consecutive failures that open the circuit
+	SuccessThreshold int           // successes in half-open that close it; also the probe limit
+	Timeout          time.Duration // time open before half-open
+	Disabled         bool          // never open
+	// OnTransition, when set, is called on every state change (for metrics and logs).
+	OnTransition func(w *Worker, from, to int)
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// breaker is a consecutive-failure circuit breaker. It is written here rather than taken from
+// sony/gobreaker because Baton learns outcomes after the fact and some are no sample at all
+// (429, cancellations): gobreaker's two-step API must be told success or failure for every
+// admitted request, or its half-open admission count drifts. Reads are atomic; transitions
+// take a mutex, never held across I/O.
+type breaker struct {
+	cfg   *BreakerConfig
+	w     *Worker
+	state atomic.Int32
+	// probes counts requests in flight that were admitted in half-open.
+	probes atomic.Int32
+
+	mu         sync.Mutex
+	fails, oks int
+	openedAt   time.Time
+}
+
+func (b *breaker) now() time.Time {
+	if b.cfg.Now != nil {
+		return b.cfg.Now()
+	}
+	return time.Now()
+}
+
+func (b *breaker) setLocked(to int) {
+	from := int(b.state.Load())
+	if from == to {
+		return
+	}
+	b.state.Store(int32(to))
+	b.fails, b.oks = 0, 0
+	if to == BreakerOpen {
+		b.openedAt = b.now()
+	}
+	if b.cfg.OnTransition != nil {
+		b.cfg.OnTransition(b.w, from, to)
+	}
+}
+
+// allow reports whether the worker may take a request now: closed, or half-open with room for
+// another probe. An open circuit turns half-open once its timeout has passed.
+func (b *breaker) allow() bool {
+	switch b.state.Load() {
+	case BreakerClosed:
+		return true
+	case BreakerOpen:
+		b.mu.Lock()
+		if b.state.Load() == BreakerOpen && b.now().Sub(b.openedAt) >= b.cfg.Timeout {
+			b.setLocked(BreakerHalfOpen)
+		}
+		b.mu.Unlock()
+		if b.state.Load() != BreakerHalfOpen {
+			return false
+		}
+	}
+	return int(b.probes.Load()) < b.cfg.SuccessThreshold
+}
+
+// record takes one outcome sample.
+func (b *breaker) record(failure bool) {
+	if b.cfg.Disabled {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch b.state.Load() {
+	case BreakerClosed:
+		if !failure {
+			b.fails = 0
+			return
+		}
+		b.fails++
+		if b.fails >= b.cfg.FailureThreshold {
+			b.setLocked(BreakerOpen)
+		}
+	case BreakerHalfOpen:
+		if failure {
+			b.setLocked(BreakerOpen)
+			return
+		}
+		b.oks++
+		if b.oks >= b.cfg.SuccessThreshold {
+			b.setLocked(BreakerClosed)
+		}
+	}
+}
+
+// UseBreaker gives w a circuit breaker with cfg (shared by all workers).
+func (w *Worker) UseBreaker(cfg *BreakerConfig) { w.breaker = &breaker{cfg: cfg, w: w} }
+
+// BreakerState returns the worker's circuit state (BreakerClosed without a breaker).
+func (w *Worker) BreakerState() int {
+	if w.breaker == nil {
+		return BreakerClosed
+	}
+	return int(w.breaker.state.Load())
+}
+
+// Available reports whether the worker may be selected: registered, healthy and its circuit
+// admitting requests.
+func (w *Worker) Available() bool {
+	return w.Ready() && (w.breaker == nil || w.breaker.allow())
+}
+
+// Available returns the available workers among ws, in order. It allocates only when some are
+// not available.
+func Available(ws []*Worker) []*Worker {
+	for i, w := range ws {
+		if !w.Available() {
+			out := append([]*Worker(nil), ws[:i]...)
+			for _, w := range ws[i+1:] {
+				if w.Available() {
+					out = append(out, w)
+				}
+			}
+			return out
+		}
+	}
+	return ws
+}
