@@ -152,18 +152,12 @@ func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pa
 	if derr == nil && (dresp.StatusCode < 200 || dresp.StatusCode > 299) {
 		body, _ := io.ReadAll(io.LimitReader(dresp.Body, 1<<20))
 		dresp.Body.Close()
-		if context.Cause(dCtx) != errPrefillFailed {
-			pair.Decode.Record(dresp.StatusCode, nil)
-			dCancel(errDecodeFailed)
-			res.outcome = "decode_failed"
-			e := upstreamError(LegDecode, pair.Decode, dresp.StatusCode, dresp.Header, body)
-			x.Log.Warn("decode leg failed", "decode", pair.Decode.URL, "prefill", pair.Prefill.URL, "status", dresp.StatusCode)
-			res.err = e
-			return res
-		}
+		res.err = x.decodeFailed(r, pair, dresp.StatusCode, upstreamError(LegDecode, pair.Decode, dresp.StatusCode, dresp.Header, body), dCancel, pres, &res.outcome)
+		return res
 	}
-	if derr != nil || context.Cause(dCtx) == errPrefillFailed {
-		return fail(derr)
+	if derr != nil {
+		res.err = x.decodeFailed(r, pair, 0, derr, dCancel, pres, &res.outcome)
+		return res
 	}
 	defer dresp.Body.Close()
 
@@ -216,21 +210,47 @@ func isStream(resp *http.Response) bool {
 	return strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 }
 
+// decodeFailed handles a decode that did not answer (err) or answered non-2xx (status). A
+// decode often fails because its prefill did (the bootstrap it waits for is gone): the prefill
+// is cancelled and, if it had failed on its own, its failure is the client's answer and the
+// decode is not penalised.
+func (x *Parallel) decodeFailed(r *http.Request, pair Pair, status int, err error, dCancel context.CancelCauseFunc, pres chan prefillResult, outcome *string) error {
+	if proxy.ClientGone(r) {
+		*outcome = "client_cancelled"
+		return proxy.ErrClientGone
+	}
+	dCancel(errDecodeFailed)
+	p := <-pres
+	pres <- p
+	if p.failed() {
+		return x.prefillError(pair, p, outcome)
+	}
+	*outcome = "decode_failed"
+	if status == 0 {
+		return x.Proxy.Failure(r, pair.Decode, LegDecode, err)
+	}
+	pair.Decode.Record(status, nil)
+	x.Log.Warn("decode leg failed; prefill leg cancelled", "decode", pair.Decode.URL, "prefill", pair.Prefill.URL, "status", status)
+	return err
+}
+
+// prefillError is the client's error for a failed prefill leg.
+func (x *Parallel) prefillError(pair Pair, p prefillResult, outcome *string) error {
+	*outcome = "prefill_failed"
+	x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "status", p.status, "err", p.err)
+	if p.err != nil {
+		return proxy.Classify(pair.Prefill, LegPrefill, x.Proxy.Timeout, p.err)
+	}
+	return upstreamError(LegPrefill, pair.Prefill, p.status, p.header, p.body)
+}
+
 // legFailed answers a request whose decode leg did not answer: because its prefill failed
 // (the prefill's error is the client's), because the client left, or on its own.
 func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, pair Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
 	if context.Cause(dCtx) == errPrefillFailed {
 		p := <-pres
 		pres <- p
-		*outcome = "prefill_failed"
-		x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "status", p.status, "err", p.err)
-		var e *openai.Error
-		if p.err != nil {
-			e = proxy.Classify(pair.Prefill, LegPrefill, x.Proxy.Timeout, p.err)
-		} else {
-			e = upstreamError(LegPrefill, pair.Prefill, p.status, p.header, p.body)
-		}
-		return e
+		return x.prefillError(pair, p, outcome)
 	}
 	if proxy.ClientGone(r) {
 		*outcome = "client_cancelled"
@@ -245,7 +265,7 @@ func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, pair Pair,
 func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w *worker.Worker, body []byte, hdr http.Header, keep bool) prefillResult {
 	resp, err := x.Proxy.Send(ctx, r, w, req.Path, body, hdr)
 	if err != nil {
-		if ctx.Err() != nil { // Baton cancelled the leg: not the worker's fault
+		if cancelled(ctx, err) { // Baton cancelled the leg: not the worker's fault
 			return prefillResult{err: context.Canceled}
 		}
 		w.Record(0, err)
@@ -260,7 +280,7 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w
 		b, err = io.ReadAll(io.LimitReader(resp.Body, maxPrefillBody))
 	}
 	if err != nil {
-		if ctx.Err() != nil {
+		if cancelled(ctx, err) {
 			return prefillResult{status: resp.StatusCode, err: context.Canceled}
 		}
 		w.Record(0, err)
@@ -357,4 +377,14 @@ func seamFailure(err error) bool {
 		return e.Status >= 500
 	}
 	return errors.Is(err, proxy.ErrAbort)
+}
+
+// cancelled reports whether err is the cancellation of ctx (by Baton or the client), as opposed
+// to a failure that happened before it.
+func cancelled(ctx context.Context, err error) bool {
+	if errors.Is(err, context.Canceled) {
+		return true
+	}
+	cause := context.Cause(ctx)
+	return cause != nil && errors.Is(err, cause)
 }

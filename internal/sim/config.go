@@ -64,7 +64,7 @@ type Config struct {
 // "status=503,rate=0.5", "latency=200ms", "hang", "drop-after=3".
 type Faults struct {
 	Status    int           // fail with this status ...
-	Rate      float64       // ... with this probability (0 with Status set means always)
+	Rate      float64       // ... with this probability (0 means always); without Status, the probability of DropAfter
 	Latency   time.Duration // added before answering
 	Hang      bool          // never answer (until the client leaves)
 	DropAfter int           // stream: drop the connection after this many events (0: never)

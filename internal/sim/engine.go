@@ -347,6 +347,11 @@ func (f Faults) fails() bool {
 	return f.Status != 0 && (f.Rate == 0 || rand.Float64() < f.Rate)
 }
 
+// drops reports whether this stream is to be dropped after DropAfter events.
+func (f Faults) drops() bool {
+	return f.DropAfter > 0 && (f.Status != 0 || f.Rate == 0 || rand.Float64() < f.Rate)
+}
+
 // sleep waits d or until ctx ends.
 func sleep(ctx context.Context, d time.Duration) error {
 	if d <= 0 {

@@ -173,7 +173,10 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.WriteHeader(200)
-	s := &sse{w: w, rc: http.NewResponseController(w), dropAfter: f.DropAfter}
+	s := &sse{w: w, rc: http.NewResponseController(w)}
+	if f.drops() {
+		s.dropAfter = f.DropAfter
+	}
 	tick := func() error { return sleep(ctx, e.cfg.DecodePerToken) }
 	chunk := func(idx int, delta map[string]any, finish any) map[string]any {
 		c := map[string]any{"index": idx, "logprobs": nil, "finish_reason": finish}

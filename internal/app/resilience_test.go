@@ -1,0 +1,348 @@
+package app
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/goleak"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// fleet starts simulated vLLM engines and a regular-mode gateway over them.
+func fleet(t *testing.T, engines []sim.Config, tweak ...func(*config.Config)) ([]*sim.Engine, *Gateway, string) {
+	t.Helper()
+	var es []*sim.Engine
+	cfg := config.Default()
+	for _, ec := range engines {
+		if ec.Engine == "" {
+			ec.Engine = sim.EngineVLLM
+		}
+		e := simEngine(t, ec)
+		es = append(es, e)
+		cfg.WorkerURLs = append(cfg.WorkerURLs, e.URL())
+	}
+	for _, f := range tweak {
+		f(&cfg)
+	}
+	g, srv := startGateway(t, cfg)
+	return es, g, srv.URL
+}
+
+// expectedCompletion is the simulator's answer to a completion of prompt.
+func expectedCompletion(prompt string, maxTokens int) string {
+	toks, _ := sim.Generate(sim.Digest(sim.Tokenize(prompt)), sim.Sampling{MaxTokens: maxTokens, IgnoreEOS: true})
+	return sim.Detokenize(toks)
+}
+
+func TestRetriesOverAFailingWorker(t *testing.T) {
+	_, g, gw := fleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
+	for i := 0; i < 100; i++ {
+		prompt := fmt.Sprintf("retry me %d", i)
+		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`)
+		if resp.StatusCode != 200 || answerText(t, body) != expectedCompletion(prompt, 4) {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	if n := testutil.ToFloat64(g.Metrics.Retries.WithLabelValues("POST /v1/completions", "status_503")); n == 0 {
+		t.Error("no retry was counted")
+	}
+}
+
+// The body of a retried request is the client's bytes again, byte for byte.
+func TestRetryReplaysTheBody(t *testing.T) {
+	var calls atomic.Int32
+	got := make(chan string, 2)
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got <- string(b)
+		if calls.Add(1) == 1 {
+			c, _, _ := w.(http.Hijacker).Hijack() // the first attempt dies before answering
+			c.Close()
+			return
+		}
+		io.WriteString(w, `{"ok":true}`)
+	})
+	_, gw := startGateway(t, testConfig(up.URL))
+	body := `{"model":"m","seed":9007199254740993,"s":"\u00e9"}`
+	if resp := post(t, gw.URL+"/v1/completions", body); resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if a, b := <-got, <-got; a != body || b != body {
+		t.Errorf("attempts got %q and %q, want %q twice", a, b, body)
+	}
+}
+
+func TestWorkerKilledMidStream(t *testing.T) {
+	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 20 * time.Millisecond}, {}}, func(c *config.Config) {
+		c.CircuitBreaker.FailureThreshold = 1
+		c.HealthCheck.IntervalSecs, c.HealthCheck.FailureThreshold = 1, 1
+	})
+	victim := es[0]
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	var resp *http.Response
+	for { // round robin: find the request that lands on the victim
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"long","max_tokens":200,"ignore_eos":true,"stream":true}`))
+		r, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Header.Get("X-Baton-Worker") == victim.URL() {
+			resp = r
+			break
+		}
+		io.Copy(io.Discard, r.Body)
+		r.Body.Close()
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	if _, err := br.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	victim.Close() // the engine dies with the stream open
+	rest, err := io.ReadAll(br)
+	if err == nil {
+		t.Fatalf("stream ended cleanly after the engine died: %q", rest)
+	}
+	if strings.Contains(string(rest), "[DONE]") {
+		t.Fatal("a broken stream carried [DONE]")
+	}
+	ws := g.Registry.Snapshot().Workers
+	waitFor(t, func() bool { return ws[0].InFlight() == 0 })
+	if ws[0].Available() {
+		t.Error("victim still available after a mid-stream failure (breaker threshold 1)")
+	}
+	waitFor(t, func() bool { return !ws[0].Ready() }) // the health check sees it too
+	for i := 0; i < 6; i++ {
+		r, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"after","max_tokens":2}`)
+		if r.StatusCode != 200 || r.Header.Get("X-Baton-Worker") != es[1].URL() {
+			t.Fatalf("request after the kill: %d via %q: %s", r.StatusCode, r.Header.Get("X-Baton-Worker"), body)
+		}
+	}
+}
+
+func TestWorkerRestartRejoins(t *testing.T) {
+	es, g, gw := fleet(t, []sim.Config{{}, {}}, func(c *config.Config) {
+		c.HealthCheck.IntervalSecs, c.HealthCheck.FailureThreshold, c.HealthCheck.SuccessThreshold = 1, 1, 1
+		c.CircuitBreaker.TimeoutSecs = 1
+	})
+	addr := es[0].Addr()
+	es[0].Close()
+	ws := g.Registry.Snapshot().Workers
+	waitFor(t, func() bool { return !ws[0].Ready() })
+	var port int
+	fmt.Sscanf(addr[strings.LastIndexByte(addr, ':')+1:], "%d", &port)
+	back, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: pdModel, Port: port})
+	if err != nil {
+		t.Fatalf("restarting on %s: %v", addr, err)
+	}
+	t.Cleanup(back.Close)
+	waitFor(t, func() bool { return ws[0].Ready() })
+	waitFor(t, func() bool {
+		r, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"welcome back","max_tokens":2}`)
+		return r.Header.Get("X-Baton-Worker") == back.URL()
+	})
+}
+
+func TestHangingWorkerTimesOut(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, func(c *config.Config) {
+		c.RequestTimeoutSecs = 1
+	})
+	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?","max_tokens":2}`)
+	var e envelope
+	json.Unmarshal([]byte(body), &e)
+	if resp.StatusCode != 504 || !strings.Contains(e.Error.Code, "timeout") {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	waitFor(t, func() bool { return g.Registry.Snapshot().Workers[0].InFlight() == 0 })
+}
+
+func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
+	for _, engine := range []string{sim.EngineSGLang, sim.EngineVLLM} {
+		var p, d *sim.Engine
+		var g *Gateway
+		var gw string
+		tweak := func(c *config.Config) { c.Retry.Disable = false; c.CircuitBreaker.FailureThreshold = 2 }
+		if engine == sim.EngineSGLang {
+			p, d, g, gw = sglangPD(t, sim.Config{Faults: sim.Faults{Status: 500}}, sim.Config{}, tweak)
+		} else {
+			p, d, g, gw = vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Status: 500}}, sim.Config{}, tweak)
+		}
+		for i := 0; i < 3; i++ {
+			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`)
+			if resp.StatusCode != 500 && resp.StatusCode != 503 {
+				t.Fatalf("%s: %d %s", engine, resp.StatusCode, body)
+			}
+		}
+		ws := g.Registry.Snapshot().Workers
+		if ws[0].BreakerState() == 0 {
+			t.Errorf("%s: prefill breaker still closed", engine)
+		}
+		if _, f := ws[1].Outcomes(); f != 0 || ws[1].BreakerState() != 0 {
+			t.Errorf("%s: decode penalised: %d failures, breaker %d", engine, f, ws[1].BreakerState())
+		}
+		_, _ = p, d
+	}
+}
+
+func TestOverload(t *testing.T) {
+	_, g, gw := fleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
+		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeoutSecs: 2}
+	})
+	slow := `{"model":"m","prompt":"slow","max_tokens":5,"ignore_eos":true}`
+	var wg sync.WaitGroup
+	statuses := make(chan int, 2)
+	for i := 0; i < 2; i++ { // one runs, one waits in the queue
+		wg.Go(func() {
+			resp, err := http.Post(gw+"/v1/completions", "application/json", strings.NewReader(slow))
+			if err != nil {
+				statuses <- 0
+				return
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			statuses <- resp.StatusCode
+		})
+		time.Sleep(50 * time.Millisecond)
+	}
+	resp := post(t, gw+"/v1/completions", slow) // the queue is full
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("overflow: %d retry-after %q", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	wantEnvelope(t, resp, 503, "overloaded")
+	wg.Wait()
+	close(statuses)
+	for s := range statuses {
+		if s != 200 {
+			t.Errorf("admitted request: %d", s)
+		}
+	}
+	if v := testutil.ToFloat64(g.Metrics.Rejections.WithLabelValues("queue_full")); v != 1 {
+		t.Errorf("rejections %v", v)
+	}
+	// A request that waits longer than the queue timeout is refused, not kept forever.
+	_, _, gw2 := fleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
+		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 5, QueueTimeoutSecs: 1}
+	})
+	first := make(chan struct{})
+	go func() {
+		defer close(first)
+		if resp, err := http.Post(gw2+"/v1/completions", "application/json", strings.NewReader(slow)); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	defer func() { <-first }()
+	time.Sleep(50 * time.Millisecond)
+	r2, body := postTimeout(t, gw2+"/v1/completions", slow)
+	if r2.StatusCode != 503 || !strings.Contains(body, "waited") {
+		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
+	}
+}
+
+func TestPairQuarantine(t *testing.T) {
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	bad := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, Faults: sim.Faults{Status: 500}})
+	good := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Retry.Disable = true
+	cfg.CircuitBreaker.Disable = true // the pair's health alone must steer traffic
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: "prefill", KVConnector: "NixlConnector"}, {URL: bad.URL(), Role: "decode"}, {URL: good.URL(), Role: "decode"}}
+	_, srv := startGateway(t, cfg)
+	fails := 0
+	for i := 0; i < 12; i++ {
+		resp, _ := postTimeout(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"pairs","max_tokens":2}`)
+		if resp.StatusCode != 200 {
+			fails++
+		}
+	}
+	if fails != 3 { // round robin alternates until (p, bad) fails 3 times, then only good is used
+		t.Errorf("%d failures of 12, want 3", fails)
+	}
+	if got := bad.Stats().RequestsReceived; got != 3 {
+		t.Errorf("bad decode got %d requests, want 3", got)
+	}
+}
+
+// A load run against a fleet with injected faults: every request completes with the exact text
+// the simulator gives or fails with a proper error status; none is lost or silently truncated;
+// in-flight counts return to zero and no goroutine is left behind.
+func TestLoadWithFaults(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	_, g, gw := fleet(t, []sim.Config{
+		{},
+		{Faults: sim.Faults{Status: 503, Rate: 0.3}},
+		{Faults: sim.Faults{DropAfter: 3, Rate: 0.2}},
+	})
+	const total, concurrency = 2000, 32
+	var ok, failed, aborted atomic.Int64
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: concurrency}}
+	defer client.CloseIdleConnections()
+	jobs := make(chan int)
+	var wg sync.WaitGroup
+	for w := 0; w < concurrency; w++ {
+		wg.Go(func() {
+			for i := range jobs {
+				stream := i%2 == 0
+				prompt := fmt.Sprintf("load %d", i)
+				body := fmt.Sprintf(`{"model":"m","prompt":"%s","max_tokens":6,"ignore_eos":true,"stream":%v}`, prompt, stream)
+				resp, err := client.Post(gw+"/v1/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					t.Errorf("request %d: %v", i, err)
+					continue
+				}
+				b, rerr := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				switch {
+				case rerr != nil: // the connection broke: visible to the client, never a short success
+					if stream && strings.Contains(string(b), "[DONE]") {
+						t.Errorf("request %d: broken stream carried [DONE]", i)
+					}
+					aborted.Add(1)
+				case resp.StatusCode == 200:
+					if stream && !strings.HasSuffix(string(b), "data: [DONE]\n\n") {
+						t.Errorf("request %d: stream truncated without an error: %q", i, b)
+					}
+					if got, want := answerText(t, string(b)), expectedCompletion(prompt, 6); got != want {
+						t.Errorf("request %d: text %q, want %q", i, got, want)
+					}
+					ok.Add(1)
+				case resp.StatusCode >= 500 && json.Valid(b):
+					failed.Add(1)
+				default:
+					t.Errorf("request %d: status %d body %q", i, resp.StatusCode, b)
+				}
+			}
+		})
+	}
+	for i := 0; i < total; i++ {
+		jobs <- i
+	}
+	close(jobs)
+	wg.Wait()
+	if n := ok.Load() + failed.Load() + aborted.Load(); n != total {
+		t.Errorf("accounted for %d of %d requests", n, total)
+	}
+	if ok.Load() < total*8/10 {
+		t.Errorf("only %d of %d succeeded (failed %d, aborted %d)", ok.Load(), total, failed.Load(), aborted.Load())
+	}
+	t.Logf("ok %d, failed %d, aborted mid-stream %d, retries %v", ok.Load(), failed.Load(), aborted.Load(),
+		testutil.ToFloat64(g.Metrics.Retries.WithLabelValues("POST /v1/completions", "status_503")))
+	for _, w := range g.Registry.Snapshot().Workers {
+		waitFor(t, func() bool { return w.InFlight() == 0 })
+	}
+}

@@ -1,0 +1,163 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+type clock struct{ t time.Time }
+
+func (c *clock) now() time.Time { return c.t }
+
+func TestBreakerTransitions(t *testing.T) {
+	c := &clock{t: time.Unix(1000, 0)}
+	var transitions []string
+	cfg := &BreakerConfig{FailureThreshold: 3, SuccessThreshold: 2, Timeout: time.Minute, Now: c.now,
+		OnTransition: func(_ *Worker, from, to int) {
+			transitions = append(transitions, []string{"closed", "open", "half"}[from]+">"+[]string{"closed", "open", "half"}[to])
+		}}
+	w := New(config.Worker{URL: "http://w"})
+	w.UseBreaker(cfg)
+	w.SetReady(true)
+	fail := func() { w.Record(503, nil) }
+	fail()
+	fail()
+	w.Record(200, nil) // a success resets the count
+	fail()
+	fail()
+	w.Record(429, nil) // busy, not broken: no sample
+	w.Record(0, context.Canceled)
+	if !w.Available() {
+		t.Fatal("open after 2 consecutive failures (429 and cancellations are no samples)")
+	}
+	fail()
+	if w.Available() || w.BreakerState() != BreakerOpen {
+		t.Fatalf("state %d after 3 consecutive failures, want open", w.BreakerState())
+	}
+	c.t = c.t.Add(59 * time.Second)
+	if w.Available() {
+		t.Fatal("half-open before the timeout")
+	}
+	c.t = c.t.Add(time.Second)
+	// Half-open admits SuccessThreshold probes at once (selection asks first, then acquires).
+	if !w.Available() {
+		t.Fatal("not half-open after the timeout")
+	}
+	r1 := w.Acquire()
+	if !w.Available() {
+		t.Fatal("half-open refused the second probe")
+	}
+	r2 := w.Acquire()
+	if w.Available() {
+		t.Fatal("half-open admitted a third probe")
+	}
+	r1()
+	r2()
+	w.Record(200, nil)
+	w.Record(200, nil)
+	if w.BreakerState() != BreakerClosed {
+		t.Fatalf("state %d after 2 probe successes, want closed", w.BreakerState())
+	}
+	// A failure in half-open opens again.
+	for i := 0; i < 3; i++ {
+		fail()
+	}
+	c.t = c.t.Add(time.Minute)
+	w.Available()
+	fail()
+	if w.BreakerState() != BreakerOpen {
+		t.Fatalf("state %d after a half-open failure, want open", w.BreakerState())
+	}
+	want := []string{"closed>open", "open>half", "half>closed", "closed>open", "open>half", "half>open"}
+	if len(transitions) != len(want) {
+		t.Fatalf("transitions %v, want %v", transitions, want)
+	}
+	for i := range want {
+		if transitions[i] != want[i] {
+			t.Fatalf("transitions %v, want %v", transitions, want)
+		}
+	}
+}
+
+func TestBreakerDisabled(t *testing.T) {
+	w := New(config.Worker{URL: "http://w"})
+	w.UseBreaker(&BreakerConfig{FailureThreshold: 1, SuccessThreshold: 1, Timeout: time.Hour, Disabled: true})
+	w.SetReady(true)
+	for i := 0; i < 5; i++ {
+		w.Record(0, errors.New("refused"))
+	}
+	if !w.Available() {
+		t.Fatal("disabled breaker opened")
+	}
+}
+
+func TestHealthChecker(t *testing.T) {
+	var healthy atomic.Bool
+	healthy.Store(true)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/health" || !healthy.Load() {
+			w.WriteHeader(503)
+		}
+	}))
+	defer srv.Close()
+	w := New(config.Worker{URL: srv.URL})
+	w.setInfo(&Info{Runtime: "generic"})
+	w.SetReady(true)
+	var probes atomic.Int32
+	h := &HealthChecker{Registry: NewRegistry(w), Client: srv.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Interval: time.Hour, Timeout: time.Second, FailureThreshold: 2, SuccessThreshold: 2, Endpoint: "/health",
+		OnProbe: func(*Worker, bool) { probes.Add(1) }}
+	ctx := context.Background()
+	healthy.Store(false)
+	h.CheckAll(ctx)
+	if !w.Ready() {
+		t.Fatal("out of rotation after one failed probe (threshold 2)")
+	}
+	h.CheckAll(ctx)
+	if w.Ready() {
+		t.Fatal("still in rotation after two failed probes")
+	}
+	healthy.Store(true)
+	h.CheckAll(ctx)
+	if w.Ready() {
+		t.Fatal("back after one good probe (threshold 2)")
+	}
+	h.CheckAll(ctx)
+	if !w.Ready() || probes.Load() != 4 {
+		t.Fatalf("ready %v after two good probes; %d probes", w.Ready(), probes.Load())
+	}
+}
+
+func TestPairHealth(t *testing.T) {
+	c := &clock{t: time.Unix(0, 0)}
+	p, d1, d2 := New(config.Worker{URL: "http://p"}), New(config.Worker{URL: "http://d1"}), New(config.Worker{URL: "http://d2"})
+	ph := &PairHealth{Threshold: 2, Quarantine: 30 * time.Second, Now: c.now}
+	ph.Record(p, d1, false)
+	ph.Record(p, d1, true)
+	ph.Record(p, d1, false)
+	if ph.Quarantined(p, d1) {
+		t.Fatal("quarantined without 2 consecutive failures")
+	}
+	ph.Record(p, d1, false)
+	if !ph.Quarantined(p, d1) || ph.Quarantined(p, d2) {
+		t.Fatal("pair (p,d1) not quarantined alone")
+	}
+	c.t = c.t.Add(30 * time.Second)
+	if ph.Quarantined(p, d1) {
+		t.Fatal("quarantine did not end")
+	}
+	var nilPH *PairHealth
+	nilPH.Record(p, d1, false)
+	if nilPH.Quarantined(p, d1) {
+		t.Fatal("nil PairHealth quarantines")
+	}
+}
