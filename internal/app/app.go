@@ -41,8 +41,10 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runSim(ctx, args, stdout)
 	case "demo":
 		return runDemo(ctx, args, stdout, stderr)
+	case "bench":
+		return runBench(ctx, args, stdout, stderr)
 	default:
-		return fmt.Errorf("unknown command %q (want serve, sim or demo)", cmd)
+		return fmt.Errorf("unknown command %q (want serve, sim, demo or bench)", cmd)
 	}
 }
 

@@ -51,6 +51,11 @@ func (e *EventReader) Next() ([]byte, error) {
 	}
 }
 
+// Pending reports whether another complete event is already buffered, so that Next will return
+// it without reading. A relay flushes only when nothing is pending: events that arrived together
+// leave together, and no event ever waits for a later one.
+func (e *EventReader) Pending() bool { return eventEnd(e.buf[e.off:]) > 0 }
+
 // eventEnd returns the length of the first complete event in b (through its blank line), or 0.
 func eventEnd(b []byte) int {
 	for i := 0; i < len(b); {

@@ -1,7 +1,6 @@
 package pd
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -162,8 +161,7 @@ func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 // prefill sends the probe and returns the prefill's body. Failures are answered here: a
 // transport error is a 502, a non-2xx the prefill's exact status; the decode is never contacted.
 func (x *Sequential) prefill(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, plan handoffPlan) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(r.Context(), x.Proxy.Timeout)
-	defer cancel()
+	ctx := r.Context() // carries the request's deadline
 	release := pair.Prefill.Acquire()
 	defer release()
 	resp, err := x.Proxy.Send(ctx, r, pair.Prefill, req.Path, plan.probe, plan.prefillHeader)
@@ -211,8 +209,7 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair Pair, con
 // decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
 // started reports whether the decode's first byte arrived (the handoff was consumed).
 func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, body []byte, pu prefillUsage, start time.Time, model, runtime string) (started bool, err error) {
-	ctx, cancel := context.WithTimeout(r.Context(), x.Proxy.Timeout)
-	defer cancel()
+	ctx := r.Context()
 	release := pair.Decode.Acquire()
 	defer release()
 	var hdr http.Header

@@ -127,12 +127,12 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, pa
 // when the whole response reached the client, ErrClientGone, ErrAbort (the caller must abort the
 // connection), or, with nothing written yet, an *openai.Error or an *UpstreamError for the
 // caller to retry or write.
+//
+// The request's deadline is r's: the caller sets it once for all attempts.
 func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
-	ctx, cancel := context.WithTimeout(r.Context(), p.Timeout)
-	defer cancel()
 	release := w.Acquire()
 	defer release()
-	resp, err := p.Send(ctx, r, w, path, body, nil)
+	resp, err := p.Send(r.Context(), r, w, path, body, nil)
 	if err != nil {
 		return p.Failure(r, w, "", err)
 	}
@@ -201,7 +201,7 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 		rw.WriteHeader(resp.StatusCode)
 		written = true
 	}
-	emit := func(b []byte) error {
+	emit := func(b []byte, flush bool) error {
 		if !written {
 			writeHead()
 		}
@@ -210,7 +210,7 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 				return ErrClientGone
 			}
 		}
-		if stream {
+		if stream && flush {
 			if err := rc.Flush(); err != nil {
 				return ErrClientGone
 			}
@@ -222,7 +222,7 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 		for {
 			ev, err := er.Next()
 			if len(ev) > 0 {
-				if werr := emit(transform(ev)); werr != nil {
+				if werr := emit(transform(ev), !er.Pending()); werr != nil {
 					return werr
 				}
 			}
@@ -243,7 +243,7 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 	for {
 		n, err := resp.Body.Read(buf)
 		if n > 0 {
-			if werr := emit(buf[:n]); werr != nil {
+			if werr := emit(buf[:n], true); werr != nil {
 				return werr
 			}
 		}

@@ -31,15 +31,26 @@ func Tokenize(text string) []uint32 {
 	return ids
 }
 
-func wordID(w string) uint32 {
+// vocabID maps an output word to its token id.
+var vocabID = func() map[string]uint32 {
+	m := make(map[string]uint32, len(vocab))
 	for i, v := range vocab {
-		if v == w {
-			return uint32(i + 1)
-		}
+		m[v] = uint32(i + 1)
 	}
-	h := fnv.New32a()
-	h.Write([]byte(w))
-	return 100 + h.Sum32()%32000
+	return m
+}()
+
+func wordID(w string) uint32 {
+	if id, ok := vocabID[w]; ok {
+		return id
+	}
+	// FNV-1a, inline: this runs once per prompt word.
+	h := uint32(2166136261)
+	for i := 0; i < len(w); i++ {
+		h ^= uint32(w[i])
+		h *= 16777619
+	}
+	return 100 + h%32000
 }
 
 // Detokenize returns the text of output ids, each token preceded by a space.

@@ -170,3 +170,20 @@ func TestBinaryStartupErrorExitsNonZero(t *testing.T) {
 		t.Errorf("want one line naming both problems, got %q", out)
 	}
 }
+
+// A short run of the benchmark harness: every scenario runs end to end and every answer is
+// checked against the simulator's model (the harness exits non-zero on a wrong answer). It
+// checks that the harness works; it asserts no timing.
+func TestBenchSmoke(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binary, "bench", "--quick").CombinedOutput()
+	if err != nil {
+		t.Fatalf("baton bench --quick: %v\n%s", err, out)
+	}
+	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count", "PD SGLang: Baton", "PD vLLM NIXL: Baton"} {
+		if !strings.Contains(string(out), h) {
+			t.Errorf("report lacks %q:\n%s", h, out)
+		}
+	}
+}

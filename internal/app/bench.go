@@ -1,0 +1,62 @@
+package app
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+
+	"github.com/baton-llm/baton/internal/bench"
+)
+
+// pinnedEnv marks a bench process already pinned to its core.
+const pinnedEnv = "BATON_BENCH_PINNED"
+
+// runBench runs the benchmark harness. On a machine with more than one core it runs itself on
+// CPU 0 and Baton on CPU 1, so that Baton's cost is measured on a core of its own.
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("baton bench", flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	quick := fs.Bool("quick", false, "small runs: checks the harness works (seconds), not for publishing")
+	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers); default all")
+	out := fs.String("out", "", "also write the report to this file")
+	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	if *binary == "" {
+		*binary = self
+	}
+	if os.Getenv(pinnedEnv) == "" {
+		if taskset, err := exec.LookPath("taskset"); err == nil {
+			cmd := exec.CommandContext(ctx, taskset, append([]string{"-c", "0", self, "bench", "--binary", *binary}, args...)...)
+			cmd.Env = append(os.Environ(), pinnedEnv+"=1")
+			cmd.Stdout, cmd.Stderr = stdout, stderr
+			if err := cmd.Run(); err != nil {
+				return fmt.Errorf("bench: %w", err)
+			}
+			return nil
+		}
+	}
+	w := stdout
+	if *out != "" {
+		f, err := os.Create(*out)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		w = io.MultiWriter(stdout, f)
+	}
+	var names []string
+	if *scenarios != "" {
+		names = strings.Split(*scenarios, ",")
+	}
+	return bench.Run(ctx, bench.Options{Binary: *binary, Quick: *quick, Scenarios: names, Out: w})
+}

@@ -1,0 +1,242 @@
+package bench
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// clockTicks is the kernel's USER_HZ, the unit of /proc/<pid>/stat CPU times.
+const clockTicks = 100
+
+// proc is a child process under measurement (Baton or nginx).
+type proc struct {
+	cmd  *exec.Cmd
+	URL  string
+	logs *strings.Builder
+}
+
+// pinned prefixes argv with taskset pinning it to cpu, when taskset exists and the machine has
+// more than one core.
+func pinned(cpu int, argv ...string) []string {
+	if path, err := exec.LookPath("taskset"); err == nil && numCPU() > 1 {
+		return append([]string{path, "-c", strconv.Itoa(cpu)}, argv...)
+	}
+	return argv
+}
+
+var servingLine = regexp.MustCompile(`baton serving on (http://\S+)`)
+
+// startBaton starts `baton serve` with args on its own core and waits until it is ready.
+func startBaton(binary string, cpu int, args ...string) (*proc, error) {
+	argv := pinned(cpu, append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--log-level", "error"}, args...)...)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	p := &proc{cmd: cmd, logs: &strings.Builder{}}
+	cmd.Stderr = p.logs
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	urls := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if m := servingLine.FindStringSubmatch(sc.Text()); m != nil {
+				urls <- m[1]
+			}
+		}
+	}()
+	select {
+	case p.URL = <-urls:
+	case <-time.After(30 * time.Second):
+		p.stop()
+		return nil, fmt.Errorf("baton did not start: %s", p.logs.String())
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		resp, err := http.Get(p.URL + "/readiness")
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == 200 && allRegistered(p.URL) {
+				return p, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			p.stop()
+			return nil, fmt.Errorf("baton never became ready: %s", p.logs.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// allRegistered reports whether every worker of the Baton at url has registered.
+func allRegistered(url string) bool {
+	resp, err := http.Get(url + "/workers")
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return !strings.Contains(string(b), `"registered":false`)
+}
+
+// startNginx starts nginx on its own core as a plain reverse proxy to upstream, or returns nil
+// when nginx is not installed.
+func startNginx(cpu int, upstream string) (*proc, error) {
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		for _, p := range []string{"/usr/sbin/nginx", "/usr/local/sbin/nginx"} {
+			if _, serr := os.Stat(p); serr == nil {
+				bin, err = p, nil
+			}
+		}
+	}
+	if err != nil {
+		return nil, nil
+	}
+	dir, err := os.MkdirTemp("", "baton-bench-nginx")
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	conf := fmt.Sprintf(`worker_processes 1;
+pid %[1]s/nginx.pid;
+error_log %[1]s/error.log error;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path %[1]s/body; proxy_temp_path %[1]s/proxy; fastcgi_temp_path %[1]s/fastcgi;
+  uwsgi_temp_path %[1]s/uwsgi; scgi_temp_path %[1]s/scgi;
+  client_max_body_size 0; client_body_buffer_size 2m;
+  upstream engine { server %[2]s; keepalive 256; }
+  server {
+    listen %[3]s;
+    location / {
+      proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_request_buffering on; proxy_read_timeout 3600s;
+    }
+  }
+}
+`, dir, strings.TrimPrefix(upstream, "http://"), addr)
+	path := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+		return nil, err
+	}
+	argv := pinned(cpu, bin, "-c", path, "-g", "daemon off;")
+	cmd := exec.Command(argv[0], argv[1:]...)
+	p := &proc{cmd: cmd, URL: "http://" + addr, logs: &strings.Builder{}}
+	cmd.Stderr = p.logs
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			return p, nil
+		}
+		if time.Now().After(deadline) {
+			p.stop()
+			return nil, fmt.Errorf("nginx did not start: %s", p.logs.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (p *proc) stop() {
+	if p == nil || p.cmd.Process == nil {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = p.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// pids returns the process and, for nginx, its worker children.
+func (p *proc) pids() []int {
+	pid := p.cmd.Process.Pid
+	out := []int{pid}
+	// taskset execs the program in place, so pid is the program; nginx forks its worker.
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid)); err == nil {
+		for _, f := range strings.Fields(string(b)) {
+			if c, err := strconv.Atoi(f); err == nil {
+				out = append(out, c)
+			}
+		}
+	}
+	return out
+}
+
+// cpuSeconds is the user+system CPU time the process (and its children) used so far.
+func (p *proc) cpuSeconds() float64 {
+	total := 0.0
+	for _, pid := range p.pids() {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// Fields after the command name (which is in parentheses and may hold spaces).
+		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:]))
+		ut, _ := strconv.ParseFloat(f[11], 64)
+		st, _ := strconv.ParseFloat(f[12], 64)
+		total += (ut + st) / clockTicks
+	}
+	return total
+}
+
+// rssBytes is the resident memory of the process.
+func (p *proc) rssBytes() int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+func numCPU() int {
+	b, err := os.ReadFile("/sys/fs/cgroup/cpu.max")
+	if err == nil {
+		f := strings.Fields(string(b))
+		if len(f) == 2 && f[0] != "max" {
+			q, _ := strconv.Atoi(f[0])
+			per, _ := strconv.Atoi(f[1])
+			if per > 0 && q/per >= 1 {
+				return q / per
+			}
+		}
+	}
+	return runtime.NumCPU()
+}
+

@@ -1,0 +1,460 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// Options configures a benchmark run.
+type Options struct {
+	Binary    string   // the baton binary to measure; it runs as its own process
+	Quick     bool     // small runs: checks the harness works, not for publishing
+	Scenarios []string // names to run; empty runs all
+	Out       io.Writer
+}
+
+// Scenario names.
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers"}
+
+// runner holds what the scenarios share.
+type runner struct {
+	o      Options
+	out    io.Writer
+	client *http.Client
+	failed []string // correctness failures: any fails the run
+}
+
+// Run runs the scenarios and writes a markdown report. It fails when any answer was wrong.
+func Run(ctx context.Context, o Options) error {
+	r := &runner{o: o, out: o.Out, client: &http.Client{Transport: &http.Transport{
+		MaxIdleConnsPerHost: 2048, MaxConnsPerHost: 0, DisableCompression: true, IdleConnTimeout: time.Minute,
+	}}}
+	defer r.client.CloseIdleConnections()
+	r.header()
+	for _, name := range allScenarios {
+		if len(o.Scenarios) > 0 && !contains(o.Scenarios, name) {
+			continue
+		}
+		start := time.Now()
+		var err error
+		switch name {
+		case "latency":
+			err = r.latency(ctx)
+		case "throughput":
+			err = r.throughput(ctx)
+		case "streaming":
+			err = r.streaming(ctx)
+		case "memory":
+			err = r.memory(ctx)
+		case "bodysize":
+			err = r.bodySize(ctx)
+		case "workers":
+			err = r.workers(ctx)
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		fmt.Fprintf(r.out, "_(%s took %s)_\n\n", name, time.Since(start).Round(100*time.Millisecond))
+	}
+	if len(r.failed) > 0 {
+		return fmt.Errorf("%d runs had wrong or failed answers: %s", len(r.failed), strings.Join(r.failed, "; "))
+	}
+	return nil
+}
+
+func contains(xs []string, x string) bool {
+	for _, y := range xs {
+		if y == x {
+			return true
+		}
+	}
+	return false
+}
+
+func (r *runner) n(full, quick int) int {
+	if r.o.Quick {
+		return quick
+	}
+	return full
+}
+
+func (r *runner) header() {
+	model := "unknown CPU"
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "model name"); ok {
+				model = strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(v), ":"))
+				break
+			}
+		}
+	}
+	pin := "not pinned (one core, or no taskset)"
+	if len(pinned(1, "x")) > 1 {
+		pin = "Baton (and nginx) pinned to CPU 1; the load generator and simulators on CPU 0"
+	}
+	fmt.Fprintf(r.out, "Machine: %d CPUs (%s), %s, %s/%s. %s.\n\n", numCPU(), model, runtime.Version(), runtime.GOOS, runtime.GOARCH, pin)
+}
+
+// engine starts a simulated engine for the benchmark model.
+func engine(c sim.Config) (*sim.Engine, error) {
+	c.Model = benchModel
+	if c.MaxConcurrency == 0 {
+		c.MaxConcurrency = 4096
+	}
+	if c.QueueSize == 0 {
+		c.QueueSize = 4096
+	}
+	return sim.Start(c)
+}
+
+// measured is one row: a target's stats and the CPU its proxy process used.
+type measured struct {
+	name string
+	s    Stats
+	cpu  float64 // seconds of the proxy process during the run; 0 for a baseline
+}
+
+// run runs req closed-loop and records the CPU of p (nil for a baseline).
+func (r *runner) run(ctx context.Context, name string, req Request, concurrency, n int, p *proc) measured {
+	var before float64
+	if p != nil {
+		before = p.cpuSeconds()
+	}
+	s := ClosedLoop(ctx, req, concurrency, n)
+	m := measured{name: name, s: s}
+	if p != nil {
+		m.cpu = p.cpuSeconds() - before
+	}
+	r.verify(name, s)
+	return m
+}
+
+func (r *runner) verify(name string, s Stats) {
+	if s.Errors > 0 {
+		r.failed = append(r.failed, fmt.Sprintf("%s: %d of %d failed (first: %v)", name, s.Errors, s.N, s.FirstError))
+	}
+}
+
+func us(d time.Duration) string { return fmt.Sprintf("%.0f", float64(d)/float64(time.Microsecond)) }
+
+func ratio(a, b time.Duration) string {
+	if b == 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f×", float64(a)/float64(b))
+}
+
+// latencyTable writes p50/p90/p99 of each row and the added p50 against base.
+func (r *runner) latencyTable(rows []measured, base measured) {
+	fmt.Fprintln(r.out, "| target | p50 µs | p90 µs | p99 µs | added p50 µs | p50 vs baseline |")
+	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|")
+	for _, m := range rows {
+		added := "–"
+		if m.name != base.name {
+			added = us(m.s.Latency.P50 - base.s.Latency.P50)
+		}
+		fmt.Fprintf(r.out, "| %s | %s | %s | %s | %s | %s |\n", m.name, us(m.s.Latency.P50), us(m.s.Latency.P90), us(m.s.Latency.P99), added, ratio(m.s.Latency.P50, base.s.Latency.P50))
+	}
+	fmt.Fprintln(r.out)
+}
+
+// latency: scenario 1, the latency Baton adds per request.
+func (r *runner) latency(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 1. Added latency per request")
+	fmt.Fprintln(r.out)
+	n := r.n(2000, 60)
+	fmt.Fprintf(r.out, "One client, back to back, %d requests per row; completions with a 512-byte prompt and 16 output tokens; simulators with no latency model, so the numbers are the pure cost of each hop. Baseline: the simulated engine directly (PD: the two legs sent by the client itself).\n\n", n)
+	for _, stream := range []bool{false, true} {
+		w := workload{promptBytes: 512, maxTokens: 16, stream: stream}
+		fmt.Fprintf(r.out, "### stream=%v\n\n", stream)
+		// Regular.
+		e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+		if err != nil {
+			return err
+		}
+		rows := []measured{r.run(ctx, "regular: engine directly", completion(r.client, e.URL(), w), 1, n, nil)}
+		if ng, err := startNginx(1, e.URL()); err != nil {
+			return err
+		} else if ng != nil {
+			rows = append(rows, r.run(ctx, "regular: nginx", completion(r.client, ng.URL, w), 1, n, ng))
+			ng.stop()
+		}
+		b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+		if err != nil {
+			return err
+		}
+		rows = append(rows, r.run(ctx, "regular: Baton", completion(r.client, b.URL, w), 1, n, b))
+		b.stop()
+		e.Close()
+		r.latencyTable(rows, rows[0])
+		// PD SGLang and PD vLLM NIXL.
+		for _, kind := range []string{"sglang", "nixl"} {
+			var p, d *sim.Engine
+			var args []string
+			if kind == "sglang" {
+				p, err = engine(sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+				if err == nil {
+					d, err = engine(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+				}
+				if err == nil {
+					args = []string{"--pd-disaggregation", "--prefill", p.URL(), fmt.Sprint(p.BootstrapPort()), "--decode", d.URL()}
+				}
+			} else {
+				p, err = engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+				if err == nil {
+					d, err = engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+				}
+				if err == nil {
+					args = []string{"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", p.URL(), "--decode", d.URL()}
+				}
+			}
+			if err != nil {
+				return err
+			}
+			legs := map[string]func(*http.Client, *sim.Engine, *sim.Engine, workload) Request{"sglang": sglangLegs, "nixl": nixlLegs}[kind]
+			label := map[string]string{"sglang": "PD SGLang", "nixl": "PD vLLM NIXL"}[kind]
+			rows := []measured{r.run(ctx, label+": legs sent by the client", legs(r.client, p, d, w), 1, n, nil)}
+			b, err := startBaton(r.o.Binary, 1, args...)
+			if err != nil {
+				return err
+			}
+			rows = append(rows, r.run(ctx, label+": Baton", completion(r.client, b.URL, w), 1, n, b))
+			b.stop()
+			p.Close()
+			d.Close()
+			r.latencyTable(rows, rows[0])
+		}
+	}
+	return nil
+}
+
+// throughput: scenario 2, saturation throughput and CPU per 1,000 requests; plus an open-loop
+// run below saturation.
+func (r *runner) throughput(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 2. Throughput at saturation and CPU cost")
+	fmt.Fprintln(r.out)
+	n := r.n(20000, 400)
+	w := workload{promptBytes: 512, maxTokens: 16}
+	fmt.Fprintf(r.out, "Closed loop, 64 concurrent clients, %d non-streamed requests per row (512-byte prompt, 16 tokens). CPU is the proxy process's user+system time from /proc, per 1,000 requests.\n\n", n)
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	rows := []measured{r.run(ctx, "engine directly", completion(r.client, e.URL(), w), 64, n, nil)}
+	if ng, err := startNginx(1, e.URL()); err != nil {
+		return err
+	} else if ng != nil {
+		rows = append(rows, r.run(ctx, "nginx", completion(r.client, ng.URL, w), 64, n, ng))
+		ng.stop()
+	}
+	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+	rows = append(rows, r.run(ctx, "Baton", completion(r.client, b.URL, w), 64, n, b))
+	fmt.Fprintln(r.out, "| target | req/s | vs engine | p50 µs | p99 µs | proxy CPU s / 1k req |")
+	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|")
+	for _, m := range rows {
+		cpu := "–"
+		if m.cpu > 0 {
+			cpu = fmt.Sprintf("%.3f", m.cpu/float64(m.s.N)*1000)
+		}
+		fmt.Fprintf(r.out, "| %s | %.0f | %.2f | %s | %s | %s |\n", m.name, m.s.Throughput(), m.s.Throughput()/rows[0].s.Throughput(), us(m.s.Latency.P50), us(m.s.Latency.P99), cpu)
+	}
+	fmt.Fprintln(r.out)
+	rate := float64(r.n(1000, 200))
+	on := r.n(10000, 200)
+	fmt.Fprintf(r.out, "Open loop at %.0f requests/s (%d requests), below saturation:\n\n", rate, on)
+	direct := OpenLoop(ctx, completion(r.client, e.URL(), w), rate, on)
+	r.verify("open loop direct", direct)
+	viaBaton := OpenLoop(ctx, completion(r.client, b.URL, w), rate, on)
+	r.verify("open loop Baton", viaBaton)
+	r.latencyTable([]measured{{name: "engine directly", s: direct}, {name: "Baton", s: viaBaton}}, measured{name: "engine directly", s: direct})
+	return nil
+}
+
+// streaming: scenario 3, added TTFT and inter-event gap, and that events are not re-buffered.
+func (r *runner) streaming(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 3. Streaming")
+	fmt.Fprintln(r.out)
+	n := r.n(600, 40)
+	w := workload{promptBytes: 512, maxTokens: 32, stream: true}
+	fmt.Fprintf(r.out, "16 concurrent clients, %d streamed completions per row, 32 tokens at 2 ms per token (the simulator's latency model). Every event is timed at the client. If a proxy re-buffered the stream, events would arrive in bursts: many gaps near 0 and a late first event.\n\n", n)
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 2 * time.Millisecond})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	rows := []measured{r.run(ctx, "engine directly", completion(r.client, e.URL(), w), 16, n, nil)}
+	if ng, err := startNginx(1, e.URL()); err != nil {
+		return err
+	} else if ng != nil {
+		rows = append(rows, r.run(ctx, "nginx", completion(r.client, ng.URL, w), 16, n, ng))
+		ng.stop()
+	}
+	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+	rows = append(rows, r.run(ctx, "Baton", completion(r.client, b.URL, w), 16, n, b))
+	fmt.Fprintln(r.out, "| target | TTFT p50 µs | TTFT p99 µs | added TTFT p50 µs | gap p50 µs | gap p99 µs | added gap p50 µs | gaps < 200 µs |")
+	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|---:|---:|")
+	for _, m := range rows {
+		fmt.Fprintf(r.out, "| %s | %s | %s | %s | %s | %s | %s | %.1f %% |\n", m.name, us(m.s.TTFT.P50), us(m.s.TTFT.P99),
+			us(m.s.TTFT.P50-rows[0].s.TTFT.P50), us(m.s.Gap.P50), us(m.s.Gap.P99), us(m.s.Gap.P50-rows[0].s.Gap.P50), burst(m)*100)
+	}
+	fmt.Fprintln(r.out)
+	return nil
+}
+
+// burst is the fraction of inter-event gaps under 200 µs.
+func burst(m measured) float64 { return m.s.BurstGaps }
+
+// memory: scenario 4, memory per open stream and after the load ends.
+func (r *runner) memory(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 4. Memory per open stream")
+	fmt.Fprintln(r.out)
+	streams := r.n(1500, 100)
+	tokens, per := 100, 30*time.Millisecond
+	fmt.Fprintf(r.out, "%d concurrent streams held open through Baton (each %d tokens at %s per token, so about %s long). Resident memory of the Baton process from /proc.\n\n", streams, tokens, per, time.Duration(tokens)*per)
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM, DecodePerToken: per})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+	w := workload{promptBytes: 256, maxTokens: tokens, stream: true}
+	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, 200)
+	r.verify("memory warm-up", warm)
+	runtime.GC()
+	time.Sleep(500 * time.Millisecond)
+	idle := b.rssBytes()
+	var peak int64
+	var mu sync.Mutex
+	stop := make(chan struct{})
+	sampler := make(chan struct{})
+	go func() {
+		defer close(sampler)
+		t := time.NewTicker(50 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				if v := b.rssBytes(); v > 0 {
+					mu.Lock()
+					peak = max(peak, v)
+					mu.Unlock()
+				}
+			}
+		}
+	}()
+	s := ClosedLoop(ctx, completion(r.client, b.URL, w), streams, streams)
+	close(stop)
+	<-sampler
+	r.verify("memory streams", s)
+	r.client.CloseIdleConnections()
+	time.Sleep(3 * time.Second) // Baton's idle timeouts and the Go scavenger return memory
+	after := b.rssBytes()
+	fmt.Fprintln(r.out, "| idle RSS MiB | peak RSS MiB | per open stream KiB | RSS 3 s after the load MiB |")
+	fmt.Fprintln(r.out, "|---:|---:|---:|---:|")
+	fmt.Fprintf(r.out, "| %.1f | %.1f | %.1f | %.1f |\n\n", mib(idle), mib(peak), float64(peak-idle)/float64(streams)/1024, mib(after))
+	return nil
+}
+
+func mib(b int64) float64 { return float64(b) / (1 << 20) }
+
+// bodySize: scenario 5, cost per request as the prompt grows.
+func (r *runner) bodySize(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 5. Body size scaling")
+	fmt.Fprintln(r.out)
+	fmt.Fprintln(r.out, "One client, non-streamed completions with 16 tokens, prompts of 1 KB to 1 MB. Added latency is Baton's p50 minus the engine's; CPU is Baton's per request.")
+	fmt.Fprintln(r.out)
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+	fmt.Fprintln(r.out, "| prompt | engine p50 µs | Baton p50 µs | added p50 µs | Baton CPU µs / req | CPU µs per KB |")
+	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|")
+	for _, c := range []struct {
+		size        int
+		full, quick int
+	}{{1 << 10, 1000, 30}, {10 << 10, 1000, 30}, {100 << 10, 400, 10}, {1 << 20, 60, 4}} {
+		w := workload{promptBytes: c.size, maxTokens: 16}
+		n := r.n(c.full, c.quick)
+		direct := r.run(ctx, fmt.Sprintf("direct %d", c.size), completion(r.client, e.URL(), w), 1, n, nil)
+		via := r.run(ctx, fmt.Sprintf("Baton %d", c.size), completion(r.client, b.URL, w), 1, n, b)
+		cpu := via.cpu / float64(n) * 1e6
+		fmt.Fprintf(r.out, "| %d KB | %s | %s | %s | %.0f | %.2f |\n", c.size>>10, us(direct.s.Latency.P50), us(via.s.Latency.P50),
+			us(via.s.Latency.P50-direct.s.Latency.P50), cpu, cpu/float64(c.size>>10))
+	}
+	fmt.Fprintln(r.out)
+	return nil
+}
+
+// workers: scenario 6, 1 to 256 workers behind one Baton.
+func (r *runner) workers(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 6. Worker count scaling")
+	fmt.Fprintln(r.out)
+	n := r.n(6000, 200)
+	counts := []int{1, 16, 64, 256}
+	if r.o.Quick {
+		counts = []int{1, 16}
+	}
+	fmt.Fprintf(r.out, "32 concurrent clients, %d non-streamed requests per row (512-byte prompt, 16 tokens), round robin over N simulated engines. Baseline: the clients spread over the same engines directly.\n\n", n)
+	fmt.Fprintln(r.out, "| workers | direct req/s | Baton req/s | Baton vs direct | Baton p50 µs | Baton p99 µs | Baton CPU s / 1k req |")
+	fmt.Fprintln(r.out, "|---:|---:|---:|---:|---:|---:|---:|")
+	w := workload{promptBytes: 512, maxTokens: 16}
+	for _, count := range counts {
+		var es []*sim.Engine
+		var args []string
+		for i := 0; i < count; i++ {
+			e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+			if err != nil {
+				return err
+			}
+			es = append(es, e)
+			args = append(args, e.URL())
+		}
+		spread := func(ctx context.Context, i int) Result { return completion(r.client, es[i%len(es)].URL(), w)(ctx, i) }
+		direct := r.run(ctx, fmt.Sprintf("direct x%d", count), spread, 32, n, nil)
+		b, err := startBaton(r.o.Binary, 1, append([]string{"--worker-urls"}, args...)...)
+		if err != nil {
+			return err
+		}
+		via := r.run(ctx, fmt.Sprintf("Baton x%d", count), completion(r.client, b.URL, w), 32, n, b)
+		b.stop()
+		for _, e := range es {
+			e.Close()
+		}
+		r.client.CloseIdleConnections()
+		fmt.Fprintf(r.out, "| %d | %.0f | %.0f | %.2f | %s | %s | %.3f |\n", count, direct.s.Throughput(), via.s.Throughput(),
+			via.s.Throughput()/direct.s.Throughput(), us(via.s.Latency.P50), us(via.s.Latency.P99), via.cpu/float64(n)*1000)
+	}
+	fmt.Fprintln(r.out)
+	return nil
+}
+
