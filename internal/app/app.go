@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -192,6 +193,11 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		}
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", g.Metrics.Handler())
+		if cfg.EnablePprof {
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
 		msrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	}
 

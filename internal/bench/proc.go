@@ -22,9 +22,10 @@ const clockTicks = 100
 
 // proc is a child process under measurement (Baton or nginx).
 type proc struct {
-	cmd  *exec.Cmd
-	URL  string
-	logs *strings.Builder
+	cmd        *exec.Cmd
+	URL        string
+	MetricsURL string // Baton's /metrics, "" for nginx
+	logs       *strings.Builder
 }
 
 // pinned prefixes argv with taskset pinning it to cpu, when taskset exists and the machine has
@@ -36,11 +37,11 @@ func pinned(cpu int, argv ...string) []string {
 	return argv
 }
 
-var servingLine = regexp.MustCompile(`baton serving on (http://\S+)`)
+var servingLine = regexp.MustCompile(`baton serving on (http://\S+) \(metrics on (http://\S+)\)`)
 
 // startBaton starts `baton serve` with args on its own core and waits until it is ready.
 func startBaton(binary string, cpu int, args ...string) (*proc, error) {
-	argv := pinned(cpu, append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--log-level", "error"}, args...)...)
+	argv := pinned(cpu, append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)...)
 	cmd := exec.Command(argv[0], argv[1:]...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -51,17 +52,18 @@ func startBaton(binary string, cpu int, args ...string) (*proc, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	urls := make(chan string, 1)
+	urls := make(chan []string, 1)
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
 			if m := servingLine.FindStringSubmatch(sc.Text()); m != nil {
-				urls <- m[1]
+				urls <- m
 			}
 		}
 	}()
 	select {
-	case p.URL = <-urls:
+	case m := <-urls:
+		p.URL, p.MetricsURL = m[1], m[2]
 	case <-time.After(30 * time.Second):
 		p.stop()
 		return nil, fmt.Errorf("baton did not start: %s", p.logs.String())
@@ -225,18 +227,59 @@ func (p *proc) rssBytes() int64 {
 	return 0
 }
 
+// numCPU is the number of online CPUs of the machine (not of this process's affinity mask,
+// which is one CPU once the harness pinned itself).
 func numCPU() int {
-	b, err := os.ReadFile("/sys/fs/cgroup/cpu.max")
-	if err == nil {
-		f := strings.Fields(string(b))
-		if len(f) == 2 && f[0] != "max" {
-			q, _ := strconv.Atoi(f[0])
-			per, _ := strconv.Atoi(f[1])
-			if per > 0 && q/per >= 1 {
-				return q / per
-			}
-		}
+	b, err := os.ReadFile("/sys/devices/system/cpu/online")
+	if err != nil {
+		return runtime.NumCPU()
 	}
-	return runtime.NumCPU()
+	n := 0
+	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
+		lo, hi, found := strings.Cut(part, "-")
+		a, err1 := strconv.Atoi(lo)
+		z := a
+		var err2 error
+		if found {
+			z, err2 = strconv.Atoi(hi)
+		}
+		if err1 != nil || err2 != nil {
+			return runtime.NumCPU()
+		}
+		n += z - a + 1
+	}
+	return n
 }
 
+// metric reads one unlabelled sample (e.g. go_goroutines) from Baton's /metrics.
+func (p *proc) metric(name string) float64 {
+	if p.MetricsURL == "" {
+		return 0
+	}
+	resp, err := http.Get(p.MetricsURL)
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), name+" "); ok {
+			f, _ := strconv.ParseFloat(v, 64)
+			return f
+		}
+	}
+	return 0
+}
+
+// liveHeapBytes forces a garbage collection in Baton (through pprof) and returns its heap in use.
+func (p *proc) liveHeapBytes() float64 {
+	if p.MetricsURL == "" {
+		return 0
+	}
+	if resp, err := http.Get(strings.TrimSuffix(p.MetricsURL, "/metrics") + "/debug/pprof/heap?gc=1"); err == nil {
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	return p.metric("go_memstats_heap_inuse_bytes")
+}

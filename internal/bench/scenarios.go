@@ -342,10 +342,11 @@ func (r *runner) memory(ctx context.Context) error {
 	w := workload{promptBytes: 256, maxTokens: tokens, stream: true}
 	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, 200)
 	r.verify("memory warm-up", warm)
-	runtime.GC()
 	time.Sleep(500 * time.Millisecond)
-	idle := b.rssBytes()
+	idleHeap := b.liveHeapBytes()
+	idle, idleG := b.rssBytes(), b.metric("go_goroutines")
 	var peak int64
+	var peakG float64
 	var mu sync.Mutex
 	stop := make(chan struct{})
 	sampler := make(chan struct{})
@@ -359,23 +360,34 @@ func (r *runner) memory(ctx context.Context) error {
 				return
 			case <-t.C:
 				if v := b.rssBytes(); v > 0 {
+					g := b.metric("go_goroutines")
 					mu.Lock()
-					peak = max(peak, v)
+					peak, peakG = max(peak, v), max(peakG, g)
 					mu.Unlock()
 				}
 			}
 		}
 	}()
-	s := ClosedLoop(ctx, completion(r.client, b.URL, w), streams, streams)
+	var afterRSS [2]int64
+	var afterG, afterHeap [2]float64
+	for round := 0; round < 2; round++ { // the same load twice: memory after the second must not grow
+		s := ClosedLoop(ctx, completion(r.client, b.URL, w), streams, streams)
+		r.verify("memory streams", s)
+		r.client.CloseIdleConnections()
+		time.Sleep(2 * time.Second)
+		afterRSS[round], afterG[round], afterHeap[round] = b.rssBytes(), b.metric("go_goroutines"), b.liveHeapBytes()
+	}
 	close(stop)
 	<-sampler
-	r.verify("memory streams", s)
-	r.client.CloseIdleConnections()
-	time.Sleep(3 * time.Second) // Baton's idle timeouts and the Go scavenger return memory
-	after := b.rssBytes()
-	fmt.Fprintln(r.out, "| idle RSS MiB | peak RSS MiB | per open stream KiB | RSS 3 s after the load MiB |")
-	fmt.Fprintln(r.out, "|---:|---:|---:|---:|")
-	fmt.Fprintf(r.out, "| %.1f | %.1f | %.1f | %.1f |\n\n", mib(idle), mib(peak), float64(peak-idle)/float64(streams)/1024, mib(after))
+	fmt.Fprintln(r.out, "| | RSS MiB | goroutines | live Go heap MiB (after a forced GC) |")
+	fmt.Fprintln(r.out, "|---|---:|---:|---:|")
+	fmt.Fprintf(r.out, "| idle, before the load | %.1f | %.0f | %.1f |\n", mib(idle), idleG, idleHeap/(1<<20))
+	fmt.Fprintf(r.out, "| peak, %d streams open | %.1f | %.0f | |\n", streams, mib(peak), peakG)
+	for i := range afterRSS {
+		fmt.Fprintf(r.out, "| 2 s after load round %d | %.1f | %.0f | %.1f |\n", i+1, mib(afterRSS[i]), afterG[i], afterHeap[i]/(1<<20))
+	}
+	fmt.Fprintf(r.out, "\nPer open stream: **%.1f KiB** of RSS and %.1f goroutines (peak minus idle, over %d streams).\n\n",
+		float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), streams)
 	return nil
 }
 
@@ -457,4 +469,3 @@ func (r *runner) workers(ctx context.Context) error {
 	fmt.Fprintln(r.out)
 	return nil
 }
-

@@ -73,6 +73,8 @@ type Config struct {
 	LogLevel string `json:"log_level"`
 	// LogJSON writes logs as JSON lines instead of text.
 	LogJSON bool `json:"log_json"`
+	// EnablePprof serves Go's /debug/pprof/ on the metrics port, for profiling in place.
+	EnablePprof bool `json:"enable_pprof"`
 	// ShutdownGracePeriodSecs bounds how long in-flight requests may drain after SIGTERM.
 	// Default 180.
 	ShutdownGracePeriodSecs int `json:"shutdown_grace_period_secs"`

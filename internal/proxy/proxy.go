@@ -82,8 +82,8 @@ func NewTransport() *http.Transport {
 		MaxIdleConnsPerHost: 512,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
-		WriteBufferSize:     64 << 10,
-		ReadBufferSize:      64 << 10,
+		WriteBufferSize:     16 << 10, // held per upstream connection: small keeps open streams cheap
+		ReadBufferSize:      16 << 10, // answers are small or streamed; this is held per open stream
 	}
 }
 
@@ -105,7 +105,7 @@ var forwardHeaders = []string{"Authorization", openai.HeaderRequestID, openai.He
 // hopHeaders are never relayed in either direction.
 var hopHeaders = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
 
-var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
 
 // Send POSTs body to path on w with the client's allowlisted headers plus extra, under ctx.
 func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, path string, body []byte, extra http.Header) (*http.Response, error) {
