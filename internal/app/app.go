@@ -179,9 +179,11 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	api := &http.Server{
 		Handler:           g.Server.Handler(),
-		ReadHeaderTimeout: 30 * time.Second,
-		IdleTimeout:       120 * time.Second,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
+		ReadHeaderTimeout: time.Duration(cfg.ReadHeaderTimeoutSecs) * time.Second,
+		IdleTimeout:       time.Duration(cfg.IdleTimeoutSecs) * time.Second,
+		// No ReadTimeout or WriteTimeout: they would cut long uploads and long streams; the
+		// request deadline (request_timeout_secs) bounds those instead.
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
 	var msrv *http.Server
 	var mln net.Listener

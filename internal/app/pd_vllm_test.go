@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -403,5 +404,31 @@ func TestWorkersAdminShowsConnector(t *testing.T) {
 	body := readAll(t, resp.Body)
 	if !strings.Contains(body, `"kv_connector":"mooncake"`) || !strings.Contains(body, `"role":"decode"`) {
 		t.Errorf("/workers %s", body)
+	}
+}
+
+// Registration logs each vLLM prefill worker's effective connector and warns about one that
+// has none.
+func TestConnectorLoggedAtRegistration(t *testing.T) {
+	p1 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	p2 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{{URL: p1.URL(), Role: "prefill", KVConnector: "NixlConnector"}, {URL: p2.URL(), Role: "prefill"}, {URL: d.URL(), Role: "decode"}}
+	logs := &syncBuffer{}
+	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	g.Start(ctx)
+	defer func() { cancel(); g.Wait() }()
+	waitFor(t, func() bool {
+		return strings.Contains(logs.String(), "no KV connector configured") && strings.Contains(logs.String(), "mode=nixl")
+	})
+	out := logs.String()
+	if strings.Count(out, "no KV connector configured") != 1 || !strings.Contains(out, p2.URL()) {
+		t.Errorf("want one warning naming %s:\n%s", p2.URL(), out)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -227,5 +228,39 @@ workers:
 	os.WriteFile(path, []byte("port: 1\nprot: 2\nworkers:\n  - url: http://x\n    rolee: prefill\n"), 0o600)
 	if _, err := config.Parse([]string{"--config", path}, io.Discard); err == nil || !strings.Contains(err.Error(), "prot") {
 		t.Fatalf("unknown key: err = %v", err)
+	}
+}
+
+// A client that never finishes its headers is disconnected after the read-header timeout; an
+// idle timeout shorter than a stream does not cut the stream.
+func TestSlowClientTimeoutsSpareStreams(t *testing.T) {
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < 6; i++ {
+			io.WriteString(w, "data: {}\n\n")
+			w.(http.Flusher).Flush()
+			time.Sleep(400 * time.Millisecond) // 2.4 s in all, longer than both timeouts
+		}
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	api, _, _, _ := runBaton(t, "--worker-urls", up.URL, "--read-header-timeout-secs", "1", "--idle-timeout-secs", "1")
+	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+
+	conn, err := net.Dial("tcp", strings.TrimPrefix(api, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	io.WriteString(conn, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n") // and then nothing
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadAll(conn); err != nil {
+		t.Fatalf("slow client was not disconnected: %v", err)
+	}
+
+	resp := post(t, api+"/v1/completions", `{"model":"m","stream":true}`)
+	body, err := io.ReadAll(resp.Body)
+	if err != nil || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
+		t.Fatalf("stream cut: %v %q", err, body)
 	}
 }

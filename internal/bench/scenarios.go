@@ -181,20 +181,15 @@ func (r *runner) latency(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		rows := []measured{r.run(ctx, "regular: engine directly", completion(r.client, e.URL(), w), 1, n, nil)}
-		if ng, err := startNginx(1, e.URL()); err != nil {
-			return err
-		} else if ng != nil {
-			rows = append(rows, r.run(ctx, "regular: nginx", completion(r.client, ng.URL, w), 1, n, ng))
-			ng.stop()
-		}
-		b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+		rows, b, err := r.threeWay(ctx, e, w, 1, n)
 		if err != nil {
 			return err
 		}
-		rows = append(rows, r.run(ctx, "regular: Baton", completion(r.client, b.URL, w), 1, n, b))
 		b.stop()
 		e.Close()
+		for i := range rows {
+			rows[i].name = "regular: " + rows[i].name
+		}
 		r.latencyTable(rows, rows[0])
 		// PD SGLang and PD vLLM NIXL.
 		for _, kind := range []string{"sglang", "nixl"} {
@@ -237,6 +232,26 @@ func (r *runner) latency(ctx context.Context) error {
 	return nil
 }
 
+// threeWay measures w against engine e directly, through nginx (when installed) and through
+// Baton, closed loop. It returns the rows and the running Baton, which the caller stops.
+func (r *runner) threeWay(ctx context.Context, e *sim.Engine, w workload, concurrency, n int) ([]measured, *proc, error) {
+	rows := []measured{r.run(ctx, "engine directly", completion(r.client, e.URL(), w), concurrency, n, nil)}
+	ng, err := startNginx(1, e.URL())
+	if err != nil {
+		return nil, nil, err
+	}
+	if ng != nil {
+		rows = append(rows, r.run(ctx, "nginx", completion(r.client, ng.URL, w), concurrency, n, ng))
+		ng.stop()
+	}
+	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	if err != nil {
+		return nil, nil, err
+	}
+	rows = append(rows, r.run(ctx, "Baton", completion(r.client, b.URL, w), concurrency, n, b))
+	return rows, b, nil
+}
+
 // throughput: scenario 2, saturation throughput and CPU per 1,000 requests; plus an open-loop
 // run below saturation.
 func (r *runner) throughput(ctx context.Context) error {
@@ -250,19 +265,11 @@ func (r *runner) throughput(ctx context.Context) error {
 		return err
 	}
 	defer e.Close()
-	rows := []measured{r.run(ctx, "engine directly", completion(r.client, e.URL(), w), 64, n, nil)}
-	if ng, err := startNginx(1, e.URL()); err != nil {
-		return err
-	} else if ng != nil {
-		rows = append(rows, r.run(ctx, "nginx", completion(r.client, ng.URL, w), 64, n, ng))
-		ng.stop()
-	}
-	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	rows, b, err := r.threeWay(ctx, e, w, 64, n)
 	if err != nil {
 		return err
 	}
 	defer b.stop()
-	rows = append(rows, r.run(ctx, "Baton", completion(r.client, b.URL, w), 64, n, b))
 	fmt.Fprintln(r.out, "| target | req/s | vs engine | p50 µs | p99 µs | proxy CPU s / 1k req |")
 	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|")
 	for _, m := range rows {
@@ -296,31 +303,20 @@ func (r *runner) streaming(ctx context.Context) error {
 		return err
 	}
 	defer e.Close()
-	rows := []measured{r.run(ctx, "engine directly", completion(r.client, e.URL(), w), 16, n, nil)}
-	if ng, err := startNginx(1, e.URL()); err != nil {
-		return err
-	} else if ng != nil {
-		rows = append(rows, r.run(ctx, "nginx", completion(r.client, ng.URL, w), 16, n, ng))
-		ng.stop()
-	}
-	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	rows, b, err := r.threeWay(ctx, e, w, 16, n)
 	if err != nil {
 		return err
 	}
 	defer b.stop()
-	rows = append(rows, r.run(ctx, "Baton", completion(r.client, b.URL, w), 16, n, b))
 	fmt.Fprintln(r.out, "| target | TTFT p50 µs | TTFT p99 µs | added TTFT p50 µs | gap p50 µs | gap p99 µs | added gap p50 µs | gaps < 200 µs |")
 	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|---:|---:|")
 	for _, m := range rows {
 		fmt.Fprintf(r.out, "| %s | %s | %s | %s | %s | %s | %s | %.1f %% |\n", m.name, us(m.s.TTFT.P50), us(m.s.TTFT.P99),
-			us(m.s.TTFT.P50-rows[0].s.TTFT.P50), us(m.s.Gap.P50), us(m.s.Gap.P99), us(m.s.Gap.P50-rows[0].s.Gap.P50), burst(m)*100)
+			us(m.s.TTFT.P50-rows[0].s.TTFT.P50), us(m.s.Gap.P50), us(m.s.Gap.P99), us(m.s.Gap.P50-rows[0].s.Gap.P50), m.s.BurstGaps*100)
 	}
 	fmt.Fprintln(r.out)
 	return nil
 }
-
-// burst is the fraction of inter-event gaps under 200 µs.
-func burst(m measured) float64 { return m.s.BurstGaps }
 
 // memory: scenario 4, memory per open stream and after the load ends.
 func (r *runner) memory(ctx context.Context) error {

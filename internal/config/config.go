@@ -75,6 +75,12 @@ type Config struct {
 	LogJSON bool `json:"log_json"`
 	// EnablePprof serves Go's /debug/pprof/ on the metrics port, for profiling in place.
 	EnablePprof bool `json:"enable_pprof"`
+	// ReadHeaderTimeoutSecs bounds how long a client may take to send request headers; a slow
+	// or stuck client is disconnected. Default 30.
+	ReadHeaderTimeoutSecs int `json:"read_header_timeout_secs"`
+	// IdleTimeoutSecs closes a client's keep-alive connection idle this long between requests.
+	// It never cuts a request or a stream in progress. Default 120.
+	IdleTimeoutSecs int `json:"idle_timeout_secs"`
 	// ShutdownGracePeriodSecs bounds how long in-flight requests may drain after SIGTERM.
 	// Default 180.
 	ShutdownGracePeriodSecs int `json:"shutdown_grace_period_secs"`
@@ -183,6 +189,8 @@ func Default() Config {
 		MaxPayloadSize:          512 << 20,
 		LogLevel:                "info",
 		ShutdownGracePeriodSecs: 180,
+		ReadHeaderTimeoutSecs:   30,
+		IdleTimeoutSecs:         120,
 		PDMooncakeDispatch:      "concurrent",
 		Retry:                   Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
 		CircuitBreaker:          CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
@@ -255,6 +263,9 @@ func (c *Config) Validate() error {
 	}
 	if !slices.Contains([]string{"debug", "info", "warn", "error"}, strings.ToLower(c.LogLevel)) {
 		bad("log_level %q is unknown (want debug, info, warn or error)", c.LogLevel)
+	}
+	if c.ReadHeaderTimeoutSecs <= 0 || c.IdleTimeoutSecs <= 0 {
+		bad("read_header_timeout_secs and idle_timeout_secs must be positive, got %d and %d", c.ReadHeaderTimeoutSecs, c.IdleTimeoutSecs)
 	}
 	if c.ShutdownGracePeriodSecs < 0 {
 		bad("shutdown_grace_period_secs must not be negative, got %d", c.ShutdownGracePeriodSecs)

@@ -114,6 +114,8 @@ var serveFlags = []flag{
 	strFlag("log-level", "debug | info | warn | error (default info)", func(c *Config) *string { return &c.LogLevel }),
 	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
 	boolFlag("enable-pprof", "serve /debug/pprof/ on the metrics port", func(c *Config) *bool { return &c.EnablePprof }),
+	intFlag("read-header-timeout-secs", "a client must send its request headers within this (default 30)", func(c *Config) *int { return &c.ReadHeaderTimeoutSecs }),
+	intFlag("idle-timeout-secs", "idle keep-alive client connections are closed after this; streams are never cut (default 120)", func(c *Config) *int { return &c.IdleTimeoutSecs }),
 	intFlag("shutdown-grace-period-secs", "how long in-flight requests may drain on SIGTERM (default 180)", func(c *Config) *int { return &c.ShutdownGracePeriodSecs }),
 	intFlag("retry-max-retries", "attempts in total, the first included (default 5)", func(c *Config) *int { return &c.Retry.MaxRetries }),
 	intFlag("retry-initial-backoff-ms", "wait before the second attempt (default 50)", func(c *Config) *int { return &c.Retry.InitialBackoffMs }),

@@ -217,33 +217,30 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 		}
 		return nil
 	}
+	// next returns the next chunk to write and whether to flush after it.
+	var next func() ([]byte, bool, error)
 	if transform != nil && stream {
 		er := openai.NewEventReader(resp.Body)
-		for {
+		next = func() ([]byte, bool, error) {
 			ev, err := er.Next()
 			if len(ev) > 0 {
-				if werr := emit(transform(ev), !er.Pending()); werr != nil {
-					return werr
-				}
+				ev = transform(ev)
 			}
-			if err == io.EOF {
-				if !written {
-					writeHead()
-				}
-				return nil
-			}
-			if err != nil {
-				return &ReadError{Err: err, Written: written}
-			}
+			return ev, !er.Pending(), err
+		}
+	} else {
+		bp := bufPool.Get().(*[]byte)
+		defer bufPool.Put(bp)
+		buf := *bp
+		next = func() ([]byte, bool, error) {
+			n, err := resp.Body.Read(buf)
+			return buf[:n], true, err
 		}
 	}
-	bp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bp)
-	buf := *bp
 	for {
-		n, err := resp.Body.Read(buf)
-		if n > 0 {
-			if werr := emit(buf[:n], true); werr != nil {
+		chunk, flush, err := next()
+		if len(chunk) > 0 {
+			if werr := emit(chunk, flush); werr != nil {
 				return werr
 			}
 		}
