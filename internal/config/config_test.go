@@ -1,0 +1,48 @@
+package config
+
+import (
+	"io"
+	"strings"
+	"testing"
+)
+
+func TestValidateReportsEveryProblem(t *testing.T) {
+	c := Default()
+	c.Port = -1
+	c.Policy = "nope"
+	c.Retry.MaxRetries = 0
+	c.CircuitBreaker.SuccessThreshold = 0
+	c.HealthCheck.Endpoint = "health"
+	c.Workers = []Worker{{URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
+	err := c.Validate()
+	if err == nil {
+		t.Fatal("want errors")
+	}
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("errors lack %q:\n%v", want, err)
+		}
+	}
+	if d := Default(); d.Validate() != nil {
+		err := d.Validate()
+		t.Errorf("defaults do not validate: %v", err)
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	c, err := Parse([]string{"--pd-disaggregation", "--prefill", "http://p1:8000", "9001", "--prefill", "http://p2:8000", "none",
+		"--prefill", "http://p3:8000", "--decode", "http://d:8000", "--worker-urls", "http://r1", "http://r2",
+		"--retry-backoff-multiplier=2", "--disable-retries", "--log-json", "--kv-connector", "NixlConnector"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Workers) != 4 || *c.Workers[0].BootstrapPort != 9001 || c.Workers[1].BootstrapPort != nil || c.Workers[2].BootstrapPort != nil || c.Workers[3].Role != RoleDecode {
+		t.Errorf("workers %+v", c.Workers)
+	}
+	if len(c.WorkerURLs) != 2 || c.Retry.BackoffMultiplier != 2 || !c.Retry.Disable || !c.LogJSON || c.KVConnector != "NixlConnector" || c.PolicyFor(RolePrefill) != PolicyRoundRobin {
+		t.Errorf("config %+v", c)
+	}
+	if _, err := Parse([]string{"--port", "x", "--nope", "--prefill"}, io.Discard); err == nil || !strings.Contains(err.Error(), "not an integer") || !strings.Contains(err.Error(), "unknown flag --nope") || !strings.Contains(err.Error(), "--prefill needs a value") {
+		t.Errorf("err = %v", err)
+	}
+}
