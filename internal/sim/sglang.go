@@ -136,18 +136,30 @@ func (e *Engine) serveJoin(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// joinRoom is the decode engine's call to its partner's bootstrap server.
+// joinRoom is the decode engine's call to its partner's bootstrap server. Like SGLang's decode,
+// it keeps trying to reach a bootstrap server that does not answer yet, until its timeout.
 func (e *Engine) joinRoom(ctx context.Context, host string, port int, roomID uint64, rank int) (*roomKV, *apiError) {
 	u := fmt.Sprintf("http://%s/bootstrap/join?room=%d&dp_rank=%d", netJoin(host, port), roomID, rank)
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.BootstrapTimeout+5*time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, u, nil)
-	resp, err := e.client.Do(req)
-	if err != nil {
+	giveUp := time.Now().Add(e.cfg.BootstrapTimeout)
+	var resp *http.Response
+	for {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, u, nil)
+		var err error
+		resp, err = e.client.Do(req)
+		if err == nil {
+			break
+		}
 		if ctx.Err() != nil {
 			return nil, errorf(499, "decode request cancelled while waiting for room %d", roomID)
 		}
-		return nil, errorf(500, "bootstrap server %s unreachable: %v", netJoin(host, port), err)
+		if time.Now().After(giveUp) {
+			return nil, errorf(500, "bootstrap server %s unreachable: %v", netJoin(host, port), err)
+		}
+		if sleep(ctx, 50*time.Millisecond) != nil {
+			return nil, errorf(499, "decode request cancelled while waiting for room %d", roomID)
+		}
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != 200 {
