@@ -131,18 +131,13 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 // servePrefillInfo proxies GET /get_server_info and /get_model_info to a ready prefill worker,
 // relaying its answer unchanged.
 func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
-	ready := worker.Ready(s.reg.Snapshot().Workers)
-	var prefill *worker.Worker
-	for _, wk := range ready {
-		if wk.Role == config.RolePrefill {
-			prefill = wk
-			break
-		}
-	}
-	if prefill == nil {
+	cands, _ := s.reg.Snapshot().Candidates(config.RolePrefill, "")
+	avail := worker.Available(cands)
+	if len(avail) == 0 {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no prefill worker is ready"})
 		return
 	}
+	prefill := avail[0]
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, prefill.URL+r.URL.Path, nil)

@@ -95,22 +95,6 @@ func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bo
 	return ws, maybePending
 }
 
-// Ready returns the ready workers among ws, in order. It allocates only when some are not ready.
-func Ready(ws []*Worker) []*Worker {
-	for i, w := range ws {
-		if !w.Ready() {
-			out := append([]*Worker(nil), ws[:i]...)
-			for _, w := range ws[i+1:] {
-				if w.Ready() {
-					out = append(out, w)
-				}
-			}
-			return out
-		}
-	}
-	return ws
-}
-
 // HasReady reports whether some worker of role is ready.
 func (s *Snapshot) HasReady(role string) bool {
 	for _, w := range s.Workers {
