@@ -179,3 +179,17 @@ func FuzzValid(f *testing.F) {
 		}
 	})
 }
+
+// FuzzParseRequest: any bytes give a request or a client error, never a panic, and a request
+// only for a valid JSON object.
+func FuzzParseRequest(f *testing.F) {
+	for _, s := range []string{`{"model":"m","stream":true,"n":2}`, `{"model":null}`, `[1]`, `{"n":-1}`, `{"model":"a\u0062"}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := ParseRequest(b)
+		if err == nil && (!json.Valid(b) || r == nil || string(r.Body) != string(b)) {
+			t.Fatalf("ParseRequest(%q) accepted a body it should not", b)
+		}
+	})
+}
