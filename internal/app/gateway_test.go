@@ -91,14 +91,18 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 func TestUpstreamErrorsPassThrough(t *testing.T) {
 	for _, status := range []int{400, 429, 500, 503} {
 		up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("X-Request-Id", "engine-made")
 			w.Header().Set("Content-Type", "application/json")
 			w.Header().Set("Retry-After", "7")
 			w.WriteHeader(status)
 			io.WriteString(w, `{"error":{"message":"engine says no","code":"x"}}`)
 		})
 		_, gw := startGateway(t, testConfig(up.URL))
-		resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`)
+		resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`, "X-Request-Id", "client-id")
 		body := readAll(t, resp.Body)
+		if resp.Header.Get("X-Request-Id") != "client-id" {
+			t.Errorf("upstream %d: X-Request-Id %q, want the client's", status, resp.Header.Get("X-Request-Id"))
+		}
 		if resp.StatusCode != status || body != `{"error":{"message":"engine says no","code":"x"}}` || resp.Header.Get("Retry-After") != "7" {
 			t.Errorf("upstream %d: got %d %q retry-after=%q", status, resp.StatusCode, body, resp.Header.Get("Retry-After"))
 		}

@@ -187,16 +187,9 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 	written := false
 	writeHead := func() {
 		h := rw.Header()
-		rid, via := h.Get(openai.HeaderRequestID), h.Get(openai.HeaderWorker)
 		CopyResponseHeaders(h, resp.Header)
 		if transform != nil {
 			h.Del("Content-Length")
-		}
-		if rid != "" {
-			h.Set(openai.HeaderRequestID, rid)
-		}
-		if via != "" {
-			h.Set(openai.HeaderWorker, via)
 		}
 		rw.WriteHeader(resp.StatusCode)
 		written = true
@@ -333,9 +326,13 @@ func CopyRequestHeaders(dst, src http.Header, w *worker.Worker) {
 	}
 }
 
-// CopyResponseHeaders copies an upstream response's headers except hop-by-hop ones.
+// CopyResponseHeaders copies an upstream response's headers except hop-by-hop ones and those
+// Baton owns (X-Request-Id, X-Baton-*), which keep Baton's values.
 func CopyResponseHeaders(dst, src http.Header) {
 	for k, v := range src {
+		if k == openai.HeaderRequestID || strings.HasPrefix(k, "X-Baton-") {
+			continue
+		}
 		dst[k] = v
 	}
 	for _, f := range src.Values("Connection") {
