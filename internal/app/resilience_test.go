@@ -199,7 +199,7 @@ func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
 }
 
 func TestOverload(t *testing.T) {
-	_, g, gw := fleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
+	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
 		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeoutSecs: 2}
 	})
 	slow := `{"model":"m","prompt":"slow","max_tokens":5,"ignore_eos":true}`
@@ -216,7 +216,11 @@ func TestOverload(t *testing.T) {
 			resp.Body.Close()
 			statuses <- resp.StatusCode
 		})
-		time.Sleep(50 * time.Millisecond)
+		if i == 0 {
+			waitFor(t, func() bool { return es[0].Stats().RequestsReceived == 1 }) // running
+		} else {
+			waitFor(t, func() bool { return testutil.ToFloat64(g.Metrics.QueueDepth) == 1 }) // queued
+		}
 	}
 	resp := post(t, gw+"/v1/completions", slow) // the queue is full
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
@@ -234,7 +238,7 @@ func TestOverload(t *testing.T) {
 		t.Errorf("rejections %v", v)
 	}
 	// A request that waits longer than the queue timeout is refused, not kept forever.
-	_, _, gw2 := fleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
+	es2, _, gw2 := fleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
 		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 5, QueueTimeoutSecs: 1}
 	})
 	first := make(chan struct{})
@@ -246,7 +250,7 @@ func TestOverload(t *testing.T) {
 		}
 	}()
 	defer func() { <-first }()
-	time.Sleep(50 * time.Millisecond)
+	waitFor(t, func() bool { return es2[0].Stats().RequestsReceived == 1 })
 	r2, body := postTimeout(t, gw2+"/v1/completions", slow)
 	if r2.StatusCode != 503 || !strings.Contains(body, "waited") {
 		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)

@@ -276,7 +276,12 @@ func TestSGLangPartnerNeverArrives(t *testing.T) {
 	// A decode whose client leaves is counted as cancelled, and the room is gone.
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, "POST", d.URL()+"/generate", strings.NewReader(withBoot(`{"text":"a"}`, p, 3)))
-	go func() { time.Sleep(50 * time.Millisecond); cancel() }()
+	go func() { // cancel once the decode has the request (it then waits 200 ms for its partner)
+		for start := time.Now(); d.Stats().RequestsReceived < 2 && time.Since(start) < 10*time.Second; {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+	}()
 	if resp, err := http.DefaultClient.Do(req); err == nil {
 		resp.Body.Close()
 	}
