@@ -2,6 +2,7 @@ package config
 
 import (
 	"io"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -44,5 +45,18 @@ func TestParseFlags(t *testing.T) {
 	}
 	if _, err := Parse([]string{"--port", "x", "--nope", "--prefill"}, io.Discard); err == nil || !strings.Contains(err.Error(), "not an integer") || !strings.Contains(err.Error(), "unknown flag --nope") || !strings.Contains(err.Error(), "--prefill needs a value") {
 		t.Errorf("err = %v", err)
+	}
+}
+
+// The example configurations in examples/ load and validate.
+func TestExamples(t *testing.T) {
+	paths, _ := filepath.Glob("../../examples/*.yaml")
+	if len(paths) == 0 {
+		t.Fatal("no examples found")
+	}
+	for _, p := range paths {
+		if _, err := Parse([]string{"--config", p}, io.Discard); err != nil {
+			t.Errorf("%s: %v", p, err)
+		}
 	}
 }
