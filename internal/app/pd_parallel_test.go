@@ -145,6 +145,9 @@ func TestPDParallelSameTextAsAggregated(t *testing.T) {
 			if src := resp.Header.Get(sim.HeaderKVSource); src != sim.SourceRemote {
 				t.Errorf("decode KV source %q, want remote", src)
 			}
+			if h := resp.Header.Get("X-Baton-Kv-Handoff"); h != "bootstrap" {
+				t.Errorf("handoff header %q, want bootstrap", h)
+			}
 			if resp.Header.Get("X-Baton-Prefill-Worker") != p.URL() || resp.Header.Get("X-Baton-Decode-Worker") != d.URL() {
 				t.Errorf("worker headers %q %q", resp.Header.Get("X-Baton-Prefill-Worker"), resp.Header.Get("X-Baton-Decode-Worker"))
 			}

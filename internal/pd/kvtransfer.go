@@ -26,6 +26,7 @@ const (
 	HandoffNixl          = "nixl"
 	HandoffMooncake      = "mooncake"
 	HandoffPassthrough   = "passthrough"
+	HandoffBootstrap     = "bootstrap" // SGLang-style: the legs meet at the prefill's bootstrap server
 	HandoffNoneN         = "none-n>1"
 	HandoffNoneMissing   = "none-missing-params"
 	HandoffNoneNoEngine  = "none-no-engine-id"
