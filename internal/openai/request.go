@@ -32,6 +32,10 @@ func ParseRequest(body []byte) (*Request, error) {
 			if bytes.Equal(raw, []byte("null")) {
 				return true
 			}
+			if len(raw) >= 2 && raw[0] == '"' && bytes.IndexByte(raw, '\\') < 0 {
+				r.Model = string(raw[1 : len(raw)-1]) // no escapes: the bytes are the string
+				return true
+			}
 			if err := json.Unmarshal(raw, &r.Model); err != nil {
 				perr = fmt.Errorf(`"model" must be a string`)
 				return false

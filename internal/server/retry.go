@@ -40,19 +40,10 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 	if rc.Disable {
 		tries = 1
 	}
-	b := &backoff.ExponentialBackOff{
-		InitialInterval:     time.Duration(rc.InitialBackoffMs) * time.Millisecond,
-		RandomizationFactor: rc.JitterFactor,
-		Multiplier:          rc.BackoffMultiplier,
-		MaxInterval:         time.Duration(rc.MaxBackoffMs) * time.Millisecond,
-	}
 	route := r.Pattern
-	avoid := map[string]bool{}
-	_, err := backoff.Retry(ctx, func() (struct{}, error) {
-		for _, h := range attemptHeaders {
-			w.Header().Del(h)
-		}
-		err := attempt(r, avoid)
+	var avoid map[string]bool
+	// step runs one attempt and classifies its failure for the backoff loop.
+	step := func(err error) (struct{}, error) {
 		if err == nil {
 			return struct{}{}, nil
 		}
@@ -60,16 +51,47 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 			return struct{}{}, backoff.Permanent(err)
 		}
 		if u := failedWorker(err); u != "" {
+			if avoid == nil {
+				avoid = map[string]bool{}
+			}
 			avoid[u] = true
 		}
 		return struct{}{}, err
-	},
-		backoff.WithBackOff(b), backoff.WithMaxTries(tries), backoff.WithMaxElapsedTime(timeout),
-		backoff.WithNotify(func(err error, d time.Duration) {
-			reason, _ := retryReason(err)
-			s.metrics.Retries.WithLabelValues(route, reason).Inc()
-			s.log.Debug("retrying", "route", route, "reason", reason, "backoff", d, "err", err)
-		}))
+	}
+	clear := func() {
+		for _, h := range attemptHeaders {
+			w.Header().Del(h)
+		}
+	}
+	// The first attempt runs outside the backoff loop, which most requests never need.
+	_, err := step(attempt(r, avoid))
+	if err != nil && tries > 1 && !isPermanent(err) {
+		b := &backoff.ExponentialBackOff{
+			InitialInterval:     time.Duration(rc.InitialBackoffMs) * time.Millisecond,
+			RandomizationFactor: rc.JitterFactor,
+			Multiplier:          rc.BackoffMultiplier,
+			MaxInterval:         time.Duration(rc.MaxBackoffMs) * time.Millisecond,
+		}
+		first := true
+		_, err = backoff.Retry(ctx, func() (struct{}, error) {
+			if first { // the attempt above, already made: the loop waits, then retries
+				first = false
+				return struct{}{}, err
+			}
+			clear()
+			return step(attempt(r, avoid))
+		},
+			backoff.WithBackOff(b), backoff.WithMaxTries(tries), backoff.WithMaxElapsedTime(timeout),
+			backoff.WithNotify(func(err error, d time.Duration) {
+				reason, _ := retryReason(err)
+				s.metrics.Retries.WithLabelValues(route, reason).Inc()
+				s.log.Debug("retrying", "route", route, "reason", reason, "backoff", d, "err", err)
+			}))
+	}
+	var perm *backoff.PermanentError
+	if errors.As(err, &perm) {
+		err = perm.Unwrap()
+	}
 	if err == nil {
 		return
 	}
@@ -77,6 +99,11 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 		s.metrics.RetriesExhausted.WithLabelValues(route).Inc()
 	}
 	s.writeFailure(w, r, err)
+}
+
+func isPermanent(err error) bool {
+	var perm *backoff.PermanentError
+	return errors.As(err, &perm)
 }
 
 // writeFailure answers the client for the final failure of a request.

@@ -3,7 +3,6 @@
 package server
 
 import (
-	"context"
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
@@ -91,17 +90,27 @@ func (s *Server) SetDraining() { s.draining.Store(true) }
 // InFlight returns the number of client requests being served.
 func (s *Server) InFlight() int64 { return s.inflight.Load() }
 
-type ctxKey struct{}
-
-// reqInfo carries what the handler learned back to the middleware.
-type reqInfo struct {
-	model string
-}
-
-// statusWriter records the status written; Unwrap keeps http.ResponseController working.
+// statusWriter records the status written and what the handler learned (the model) for the
+// middleware; Unwrap keeps http.ResponseController working.
 type statusWriter struct {
 	http.ResponseWriter
 	status int
+	model  string
+}
+
+// setModel tells the observing middleware the request's model, through the writer it gave.
+func setModel(w http.ResponseWriter, model string) {
+	for {
+		switch sw := w.(type) {
+		case *statusWriter:
+			sw.model = model
+			return
+		case interface{ Unwrap() http.ResponseWriter }:
+			w = sw.Unwrap()
+		default:
+			return
+		}
+	}
 }
 
 func (w *statusWriter) WriteHeader(code int) {
@@ -131,8 +140,6 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			r.Header.Set(openai.HeaderRequestID, rid)
 		}
 		w.Header().Set(openai.HeaderRequestID, rid)
-		info := &reqInfo{}
-		r = r.WithContext(context.WithValue(r.Context(), ctxKey{}, info))
 		sw := &statusWriter{ResponseWriter: w}
 		s.inflight.Add(1)
 		defer func() {
@@ -145,9 +152,9 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			if route == "" || route == "/" {
 				route = "other"
 			}
-			s.metrics.ObserveRequest(route, info.model, status, time.Since(start).Seconds())
+			s.metrics.ObserveRequest(route, sw.model, status, time.Since(start).Seconds())
 			s.log.Debug("request", "request_id", rid, "method", r.Method, "path", r.URL.Path,
-				"model", info.model, "status", status, "duration", time.Since(start))
+				"model", sw.model, "status", status, "duration", time.Since(start))
 		}()
 		next.ServeHTTP(sw, r)
 	})
@@ -217,9 +224,7 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) *openai.Req
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
 		return nil
 	}
-	if info, ok := r.Context().Value(ctxKey{}).(*reqInfo); ok {
-		info.model = req.Model
-	}
+	setModel(w, req.Model)
 	return req
 }
 
