@@ -146,7 +146,7 @@ func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pa
 		}
 	}()
 	fail := func(derr error) concurrentResult {
-		res.err = x.legFailed(rw, r, pair, derr, dCtx, pres, &res.outcome)
+		res.err = x.legFailed(r, pair, derr, dCtx, pres, &res.outcome)
 		return res
 	}
 
@@ -248,7 +248,7 @@ func (x *Parallel) prefillError(pair Pair, p prefillResult, outcome *string) err
 
 // legFailed answers a request whose decode leg did not answer: because its prefill failed
 // (the prefill's error is the client's), because the client left, or on its own.
-func (x *Parallel) legFailed(rw http.ResponseWriter, r *http.Request, pair Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
+func (x *Parallel) legFailed(r *http.Request, pair Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
 	if context.Cause(dCtx) == errPrefillFailed {
 		p := <-pres
 		pres <- p

@@ -40,7 +40,8 @@ type Pair struct {
 
 // Executor runs one PD request over a selected pair and writes the response. It returns nil
 // when the whole response reached the client, proxy.ErrClientGone, proxy.ErrAbort (the caller
-// must abort the connection), or an *openai.Error already written to the client.
+// must abort the connection), or, with nothing written yet, an *openai.Error for the caller to
+// retry or write.
 type Executor interface {
 	Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair) error
 }

@@ -102,7 +102,7 @@ func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 	params := plan.decodeParams
 	handoff := plan.outcome
 	if plan.probe != nil {
-		body, err := x.prefill(rw, r, req, pair, plan)
+		body, err := x.prefill(r, req, pair, plan)
 		if err != nil {
 			outcome = "prefill_failed"
 			if errors.Is(err, proxy.ErrClientGone) {
@@ -158,9 +158,10 @@ func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 	return err
 }
 
-// prefill sends the probe and returns the prefill's body. Failures are answered here: a
-// transport error is a 502, a non-2xx the prefill's exact status; the decode is never contacted.
-func (x *Sequential) prefill(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, plan handoffPlan) ([]byte, error) {
+// prefill sends the probe and returns the prefill's body. A failure is returned as the client's
+// error: a transport error is a 502, a non-2xx the prefill's exact status; the decode is never
+// contacted.
+func (x *Sequential) prefill(r *http.Request, req *Request, pair Pair, plan handoffPlan) ([]byte, error) {
 	ctx := r.Context() // carries the request's deadline
 	release := pair.Prefill.Acquire()
 	defer release()
