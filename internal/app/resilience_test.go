@@ -125,6 +125,22 @@ func TestWorkerKilledMidStream(t *testing.T) {
 		t.Error("victim still available after a mid-stream failure (breaker threshold 1)")
 	}
 	waitFor(t, func() bool { return !ws[0].Ready() }) // the health check sees it too
+	var scrape strings.Builder
+	mfs, _ := g.Metrics.Registry.Gather()
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetValue() == victim.URL() {
+					fmt.Fprintf(&scrape, "%s %v %v\n", mf.GetName(), m.GetGauge().GetValue(), m.GetCounter().GetValue())
+				}
+			}
+		}
+	}
+	for _, want := range []string{"baton_worker_circuit_state 1 0", "baton_worker_ready 0 0"} {
+		if !strings.Contains(scrape.String(), want) {
+			t.Errorf("metrics for the victim lack %q:\n%s", want, scrape.String())
+		}
+	}
 	for i := 0; i < 6; i++ {
 		r, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"after","max_tokens":2}`)
 		if r.StatusCode != 200 || r.Header.Get("X-Baton-Worker") != es[1].URL() {
