@@ -19,7 +19,6 @@ const (
 	CodeUpstreamTimeout     = "upstream_timeout"
 	CodeDraining            = "server_draining"
 	CodeNotFound            = "not_found"
-	CodeMethodNotAllowed    = "method_not_allowed"
 )
 
 // Error is a gateway-minted error: its status and the fields of the OpenAI error envelope.

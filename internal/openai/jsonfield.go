@@ -183,14 +183,15 @@ func Set(body []byte, key string, val []byte) ([]byte, error) {
 	return Edit(body, []Field{{key, val}}, nil)
 }
 
-// Delete returns a copy of body without the top-level member key (all occurrences). Every other
-// byte is unchanged.
+// Delete returns body without the top-level member key (all occurrences), as Edit does. Every
+// other byte is unchanged.
 func Delete(body []byte, key string) ([]byte, error) {
 	return Edit(body, nil, []string{key})
 }
 
 // Edit returns a copy of the JSON object body with sets applied as Set does and the members
-// named in dels removed, in one pass over the body. Every other byte is unchanged.
+// named in dels removed, in one pass over the body. Every other byte is unchanged. When there
+// is nothing to change it returns body itself.
 func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 	type kept struct {
 		m   member
@@ -202,6 +203,7 @@ func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 		all     int
 		first   member
 		last    member
+		removed bool
 	)
 	found := make([]bool, len(sets))
 	err := eachMember(body, func(k []byte, m member) bool {
@@ -221,6 +223,7 @@ func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 		}
 		for _, d := range dels {
 			if string(k) == d {
+				removed = true
 				return true
 			}
 		}
@@ -229,6 +232,9 @@ func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 	})
 	if err != nil {
 		return nil, err
+	}
+	if len(sets) == 0 && !removed {
+		return body, nil // nothing to change: no copy
 	}
 	size := len(body)
 	for _, f := range sets {

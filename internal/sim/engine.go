@@ -192,9 +192,6 @@ func (e *Engine) BootstrapPort() int { return e.bootPort }
 // EngineIDs are the KV engine ids, one per DP rank.
 func (e *Engine) EngineIDs() []string { return e.engineIDs }
 
-// Config is the engine's configuration with defaults filled in.
-func (e *Engine) Config() Config { return e.cfg }
-
 func (e *Engine) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", e.inference(routeChat))
@@ -269,27 +266,22 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	}
 	gauge("num_requests_running", "Requests running.", e.running.Load())
 	gauge("num_requests_waiting", "Requests waiting in the queue.", e.waiting.Load())
-	fmt.Fprintf(&b, "# HELP %sprompt_tokens_by_source_total Prompt tokens by where their KV came from.\n# TYPE %sprompt_tokens_by_source_total counter\n", p, p)
-	for _, kv := range []struct {
-		src string
-		v   int64
-	}{{"external_kv_transfer", s.PromptTokensRemote}, {"local_compute", s.PromptTokensRecompute}, {"local_cache_hit", s.PromptTokensLocalCache}} {
-		fmt.Fprintf(&b, "%sprompt_tokens_by_source_total{source=%q} %d\n", p, kv.src, kv.v)
+	type sample struct {
+		label string
+		v     int64
 	}
-	fmt.Fprintf(&b, "# HELP %skv_handoffs_total Prefill KV handoffs by event.\n# TYPE %skv_handoffs_total counter\n", p, p)
-	for _, kv := range []struct {
-		ev string
-		v  int64
-	}{{"pinned", s.HandoffsPinned}, {"pulled", s.HandoffsPulled}, {"expired", s.HandoffsExpired}, {"load_failed", s.KVLoadFailures}} {
-		fmt.Fprintf(&b, "%skv_handoffs_total{event=%q} %d\n", p, kv.ev, kv.v)
+	counter := func(name, help, label string, samples ...sample) {
+		fmt.Fprintf(&b, "# HELP %s%s %s\n# TYPE %s%s counter\n", p, name, help, p, name)
+		for _, x := range samples {
+			fmt.Fprintf(&b, "%s%s{%s=%q} %d\n", p, name, label, x.label, x.v)
+		}
 	}
-	fmt.Fprintf(&b, "# HELP %srequests_total Requests by outcome.\n# TYPE %srequests_total counter\n", p, p)
-	for _, kv := range []struct {
-		o string
-		v int64
-	}{{"ok", s.RequestsOK}, {"failed", s.RequestsFailed}, {"cancelled", s.RequestsCancelled}, {"rejected", s.RequestsRejected}} {
-		fmt.Fprintf(&b, "%srequests_total{outcome=%q} %d\n", p, kv.o, kv.v)
-	}
+	counter("prompt_tokens_by_source_total", "Prompt tokens by where their KV came from.", "source",
+		sample{"external_kv_transfer", s.PromptTokensRemote}, sample{"local_compute", s.PromptTokensRecompute}, sample{"local_cache_hit", s.PromptTokensLocalCache})
+	counter("kv_handoffs_total", "Prefill KV handoffs by event.", "event",
+		sample{"pinned", s.HandoffsPinned}, sample{"pulled", s.HandoffsPulled}, sample{"expired", s.HandoffsExpired}, sample{"load_failed", s.KVLoadFailures})
+	counter("requests_total", "Requests by outcome.", "outcome",
+		sample{"ok", s.RequestsOK}, sample{"failed", s.RequestsFailed}, sample{"cancelled", s.RequestsCancelled}, sample{"rejected", s.RequestsRejected})
 	_, _ = io.WriteString(w, b.String())
 }
 

@@ -31,15 +31,6 @@ func NewRegistry(ws ...*Worker) *Registry {
 // Snapshot returns the current view of the fleet.
 func (r *Registry) Snapshot() *Snapshot { return r.snap.Load() }
 
-// Add registers more workers.
-func (r *Registry) Add(ws ...*Worker) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	cur := r.snap.Load().Workers
-	all := make([]*Worker, 0, len(cur)+len(ws))
-	r.snap.Store(build(append(append(all, cur...), ws...)))
-}
-
 // Rebuild recomputes the model index after a worker's Info changed.
 func (r *Registry) Rebuild() {
 	r.mu.Lock()

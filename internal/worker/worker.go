@@ -149,24 +149,6 @@ func (w *Worker) Acquire() (release func()) {
 	}
 }
 
-// Serves reports whether the registered worker serves model. A worker that reported no models
-// accepts any.
-func (w *Worker) Serves(model string) bool {
-	in := w.info.Load()
-	if in == nil {
-		return false
-	}
-	if len(in.Models) == 0 {
-		return true
-	}
-	for _, m := range in.Models {
-		if m.ID == model {
-			return true
-		}
-	}
-	return false
-}
-
 func (w *Worker) setInfo(in *Info) { w.info.Store(in) }
 
 // IsFailure reports whether an upstream outcome counts against the worker, and whether it is a
