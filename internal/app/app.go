@@ -5,12 +5,15 @@ package app
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
@@ -31,22 +34,64 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
 		cmd, args = args[0], args[1:]
 	}
+	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version") {
+		cmd = "version"
+	}
+	var err error
 	switch cmd {
 	case "serve":
-		cfg, err := config.Parse(args, stdout)
-		if err != nil {
-			return err
+		var cfg config.Config
+		if cfg, err = config.Parse(args, stdout); err == nil {
+			err = Serve(ctx, cfg, stdout, stderr)
 		}
-		return Serve(ctx, cfg, stdout, stderr)
 	case "sim":
-		return runSim(ctx, args, stdout)
+		err = runSim(ctx, args, stdout)
 	case "demo":
-		return runDemo(ctx, args, stdout, stderr)
+		err = runDemo(ctx, args, stdout, stderr)
 	case "bench":
-		return runBench(ctx, args, stdout, stderr)
+		err = runBench(ctx, args, stdout, stderr)
+	case "version":
+		fmt.Fprintln(stdout, Version())
 	default:
-		return fmt.Errorf("unknown command %q (want serve, sim, demo or bench)", cmd)
+		err = fmt.Errorf("unknown command %q (want serve, sim, demo, bench or version)", cmd)
 	}
+	if errors.Is(err, flag.ErrHelp) {
+		return config.ErrHelp // the usage was printed: asking for it is no failure
+	}
+	return err
+}
+
+// version is set at build time with -ldflags "-X github.com/baton-llm/baton/internal/app.version=v1.2.3".
+var version = ""
+
+// Version describes this build: its version (from the build flag or the module), VCS revision
+// and Go version.
+func Version() string {
+	v, rev, dirty := version, "", false
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		if v == "" && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+			v = bi.Main.Version
+		}
+		for _, s := range bi.Settings {
+			switch s.Key {
+			case "vcs.revision":
+				rev = s.Value
+			case "vcs.modified":
+				dirty = s.Value == "true"
+			}
+		}
+	}
+	if v == "" {
+		v = "devel"
+	}
+	out := "baton " + v
+	if rev != "" {
+		out += " " + rev[:min(12, len(rev))]
+		if dirty {
+			out += "-dirty"
+		}
+	}
+	return out + " " + runtime.Version()
 }
 
 // NewLogger returns the slog logger the configuration asks for, writing to w.
@@ -214,7 +259,10 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	} else {
 		fmt.Fprintf(stdout, "baton serving on http://%s\n", ln.Addr())
 	}
-	log.Info("baton started", "addr", ln.Addr().String(), "workers", len(g.Registry.Snapshot().Workers), "policy", cfg.Policy)
+	log.Info("baton started", "version", Version(), "addr", ln.Addr().String(), "workers", len(g.Registry.Snapshot().Workers), "policy", cfg.Policy)
+	for _, w := range cfg.Warnings() {
+		log.Warn(w)
+	}
 
 	var serveErr error
 	select {

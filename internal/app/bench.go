@@ -27,6 +27,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("bench: unexpected argument %q", fs.Arg(0))
+	}
+	var names []string
+	if *scenarios != "" {
+		names = strings.Split(*scenarios, ",")
+	}
+	if err := bench.CheckScenarios(names); err != nil {
+		return fmt.Errorf("bench: %w", err)
+	}
 	self, err := os.Executable()
 	if err != nil {
 		return err
@@ -53,10 +63,6 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
-	}
-	var names []string
-	if *scenarios != "" {
-		names = strings.Split(*scenarios, ",")
 	}
 	return bench.Run(ctx, bench.Options{Binary: *binary, Quick: *quick, Scenarios: names, Out: w})
 }

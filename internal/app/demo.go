@@ -38,6 +38,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("demo: unexpected argument %q", fs.Arg(0))
+	}
 	cfg := config.Default()
 	cfg.Host, cfg.Port, cfg.MetricsPort, cfg.LogLevel = "127.0.0.1", *port, *metricsPort, *logLevel
 	cfg.PDDisaggregation = true

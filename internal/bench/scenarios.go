@@ -39,6 +39,9 @@ func Run(ctx context.Context, o Options) error {
 		MaxIdleConnsPerHost: 2048, MaxConnsPerHost: 0, DisableCompression: true, IdleConnTimeout: time.Minute,
 	}}}
 	defer r.client.CloseIdleConnections()
+	if err := CheckScenarios(o.Scenarios); err != nil {
+		return err
+	}
 	r.header()
 	for _, name := range allScenarios {
 		if len(o.Scenarios) > 0 && !contains(o.Scenarios, name) {
@@ -67,6 +70,20 @@ func Run(ctx context.Context, o Options) error {
 	}
 	if len(r.failed) > 0 {
 		return fmt.Errorf("%d runs had wrong or failed answers: %s", len(r.failed), strings.Join(r.failed, "; "))
+	}
+	return nil
+}
+
+// CheckScenarios reports the names that are not scenarios, with the list of those that are.
+func CheckScenarios(names []string) error {
+	var bad []string
+	for _, n := range names {
+		if !contains(allScenarios, n) {
+			bad = append(bad, fmt.Sprintf("%q", n))
+		}
+	}
+	if len(bad) > 0 {
+		return fmt.Errorf("unknown scenario %s (want some of %s)", strings.Join(bad, ", "), strings.Join(allScenarios, ","))
 	}
 	return nil
 }

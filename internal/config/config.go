@@ -3,6 +3,7 @@
 package config
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/url"
@@ -63,10 +64,18 @@ type Config struct {
 	// PDMooncakeDispatch is how Mooncake legs are sent: concurrent (both at once, the decode
 	// waits for the KV) or sequential (prefill first). Default concurrent.
 	PDMooncakeDispatch string `json:"pd_mooncake_dispatch"`
-	// RequestTimeoutSecs bounds one upstream request, streams included. Default 1800.
+	// RequestTimeoutSecs bounds one request from its arrival to the end of its response, streams
+	// and writes to the client included; past it the client gets 504 (or, mid-stream, a broken
+	// connection). Default 1800.
 	RequestTimeoutSecs int `json:"request_timeout_secs"`
 	// MaxPayloadSize is the largest request body accepted, in bytes. Default 512 MiB.
 	MaxPayloadSize int64 `json:"max_payload_size"`
+	// MaxBatchSize bounds "n" and the number of prompts in one request (a /generate or
+	// /v1/completions list); past it the request is refused with 400. Default 1024.
+	MaxBatchSize int `json:"max_batch_size"`
+	// StalledClientTimeoutSecs drops a client that sends no request body bytes, or accepts no
+	// response bytes, for this long. Default 60.
+	StalledClientTimeoutSecs int `json:"stalled_client_timeout_secs"`
 	// APIKey, when set, is required as "Authorization: Bearer <key>" on inference routes.
 	APIKey string `json:"api_key"`
 	// LogLevel is debug, info, warn or error. Default "info".
@@ -181,23 +190,25 @@ type Worker struct {
 // Default returns the configuration with every default filled in.
 func Default() Config {
 	return Config{
-		Host:                    "0.0.0.0",
-		Port:                    30000,
-		MetricsPort:             29000,
-		Policy:                  PolicyRoundRobin,
-		RequestTimeoutSecs:      1800,
-		MaxPayloadSize:          512 << 20,
-		LogLevel:                "info",
-		ShutdownGracePeriodSecs: 180,
-		ReadHeaderTimeoutSecs:   30,
-		IdleTimeoutSecs:         120,
-		PDMooncakeDispatch:      "concurrent",
-		Retry:                   Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
-		CircuitBreaker:          CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
-		HealthCheck:             HealthCheck{IntervalSecs: 60, TimeoutSecs: 5, FailureThreshold: 3, SuccessThreshold: 2, Endpoint: "/health"},
-		Admission:               Admission{MaxConcurrentRequests: -1, QueueSize: 100, QueueTimeoutSecs: 60},
-		PairHealth:              PairHealth{FailureThreshold: 3, QuarantineSecs: 30},
-		DetectIntervalSecs:      10,
+		Host:                     "0.0.0.0",
+		Port:                     30000,
+		MetricsPort:              29000,
+		Policy:                   PolicyRoundRobin,
+		RequestTimeoutSecs:       1800,
+		MaxPayloadSize:           512 << 20,
+		MaxBatchSize:             1024,
+		StalledClientTimeoutSecs: 60,
+		LogLevel:                 "info",
+		ShutdownGracePeriodSecs:  180,
+		ReadHeaderTimeoutSecs:    30,
+		IdleTimeoutSecs:          120,
+		PDMooncakeDispatch:       "concurrent",
+		Retry:                    Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
+		CircuitBreaker:           CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
+		HealthCheck:              HealthCheck{IntervalSecs: 60, TimeoutSecs: 5, FailureThreshold: 3, SuccessThreshold: 2, Endpoint: "/health"},
+		Admission:                Admission{MaxConcurrentRequests: -1, QueueSize: 100, QueueTimeoutSecs: 60},
+		PairHealth:               PairHealth{FailureThreshold: 3, QuarantineSecs: 30},
+		DetectIntervalSecs:       10,
 	}
 }
 
@@ -261,6 +272,12 @@ func (c *Config) Validate() error {
 	if c.MaxPayloadSize <= 0 {
 		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)
 	}
+	if c.MaxBatchSize < 1 {
+		bad("max_batch_size must be at least 1, got %d", c.MaxBatchSize)
+	}
+	if c.StalledClientTimeoutSecs <= 0 {
+		bad("stalled_client_timeout_secs must be positive, got %d", c.StalledClientTimeoutSecs)
+	}
 	if !slices.Contains([]string{"debug", "info", "warn", "error"}, strings.ToLower(c.LogLevel)) {
 		bad("log_level %q is unknown (want debug, info, warn or error)", c.LogLevel)
 	}
@@ -290,8 +307,8 @@ func (c *Config) Validate() error {
 	}
 	seen := map[string]bool{}
 	for i, w := range c.AllWorkers() {
-		where := fmt.Sprintf("worker %d (%s)", i, w.URL)
-		if err := checkURL(w.URL); err != nil {
+		where := fmt.Sprintf("worker %d (%s)", i, RedactURL(w.URL))
+		if err := CheckWorkerURL(w.URL); err != nil {
 			bad("%s: %v", where, err)
 		}
 		if seen[w.URL] {
@@ -322,19 +339,65 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-func checkURL(raw string) error {
+// Warnings returns what in a valid configuration will make Baton fail every request, or every
+// request of a kind, so that it is said loudly at startup.
+func (c *Config) Warnings() []string {
+	var out []string
+	roles := map[string]int{}
+	for _, w := range c.AllWorkers() {
+		roles[cmp.Or(w.Role, RoleRegular)]++
+	}
+	switch {
+	case len(roles) == 0 && c.PDDisaggregation:
+		out = append(out, "no workers are configured: every request will fail with 503; give prefill workers (--prefill URL) and decode workers (--decode URL)")
+	case len(roles) == 0:
+		out = append(out, "no workers are configured: every request will fail with 503; give workers with --worker-urls URL... or a workers list in --config")
+	case c.PDDisaggregation && roles[RolePrefill] == 0:
+		out = append(out, "pd_disaggregation is on but no prefill worker is configured: every generation request will fail with 503; add one with --prefill URL")
+	case c.PDDisaggregation && roles[RoleDecode] == 0:
+		out = append(out, "pd_disaggregation is on but no decode worker is configured: every generation request will fail with 503; add one with --decode URL")
+	}
+	return out
+}
+
+// CheckWorkerURL reports what is wrong with a worker URL. Credentials in it are refused: a URL
+// is shown in headers, logs, metrics and GET /workers, so secrets go in api_key instead. Query
+// strings and fragments are refused too: Baton appends route paths to the URL.
+func CheckWorkerURL(raw string) error {
 	if raw == "" {
 		return errors.New("url is required")
 	}
 	u, err := url.Parse(raw)
 	if err != nil {
-		return fmt.Errorf("url: %v", err)
+		// url.Error repeats the whole URL, credentials included: say what is wrong without it.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return fmt.Errorf("url does not parse: %v", err)
 	}
-	if u.Scheme != "http" && u.Scheme != "https" {
+	switch {
+	case u.Scheme != "http" && u.Scheme != "https":
 		return fmt.Errorf("url scheme must be http or https")
-	}
-	if u.Host == "" {
+	case u.User != nil:
+		return fmt.Errorf("url must not contain credentials (user:password@); give the worker's key as api_key instead, sent as 'Authorization: Bearer <key>'")
+	case u.Host == "":
 		return fmt.Errorf("url has no host")
+	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
+		return fmt.Errorf("url must not have a query or fragment")
 	}
 	return nil
+}
+
+// RedactURL returns raw with any userinfo replaced by "redacted", for messages about a URL
+// that failed validation.
+func RedactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		if i, j := strings.Index(raw, "://"), strings.LastIndex(raw, "@"); i >= 0 && j > i {
+			return raw[:i+3] + "redacted@" + raw[j+1:]
+		}
+		return raw
+	}
+	return u.Redacted()
 }

@@ -101,7 +101,7 @@ var serveFlags = []flag{
 	strFlag("pd-mooncake-dispatch", "Mooncake legs: concurrent (default) or sequential", func(c *Config) *string { return &c.PDMooncakeDispatch }),
 	strFlag("prefill-policy", "policy for the prefill worker of a pair (default: --policy)", func(c *Config) *string { return &c.PrefillPolicy }),
 	strFlag("decode-policy", "policy for the decode worker of a pair (default: --policy)", func(c *Config) *string { return &c.DecodePolicy }),
-	intFlag("request-timeout-secs", "upper bound on one upstream request, streams included (default 1800)", func(c *Config) *int { return &c.RequestTimeoutSecs }),
+	intFlag("request-timeout-secs", "bound on one request from arrival to the end of its response, streams included (default 1800)", func(c *Config) *int { return &c.RequestTimeoutSecs }),
 	{name: "max-payload-size", arg: "BYTES", help: "largest request body accepted (default 536870912)", apply: func(c *Config, v []string) error {
 		n, err := strconv.ParseInt(v[0], 10, 64)
 		if err != nil {
@@ -110,6 +110,8 @@ var serveFlags = []flag{
 		c.MaxPayloadSize = n
 		return nil
 	}},
+	intFlag("max-batch-size", "largest n, and most prompts in one request (default 1024; 400 past it)", func(c *Config) *int { return &c.MaxBatchSize }),
+	intFlag("stalled-client-timeout-secs", "drop a client that sends no body bytes or accepts no response bytes for this long (default 60)", func(c *Config) *int { return &c.StalledClientTimeoutSecs }),
 	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
 	strFlag("log-level", "debug | info | warn | error (default info)", func(c *Config) *string { return &c.LogLevel }),
 	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
@@ -222,7 +224,8 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 
 func writeUsage(w io.Writer) {
 	fmt.Fprintln(w, "usage: baton [serve] [flags]")
-	fmt.Fprintln(w, "       baton sim|demo [flags]  (see 'baton sim --help')")
+	fmt.Fprintln(w, "       baton sim|demo|bench [flags]  (see 'baton sim --help')")
+	fmt.Fprintln(w, "       baton version")
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	for _, f := range serveFlags {

@@ -1,11 +1,13 @@
 // Package metrics holds every Prometheus collector Baton exports, on a private registry.
-// Names are baton_..., in base units; label values are bounded (model names are capped).
+// Names are baton_..., in base units; label values are bounded: no string a client chooses
+// becomes a label unless a worker serves it (models), and every such value is length-capped.
 package metrics
 
 import (
 	"net/http"
 	"strconv"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -16,6 +18,16 @@ import (
 
 // MaxModels caps the distinct model label values; later models are reported as "other".
 const MaxModels = 1024
+
+// MaxLabelLen bounds a model label value in bytes; longer model names are "unknown".
+const MaxLabelLen = 128
+
+// Model label values that name no model.
+const (
+	ModelNone    = "none"    // the request named no model
+	ModelUnknown = "unknown" // the request named a model no worker lists (or an unprintable one)
+	ModelOther   = "other"   // a served model past MaxModels
+)
 
 // Upstream error kinds.
 const (
@@ -51,7 +63,9 @@ type Metrics struct {
 	Rejections         *prometheus.CounterVec // reason
 	BreakerTransitions *prometheus.CounterVec // worker, from, to
 	HealthChecks       *prometheus.CounterVec // worker, result
+	Panics             *prometheus.CounterVec // where
 
+	reg    *worker.Registry
 	mu     sync.Mutex
 	models map[string]struct{}
 }
@@ -133,21 +147,31 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_worker_health_checks_total",
 			Help: "Active health probes by worker and result (ok, failed).",
 		}, []string{"worker", "result"}),
+		Panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_panics_total",
+			Help: "Panics recovered while serving a request, by where (handler, prefill_leg, health_generate); each failed its request with 500.",
+		}, []string{"where"}),
+		reg:    reg,
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned,
-		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks,
+		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
-// Model returns the label value for model: itself while fewer than MaxModels are known, else
-// "other". The empty model is "none".
+// Model returns the label value for a request's model: the model itself when some registered
+// worker lists it (and it is printable UTF-8 of at most MaxLabelLen bytes), "unknown" for any
+// other name a client sends, "none" for no model, and "other" past MaxModels distinct labels.
+// A client therefore cannot grow the label set or put unchecked bytes into a label.
 func (m *Metrics) Model(model string) string {
-	if model == "" {
-		return "none"
+	switch {
+	case model == "":
+		return ModelNone
+	case len(model) > MaxLabelLen || !m.reg.Snapshot().Lists(model) || !printable(model):
+		return ModelUnknown
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -155,15 +179,24 @@ func (m *Metrics) Model(model string) string {
 		return model
 	}
 	if len(m.models) >= MaxModels {
-		return "other"
+		return ModelOther
 	}
 	m.models[model] = struct{}{}
 	return model
 }
 
-// ObserveRequest records one finished client request.
+// printable reports whether s is valid UTF-8 without control characters.
+func printable(s string) bool {
+	for _, r := range s {
+		if r < 0x20 || r == 0x7f || r == utf8.RuneError {
+			return false
+		}
+	}
+	return true
+}
+
+// ObserveRequest records one finished client request; model is a label from Model.
 func (m *Metrics) ObserveRequest(route, model string, status int, seconds float64) {
-	model = m.Model(model)
 	m.Requests.WithLabelValues(route, model, strconv.Itoa(status)).Inc()
 	m.Duration.WithLabelValues(route, model).Observe(seconds)
 }

@@ -19,6 +19,12 @@ const (
 	CodeUpstreamTimeout     = "upstream_timeout"
 	CodeDraining            = "server_draining"
 	CodeNotFound            = "not_found"
+	CodeInternalError       = "internal_error"
+	CodeDuplicateHeader     = "duplicate_header"
+	CodeClientTimeout       = "client_timeout"
+	CodeBatchTooLarge       = "batch_too_large"
+	// CodeUpstreamErrorTooLarge keeps a worker's error status whose body was too large to hold.
+	CodeUpstreamErrorTooLarge = "upstream_error_too_large"
 )
 
 // Error is a gateway-minted error: its status and the fields of the OpenAI error envelope.

@@ -158,6 +158,34 @@ func skipValue(b []byte, i int) (int, error) {
 	}
 }
 
+// ArrayLen counts the elements of the JSON array raw, stopping once it has counted limit, and
+// returns the first byte of its first element ('"', '[', a digit, ...). It returns 0 for
+// anything that is not a non-empty array. It does not allocate.
+func ArrayLen(raw []byte, limit int) (n int, first byte) {
+	i := skipWS(raw, 0)
+	if i >= len(raw) || raw[i] != '[' {
+		return 0, 0
+	}
+	i = skipWS(raw, i+1)
+	if i >= len(raw) || raw[i] == ']' {
+		return 0, 0
+	}
+	first = raw[i]
+	for n < limit {
+		end, err := skipValue(raw, i)
+		if err != nil {
+			return n, first
+		}
+		n++
+		i = skipWS(raw, end)
+		if i >= len(raw) || raw[i] != ',' {
+			return n, first
+		}
+		i = skipWS(raw, i+1)
+	}
+	return n, first
+}
+
 // Get returns the raw bytes of the top-level member key of the JSON object body.
 func Get(body []byte, key string) (raw []byte, ok bool) {
 	_ = eachMember(body, func(k []byte, m member) bool {

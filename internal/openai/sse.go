@@ -2,8 +2,16 @@ package openai
 
 import (
 	"bytes"
+	"errors"
 	"io"
 )
+
+// MaxEventSize bounds one SSE event an EventReader holds: a stream that sends more without a
+// blank line is broken (ErrEventTooLarge), not a reason to grow without end.
+const MaxEventSize = 16 << 20
+
+// ErrEventTooLarge is returned by EventReader.Next for an event longer than MaxEventSize.
+var ErrEventTooLarge = errors.New("SSE event exceeds 16 MiB without a terminating blank line")
 
 // EventReader splits an SSE stream into events. Each event is returned with its terminating
 // blank line, exactly as read, so an event that is not changed is relayed byte for byte.
@@ -40,8 +48,13 @@ func (e *EventReader) Next() ([]byte, error) {
 			n := copy(e.buf, e.buf[e.off:])
 			e.buf, e.off = e.buf[:n], 0
 		}
+		if len(e.buf) >= MaxEventSize {
+			e.err = ErrEventTooLarge
+			e.off = len(e.buf) // the partial event is dropped, never relayed as if whole
+			return nil, e.err
+		}
 		if len(e.buf) == cap(e.buf) {
-			e.buf = append(e.buf, make([]byte, len(e.buf))...)[:len(e.buf)]
+			e.buf = append(e.buf, make([]byte, min(len(e.buf), MaxEventSize-len(e.buf)))...)[:len(e.buf)]
 		}
 		n, err := e.r.Read(e.buf[len(e.buf):cap(e.buf)])
 		e.buf = e.buf[:len(e.buf)+n]

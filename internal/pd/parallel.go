@@ -19,9 +19,6 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// maxPrefillBody bounds what Baton keeps of a prefill response (for logprob merging).
-const maxPrefillBody = 64 << 20
-
 // errPrefillFailed is the cancel cause of a decode leg whose prefill failed.
 var errPrefillFailed = errors.New("prefill leg failed")
 
@@ -125,7 +122,7 @@ func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pa
 		defer pCancel(nil)
 		defer pTimeout()
 		defer releaseP()
-		p := x.prefill(pCtx, r, req, pair.Prefill, plan.prefillBody, plan.prefillHeader, plan.needPrefill)
+		p := x.safePrefill(pCtx, r, req, pair.Prefill, plan.prefillBody, plan.prefillHeader, plan.needPrefill)
 		if p.failed() {
 			dCancel(errPrefillFailed)
 		} else if p.err == nil {
@@ -262,6 +259,17 @@ func (x *Parallel) legFailed(r *http.Request, pair Pair, derr error, dCtx contex
 	return x.Proxy.Failure(r, pair.Decode, LegDecode, derr)
 }
 
+// safePrefill runs prefill on the leg's own goroutine: a panic there fails the request (500),
+// never the process.
+func (x *Parallel) safePrefill(ctx context.Context, r *http.Request, req *Request, w *worker.Worker, body []byte, hdr http.Header, keep bool) (p prefillResult) {
+	defer func() {
+		if v := recover(); v != nil {
+			p = prefillResult{err: x.Proxy.Recovered("prefill_leg", v)}
+		}
+	}()
+	return x.prefill(ctx, r, req, w, body, hdr, keep)
+}
+
 // prefill sends the prefill leg and reads its whole answer (keeping it when keep is set or the
 // leg failed), recording its outcome.
 func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w *worker.Worker, body []byte, hdr http.Header, keep bool) prefillResult {
@@ -279,7 +287,7 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w
 	if ok && !keep {
 		_, err = io.Copy(io.Discard, resp.Body)
 	} else {
-		b, err = io.ReadAll(io.LimitReader(resp.Body, maxPrefillBody))
+		b, err = proxy.ReadBody(resp.Body)
 	}
 	if err != nil {
 		if cancelled(ctx, err) {
@@ -294,7 +302,7 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, w
 
 // relayBody answers with the decode's whole non-streamed body passed through transform.
 func relayBody(rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
-	body, err := io.ReadAll(dresp.Body)
+	body, err := proxy.ReadBody(dresp.Body)
 	if err != nil {
 		return &proxy.ReadError{Err: err}
 	}
@@ -336,7 +344,7 @@ func BootstrapBodies(req *Request, pair Pair) (prefill, decode []byte, err error
 		port = strconv.AppendInt(nil, int64(*p), 10)
 	}
 	var room []byte
-	if n := BatchSize(req); n > 0 {
+	if n := req.Batch; n > 0 {
 		hosts, ports, rooms := []byte{'['}, []byte{'['}, []byte{'['}
 		for i := 0; i < n; i++ {
 			if i > 0 {
@@ -351,22 +359,37 @@ func BootstrapBodies(req *Request, pair Pair) (prefill, decode []byte, err error
 	}
 	common := []openai.Field{{Key: "bootstrap_host", Value: host}, {Key: "bootstrap_port", Value: port}, {Key: "bootstrap_room", Value: room}}
 	pFields, dFields := common, common
+	// The DP rank fields are Baton's: a client's values never reach a leg, where they would
+	// send the KV to a rank the other leg does not look at.
+	pDel, dDel := []string{keyDPRankDeprecated, keyPrefillDPRank}, []string{keyDPRankDeprecated}
 	if rank, ok := pair.Prefill.NextRank(); ok {
 		v := strconv.AppendInt(nil, int64(rank), 10)
-		pFields = append(pFields[:len(pFields):len(pFields)], openai.Field{Key: "routed_dp_rank", Value: v})
-		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: "disagg_prefill_dp_rank", Value: v})
+		pFields = append(pFields[:len(pFields):len(pFields)], openai.Field{Key: keyRoutedDPRank, Value: v})
+		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyPrefillDPRank, Value: v})
+	} else {
+		pDel, dDel = append(pDel, keyRoutedDPRank), append(dDel, keyPrefillDPRank)
 	}
 	if rank, ok := pair.Decode.NextRank(); ok {
-		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: "routed_dp_rank", Value: strconv.AppendInt(nil, int64(rank), 10)})
+		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyRoutedDPRank, Value: strconv.AppendInt(nil, int64(rank), 10)})
+	} else {
+		dDel = append(dDel, keyRoutedDPRank)
 	}
-	if prefill, err = openai.Edit(req.Body, pFields, nil); err != nil {
+	if prefill, err = openai.Edit(req.Body, pFields, pDel); err != nil {
 		return nil, nil, err
 	}
-	if decode, err = openai.Edit(req.Body, dFields, nil); err != nil {
+	if decode, err = openai.Edit(req.Body, dFields, dDel); err != nil {
 		return nil, nil, err
 	}
 	return prefill, decode, nil
 }
+
+// SGLang's DP rank fields (python/sglang/srt/managers/io_struct.py): the rank a leg runs on,
+// the prefill rank a decode pulls from, and the deprecated alias of the first.
+const (
+	keyRoutedDPRank     = "routed_dp_rank"
+	keyPrefillDPRank    = "disagg_prefill_dp_rank"
+	keyDPRankDeprecated = "data_parallel_rank"
+)
 
 // newRoom returns a bootstrap room: uniform in [0, 2^63-1].
 func newRoom() uint64 { return rand.Uint64() & (1<<63 - 1) }
@@ -376,7 +399,7 @@ func newRoom() uint64 { return rand.Uint64() & (1<<63 - 1) }
 func seamFailure(err error) bool {
 	var e *openai.Error
 	if errors.As(err, &e) {
-		return e.Status >= 500
+		return e.Status >= 500 && e.Code != openai.CodeInternalError
 	}
 	return errors.Is(err, proxy.ErrAbort)
 }

@@ -31,6 +31,8 @@ const (
 type Request struct {
 	*openai.Request
 	Path string // route path, the same on the workers
+	// Batch is BatchSize of the request, counted once when it arrived.
+	Batch int
 }
 
 // Pair is the selected prefill and decode workers of one request.
@@ -48,19 +50,20 @@ type Executor interface {
 
 // BatchSize returns how many sequences the request holds for bootstrap purposes, or 0 for a
 // single one: a /generate batch (text list or input_ids list of lists), a /v1/completions prompt
-// list (of strings or of token lists; a flat token list is one prompt), or chat n>1.
-func BatchSize(req *Request) int {
+// list (of strings or of token lists; a flat token list is one prompt), or chat n>1. It counts
+// at most limit, without allocating: a client's list never costs more than its bytes.
+func BatchSize(req *Request, limit int) int {
 	switch req.Path {
 	case "/generate":
 		if raw, ok := openai.Get(req.Body, "input_ids"); ok {
-			return listLen(raw, true)
+			return listLen(raw, true, limit)
 		}
 		if raw, ok := openai.Get(req.Body, "text"); ok {
-			return listLen(raw, false)
+			return listLen(raw, false, limit)
 		}
 	case "/v1/completions":
 		if raw, ok := openai.Get(req.Body, "prompt"); ok {
-			return listLen(raw, true)
+			return listLen(raw, true, limit)
 		}
 	case "/v1/chat/completions":
 		if req.N > 1 {
@@ -70,20 +73,15 @@ func BatchSize(req *Request) int {
 	return 0
 }
 
-// listLen returns the length of a JSON array of strings or arrays, 0 for anything else. With
-// nested set, an array of numbers (one token list) is not a batch.
-func listLen(raw json.RawMessage, nested bool) int {
-	var items []json.RawMessage
-	if json.Unmarshal(raw, &items) != nil || len(items) == 0 {
-		return 0
-	}
-	switch items[0][0] {
-	case '"':
-		return len(items)
-	case '[':
-		if nested {
-			return len(items)
-		}
+// listLen returns the length of a JSON array of strings or arrays (up to limit), 0 for anything
+// else. With nested set, an array of numbers (one token list) is not a batch.
+func listLen(raw []byte, nested bool, limit int) int {
+	n, first := openai.ArrayLen(raw, limit)
+	switch {
+	case first == '"':
+		return n
+	case first == '[' && nested:
+		return n
 	}
 	return 0
 }

@@ -33,10 +33,27 @@ func TestBatchSize(t *testing.T) {
 		{"/v1/completions", `{"prompt":[[1,2],[3]]}`, 2},
 		{"/v1/chat/completions", `{"n":4}`, 4},
 		{"/v1/chat/completions", `{"n":1}`, 0},
+		{"/generate", `{"text":[ "a" , "b" ]}`, 2},
+		{"/generate", `{"text":[]}`, 0},
+		{"/v1/completions", `{"prompt":[["a"],"b"]}`, 2},
 	} {
-		if got := BatchSize(req(tc.path, tc.body)); got != tc.want {
+		if got := BatchSize(req(tc.path, tc.body), 1<<20); got != tc.want {
 			t.Errorf("BatchSize(%s %s) = %d, want %d", tc.path, tc.body, got, tc.want)
 		}
+	}
+}
+
+func TestBatchSizeStopsAtLimit(t *testing.T) {
+	body := `{"text":[` + strings.Repeat(`"",`, 100000) + `""]}`
+	if got := BatchSize(req("/generate", body), 11); got != 11 {
+		t.Errorf("BatchSize with limit 11 = %d, want 11", got)
+	}
+	if got := BatchSize(req("/generate", body), 1<<20); got != 100001 {
+		t.Errorf("BatchSize = %d, want 100001", got)
+	}
+	allocs := testing.AllocsPerRun(10, func() { BatchSize(req("/generate", body), 1<<20) })
+	if allocs > 3 { // the Request view itself
+		t.Errorf("BatchSize allocates %v times for a 100,001-prompt list", allocs)
 	}
 }
 

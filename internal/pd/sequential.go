@@ -170,7 +170,7 @@ func (x *Sequential) prefill(r *http.Request, req *Request, pair Pair, plan hand
 		return nil, x.Proxy.Failure(r, pair.Prefill, LegPrefill, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillBody))
+	body, err := proxy.ReadBody(resp.Body)
 	if err != nil {
 		return nil, x.Proxy.Failure(r, pair.Prefill, LegPrefill, err)
 	}

@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,6 +25,9 @@ import (
 )
 
 var (
+	// ErrRequestTimeout is the cause of a request whose total deadline (request_timeout_secs)
+	// passed.
+	ErrRequestTimeout = errors.New("request deadline exceeded")
 	// ErrClientGone means the client went away; nothing more can be written.
 	ErrClientGone = errors.New("client disconnected")
 	// ErrAbort means the upstream failed after the first byte reached the client: the handler
@@ -55,11 +59,56 @@ func (e *UpstreamError) Write(rw http.ResponseWriter) {
 	_, _ = rw.Write(e.Body)
 }
 
+// PanicError is a panic recovered while serving a request. It is Baton's fault, never a
+// worker's: the request fails with 500, nothing counts against a worker, and no retry follows.
+type PanicError struct {
+	Where string // handler, prefill_leg, health_generate
+	Value any
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("internal error in %s: %v", e.Where, e.Value) }
+
+// Recovered turns a value recovered from a panic into a *PanicError, logging it with its stack
+// and counting it.
+func (p *Proxy) Recovered(where string, v any) *PanicError {
+	if p.Metrics != nil {
+		p.Metrics.Panics.WithLabelValues(where).Inc()
+	}
+	p.Log.Error("panic while serving a request; the request fails with 500", "where", where, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+	return &PanicError{Where: where, Value: v}
+}
+
+// InternalError is the client's answer for a panic.
+func InternalError() *openai.Error {
+	return &openai.Error{Status: http.StatusInternalServerError, Code: openai.CodeInternalError, NoRetry: true,
+		Message: "internal error while serving the request (logged; please report it)"}
+}
+
 // ClientGone reports whether the client of r went away (as opposed to a deadline passing).
 func ClientGone(r *http.Request) bool { return errors.Is(r.Context().Err(), context.Canceled) }
 
-// maxErrorBody bounds an error answer held back for a retry.
+// maxErrorBody bounds an error answer held back for a retry. A longer one is not relayed cut
+// short as if complete: the client gets the worker's status with a minted envelope instead.
 const maxErrorBody = 1 << 20
+
+// MaxRewriteBody bounds a worker's non-streamed answer that Baton holds whole to rewrite it
+// (PD usage and logprobs) and a prefill answer Baton keeps.
+const MaxRewriteBody = 64 << 20
+
+// ErrBodyTooLarge is a worker's answer longer than Baton holds: an upstream failure.
+var ErrBodyTooLarge = errors.New("worker's answer exceeds 64 MiB, the most Baton holds to rewrite")
+
+// ReadBody reads a worker's whole answer, failing with ErrBodyTooLarge past MaxRewriteBody.
+func ReadBody(r io.Reader) ([]byte, error) {
+	b, err := io.ReadAll(io.LimitReader(r, MaxRewriteBody+1))
+	if err == nil && len(b) > MaxRewriteBody {
+		return nil, ErrBodyTooLarge
+	}
+	return b, err
+}
+
+// MaxResponseHeaderBytes bounds the headers of a worker's answer.
+const MaxResponseHeaderBytes = 64 << 10
 
 // ReadError is an upstream body read failure during Relay. Written reports whether any byte of
 // the response had reached the client; when not, the caller can still answer with a status.
@@ -82,8 +131,11 @@ func NewTransport() *http.Transport {
 		MaxIdleConnsPerHost: 512,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
-		WriteBufferSize:     16 << 10, // held per upstream connection: small keeps open streams cheap
-		ReadBufferSize:      16 << 10, // answers are small or streamed; this is held per open stream
+		// Engines answer with a few short headers; a worker that sends megabytes of them is
+		// broken, and its answer is a transport failure rather than memory spent relaying it.
+		MaxResponseHeaderBytes: MaxResponseHeaderBytes,
+		WriteBufferSize:        16 << 10, // held per upstream connection: small keeps open streams cheap
+		ReadBufferSize:         16 << 10, // answers are small or streamed; this is held per open stream
 	}
 }
 
@@ -99,8 +151,9 @@ type Proxy struct {
 	Log *slog.Logger
 }
 
-// forwardHeaders are the only client headers sent to workers (besides Content-Type).
-var forwardHeaders = []string{"Authorization", openai.HeaderRequestID, openai.HeaderTraceparent, openai.HeaderTracestate}
+// singleHeaders are client headers sent to workers when the client sent exactly one of them
+// (besides Content-Type, which Baton sets): two would make the worker choose.
+var singleHeaders = []string{"Authorization", openai.HeaderRequestID, openai.HeaderTraceparent}
 
 // hopHeaders are never relayed in either direction.
 var hopHeaders = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
@@ -113,7 +166,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, pa
 	if err != nil {
 		return nil, err
 	}
-	out.URL.RawQuery = in.URL.RawQuery
+	// The client's query string is not forwarded: the engines' routes take none.
 	CopyRequestHeaders(out.Header, in.Header, w)
 	for k, v := range extra {
 		out.Header[k] = v
@@ -141,11 +194,15 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 		p.countError(w, metrics.KindStatus)
 	}
 	if RetryableStatus(resp.StatusCode) {
-		b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+		b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody+1))
 		if err != nil {
 			return p.Failure(r, w, "", err)
 		}
 		w.Record(resp.StatusCode, nil)
+		if len(b) > maxErrorBody {
+			return &openai.Error{Status: resp.StatusCode, Code: openai.CodeUpstreamErrorTooLarge, Worker: w.URL, RetryAfter: resp.Header.Get("Retry-After"),
+				Message: fmt.Sprintf("worker %s answered %d with an error body over %d bytes (not relayed)", w.URL, resp.StatusCode, maxErrorBody)}
+		}
 		return &UpstreamError{Worker: w.URL, Status: resp.StatusCode, Header: resp.Header, Body: b}
 	}
 	err = p.Relay(rw, resp, nil)
@@ -167,12 +224,15 @@ func (p *Proxy) Finish(r *http.Request, w *worker.Worker, leg string, err error)
 	case errors.As(err, &re) && !re.Written:
 		return p.Failure(r, w, leg, re.Err)
 	}
-	kind := metrics.KindMidStream
-	if errors.Is(err, context.DeadlineExceeded) {
-		kind = metrics.KindTimeout
+	if IsTimeout(err) {
+		// The worker was producing bytes: a request longer than the deadline is no failure of
+		// the worker's, and must not open its circuit for everyone else.
+		p.countError(w, metrics.KindTimeout)
+		p.Log.Warn("request deadline passed mid-response; aborting the client connection", "worker", w.URL, "leg", leg)
+		return ErrAbort
 	}
 	w.Record(0, err)
-	p.countError(w, kind)
+	p.countError(w, metrics.KindMidStream)
 	p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "leg", leg, "err", err)
 	return ErrAbort
 }
@@ -256,12 +316,22 @@ func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *o
 	if leg != "" {
 		prefix = leg + "_"
 	}
-	if errors.Is(err, context.DeadlineExceeded) {
+	var pe *PanicError
+	if errors.As(err, &pe) {
+		return InternalError()
+	}
+	if IsTimeout(err) {
 		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, Worker: w.URL,
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
 	}
 	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable, Worker: w.URL,
 		Message: fmt.Sprintf("%sworker %s: %v", legWord(leg), w.URL, unwrapURLError(err))}
+}
+
+// IsTimeout reports whether err is a deadline passing: the request's own
+// (ErrRequestTimeout) or a leg's.
+func IsTimeout(err error) bool {
+	return errors.Is(err, ErrRequestTimeout) || errors.Is(err, context.DeadlineExceeded)
 }
 
 // RetryableStatus reports whether an upstream status is worth a retry elsewhere: 408, 429, 500,
@@ -314,12 +384,16 @@ func unwrapURLError(err error) error {
 }
 
 // CopyRequestHeaders copies the allowlisted client headers to an upstream request. The worker's
-// own API key, when it has one, replaces the client's authorization.
+// own API key, when it has one, replaces the client's authorization. (Baton's own key never
+// gets here: the server removes it once checked.)
 func CopyRequestHeaders(dst, src http.Header, w *worker.Worker) {
-	for _, k := range forwardHeaders {
-		if v := src.Values(k); len(v) > 0 {
+	for _, k := range singleHeaders {
+		if v := src[k]; len(v) == 1 {
 			dst[k] = v
 		}
+	}
+	if v := src[openai.HeaderTracestate]; len(v) > 0 {
+		dst[openai.HeaderTracestate] = v // a list: several headers are one value, joined
 	}
 	if w.APIKey != "" {
 		dst.Set("Authorization", "Bearer "+w.APIKey)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -24,6 +25,16 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
+	if preq.Batch = pd.BatchSize(preq, s.cfg.MaxBatchSize+1); preq.Batch > s.cfg.MaxBatchSize {
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge,
+			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", s.cfg.MaxBatchSize)})
+		return
+	}
+	release, ok := s.admit.acquire(w, r)
+	if !ok {
+		return
+	}
+	defer release()
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		pair, oerr := s.pickPair(req.Model, avoid)
 		if oerr != nil {
@@ -103,8 +114,15 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	var wg sync.WaitGroup
 	errs := make([]string, 2)
+	var panicked atomic.Bool
 	for i, wk := range []*worker.Worker{pair.Prefill, pair.Decode} {
 		wg.Go(func() {
+			defer func() {
+				if v := recover(); v != nil {
+					s.proxy.Recovered("health_generate", v)
+					panicked.Store(true)
+				}
+			}()
 			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, wk.URL+"/health_generate", nil)
 			proxy.CopyRequestHeaders(req.Header, r.Header, wk)
 			resp, err := s.proxy.Transport.RoundTrip(req)
@@ -120,6 +138,10 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 		})
 	}
 	wg.Wait()
+	if panicked.Load() {
+		openai.WriteError(w, proxy.InternalError())
+		return
+	}
 	if msg := strings.Trim(strings.Join(errs, "; "), "; "); msg != "" {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: "health_generate_failed", Message: msg})
 		return

@@ -1,7 +1,6 @@
 package server
 
 import (
-	"context"
 	"errors"
 	"net/http"
 	"strconv"
@@ -13,9 +12,6 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/proxy"
 )
-
-// errRequestTimeout is the cause of a request whose total deadline passed.
-var errRequestTimeout = errors.New("request deadline exceeded")
 
 // attemptFunc is one try at a request. r carries the request's total deadline; avoid holds the
 // URLs of workers that already failed this request. It returns nil once the response is
@@ -29,12 +25,11 @@ var attemptHeaders = []string{openai.HeaderWorker, "X-Baton-Prefill-Worker", "X-
 // withRetries runs attempt until it succeeds, fails for good, or runs out of tries or time:
 // retries happen only on 408/429/500/502/503/504 and transport errors, only before any byte
 // reached the client, waiting an exponential, jittered backoff (cancelled with the client), each
-// retry re-selecting the worker. The final failure is written here.
+// retry re-selecting the worker, all within the request deadline r carries. The final failure is
+// written here.
 func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt attemptFunc) {
 	timeout := time.Duration(s.cfg.RequestTimeoutSecs) * time.Second
-	ctx, cancel := context.WithTimeoutCause(r.Context(), timeout, errRequestTimeout)
-	defer cancel()
-	r = r.WithContext(ctx)
+	ctx := r.Context() // carries the request deadline, set on arrival (observe)
 	rc := s.cfg.Retry
 	tries := uint(rc.MaxRetries)
 	if rc.Disable {
@@ -120,11 +115,12 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	case errors.As(err, &ue):
 		ue.Write(w)
 	case errors.Is(err, proxy.ErrClientGone), proxy.ClientGone(r):
-	case errors.Is(err, errRequestTimeout), errors.Is(err, context.DeadlineExceeded):
+	case proxy.IsTimeout(err):
 		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
 			Message: "the request did not complete within request_timeout_secs"})
 	default:
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadGateway, Code: "internal_error", Message: err.Error()})
+		s.log.Error("request failed with an unclassified error", "err", err)
+		openai.WriteError(w, proxy.InternalError())
 	}
 }
 

@@ -3,6 +3,7 @@
 package server
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
@@ -11,6 +12,8 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -65,10 +68,10 @@ func (s *Server) Handler() http.Handler {
 		if s.cfg.PDDisaggregation && pdRoutes[route] {
 			h = s.servePD
 		}
-		mux.Handle("POST "+route, s.authed(s.admit.wrap(h)))
+		mux.Handle("POST "+route, s.authed(h))
 	}
 	if s.cfg.PDDisaggregation {
-		mux.HandleFunc("GET /health_generate", s.serveHealthGenerate)
+		mux.Handle("GET /health_generate", s.authed(s.admit.wrap(http.HandlerFunc(s.serveHealthGenerate))))
 		mux.Handle("GET /get_server_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 		mux.Handle("GET /get_model_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 	}
@@ -91,11 +94,33 @@ func (s *Server) SetDraining() { s.draining.Store(true) }
 func (s *Server) InFlight() int64 { return s.inflight.Load() }
 
 // statusWriter records the status written and what the handler learned (the model) for the
-// middleware; Unwrap keeps http.ResponseController working.
+// middleware, and keeps the connection's write deadline armed: a client that accepts no bytes
+// for the stalled-client timeout, or is still being written to at the request deadline, is
+// dropped instead of pinning its handler. Unwrap keeps http.ResponseController working.
 type statusWriter struct {
 	http.ResponseWriter
 	status int
 	model  string
+
+	rc       *http.ResponseController
+	stall    time.Duration // the stalled-client timeout
+	deadline time.Time     // the request deadline plus writeGrace
+	armed    time.Time     // when the write deadline was last moved
+}
+
+// writeGrace is how long after the request deadline writes to the client may still go on: the
+// 504 that answers a timed-out request must be able to leave.
+const writeGrace = 2 * time.Second
+
+// arm moves the write deadline to min(now+stall, request deadline+writeGrace) unless it was moved less
+// than stall/8 ago: the deadline stays at least 7/8 of stall ahead of every write, at the cost
+// of a clock read per write.
+func (w *statusWriter) arm(now time.Time) {
+	if now.Sub(w.armed) < w.stall/8 {
+		return
+	}
+	w.armed = now
+	_ = w.rc.SetWriteDeadline(earlier(now.Add(w.stall), w.deadline))
 }
 
 // setModel tells the observing middleware the request's model, through the writer it gave.
@@ -124,25 +149,40 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	if w.status == 0 {
 		w.status = http.StatusOK
 	}
+	w.arm(time.Now())
 	return w.ResponseWriter.Write(b)
 }
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-// observe is the outer middleware: request id, in-flight count, metrics and the access log. It
-// records requests that end in an aborted connection too, then lets the abort through.
+// observe is the outer middleware: request id, the request deadline (on the context and on
+// writes to the client), in-flight count, metrics and the access log. It records requests that
+// end in an aborted connection too, then lets the abort through. A panic anywhere below fails
+// the request with 500 (or aborts it after the first byte) and is logged and counted; the
+// process lives on.
 func (s *Server) observe(next http.Handler) http.Handler {
+	timeout := time.Duration(s.cfg.RequestTimeoutSecs) * time.Second
+	stall := time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
-		rid := r.Header.Get(openai.HeaderRequestID)
-		if rid == "" {
-			rid = newRequestID()
-			r.Header.Set(openai.HeaderRequestID, rid)
-		}
+		rid := requestID(r.Header)
 		w.Header().Set(openai.HeaderRequestID, rid)
-		sw := &statusWriter{ResponseWriter: w}
+		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), proxy.ErrRequestTimeout)
+		defer cancel()
+		r = r.WithContext(ctx)
+		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace)}
+		sw.arm(start)
 		s.inflight.Add(1)
 		defer func() {
+			v := recover()
+			if v != nil && v != http.ErrAbortHandler {
+				s.proxy.Recovered("handler", v)
+				if sw.status == 0 {
+					openai.WriteError(sw, proxy.InternalError())
+				} else {
+					v = http.ErrAbortHandler // a part of the answer went out: break it visibly
+				}
+			}
 			s.inflight.Add(-1)
 			status := sw.status
 			if r.Context().Err() != nil && status == 0 {
@@ -152,58 +192,157 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			if route == "" || route == "/" {
 				route = "other"
 			}
-			s.metrics.ObserveRequest(route, sw.model, status, time.Since(start).Seconds())
+			model := s.metrics.Model(sw.model)
+			s.metrics.ObserveRequest(route, model, status, time.Since(start).Seconds())
 			s.log.Debug("request", "request_id", rid, "method", r.Method, "path", r.URL.Path,
-				"model", sw.model, "status", status, "duration", time.Since(start))
+				"model", model, "status", status, "duration", time.Since(start))
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
 		}()
 		next.ServeHTTP(sw, r)
 	})
 }
 
-// authed requires the configured API key as a bearer token.
-func (s *Server) authed(next http.Handler) http.Handler {
-	if s.cfg.APIKey == "" {
-		return next
+// maxRequestIDLen bounds a client's X-Request-Id; a longer one is replaced.
+const maxRequestIDLen = 128
+
+// requestID returns the request's id: the client's X-Request-Id when it sent exactly one of at
+// most maxRequestIDLen visible ASCII characters, else a fresh one. The header is set to it, so
+// that workers see the same id.
+func requestID(h http.Header) string {
+	if v := h[openai.HeaderRequestID]; len(v) == 1 && validRequestID(v[0]) {
+		return v[0]
 	}
+	rid := newRequestID()
+	h[openai.HeaderRequestID] = []string{rid}
+	return rid
+}
+
+func validRequestID(s string) bool {
+	if s == "" || len(s) > maxRequestIDLen {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+// authed checks the client's Authorization header: more than one is refused (which one would
+// count is ambiguous), and with an API key configured it must be that key as a bearer token.
+// Baton's key is Baton's: it is removed from the request, so it never reaches a worker.
+func (s *Server) authed(next http.Handler) http.Handler {
 	want := []byte("Bearer " + s.cfg.APIKey)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got := []byte(r.Header.Get("Authorization"))
-		if subtle.ConstantTimeCompare(got, want) != 1 {
-			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
-				Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
+		got := r.Header["Authorization"]
+		if len(got) > 1 {
+			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeDuplicateHeader,
+				Message: "the request has more than one Authorization header"})
 			return
+		}
+		if s.cfg.APIKey != "" {
+			if len(got) == 0 || subtle.ConstantTimeCompare([]byte(got[0]), want) != 1 {
+				openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
+					Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
+				return
+			}
+			r.Header.Del("Authorization")
 		}
 		next.ServeHTTP(w, r)
 	})
 }
 
-// readBody reads the whole body once, bounded by the configured limit.
+// initialBodyBuffer is the most readBody allocates before bytes arrive: a Content-Length is a
+// client's claim, not memory to hand out.
+const initialBodyBuffer = 64 << 10
+
+// readBody reads the whole body once, bounded in size by the configured limit and in time by
+// the stalled-client timeout (between reads) and the request deadline (in all). Its buffer grows
+// with the bytes that arrived, never ahead of them.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *openai.Error) {
 	if r.ContentLength > s.cfg.MaxPayloadSize {
 		return nil, tooLarge(s.cfg.MaxPayloadSize)
 	}
 	size := 512
 	if r.ContentLength > 0 {
-		size = int(r.ContentLength) + 1 // +1 so the final Read sees EOF without growing
+		size = int(min(r.ContentLength+1, initialBodyBuffer)) // +1 so the final Read sees EOF without growing
 	}
 	buf := make([]byte, 0, size)
 	lr := http.MaxBytesReader(w, r.Body, s.cfg.MaxPayloadSize)
+	body := &stallReader{r: lr, rc: http.NewResponseController(w), stall: time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second}
+	if deadline, ok := r.Context().Deadline(); ok {
+		body.deadline = deadline
+	}
+	if r.ContentLength != 0 { // a body-less request already has net/http reading its connection
+		defer body.done()
+	} else {
+		body.rc = nil
+	}
 	for {
 		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
+			next := 2 * cap(buf)
+			if r.ContentLength > 0 {
+				next = int(min(int64(next), r.ContentLength+1))
+			}
+			buf = slices.Grow(buf, next-len(buf))
 		}
-		n, err := lr.Read(buf[len(buf):cap(buf)])
+		n, err := body.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
 		if err == io.EOF {
 			return buf, nil
 		}
 		if err != nil {
 			var mbe *http.MaxBytesError
-			if errors.As(err, &mbe) {
+			switch {
+			case errors.As(err, &mbe):
 				return nil, tooLarge(s.cfg.MaxPayloadSize)
+			case errors.Is(err, os.ErrDeadlineExceeded):
+				return nil, &openai.Error{Status: http.StatusRequestTimeout, Code: openai.CodeClientTimeout,
+					Message: "the request body did not arrive in time (stalled_client_timeout_secs between bytes, request_timeout_secs in all)"}
 			}
 			return nil, &openai.Error{Status: http.StatusBadRequest, Code: "body_read_failed", Message: "reading request body: " + err.Error()}
 		}
+	}
+}
+
+// stallReader keeps the connection's read deadline at min(last progress+stall, request
+// deadline) while a request body is read, and clears it when done: net/http reads the idle
+// connection afterwards to notice a client leaving, and a deadline there would cut the answer.
+type stallReader struct {
+	r        io.Reader
+	rc       *http.ResponseController // nil: no deadlines
+	stall    time.Duration
+	deadline time.Time
+	armed    time.Time
+}
+
+func (b *stallReader) Read(p []byte) (int, error) {
+	if b.rc != nil {
+		if now := time.Now(); now.Sub(b.armed) >= b.stall/8 {
+			b.armed = now
+			d := now.Add(b.stall)
+			if !b.deadline.IsZero() {
+				d = earlier(d, b.deadline)
+			}
+			_ = b.rc.SetReadDeadline(d)
+		}
+	}
+	return b.r.Read(p)
+}
+
+func earlier(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
+}
+
+func (b *stallReader) done() {
+	if b.rc != nil {
+		_ = b.rc.SetReadDeadline(time.Time{})
 	}
 }
 
@@ -225,6 +364,11 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) *openai.Req
 		return nil
 	}
 	setModel(w, req.Model)
+	if req.N > s.cfg.MaxBatchSize {
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
+			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.cfg.MaxBatchSize)})
+		return nil
+	}
 	return req
 }
 
@@ -234,6 +378,11 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
+	release, ok := s.admit.acquire(w, r)
+	if !ok {
+		return
+	}
+	defer release()
 	body := req.Body
 	if s.cfg.PDDisaggregation && !s.hasRole(config.RoleRegular) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: "not_implemented_in_pd_mode",

@@ -86,6 +86,12 @@ func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bo
 	return ws, maybePending
 }
 
+// Lists reports whether some registered worker lists model among its models.
+func (s *Snapshot) Lists(model string) bool {
+	_, ok := s.byModel[model]
+	return ok
+}
+
 // HasReady reports whether some worker of role is ready.
 func (s *Snapshot) HasReady(role string) bool {
 	for _, w := range s.Workers {
