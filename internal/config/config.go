@@ -399,5 +399,8 @@ func RedactURL(raw string) string {
 		}
 		return raw
 	}
-	return u.Redacted()
+	if u.User != nil { // a token may stand where the user name does: hide it all
+		u.User = url.User("redacted")
+	}
+	return u.String()
 }

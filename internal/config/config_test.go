@@ -60,3 +60,32 @@ func TestExamples(t *testing.T) {
 		}
 	}
 }
+
+// Worker URLs are shown in headers, logs, metrics and GET /workers: credentials in them are
+// refused with where they go instead, and no message repeats them.
+func TestWorkerURLCredentialsAreRefused(t *testing.T) {
+	for _, raw := range []string{"http://admin:s3cret@host:8000", "http://s3cret@host:8000", "http://admin:s3cret@host:bad port"} {
+		c := Default()
+		c.WorkerURLs = []string{raw}
+		err := c.Validate()
+		if err == nil {
+			t.Errorf("%s was accepted", raw)
+			continue
+		}
+		if strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("the secret is in the error: %v", err)
+		}
+	}
+	c := Default()
+	c.WorkerURLs = []string{"http://admin:s3cret@host:8000"}
+	if err := c.Validate(); !strings.Contains(err.Error(), "api_key") {
+		t.Errorf("%v does not say where credentials go", err)
+	}
+	for _, raw := range []string{"http://host:8000/?token=x", "http://host:8000/#x"} {
+		c := Default()
+		c.WorkerURLs = []string{raw}
+		if c.Validate() == nil {
+			t.Errorf("%s was accepted", raw)
+		}
+	}
+}
