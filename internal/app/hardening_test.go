@@ -225,6 +225,34 @@ func TestContentLengthIsNotAnAllocation(t *testing.T) {
 	waitFor(t, func() bool { return g.Server.InFlight() == 0 })
 }
 
+// Item 3: a SIGTERM drain waited on requests whose bodies never came. Bodies still arriving
+// when the drain starts are cut with 503, and the drain ends with the work that was admitted.
+func TestDrainCutsUnfinishedUploads(t *testing.T) {
+	t.Parallel()
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+	api, _, stop, result := runBaton(t, "--worker-urls", up.URL, "--shutdown-grace-period-secs", "600", "--stalled-client-timeout-secs", "600")
+	addr := strings.TrimPrefix(api, "http://")
+	var conns []net.Conn
+	for i := 0; i < 4; i++ {
+		conns = append(conns, rawRequest(t, addr, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 536870000\r\n\r\n", []byte(`{"m`)))
+	}
+	time.Sleep(100 * time.Millisecond) // let the server start reading them
+	stop()
+	for _, c := range conns {
+		if got := readStatus(t, c); !strings.Contains(got, "503") {
+			t.Errorf("an upload cut by the drain answered %q, want 503", got)
+		}
+	}
+	select {
+	case err := <-result:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the drain is still waiting for bodies that will never come")
+	}
+}
+
 // endless is an engine handler that streams SSE events until the client leaves.
 func endless(w http.ResponseWriter, r *http.Request) {
 	io.ReadAll(r.Body)

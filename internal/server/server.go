@@ -7,13 +7,10 @@ import (
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
-	"os"
-	"slices"
 	"sync/atomic"
 	"time"
 
@@ -51,6 +48,7 @@ type Server struct {
 	pairs      *worker.PairHealth
 	draining   atomic.Bool
 	inflight   atomic.Int64 // client requests being served (streams included)
+	uploads    uploads      // request bodies being read
 }
 
 // New returns a server routing over reg with a policy per worker role.
@@ -88,7 +86,10 @@ func (s *Server) Handler() http.Handler {
 }
 
 // SetDraining marks the server as shutting down: readiness answers 503 from now on.
-func (s *Server) SetDraining() { s.draining.Store(true) }
+func (s *Server) SetDraining() {
+	s.draining.Store(true)
+	s.uploads.cut()
+}
 
 // InFlight returns the number of client requests being served.
 func (s *Server) InFlight() int64 { return s.inflight.Load() }
@@ -253,97 +254,6 @@ func (s *Server) authed(next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
-}
-
-// initialBodyBuffer is the most readBody allocates before bytes arrive: a Content-Length is a
-// client's claim, not memory to hand out.
-const initialBodyBuffer = 64 << 10
-
-// readBody reads the whole body once, bounded in size by the configured limit and in time by
-// the stalled-client timeout (between reads) and the request deadline (in all). Its buffer grows
-// with the bytes that arrived, never ahead of them.
-func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *openai.Error) {
-	if r.ContentLength > s.cfg.MaxPayloadSize {
-		return nil, tooLarge(s.cfg.MaxPayloadSize)
-	}
-	size := 512
-	if r.ContentLength > 0 {
-		size = int(min(r.ContentLength+1, initialBodyBuffer)) // +1 so the final Read sees EOF without growing
-	}
-	buf := make([]byte, 0, size)
-	lr := http.MaxBytesReader(w, r.Body, s.cfg.MaxPayloadSize)
-	body := &stallReader{r: lr, rc: http.NewResponseController(w), stall: time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second}
-	if deadline, ok := r.Context().Deadline(); ok {
-		body.deadline = deadline
-	}
-	if r.ContentLength != 0 { // a body-less request already has net/http reading its connection
-		defer body.done()
-	} else {
-		body.rc = nil
-	}
-	for {
-		if len(buf) == cap(buf) {
-			next := 2 * cap(buf)
-			if r.ContentLength > 0 {
-				next = int(min(int64(next), r.ContentLength+1))
-			}
-			buf = slices.Grow(buf, next-len(buf))
-		}
-		n, err := body.Read(buf[len(buf):cap(buf)])
-		buf = buf[:len(buf)+n]
-		if err == io.EOF {
-			return buf, nil
-		}
-		if err != nil {
-			var mbe *http.MaxBytesError
-			switch {
-			case errors.As(err, &mbe):
-				return nil, tooLarge(s.cfg.MaxPayloadSize)
-			case errors.Is(err, os.ErrDeadlineExceeded):
-				return nil, &openai.Error{Status: http.StatusRequestTimeout, Code: openai.CodeClientTimeout,
-					Message: "the request body did not arrive in time (stalled_client_timeout_secs between bytes, request_timeout_secs in all)"}
-			}
-			return nil, &openai.Error{Status: http.StatusBadRequest, Code: "body_read_failed", Message: "reading request body: " + err.Error()}
-		}
-	}
-}
-
-// stallReader keeps the connection's read deadline at min(last progress+stall, request
-// deadline) while a request body is read, and clears it when done: net/http reads the idle
-// connection afterwards to notice a client leaving, and a deadline there would cut the answer.
-type stallReader struct {
-	r        io.Reader
-	rc       *http.ResponseController // nil: no deadlines
-	stall    time.Duration
-	deadline time.Time
-	armed    time.Time
-}
-
-func (b *stallReader) Read(p []byte) (int, error) {
-	if b.rc != nil {
-		if now := time.Now(); now.Sub(b.armed) >= b.stall/8 {
-			b.armed = now
-			d := now.Add(b.stall)
-			if !b.deadline.IsZero() {
-				d = earlier(d, b.deadline)
-			}
-			_ = b.rc.SetReadDeadline(d)
-		}
-	}
-	return b.r.Read(p)
-}
-
-func earlier(a, b time.Time) time.Time {
-	if a.Before(b) {
-		return a
-	}
-	return b
-}
-
-func (b *stallReader) done() {
-	if b.rc != nil {
-		_ = b.rc.SetReadDeadline(time.Time{})
-	}
 }
 
 func tooLarge(limit int64) *openai.Error {
