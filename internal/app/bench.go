@@ -21,7 +21,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs := flag.NewFlagSet("baton bench", flag.ContinueOnError)
 	fs.SetOutput(stdout)
 	quick := fs.Bool("quick", false, "small runs: checks the harness works (seconds), not for publishing")
-	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers); default all")
+	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening); default all")
 	out := fs.String("out", "", "also write the report to this file")
 	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
 	if err := fs.Parse(args); err != nil {

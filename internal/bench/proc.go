@@ -213,13 +213,16 @@ func (p *proc) cpuSeconds() float64 {
 }
 
 // rssBytes is the resident memory of the process.
-func (p *proc) rssBytes() int64 {
+func (p *proc) rssBytes() int64 { return p.statusBytes("VmRSS:") }
+
+// statusBytes reads a memory field ("VmRSS:", "VmHWM:") of /proc/<pid>/status.
+func (p *proc) statusBytes(field string) int64 {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
 	if err != nil {
 		return 0
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if v, ok := strings.CutPrefix(line, field); ok {
 			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
 			return kb << 10
 		}

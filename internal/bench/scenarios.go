@@ -23,7 +23,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -62,6 +62,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.bodySize(ctx)
 		case "workers":
 			err = r.workers(ctx)
+		case "hardening":
+			err = r.hardening(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

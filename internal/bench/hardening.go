@@ -1,0 +1,258 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// attack is one hostile client (or broken worker) run against a fresh Baton process.
+type attack struct {
+	name string
+	// fleet starts what Baton routes to and returns Baton's arguments and a cleanup.
+	fleet func() (args []string, cleanup func(), err error)
+	// run performs the attack on Baton at base and says how it ended.
+	run func(ctx context.Context, c *http.Client, b *proc) string
+}
+
+// hardening: scenario 7, the memory attacks of the hardening work, each against a fresh Baton
+// process, reported as its peak resident memory (VmHWM). Run it against an older build with
+// --binary to compare.
+func (r *runner) hardening(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 7. Attacks: peak memory")
+	fmt.Fprintln(r.out)
+	fmt.Fprintln(r.out, "Each attack runs against a fresh Baton process; the figure is its peak resident memory (VmHWM from /proc) over the whole run, startup included. The outcome is what the attacker saw.")
+	fmt.Fprintln(r.out)
+	fmt.Fprintln(r.out, "| attack | outcome | peak RSS MiB |")
+	fmt.Fprintln(r.out, "|---|---|---:|")
+	for _, a := range attacks(r.o.Quick) {
+		args, cleanup, err := a.fleet()
+		if err != nil {
+			return fmt.Errorf("%s: %w", a.name, err)
+		}
+		b, err := startBaton(r.o.Binary, 1, args...)
+		if err != nil {
+			cleanup()
+			return fmt.Errorf("%s: %w", a.name, err)
+		}
+		actx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		outcome := a.run(actx, r.client, b)
+		cancel()
+		peak := b.peakRSSBytes()
+		b.stop()
+		cleanup()
+		r.client.CloseIdleConnections()
+		fmt.Fprintf(r.out, "| %s | %s | %.0f |\n", a.name, outcome, mib(peak))
+	}
+	fmt.Fprintln(r.out)
+	return nil
+}
+
+func attacks(quick bool) []attack {
+	scale := 1
+	if quick {
+		scale = 8 // smaller bodies: checks the attacks run, not for publishing
+	}
+	return []attack{
+		{name: "idle gateway (baseline)", fleet: regularFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
+			return "—"
+		}},
+		{name: "SGLang PD, `\"n\": 10000000` (71-byte body)", fleet: sglangFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
+			return send(ctx, c, b.URL+"/v1/chat/completions", []byte(`{"model":"`+benchModel+`","messages":[{"role":"user","content":"hi"}],"n":10000000}`))
+		}},
+		{name: fmt.Sprintf("SGLang PD, /generate with %d empty prompts", 2_000_000/scale), fleet: sglangFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
+			body := `{"model":"` + benchModel + `","text":[""` + strings.Repeat(`,""`, 2_000_000/scale-1) + `]}`
+			return send(ctx, c, b.URL+"/generate", []byte(body))
+		}},
+		{name: "16 sockets claiming `Content-Length: 536870000`, 3 bytes sent", fleet: regularFleet, run: contentLengthClaims},
+		{name: fmt.Sprintf("ten %d MB model names, then one /metrics scrape", 10/scale+1), fleet: regularFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
+			name := strings.Repeat("x", (10/scale+1)<<20)
+			for i := 0; i < 10; i++ {
+				send(ctx, c, b.URL+"/v1/chat/completions", []byte(`{"model":"`+name+strconv.Itoa(i)+`"}`))
+			}
+			return scrapeSize(ctx, c, b)
+		}},
+		{name: fmt.Sprintf("vLLM PD, decode answers an endless JSON body (%d MiB)", 1024/scale), fleet: brokenDecodeFleet(1024/scale, false), run: func(ctx context.Context, c *http.Client, b *proc) string {
+			return send(ctx, c, b.URL+"/v1/completions", []byte(`{"model":"`+benchModel+`","prompt":"hi"}`))
+		}},
+		{name: fmt.Sprintf("vLLM PD, decode streams one SSE event without end (%d MiB)", 1024/scale), fleet: brokenDecodeFleet(1024/scale, true), run: func(ctx context.Context, c *http.Client, b *proc) string {
+			return send(ctx, c, b.URL+"/v1/completions", []byte(`{"model":"`+benchModel+`","prompt":"hi","stream":true}`))
+		}},
+	}
+}
+
+// send posts body and describes the answer: its status and error code, or how it broke.
+func send(ctx context.Context, c *http.Client, url string, body []byte) string {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return err.Error()
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.Do(req)
+	if err != nil {
+		return "no answer: " + shortErr(err)
+	}
+	defer resp.Body.Close()
+	n, err := io.Copy(io.Discard, resp.Body)
+	out := strconv.Itoa(resp.StatusCode)
+	if code := resp.Header.Get("X-Baton-Error-Code"); code != "" {
+		out += " " + code
+	}
+	if err != nil {
+		return out + fmt.Sprintf(", broken after %d bytes", n)
+	}
+	return out + fmt.Sprintf(" (%s)", sizeWords(n))
+}
+
+func shortErr(err error) string {
+	s := err.Error()
+	if i := strings.LastIndex(s, ": "); i >= 0 {
+		s = s[i+2:]
+	}
+	return s
+}
+
+func sizeWords(n int64) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d bytes", n)
+}
+
+// contentLengthClaims opens 16 connections that each announce a 512 MB body and send 3 bytes,
+// holds them for two seconds, then closes them.
+func contentLengthClaims(ctx context.Context, _ *http.Client, b *proc) string {
+	addr := strings.TrimPrefix(b.URL, "http://")
+	var conns []net.Conn
+	for i := 0; i < 16; i++ {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			return err.Error()
+		}
+		conns = append(conns, conn)
+		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 536870000\r\n\r\n{\"m")
+	}
+	select {
+	case <-ctx.Done():
+	case <-time.After(2 * time.Second):
+	}
+	for _, conn := range conns {
+		conn.Close()
+	}
+	return "held 2 s, then closed"
+}
+
+// scrapeSize scrapes Baton's /metrics and says how large it was.
+func scrapeSize(ctx context.Context, c *http.Client, b *proc) string {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.MetricsURL, nil)
+	resp, err := c.Do(req)
+	if err != nil {
+		return "/metrics did not answer: " + shortErr(err)
+	}
+	defer resp.Body.Close()
+	n, _ := io.Copy(io.Discard, resp.Body)
+	return "/metrics is " + sizeWords(n)
+}
+
+func regularFleet() ([]string, func(), error) {
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+	if err != nil {
+		return nil, nil, err
+	}
+	return []string{"--worker-urls", e.URL()}, e.Close, nil
+}
+
+func sglangFleet() ([]string, func(), error) {
+	p, err := engine(sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+	if err != nil {
+		return nil, nil, err
+	}
+	d, err := engine(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+	if err != nil {
+		p.Close()
+		return nil, nil, err
+	}
+	return []string{"--pd-disaggregation", "--prefill", p.URL(), strconv.Itoa(p.BootstrapPort()), "--decode", d.URL()},
+		func() { p.Close(); d.Close() }, nil
+}
+
+// brokenDecodeFleet is a vLLM NIXL pair whose prefill answers correctly (params and usage, so
+// Baton rewrites the decode's usage) and whose decode sends mib MiB without ever ending its JSON
+// body, or its one SSE event.
+func brokenDecodeFleet(mib int, stream bool) func() ([]string, func(), error) {
+	return func() ([]string, func(), error) {
+		prefill, err := serve(func(w http.ResponseWriter, r *http.Request) {
+			if models(w, r) {
+				return
+			}
+			io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"choices":[{"index":0,"text":"x"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[1]}}`)
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		decode, err := serve(func(w http.ResponseWriter, r *http.Request) {
+			if models(w, r) {
+				return
+			}
+			io.Copy(io.Discard, r.Body)
+			if stream {
+				w.Header().Set("Content-Type", "text/event-stream")
+				io.WriteString(w, "data: ")
+			} else {
+				w.Header().Set("Content-Type", "application/json")
+				io.WriteString(w, `{"usage":{"prompt_tokens":3},"pad":"`)
+			}
+			chunk := bytes.Repeat([]byte("x"), 1<<20)
+			for i := 0; i < mib; i++ {
+				if _, err := w.Write(chunk); err != nil {
+					return
+				}
+			}
+		})
+		if err != nil {
+			prefill.Close()
+			return nil, nil, err
+		}
+		return []string{"--pd-disaggregation", "--prefill", "http://" + prefill.Addr().String(), "--decode", "http://" + decode.Addr().String(), "--kv-connector", "NixlConnector", "--disable-retries"},
+			func() { prefill.Close(); decode.Close() }, nil
+	}
+}
+
+// models answers the registration probe as a vLLM engine serving the bench model.
+func models(w http.ResponseWriter, r *http.Request) bool {
+	if r.Method != http.MethodGet {
+		return false
+	}
+	if r.URL.Path == "/v1/models" {
+		io.WriteString(w, `{"object":"list","data":[{"id":"`+benchModel+`","object":"model","owned_by":"vllm"}]}`)
+	} else {
+		io.WriteString(w, "{}")
+	}
+	return true
+}
+
+// serve runs h on a loopback listener until the listener is closed.
+func serve(h http.HandlerFunc) (net.Listener, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	go http.Serve(ln, h)
+	return ln, nil
+}
+
+// peakRSSBytes is the peak resident memory of the process so far.
+func (p *proc) peakRSSBytes() int64 { return p.statusBytes("VmHWM:") }
