@@ -73,8 +73,8 @@ func attacks(quick bool) []attack {
 			return send(ctx, c, b.URL+"/generate", []byte(body))
 		}},
 		{name: "16 sockets claiming `Content-Length: 536870000`, 3 bytes sent", fleet: regularFleet, run: contentLengthClaims},
-		{name: fmt.Sprintf("ten %d MB model names, then one /metrics scrape", 10/scale+1), fleet: regularFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
-			name := strings.Repeat("x", (10/scale+1)<<20)
+		{name: fmt.Sprintf("ten %d MiB model names, then one /metrics scrape", max(1, 10/scale)), fleet: regularFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
+			name := strings.Repeat("x", max(1, 10/scale)<<20)
 			for i := 0; i < 10; i++ {
 				send(ctx, c, b.URL+"/v1/chat/completions", []byte(`{"model":"`+name+strconv.Itoa(i)+`"}`))
 			}
@@ -131,26 +131,29 @@ func sizeWords(n int64) string {
 }
 
 // contentLengthClaims opens 16 connections that each announce a 512 MB body and send 3 bytes,
-// holds them for two seconds, then closes them.
+// holds them for a second and closes them; three rounds, so that memory freed by one round is
+// reused (and must be zeroed) by the next.
 func contentLengthClaims(ctx context.Context, _ *http.Client, b *proc) string {
 	addr := strings.TrimPrefix(b.URL, "http://")
-	var conns []net.Conn
-	for i := 0; i < 16; i++ {
-		conn, err := net.Dial("tcp", addr)
-		if err != nil {
-			return err.Error()
+	for round := 0; round < 3; round++ {
+		var conns []net.Conn
+		for i := 0; i < 16; i++ {
+			conn, err := net.Dial("tcp", addr)
+			if err != nil {
+				return err.Error()
+			}
+			conns = append(conns, conn)
+			fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 536870000\r\n\r\n{\"m")
 		}
-		conns = append(conns, conn)
-		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 536870000\r\n\r\n{\"m")
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+		for _, conn := range conns {
+			conn.Close()
+		}
 	}
-	select {
-	case <-ctx.Done():
-	case <-time.After(2 * time.Second):
-	}
-	for _, conn := range conns {
-		conn.Close()
-	}
-	return "held 2 s, then closed"
+	return "3 rounds: held 1 s, then closed"
 }
 
 // scrapeSize scrapes Baton's /metrics and says how large it was.
@@ -173,18 +176,26 @@ func regularFleet() ([]string, func(), error) {
 	return []string{"--worker-urls", e.URL()}, e.Close, nil
 }
 
+// sglangFleet is an SGLang prefill and decode that discard what they are sent and answer
+// briefly: what the attack costs is Baton's alone (a simulator would pay for the batch too).
 func sglangFleet() ([]string, func(), error) {
-	p, err := engine(sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
-	if err != nil {
-		return nil, nil, err
+	var lns []net.Listener
+	for i := 0; i < 2; i++ {
+		ln, err := serve(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodGet {
+				io.WriteString(w, `{"object":"list","data":[{"id":"`+benchModel+`","object":"model","owned_by":"sglang"}]}`)
+				return
+			}
+			io.Copy(io.Discard, r.Body)
+			io.WriteString(w, `{"text":"x"}`)
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		lns = append(lns, ln)
 	}
-	d, err := engine(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
-	if err != nil {
-		p.Close()
-		return nil, nil, err
-	}
-	return []string{"--pd-disaggregation", "--prefill", p.URL(), strconv.Itoa(p.BootstrapPort()), "--decode", d.URL()},
-		func() { p.Close(); d.Close() }, nil
+	return []string{"--pd-disaggregation", "--prefill", "http://" + lns[0].Addr().String(), "--decode", "http://" + lns[1].Addr().String()},
+		func() { lns[0].Close(); lns[1].Close() }, nil
 }
 
 // brokenDecodeFleet is a vLLM NIXL pair whose prefill answers correctly (params and usage, so
