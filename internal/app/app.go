@@ -117,8 +117,10 @@ type Gateway struct {
 	Log       *slog.Logger
 }
 
-// Start starts the background work: registration and health checks, until ctx ends.
+// Start starts the background work: the stalled-upload sweeper, registration and health
+// checks, until ctx ends.
 func (g *Gateway) Start(ctx context.Context) {
+	g.Server.Start(ctx)
 	g.Registrar.Start(ctx)
 	if g.Health != nil {
 		g.Health.Start(ctx)
@@ -127,6 +129,7 @@ func (g *Gateway) Start(ctx context.Context) {
 
 // Wait waits for the background work Start began, and for prefill legs still finishing.
 func (g *Gateway) Wait() {
+	g.Server.Wait()
 	g.Registrar.Wait()
 	if g.Health != nil {
 		g.Health.Wait()

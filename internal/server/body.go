@@ -1,11 +1,11 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net/http"
 	"os"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -18,45 +18,74 @@ import (
 const initialBodyBuffer = 64 << 10
 
 // readBody reads the whole body once, bounded in size by the configured limit and in time by
-// the stalled-client timeout (between reads) and the request deadline (in all). Its buffer grows
-// with the bytes that arrived, never ahead of them. A drain cuts bodies still arriving: those
-// requests were not admitted yet and are answered 503.
+// the stalled-client timeout (between reads) and the request deadline (in all). A drain cuts
+// bodies still arriving: those requests were not admitted yet and are answered 503.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *openai.Error) {
 	if r.ContentLength > s.cfg.MaxPayloadSize {
 		return nil, tooLarge(s.cfg.MaxPayloadSize)
 	}
-	size := 512
-	if r.ContentLength > 0 {
-		size = int(min(r.ContentLength+1, initialBodyBuffer)) // +1 so the final Read sees EOF without growing
+	var body *stallReader
+	if sw := observed(w); sw != nil {
+		body = &sw.body
+		body.rc = sw.rc
+	} else {
+		body = &stallReader{rc: http.NewResponseController(w)}
 	}
-	buf := make([]byte, 0, size)
-	body := &stallReader{r: http.MaxBytesReader(w, r.Body, s.cfg.MaxPayloadSize), stall: time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second}
+	body.r, body.stall = http.MaxBytesReader(w, r.Body, s.cfg.MaxPayloadSize), time.Duration(s.cfg.StalledClientTimeoutSecs)*time.Second
 	if deadline, ok := r.Context().Deadline(); ok {
 		body.deadline = deadline
 	}
 	if r.ContentLength != 0 { // a body-less request already has net/http reading its connection
-		body.rc = http.NewResponseController(w)
+		body.progress.Store(time.Now().UnixNano())
 		if !s.uploads.add(body) {
 			return nil, drainingError()
 		}
 		defer s.uploads.remove(body)
-		defer body.done()
+	}
+	buf, err := readAll(body, r.ContentLength)
+	if err != nil {
+		return nil, bodyError(err, body.cut.Load(), s.cfg.MaxPayloadSize)
+	}
+	return buf, nil
+}
+
+// scratchPool holds the first buffers of large bodies.
+var scratchPool = sync.Pool{New: func() any { b := make([]byte, initialBodyBuffer); return &b }}
+
+// readAll reads r to its end. A Content-Length is a client's claim, not memory to hand out: a
+// claim up to initialBodyBuffer is allocated at once; a larger one starts in a pooled buffer and
+// grows at most to twice what arrived, up to the claim, so memory follows the bytes received.
+func readAll(r io.Reader, claimed int64) ([]byte, error) {
+	var buf []byte
+	pooled := false // buf is the pooled buffer
+	switch {
+	case claimed > initialBodyBuffer:
+		scratch := scratchPool.Get().(*[]byte)
+		defer scratchPool.Put(scratch)
+		buf, pooled = (*scratch)[:0], true
+	case claimed > 0:
+		buf = make([]byte, 0, claimed+1) // +1 so the final Read sees EOF without growing
+	default:
+		buf = make([]byte, 0, 512)
 	}
 	for {
 		if len(buf) == cap(buf) {
 			next := 2 * cap(buf)
-			if r.ContentLength > 0 {
-				next = int(min(int64(next), r.ContentLength+1))
+			if claimed > 0 {
+				next = int(min(int64(next), claimed+1))
 			}
-			buf = slices.Grow(buf, next-len(buf))
+			buf, pooled = append(make([]byte, 0, max(next, len(buf)+1)), buf...), false
 		}
-		n, err := body.Read(buf[len(buf):cap(buf)])
+		n, err := r.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
 		if err == io.EOF {
+			if pooled { // short of the claim: copy out of the pool
+				return append([]byte{}, buf...), nil
+			}
 			return buf, nil
 		}
 		if err != nil {
-			return nil, bodyError(err, body.cut.Load(), s.cfg.MaxPayloadSize)
+			return nil, err
 		}
 	}
 }
@@ -79,36 +108,62 @@ func drainingError() *openai.Error {
 	return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining, Message: "shutting down: send the request again elsewhere"}
 }
 
-// stallReader keeps the connection's read deadline at min(last progress+stall, request
-// deadline) while a request body is read, and clears it when done: net/http reads the idle
-// connection afterwards to notice a client leaving, and a deadline there would cut the answer.
+// stallReader records a request body's progress, so that the uploads sweeper can end a read
+// that makes none for the stall timeout, or outlives the request deadline. The connection's
+// read deadline is touched only then: moving it on every request costs microseconds in the
+// runtime's poller, and so would a timer per request.
 type stallReader struct {
 	r        io.Reader
-	rc       *http.ResponseController // nil: no deadlines
+	rc       *http.ResponseController
 	stall    time.Duration
-	deadline time.Time
-	armed    time.Time
-	cut      atomic.Bool // the drain ended this read
+	deadline time.Time    // the request deadline; zero: none
+	progress atomic.Int64 // unix nanoseconds of the last bytes read
+
+	mu       sync.Mutex
+	finished bool        // the read is over: the connection is no longer the body's
+	fired    bool        // the read deadline was moved to end the read
+	cut      atomic.Bool // a drain ended the read
 }
 
 func (b *stallReader) Read(p []byte) (int, error) {
-	if b.rc != nil {
-		if now := time.Now(); now.Sub(b.armed) >= b.stall/8 {
-			b.armed = now
-			d := now.Add(b.stall)
-			if !b.deadline.IsZero() {
-				d = earlier(d, b.deadline)
-			}
-			_ = b.rc.SetReadDeadline(d)
-			if b.cut.Load() { // a drain cut it while the deadline moved: cut it again
-				_ = b.rc.SetReadDeadline(now)
-			}
-		}
+	n, err := b.r.Read(p)
+	if n > 0 {
+		b.progress.Store(time.Now().UnixNano())
 	}
-	return b.r.Read(p)
+	return n, err
 }
 
-func (b *stallReader) done() { _ = b.rc.SetReadDeadline(time.Time{}) }
+// overdue reports whether the read made no progress for the stall timeout or the request
+// deadline passed.
+func (b *stallReader) overdue(now time.Time) bool {
+	return now.UnixNano()-b.progress.Load() >= int64(b.stall) || (!b.deadline.IsZero() && !now.Before(b.deadline))
+}
+
+// expire ends the read in progress by moving the connection's read deadline to now.
+func (b *stallReader) expire(drain bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.finished {
+		return
+	}
+	if drain {
+		b.cut.Store(true)
+	}
+	b.fired = true
+	_ = b.rc.SetReadDeadline(time.Now())
+}
+
+// finish marks the read over. If it was ended by a deadline, the deadline is cleared: net/http
+// reads the idle connection afterwards to notice a client leaving, and a deadline there would
+// cut the answer.
+func (b *stallReader) finish() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.finished = true
+	if b.fired {
+		_ = b.rc.SetReadDeadline(time.Time{})
+	}
+}
 
 func earlier(a, b time.Time) time.Time {
 	if a.Before(b) {
@@ -117,8 +172,9 @@ func earlier(a, b time.Time) time.Time {
 	return b
 }
 
-// uploads are the request bodies being read, so that a drain can end them: a client that keeps
-// a body open must not hold the shutdown for the grace period.
+// uploads are the request bodies being read. A sweeper ends those that stall or outlive their
+// deadline, and a drain ends them all: a client that keeps a body open must hold neither a
+// handler nor the shutdown.
 type uploads struct {
 	mu       sync.Mutex
 	m        map[*stallReader]struct{}
@@ -143,6 +199,18 @@ func (u *uploads) remove(b *stallReader) {
 	u.mu.Lock()
 	delete(u.m, b)
 	u.mu.Unlock()
+	b.finish()
+}
+
+// sweep ends the reads that are overdue at now.
+func (u *uploads) sweep(now time.Time) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for b := range u.m {
+		if b.overdue(now) {
+			b.expire(false)
+		}
+	}
 }
 
 // cut ends every body read in progress and refuses new ones.
@@ -151,7 +219,30 @@ func (u *uploads) cut() {
 	defer u.mu.Unlock()
 	u.draining = true
 	for b := range u.m {
-		b.cut.Store(true)
-		_ = b.rc.SetReadDeadline(time.Now())
+		b.expire(true)
 	}
 }
+
+// sweepEvery is how often the sweeper looks: an eighth of the stall timeout, at most a second.
+func sweepEvery(stall time.Duration) time.Duration { return min(stall/8, time.Second) }
+
+// Start runs the background work of the server until ctx ends: the sweeper that ends stalled
+// request bodies. Wait waits for it.
+func (s *Server) Start(ctx context.Context) {
+	every := sweepEvery(time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second)
+	s.bg.Go(func() {
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case now := <-t.C:
+				s.uploads.sweep(now)
+			}
+		}
+	})
+}
+
+// Wait waits for the background work Start began.
+func (s *Server) Wait() { s.bg.Wait() }

@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -49,6 +50,7 @@ type Server struct {
 	draining   atomic.Bool
 	inflight   atomic.Int64 // client requests being served (streams included)
 	uploads    uploads      // request bodies being read
+	bg         sync.WaitGroup
 }
 
 // New returns a server routing over reg with a policy per worker role.
@@ -104,6 +106,7 @@ type statusWriter struct {
 	model  string
 
 	rc       *http.ResponseController
+	body     stallReader   // the request body's reader, kept here to save an allocation
 	stall    time.Duration // the stalled-client timeout
 	deadline time.Time     // the request deadline plus writeGrace
 	armed    time.Time     // when the write deadline was last moved
@@ -126,15 +129,21 @@ func (w *statusWriter) arm(now time.Time) {
 
 // setModel tells the observing middleware the request's model, through the writer it gave.
 func setModel(w http.ResponseWriter, model string) {
+	if sw := observed(w); sw != nil {
+		sw.model = model
+	}
+}
+
+// observed returns the observing middleware's writer under w, or nil.
+func observed(w http.ResponseWriter) *statusWriter {
 	for {
 		switch sw := w.(type) {
 		case *statusWriter:
-			sw.model = model
-			return
+			return sw
 		case interface{ Unwrap() http.ResponseWriter }:
 			w = sw.Unwrap()
 		default:
-			return
+			return nil
 		}
 	}
 }

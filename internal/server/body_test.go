@@ -1,0 +1,48 @@
+package server
+
+import (
+	"bytes"
+	"io"
+	"strings"
+	"testing"
+	"testing/iotest"
+)
+
+func TestReadAll(t *testing.T) {
+	for _, size := range []int{0, 1, 1000, initialBodyBuffer - 1, initialBodyBuffer, initialBodyBuffer + 1, 100 << 10, 1 << 20} {
+		want := bytes.Repeat([]byte("abcdefg"), size/7+1)[:size]
+		for _, claimed := range []int64{int64(size), -1} {
+			for name, r := range map[string]io.Reader{"whole": bytes.NewReader(want), "byte by byte": iotest.OneByteReader(bytes.NewReader(want))} {
+				if size > 200<<10 && name == "byte by byte" {
+					continue
+				}
+				got, err := readAll(r, claimed)
+				if err != nil || !bytes.Equal(got, want) {
+					t.Fatalf("size %d claimed %d %s: %d bytes, %v", size, claimed, name, len(got), err)
+				}
+			}
+		}
+	}
+	// A body shorter than its claim is copied out of the pooled buffer, which is then reused.
+	a, _ := readAll(strings.NewReader("short"), 1<<20)
+	b, _ := readAll(strings.NewReader("other"), 1<<20)
+	if string(a) != "short" || string(b) != "other" {
+		t.Errorf("got %q and %q", a, b)
+	}
+}
+
+// A large claim followed by a few bytes costs what arrived, not what was claimed.
+func TestReadAllDoesNotTrustTheClaim(t *testing.T) {
+	allocs := testing.AllocsPerRun(20, func() { readAll(iotest.ErrReader(io.ErrUnexpectedEOF), 536870000) })
+	var sink []byte
+	bytesPer := testing.Benchmark(func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			sink, _ = readAll(io.MultiReader(strings.NewReader(`{"m`), iotest.ErrReader(io.ErrUnexpectedEOF)), 536870000)
+		}
+	}).AllocedBytesPerOp()
+	_ = sink
+	if allocs > 2 || bytesPer > 1<<20 {
+		t.Errorf("a 512 MB claim with 3 bytes allocated %v times, %d bytes per read", allocs, bytesPer)
+	}
+}
