@@ -3,7 +3,6 @@ module github.com/baton-llm/baton
 go 1.26.8
 
 require (
-	github.com/cenkalti/backoff/v5 v5.0.3
 	github.com/google/go-cmp v0.7.0
 	github.com/google/uuid v1.6.0
 	github.com/prometheus/client_golang v1.25.0

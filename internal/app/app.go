@@ -23,6 +23,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/server"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -199,7 +200,7 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Registry: reg,
 		Metrics:  m,
 		Parallel: parallel,
-		Server:   server.New(cfg, reg, policies, px, parallel, sequential, pairs, m, log),
+		Server:   server.New(serverOptions(cfg, reg, &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs}, px, &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, m, log)),
 		Registrar: &worker.Registrar{
 			Registry:    reg,
 			Client:      client,
@@ -211,6 +212,30 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		},
 		Log: log,
 	}, nil
+}
+
+// serverOptions converts the configuration into the server's options, durations included.
+func serverOptions(cfg config.Config, reg *worker.Registry, sel *policy.Selector, px *proxy.Proxy, dispatcher pd.Executor, m *metrics.Metrics, log *slog.Logger) server.Options {
+	secs := func(n int) time.Duration { return time.Duration(n) * time.Second }
+	rc := cfg.Retry
+	attempts := rc.MaxRetries
+	if rc.Disable {
+		attempts = 1
+	}
+	return server.Options{
+		PD:                   cfg.PDDisaggregation,
+		APIKey:               cfg.APIKey,
+		MaxPayloadSize:       cfg.MaxPayloadSize,
+		MaxBatchSize:         cfg.MaxBatchSize,
+		RequestTimeout:       secs(cfg.RequestTimeoutSecs),
+		StalledClientTimeout: secs(cfg.StalledClientTimeoutSecs),
+		Retry: server.Retry{Attempts: attempts, Backoff: retry.Backoff{
+			Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
+			Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}},
+		Admission:   server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: secs(cfg.Admission.QueueTimeoutSecs)},
+		KVConnector: cfg.KVConnector,
+		Registry:    reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log,
+	}
 }
 
 // Serve runs the gateway until ctx ends, then drains: readiness turns 503, in-flight requests

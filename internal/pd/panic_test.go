@@ -42,7 +42,7 @@ func TestPanicOnPrefillLegFailsOneRequest(t *testing.T) {
 	x := &Parallel{Proxy: px, Metrics: m, Log: px.Log}
 	rw := httptest.NewRecorder()
 	in := httptest.NewRequest(http.MethodPost, "/generate", strings.NewReader(`{"text":"hi"}`))
-	err := x.Execute(rw, in, req("/generate", `{"text":"hi"}`), Pair{Prefill: p, Decode: d})
+	err := x.Execute(rw, in, req("/generate", `{"text":"hi"}`), worker.Pair{Prefill: p, Decode: d})
 	x.Wait()
 	var oe *openai.Error
 	if !errors.As(err, &oe) || oe.Status != http.StatusInternalServerError || oe.Code != openai.CodeInternalError {

@@ -56,7 +56,7 @@ func (p prefillResult) failed() bool {
 }
 
 // Execute implements Executor.
-func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair) error {
+func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
 	pBody, dBody, err := BootstrapBodies(req, pair)
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
@@ -99,7 +99,7 @@ type concurrentResult struct {
 
 // run sends both legs at once and relays the decode's answer. A leg that fails before the
 // decode's first byte cancels the other; the client gets the failing leg's status.
-func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, plan concurrentPlan) (res concurrentResult) {
+func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan concurrentPlan) (res concurrentResult) {
 	model := x.Metrics.Model(req.Model)
 	runtime := pair.Prefill.Runtime()
 	start := time.Now()
@@ -213,7 +213,7 @@ func isStream(resp *http.Response) bool {
 // decode often fails because its prefill did (the bootstrap it waits for is gone): the prefill
 // is cancelled and, if it had failed on its own, its failure is the client's answer and the
 // decode is not penalised.
-func (x *Parallel) decodeFailed(r *http.Request, pair Pair, status int, err error, dCancel context.CancelCauseFunc, pres chan prefillResult, outcome *string) error {
+func (x *Parallel) decodeFailed(r *http.Request, pair worker.Pair, status int, err error, dCancel context.CancelCauseFunc, pres chan prefillResult, outcome *string) error {
 	if proxy.ClientGone(r) {
 		*outcome = "client_cancelled"
 		return proxy.ErrClientGone
@@ -234,7 +234,7 @@ func (x *Parallel) decodeFailed(r *http.Request, pair Pair, status int, err erro
 }
 
 // prefillError is the client's error for a failed prefill leg.
-func (x *Parallel) prefillError(pair Pair, p prefillResult, outcome *string) error {
+func (x *Parallel) prefillError(pair worker.Pair, p prefillResult, outcome *string) error {
 	*outcome = "prefill_failed"
 	x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "status", p.status, "err", p.err)
 	if p.err != nil {
@@ -245,7 +245,7 @@ func (x *Parallel) prefillError(pair Pair, p prefillResult, outcome *string) err
 
 // legFailed answers a request whose decode leg did not answer: because its prefill failed
 // (the prefill's error is the client's), because the client left, or on its own.
-func (x *Parallel) legFailed(r *http.Request, pair Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
+func (x *Parallel) legFailed(r *http.Request, pair worker.Pair, derr error, dCtx context.Context, pres chan prefillResult, outcome *string) error {
 	if context.Cause(dCtx) == errPrefillFailed {
 		p := <-pres
 		pres <- p
@@ -337,7 +337,7 @@ func (f *firstByte) Read(p []byte) (int, error) {
 // bootstrap_host, bootstrap_port and bootstrap_room (arrays of length N for a batch of N, with a
 // fresh room each), and, for workers with DP ranks, routed_dp_rank on each leg and
 // disagg_prefill_dp_rank on the decode. Client values of these keys are replaced.
-func BootstrapBodies(req *Request, pair Pair) (prefill, decode []byte, err error) {
+func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, err error) {
 	host, _ := json.Marshal(pair.Prefill.BootstrapHost)
 	port := []byte("null")
 	if p := pair.Prefill.BootstrapPort; p != nil {

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strings"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -35,17 +36,30 @@ type Request struct {
 	Batch int
 }
 
-// Pair is the selected prefill and decode workers of one request.
-type Pair struct {
-	Prefill, Decode *worker.Worker
-}
-
 // Executor runs one PD request over a selected pair and writes the response. It returns nil
 // when the whole response reached the client, proxy.ErrClientGone, proxy.ErrAbort (the caller
 // must abort the connection), or, with nothing written yet, an *openai.Error for the caller to
 // retry or write.
 type Executor interface {
-	Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair) error
+	Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error
+}
+
+// Dispatcher chooses the strategy of each PD request by its prefill worker's runtime: vLLM's
+// sequential relay of kv_transfer_params, or SGLang's parallel bootstrap rendezvous (also the
+// choice for runtimes that are neither).
+type Dispatcher struct {
+	Sequential Executor
+	Parallel   Executor
+}
+
+var _ Executor = (*Dispatcher)(nil)
+
+// Execute implements Executor.
+func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
+	if pair.Prefill.Runtime() == config.RuntimeVLLM {
+		return d.Sequential.Execute(rw, r, req, pair)
+	}
+	return d.Parallel.Execute(rw, r, req, pair)
 }
 
 // BatchSize returns how many sequences the request holds for bootstrap purposes, or 0 for a

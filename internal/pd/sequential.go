@@ -47,7 +47,7 @@ type handoffPlan struct {
 	decodeParams  []byte      // minted decode params (Mooncake)
 }
 
-func (x *Sequential) plan(req *Request, pair Pair) (handoffPlan, error) {
+func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	conn := ConnectorFor(pair.Prefill, x.DefaultConnector)
 	p := handoffPlan{conn: conn}
 	if req.N > 1 {
@@ -82,7 +82,7 @@ func (x *Sequential) plan(req *Request, pair Pair) (handoffPlan, error) {
 }
 
 // Execute implements Executor.
-func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair) error {
+func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
 	plan, err := x.plan(req, pair)
 	if err != nil {
 		e := &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
@@ -161,7 +161,7 @@ func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 // prefill sends the probe and returns the prefill's body. A failure is returned as the client's
 // error: a transport error is a 502, a non-2xx the prefill's exact status; the decode is never
 // contacted.
-func (x *Sequential) prefill(r *http.Request, req *Request, pair Pair, plan handoffPlan) ([]byte, error) {
+func (x *Sequential) prefill(r *http.Request, req *Request, pair worker.Pair, plan handoffPlan) ([]byte, error) {
 	ctx := r.Context() // carries the request's deadline
 	release := pair.Prefill.Acquire()
 	defer release()
@@ -185,7 +185,7 @@ func (x *Sequential) prefill(r *http.Request, req *Request, pair Pair, plan hand
 
 // report makes the handoff outcome visible: response header, counter, and a log line when the
 // decode will recompute. In strict mode a recompute is answered with 502 instead.
-func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair Pair, conn Connector, handoff string) error {
+func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pair, conn Connector, handoff string) error {
 	rw.Header().Set(HeaderKVHandoff, handoff)
 	x.Metrics.PDHandoffs.WithLabelValues(handoff, conn.Mode).Inc()
 	if !strings.HasPrefix(handoff, HandoffNonePrefix) {
@@ -209,7 +209,7 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair Pair, con
 
 // decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
 // started reports whether the decode's first byte arrived (the handoff was consumed).
-func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, body []byte, pu prefillUsage, start time.Time, model, runtime string) (started bool, err error) {
+func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, body []byte, pu prefillUsage, start time.Time, model, runtime string) (started bool, err error) {
 	ctx := r.Context()
 	release := pair.Decode.Acquire()
 	defer release()
@@ -249,7 +249,7 @@ func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Reques
 
 // abandoned counts a handoff prepared but never consumed: the prefill's KV stays pinned until
 // the engine's timeout.
-func (x *Sequential) abandoned(conn Connector, pair Pair, outcome string) {
+func (x *Sequential) abandoned(conn Connector, pair worker.Pair, outcome string) {
 	x.Metrics.PDHandoffsAbandoned.WithLabelValues(conn.Mode).Inc()
 	x.Log.Warn("KV handoff prepared but never consumed; the prefill holds it until its timeout",
 		"connector", conn.Mode, "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "outcome", outcome)
@@ -257,7 +257,7 @@ func (x *Sequential) abandoned(conn Connector, pair Pair, outcome string) {
 
 // concurrentMooncake sends both Mooncake legs at once: the decode waits for the KV the prefill
 // pushes under the minted transfer id.
-func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request, req *Request, pair Pair, plan handoffPlan) error {
+func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan handoffPlan) error {
 	if err := x.report(rw, req, pair, plan.conn, HandoffMooncake); err != nil {
 		return err
 	}

@@ -1,5 +1,7 @@
-// Package policy chooses one worker among the ready candidates for a request. Policies are pure:
-// they read the candidates and their own state, never the network.
+// Package policy is the selection room: the Selector turns the fleet, a request and the workers
+// to avoid into a worker or a prefill/decode pair (filtering by model, role, health, circuit
+// state and pair quarantine), and a Policy picks among the candidates left. Policies are pure:
+// they read the candidates, the request and live load on the workers, never the network.
 package policy
 
 import (
@@ -11,9 +13,9 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// Policy picks one of ws, which is never empty.
+// Policy picks one of ws for req. ws is never empty, and every worker in it is available.
 type Policy interface {
-	Pick(ws []*worker.Worker) *worker.Worker
+	Pick(ws []*worker.Worker, req *Request) *worker.Worker
 }
 
 // New returns the policy named name.
@@ -33,7 +35,7 @@ type RoundRobin struct{ n atomic.Uint64 }
 var _ Policy = (*RoundRobin)(nil)
 
 // Pick implements Policy.
-func (p *RoundRobin) Pick(ws []*worker.Worker) *worker.Worker {
+func (p *RoundRobin) Pick(ws []*worker.Worker, _ *Request) *worker.Worker {
 	return ws[(p.n.Add(1)-1)%uint64(len(ws))]
 }
 
@@ -43,4 +45,4 @@ type Random struct{}
 var _ Policy = Random{}
 
 // Pick implements Policy.
-func (Random) Pick(ws []*worker.Worker) *worker.Worker { return ws[rand.IntN(len(ws))] }
+func (Random) Pick(ws []*worker.Worker, _ *Request) *worker.Worker { return ws[rand.IntN(len(ws))] }

@@ -15,14 +15,14 @@ import (
 
 // initialBodyBuffer is the most readBody allocates before bytes arrive: a Content-Length is a
 // client's claim, not memory to hand out.
-const initialBodyBuffer = 64 << 10
+const initialBodyBuffer = 128 << 10
 
 // readBody reads the whole body once, bounded in size by the configured limit and in time by
 // the stalled-client timeout (between reads) and the request deadline (in all). A drain cuts
 // bodies still arriving: those requests were not admitted yet and are answered 503.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *openai.Error) {
-	if r.ContentLength > s.cfg.MaxPayloadSize {
-		return nil, tooLarge(s.cfg.MaxPayloadSize)
+	if r.ContentLength > s.opts.MaxPayloadSize {
+		return nil, tooLarge(s.opts.MaxPayloadSize)
 	}
 	var body *stallReader
 	if sw := observed(w); sw != nil {
@@ -31,7 +31,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *open
 	} else {
 		body = &stallReader{rc: http.NewResponseController(w)}
 	}
-	body.r, body.stall = http.MaxBytesReader(w, r.Body, s.cfg.MaxPayloadSize), time.Duration(s.cfg.StalledClientTimeoutSecs)*time.Second
+	body.r, body.stall = http.MaxBytesReader(w, r.Body, s.opts.MaxPayloadSize), s.opts.StalledClientTimeout
 	if deadline, ok := r.Context().Deadline(); ok {
 		body.deadline = deadline
 	}
@@ -44,7 +44,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *open
 	}
 	buf, err := readAll(body, r.ContentLength)
 	if err != nil {
-		return nil, bodyError(err, body.cut.Load(), s.cfg.MaxPayloadSize)
+		return nil, bodyError(err, body.cut.Load(), s.opts.MaxPayloadSize)
 	}
 	return buf, nil
 }
@@ -229,7 +229,7 @@ func sweepEvery(stall time.Duration) time.Duration { return min(stall/8, time.Se
 // Start runs the background work of the server until ctx ends: the sweeper that ends stalled
 // request bodies. Wait waits for it.
 func (s *Server) Start(ctx context.Context) {
-	every := sweepEvery(time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second)
+	every := sweepEvery(s.opts.StalledClientTimeout)
 	s.bg.Go(func() {
 		t := time.NewTicker(every)
 		defer t.Stop()

@@ -71,7 +71,7 @@ func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 			}
 		}
 		if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
-			c := pd.ConnectorFor(wk, s.cfg.KVConnector)
+			c := pd.ConnectorFor(wk, s.opts.KVConnector)
 			v.KVConnector, v.KVDetail = c.Mode, c.String()
 		}
 		out = append(out, v)

@@ -14,6 +14,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -25,9 +26,9 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
-	if preq.Batch = pd.BatchSize(preq, s.cfg.MaxBatchSize+1); preq.Batch > s.cfg.MaxBatchSize {
+	if preq.Batch = pd.BatchSize(preq, s.opts.MaxBatchSize+1); preq.Batch > s.opts.MaxBatchSize {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge,
-			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", s.cfg.MaxBatchSize)})
+			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", s.opts.MaxBatchSize)})
 		return
 	}
 	release, ok := s.admit.acquire(w, r)
@@ -35,79 +36,25 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		pair, oerr := s.pickPair(req.Model, avoid)
-		if oerr != nil {
-			return oerr
+		pair, err := s.sel.Pair(sreq, avoid)
+		if err != nil {
+			return selectionError(err)
 		}
 		h := w.Header()
 		h.Set(pd.HeaderPrefillWorker, pair.Prefill.URL)
 		h.Set(pd.HeaderDecodeWorker, pair.Decode.URL)
 		h.Set(openai.HeaderWorker, pair.Decode.URL)
-		return s.executorFor(pair.Prefill).Execute(w, r, preq, pair)
+		return s.pd.Execute(w, r, preq, pair)
 	})
-}
-
-// executorFor chooses the dispatch strategy by the prefill worker's runtime.
-func (s *Server) executorFor(prefill *worker.Worker) pd.Executor {
-	if prefill.Runtime() == config.RuntimeVLLM {
-		return s.sequential
-	}
-	return s.parallel
-}
-
-// pickPair selects a prefill and a decode worker serving model, each by its own policy,
-// preferring workers not in avoid and a decode not quarantined with the chosen prefill.
-func (s *Server) pickPair(model string, avoid map[string]bool) (pd.Pair, *openai.Error) {
-	snap := s.reg.Snapshot()
-	pc, pPending := snap.Candidates(config.RolePrefill, model)
-	dc, dPending := snap.Candidates(config.RoleDecode, model)
-	if model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
-		return pd.Pair{}, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model",
-			Message: fmt.Sprintf("the model %q is not served by any prefill or decode worker", model)}
-	}
-	var pair pd.Pair
-	for _, leg := range []struct {
-		role string
-		cand []*worker.Worker
-		out  **worker.Worker
-	}{{config.RolePrefill, pc, &pair.Prefill}, {config.RoleDecode, dc, &pair.Decode}} {
-		avail := preferOthers(worker.Available(leg.cand), avoid)
-		if len(avail) == 0 {
-			msg := fmt.Sprintf("no %s worker is available (all unhealthy, circuits open, or still registering)", leg.role)
-			if model != "" {
-				msg = fmt.Sprintf("no %s worker is available to serve model %q (all unhealthy, circuits open, or still registering)", leg.role, model)
-			}
-			return pd.Pair{}, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
-		}
-		if leg.role == config.RoleDecode {
-			avail = s.unquarantined(pair.Prefill, avail)
-		}
-		*leg.out = s.policies[leg.role].Pick(avail)
-	}
-	return pair, nil
-}
-
-// unquarantined returns the decodes not quarantined with prefill, or all of them when every
-// pair is quarantined.
-func (s *Server) unquarantined(prefill *worker.Worker, decodes []*worker.Worker) []*worker.Worker {
-	var out []*worker.Worker
-	for _, d := range decodes {
-		if !s.pairs.Quarantined(prefill, d) {
-			out = append(out, d)
-		}
-	}
-	if len(out) == 0 {
-		return decodes
-	}
-	return out
 }
 
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.
 func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
-	pair, oerr := s.pickPair("", nil)
-	if oerr != nil {
-		openai.WriteError(w, oerr)
+	pair, err := s.sel.Pair(&policy.Request{}, nil)
+	if err != nil {
+		openai.WriteError(w, selectionError(err))
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)

@@ -1,16 +1,15 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"net/http"
 	"strconv"
 	"strings"
-	"time"
-
-	"github.com/cenkalti/backoff/v5"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/retry"
 )
 
 // attemptFunc is one try at a request. r carries the request's total deadline; avoid holds the
@@ -24,81 +23,46 @@ var attemptHeaders = []string{openai.HeaderWorker, "X-Baton-Prefill-Worker", "X-
 
 // withRetries runs attempt until it succeeds, fails for good, or runs out of tries or time:
 // retries happen only on 408/429/500/502/503/504 and transport errors, only before any byte
-// reached the client, waiting an exponential, jittered backoff (cancelled with the client), each
-// retry re-selecting the worker, all within the request deadline r carries. The final failure is
+// reached the client, after a jittered exponential wait, each retry re-selecting the worker and
+// avoiding those that failed, all within the request deadline r carries. The final failure is
 // written here.
 func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt attemptFunc) {
-	timeout := time.Duration(s.cfg.RequestTimeoutSecs) * time.Second
-	ctx := r.Context() // carries the request deadline, set on arrival (observe)
-	rc := s.cfg.Retry
-	tries := uint(rc.MaxRetries)
-	if rc.Disable {
-		tries = 1
-	}
-	route := r.Pattern
 	var avoid map[string]bool
-	// step runs one attempt and classifies its failure for the backoff loop.
-	step := func(err error) (struct{}, error) {
+	for n := 1; ; n++ {
+		err := attempt(r, avoid)
 		if err == nil {
-			return struct{}{}, nil
+			return
 		}
-		if _, ok := retryReason(err); !ok {
-			return struct{}{}, backoff.Permanent(err)
-		}
-		if u := failedWorker(err); u != "" {
-			if avoid == nil {
-				avoid = map[string]bool{}
+		reason, retryable := retryReason(err)
+		if retryable && n < s.opts.Retry.Attempts {
+			s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
+			s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
+			if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
+				avoid = failed(avoid, err)
+				for _, h := range attemptHeaders {
+					w.Header().Del(h)
+				}
+				continue
 			}
-			avoid[u] = true
+			err, retryable = context.Cause(r.Context()), false // the deadline passed or the client left
 		}
-		return struct{}{}, err
-	}
-	clear := func() {
-		for _, h := range attemptHeaders {
-			w.Header().Del(h)
+		if retryable {
+			s.metrics.RetriesExhausted.WithLabelValues(r.Pattern).Inc()
 		}
-	}
-	// The first attempt runs outside the backoff loop, which most requests never need.
-	_, err := step(attempt(r, avoid))
-	if err != nil && tries > 1 && !isPermanent(err) {
-		b := &backoff.ExponentialBackOff{
-			InitialInterval:     time.Duration(rc.InitialBackoffMs) * time.Millisecond,
-			RandomizationFactor: rc.JitterFactor,
-			Multiplier:          rc.BackoffMultiplier,
-			MaxInterval:         time.Duration(rc.MaxBackoffMs) * time.Millisecond,
-		}
-		first := true
-		_, err = backoff.Retry(ctx, func() (struct{}, error) {
-			if first { // the attempt above, already made: the loop waits, then retries
-				first = false
-				return struct{}{}, err
-			}
-			clear()
-			return step(attempt(r, avoid))
-		},
-			backoff.WithBackOff(b), backoff.WithMaxTries(tries), backoff.WithMaxElapsedTime(timeout),
-			backoff.WithNotify(func(err error, d time.Duration) {
-				reason, _ := retryReason(err)
-				s.metrics.Retries.WithLabelValues(route, reason).Inc()
-				s.log.Debug("retrying", "route", route, "reason", reason, "backoff", d, "err", err)
-			}))
-	}
-	var perm *backoff.PermanentError
-	if errors.As(err, &perm) {
-		err = perm.Unwrap()
-	}
-	if err == nil {
+		s.writeFailure(w, r, err)
 		return
 	}
-	if _, ok := retryReason(err); ok {
-		s.metrics.RetriesExhausted.WithLabelValues(route).Inc()
-	}
-	s.writeFailure(w, r, err)
 }
 
-func isPermanent(err error) bool {
-	var perm *backoff.PermanentError
-	return errors.As(err, &perm)
+// failed adds the worker err belongs to, if known, to avoid.
+func failed(avoid map[string]bool, err error) map[string]bool {
+	if u := failedWorker(err); u != "" {
+		if avoid == nil {
+			avoid = map[string]bool{}
+		}
+		avoid[u] = true
+	}
+	return avoid
 }
 
 // writeFailure answers the client for the final failure of a request.

@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -21,6 +22,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -35,29 +37,70 @@ var pdRoutes = map[string]bool{
 	"/generate": true, "/v1/chat/completions": true, "/v1/completions": true, "/v1/messages": true, "/v1/responses": true,
 }
 
-// Server is Baton's API server.
-type Server struct {
-	cfg        config.Config
-	reg        *worker.Registry
-	policies   map[string]policy.Policy // by role
-	proxy      *proxy.Proxy
-	parallel   pd.Executor // PD dispatch for bootstrap engines
-	sequential pd.Executor // PD dispatch for vLLM
-	metrics    *metrics.Metrics
-	log        *slog.Logger
-	admit      *admission
-	pairs      *worker.PairHealth
-	draining   atomic.Bool
-	inflight   atomic.Int64 // client requests being served (streams included)
-	uploads    uploads      // request bodies being read
-	bg         sync.WaitGroup
+// Options are a Server's settings, converted once from the configuration, and the parts it
+// drives.
+type Options struct {
+	// PD sends the generation routes through a prefill/decode pair (Dispatcher).
+	PD bool
+	// APIKey, when set, is required as "Authorization: Bearer <key>" on API routes.
+	APIKey string
+	// MaxPayloadSize bounds a request body, in bytes.
+	MaxPayloadSize int64
+	// MaxBatchSize bounds "n" and the prompts of one request.
+	MaxBatchSize int
+	// RequestTimeout bounds one request from its arrival to its last byte.
+	RequestTimeout time.Duration
+	// StalledClientTimeout drops a client that sends or accepts no bytes for this long.
+	StalledClientTimeout time.Duration
+	// Retry is how failed attempts are retried.
+	Retry Retry
+	// Admission bounds the inference requests served at once.
+	Admission Admission
+	// KVConnector is the connector of vLLM prefill workers that configure none (GET /workers).
+	KVConnector string
+
+	Registry   *worker.Registry
+	Selector   *policy.Selector
+	Proxy      *proxy.Proxy
+	Dispatcher pd.Executor // runs PD requests; nil without PD
+	Metrics    *metrics.Metrics
+	Log        *slog.Logger
 }
 
-// New returns a server routing over reg with a policy per worker role.
-func New(cfg config.Config, reg *worker.Registry, policies map[string]policy.Policy, px *proxy.Proxy, parallel, sequential pd.Executor, pairs *worker.PairHealth, m *metrics.Metrics, log *slog.Logger) *Server {
-	a := cfg.Admission
-	return &Server{cfg: cfg, reg: reg, policies: policies, proxy: px, parallel: parallel, sequential: sequential, pairs: pairs,
-		admit: newAdmission(a.MaxConcurrentRequests, a.QueueSize, time.Duration(a.QueueTimeoutSecs)*time.Second, m), metrics: m, log: log}
+// Retry is how a failed attempt is retried.
+type Retry struct {
+	Attempts int // in total, the first included; 1 disables retries
+	Backoff  retry.Backoff
+}
+
+// Admission bounds the inference requests served at once: Max at once (0 or less: no bound),
+// QueueSize more waiting at most QueueTimeout each.
+type Admission struct {
+	Max, QueueSize int
+	QueueTimeout   time.Duration
+}
+
+// Server is Baton's API server.
+type Server struct {
+	opts     Options
+	reg      *worker.Registry
+	sel      *policy.Selector
+	proxy    *proxy.Proxy
+	pd       pd.Executor
+	metrics  *metrics.Metrics
+	log      *slog.Logger
+	admit    *admission
+	draining atomic.Bool
+	inflight atomic.Int64 // client requests being served (streams included)
+	uploads  uploads      // request bodies being read
+	bg       sync.WaitGroup
+}
+
+// New returns a server with o.
+func New(o Options) *Server {
+	a := o.Admission
+	return &Server{opts: o, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
+		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics)}
 }
 
 // Handler returns the API handler with its middleware.
@@ -65,12 +108,12 @@ func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	for _, route := range inferenceRoutes {
 		h := http.HandlerFunc(s.serveInference)
-		if s.cfg.PDDisaggregation && pdRoutes[route] {
+		if s.opts.PD && pdRoutes[route] {
 			h = s.servePD
 		}
 		mux.Handle("POST "+route, s.authed(h))
 	}
-	if s.cfg.PDDisaggregation {
+	if s.opts.PD {
 		mux.Handle("GET /health_generate", s.authed(s.admit.wrap(http.HandlerFunc(s.serveHealthGenerate))))
 		mux.Handle("GET /get_server_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 		mux.Handle("GET /get_model_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
@@ -171,8 +214,7 @@ func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 // the request with 500 (or aborts it after the first byte) and is logged and counted; the
 // process lives on.
 func (s *Server) observe(next http.Handler) http.Handler {
-	timeout := time.Duration(s.cfg.RequestTimeoutSecs) * time.Second
-	stall := time.Duration(s.cfg.StalledClientTimeoutSecs) * time.Second
+	timeout, stall := s.opts.RequestTimeout, s.opts.StalledClientTimeout
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		rid := requestID(r.Header)
@@ -245,7 +287,7 @@ func validRequestID(s string) bool {
 // count is ambiguous), and with an API key configured it must be that key as a bearer token.
 // Baton's key is Baton's: it is removed from the request, so it never reaches a worker.
 func (s *Server) authed(next http.Handler) http.Handler {
-	want := []byte("Bearer " + s.cfg.APIKey)
+	want := []byte("Bearer " + s.opts.APIKey)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		got := r.Header["Authorization"]
 		if len(got) > 1 {
@@ -253,7 +295,7 @@ func (s *Server) authed(next http.Handler) http.Handler {
 				Message: "the request has more than one Authorization header"})
 			return
 		}
-		if s.cfg.APIKey != "" {
+		if s.opts.APIKey != "" {
 			if len(got) == 0 || subtle.ConstantTimeCompare([]byte(got[0]), want) != 1 {
 				openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
 					Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
@@ -283,9 +325,9 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) *openai.Req
 		return nil
 	}
 	setModel(w, req.Model)
-	if req.N > s.cfg.MaxBatchSize {
+	if req.N > s.opts.MaxBatchSize {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
-			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.cfg.MaxBatchSize)})
+			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.opts.MaxBatchSize)})
 		return nil
 	}
 	return req
@@ -302,65 +344,30 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	body := req.Body
-	if s.cfg.PDDisaggregation && !s.hasRole(config.RoleRegular) {
+	if s.opts.PD && !s.sel.HasRole(config.RoleRegular) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: "not_implemented_in_pd_mode",
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		wk, oerr := s.pick(config.RoleRegular, req.Model, avoid)
-		if oerr != nil {
-			return oerr
+		wk, err := s.sel.Worker(config.RoleRegular, sreq, avoid)
+		if err != nil {
+			return selectionError(err)
 		}
 		w.Header().Set(openai.HeaderWorker, wk.URL)
-		return s.proxy.Forward(w, r, wk, r.URL.Path, body)
+		return s.proxy.Forward(w, r, wk, r.URL.Path, req.Body)
 	})
 }
 
-// pick selects an available worker of role serving model, preferring those not in avoid.
-func (s *Server) pick(role, model string, avoid map[string]bool) (*worker.Worker, *openai.Error) {
-	cands, pending := s.reg.Snapshot().Candidates(role, model)
-	if len(cands) == 0 && !pending && model != "" {
-		return nil, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model",
-			Message: fmt.Sprintf("the model %q is not served by any worker", model)}
+// selectionError is the client's error for a failed selection: 404 for a model no worker
+// serves, else 503.
+func selectionError(err error) *openai.Error {
+	var nw *policy.NoWorkerError
+	if errors.As(err, &nw) && nw.Unserved {
+		return &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()}
 	}
-	avail := preferOthers(worker.Available(cands), avoid)
-	if len(avail) == 0 {
-		msg := fmt.Sprintf("no %s worker is available (all unhealthy, circuits open, or still registering)", role)
-		if model != "" {
-			msg = fmt.Sprintf("no %s worker is available to serve model %q (all unhealthy, circuits open, or still registering)", role, model)
-		}
-		return nil, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg}
-	}
-	return s.policies[role].Pick(avail), nil
-}
-
-// preferOthers returns the workers of ws not in avoid, or ws when that would leave none.
-func preferOthers(ws []*worker.Worker, avoid map[string]bool) []*worker.Worker {
-	if len(avoid) == 0 {
-		return ws
-	}
-	var out []*worker.Worker
-	for _, w := range ws {
-		if !avoid[w.URL] {
-			out = append(out, w)
-		}
-	}
-	if len(out) == 0 {
-		return ws
-	}
-	return out
-}
-
-// hasRole reports whether any worker of role is configured.
-func (s *Server) hasRole(role string) bool {
-	for _, w := range s.reg.Snapshot().Workers {
-		if w.Role == role {
-			return true
-		}
-	}
-	return false
+	return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()}
 }
 
 func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
@@ -373,9 +380,9 @@ func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
 	switch {
 	case s.draining.Load():
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining, Message: "shutting down"})
-	case s.cfg.PDDisaggregation && !(s.reg.Snapshot().HasReady(config.RolePrefill) && s.reg.Snapshot().HasReady(config.RoleDecode)):
+	case s.opts.PD && !(s.reg.Snapshot().HasReady(config.RolePrefill) && s.reg.Snapshot().HasReady(config.RoleDecode)):
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable prefill and decode worker yet"})
-	case !s.cfg.PDDisaggregation && !s.reg.Snapshot().HasReady(config.RoleRegular):
+	case !s.opts.PD && !s.reg.Snapshot().HasReady(config.RoleRegular):
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable worker yet"})
 	default:
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")

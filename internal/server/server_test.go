@@ -7,10 +7,10 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
@@ -22,7 +22,7 @@ func testServer(t *testing.T) *Server {
 	m := metrics.New(reg)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	px := &proxy.Proxy{Transport: http.DefaultTransport, Metrics: m, Log: log}
-	return New(config.Default(), reg, nil, px, nil, nil, nil, m, log)
+	return New(Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, Registry: reg, Proxy: px, Metrics: m, Log: log})
 }
 
 // A panic in a handler fails that request with 500 in the OpenAI envelope, or breaks the

@@ -110,7 +110,7 @@ func TestHealthChecker(t *testing.T) {
 	}))
 	defer srv.Close()
 	w := New(config.Worker{URL: srv.URL})
-	w.setInfo(&Info{Runtime: "generic"})
+	w.SetInfo(&Info{Runtime: "generic"})
 	w.SetReady(true)
 	var probes atomic.Int32
 	h := &HealthChecker{Registry: NewRegistry(w), Client: srv.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/retry"
 )
 
 // ErrUnreachable means the engine did not answer; registration is retried.
@@ -147,11 +148,11 @@ func (r *Registrar) Start(ctx context.Context) {
 func (r *Registrar) Wait() { r.wg.Wait() }
 
 func (r *Registrar) register(ctx context.Context, w *Worker) {
-	delay := 200 * time.Millisecond
+	wait := retry.Backoff{Initial: 200 * time.Millisecond, Max: r.MaxInterval, Multiplier: 2}
 	for attempt := 1; ; attempt++ {
 		in, err := Detect(ctx, r.Client, w)
 		if err == nil {
-			w.setInfo(in)
+			w.SetInfo(in)
 			w.SetReady(true)
 			r.Registry.Rebuild()
 			ids := make([]string, len(in.Models))
@@ -169,13 +170,8 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 		} else {
 			r.Log.Debug("worker still not reachable", "worker", w.URL, "attempt", attempt, "err", err)
 		}
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !retry.Sleep(ctx, wait.Delay(attempt)) {
 			return
-		case <-t.C:
 		}
-		delay = min(delay*2, r.MaxInterval)
 	}
 }

@@ -5,6 +5,11 @@ import (
 	"time"
 )
 
+// Pair is the prefill and decode workers chosen for one PD request.
+type Pair struct {
+	Prefill, Decode *Worker
+}
+
 // PairHealth quarantines a prefill/decode pair whose requests keep failing at the seam (the KV
 // handoff) while each worker may look healthy on its own. Selection then prefers other decode
 // workers for that prefill until the quarantine ends.

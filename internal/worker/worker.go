@@ -149,7 +149,9 @@ func (w *Worker) Acquire() (release func()) {
 	}
 }
 
-func (w *Worker) setInfo(in *Info) { w.info.Store(in) }
+// SetInfo records what registration learned about the worker; the registry indexes it on its
+// next Rebuild.
+func (w *Worker) SetInfo(in *Info) { w.info.Store(in) }
 
 // IsFailure reports whether an upstream outcome counts against the worker, and whether it is a
 // sample at all. Transport errors and 408/500/502/503/504 are failures; 429 is no sample (the

@@ -1,0 +1,127 @@
+package policy
+
+import (
+	"fmt"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Request is what selection sees of one request: its model, its route and the client's raw
+// body, from which a policy may read the prompt (text or tokens). Live load is on the workers.
+type Request struct {
+	Model string
+	Path  string
+	Body  []byte
+}
+
+// NoWorkerError says why no worker could be chosen.
+type NoWorkerError struct {
+	Role  string // the role that had none
+	Model string // the request's model, "" for none
+	// Unserved means no worker of any role serves the model at all (rather than none being
+	// available now: unhealthy, circuits open, or still registering).
+	Unserved bool
+}
+
+func (e *NoWorkerError) Error() string {
+	switch {
+	case e.Unserved:
+		return fmt.Sprintf("the model %q is not served by any worker", e.Model)
+	case e.Model != "":
+		return fmt.Sprintf("no %s worker is available to serve model %q (all unhealthy, circuits open, or still registering)", e.Role, e.Model)
+	}
+	return fmt.Sprintf("no %s worker is available (all unhealthy, circuits open, or still registering)", e.Role)
+}
+
+// Selector chooses workers for requests: the candidates are the registered workers of a role
+// serving the request's model; of those, the available ones (healthy, circuit admitting), those
+// not in avoid (the workers that already failed this request) when any remain, and for a
+// decode those not quarantined with the chosen prefill when any remain. The role's policy picks
+// among what is left.
+type Selector struct {
+	Registry *worker.Registry
+	Policies map[string]Policy  // by role
+	Pairs    *worker.PairHealth // nil: no pair quarantine
+}
+
+// Worker chooses a worker of role for req, or returns a *NoWorkerError.
+func (s *Selector) Worker(role string, req *Request, avoid map[string]bool) (*worker.Worker, error) {
+	cands, pending := s.Registry.Snapshot().Candidates(role, req.Model)
+	if len(cands) == 0 && !pending && req.Model != "" {
+		return nil, &NoWorkerError{Role: role, Model: req.Model, Unserved: true}
+	}
+	avail := preferOthers(worker.Available(cands), avoid)
+	if len(avail) == 0 {
+		return nil, &NoWorkerError{Role: role, Model: req.Model}
+	}
+	return s.Policies[role].Pick(avail, req), nil
+}
+
+// Pair chooses a prefill and a decode worker for req, each by its role's policy, or returns a
+// *NoWorkerError.
+func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error) {
+	snap := s.Registry.Snapshot()
+	pc, pPending := snap.Candidates(config.RolePrefill, req.Model)
+	dc, dPending := snap.Candidates(config.RoleDecode, req.Model)
+	if req.Model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
+		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unserved: true}
+	}
+	prefills := preferOthers(worker.Available(pc), avoid)
+	if len(prefills) == 0 {
+		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model}
+	}
+	decodes := preferOthers(worker.Available(dc), avoid)
+	if len(decodes) == 0 {
+		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
+	}
+	var p worker.Pair
+	p.Prefill = s.Policies[config.RolePrefill].Pick(prefills, req)
+	p.Decode = s.Policies[config.RoleDecode].Pick(s.unquarantined(p.Prefill, decodes), req)
+	return p, nil
+}
+
+// HasRole reports whether any worker of role is configured.
+func (s *Selector) HasRole(role string) bool {
+	for _, w := range s.Registry.Snapshot().Workers {
+		if w.Role == role {
+			return true
+		}
+	}
+	return false
+}
+
+// preferOthers returns the workers of ws not in avoid, or ws when that would leave none.
+func preferOthers(ws []*worker.Worker, avoid map[string]bool) []*worker.Worker {
+	if len(avoid) == 0 {
+		return ws
+	}
+	var out []*worker.Worker
+	for _, w := range ws {
+		if !avoid[w.URL] {
+			out = append(out, w)
+		}
+	}
+	if len(out) == 0 {
+		return ws
+	}
+	return out
+}
+
+// unquarantined returns the decodes not quarantined with prefill, or all of them when every
+// pair is quarantined.
+func (s *Selector) unquarantined(prefill *worker.Worker, decodes []*worker.Worker) []*worker.Worker {
+	if s.Pairs == nil {
+		return decodes
+	}
+	var out []*worker.Worker
+	for _, d := range decodes {
+		if !s.Pairs.Quarantined(prefill, d) {
+			out = append(out, d)
+		}
+	}
+	if len(out) == 0 {
+		return decodes
+	}
+	return out
+}
