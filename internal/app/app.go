@@ -150,8 +150,8 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	breaker := &worker.BreakerConfig{
 		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold,
 		Timeout: time.Duration(cb.TimeoutSecs) * time.Second, Disabled: cb.Disable,
-		OnTransition: func(w *worker.Worker, from, to int) {
-			f, t := metrics.BreakerStateName(from), metrics.BreakerStateName(to)
+		OnTransition: func(w *worker.Worker, from, to worker.BreakerState) {
+			f, t := from.String(), to.String()
 			m.BreakerTransitions.WithLabelValues(w.URL, f, t).Inc()
 			log.Warn("circuit breaker", "worker", w.URL, "role", w.Role, "from", f, "to", t)
 		},

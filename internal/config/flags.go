@@ -23,17 +23,19 @@ type flag struct {
 	optPort bool
 	help    string
 	apply   func(c *Config, vals []string) error
+	// def reads the flag's value from a Config, for the usage's "(default ...)"; nil: none shown.
+	def func(c *Config) string
 }
 
 func strFlag(name, help string, field func(*Config) *string) flag {
-	return flag{name: name, arg: "STRING", help: help, apply: func(c *Config, v []string) error {
+	return flag{name: name, arg: "STRING", help: help, def: func(c *Config) string { return *field(c) }, apply: func(c *Config, v []string) error {
 		*field(c) = v[0]
 		return nil
 	}}
 }
 
 func intFlag(name, help string, field func(*Config) *int) flag {
-	return flag{name: name, arg: "N", help: help, apply: func(c *Config, v []string) error {
+	return flag{name: name, arg: "N", help: help, def: func(c *Config) string { return strconv.Itoa(*field(c)) }, apply: func(c *Config, v []string) error {
 		n, err := strconv.Atoi(v[0])
 		if err != nil {
 			return fmt.Errorf("--%s: %q is not an integer", name, v[0])
@@ -44,7 +46,7 @@ func intFlag(name, help string, field func(*Config) *int) flag {
 }
 
 func floatFlag(name, help string, field func(*Config) *float64) flag {
-	return flag{name: name, arg: "X", help: help, apply: func(c *Config, v []string) error {
+	return flag{name: name, arg: "X", help: help, def: func(c *Config) string { return strconv.FormatFloat(*field(c), 'g', -1, 64) }, apply: func(c *Config, v []string) error {
 		f, err := strconv.ParseFloat(v[0], 64)
 		if err != nil {
 			return fmt.Errorf("--%s: %q is not a number", name, v[0])
@@ -71,14 +73,14 @@ func boolFlag(name, help string, field func(*Config) *bool) flag {
 
 var serveFlags = []flag{
 	{name: "config", arg: "FILE", help: "YAML configuration file (strict: unknown keys are errors); flags override it"},
-	strFlag("host", "address to bind (default 0.0.0.0)", func(c *Config) *string { return &c.Host }),
-	intFlag("port", "API port (default 30000; 0 picks a free port)", func(c *Config) *int { return &c.Port }),
-	intFlag("metrics-port", "Prometheus /metrics port (default 29000; -1 disables)", func(c *Config) *int { return &c.MetricsPort }),
+	strFlag("host", "address to bind", func(c *Config) *string { return &c.Host }),
+	intFlag("port", "API port; 0 picks a free port", func(c *Config) *int { return &c.Port }),
+	intFlag("metrics-port", "Prometheus /metrics port; 0 picks a free port, -1 disables", func(c *Config) *int { return &c.MetricsPort }),
 	{name: "worker-urls", arg: "URL...", list: true, help: "regular workers by URL", apply: func(c *Config, v []string) error {
 		c.WorkerURLs = append(c.WorkerURLs, v...)
 		return nil
 	}},
-	strFlag("policy", "worker selection policy: round_robin | random (default round_robin)", func(c *Config) *string { return &c.Policy }),
+	strFlag("policy", "worker selection policy: round_robin | random", func(c *Config) *string { return &c.Policy }),
 	boolFlag("pd-disaggregation", "prefill/decode disaggregation: generation goes to a prefill and a decode worker", func(c *Config) *bool { return &c.PDDisaggregation }),
 	{name: "prefill", arg: "URL [BOOTSTRAP_PORT|none]", optPort: true, help: "a prefill worker (repeatable); the bootstrap port SGLang legs name", apply: func(c *Config, v []string) error {
 		w := Worker{URL: v[0], Role: RolePrefill}
@@ -98,11 +100,11 @@ var serveFlags = []flag{
 	}},
 	strFlag("kv-connector", "KV connector of vLLM prefill workers that configure none: NixlConnector | MooncakeConnector", func(c *Config) *string { return &c.KVConnector }),
 	boolFlag("pd-require-handoff", "strict mode: a PD request whose decode would recompute the prompt fails with 502", func(c *Config) *bool { return &c.PDRequireHandoff }),
-	strFlag("pd-mooncake-dispatch", "Mooncake legs: concurrent (default) or sequential", func(c *Config) *string { return &c.PDMooncakeDispatch }),
+	strFlag("pd-mooncake-dispatch", "Mooncake legs: concurrent or sequential", func(c *Config) *string { return &c.PDMooncakeDispatch }),
 	strFlag("prefill-policy", "policy for the prefill worker of a pair (default: --policy)", func(c *Config) *string { return &c.PrefillPolicy }),
 	strFlag("decode-policy", "policy for the decode worker of a pair (default: --policy)", func(c *Config) *string { return &c.DecodePolicy }),
-	intFlag("request-timeout-secs", "bound on one request from arrival to the end of its response, streams included (default 1800)", func(c *Config) *int { return &c.RequestTimeoutSecs }),
-	{name: "max-payload-size", arg: "BYTES", help: "largest request body accepted (default 536870912)", apply: func(c *Config, v []string) error {
+	intFlag("request-timeout-secs", "bound on one request from arrival to the end of its response, streams included", func(c *Config) *int { return &c.RequestTimeoutSecs }),
+	{name: "max-payload-size", arg: "BYTES", help: "largest request body accepted", def: func(c *Config) string { return strconv.FormatInt(c.MaxPayloadSize, 10) }, apply: func(c *Config, v []string) error {
 		n, err := strconv.ParseInt(v[0], 10, 64)
 		if err != nil {
 			return fmt.Errorf("--max-payload-size: %q is not an integer", v[0])
@@ -110,35 +112,35 @@ var serveFlags = []flag{
 		c.MaxPayloadSize = n
 		return nil
 	}},
-	intFlag("max-batch-size", "largest n, and most prompts in one request (default 1024; 400 past it)", func(c *Config) *int { return &c.MaxBatchSize }),
-	intFlag("stalled-client-timeout-secs", "drop a client that sends no body bytes or accepts no response bytes for this long (default 60)", func(c *Config) *int { return &c.StalledClientTimeoutSecs }),
+	intFlag("max-batch-size", "largest n, and most prompts in one request; 400 past it", func(c *Config) *int { return &c.MaxBatchSize }),
+	intFlag("stalled-client-timeout-secs", "drop a client that sends no body bytes or accepts no response bytes for this long", func(c *Config) *int { return &c.StalledClientTimeoutSecs }),
 	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
-	strFlag("log-level", "debug | info | warn | error (default info)", func(c *Config) *string { return &c.LogLevel }),
+	strFlag("log-level", "debug | info | warn | error", func(c *Config) *string { return &c.LogLevel }),
 	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
 	boolFlag("enable-pprof", "serve /debug/pprof/ on the metrics port", func(c *Config) *bool { return &c.EnablePprof }),
-	intFlag("read-header-timeout-secs", "a client must send its request headers within this (default 30)", func(c *Config) *int { return &c.ReadHeaderTimeoutSecs }),
-	intFlag("idle-timeout-secs", "idle keep-alive client connections are closed after this; streams are never cut (default 120)", func(c *Config) *int { return &c.IdleTimeoutSecs }),
-	intFlag("shutdown-grace-period-secs", "how long in-flight requests may drain on SIGTERM (default 180)", func(c *Config) *int { return &c.ShutdownGracePeriodSecs }),
-	intFlag("retry-max-retries", "attempts in total, the first included (default 5)", func(c *Config) *int { return &c.Retry.MaxRetries }),
-	intFlag("retry-initial-backoff-ms", "wait before the second attempt (default 50)", func(c *Config) *int { return &c.Retry.InitialBackoffMs }),
-	intFlag("retry-max-backoff-ms", "longest wait between attempts (default 30000)", func(c *Config) *int { return &c.Retry.MaxBackoffMs }),
-	floatFlag("retry-backoff-multiplier", "growth of the wait per attempt (default 1.5)", func(c *Config) *float64 { return &c.Retry.BackoffMultiplier }),
-	floatFlag("retry-jitter-factor", "± fraction of randomness in each wait (default 0.2)", func(c *Config) *float64 { return &c.Retry.JitterFactor }),
+	intFlag("read-header-timeout-secs", "a client must send its request headers within this", func(c *Config) *int { return &c.ReadHeaderTimeoutSecs }),
+	intFlag("idle-timeout-secs", "idle keep-alive client connections are closed after this; streams are never cut", func(c *Config) *int { return &c.IdleTimeoutSecs }),
+	intFlag("shutdown-grace-period-secs", "how long in-flight requests may drain on SIGTERM", func(c *Config) *int { return &c.ShutdownGracePeriodSecs }),
+	intFlag("retry-max-retries", "attempts in total, the first included", func(c *Config) *int { return &c.Retry.MaxRetries }),
+	intFlag("retry-initial-backoff-ms", "wait before the second attempt", func(c *Config) *int { return &c.Retry.InitialBackoffMs }),
+	intFlag("retry-max-backoff-ms", "longest wait between attempts", func(c *Config) *int { return &c.Retry.MaxBackoffMs }),
+	floatFlag("retry-backoff-multiplier", "growth of the wait per attempt", func(c *Config) *float64 { return &c.Retry.BackoffMultiplier }),
+	floatFlag("retry-jitter-factor", "± fraction of randomness in each wait", func(c *Config) *float64 { return &c.Retry.JitterFactor }),
 	boolFlag("disable-retries", "one attempt per request", func(c *Config) *bool { return &c.Retry.Disable }),
-	intFlag("cb-failure-threshold", "consecutive failures that open a worker's circuit (default 10)", func(c *Config) *int { return &c.CircuitBreaker.FailureThreshold }),
-	intFlag("cb-success-threshold", "successes in half-open that close it (default 3)", func(c *Config) *int { return &c.CircuitBreaker.SuccessThreshold }),
-	intFlag("cb-timeout-duration-secs", "time open before half-open probes (default 60)", func(c *Config) *int { return &c.CircuitBreaker.TimeoutSecs }),
+	intFlag("cb-failure-threshold", "consecutive failures that open a worker's circuit", func(c *Config) *int { return &c.CircuitBreaker.FailureThreshold }),
+	intFlag("cb-success-threshold", "successes in half-open that close it", func(c *Config) *int { return &c.CircuitBreaker.SuccessThreshold }),
+	intFlag("cb-timeout-duration-secs", "time open before half-open probes", func(c *Config) *int { return &c.CircuitBreaker.TimeoutSecs }),
 	boolFlag("disable-circuit-breaker", "never open circuits", func(c *Config) *bool { return &c.CircuitBreaker.Disable }),
-	intFlag("health-check-interval-secs", "time between health probes of a worker (default 60)", func(c *Config) *int { return &c.HealthCheck.IntervalSecs }),
-	intFlag("health-check-timeout-secs", "timeout of one health probe (default 5)", func(c *Config) *int { return &c.HealthCheck.TimeoutSecs }),
-	intFlag("health-failure-threshold", "failed probes that take a worker out of rotation (default 3)", func(c *Config) *int { return &c.HealthCheck.FailureThreshold }),
-	intFlag("health-success-threshold", "good probes that bring it back (default 2)", func(c *Config) *int { return &c.HealthCheck.SuccessThreshold }),
-	strFlag("health-check-endpoint", "path probed (default /health)", func(c *Config) *string { return &c.HealthCheck.Endpoint }),
+	intFlag("health-check-interval-secs", "time between health probes of a worker", func(c *Config) *int { return &c.HealthCheck.IntervalSecs }),
+	intFlag("health-check-timeout-secs", "timeout of one health probe", func(c *Config) *int { return &c.HealthCheck.TimeoutSecs }),
+	intFlag("health-failure-threshold", "failed probes that take a worker out of rotation", func(c *Config) *int { return &c.HealthCheck.FailureThreshold }),
+	intFlag("health-success-threshold", "good probes that bring it back", func(c *Config) *int { return &c.HealthCheck.SuccessThreshold }),
+	strFlag("health-check-endpoint", "path probed", func(c *Config) *string { return &c.HealthCheck.Endpoint }),
 	boolFlag("disable-health-check", "no active health checks", func(c *Config) *bool { return &c.HealthCheck.Disable }),
-	intFlag("max-concurrent-requests", "inference requests served at once; -1 = no limit (default -1)", func(c *Config) *int { return &c.Admission.MaxConcurrentRequests }),
-	intFlag("queue-size", "requests that may wait for a slot (default 100)", func(c *Config) *int { return &c.Admission.QueueSize }),
-	intFlag("queue-timeout-secs", "how long a request may wait for a slot (default 60)", func(c *Config) *int { return &c.Admission.QueueTimeoutSecs }),
-	intFlag("detect-interval-secs", "longest wait between registration attempts for an unreachable worker (default 10)", func(c *Config) *int { return &c.DetectIntervalSecs }),
+	intFlag("max-concurrent-requests", "inference requests served at once; -1 = no limit", func(c *Config) *int { return &c.Admission.MaxConcurrentRequests }),
+	intFlag("queue-size", "requests that may wait for a slot", func(c *Config) *int { return &c.Admission.QueueSize }),
+	intFlag("queue-timeout-secs", "how long a request may wait for a slot", func(c *Config) *int { return &c.Admission.QueueTimeoutSecs }),
+	intFlag("detect-interval-secs", "longest wait between registration attempts for an unreachable worker", func(c *Config) *int { return &c.DetectIntervalSecs }),
 }
 
 // Parse builds the serve configuration from defaults, then the --config file if given, then
@@ -228,8 +230,15 @@ func writeUsage(w io.Writer) {
 	fmt.Fprintln(w, "       baton version")
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	d := Default()
 	for _, f := range serveFlags {
-		fmt.Fprintf(tw, "  --%s %s\t%s\n", f.name, f.arg, f.help)
+		help := f.help
+		if f.def != nil {
+			if v := f.def(&d); v != "" && v != "0" {
+				help += " (default " + v + ")"
+			}
+		}
+		fmt.Fprintf(tw, "  --%s %s\t%s\n", f.name, f.arg, help)
 	}
 	_ = tw.Flush()
 }

@@ -90,7 +90,7 @@ func New(reg *worker.Registry) *Metrics {
 		}, []string{"worker", "kind"}),
 		PDRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_requests_total",
-			Help: "PD requests by model, dispatch (parallel, sequential) and outcome (success, prefill_failed, decode_failed, client_cancelled, aborted).",
+			Help: "PD requests by model, dispatch (parallel, sequential, concurrent) and outcome (success, prefill_failed, decode_failed, client_cancelled, aborted, handoff_required).",
 		}, []string{"model", "dispatch", "outcome"}),
 		PDTTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "baton_pd_ttft_seconds",
@@ -239,15 +239,4 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(ok), w.URL, w.Role, "success")
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(failed), w.URL, w.Role, "failure")
 	}
-}
-
-// BreakerStateName names a breaker state for labels and logs.
-func BreakerStateName(state int) string {
-	switch state {
-	case worker.BreakerOpen:
-		return "open"
-	case worker.BreakerHalfOpen:
-		return "half_open"
-	}
-	return "closed"
 }

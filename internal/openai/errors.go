@@ -100,12 +100,3 @@ func WriteError(w http.ResponseWriter, e *Error) {
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(body)
 }
-
-// Header names Baton reads or writes.
-const (
-	HeaderRequestID   = "X-Request-Id"
-	HeaderErrorCode   = "X-Baton-Error-Code"
-	HeaderWorker      = "X-Baton-Worker"
-	HeaderTraceparent = "Traceparent"
-	HeaderTracestate  = "Tracestate"
-)

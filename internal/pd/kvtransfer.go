@@ -20,7 +20,7 @@ const (
 	ModePassthrough = "passthrough"
 )
 
-// Handoff outcomes, reported per request in HeaderKVHandoff and baton_pd_kv_handoffs_total.
+// Handoff outcomes, reported per request in openai.HeaderKVHandoff and baton_pd_kv_handoffs_total.
 // The none-* outcomes mean the decode recomputes the prompt.
 const (
 	HandoffNixl          = "nixl"
@@ -31,8 +31,6 @@ const (
 	HandoffNoneMissing   = "none-missing-params"
 	HandoffNoneNoEngine  = "none-no-engine-id"
 	HandoffNonePrefix    = "none-"
-	HeaderKVHandoff      = "X-Baton-Kv-Handoff"
-	HeaderDPRank         = "X-Data-Parallel-Rank"
 	DefaultBootstrapPort = 8998
 	keyKVTransferParams  = "kv_transfer_params"
 )
@@ -68,7 +66,7 @@ func ConnectorFor(w *worker.Worker, def string) Connector {
 	return c
 }
 
-// EngineID returns the engine id to name in a Mooncake handoff for the given DP rank, or "" when
+// engineID returns the engine id to name in a Mooncake handoff for the given DP rank, or "" when
 // none can be minted: no base id, an invalid dp_size, or DP ranks without a pinned rank.
 func (c Connector) engineID(rank int, pinned bool) string {
 	switch {

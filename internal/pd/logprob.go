@@ -145,8 +145,5 @@ func mergeEvent(ev []byte, pre map[int][]byte) []byte {
 	if len(merged) == len(data) && bytes.Equal(merged, data) {
 		return ev
 	}
-	out := make([]byte, 0, len(merged)+8)
-	out = append(out, "data: "...)
-	out = append(out, merged...)
-	return append(out, "\n\n"...)
+	return openai.ReplaceEventData(ev, merged) // event: and id: lines are kept
 }

@@ -63,7 +63,7 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 		e := &openai.Error{Status: http.StatusBadRequest, Code: "bootstrap_injection_failed", Message: err.Error()}
 		return e
 	}
-	rw.Header().Set(HeaderKVHandoff, HandoffBootstrap)
+	rw.Header().Set(openai.HeaderKVHandoff, HandoffBootstrap)
 	x.Metrics.PDHandoffs.WithLabelValues(HandoffBootstrap, HandoffBootstrap).Inc()
 	res := x.run(rw, r, req, pair, concurrentPlan{
 		prefillBody: pBody, decodeBody: dBody, dispatch: "parallel",

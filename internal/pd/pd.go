@@ -16,12 +16,6 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// Header names Baton sets on PD responses.
-const (
-	HeaderPrefillWorker = "X-Baton-Prefill-Worker"
-	HeaderDecodeWorker  = "X-Baton-Decode-Worker"
-)
-
 // Leg names, used in error codes, logs and metrics.
 const (
 	LegPrefill = "prefill"

@@ -138,6 +138,10 @@ func TestLogprobMerge(t *testing.T) {
 	if string(ev) != "data: {\"index\":1,\"meta_info\":{\"input_token_logprobs\":[[null,7,null]]}}\n\n" {
 		t.Errorf("streamed batch merge %q", ev)
 	}
+	ev = mergeEvent([]byte("id: 7\r\nevent: chunk\r\ndata: {\"index\":0,\"meta_info\":{\"input_token_logprobs\":[]}}\r\n\r\n"), batchPre)
+	if string(ev) != "id: 7\r\nevent: chunk\r\ndata: {\"index\":0,\"meta_info\":{\"input_token_logprobs\":[[null,6,null]]}}\r\n\r\n" {
+		t.Errorf("an event's id:, event: lines or line ends were not kept: %q", ev)
+	}
 	if out := mergeEvent([]byte("data: [DONE]\n\n"), batchPre); string(out) != "data: [DONE]\n\n" {
 		t.Errorf("[DONE] changed: %q", out)
 	}

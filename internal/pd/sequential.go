@@ -57,7 +57,7 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	rank, pinned := 0, false
 	if conn.DPSize > 1 && !conn.DPInvalid {
 		rank, pinned = pair.Prefill.NextRank()
-		p.prefillHeader = http.Header{HeaderDPRank: {strconv.Itoa(rank)}}
+		p.prefillHeader = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
 	}
 	var tag []byte
 	switch conn.Mode {
@@ -186,7 +186,7 @@ func (x *Sequential) prefill(r *http.Request, req *Request, pair worker.Pair, pl
 // report makes the handoff outcome visible: response header, counter, and a log line when the
 // decode will recompute. In strict mode a recompute is answered with 502 instead.
 func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pair, conn Connector, handoff string) error {
-	rw.Header().Set(HeaderKVHandoff, handoff)
+	rw.Header().Set(openai.HeaderKVHandoff, handoff)
 	x.Metrics.PDHandoffs.WithLabelValues(handoff, conn.Mode).Inc()
 	if !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		return nil
@@ -215,7 +215,7 @@ func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Reques
 	defer release()
 	var hdr http.Header
 	if rank, ok := pair.Decode.NextRank(); ok {
-		hdr = http.Header{HeaderDPRank: {strconv.Itoa(rank)}}
+		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
 	}
 	resp, err := x.Proxy.Send(ctx, r, pair.Decode, req.Path, body, hdr)
 	if err != nil {
@@ -267,7 +267,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 	}
 	var dHeader http.Header
 	if rank, ok := pair.Decode.NextRank(); ok {
-		dHeader = http.Header{HeaderDPRank: {strconv.Itoa(rank)}}
+		dHeader = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
 	}
 	res := x.Concurrent.run(rw, r, req, pair, concurrentPlan{
 		prefillBody: plan.probe, decodeBody: dBody, prefillHeader: plan.prefillHeader, decodeHeader: dHeader,

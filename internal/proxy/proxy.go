@@ -1,7 +1,7 @@
 // Package proxy sends requests to workers and relays their answers: the client's bytes out,
-// the worker's status, headers and body back, SSE flushed as it arrives. It is the one place
-// that classifies upstream failures: the status the client gets, and whether the failure
-// counts against the worker.
+// the worker's status, headers and body back, SSE flushed as it arrives, every buffer bounded.
+// It maps a failure before the first byte to the client's status and error code (Classify),
+// and decides when a failure after it aborts the client's connection (Finish).
 package proxy
 
 import (
@@ -404,7 +404,7 @@ func CopyRequestHeaders(dst, src http.Header, w *worker.Worker) {
 // Baton owns (X-Request-Id, X-Baton-*), which keep Baton's values.
 func CopyResponseHeaders(dst, src http.Header) {
 	for k, v := range src {
-		if k == openai.HeaderRequestID || strings.HasPrefix(k, "X-Baton-") {
+		if k == openai.HeaderRequestID || strings.HasPrefix(k, openai.HeaderBatonPrefix) {
 			continue
 		}
 		dst[k] = v

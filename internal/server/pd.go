@@ -43,8 +43,8 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			return selectionError(err)
 		}
 		h := w.Header()
-		h.Set(pd.HeaderPrefillWorker, pair.Prefill.URL)
-		h.Set(pd.HeaderDecodeWorker, pair.Decode.URL)
+		h.Set(openai.HeaderPrefillWorker, pair.Prefill.URL)
+		h.Set(openai.HeaderDecodeWorker, pair.Decode.URL)
 		h.Set(openai.HeaderWorker, pair.Decode.URL)
 		return s.pd.Execute(w, r, preq, pair)
 	})

@@ -18,9 +18,6 @@ import (
 // *proxy.UpstreamError.
 type attemptFunc func(r *http.Request, avoid map[string]bool) error
 
-// headers an attempt sets that must not leak into the next one.
-var attemptHeaders = []string{openai.HeaderWorker, "X-Baton-Prefill-Worker", "X-Baton-Decode-Worker", "X-Baton-Kv-Handoff"}
-
 // withRetries runs attempt until it succeeds, fails for good, or runs out of tries or time:
 // retries happen only on 408/429/500/502/503/504 and transport errors, only before any byte
 // reached the client, after a jittered exponential wait, each retry re-selecting the worker and
@@ -39,7 +36,7 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 			s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
 			if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
 				avoid = failed(avoid, err)
-				for _, h := range attemptHeaders {
+				for _, h := range openai.AttemptHeaders {
 					w.Header().Del(h)
 				}
 				continue

@@ -6,12 +6,26 @@ import (
 	"time"
 )
 
+// BreakerState is a circuit breaker's state; its value is the baton_worker_circuit_state gauge.
+type BreakerState int32
+
 // Breaker states.
 const (
-	BreakerClosed   = 0
-	BreakerOpen     = 1
-	BreakerHalfOpen = 2
+	BreakerClosed   BreakerState = 0
+	BreakerOpen     BreakerState = 1
+	BreakerHalfOpen BreakerState = 2
 )
+
+// String names the state for labels and logs.
+func (s BreakerState) String() string {
+	switch s {
+	case BreakerOpen:
+		return "open"
+	case BreakerHalfOpen:
+		return "half_open"
+	}
+	return "closed"
+}
 
 // BreakerConfig configures a worker's circuit breaker.
 type BreakerConfig struct {
@@ -20,7 +34,7 @@ type BreakerConfig struct {
 	Timeout          time.Duration // time open before half-open
 	Disabled         bool          // never open
 	// OnTransition, when set, is called on every state change (for metrics and logs).
-	OnTransition func(w *Worker, from, to int)
+	OnTransition func(w *Worker, from, to BreakerState)
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 }
@@ -33,7 +47,7 @@ type BreakerConfig struct {
 type breaker struct {
 	cfg   *BreakerConfig
 	w     *Worker
-	state atomic.Int32
+	state atomic.Int32 // a BreakerState
 	// probes counts requests in flight that were admitted in half-open.
 	probes atomic.Int32
 
@@ -49,8 +63,8 @@ func (b *breaker) now() time.Time {
 	return time.Now()
 }
 
-func (b *breaker) setLocked(to int) {
-	from := int(b.state.Load())
+func (b *breaker) setLocked(to BreakerState) {
+	from := BreakerState(b.state.Load())
 	if from == to {
 		return
 	}
@@ -67,16 +81,16 @@ func (b *breaker) setLocked(to int) {
 // allow reports whether the worker may take a request now: closed, or half-open with room for
 // another probe. An open circuit turns half-open once its timeout has passed.
 func (b *breaker) allow() bool {
-	switch b.state.Load() {
+	switch BreakerState(b.state.Load()) {
 	case BreakerClosed:
 		return true
 	case BreakerOpen:
 		b.mu.Lock()
-		if b.state.Load() == BreakerOpen && b.now().Sub(b.openedAt) >= b.cfg.Timeout {
+		if BreakerState(b.state.Load()) == BreakerOpen && b.now().Sub(b.openedAt) >= b.cfg.Timeout {
 			b.setLocked(BreakerHalfOpen)
 		}
 		b.mu.Unlock()
-		if b.state.Load() != BreakerHalfOpen {
+		if BreakerState(b.state.Load()) != BreakerHalfOpen {
 			return false
 		}
 	}
@@ -90,7 +104,7 @@ func (b *breaker) record(failure bool) {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	switch b.state.Load() {
+	switch BreakerState(b.state.Load()) {
 	case BreakerClosed:
 		if !failure {
 			b.fails = 0
@@ -116,11 +130,11 @@ func (b *breaker) record(failure bool) {
 func (w *Worker) UseBreaker(cfg *BreakerConfig) { w.breaker = &breaker{cfg: cfg, w: w} }
 
 // BreakerState returns the worker's circuit state (BreakerClosed without a breaker).
-func (w *Worker) BreakerState() int {
+func (w *Worker) BreakerState() BreakerState {
 	if w.breaker == nil {
 		return BreakerClosed
 	}
-	return int(w.breaker.state.Load())
+	return BreakerState(w.breaker.state.Load())
 }
 
 // Available reports whether the worker may be selected: registered, healthy and its circuit

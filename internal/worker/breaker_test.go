@@ -22,8 +22,8 @@ func TestBreakerTransitions(t *testing.T) {
 	c := &clock{t: time.Unix(1000, 0)}
 	var transitions []string
 	cfg := &BreakerConfig{FailureThreshold: 3, SuccessThreshold: 2, Timeout: time.Minute, Now: c.now,
-		OnTransition: func(_ *Worker, from, to int) {
-			transitions = append(transitions, []string{"closed", "open", "half"}[from]+">"+[]string{"closed", "open", "half"}[to])
+		OnTransition: func(_ *Worker, from, to BreakerState) {
+			transitions = append(transitions, []string{"closed", "open", "half"}[int(from)]+">"+[]string{"closed", "open", "half"}[int(to)])
 		}}
 	w := New(config.Worker{URL: "http://w"})
 	w.UseBreaker(cfg)
@@ -159,5 +159,13 @@ func TestPairHealth(t *testing.T) {
 	nilPH.Record(p, d1, false)
 	if nilPH.Quarantined(p, d1) {
 		t.Fatal("nil PairHealth quarantines")
+	}
+}
+
+func TestBreakerStateString(t *testing.T) {
+	for s, want := range map[BreakerState]string{BreakerClosed: "closed", BreakerOpen: "open", BreakerHalfOpen: "half_open"} {
+		if s.String() != want {
+			t.Errorf("%d.String() = %q, want %q", int(s), s.String(), want)
+		}
 	}
 }

@@ -134,7 +134,7 @@ func (w *Worker) InFlight() int64 { return w.inflight.Load() }
 // release function is safe to call more than once; only the first call counts.
 func (w *Worker) Acquire() (release func()) {
 	w.inflight.Add(1)
-	probe := w.breaker != nil && w.breaker.state.Load() == BreakerHalfOpen
+	probe := w.breaker != nil && BreakerState(w.breaker.state.Load()) == BreakerHalfOpen
 	if probe {
 		w.breaker.probes.Add(1)
 	}

@@ -1,0 +1,30 @@
+package openai
+
+// Header names Baton reads or writes, all in one place. Baton owns every X-Baton-* header: a
+// worker's values for them are never relayed.
+const (
+	// HeaderRequestID carries the request id, the client's (when sane) or Baton's, to workers
+	// and back.
+	HeaderRequestID = "X-Request-Id"
+	// HeaderTraceparent and HeaderTracestate are W3C trace context, forwarded to workers.
+	HeaderTraceparent = "Traceparent"
+	HeaderTracestate  = "Tracestate"
+
+	// HeaderBatonPrefix starts every header Baton owns.
+	HeaderBatonPrefix = "X-Baton-"
+	// HeaderErrorCode repeats the code of an error Baton minted.
+	HeaderErrorCode = "X-Baton-Error-Code"
+	// HeaderWorker names the worker that answered (PD: the decode).
+	HeaderWorker = "X-Baton-Worker"
+	// HeaderPrefillWorker and HeaderDecodeWorker name a PD request's pair.
+	HeaderPrefillWorker = "X-Baton-Prefill-Worker"
+	HeaderDecodeWorker  = "X-Baton-Decode-Worker"
+	// HeaderKVHandoff names a PD request's KV handoff outcome (nixl, mooncake, bootstrap, none-*).
+	HeaderKVHandoff = "X-Baton-Kv-Handoff"
+
+	// HeaderDPRank pins a vLLM leg to a data parallel rank.
+	HeaderDPRank = "X-Data-Parallel-Rank"
+)
+
+// AttemptHeaders are the headers one attempt of a request sets, cleared before a retry.
+var AttemptHeaders = []string{HeaderWorker, HeaderPrefillWorker, HeaderDecodeWorker, HeaderKVHandoff}
