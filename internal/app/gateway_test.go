@@ -14,6 +14,7 @@ import (
 )
 
 func TestPassthroughIsByteExact(t *testing.T) {
+	t.Parallel()
 	body := `{"zeta":1,"model":"m","seed":9007199254740993,"messages":[{"role":"user","content":"caf\u00e9 \ud83d\ude00 ünïcode"}],"unknown_key":{"nested":[1.50,2e10,null]},"alpha":true}`
 	got := make(chan string, 1)
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
@@ -36,6 +37,7 @@ func TestPassthroughIsByteExact(t *testing.T) {
 }
 
 func TestStreamReachesClientBeforeUpstreamEnds(t *testing.T) {
+	t.Parallel()
 	release := make(chan struct{})
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
@@ -58,6 +60,7 @@ func TestStreamReachesClientBeforeUpstreamEnds(t *testing.T) {
 }
 
 func TestClientDisconnectCancelsUpstream(t *testing.T) {
+	t.Parallel()
 	canceled := make(chan struct{})
 	started := make(chan struct{})
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
@@ -89,6 +92,7 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 }
 
 func TestUpstreamErrorsPassThrough(t *testing.T) {
+	t.Parallel()
 	for _, status := range []int{400, 429, 500, 503} {
 		up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("X-Request-Id", "engine-made")
@@ -110,6 +114,7 @@ func TestUpstreamErrorsPassThrough(t *testing.T) {
 }
 
 func TestMintedErrors(t *testing.T) {
+	t.Parallel()
 	ok := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
 	t.Run("bad json 400", func(t *testing.T) {
 		_, gw := startGateway(t, testConfig(ok.URL))
@@ -169,6 +174,7 @@ func TestMintedErrors(t *testing.T) {
 }
 
 func TestMidStreamFailureAbortsClient(t *testing.T) {
+	t.Parallel()
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		io.WriteString(w, "data: {\"n\":1}\n\n")
@@ -191,6 +197,7 @@ func TestMidStreamFailureAbortsClient(t *testing.T) {
 }
 
 func TestAuth(t *testing.T) {
+	t.Parallel()
 	var sawAuth atomic.Value
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		sawAuth.Store(r.Header.Get("Authorization"))
@@ -233,6 +240,7 @@ func TestAuth(t *testing.T) {
 }
 
 func TestHeadersToWorker(t *testing.T) {
+	t.Parallel()
 	got := make(chan http.Header, 2)
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		got <- r.Header.Clone()
@@ -267,6 +275,7 @@ func TestHeadersToWorker(t *testing.T) {
 }
 
 func TestModelAwareRouting(t *testing.T) {
+	t.Parallel()
 	hits := map[string]*atomic.Int64{"a": {}, "b": {}}
 	engine := func(name string, models ...string) string {
 		return fakeEngine(t, "vllm", models, func(w http.ResponseWriter, r *http.Request) {

@@ -68,6 +68,7 @@ func (r *bodyRecorder) WriteHeader(int)             {}
 // Item 1: an invalid UTF-8 model name reached a Prometheus label and panicked: in PD mode on the
 // prefill leg's goroutine (the process died), in regular mode in the metrics defer.
 func TestInvalidUTF8ModelCannotCrash(t *testing.T) {
+	t.Parallel()
 	ok := func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
 		w.Header().Set("Content-Type", "application/json")
@@ -105,6 +106,7 @@ func TestInvalidUTF8ModelCannotCrash(t *testing.T) {
 // Item 5: client model names are labels only when a worker lists them, so huge or many bogus
 // names cannot grow /metrics nor push a real model into "other".
 func TestModelLabelsAreBounded(t *testing.T) {
+	t.Parallel()
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
 	cfg := testConfig(up.URL)
 	g, gw := startGateway(t, cfg)
@@ -340,6 +342,7 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 // terminator) grew Baton without bound. Past the bound the request fails as for any upstream
 // failure.
 func TestRewriteBuffersAreBounded(t *testing.T) {
+	t.Parallel()
 	prefill := anyModelEngine(t, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
 		w.Header().Set("Content-Type", "application/json")

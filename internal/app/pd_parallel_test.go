@@ -130,6 +130,7 @@ var pdCases = []struct{ name, route, body string }{
 }
 
 func TestPDParallelSameTextAsAggregated(t *testing.T) {
+	t.Parallel()
 	p, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
 	for _, tc := range pdCases {
@@ -161,6 +162,7 @@ func TestPDParallelSameTextAsAggregated(t *testing.T) {
 }
 
 func TestPDParallelBatch(t *testing.T) {
+	t.Parallel()
 	_, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
 	for _, body := range []string{
@@ -183,6 +185,7 @@ func TestPDParallelBatch(t *testing.T) {
 }
 
 func TestPDParallelDPRanks(t *testing.T) {
+	t.Parallel()
 	p, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, func(c *config.Config) {
 		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
 	})
@@ -201,6 +204,7 @@ func TestPDParallelDPRanks(t *testing.T) {
 }
 
 func TestPDParallelLogprobMerge(t *testing.T) {
+	t.Parallel()
 	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
 	body := `{"text":"a b c d e f","sampling_params":{"max_new_tokens":3},"return_logprob":true}`
@@ -234,6 +238,7 @@ func TestPDParallelLogprobMerge(t *testing.T) {
 }
 
 func TestPDParallelFailures(t *testing.T) {
+	t.Parallel()
 	const body = `{"text":"fail fast","sampling_params":{"max_new_tokens":3}}`
 	for _, tc := range []struct {
 		name           string
@@ -282,6 +287,7 @@ func TestPDParallelFailures(t *testing.T) {
 }
 
 func TestPDParallelPrefillDown(t *testing.T) {
+	t.Parallel()
 	p, d, g, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	p.Close() // the prefill dies after registration: connection refused
 	resp, got := postTimeout(t, gw+"/generate", `{"text":"anyone there","sampling_params":{"max_new_tokens":2}}`)
@@ -306,6 +312,7 @@ func TestPDParallelPrefillDown(t *testing.T) {
 }
 
 func TestPDParallelClientDisconnectCancelsBoth(t *testing.T) {
+	t.Parallel()
 	p, d, g, gw := sglangPD(t, sim.Config{}, sim.Config{DecodePerToken: 200 * time.Millisecond})
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/generate", strings.NewReader(`{"text":"long answer","sampling_params":{"max_new_tokens":50},"stream":true}`))
@@ -327,6 +334,7 @@ func TestPDParallelClientDisconnectCancelsBoth(t *testing.T) {
 }
 
 func TestPDHealthAndInfo(t *testing.T) {
+	t.Parallel()
 	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	resp, err := http.Get(gw + "/health_generate")
 	if err != nil {
@@ -348,6 +356,7 @@ func TestPDHealthAndInfo(t *testing.T) {
 }
 
 func TestBootstrapInjection(t *testing.T) {
+	t.Parallel()
 	got := make(chan string, 4)
 	engine := func(role string) *config.Worker {
 		srv := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
@@ -413,6 +422,7 @@ var idField = regexp.MustCompile(`"id":"[^"]*"`)
 func stripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }
 
 func TestPDParallelMetrics(t *testing.T) {
+	t.Parallel()
 	_, _, g, gw := sglangPD(t, sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503, Rate: 0}})
 	postTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
 	if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")); v != 1 {

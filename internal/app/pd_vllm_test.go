@@ -100,6 +100,7 @@ func usageOf(t *testing.T, body string) (prompt, cached, completion int, ok bool
 }
 
 func TestPDSequentialEndToEnd(t *testing.T) {
+	t.Parallel()
 	for _, conn := range []struct {
 		name, connector, dispatch string
 	}{{"nixl", "NixlConnector", ""}, {"mooncake concurrent", "MooncakeConnector", "concurrent"}, {"mooncake sequential", "MooncakeConnector", "sequential"}} {
@@ -145,6 +146,7 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 }
 
 func TestPDSequentialNGreaterThanOne(t *testing.T) {
+	t.Parallel()
 	p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{})
 	resp, got := postTimeout(t, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"two answers"}],"max_tokens":3,"n":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-n>1" || strings.Count(got, `"index"`) != 2 {
@@ -162,6 +164,7 @@ func TestPDSequentialNGreaterThanOne(t *testing.T) {
 // named by X-Data-Parallel-Rank; the decode fails to load KV under a wrong engine id. Every
 // request succeeding with remote KV shows the minted id and the rank served agree.
 func TestPDSequentialDPRankPinning(t *testing.T) {
+	t.Parallel()
 	for _, dispatch := range []string{"sequential", "concurrent"} {
 		p, d, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{DPSize: 2, EngineID: "mc"}, sim.Config{}, func(c *config.Config) {
 			c.Workers[0].DPSize = 2
@@ -181,6 +184,7 @@ func TestPDSequentialDPRankPinning(t *testing.T) {
 }
 
 func TestPDSequentialInvalidDPSizeFailsClosed(t *testing.T) {
+	t.Parallel()
 	p, d, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{EngineID: "mc"}, sim.Config{}, func(c *config.Config) {
 		c.Workers[0].Labels = map[string]string{"dp_size": "zero"}
 	})
@@ -199,6 +203,7 @@ func TestPDSequentialInvalidDPSizeFailsClosed(t *testing.T) {
 }
 
 func TestPDSequentialPassthroughAndStrict(t *testing.T) {
+	t.Parallel()
 	// No connector configured: the prefill is untagged, returns no params, the decode recomputes
 	// — visibly.
 	_, d, g, gw := vllmPD(t, "", sim.Config{}, sim.Config{})
@@ -230,6 +235,7 @@ func TestPDSequentialPassthroughAndStrict(t *testing.T) {
 
 // Passthrough relays whatever kv_transfer_params the prefill returns, verbatim.
 func TestPDSequentialPassthroughRelaysParams(t *testing.T) {
+	t.Parallel()
 	const params = `{"custom":"connector","ids":[1,2,9007199254740993],"nested":{"x":null}}`
 	prefill := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
@@ -255,6 +261,7 @@ func TestPDSequentialPassthroughRelaysParams(t *testing.T) {
 }
 
 func TestPrefillProbePerRoute(t *testing.T) {
+	t.Parallel()
 	got := make(chan string, 8)
 	prefill := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
@@ -292,6 +299,7 @@ func TestPrefillProbePerRoute(t *testing.T) {
 }
 
 func TestPDSequentialFailures(t *testing.T) {
+	t.Parallel()
 	const body = `{"model":"m","prompt":"failure branches","max_tokens":3}`
 	for _, status := range []int{408, 429, 503} {
 		p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Status: status}}, sim.Config{})
@@ -355,6 +363,7 @@ func pinnedOn(t *testing.T, e *sim.Engine) []any {
 }
 
 func TestPDSequentialClientDisconnect(t *testing.T) {
+	t.Parallel()
 	t.Run("during prefill", func(t *testing.T) {
 		p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Latency: 5 * time.Second}}, sim.Config{})
 		cancelAfter(t, gw+"/v1/completions", `{"model":"m","prompt":"leaving early","max_tokens":3}`, func() bool { return p.Stats().RequestsReceived == 1 })
@@ -396,6 +405,7 @@ func cancelAfter(t *testing.T, url, body string, ready func() bool) {
 }
 
 func TestWorkersAdminShowsConnector(t *testing.T) {
+	t.Parallel()
 	_, _, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{}, sim.Config{})
 	resp, err := http.Get(gw + "/workers")
 	if err != nil {
@@ -410,6 +420,7 @@ func TestWorkersAdminShowsConnector(t *testing.T) {
 // Registration logs each vLLM prefill worker's effective connector and warns about one that
 // has none.
 func TestConnectorLoggedAtRegistration(t *testing.T) {
+	t.Parallel()
 	p1 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	p2 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode})

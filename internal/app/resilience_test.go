@@ -47,6 +47,7 @@ func expectedCompletion(prompt string, maxTokens int) string {
 }
 
 func TestRetriesOverAFailingWorker(t *testing.T) {
+	t.Parallel()
 	_, g, gw := fleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
 	for i := 0; i < 100; i++ {
 		prompt := fmt.Sprintf("retry me %d", i)
@@ -62,6 +63,7 @@ func TestRetriesOverAFailingWorker(t *testing.T) {
 
 // The body of a retried request is the client's bytes again, byte for byte.
 func TestRetryReplaysTheBody(t *testing.T) {
+	t.Parallel()
 	var calls atomic.Int32
 	got := make(chan string, 2)
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
@@ -85,6 +87,7 @@ func TestRetryReplaysTheBody(t *testing.T) {
 }
 
 func TestWorkerKilledMidStream(t *testing.T) {
+	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 20 * time.Millisecond}, {}}, func(c *config.Config) {
 		c.CircuitBreaker.FailureThreshold = 1
 		c.HealthCheck.IntervalSecs, c.HealthCheck.FailureThreshold = 1, 1
@@ -150,6 +153,7 @@ func TestWorkerKilledMidStream(t *testing.T) {
 }
 
 func TestWorkerRestartRejoins(t *testing.T) {
+	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{}, {}}, func(c *config.Config) {
 		c.HealthCheck.IntervalSecs, c.HealthCheck.FailureThreshold, c.HealthCheck.SuccessThreshold = 1, 1, 1
 		c.CircuitBreaker.TimeoutSecs = 1
@@ -187,6 +191,7 @@ func TestHangingWorkerTimesOut(t *testing.T) {
 }
 
 func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
+	t.Parallel()
 	for _, engine := range []string{sim.EngineSGLang, sim.EngineVLLM} {
 		var p, d *sim.Engine
 		var g *Gateway
@@ -215,6 +220,7 @@ func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
 }
 
 func TestOverload(t *testing.T) {
+	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
 		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeoutSecs: 2}
 	})
@@ -274,6 +280,7 @@ func TestOverload(t *testing.T) {
 }
 
 func TestPairQuarantine(t *testing.T) {
+	t.Parallel()
 	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	bad := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, Faults: sim.Faults{Status: 500}})
 	good := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode})

@@ -86,6 +86,7 @@ func getStatus(t *testing.T, url string) int {
 }
 
 func TestGracefulDrainOfOpenStream(t *testing.T) {
+	t.Parallel()
 	release := make(chan struct{})
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
@@ -129,6 +130,7 @@ func TestGracefulDrainOfOpenStream(t *testing.T) {
 }
 
 func TestReadinessWaitsForAWorkerAndMetricsServe(t *testing.T) {
+	t.Parallel()
 	var up bool
 	var mu sync.Mutex
 	eng := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
@@ -192,6 +194,7 @@ func TestReadinessWaitsForAWorkerAndMetricsServe(t *testing.T) {
 }
 
 func TestStartupErrors(t *testing.T) {
+	t.Parallel()
 	var out, errOut bytes.Buffer
 	err := Run(context.Background(), []string{"--port", "99999", "--policy", "bogus"}, &out, &errOut)
 	if err == nil || !strings.Contains(err.Error(), "port 99999") || !strings.Contains(err.Error(), `policy "bogus"`) {
@@ -206,6 +209,7 @@ func TestStartupErrors(t *testing.T) {
 }
 
 func TestConfigFile(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "baton.yaml")
 	os.WriteFile(path, []byte(`
@@ -235,6 +239,7 @@ workers:
 // A client that never finishes its headers is disconnected after the read-header timeout; an
 // idle timeout shorter than a stream does not cut the stream.
 func TestSlowClientTimeoutsSpareStreams(t *testing.T) {
+	t.Parallel()
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
 		w.Header().Set("Content-Type", "text/event-stream")

@@ -37,6 +37,7 @@ func runUntil(t *testing.T, re *regexp.Regexp, args ...string) string {
 }
 
 func TestSimCommand(t *testing.T) {
+	t.Parallel()
 	url := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "sglang", "--role", "prefill", "--port", "0", "--model", "x")
 	resp, err := http.Get(url + "/get_server_info")
 	if err != nil {
@@ -52,6 +53,7 @@ func TestSimCommand(t *testing.T) {
 }
 
 func TestDemoCommand(t *testing.T) {
+	t.Parallel()
 	api := runUntil(t, regexp.MustCompile(`baton serving on (http://\S+)`), "demo", "--port", "0", "--metrics-port", "0")
 	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
 	for _, model := range []string{"demo-nixl", "demo-mooncake", "demo-sglang"} {

@@ -175,6 +175,9 @@ func TestBinaryStartupErrorExitsNonZero(t *testing.T) {
 // checked against the simulator's model (the harness exits non-zero on a wrong answer). It
 // checks that the harness works; it asserts no timing.
 func TestBenchSmoke(t *testing.T) {
+	if testing.Short() {
+		t.Skip("SKIPPED under -short: the bench smoke run takes about 10 s; CI runs it (no -short)")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, binary, "bench", "--quick").CombinedOutput()
