@@ -10,13 +10,13 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/baton-llm/baton/internal/app"
+	"github.com/baton-llm/baton/internal/cli"
 	"github.com/baton-llm/baton/internal/config"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := app.Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	err := cli.Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if errors.Is(err, config.ErrHelp) {
 		return

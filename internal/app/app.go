@@ -1,11 +1,11 @@
-// Package app wires Baton together and runs it: configuration, registry, registration,
-// policies, servers, and the drain on shutdown.
+// Package app wires the gateway together and runs it: configuration, registry, registration,
+// selection, servers, and the drain on shutdown. The developer tools (sim, demo, bench) live in
+// package cli, apart from the gateway.
 package app
 
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,7 +15,6 @@ import (
 	"runtime"
 	"runtime/debug"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -28,38 +27,17 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// Run runs the baton command with args (without the program name) until ctx ends. It returns
+// Run runs `baton serve` with args (a leading "serve" is allowed) until ctx ends. It returns
 // nil after a clean shutdown and config.ErrHelp after printing help.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	cmd := "serve"
-	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
-		cmd, args = args[0], args[1:]
+	if len(args) > 0 && args[0] == "serve" {
+		args = args[1:]
 	}
-	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version") {
-		cmd = "version"
+	cfg, err := config.Parse(args, stdout)
+	if err != nil {
+		return err
 	}
-	var err error
-	switch cmd {
-	case "serve":
-		var cfg config.Config
-		if cfg, err = config.Parse(args, stdout); err == nil {
-			err = Serve(ctx, cfg, stdout, stderr)
-		}
-	case "sim":
-		err = runSim(ctx, args, stdout)
-	case "demo":
-		err = runDemo(ctx, args, stdout, stderr)
-	case "bench":
-		err = runBench(ctx, args, stdout, stderr)
-	case "version":
-		fmt.Fprintln(stdout, Version())
-	default:
-		err = fmt.Errorf("unknown command %q (want serve, sim, demo, bench or version)", cmd)
-	}
-	if errors.Is(err, flag.ErrHelp) {
-		return config.ErrHelp // the usage was printed: asking for it is no failure
-	}
-	return err
+	return Serve(ctx, cfg, stdout, stderr)
 }
 
 // version is set at build time with -ldflags "-X github.com/baton-llm/baton/internal/app.version=v1.2.3".

@@ -673,25 +673,10 @@ func TestClientDPRankFieldsDoNotReachLegs(t *testing.T) {
 	}
 }
 
-// Item 13: the developer commands' help exits 0; there is a version; a bench scenario that does
-// not exist is an error; a fleet that can serve nothing is said at startup.
-func TestCLIHelpVersionAndWarnings(t *testing.T) {
+// Item 13: a fleet that can serve nothing is said at startup. (The commands' help, version and
+// bench scenarios are tested in package cli.)
+func TestStartupWarnings(t *testing.T) {
 	t.Parallel()
-	for _, args := range [][]string{{"sim", "--help"}, {"demo", "--help"}, {"bench", "--help"}, {"--help"}} {
-		var out bytes.Buffer
-		if err := Run(t.Context(), args, &out, io.Discard); err != config.ErrHelp || out.Len() == 0 {
-			t.Errorf("%v: %v (printed %d bytes), want the usage and config.ErrHelp", args, err, out.Len())
-		}
-	}
-	for _, args := range [][]string{{"version"}, {"--version"}} {
-		var out bytes.Buffer
-		if err := Run(t.Context(), args, &out, io.Discard); err != nil || !strings.HasPrefix(out.String(), "baton ") {
-			t.Errorf("%v: %v %q", args, err, out.String())
-		}
-	}
-	if err := Run(t.Context(), []string{"bench", "--scenarios", "latency,bogus"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), `"bogus"`) {
-		t.Errorf("bench with an unknown scenario: %v", err)
-	}
 	for _, tc := range []struct {
 		cfg  func(*config.Config)
 		want string

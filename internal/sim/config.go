@@ -8,7 +8,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"slices"
 	"time"
 )
@@ -131,11 +130,9 @@ func (c *Config) validate() error {
 	return errors.Join(errs...)
 }
 
-// ParseFlags reads a simulator configuration from `baton sim` flags.
-func ParseFlags(args []string, usage io.Writer) (Config, error) {
+// ParseFlags reads a simulator configuration from `baton sim` flags, defined on fs.
+func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	var c Config
-	fs := flag.NewFlagSet("baton sim", flag.ContinueOnError)
-	fs.SetOutput(usage)
 	fs.StringVar(&c.Engine, "engine", EngineVLLM, "vllm | sglang")
 	fs.StringVar(&c.Role, "role", RoleBoth, "prefill | decode | both")
 	fs.StringVar(&c.KVConnector, "kv-connector", "", "vLLM KV connector: nixl | mooncake | none (default nixl for prefill/decode)")

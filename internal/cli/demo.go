@@ -1,11 +1,11 @@
-package app
+package cli
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 
+	"github.com/baton-llm/baton/internal/app"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -30,8 +30,7 @@ var connectorNames = map[string]string{sim.ConnectorNixl: "NixlConnector", sim.C
 // runDemo starts simulated engines and a PD gateway in front of them on 127.0.0.1, prints
 // what runs and what to try, and serves until ctx ends.
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("baton demo", flag.ContinueOnError)
-	fs.SetOutput(stdout)
+	fs := newFlagSet("baton demo", stdout)
 	port := fs.Int("port", 30000, "gateway port (0 picks a free one)")
 	metricsPort := fs.Int("metrics-port", 29000, "gateway metrics port (0 picks a free one)")
 	logLevel := fs.String("log-level", "warn", "gateway log level")
@@ -86,5 +85,5 @@ Response headers name the pair (X-Baton-Prefill-Worker, X-Baton-Decode-Worker), 
 KV came from (X-Sim-Kv-Source: remote). Ctrl-C stops the demo.
 
 `, gw, m, *metricsPort)
-	return Serve(ctx, cfg, stdout, stderr)
+	return app.Serve(ctx, cfg, stdout, stderr)
 }

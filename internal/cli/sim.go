@@ -1,4 +1,4 @@
-package app
+package cli
 
 import (
 	"context"
@@ -10,7 +10,7 @@ import (
 
 // runSim runs one simulated engine until ctx ends.
 func runSim(ctx context.Context, args []string, stdout io.Writer) error {
-	cfg, err := sim.ParseFlags(args, stdout)
+	cfg, err := sim.ParseFlags(newFlagSet("baton sim", stdout), args)
 	if err != nil {
 		return err
 	}

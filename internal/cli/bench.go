@@ -1,8 +1,7 @@
-package app
+package cli
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -18,8 +17,7 @@ const pinnedEnv = "BATON_BENCH_PINNED"
 // runBench runs the benchmark harness. On a machine with more than one core it runs itself on
 // CPU 0 and Baton on CPU 1, so that Baton's cost is measured on a core of its own.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("baton bench", flag.ContinueOnError)
-	fs.SetOutput(stdout)
+	fs := newFlagSet("baton bench", stdout)
 	quick := fs.Bool("quick", false, "small runs: checks the harness works (seconds), not for publishing")
 	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening); default all")
 	out := fs.String("out", "", "also write the report to this file")

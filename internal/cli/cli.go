@@ -1,0 +1,71 @@
+// Package cli is the baton command: it runs the gateway (package app) or one of the developer
+// tools beside it — simulated engines, the demo, the benchmark harness — with one flag style
+// (--long-names; --help prints the usage and exits 0).
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/baton-llm/baton/internal/app"
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// Run runs the baton command with args (without the program name) until ctx ends. It returns
+// nil after a clean shutdown and config.ErrHelp after printing help.
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cmd := "serve"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, args = args[0], args[1:]
+	}
+	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version") {
+		cmd = "version"
+	}
+	var err error
+	switch cmd {
+	case "serve":
+		err = app.Run(ctx, args, stdout, stderr)
+	case "sim":
+		err = runSim(ctx, args, stdout)
+	case "demo":
+		err = runDemo(ctx, args, stdout, stderr)
+	case "bench":
+		err = runBench(ctx, args, stdout, stderr)
+	case "version":
+		fmt.Fprintln(stdout, app.Version())
+	default:
+		err = fmt.Errorf("unknown command %q (want serve, sim, demo, bench or version)", cmd)
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		return config.ErrHelp // the usage was printed: asking for it is no failure
+	}
+	return err
+}
+
+// newFlagSet returns a flag set for a tool whose usage lists its flags as --long-names, like
+// the gateway's.
+func newFlagSet(name string, out io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(out)
+	fs.Usage = func() {
+		fmt.Fprintf(out, "usage: %s [flags]\n\n", name)
+		tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+		defer tw.Flush()
+		fs.VisitAll(func(f *flag.Flag) {
+			arg, help := flag.UnquoteUsage(f)
+			if arg != "" {
+				arg = " " + strings.ToUpper(arg)
+			}
+			if f.DefValue != "" && f.DefValue != "0" && f.DefValue != "false" {
+				help += " (default " + f.DefValue + ")"
+			}
+			fmt.Fprintf(tw, "  --%s%s\t%s\n", f.Name, arg, help)
+		})
+	}
+	return fs
+}

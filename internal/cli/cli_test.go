@@ -1,0 +1,133 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// syncBuffer is a goroutine-safe bytes.Buffer for a running command's output.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// eventually polls cond for up to ten seconds.
+func eventually(t *testing.T, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 10s")
+		}
+	}
+}
+
+// runUntil runs Run with args in the background until the output matches re, and returns the
+// first submatch; the command is stopped at cleanup and must return nil.
+func runUntil(t *testing.T, re *regexp.Regexp, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	out := &syncBuffer{}
+	res := make(chan error, 1)
+	go func() { res <- Run(ctx, args, out, io.Discard) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-res; err != nil {
+			t.Errorf("Run(%v) = %v after stop", args, err)
+		}
+	})
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if m := re.FindStringSubmatch(out.String()); m != nil {
+			return m[1]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no match for %s in %q", re, out.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestSimCommand(t *testing.T) {
+	t.Parallel()
+	url := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "sglang", "--role", "prefill", "--port", "0", "--model", "x")
+	resp, err := http.Get(url + "/get_server_info")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `"disaggregation_mode":"prefill"`) {
+		t.Errorf("server info %s", body)
+	}
+	if err := Run(context.Background(), []string{"sim", "--engine", "tgi"}, io.Discard, io.Discard); err == nil {
+		t.Error("sim --engine tgi: want error")
+	}
+}
+
+func TestDemoCommand(t *testing.T) {
+	t.Parallel()
+	api := runUntil(t, regexp.MustCompile(`baton serving on (http://\S+)`), "demo", "--port", "0", "--metrics-port", "0")
+	for _, model := range []string{"demo-nixl", "demo-mooncake", "demo-sglang"} {
+		var status int
+		var body, source string
+		eventually(t, func() bool { // each pair registers on its own
+			resp, err := http.Post(api+"/v1/chat/completions", "application/json",
+				strings.NewReader(`{"model":"`+model+`","messages":[{"role":"user","content":"hello baton"}],"max_tokens":4}`))
+			if err != nil {
+				return false
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			status, body, source = resp.StatusCode, string(b), resp.Header.Get("X-Sim-KV-Source")
+			return status != 503
+		})
+		if status != 200 || !strings.Contains(body, `"completion_tokens":4`) || source != "remote" {
+			t.Errorf("demo chat on %s: %d %s (kv source %q)", model, status, body, source)
+		}
+	}
+}
+
+// The developer commands' help exits 0 (as config.ErrHelp) and lists --long-names; there is a
+// version; a bench scenario that does not exist is an error naming the valid ones.
+func TestHelpVersionAndBenchScenarios(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{{"sim", "--help"}, {"demo", "--help"}, {"bench", "--help"}, {"--help"}, {"serve", "--help"}} {
+		var out bytes.Buffer
+		if err := Run(t.Context(), args, &out, io.Discard); err != config.ErrHelp || !strings.Contains(out.String(), "  --") {
+			t.Errorf("%v: %v, printed %q; want config.ErrHelp and the --flags", args, err, out.String())
+		}
+	}
+	for _, args := range [][]string{{"version"}, {"--version"}} {
+		var out bytes.Buffer
+		if err := Run(t.Context(), args, &out, io.Discard); err != nil || !strings.HasPrefix(out.String(), "baton ") {
+			t.Errorf("%v: %v %q", args, err, out.String())
+		}
+	}
+	if err := Run(t.Context(), []string{"bench", "--scenarios", "latency,bogus"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), `"bogus"`) {
+		t.Errorf("bench with an unknown scenario: %v", err)
+	}
+	if err := Run(t.Context(), []string{"frobnicate"}, io.Discard, io.Discard); err == nil {
+		t.Error("an unknown command ran")
+	}
+}
