@@ -40,6 +40,9 @@ type Error struct {
 	Worker string
 	// NoRetry marks a failure that a retry cannot fix, even with a retryable status.
 	NoRetry bool
+	// Reason is why a retry happens (metrics label) when it is not the status: transport,
+	// timeout.
+	Reason string
 }
 
 // Error implements error.

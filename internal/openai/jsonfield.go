@@ -221,30 +221,20 @@ func Delete(body []byte, key string) ([]byte, error) {
 // named in dels removed, in one pass over the body. Every other byte is unchanged. When there
 // is nothing to change it returns body itself.
 func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
-	type kept struct {
-		m   member
-		val []byte // replacement value, or nil to keep the original
-	}
 	var (
-		members [16]kept
-		ms      = members[:0]
-		all     int
-		first   member
-		last    member
+		members [16]keptMember // on the stack for most bodies
+		kept    = members[:0]  // the members written out, in order
+		span    objectSpan
 		removed bool
 	)
-	found := make([]bool, len(sets))
+	found := make([]bool, len(sets)) // sets[i] replaced an existing member
 	err := eachMember(body, func(k []byte, m member) bool {
-		if all == 0 {
-			first = m
-		}
-		last = m
-		all++
+		span.add(m)
 		for i, f := range sets {
 			if string(k) == f.Key {
 				if !found[i] {
 					found[i] = true
-					ms = append(ms, kept{m: m, val: f.Value})
+					kept = append(kept, keptMember{m: m, val: f.Value})
 				}
 				return true
 			}
@@ -255,7 +245,7 @@ func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 				return true
 			}
 		}
-		ms = append(ms, kept{m: m})
+		kept = append(kept, keptMember{m: m})
 		return true
 	})
 	if err != nil {
@@ -264,21 +254,47 @@ func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 	if len(sets) == 0 && !removed {
 		return body, nil // nothing to change: no copy
 	}
+	return writeEdited(body, sets, kept, found, span), nil
+}
+
+// keptMember is a member Edit writes out, with its replacement value or nil for the original.
+type keptMember struct {
+	m   member
+	val []byte
+}
+
+// objectSpan is where an object's members start and end.
+type objectSpan struct {
+	all         int // members seen
+	first, last member
+}
+
+func (s *objectSpan) add(m member) {
+	if s.all == 0 {
+		s.first = m
+	}
+	s.last = m
+	s.all++
+}
+
+// writeEdited builds the edited object: the kept members with their original separators where
+// nothing between them was removed, then the sets that replaced nothing (found[i] false).
+func writeEdited(body []byte, sets []Field, kept []keptMember, found []bool, span objectSpan) []byte {
 	size := len(body)
 	for _, f := range sets {
 		size += len(f.Key) + len(f.Value) + 4
 	}
 	out := make([]byte, 0, size)
 	var head, tail []byte // bytes before the first member and after the last
-	if all == 0 {
+	if span.all == 0 {
 		i := bytes.IndexByte(body, '{') + 1
 		head, tail = body[:i], body[i:]
 	} else {
-		head, tail = body[:first.keyStart], body[last.valEnd:]
+		head, tail = body[:span.first.keyStart], body[span.last.valEnd:]
 	}
 	out = append(out, head...)
 	prevEnd := -1
-	for i, k := range ms {
+	for i, k := range kept {
 		if i > 0 {
 			// The separator that preceded this member, when its predecessor was kept too.
 			if prevEnd >= 0 && !changedBetween(body, prevEnd, k.m.keyStart) {
@@ -296,16 +312,15 @@ func Edit(body []byte, sets []Field, dels []string) ([]byte, error) {
 		prevEnd = k.m.valEnd
 	}
 	for i, f := range sets {
-		if found[i] {
-			continue
+		if !found[i] {
+			if len(out) > len(head) {
+				out = append(out, ',')
+			}
+			out = appendKey(out, f.Key)
+			out = append(out, f.Value...)
 		}
-		if len(out) > len(head) {
-			out = append(out, ',')
-		}
-		out = appendKey(out, f.Key)
-		out = append(out, f.Value...)
 	}
-	return append(out, tail...), nil
+	return append(out, tail...)
 }
 
 // changedBetween reports whether body[from:to] is more than one separator (whitespace and a

@@ -1,15 +1,14 @@
 // Package pd runs prefill/decode disaggregated requests: one client request becomes a prefill
 // leg and a decode leg on a selected pair of workers, and Baton owns the KV handoff between
-// them. Parallel dispatch (SGLang and other bootstrap engines) sends both legs at once with
-// bootstrap fields; sequential dispatch (vLLM) sends the prefill first and relays its
-// kv_transfer_params to the decode.
+// them. The Dispatcher chooses the strategy by the prefill's runtime: Parallel (SGLang and other
+// bootstrap engines; bootstrap.go) sends both legs at once, the concurrent runner in legs.go;
+// Sequential (vLLM; connector.go) sends a one-token prefill first and relays its
+// kv_transfer_params, or Baton's minted Mooncake params, to the decode. relay.go holds what both
+// share on the way back to the client.
 package pd
 
 import (
-	"encoding/json"
-	"fmt"
 	"net/http"
-	"strings"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
@@ -20,6 +19,19 @@ import (
 const (
 	LegPrefill = "prefill"
 	LegDecode  = "decode"
+)
+
+// Outcome is how a PD request ended: the outcome label of baton_pd_requests_total.
+type Outcome string
+
+// Outcomes of a PD request.
+const (
+	OutcomeSuccess         Outcome = "success"
+	OutcomePrefillFailed   Outcome = "prefill_failed"
+	OutcomeDecodeFailed    Outcome = "decode_failed"
+	OutcomeClientCancelled Outcome = "client_cancelled"
+	OutcomeAborted         Outcome = "aborted"          // the decode failed after its first byte
+	OutcomeHandoffRequired Outcome = "handoff_required" // strict mode refused a recompute
 )
 
 // Request is one client request on a PD route.
@@ -92,45 +104,4 @@ func listLen(raw []byte, nested bool, limit int) int {
 		return n
 	}
 	return 0
-}
-
-// upstreamError builds the client's error for a leg that answered non-2xx: the leg's exact
-// status, its message, and a code naming the leg.
-func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *openai.Error {
-	e := &openai.Error{Status: status, Code: leg + "_upstream_error", Worker: w.URL,
-		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
-	if header != nil {
-		e.RetryAfter = header.Get("Retry-After")
-	}
-	return e
-}
-
-// upstreamMessage extracts an engine's error message: error.message, message, or the text.
-func upstreamMessage(body []byte) string {
-	var v struct {
-		Error   json.RawMessage `json:"error"`
-		Message string          `json:"message"`
-	}
-	if json.Unmarshal(body, &v) == nil {
-		var nested struct {
-			Message string `json:"message"`
-		}
-		var flat string
-		switch {
-		case json.Unmarshal(v.Error, &nested) == nil && nested.Message != "":
-			return nested.Message
-		case json.Unmarshal(v.Error, &flat) == nil && flat != "":
-			return flat
-		case v.Message != "":
-			return v.Message
-		}
-	}
-	s := strings.TrimSpace(string(body))
-	if len(s) > 1024 {
-		s = s[:1024] + "…"
-	}
-	if s == "" {
-		s = "(empty body)"
-	}
-	return s
 }

@@ -85,102 +85,147 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
 	plan, err := x.plan(req, pair)
 	if err != nil {
-		e := &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
-		return e
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
 	}
 	x.Metrics.PDConnectorMode.WithLabelValues(plan.conn.Mode).Inc()
 	if plan.probe != nil && plan.conn.Mode == ModeMooncake && x.MooncakeConcurrent {
 		return x.concurrentMooncake(rw, r, req, pair, plan)
 	}
-	model := x.Metrics.Model(req.Model)
-	runtime := pair.Prefill.Runtime()
-	start := time.Now()
-	outcome := "success"
-	defer func() { x.Metrics.PDRequests.WithLabelValues(model, "sequential", outcome).Inc() }()
+	s := &sequence{x: x, rw: rw, r: r, req: req, pair: pair, plan: plan,
+		model: x.Metrics.Model(req.Model), runtime: pair.Prefill.Runtime(), start: time.Now(), outcome: OutcomeSuccess}
+	err = s.run()
+	x.Metrics.PDRequests.WithLabelValues(s.model, "sequential", string(s.outcome)).Inc()
+	return err
+}
 
+// sequence is one sequential dispatch in progress: the prefill, then the decode.
+type sequence struct {
+	x    *Sequential
+	rw   http.ResponseWriter
+	r    *http.Request // carries the request's deadline
+	req  *Request
+	pair worker.Pair
+	plan handoffPlan
+
+	model, runtime string
+	start          time.Time
+	outcome        Outcome
+}
+
+func (s *sequence) run() error {
 	var pu prefillUsage
-	params := plan.decodeParams
-	handoff := plan.outcome
-	if plan.probe != nil {
-		body, err := x.prefill(r, req, pair, plan)
+	params, handoff := s.plan.decodeParams, s.plan.outcome
+	if s.plan.probe != nil {
+		body, err := s.prefill()
 		if err != nil {
-			outcome = "prefill_failed"
+			s.outcome = OutcomePrefillFailed
 			if errors.Is(err, proxy.ErrClientGone) {
-				outcome = "client_cancelled"
+				s.outcome = OutcomeClientCancelled
 			}
 			return err
 		}
-		x.Metrics.PDPrefillDuration.WithLabelValues(model, runtime).Observe(time.Since(start).Seconds())
+		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
 		pu = readPrefillUsage(body)
-		switch plan.conn.Mode {
-		case ModeMooncake:
-			handoff = HandoffMooncake
-		default:
-			if params = harvest(body); params != nil {
-				handoff = plan.conn.Mode
-			} else {
-				handoff = HandoffNoneMissing
-			}
-		}
+		params, handoff = s.handoff(body, params)
 	}
-	if err := x.report(rw, req, pair, plan.conn, handoff); err != nil {
-		outcome = "handoff_required"
+	if err := s.x.report(s.rw, s.req, s.pair, s.plan.conn, handoff); err != nil {
+		s.outcome = OutcomeHandoffRequired
 		return err
 	}
-	var dBody []byte
-	if params != nil {
-		dBody, err = openai.Set(req.Body, keyKVTransferParams, params)
-	} else {
-		dBody, err = openai.Delete(req.Body, keyKVTransferParams)
-	}
+	dBody, err := decodeBody(s.req.Body, params)
 	if err != nil {
 		return err
 	}
-	started, err := x.decode(rw, r, req, pair, dBody, pu, start, model, runtime)
-	switch {
-	case err == nil:
-	case errors.Is(err, proxy.ErrClientGone):
-		outcome = "client_cancelled"
-	case errors.Is(err, proxy.ErrAbort):
-		outcome = "aborted"
-	default:
-		outcome = "decode_failed"
-	}
+	started, err := s.decode(dBody, pu)
+	s.outcome = outcomeOf(err, OutcomeDecodeFailed)
 	if params != nil && !started {
-		x.abandoned(plan.conn, pair, outcome)
+		s.x.abandoned(s.plan.conn, s.pair, s.outcome)
 	}
 	switch {
-	case outcome == "success":
-		x.Pairs.Record(pair.Prefill, pair.Decode, true)
+	case s.outcome == OutcomeSuccess:
+		s.x.Pairs.Record(s.pair.Prefill, s.pair.Decode, true)
 	case params != nil && seamFailure(err):
-		x.Pairs.Record(pair.Prefill, pair.Decode, false) // the decode failed on a handoff
+		s.x.Pairs.Record(s.pair.Prefill, s.pair.Decode, false) // the decode failed on a handoff
 	}
 	return err
+}
+
+// handoff returns the decode's kv_transfer_params and the handoff outcome once the prefill
+// answered with body: Mooncake's minted params, or those the prefill returned.
+func (s *sequence) handoff(body, minted []byte) ([]byte, string) {
+	if s.plan.conn.Mode == ModeMooncake {
+		return minted, HandoffMooncake
+	}
+	if params := harvest(body); params != nil {
+		return params, s.plan.conn.Mode
+	}
+	return nil, HandoffNoneMissing
+}
+
+// decodeBody is the client's body with kv_transfer_params set to params, or without any.
+func decodeBody(body, params []byte) ([]byte, error) {
+	if params != nil {
+		return openai.Set(body, keyKVTransferParams, params)
+	}
+	return openai.Delete(body, keyKVTransferParams)
 }
 
 // prefill sends the probe and returns the prefill's body. A failure is returned as the client's
 // error: a transport error is a 502, a non-2xx the prefill's exact status; the decode is never
 // contacted.
-func (x *Sequential) prefill(r *http.Request, req *Request, pair worker.Pair, plan handoffPlan) ([]byte, error) {
-	ctx := r.Context() // carries the request's deadline
-	release := pair.Prefill.Acquire()
-	defer release()
-	resp, err := x.Proxy.Send(ctx, r, pair.Prefill, req.Path, plan.probe, plan.prefillHeader)
+func (s *sequence) prefill() ([]byte, error) {
+	leg := proxy.Open(s.pair.Prefill, LegPrefill)
+	defer leg.Excuse()
+	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: s.plan.probe, Header: s.plan.prefillHeader})
 	if err != nil {
-		return nil, x.Proxy.Failure(r, pair.Prefill, LegPrefill, err)
+		return nil, s.x.Proxy.Failure(s.r, leg, err)
 	}
 	defer resp.Body.Close()
 	body, err := proxy.ReadBody(resp.Body)
 	if err != nil {
-		return nil, x.Proxy.Failure(r, pair.Prefill, LegPrefill, err)
+		return nil, s.x.Proxy.Failure(s.r, leg, err)
 	}
-	pair.Prefill.Record(resp.StatusCode, nil)
+	leg.Done(resp.StatusCode, nil)
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		e := upstreamError(LegPrefill, pair.Prefill, resp.StatusCode, resp.Header, body)
-		x.Log.Warn("prefill leg failed; decode not contacted", "prefill", pair.Prefill.URL, "status", resp.StatusCode)
-		return nil, e
+		s.x.Log.Warn("prefill leg failed; decode not contacted", "prefill", s.pair.Prefill.URL, "status", resp.StatusCode)
+		return nil, upstreamError(LegPrefill, s.pair.Prefill, resp.StatusCode, resp.Header, body)
 	}
 	return body, nil
+}
+
+// decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
+// started reports whether the decode's first byte arrived (the handoff was consumed).
+func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error) {
+	leg := proxy.Open(s.pair.Decode, LegDecode)
+	defer leg.Excuse()
+	var hdr http.Header
+	if rank, ok := s.pair.Decode.NextRank(); ok {
+		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
+	}
+	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr})
+	if err != nil {
+		return false, s.x.Proxy.Failure(s.r, leg, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		leg.Done(resp.StatusCode, nil)
+		s.x.Log.Warn("decode leg failed", "decode", s.pair.Decode.URL, "prefill", s.pair.Prefill.URL, "status", resp.StatusCode)
+		return false, upstreamError(LegDecode, s.pair.Decode, resp.StatusCode, resp.Header, b)
+	}
+	resp.Body = &firstByte{ReadCloser: resp.Body, at: func() {
+		started = true
+		s.x.Metrics.PDTTFT.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
+	}}
+	switch {
+	case pu.ok && !isStream(resp):
+		err = relayBody(s.rw, resp, func(b []byte) []byte { return fixUsage(b, pu) })
+	case pu.ok:
+		err = s.x.Proxy.Relay(s.rw, resp, func(ev []byte) []byte { return fixUsageEvent(ev, pu) })
+	default:
+		err = s.x.Proxy.Relay(s.rw, resp, nil)
+	}
+	return started, s.x.Proxy.Finish(s.r, leg, resp.StatusCode, err)
 }
 
 // report makes the handoff outcome visible: response header, counter, and a log line when the
@@ -207,49 +252,9 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pa
 	return e
 }
 
-// decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
-// started reports whether the decode's first byte arrived (the handoff was consumed).
-func (x *Sequential) decode(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, body []byte, pu prefillUsage, start time.Time, model, runtime string) (started bool, err error) {
-	ctx := r.Context()
-	release := pair.Decode.Acquire()
-	defer release()
-	var hdr http.Header
-	if rank, ok := pair.Decode.NextRank(); ok {
-		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
-	}
-	resp, err := x.Proxy.Send(ctx, r, pair.Decode, req.Path, body, hdr)
-	if err != nil {
-		return false, x.Proxy.Failure(r, pair.Decode, LegDecode, err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		pair.Decode.Record(resp.StatusCode, nil)
-		e := upstreamError(LegDecode, pair.Decode, resp.StatusCode, resp.Header, b)
-		x.Log.Warn("decode leg failed", "decode", pair.Decode.URL, "prefill", pair.Prefill.URL, "status", resp.StatusCode)
-		return false, e
-	}
-	resp.Body = &firstByte{ReadCloser: resp.Body, at: func() {
-		started = true
-		x.Metrics.PDTTFT.WithLabelValues(model, runtime).Observe(time.Since(start).Seconds())
-	}}
-	switch {
-	case pu.ok && !isStream(resp):
-		err = relayBody(rw, resp, func(b []byte) []byte { return fixUsage(b, pu) })
-	case pu.ok:
-		err = x.Proxy.Relay(rw, resp, func(ev []byte) []byte { return fixUsageEvent(ev, pu) })
-	default:
-		err = x.Proxy.Relay(rw, resp, nil)
-	}
-	if err == nil {
-		pair.Decode.Record(resp.StatusCode, nil)
-	}
-	return started, x.Proxy.Finish(r, pair.Decode, LegDecode, err)
-}
-
 // abandoned counts a handoff prepared but never consumed: the prefill's KV stays pinned until
 // the engine's timeout.
-func (x *Sequential) abandoned(conn Connector, pair worker.Pair, outcome string) {
+func (x *Sequential) abandoned(conn Connector, pair worker.Pair, outcome Outcome) {
 	x.Metrics.PDHandoffsAbandoned.WithLabelValues(conn.Mode).Inc()
 	x.Log.Warn("KV handoff prepared but never consumed; the prefill holds it until its timeout",
 		"connector", conn.Mode, "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "outcome", outcome)
@@ -280,7 +285,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 			return func(ev []byte) []byte { return fixUsageEvent(ev, pu) }, func(b []byte) []byte { return fixUsage(b, pu) }
 		},
 	})
-	if !res.decodeStarted && res.outcome != "prefill_failed" && res.outcome != "success" {
+	if !res.decodeStarted && res.outcome != OutcomePrefillFailed && res.outcome != OutcomeSuccess {
 		x.abandoned(plan.conn, pair, res.outcome)
 	}
 	return res.err

@@ -21,13 +21,11 @@ import (
 
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
 var (
-	// ErrRequestTimeout is the cause of a request whose total deadline (request_timeout_secs)
-	// passed.
-	ErrRequestTimeout = errors.New("request deadline exceeded")
 	// ErrClientGone means the client went away; nothing more can be written.
 	ErrClientGone = errors.New("client disconnected")
 	// ErrAbort means the upstream failed after the first byte reached the client: the handler
@@ -160,19 +158,27 @@ var hopHeaders = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Pro
 
 var bufPool = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
 
-// Send POSTs body to path on w with the client's allowlisted headers plus extra, under ctx.
-func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, path string, body []byte, extra http.Header) (*http.Response, error) {
-	out, err := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+path, bytes.NewReader(body))
+// Call is one upstream POST of a leg: the route path (the same on the worker), the body, and
+// headers beyond the client's allowlisted ones (nil: none).
+type Call struct {
+	Path   string
+	Body   []byte
+	Header http.Header
+}
+
+// Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
+func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*http.Response, error) {
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, leg.W.URL+c.Path, bytes.NewReader(c.Body))
 	if err != nil {
 		return nil, err
 	}
 	// The client's query string is not forwarded: the engines' routes take none.
-	CopyRequestHeaders(out.Header, in.Header, w)
-	for k, v := range extra {
+	CopyRequestHeaders(out.Header, in.Header, leg.W)
+	for k, v := range c.Header {
 		out.Header[k] = v
 	}
 	out.Header.Set("Content-Type", "application/json")
-	out.ContentLength = int64(len(body))
+	out.ContentLength = int64(len(c.Body))
 	return p.Transport.RoundTrip(out)
 }
 
@@ -183,57 +189,64 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, w *worker.Worker, pa
 //
 // The request's deadline is r's: the caller sets it once for all attempts.
 func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
-	release := w.Acquire()
-	defer release()
-	resp, err := p.Send(r.Context(), r, w, path, body, nil)
+	leg := Open(w, "")
+	defer leg.Excuse()
+	resp, err := p.Send(r.Context(), r, leg, Call{Path: path, Body: body})
 	if err != nil {
-		return p.Failure(r, w, "", err)
+		return p.Failure(r, leg, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
-	if RetryableStatus(resp.StatusCode) {
-		b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody+1))
-		if err != nil {
-			return p.Failure(r, w, "", err)
-		}
-		w.Record(resp.StatusCode, nil)
-		if len(b) > maxErrorBody {
-			return &openai.Error{Status: resp.StatusCode, Code: openai.CodeUpstreamErrorTooLarge, Worker: w.URL, RetryAfter: resp.Header.Get("Retry-After"),
-				Message: fmt.Sprintf("worker %s answered %d with an error body over %d bytes (not relayed)", w.URL, resp.StatusCode, maxErrorBody)}
-		}
-		return &UpstreamError{Worker: w.URL, Status: resp.StatusCode, Header: resp.Header, Body: b}
+	if outcome.Status(resp.StatusCode).Retryable {
+		return p.HoldError(r, leg, resp)
 	}
-	err = p.Relay(rw, resp, nil)
-	if err == nil {
-		w.Record(resp.StatusCode, nil)
-	}
-	return p.Finish(r, w, "", err)
+	return p.Finish(r, leg, resp.StatusCode, p.Relay(rw, resp, nil))
 }
 
-// Finish maps Relay's result: a read failure before the first byte is a failure like a send
-// failure (nothing was written: the caller may retry); after it the connection must be aborted.
-func (p *Proxy) Finish(r *http.Request, w *worker.Worker, leg string, err error) error {
+// HoldError reads a retryable error answer whole, so that the request can be retried elsewhere,
+// and ends the leg with it. An answer too large to hold keeps its status in a minted envelope.
+func (p *Proxy) HoldError(r *http.Request, leg *Leg, resp *http.Response) error {
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody+1))
+	if err != nil {
+		return p.Failure(r, leg, err)
+	}
+	leg.Done(resp.StatusCode, nil)
+	if len(b) > maxErrorBody {
+		return &openai.Error{Status: resp.StatusCode, Code: openai.CodeUpstreamErrorTooLarge, Worker: leg.W.URL, RetryAfter: resp.Header.Get("Retry-After"),
+			Message: fmt.Sprintf("worker %s answered %d with an error body over %d bytes (not relayed)", leg.W.URL, resp.StatusCode, maxErrorBody)}
+	}
+	return &UpstreamError{Worker: leg.W.URL, Status: resp.StatusCode, Header: resp.Header, Body: b}
+}
+
+// Finish ends a leg whose answer with status was relayed, given Relay's result: success ends
+// it with status; a read failure before the first byte is a failure like a send failure
+// (nothing was written: the caller may retry); after it the connection must be aborted.
+func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 	var re *ReadError
 	switch {
-	case err == nil, errors.Is(err, ErrClientGone):
-		return err
-	case ClientGone(r):
+	case err == nil:
+		leg.Done(status, nil)
+		return nil
+	case errors.Is(err, ErrClientGone), ClientGone(r):
+		leg.Excuse()
 		return ErrClientGone
 	case errors.As(err, &re) && !re.Written:
-		return p.Failure(r, w, leg, re.Err)
+		return p.Failure(r, leg, re.Err)
 	}
-	if IsTimeout(err) {
+	w := leg.W
+	if outcome.IsTimeout(err) {
 		// The worker was producing bytes: a request longer than the deadline is no failure of
 		// the worker's, and must not open its circuit for everyone else.
+		leg.Excuse()
 		p.countError(w, metrics.KindTimeout)
-		p.Log.Warn("request deadline passed mid-response; aborting the client connection", "worker", w.URL, "leg", leg)
+		p.Log.Warn("request deadline passed mid-response; aborting the client connection", "worker", w.URL, "leg", leg.Name)
 		return ErrAbort
 	}
-	w.Record(0, err)
+	leg.Done(0, err)
 	p.countError(w, metrics.KindMidStream)
-	p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "leg", leg, "err", err)
+	p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "leg", leg.Name, "err", err)
 	return ErrAbort
 }
 
@@ -242,70 +255,89 @@ func (p *Proxy) Finish(r *http.Request, w *worker.Worker, leg string, err error)
 // Written false). SSE bodies are flushed after every read; with transform set, they are split
 // into events and each is passed through transform (which may return it unchanged).
 func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
-	stream := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-	rc := http.NewResponseController(rw)
-	written := false
-	writeHead := func() {
-		h := rw.Header()
-		CopyResponseHeaders(h, resp.Header)
-		if transform != nil {
-			h.Del("Content-Length")
-		}
-		rw.WriteHeader(resp.StatusCode)
-		written = true
-	}
-	emit := func(b []byte, flush bool) error {
-		if !written {
-			writeHead()
-		}
-		if len(b) > 0 {
-			if _, err := rw.Write(b); err != nil {
-				return ErrClientGone
-			}
-		}
-		if stream && flush {
-			if err := rc.Flush(); err != nil {
-				return ErrClientGone
-			}
-		}
-		return nil
-	}
-	// next returns the next chunk to write and whether to flush after it.
+	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
+		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
 	var next func() ([]byte, bool, error)
-	if transform != nil && stream {
-		er := openai.NewEventReader(resp.Body)
-		next = func() ([]byte, bool, error) {
-			ev, err := er.Next()
-			if len(ev) > 0 {
-				ev = transform(ev)
-			}
-			return ev, !er.Pending(), err
-		}
+	if transform != nil && out.stream {
+		next = events(resp.Body, transform)
 	} else {
 		bp := bufPool.Get().(*[]byte)
 		defer bufPool.Put(bp)
-		buf := *bp
-		next = func() ([]byte, bool, error) {
-			n, err := resp.Body.Read(buf)
-			return buf[:n], true, err
-		}
+		next = chunks(resp.Body, *bp)
 	}
 	for {
 		chunk, flush, err := next()
 		if len(chunk) > 0 {
-			if werr := emit(chunk, flush); werr != nil {
+			if werr := out.emit(chunk, flush); werr != nil {
 				return werr
 			}
 		}
 		if err == io.EOF {
-			if !written {
-				writeHead()
-			}
+			out.head()
 			return nil
 		}
 		if err != nil {
-			return &ReadError{Err: err, Written: written}
+			return &ReadError{Err: err, Written: out.written}
 		}
+	}
+}
+
+// relayOut is the client's side of one Relay.
+type relayOut struct {
+	rw       http.ResponseWriter
+	rc       *http.ResponseController
+	resp     *http.Response
+	stream   bool // SSE: flush as events arrive
+	rewrites bool // the body is transformed: its Content-Length no longer holds
+	written  bool // the head went out
+}
+
+// head writes the status and headers, once.
+func (o *relayOut) head() {
+	if o.written {
+		return
+	}
+	h := o.rw.Header()
+	CopyResponseHeaders(h, o.resp.Header)
+	if o.rewrites {
+		h.Del("Content-Length")
+	}
+	o.rw.WriteHeader(o.resp.StatusCode)
+	o.written = true
+}
+
+// emit writes one chunk (after the head), flushing a stream when asked.
+func (o *relayOut) emit(b []byte, flush bool) error {
+	o.head()
+	if _, err := o.rw.Write(b); err != nil {
+		return ErrClientGone
+	}
+	if o.stream && flush {
+		if err := o.rc.Flush(); err != nil {
+			return ErrClientGone
+		}
+	}
+	return nil
+}
+
+// chunks reads body into buf as it arrives; every chunk is flushed.
+func chunks(body io.Reader, buf []byte) func() ([]byte, bool, error) {
+	return func() ([]byte, bool, error) {
+		n, err := body.Read(buf)
+		return buf[:n], true, err
+	}
+}
+
+// events reads body as SSE events passed through transform; a flush follows the last event of
+// those that arrived together.
+func events(body io.Reader, transform func([]byte) []byte) func() ([]byte, bool, error) {
+	er := openai.NewEventReader(body)
+	return func() ([]byte, bool, error) {
+		ev, err := er.Next()
+		if len(ev) > 0 {
+			ev = transform(ev)
+		}
+		return ev, !er.Pending(), err
 	}
 }
 
@@ -320,29 +352,13 @@ func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *o
 	if errors.As(err, &pe) {
 		return InternalError()
 	}
-	if IsTimeout(err) {
-		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, Worker: w.URL,
+	v := outcome.Err(err)
+	if v.Reason == "timeout" {
+		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, Worker: w.URL, Reason: v.Reason,
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
 	}
-	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable, Worker: w.URL,
+	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable, Worker: w.URL, Reason: v.Reason,
 		Message: fmt.Sprintf("%sworker %s: %v", legWord(leg), w.URL, unwrapURLError(err))}
-}
-
-// IsTimeout reports whether err is a deadline passing: the request's own
-// (ErrRequestTimeout) or a leg's.
-func IsTimeout(err error) bool {
-	return errors.Is(err, ErrRequestTimeout) || errors.Is(err, context.DeadlineExceeded)
-}
-
-// RetryableStatus reports whether an upstream status is worth a retry elsewhere: 408, 429, 500,
-// 502, 503, 504.
-func RetryableStatus(status int) bool {
-	switch status {
-	case http.StatusRequestTimeout, http.StatusTooManyRequests, http.StatusInternalServerError,
-		http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
-		return true
-	}
-	return false
 }
 
 func legWord(leg string) string {
@@ -352,20 +368,22 @@ func legWord(leg string) string {
 	return leg + " "
 }
 
-// Failure classifies a failure before any response byte, records it against w, and returns the
-// error for the client (not written: the caller may retry), or ErrClientGone.
-func (p *Proxy) Failure(r *http.Request, w *worker.Worker, leg string, err error) error {
+// Failure classifies a failure before any response byte, ends the leg with it, and returns
+// the error for the client (not written: the caller may retry), or ErrClientGone.
+func (p *Proxy) Failure(r *http.Request, leg *Leg, err error) error {
 	if ClientGone(r) {
+		leg.Excuse()
 		return ErrClientGone
 	}
-	e := Classify(w, leg, p.Timeout, err)
-	w.Record(0, err)
+	w := leg.W
+	e := Classify(w, leg.Name, p.Timeout, err)
+	leg.Done(0, err)
 	kind := metrics.KindTransport
 	if e.Status == http.StatusGatewayTimeout {
 		kind = metrics.KindTimeout
 	}
 	p.countError(w, kind)
-	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg, "status", e.Status, "err", err)
+	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg.Name, "status", e.Status, "err", err)
 	return e
 }
 

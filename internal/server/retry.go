@@ -1,13 +1,13 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"net/http"
-	"strconv"
-	"strings"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/retry"
 )
@@ -76,7 +76,7 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	case errors.As(err, &ue):
 		ue.Write(w)
 	case errors.Is(err, proxy.ErrClientGone), proxy.ClientGone(r):
-	case proxy.IsTimeout(err):
+	case outcome.IsTimeout(err):
 		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
 			Message: "the request did not complete within request_timeout_secs"})
 	default:
@@ -85,7 +85,8 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	}
 }
 
-// retryReason reports whether err may be retried and why (a metrics label).
+// retryReason reports whether err may be retried and why (a metrics label), from the outcome
+// table: the worker's status, or the transport failure or timeout Baton minted an error for.
 func retryReason(err error) (string, bool) {
 	var (
 		oe *openai.Error
@@ -93,18 +94,14 @@ func retryReason(err error) (string, bool) {
 	)
 	switch {
 	case errors.As(err, &oe):
-		if oe.NoRetry || !proxy.RetryableStatus(oe.Status) {
+		v := outcome.Status(oe.Status)
+		if oe.NoRetry || !v.Retryable {
 			return "", false
 		}
-		switch {
-		case strings.HasSuffix(oe.Code, openai.CodeUpstreamUnreachable):
-			return "transport", true
-		case strings.HasSuffix(oe.Code, openai.CodeUpstreamTimeout):
-			return "timeout", true
-		}
-		return "status_" + strconv.Itoa(oe.Status), true
+		return cmp.Or(oe.Reason, v.Reason), true
 	case errors.As(err, &ue):
-		return "status_" + strconv.Itoa(ue.Status), proxy.RetryableStatus(ue.Status)
+		v := outcome.Status(ue.Status)
+		return v.Reason, v.Retryable
 	}
 	return "", false
 }

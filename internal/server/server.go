@@ -19,6 +19,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
@@ -219,7 +220,7 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		start := time.Now()
 		rid := requestID(r.Header)
 		w.Header().Set(openai.HeaderRequestID, rid)
-		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), proxy.ErrRequestTimeout)
+		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
 		defer cancel()
 		r = r.WithContext(ctx)
 		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace)}

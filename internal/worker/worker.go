@@ -5,16 +5,14 @@ package worker
 
 import (
 	"cmp"
-	"context"
 	"encoding/json"
-	"errors"
-	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
 	"sync/atomic"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/outcome"
 )
 
 // Model is one model a worker serves: its id and the card the worker reported in /v1/models.
@@ -153,41 +151,20 @@ func (w *Worker) Acquire() (release func()) {
 // next Rebuild.
 func (w *Worker) SetInfo(in *Info) { w.info.Store(in) }
 
-// IsFailure reports whether an upstream outcome counts against the worker, and whether it is a
-// sample at all. Transport errors and 408/500/502/503/504 are failures; 429 is no sample (the
-// engine is busy, not broken); a cancellation Baton or the client caused is no sample; every
-// other status is a success.
-func IsFailure(status int, err error) (failure, sample bool) {
-	if err != nil {
-		if errors.Is(err, context.Canceled) {
-			return false, false
-		}
-		return true, true
-	}
-	switch status {
-	case http.StatusTooManyRequests:
-		return false, false
-	case http.StatusRequestTimeout, http.StatusInternalServerError, http.StatusBadGateway,
-		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
-		return true, true
-	}
-	return false, true
-}
-
 // Record takes one outcome of a request this worker served: its status, or the error that kept
-// it from answering.
+// it from answering; package outcome says whether it is a sample and a failure.
 func (w *Worker) Record(status int, err error) {
-	failure, sample := IsFailure(status, err)
+	v := outcome.Of(status, err)
 	switch {
-	case !sample:
+	case !v.Sample:
 		return
-	case failure:
+	case v.Failure:
 		w.failures.Add(1)
 	default:
 		w.successes.Add(1)
 	}
 	if w.breaker != nil {
-		w.breaker.record(failure)
+		w.breaker.record(v.Failure)
 	}
 }
 

@@ -1,0 +1,76 @@
+// Package outcome is the one table that says what an upstream result means to Baton: whether a
+// retry on another worker may help, whether it is a sample for the worker's circuit breaker and
+// a failure there, whether a broken prefill/decode pair produces it, and whether the client
+// caused it. Every decision about an upstream result reads it from here.
+package outcome
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+)
+
+// ErrRequestTimeout is the cause of a request whose total deadline (request_timeout_secs)
+// passed.
+var ErrRequestTimeout = errors.New("request deadline exceeded")
+
+// Verdict is how Baton treats one upstream result.
+type Verdict struct {
+	Retryable bool   // a retry on another worker may succeed
+	Sample    bool   // the result says something about the worker (a breaker sample)
+	Failure   bool   // the sample counts against the worker
+	Seam      bool   // a broken prefill/decode pair produces this (pair quarantine)
+	Client    bool   // the client caused it by leaving: never the worker's fault
+	Reason    string // why a retry happens (metrics label): status_<code>, transport, timeout
+}
+
+// Of returns the verdict on a worker's answer with status, or, when err is set, on the error
+// that kept the worker from answering (or ended its answer).
+func Of(status int, err error) Verdict {
+	if err != nil {
+		return Err(err)
+	}
+	return Status(status)
+}
+
+// Status is the verdict on a worker's answer with status:
+//
+//	408                  retryable, failure
+//	429                  retryable, no sample (busy, not broken)
+//	500 502 503 504      retryable, failure, seam
+//	other 5xx            not retryable, success sample, seam
+//	anything else        not retryable, success sample
+func Status(status int) Verdict {
+	reason := "status_" + strconv.Itoa(status)
+	switch status {
+	case http.StatusRequestTimeout:
+		return Verdict{Retryable: true, Sample: true, Failure: true, Reason: reason}
+	case http.StatusTooManyRequests:
+		return Verdict{Retryable: true, Reason: reason}
+	case http.StatusInternalServerError, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: reason}
+	}
+	return Verdict{Sample: true, Seam: status >= 500}
+}
+
+// Err is the verdict on an error instead of (or in the middle of) an answer:
+//
+//	cancellation (the client left, or Baton ended the leg)   no sample, not retryable
+//	a deadline passing (the request's or a leg's)            retryable, failure, seam: timeout
+//	any other transport or read failure                      retryable, failure, seam: transport
+func Err(err error) Verdict {
+	switch {
+	case errors.Is(err, context.Canceled):
+		return Verdict{Client: true}
+	case IsTimeout(err):
+		return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: "timeout"}
+	}
+	return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: "transport"}
+}
+
+// IsTimeout reports whether err is a deadline passing: the request's own (ErrRequestTimeout)
+// or a leg's.
+func IsTimeout(err error) bool {
+	return errors.Is(err, ErrRequestTimeout) || errors.Is(err, context.DeadlineExceeded)
+}

@@ -1,0 +1,74 @@
+package pd
+
+import (
+	"encoding/json"
+	"math/rand/v2"
+	"strconv"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// SGLang bootstrap legs: both legs carry the prefill's bootstrap address and a room, and the
+// engines rendezvous by room.
+
+// BootstrapBodies returns the prefill and decode leg bodies: the client's bytes plus
+// bootstrap_host, bootstrap_port and bootstrap_room (arrays of length N for a batch of N, with a
+// fresh room each), and, for workers with DP ranks, routed_dp_rank on each leg and
+// disagg_prefill_dp_rank on the decode. Client values of these keys are replaced.
+func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, err error) {
+	host, _ := json.Marshal(pair.Prefill.BootstrapHost)
+	port := []byte("null")
+	if p := pair.Prefill.BootstrapPort; p != nil {
+		port = strconv.AppendInt(nil, int64(*p), 10)
+	}
+	var room []byte
+	if n := req.Batch; n > 0 {
+		hosts, ports, rooms := []byte{'['}, []byte{'['}, []byte{'['}
+		for i := 0; i < n; i++ {
+			if i > 0 {
+				hosts, ports, rooms = append(hosts, ','), append(ports, ','), append(rooms, ',')
+			}
+			hosts, ports = append(hosts, host...), append(ports, port...)
+			rooms = strconv.AppendUint(rooms, newRoom(), 10)
+		}
+		host, port, room = append(hosts, ']'), append(ports, ']'), append(rooms, ']')
+	} else {
+		room = strconv.AppendUint(nil, newRoom(), 10)
+	}
+	common := []openai.Field{{Key: "bootstrap_host", Value: host}, {Key: "bootstrap_port", Value: port}, {Key: "bootstrap_room", Value: room}}
+	pFields, dFields := common, common
+	// The DP rank fields are Baton's: a client's values never reach a leg, where they would
+	// send the KV to a rank the other leg does not look at.
+	pDel, dDel := []string{keyDPRankDeprecated, keyPrefillDPRank}, []string{keyDPRankDeprecated}
+	if rank, ok := pair.Prefill.NextRank(); ok {
+		v := strconv.AppendInt(nil, int64(rank), 10)
+		pFields = append(pFields[:len(pFields):len(pFields)], openai.Field{Key: keyRoutedDPRank, Value: v})
+		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyPrefillDPRank, Value: v})
+	} else {
+		pDel, dDel = append(pDel, keyRoutedDPRank), append(dDel, keyPrefillDPRank)
+	}
+	if rank, ok := pair.Decode.NextRank(); ok {
+		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyRoutedDPRank, Value: strconv.AppendInt(nil, int64(rank), 10)})
+	} else {
+		dDel = append(dDel, keyRoutedDPRank)
+	}
+	if prefill, err = openai.Edit(req.Body, pFields, pDel); err != nil {
+		return nil, nil, err
+	}
+	if decode, err = openai.Edit(req.Body, dFields, dDel); err != nil {
+		return nil, nil, err
+	}
+	return prefill, decode, nil
+}
+
+// SGLang's DP rank fields (python/sglang/srt/managers/io_struct.py): the rank a leg runs on,
+// the prefill rank a decode pulls from, and the deprecated alias of the first.
+const (
+	keyRoutedDPRank     = "routed_dp_rank"
+	keyPrefillDPRank    = "disagg_prefill_dp_rank"
+	keyDPRankDeprecated = "data_parallel_rank"
+)
+
+// newRoom returns a bootstrap room: uniform in [0, 2^63-1].
+func newRoom() uint64 { return rand.Uint64() & (1<<63 - 1) }

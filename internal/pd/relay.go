@@ -1,0 +1,95 @@
+package pd
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Relay helpers shared by both strategies: the decode's answer to the client, and a failed
+// leg's answer as the client's error.
+
+func isStream(resp *http.Response) bool {
+	return strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+}
+
+// relayBody answers with the decode's whole non-streamed body passed through transform.
+func relayBody(rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
+	body, err := proxy.ReadBody(dresp.Body)
+	if err != nil {
+		return &proxy.ReadError{Err: err}
+	}
+	out := transform(body)
+	h := rw.Header()
+	proxy.CopyResponseHeaders(h, dresp.Header)
+	h.Set("Content-Length", strconv.Itoa(len(out)))
+	rw.WriteHeader(dresp.StatusCode)
+	if _, err := rw.Write(out); err != nil {
+		return proxy.ErrClientGone
+	}
+	return nil
+}
+
+// firstByte calls at once, when the first body bytes are read.
+type firstByte struct {
+	io.ReadCloser
+	at   func()
+	done bool
+}
+
+func (f *firstByte) Read(p []byte) (int, error) {
+	n, err := f.ReadCloser.Read(p)
+	if n > 0 && !f.done {
+		f.done = true
+		f.at()
+	}
+	return n, err
+}
+
+// upstreamError builds the client's error for a leg that answered non-2xx: the leg's exact
+// status, its message, and a code naming the leg.
+func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *openai.Error {
+	e := &openai.Error{Status: status, Code: leg + "_upstream_error", Worker: w.URL,
+		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
+	if header != nil {
+		e.RetryAfter = header.Get("Retry-After")
+	}
+	return e
+}
+
+// upstreamMessage extracts an engine's error message: error.message, message, or the text.
+func upstreamMessage(body []byte) string {
+	var v struct {
+		Error   json.RawMessage `json:"error"`
+		Message string          `json:"message"`
+	}
+	if json.Unmarshal(body, &v) == nil {
+		var nested struct {
+			Message string `json:"message"`
+		}
+		var flat string
+		switch {
+		case json.Unmarshal(v.Error, &nested) == nil && nested.Message != "":
+			return nested.Message
+		case json.Unmarshal(v.Error, &flat) == nil && flat != "":
+			return flat
+		case v.Message != "":
+			return v.Message
+		}
+	}
+	s := strings.TrimSpace(string(body))
+	if len(s) > 1024 {
+		s = s[:1024] + "…"
+	}
+	if s == "" {
+		s = "(empty body)"
+	}
+	return s
+}

@@ -1,0 +1,39 @@
+package proxy
+
+import (
+	"sync/atomic"
+
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Leg is one upstream request on a worker. Open counts it in flight on the worker; its outcome
+// is recorded against the worker exactly once — by the first of Done, Excuse, Failure or
+// Finish — and the in-flight count is released then. A deferred Excuse makes every path end it.
+type Leg struct {
+	W       *worker.Worker
+	Name    string // prefill, decode, or "" for a regular request
+	release func()
+	ended   atomic.Bool
+}
+
+// Open starts a leg named name on w.
+func Open(w *worker.Worker, name string) *Leg {
+	return &Leg{W: w, Name: name, release: w.Acquire()}
+}
+
+// Done records the worker's answer with status, or the error that kept it from answering or
+// ended its answer, and releases the worker; only the first end of a leg counts.
+func (l *Leg) Done(status int, err error) {
+	if l.ended.CompareAndSwap(false, true) {
+		l.W.Record(status, err)
+		l.release()
+	}
+}
+
+// Excuse ends the leg without a sample: Baton or the client ended it, or the other leg's
+// failure caused its own, or it outlived the request deadline while the worker was answering.
+func (l *Leg) Excuse() {
+	if l.ended.CompareAndSwap(false, true) {
+		l.release()
+	}
+}
