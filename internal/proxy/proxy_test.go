@@ -1,0 +1,112 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"testing/iotest"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+func testProxy() *Proxy { return &Proxy{Log: slog.New(slog.NewTextHandler(io.Discard, nil))} }
+
+func upstream(status int, header http.Header, body io.Reader) *http.Response {
+	if header == nil {
+		header = http.Header{}
+	}
+	return &http.Response{StatusCode: status, Header: header, Body: io.NopCloser(body)}
+}
+
+func TestRelayPassesTheAnswerThrough(t *testing.T) {
+	rec := httptest.NewRecorder()
+	h := http.Header{"Content-Type": {"application/json"}, "X-Engine": {"e"}, "Connection": {"X-Hop"}, "X-Hop": {"1"},
+		"Transfer-Encoding": {"chunked"}, "X-Baton-Worker": {"spoofed"}, "X-Request-Id": {"spoofed"}}
+	err := testProxy().Relay(rec, upstream(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.Code != 201 || rec.Body.String() != `{"big":18446744073709551615}` {
+		t.Errorf("relayed %d %q", rec.Code, rec.Body.String())
+	}
+	got := rec.Header()
+	if got.Get("X-Engine") != "e" || got.Get("X-Hop") != "" || got.Get("Transfer-Encoding") != "" || got.Get("X-Baton-Worker") != "" || got.Get("X-Request-Id") != "" {
+		t.Errorf("headers %v: want the engine's, without hop-by-hop ones or Baton's", got)
+	}
+}
+
+func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
+	rec := httptest.NewRecorder()
+	h := http.Header{"Content-Type": {"text/event-stream"}, "Content-Length": {"99"}}
+	body := "data: {\"n\":1}\n\n: comment\n\ndata: [DONE]\n\n"
+	err := testProxy().Relay(rec, upstream(200, h, iotest.OneByteReader(strings.NewReader(body))), func(ev []byte) []byte {
+		return []byte(strings.ReplaceAll(string(ev), `"n":1`, `"n":2`))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := strings.ReplaceAll(body, `"n":1`, `"n":2`); rec.Body.String() != want || rec.Header().Get("Content-Length") != "" {
+		t.Errorf("relayed %q (content-length %q), want %q", rec.Body.String(), rec.Header().Get("Content-Length"), want)
+	}
+	if !rec.Flushed {
+		t.Error("a stream was not flushed")
+	}
+}
+
+func TestRelayReportsWhetherAnythingWasWritten(t *testing.T) {
+	broken := errors.New("reset")
+	rec := httptest.NewRecorder()
+	err := testProxy().Relay(rec, upstream(200, nil, iotest.ErrReader(broken)), nil)
+	var re *ReadError
+	if !errors.As(err, &re) || re.Written || !errors.Is(err, broken) || rec.Code != 200 || rec.Body.Len() != 0 {
+		t.Errorf("failure before any byte: %v (written %v), wrote %q", err, re != nil && re.Written, rec.Body.String())
+	}
+	rec = httptest.NewRecorder()
+	err = testProxy().Relay(rec, upstream(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil)
+	if !errors.As(err, &re) || !re.Written {
+		t.Errorf("failure after bytes: %v, want a ReadError with Written", err)
+	}
+}
+
+func TestCopyRequestHeaders(t *testing.T) {
+	src := http.Header{"Authorization": {"Bearer client"}, "X-Request-Id": {"a", "b"}, "Traceparent": {"00-x"},
+		"Tracestate": {"a=1", "b=2"}, "Cookie": {"secret"}, "X-Other": {"1"}}
+	dst := http.Header{}
+	CopyRequestHeaders(dst, src, worker.New(config.Worker{URL: "http://w"}))
+	if dst.Get("Authorization") != "Bearer client" || dst.Get("Traceparent") != "00-x" || len(dst["Tracestate"]) != 2 {
+		t.Errorf("forwarded %v", dst)
+	}
+	if dst.Get("X-Request-Id") != "" || dst.Get("Cookie") != "" || dst.Get("X-Other") != "" {
+		t.Errorf("forwarded %v: a repeated single header or one off the allowlist", dst)
+	}
+	dst = http.Header{}
+	CopyRequestHeaders(dst, src, worker.New(config.Worker{URL: "http://w", APIKey: "worker-key"}))
+	if dst.Get("Authorization") != "Bearer worker-key" {
+		t.Errorf("authorization %q, want the worker's own key", dst.Get("Authorization"))
+	}
+}
+
+func TestLegEndsOnce(t *testing.T) {
+	w := worker.New(config.Worker{URL: "http://w"})
+	leg := Open(w, "")
+	if w.InFlight() != 1 {
+		t.Fatalf("in flight %d after Open", w.InFlight())
+	}
+	leg.Done(503, nil)
+	leg.Done(200, nil)
+	leg.Excuse()
+	if ok, failed := w.Outcomes(); ok != 0 || failed != 1 || w.InFlight() != 0 {
+		t.Errorf("outcomes %d/%d, in flight %d: want one failure and the worker released", ok, failed, w.InFlight())
+	}
+	leg = Open(w, "")
+	leg.Excuse()
+	leg.Done(503, nil)
+	if _, failed := w.Outcomes(); failed != 1 || w.InFlight() != 0 {
+		t.Errorf("an excused leg was recorded: %d failures, in flight %d", failed, w.InFlight())
+	}
+}
