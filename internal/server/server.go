@@ -1,5 +1,6 @@
-// Package server holds Baton's HTTP front: routes, middleware (request id, auth, body limit,
-// metrics, access log), health and readiness.
+// Package server holds Baton's HTTP front: routes, middleware (request id, request deadline,
+// auth, metrics, panic recovery), bounded body reading, admission, the retry loop around
+// selection and the executors, health and readiness.
 package server
 
 import (
