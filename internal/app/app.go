@@ -118,26 +118,41 @@ func (g *Gateway) Wait() {
 
 // New wires a gateway from cfg. It does no I/O.
 func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
+	return build(cfg, log, timingOf(cfg))
+}
+
+// timing is every duration the gateway runs by, converted once from the configuration's
+// seconds (tests shorten them to milliseconds).
+type timing struct {
+	request, stalled, queue       time.Duration
+	breakerOpen, quarantine       time.Duration
+	healthInterval, healthTimeout time.Duration
+	detect                        time.Duration
+}
+
+func timingOf(cfg config.Config) timing {
+	secs := func(n int) time.Duration { return time.Duration(n) * time.Second }
+	return timing{
+		request: secs(cfg.RequestTimeoutSecs), stalled: secs(cfg.StalledClientTimeoutSecs), queue: secs(cfg.Admission.QueueTimeoutSecs),
+		breakerOpen: secs(cfg.CircuitBreaker.TimeoutSecs), quarantine: secs(cfg.PairHealth.QuarantineSecs),
+		healthInterval: secs(cfg.HealthCheck.IntervalSecs), healthTimeout: secs(cfg.HealthCheck.TimeoutSecs),
+		detect: secs(cfg.DetectIntervalSecs),
+	}
+}
+
+// build wires a gateway from cfg with the durations of tm.
+func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	var ws []*worker.Worker
 	for _, c := range cfg.AllWorkers() {
 		ws = append(ws, worker.New(c))
 	}
 	reg := worker.NewRegistry(ws...)
 	m := metrics.New(reg)
-	cb := cfg.CircuitBreaker
-	breaker := &worker.BreakerConfig{
-		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold,
-		Timeout: time.Duration(cb.TimeoutSecs) * time.Second, Disabled: cb.Disable,
-		OnTransition: func(w *worker.Worker, from, to worker.BreakerState) {
-			f, t := from.String(), to.String()
-			m.BreakerTransitions.WithLabelValues(w.URL, f, t).Inc()
-			log.Warn("circuit breaker", "worker", w.URL, "role", w.Role, "from", f, "to", t)
-		},
-	}
+	breaker := newBreaker(cfg.CircuitBreaker, tm.breakerOpen, m, log)
 	for _, w := range ws {
 		w.UseBreaker(breaker)
 	}
-	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: time.Duration(cfg.PairHealth.QuarantineSecs) * time.Second}
+	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: tm.quarantine}
 	policies := map[string]policy.Policy{}
 	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
 		p, err := policy.New(cfg.PolicyFor(role))
@@ -147,73 +162,72 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		policies[role] = p
 	}
 	transport := proxy.NewTransport()
-	px := &proxy.Proxy{
-		Transport: transport,
-		Timeout:   time.Duration(cfg.RequestTimeoutSecs) * time.Second,
-		Metrics:   m,
-		Log:       log,
-	}
+	px := &proxy.Proxy{Transport: transport, Timeout: tm.request, Metrics: m, Log: log}
 	parallel := &pd.Parallel{Proxy: px, Metrics: m, Log: log, Pairs: pairs}
 	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector, Pairs: pairs,
 		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}
 	client := &http.Client{Transport: transport}
-	var health *worker.HealthChecker
-	if hc := cfg.HealthCheck; !hc.Disable {
-		health = &worker.HealthChecker{
-			Registry: reg, Client: client, Log: log, Endpoint: hc.Endpoint,
-			Interval: time.Duration(hc.IntervalSecs) * time.Second, Timeout: time.Duration(hc.TimeoutSecs) * time.Second,
-			FailureThreshold: hc.FailureThreshold, SuccessThreshold: hc.SuccessThreshold,
-			OnProbe: func(w *worker.Worker, ok bool) {
-				result := "ok"
-				if !ok {
-					result = "failed"
-				}
-				m.HealthChecks.WithLabelValues(w.URL, result).Inc()
-			},
-		}
-	}
+	parts := server.Options{Registry: reg, Selector: &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs}, Proxy: px,
+		Dispatcher: &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, Metrics: m, Log: log}
 	return &Gateway{
-		Health:   health,
+		Health:   newHealth(cfg.HealthCheck, tm, reg, client, m, log),
 		Config:   cfg,
 		Registry: reg,
 		Metrics:  m,
 		Parallel: parallel,
-		Server:   server.New(serverOptions(cfg, reg, &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs}, px, &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, m, log)),
-		Registrar: &worker.Registrar{
-			Registry:    reg,
-			Client:      client,
-			Log:         log,
-			MaxInterval: time.Duration(cfg.DetectIntervalSecs) * time.Second,
-			OnRegistered: func(w *worker.Worker) {
-				logConnector(log, cfg, w)
-			},
-		},
+		Server:   server.New(serverOptions(cfg, tm, parts)),
+		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
+			OnRegistered: func(w *worker.Worker) { logConnector(log, cfg, w) }},
 		Log: log,
 	}, nil
 }
 
-// serverOptions converts the configuration into the server's options, durations included.
-func serverOptions(cfg config.Config, reg *worker.Registry, sel *policy.Selector, px *proxy.Proxy, dispatcher pd.Executor, m *metrics.Metrics, log *slog.Logger) server.Options {
-	secs := func(n int) time.Duration { return time.Duration(n) * time.Second }
+// newBreaker is the circuit breaker every worker shares, its transitions counted and logged.
+func newBreaker(cb config.CircuitBreaker, open time.Duration, m *metrics.Metrics, log *slog.Logger) *worker.BreakerConfig {
+	return &worker.BreakerConfig{
+		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold, Timeout: open, Disabled: cb.Disable,
+		OnTransition: func(w *worker.Worker, from, to worker.BreakerState) {
+			f, t := from.String(), to.String()
+			m.BreakerTransitions.WithLabelValues(w.URL, f, t).Inc()
+			log.Warn("circuit breaker", "worker", w.URL, "role", w.Role, "from", f, "to", t)
+		},
+	}
+}
+
+// newHealth is the active health checker, or nil when health checks are disabled.
+func newHealth(hc config.HealthCheck, tm timing, reg *worker.Registry, client *http.Client, m *metrics.Metrics, log *slog.Logger) *worker.HealthChecker {
+	if hc.Disable {
+		return nil
+	}
+	return &worker.HealthChecker{
+		Registry: reg, Client: client, Log: log, Endpoint: hc.Endpoint, Interval: tm.healthInterval, Timeout: tm.healthTimeout,
+		FailureThreshold: hc.FailureThreshold, SuccessThreshold: hc.SuccessThreshold,
+		OnProbe: func(w *worker.Worker, ok bool) {
+			result := "ok"
+			if !ok {
+				result = "failed"
+			}
+			m.HealthChecks.WithLabelValues(w.URL, result).Inc()
+		},
+	}
+}
+
+// serverOptions fills the server's settings from the configuration into parts.
+func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Options {
 	rc := cfg.Retry
 	attempts := rc.MaxRetries
 	if rc.Disable {
 		attempts = 1
 	}
-	return server.Options{
-		PD:                   cfg.PDDisaggregation,
-		APIKey:               cfg.APIKey,
-		MaxPayloadSize:       cfg.MaxPayloadSize,
-		MaxBatchSize:         cfg.MaxBatchSize,
-		RequestTimeout:       secs(cfg.RequestTimeoutSecs),
-		StalledClientTimeout: secs(cfg.StalledClientTimeoutSecs),
-		Retry: server.Retry{Attempts: attempts, Backoff: retry.Backoff{
-			Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
-			Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}},
-		Admission:   server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: secs(cfg.Admission.QueueTimeoutSecs)},
-		KVConnector: cfg.KVConnector,
-		Registry:    reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log,
-	}
+	o := parts
+	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.APIKey, cfg.KVConnector
+	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
+	o.RequestTimeout, o.StalledClientTimeout = tm.request, tm.stalled
+	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
+		Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
+		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
+	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: tm.queue}
+	return o
 }
 
 // Serve runs the gateway until ctx ends, then drains: readiness turns 503, in-flight requests

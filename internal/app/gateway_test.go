@@ -162,9 +162,7 @@ func TestMintedErrors(t *testing.T) {
 			io.ReadAll(r.Body)
 			<-r.Context().Done()
 		})
-		cfg := testConfig(slow.URL)
-		cfg.RequestTimeoutSecs = 1
-		_, gw := startGateway(t, cfg)
+		_, gw := startGateway(t, testConfig(slow.URL), requestTimeout(200*time.Millisecond))
 		wantEnvelope(t, post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`), 504, "upstream_timeout")
 	})
 	t.Run("unknown route 404", func(t *testing.T) {

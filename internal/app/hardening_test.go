@@ -204,9 +204,7 @@ func readStatus(t *testing.T, c net.Conn) string {
 // claiming 512 MB each reached 3.4 GB), and those requests held the drain forever.
 func TestContentLengthIsNotAnAllocation(t *testing.T) {
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
-	cfg := testConfig(up.URL)
-	cfg.StalledClientTimeoutSecs = 1
-	g, gw := startGateway(t, cfg)
+	g, gw := startGateway(t, testConfig(up.URL), stalledTimeout(300*time.Millisecond))
 	addr := strings.TrimPrefix(gw.URL, "http://")
 	var conns []net.Conn
 	a := allocated(func() {
@@ -284,16 +282,15 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 	})
 	for _, tc := range []struct {
 		name           string
-		stall, timeout int
+		stall, timeout time.Duration
 	}{
-		{"stalled-client timeout", 1, 1800},
-		{"request deadline", 600, 1},
+		{"stalled-client timeout", 300 * time.Millisecond, time.Hour},
+		{"request deadline", time.Hour, 300 * time.Millisecond},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := testConfig(up.URL)
 			cfg.Admission.MaxConcurrentRequests, cfg.Admission.QueueSize = 2, 0
-			cfg.StalledClientTimeoutSecs, cfg.RequestTimeoutSecs = tc.stall, tc.timeout
-			g, gw := startGateway(t, cfg)
+			g, gw := startGateway(t, cfg, stalledTimeout(tc.stall), requestTimeout(tc.timeout))
 			addr := strings.TrimPrefix(gw.URL, "http://")
 			body := `{"model":"m","stream":true,"padding":"xxxxxxxx"}`
 			for i := 0; i < 2; i++ { // they send a request and never read a byte of the answer
@@ -426,9 +423,8 @@ func TestLongRequestsDoNotOpenTheBreaker(t *testing.T) {
 		}
 	})
 	cfg := testConfig(up.URL)
-	cfg.RequestTimeoutSecs = 1
 	cfg.CircuitBreaker.FailureThreshold = 2
-	g, gw := startGateway(t, cfg)
+	g, gw := startGateway(t, cfg, requestTimeout(300*time.Millisecond))
 	var wg sync.WaitGroup
 	for i := 0; i < 4; i++ {
 		wg.Go(func() {
@@ -454,11 +450,11 @@ func TestLongRequestsDoNotOpenTheBreaker(t *testing.T) {
 // upstream_timeout on every path, PD legs included.
 func TestTimeoutsAre504Everywhere(t *testing.T) {
 	t.Parallel()
-	oneSecond := func(c *config.Config) { c.RequestTimeoutSecs = 1 }
+	shortDeadline := requestTimeout(300 * time.Millisecond)
 	noRetries := func(c *config.Config) { c.Retry.Disable = true }
 	t.Run("regular, retries off", func(t *testing.T) {
 		t.Parallel()
-		_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, oneSecond, noRetries)
+		_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, shortDeadline, noRetries)
 		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
 		if resp.StatusCode != 504 || !strings.Contains(body, `"upstream_timeout"`) {
 			t.Fatalf("%d %s", resp.StatusCode, body)
@@ -469,7 +465,7 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 	})
 	t.Run("regular, retries on", func(t *testing.T) {
 		t.Parallel()
-		_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, oneSecond)
+		_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, shortDeadline)
 		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
 		if resp.StatusCode != 504 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
@@ -487,7 +483,7 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 		}
 		t.Run("sglang "+leg, func(t *testing.T) {
 			t.Parallel()
-			_, _, _, gw := sglangPD(t, pc, dc, oneSecond)
+			_, _, _, gw := sglangPD(t, pc, dc, shortDeadline)
 			resp, body := postTimeout(t, gw+"/generate", `{"model":"m","text":"hello?"}`)
 			if resp.StatusCode != 504 || !strings.Contains(body, "upstream_timeout") {
 				t.Fatalf("%d %s", resp.StatusCode, body)
@@ -495,7 +491,7 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 		})
 		t.Run("vllm "+leg, func(t *testing.T) {
 			t.Parallel()
-			_, _, _, gw := vllmPD(t, "NixlConnector", pc, dc, oneSecond)
+			_, _, _, gw := vllmPD(t, "NixlConnector", pc, dc, shortDeadline)
 			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
 			if resp.StatusCode != 504 || !strings.Contains(body, leg+"_upstream_timeout") {
 				t.Fatalf("%d %s", resp.StatusCode, body)

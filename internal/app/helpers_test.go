@@ -3,6 +3,7 @@ package app
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -34,10 +35,14 @@ func fakeEngine(t *testing.T, ownedBy string, models []string, handle http.Handl
 }
 
 // startGateway wires a gateway over cfg, waits until every worker registered, and serves its
-// API on an httptest server.
-func startGateway(t *testing.T, cfg config.Config) (*Gateway, *httptest.Server) {
+// API on an httptest server. tune shortens the durations the configuration gives in seconds.
+func startGateway(t *testing.T, cfg config.Config, tune ...func(*timing)) (*Gateway, *httptest.Server) {
 	t.Helper()
-	g, err := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	tm := timingOf(cfg)
+	for _, f := range tune {
+		f(&tm)
+	}
+	g, err := build(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)), tm)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,3 +121,22 @@ func wantEnvelope(t *testing.T, resp *http.Response, status int, code string) en
 	}
 	return e
 }
+
+// tweaks splits test options into configuration changes and timing changes.
+func tweaks(cfg *config.Config, opts []any) (tune []func(*timing)) {
+	for _, o := range opts {
+		switch f := o.(type) {
+		case func(*config.Config):
+			f(cfg)
+		case func(*timing):
+			tune = append(tune, f)
+		default:
+			panic(fmt.Sprintf("test option of type %T", o))
+		}
+	}
+	return tune
+}
+
+// Sub-second durations for tests that wait for a deadline.
+func requestTimeout(d time.Duration) func(*timing) { return func(tm *timing) { tm.request = d } }
+func stalledTimeout(d time.Duration) func(*timing) { return func(tm *timing) { tm.stalled = d } }

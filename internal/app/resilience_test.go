@@ -21,7 +21,7 @@ import (
 )
 
 // fleet starts simulated vLLM engines and a regular-mode gateway over them.
-func fleet(t *testing.T, engines []sim.Config, tweak ...func(*config.Config)) ([]*sim.Engine, *Gateway, string) {
+func fleet(t *testing.T, engines []sim.Config, tweak ...any) ([]*sim.Engine, *Gateway, string) {
 	t.Helper()
 	var es []*sim.Engine
 	cfg := config.Default()
@@ -33,10 +33,7 @@ func fleet(t *testing.T, engines []sim.Config, tweak ...func(*config.Config)) ([
 		es = append(es, e)
 		cfg.WorkerURLs = append(cfg.WorkerURLs, e.URL())
 	}
-	for _, f := range tweak {
-		f(&cfg)
-	}
-	g, srv := startGateway(t, cfg)
+	g, srv := startGateway(t, cfg, tweaks(&cfg, tweak)...)
 	return es, g, srv.URL
 }
 
@@ -178,9 +175,7 @@ func TestWorkerRestartRejoins(t *testing.T) {
 
 func TestHangingWorkerTimesOut(t *testing.T) {
 	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
-	_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, func(c *config.Config) {
-		c.RequestTimeoutSecs = 1
-	})
+	_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, requestTimeout(200*time.Millisecond))
 	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?","max_tokens":2}`)
 	var e envelope
 	json.Unmarshal([]byte(body), &e)

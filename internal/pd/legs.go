@@ -28,7 +28,7 @@ type legs struct {
 	res            concurrentResult
 	prefill        future // the prefill leg's result
 
-	dleg      *proxy.Leg
+	dleg      proxy.Leg
 	dCtx      context.Context
 	dCancel   context.CancelCauseFunc
 	closeDCtx context.CancelFunc
@@ -50,7 +50,7 @@ func (x *Parallel) newLegs(rw http.ResponseWriter, r *http.Request, req *Request
 	var ctx context.Context
 	ctx, l.closeDCtx = context.WithTimeout(r.Context(), x.Proxy.Timeout)
 	l.dCtx, l.dCancel = context.WithCancelCause(ctx)
-	l.dleg = proxy.Open(pair.Decode, LegDecode)
+	l.dleg.Start(pair.Decode, LegDecode)
 	l.res.outcome = OutcomeSuccess
 	return l
 }
@@ -67,7 +67,8 @@ func (l *legs) startPrefill() {
 	pCtx, pCancel := context.WithCancelCause(context.WithoutCancel(r.Context()))
 	pCtx, pTimeout := context.WithTimeout(pCtx, x.Proxy.Timeout)
 	l.unlink = context.AfterFunc(l.dCtx, func() { pCancel(context.Cause(l.dCtx)) })
-	pleg := proxy.Open(l.pair.Prefill, LegPrefill)
+	pleg := &proxy.Leg{}
+	pleg.Start(l.pair.Prefill, LegPrefill)
 	x.wg.Go(func() {
 		defer pCancel(nil)
 		defer pTimeout()
@@ -85,7 +86,7 @@ func (l *legs) startPrefill() {
 // decode sends the decode leg and relays its answer, once the prefill answered when the plan
 // needs it.
 func (l *legs) decode() error {
-	dresp, err := l.x.Proxy.Send(l.dCtx, l.r, l.dleg, proxy.Call{Path: l.req.Path, Body: l.plan.decodeBody, Header: l.plan.decodeHeader})
+	dresp, err := l.x.Proxy.Send(l.dCtx, l.r, &l.dleg, proxy.Call{Path: l.req.Path, Body: l.plan.decodeBody, Header: l.plan.decodeHeader})
 	if err != nil {
 		return l.decodeFailed(0, err)
 	}
@@ -130,7 +131,7 @@ func (l *legs) relay(dresp *http.Response, eventT, bodyT func([]byte) []byte) er
 	case err == nil:
 		l.unlink() // the decode is complete: let the prefill leg finish on its own
 	}
-	err = l.x.Proxy.Finish(l.r, l.dleg, dresp.StatusCode, err)
+	err = l.x.Proxy.Finish(l.r, &l.dleg, dresp.StatusCode, err)
 	l.res.outcome = outcomeOf(err, OutcomeDecodeFailed)
 	return err
 }
@@ -153,7 +154,7 @@ func (l *legs) decodeFailed(status int, err error) error {
 	}
 	l.res.outcome = OutcomeDecodeFailed
 	if status == 0 {
-		return l.x.Proxy.Failure(l.r, l.dleg, err)
+		return l.x.Proxy.Failure(l.r, &l.dleg, err)
 	}
 	l.dleg.Done(status, nil)
 	l.x.Log.Warn("decode leg failed; prefill leg cancelled", "decode", l.pair.Decode.URL, "prefill", l.pair.Prefill.URL, "status", status)

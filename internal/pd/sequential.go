@@ -174,7 +174,8 @@ func decodeBody(body, params []byte) ([]byte, error) {
 // error: a transport error is a 502, a non-2xx the prefill's exact status; the decode is never
 // contacted.
 func (s *sequence) prefill() ([]byte, error) {
-	leg := proxy.Open(s.pair.Prefill, LegPrefill)
+	leg := &proxy.Leg{}
+	leg.Start(s.pair.Prefill, LegPrefill)
 	defer leg.Excuse()
 	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: s.plan.probe, Header: s.plan.prefillHeader})
 	if err != nil {
@@ -196,7 +197,8 @@ func (s *sequence) prefill() ([]byte, error) {
 // decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
 // started reports whether the decode's first byte arrived (the handoff was consumed).
 func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error) {
-	leg := proxy.Open(s.pair.Decode, LegDecode)
+	leg := &proxy.Leg{}
+	leg.Start(s.pair.Decode, LegDecode)
 	defer leg.Excuse()
 	var hdr http.Header
 	if rank, ok := s.pair.Decode.NextRank(); ok {

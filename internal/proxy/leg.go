@@ -6,19 +6,19 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// Leg is one upstream request on a worker. Open counts it in flight on the worker; its outcome
+// Leg is one upstream request on a worker. Start counts it in flight on the worker; its outcome
 // is recorded against the worker exactly once — by the first of Done, Excuse, Failure or
 // Finish — and the in-flight count is released then. A deferred Excuse makes every path end it.
 type Leg struct {
-	W       *worker.Worker
-	Name    string // prefill, decode, or "" for a regular request
-	release func()
-	ended   atomic.Bool
+	W     *worker.Worker
+	Name  string // prefill, decode, or "" for a regular request
+	probe bool   // admitted as a half-open circuit's probe
+	ended atomic.Bool
 }
 
-// Open starts a leg named name on w.
-func Open(w *worker.Worker, name string) *Leg {
-	return &Leg{W: w, Name: name, release: w.Acquire()}
+// Start starts the leg, named name, on w. A Leg is started once, and may live on the stack.
+func (l *Leg) Start(w *worker.Worker, name string) {
+	l.W, l.Name, l.probe = w, name, w.Enter()
 }
 
 // Done records the worker's answer with status, or the error that kept it from answering or
@@ -26,7 +26,7 @@ func Open(w *worker.Worker, name string) *Leg {
 func (l *Leg) Done(status int, err error) {
 	if l.ended.CompareAndSwap(false, true) {
 		l.W.Record(status, err)
-		l.release()
+		l.W.Leave(l.probe)
 	}
 }
 
@@ -34,6 +34,6 @@ func (l *Leg) Done(status int, err error) {
 // failure caused its own, or it outlived the request deadline while the worker was answering.
 func (l *Leg) Excuse() {
 	if l.ended.CompareAndSwap(false, true) {
-		l.release()
+		l.W.Leave(l.probe)
 	}
 }

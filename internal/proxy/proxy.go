@@ -189,20 +189,21 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 //
 // The request's deadline is r's: the caller sets it once for all attempts.
 func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
-	leg := Open(w, "")
+	var leg Leg
+	leg.Start(w, "")
 	defer leg.Excuse()
-	resp, err := p.Send(r.Context(), r, leg, Call{Path: path, Body: body})
+	resp, err := p.Send(r.Context(), r, &leg, Call{Path: path, Body: body})
 	if err != nil {
-		return p.Failure(r, leg, err)
+		return p.Failure(r, &leg, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
 	if outcome.Status(resp.StatusCode).Retryable {
-		return p.HoldError(r, leg, resp)
+		return p.HoldError(r, &leg, resp)
 	}
-	return p.Finish(r, leg, resp.StatusCode, p.Relay(rw, resp, nil))
+	return p.Finish(r, &leg, resp.StatusCode, p.Relay(rw, resp, nil))
 }
 
 // HoldError reads a retryable error answer whole, so that the request can be retried elsewhere,
@@ -257,16 +258,16 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
 	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
 		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
-	var next func() ([]byte, bool, error)
+	in := source{body: resp.Body}
 	if transform != nil && out.stream {
-		next = events(resp.Body, transform)
+		in.events, in.transform = openai.NewEventReader(resp.Body), transform
 	} else {
 		bp := bufPool.Get().(*[]byte)
 		defer bufPool.Put(bp)
-		next = chunks(resp.Body, *bp)
+		in.buf = *bp
 	}
 	for {
-		chunk, flush, err := next()
+		chunk, flush, err := in.next()
 		if len(chunk) > 0 {
 			if werr := out.emit(chunk, flush); werr != nil {
 				return werr
@@ -320,25 +321,28 @@ func (o *relayOut) emit(b []byte, flush bool) error {
 	return nil
 }
 
-// chunks reads body into buf as it arrives; every chunk is flushed.
-func chunks(body io.Reader, buf []byte) func() ([]byte, bool, error) {
-	return func() ([]byte, bool, error) {
-		n, err := body.Read(buf)
-		return buf[:n], true, err
-	}
+// source is the worker's side of one Relay: the body as it arrives, or as SSE events passed
+// through transform.
+type source struct {
+	body      io.Reader
+	buf       []byte
+	events    *openai.EventReader
+	transform func([]byte) []byte
 }
 
-// events reads body as SSE events passed through transform; a flush follows the last event of
-// those that arrived together.
-func events(body io.Reader, transform func([]byte) []byte) func() ([]byte, bool, error) {
-	er := openai.NewEventReader(body)
-	return func() ([]byte, bool, error) {
-		ev, err := er.Next()
-		if len(ev) > 0 {
-			ev = transform(ev)
-		}
-		return ev, !er.Pending(), err
+// next returns the next chunk to write and whether to flush after it: every read of a plain
+// body; after an event, only when no other event is already buffered (events that arrived
+// together leave together).
+func (s *source) next() ([]byte, bool, error) {
+	if s.events == nil {
+		n, err := s.body.Read(s.buf)
+		return s.buf[:n], true, err
 	}
+	ev, err := s.events.Next()
+	if len(ev) > 0 {
+		ev = s.transform(ev)
+	}
+	return ev, !s.events.Pending(), err
 }
 
 // Classify maps an error before any response byte to the client's status and error code.

@@ -93,7 +93,8 @@ func TestCopyRequestHeaders(t *testing.T) {
 
 func TestLegEndsOnce(t *testing.T) {
 	w := worker.New(config.Worker{URL: "http://w"})
-	leg := Open(w, "")
+	leg := &Leg{}
+	leg.Start(w, "")
 	if w.InFlight() != 1 {
 		t.Fatalf("in flight %d after Open", w.InFlight())
 	}
@@ -103,7 +104,8 @@ func TestLegEndsOnce(t *testing.T) {
 	if ok, failed := w.Outcomes(); ok != 0 || failed != 1 || w.InFlight() != 0 {
 		t.Errorf("outcomes %d/%d, in flight %d: want one failure and the worker released", ok, failed, w.InFlight())
 	}
-	leg = Open(w, "")
+	leg = &Leg{}
+	leg.Start(w, "")
 	leg.Excuse()
 	leg.Done(503, nil)
 	if _, failed := w.Outcomes(); failed != 1 || w.InFlight() != 0 {

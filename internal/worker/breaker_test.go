@@ -48,20 +48,20 @@ func TestBreakerTransitions(t *testing.T) {
 		t.Fatal("half-open before the timeout")
 	}
 	c.t = c.t.Add(time.Second)
-	// Half-open admits SuccessThreshold probes at once (selection asks first, then acquires).
+	// Half-open admits SuccessThreshold probes at once (selection asks first, then enters).
 	if !w.Available() {
 		t.Fatal("not half-open after the timeout")
 	}
-	r1 := w.Acquire()
+	r1 := w.Enter()
 	if !w.Available() {
 		t.Fatal("half-open refused the second probe")
 	}
-	r2 := w.Acquire()
+	r2 := w.Enter()
 	if w.Available() {
 		t.Fatal("half-open admitted a third probe")
 	}
-	r1()
-	r2()
+	w.Leave(r1)
+	w.Leave(r2)
 	w.Record(200, nil)
 	w.Record(200, nil)
 	if w.BreakerState() != BreakerClosed {

@@ -124,16 +124,15 @@ func TestRegistrarRetriesUntilReachable(t *testing.T) {
 	}
 }
 
-func TestAcquireReleasesOnce(t *testing.T) {
+func TestEnterLeaveCountInFlight(t *testing.T) {
 	w := New(config.Worker{URL: "http://x"})
-	rel := w.Acquire()
-	w.Acquire()()
-	if w.InFlight() != 1 {
-		t.Fatalf("in flight %d, want 1", w.InFlight())
+	a, b := w.Enter(), w.Enter()
+	if w.InFlight() != 2 || a || b {
+		t.Fatalf("in flight %d (probes %v %v), want 2 and no probes without a breaker", w.InFlight(), a, b)
 	}
-	rel()
-	rel()
+	w.Leave(a)
+	w.Leave(b)
 	if w.InFlight() != 0 {
-		t.Fatalf("in flight %d after double release, want 0", w.InFlight())
+		t.Fatalf("in flight %d after both left, want 0", w.InFlight())
 	}
 }

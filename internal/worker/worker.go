@@ -128,22 +128,22 @@ func (w *Worker) SetReady(ok bool) { w.ready.Store(ok) }
 // InFlight returns the number of requests the worker is serving through Baton.
 func (w *Worker) InFlight() int64 { return w.inflight.Load() }
 
-// Acquire counts one request in flight on w and returns the function that releases it. The
-// release function is safe to call more than once; only the first call counts.
-func (w *Worker) Acquire() (release func()) {
+// Enter counts one request in flight on w and reports whether it is a half-open circuit's
+// probe; Leave, called exactly once with that report, ends it.
+func (w *Worker) Enter() (probe bool) {
 	w.inflight.Add(1)
-	probe := w.breaker != nil && BreakerState(w.breaker.state.Load()) == BreakerHalfOpen
+	probe = w.breaker != nil && BreakerState(w.breaker.state.Load()) == BreakerHalfOpen
 	if probe {
 		w.breaker.probes.Add(1)
 	}
-	var done atomic.Bool
-	return func() {
-		if done.CompareAndSwap(false, true) {
-			w.inflight.Add(-1)
-			if probe {
-				w.breaker.probes.Add(-1)
-			}
-		}
+	return probe
+}
+
+// Leave ends a request Enter counted.
+func (w *Worker) Leave(probe bool) {
+	w.inflight.Add(-1)
+	if probe {
+		w.breaker.probes.Add(-1)
 	}
 }
 
