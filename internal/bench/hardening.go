@@ -72,7 +72,12 @@ func attacks(quick bool) []attack {
 			body := `{"model":"` + benchModel + `","text":[""` + strings.Repeat(`,""`, 2_000_000/scale-1) + `]}`
 			return send(ctx, c, b.URL+"/generate", []byte(body))
 		}},
-		{name: "16 sockets claiming `Content-Length: 536870000`, 3 bytes sent", fleet: regularFleet, run: contentLengthClaims},
+		{name: "16 sockets claiming `Content-Length: 536870000`, 3 bytes sent", fleet: regularFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
+			if quick {
+				return contentLengthClaims(ctx, b, 1, 100*time.Millisecond)
+			}
+			return contentLengthClaims(ctx, b, 3, time.Second)
+		}},
 		{name: fmt.Sprintf("ten %d MiB model names, then one /metrics scrape", max(1, 10/scale)), fleet: regularFleet, run: func(ctx context.Context, c *http.Client, b *proc) string {
 			name := strings.Repeat("x", max(1, 10/scale)<<20)
 			for i := 0; i < 10; i++ {
@@ -131,11 +136,11 @@ func sizeWords(n int64) string {
 }
 
 // contentLengthClaims opens 16 connections that each announce a 512 MB body and send 3 bytes,
-// holds them for a second and closes them; three rounds, so that memory freed by one round is
-// reused (and must be zeroed) by the next.
-func contentLengthClaims(ctx context.Context, _ *http.Client, b *proc) string {
+// holds them and closes them, for some rounds, so that memory freed by one round is reused (and
+// must be zeroed) by the next.
+func contentLengthClaims(ctx context.Context, b *proc, rounds int, hold time.Duration) string {
 	addr := strings.TrimPrefix(b.URL, "http://")
-	for round := 0; round < 3; round++ {
+	for round := 0; round < rounds; round++ {
 		var conns []net.Conn
 		for i := 0; i < 16; i++ {
 			conn, err := net.Dial("tcp", addr)
@@ -147,13 +152,13 @@ func contentLengthClaims(ctx context.Context, _ *http.Client, b *proc) string {
 		}
 		select {
 		case <-ctx.Done():
-		case <-time.After(time.Second):
+		case <-time.After(hold):
 		}
 		for _, conn := range conns {
 			conn.Close()
 		}
 	}
-	return "3 rounds: held 1 s, then closed"
+	return fmt.Sprintf("%d rounds: held %s, then closed", rounds, hold)
 }
 
 // scrapeSize scrapes Baton's /metrics and says how large it was.
