@@ -108,7 +108,11 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 				}
 			})
 			agg := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+			handed, recompute := 0, 0
 			for _, tc := range vllmCases {
+				// vLLM's ResponsesRequest carries no kv_transfer_params: that route is not
+				// handed off, visibly, and its decode recomputes the prompt.
+				handsOff := tc.route != "/v1/responses"
 				_, want := postTimeout(t, agg.URL()+tc.route, tc.body)
 				resp, got := postTimeout(t, gw+tc.route, tc.body)
 				if resp.StatusCode != 200 {
@@ -117,10 +121,13 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 				if a, b := answerText(t, got), answerText(t, want); a != b || a == "" {
 					t.Errorf("%s: PD text %q, aggregated %q", tc.name, a, b)
 				}
-				if src := resp.Header.Get(sim.HeaderKVSource); src != sim.SourceRemote {
-					t.Errorf("%s: decode KV source %q, want remote", tc.name, src)
+				wantSource, wantHandoff := sim.SourceRemote, map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector]
+				if !handsOff {
+					wantSource, wantHandoff = sim.SourceRecompute, "none-unsupported-route"
 				}
-				wantHandoff := map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector]
+				if src := resp.Header.Get(sim.HeaderKVSource); src != wantSource {
+					t.Errorf("%s: decode KV source %q, want %q", tc.name, src, wantSource)
+				}
 				if h := resp.Header.Get("X-Baton-Kv-Handoff"); h != wantHandoff {
 					t.Errorf("%s: handoff header %q, want %q", tc.name, h, wantHandoff)
 				}
@@ -130,12 +137,17 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 				if wok != gok || wp != gp || wc != gc || wo != gotO {
 					t.Errorf("%s: usage prompt/cached/completion %d/%d/%d (%v), want %d/%d/%d (%v)", tc.name, gp, gc, gotO, gok, wp, wc, wo, wok)
 				}
+				if handsOff {
+					handed, recompute = handed+1, recompute+1 // the last prompt token
+				} else {
+					recompute += wp // the whole prompt
+				}
 			}
-			if s := d.Stats(); s.PromptTokensRecompute != int64(len(vllmCases)) { // one token each: the last prompt token
-				t.Errorf("decode recomputed %d prompt tokens, want %d (KV loaded remotely)", s.PromptTokensRecompute, len(vllmCases))
+			if s := d.Stats(); s.PromptTokensRecompute != int64(recompute) {
+				t.Errorf("decode recomputed %d prompt tokens, want %d (KV loaded remotely where handed off)", s.PromptTokensRecompute, recompute)
 			}
-			waitFor(t, func() bool { s := p.Stats(); return s.HandoffsPulled == int64(len(vllmCases)) })
-			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector], map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector])); v != float64(len(vllmCases)) {
+			waitFor(t, func() bool { s := p.Stats(); return s.HandoffsPulled == int64(handed) })
+			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector], map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector])); v != float64(handed) {
 				t.Errorf("handoff counter %v", v)
 			}
 		})
@@ -281,17 +293,24 @@ func TestPrefillProbePerRoute(t *testing.T) {
 		{"/v1/completions",
 			`{"model":"m","prompt":"p","ignore_eos":false,"logprobs":2}`,
 			`{"model":"m","prompt":"p","ignore_eos":true,"logprobs":2,"stream":false,"max_tokens":1,` + tag + `}`},
-		{"/v1/responses",
-			`{"model":"m","input":"hi","max_output_tokens":30,"store":true,"stream":true}`,
-			`{"model":"m","input":"hi","max_output_tokens":1,"store":false,"stream":false,"ignore_eos":true,` + tag + `}`},
-		{"/v1/messages",
+		{"/v1/messages", // stop_sequences is the messages API's stop: a stop on the one token loses the handoff
 			`{"model":"m","max_tokens":100,"messages":[{"role":"user","content":"hi"}],"stop_sequences":["\n"]}`,
-			`{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"stop_sequences":["\n"],"stream":false,"ignore_eos":true,` + tag + `}`},
+			`{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"stream":false,"ignore_eos":true,` + tag + `}`},
 	} {
 		post(t, gw.URL+tc.route, tc.in)
 		if probe := <-got; probe != tc.want {
 			t.Errorf("%s probe\n got %s\nwant %s", tc.route, probe, tc.want)
 		}
+	}
+	// vLLM's responses route takes no kv_transfer_params: no prefill is wasted on it.
+	resp := post(t, gw.URL+"/v1/responses", `{"model":"m","input":"hi","max_output_tokens":30}`)
+	if h := resp.Header.Get("X-Baton-Kv-Handoff"); resp.StatusCode != 200 || h != "none-unsupported-route" {
+		t.Errorf("/v1/responses: %d, handoff %q, want none-unsupported-route", resp.StatusCode, h)
+	}
+	select {
+	case probe := <-got:
+		t.Errorf("/v1/responses sent a prefill: %s", probe)
+	default:
 	}
 }
 

@@ -30,6 +30,16 @@ const (
 	HandoffNoneN         = "none-n>1"
 	HandoffNoneMissing   = "none-missing-params"
 	HandoffNoneNoEngine  = "none-no-engine-id"
+	// HandoffNoneBatch: a prompt list; vLLM returns the params of its first prompt only, so no
+	// single handoff can serve the batch.
+	HandoffNoneBatch = "none-batch"
+	// HandoffNoneRoute: the route carries no kv_transfer_params in vLLM (/v1/responses).
+	HandoffNoneRoute = "none-unsupported-route"
+	// HandoffNoneInvalid: the prefill answered params that are no handoff (its own request tag
+	// echoed back: do_remote_decode still true).
+	HandoffNoneInvalid = "none-invalid-params"
+	// HandoffNoneFailed: the request failed before its decode answered; nothing was handed off.
+	HandoffNoneFailed = "none-failed"
 	HandoffNonePrefix    = "none-"
 	DefaultBootstrapPort = 8998
 	keyKVTransferParams  = "kv_transfer_params"
@@ -100,13 +110,14 @@ func (c Connector) String() string {
 // stream_options and min_tokens dropped; n=1 when present; the token cap set to 1 on the route's
 // key (max_completion_tokens for chat when the client used it, max_output_tokens for responses,
 // else max_tokens); stop and stop_token_ids cleared and ignore_eos=true (an EOS or stop on the
-// one token would lose the handoff); store=false for responses. tag, when non-nil, becomes
+// one token would lose the handoff; /v1/messages names them stop_sequences); store=false for
+// responses. tag, when non-nil, becomes
 // kv_transfer_params; otherwise a client's kv_transfer_params is removed. Every other byte of
 // the client's body is unchanged.
 func PrefillProbe(path string, body, tag []byte) ([]byte, error) {
 	one := []byte("1")
 	sets := []openai.Field{{Key: "stream", Value: []byte("false")}, {Key: "ignore_eos", Value: []byte("true")}}
-	dels := []string{"stream_options", "min_tokens", "stop", "stop_token_ids"}
+	dels := []string{"stream_options", "min_tokens", "stop", "stop_token_ids", "stop_sequences"}
 	if _, ok := openai.Get(body, "n"); ok {
 		sets = append(sets, openai.Field{Key: "n", Value: one})
 	}
@@ -153,12 +164,25 @@ func mooncakeDecodeParams(transferID, engineID, bootstrapAddr string) []byte {
 		`,"remote_engine_id":` + string(e) + `,"remote_bootstrap_addr":` + string(a) + `}`)
 }
 
-// harvest returns the top-level kv_transfer_params of a prefill response, verbatim, or nil when
-// absent or null.
-func harvest(body []byte) []byte {
+// harvest returns the top-level kv_transfer_params of a prefill response, verbatim, and
+// whether they are a handoff at all: absent or null is none; params that still ask for a remote
+// decode are the request's own tag echoed back, not what a prefill that kept the KV answers
+// (do_remote_decode false, do_remote_prefill true).
+func harvest(body []byte) (params []byte, valid bool) {
 	raw, ok := openai.Get(body, keyKVTransferParams)
 	if !ok || strings.TrimSpace(string(raw)) == "null" {
-		return nil
+		return nil, false
 	}
-	return raw
+	var p struct {
+		DoRemoteDecode bool `json:"do_remote_decode"`
+	}
+	if json.Unmarshal(raw, &p) != nil || p.DoRemoteDecode {
+		return raw, false
+	}
+	return raw, true
 }
+
+// handoffRoutes are the routes whose requests carry kv_transfer_params in vLLM:
+// CompletionRequest, ChatCompletionRequest and the Anthropic messages request do;
+// ResponsesRequest does not (vllm/entrypoints/openai/responses/protocol.py).
+var handoffRoutes = map[string]bool{"/v1/completions": true, "/v1/chat/completions": true, "/v1/messages": true}

@@ -96,8 +96,14 @@ func TestMooncakeParams(t *testing.T) {
 	if got := string(mooncakeDecodeParams("xfer-1", "e_dp0", "http://h:8998")); got != want {
 		t.Errorf("decode params %s", got)
 	}
-	if harvest([]byte(`{"kv_transfer_params":null}`)) != nil || string(harvest([]byte(`{"a":1,"kv_transfer_params":{"x":[1]}}`))) != `{"x":[1]}` {
-		t.Error("harvest")
+	if p, ok := harvest([]byte(`{"kv_transfer_params":null}`)); p != nil || ok {
+		t.Errorf("null params harvested: %s %v", p, ok)
+	}
+	if p, ok := harvest([]byte(`{"a":1,"kv_transfer_params":{"do_remote_prefill":true,"x":[1]}}`)); !ok || string(p) != `{"do_remote_prefill":true,"x":[1]}` {
+		t.Errorf("params harvested as %s %v", p, ok)
+	}
+	if p, ok := harvest([]byte(`{"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}`)); ok || p == nil {
+		t.Errorf("the request's own tag echoed back was taken for a handoff: %s %v", p, ok)
 	}
 }
 

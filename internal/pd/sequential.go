@@ -50,8 +50,15 @@ type handoffPlan struct {
 func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	conn := ConnectorFor(pair.Prefill, x.DefaultConnector)
 	p := handoffPlan{conn: conn}
-	if req.N > 1 {
+	switch {
+	case req.N > 1:
 		p.outcome = HandoffNoneN // the handoff is single-consumer: skip the prefill, decode computes
+		return p, nil
+	case req.Batch > 0:
+		p.outcome = HandoffNoneBatch // params come back for the first prompt only
+		return p, nil
+	case !handoffRoutes[req.Path]:
+		p.outcome = HandoffNoneRoute // the engine would ignore the tag: a prefill would be wasted
 		return p, nil
 	}
 	rank, pinned := 0, false
@@ -156,8 +163,12 @@ func (s *sequence) handoff(body, minted []byte) ([]byte, string) {
 	if s.plan.conn.Mode == ModeMooncake {
 		return minted, HandoffMooncake
 	}
-	if params := harvest(body); params != nil {
+	params, valid := harvest(body)
+	switch {
+	case valid:
 		return params, s.plan.conn.Mode
+	case params != nil:
+		return nil, HandoffNoneInvalid
 	}
 	return nil, HandoffNoneMissing
 }
@@ -239,8 +250,8 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pa
 		return nil
 	}
 	log := x.Log.Warn
-	if handoff == HandoffNoneN {
-		log = x.Log.Info // by design: n>1 cannot consume a single-consumer handoff
+	if handoff == HandoffNoneN || handoff == HandoffNoneBatch || handoff == HandoffNoneRoute {
+		log = x.Log.Info // by design: no single handoff can serve these requests
 	}
 	log("decode recomputes the prompt: no KV handoff", "handoff", handoff, "connector", conn.String(),
 		"prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "model", req.Model, "strict", x.RequireHandoff)
@@ -248,7 +259,7 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pa
 		return nil
 	}
 	// A retry may land on a pair that hands off, unless nothing could: n>1, or no engine id.
-	noRetry := handoff == HandoffNoneN || handoff == HandoffNoneNoEngine
+	noRetry := handoff == HandoffNoneN || handoff == HandoffNoneNoEngine || handoff == HandoffNoneBatch || handoff == HandoffNoneRoute
 	e := &openai.Error{Status: http.StatusBadGateway, Code: "kv_handoff_unavailable", NoRetry: noRetry,
 		Message: fmt.Sprintf("no KV handoff for this request (%s, connector %s) and --pd-require-handoff is set", handoff, conn.Mode)}
 	return e

@@ -103,6 +103,9 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		return nil, errorf(404, "The model `%s` does not exist.", *raw.Model)
 	}
 	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1}
+	if aerr := e.checkKVParams(rt, j); aerr != nil {
+		return nil, aerr
+	}
 	if raw.StreamOptions != nil {
 		if !raw.Stream && e.cfg.Engine == EngineVLLM {
 			return nil, errorf(400, "Stream options can only be defined when `stream=True`.")
@@ -280,9 +283,31 @@ func contentText(raw json.RawMessage) string {
 	return out
 }
 
-// parseBootstrap reads SGLang's bootstrap fields, scalar or one per item.
+// checkKVParams applies what vLLM does with kv_transfer_params: ResponsesRequest has no such
+// field, so /v1/responses ignores them; and a decode engine is never asked to prefill for a
+// remote decode — a relayed prefill tag (do_remote_decode true) is a gateway bug, refused here
+// so that a test sees it.
+func (e *Engine) checkKVParams(rt route, j *job) *apiError {
+	if e.cfg.Engine != EngineVLLM || j.kv == nil {
+		return nil
+	}
+	if rt == routeResponses {
+		j.kv = nil
+		return nil
+	}
+	if e.cfg.Role == RoleDecode && j.kv.DoRemoteDecode {
+		return errorf(400, "kv_transfer_params ask this decode engine to prefill for a remote decode (do_remote_decode=true): a prefill's request tag was relayed")
+	}
+	return nil
+}
+
+// parseBootstrap reads SGLang's bootstrap fields, scalar or one per item. An SGLang decode
+// engine needs them: it has no prompt KV of its own to start from.
 func (e *Engine) parseBootstrap(j *job, raw *rawRequest) *apiError {
 	if len(raw.BootstrapRoom) == 0 || bytes.Equal(raw.BootstrapRoom, []byte("null")) {
+		if e.cfg.Engine == EngineSGLang && e.cfg.Role == RoleDecode {
+			return errorf(400, "this engine runs in decode mode: the request needs bootstrap_host, bootstrap_port and bootstrap_room")
+		}
 		return nil
 	}
 	n := len(j.items)

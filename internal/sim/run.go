@@ -136,9 +136,7 @@ func (e *Engine) run(ctx context.Context, j *job) ([]itemResult, *apiError) {
 			}
 			res.choices = append(res.choices, ch)
 		}
-		if i == 0 {
-			e.maybePin(j, it, res)
-		}
+		e.maybePin(j, i, it, res) // vLLM pins every prompt of a batch (and answers the first's params)
 	}
 	return results, nil
 }
@@ -242,7 +240,7 @@ func inputLogprobs(prompt []uint32, from, to int) [][]any {
 
 // maybePin pins the KV of a vLLM prefill request for a decode engine, the way the connectors
 // do: only when the request asked for a remote decode, was not streamed, and ended by length.
-func (e *Engine) maybePin(j *job, it item, res *itemResult) {
+func (e *Engine) maybePin(j *job, i int, it item, res *itemResult) {
 	if e.cfg.Engine != EngineVLLM || e.cfg.Role == RoleDecode || e.cfg.KVConnector == ConnectorNone ||
 		j.kv == nil || !j.kv.DoRemoteDecode || j.stream || res.choices[0].finish != FinishLength {
 		return
@@ -252,6 +250,9 @@ func (e *Engine) maybePin(j *job, it item, res *itemResult) {
 	switch e.cfg.KVConnector {
 	case ConnectorNixl:
 		p.ID = j.reqID
+		if i > 0 {
+			p.ID = fmt.Sprintf("%s-%d", j.reqID, i) // per-prompt request ids, as vLLM's completions
+		}
 		e.kv.pin(p)
 		blocks := make([]int, (len(it.prompt)+blockSize-1)/blockSize)
 		for i := range blocks {
@@ -259,11 +260,11 @@ func (e *Engine) maybePin(j *job, it item, res *itemResult) {
 		}
 		res.kvParams = map[string]any{
 			"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": p.EngineID,
-			"remote_block_ids": blocks, "remote_request_id": j.reqID, "remote_host": e.cfg.Host,
+			"remote_block_ids": blocks, "remote_request_id": p.ID, "remote_host": e.cfg.Host,
 			"remote_port": e.sidePorts[j.rank], "tp_size": 1,
 		}
 	case ConnectorMooncake:
-		if j.kv.TransferID == nil { // "Missing transfer_id in kv_transfer_params from router!"
+		if j.kv.TransferID == nil || i > 0 { // "Missing transfer_id in kv_transfer_params from router!"
 			return
 		}
 		p.ID = *j.kv.TransferID

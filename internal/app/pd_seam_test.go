@@ -1,0 +1,77 @@
+package app
+
+// The PD seam, second pass: each test here failed on the gateway before it (wrong handoffs,
+// wasted prefills, outcomes that lied), against simulators as strict as the engines.
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// Item 1: a prompt list was tagged like one request; vLLM answers the first prompt's params only,
+// and a decode serving the whole list with them fails. The prefill is skipped, visibly.
+func TestPDSequentialPromptListIsNotHandedOff(t *testing.T) {
+	t.Parallel()
+	for _, connector := range []string{"NixlConnector", "MooncakeConnector"} {
+		t.Run(connector, func(t *testing.T) {
+			t.Parallel()
+			p, d, g, gw := vllmPD(t, connector, sim.Config{}, sim.Config{})
+			agg := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+			for _, body := range []string{
+				`{"model":"m","prompt":["first of two","second of two"],"max_tokens":4}`,
+				`{"model":"m","prompt":[[11,12,13],[21,22]],"max_tokens":4}`,
+			} {
+				_, want := postTimeout(t, agg.URL()+"/v1/completions", body)
+				resp, got := postTimeout(t, gw+"/v1/completions", body)
+				if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-batch" {
+					t.Fatalf("%s: %d, handoff %q: %s", body, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got)
+				}
+				if stripIDs(got) != stripIDs(want) {
+					t.Errorf("PD answer\n%s\nwant (aggregated)\n%s", got, want)
+				}
+			}
+			if s := p.Stats(); s.RequestsReceived != 0 {
+				t.Errorf("the prefill served %d requests: a batch must not waste one", s.RequestsReceived)
+			}
+			if s := d.Stats(); s.KVLoadFailures != 0 {
+				t.Errorf("%d decode KV loads failed", s.KVLoadFailures)
+			}
+			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-batch", map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[connector])); v != 2 {
+				t.Errorf("none-batch counted %v, want 2", v)
+			}
+		})
+	}
+}
+
+// Item 9: kv_transfer_params that are the request's own tag echoed back (do_remote_decode still
+// true) are no handoff; relaying them asks the decode engine to prefill for a remote decode.
+func TestPDSequentialEchoedTagIsNoHandoff(t *testing.T) {
+	t.Parallel()
+	echo := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		tag := b[strings.Index(string(b), `"kv_transfer_params":`)+len(`"kv_transfer_params":`):]
+		tag = tag[:strings.IndexByte(string(tag), '}')+1]
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"index":0,"text":"x"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},"kv_transfer_params":`+string(tag)+`}`)
+	})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Retry.Disable = true
+	cfg.Workers = []config.Worker{{URL: echo.URL, Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
+	_, gw := startGateway(t, cfg)
+	resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"echo echo","max_tokens":3}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-invalid-params" {
+		t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
+	}
+	if src := resp.Header.Get(sim.HeaderKVSource); src != sim.SourceRecompute {
+		t.Errorf("decode KV source %q, want recompute", src)
+	}
+}
