@@ -23,13 +23,13 @@ const (
 // Handoff outcomes, reported per request in openai.HeaderKVHandoff and baton_pd_kv_handoffs_total.
 // The none-* outcomes mean the decode recomputes the prompt.
 const (
-	HandoffNixl          = "nixl"
-	HandoffMooncake      = "mooncake"
-	HandoffPassthrough   = "passthrough"
-	HandoffBootstrap     = "bootstrap" // SGLang-style: the legs meet at the prefill's bootstrap server
-	HandoffNoneN         = "none-n>1"
-	HandoffNoneMissing   = "none-missing-params"
-	HandoffNoneNoEngine  = "none-no-engine-id"
+	HandoffNixl         = "nixl"
+	HandoffMooncake     = "mooncake"
+	HandoffPassthrough  = "passthrough"
+	HandoffBootstrap    = "bootstrap" // SGLang-style: the legs meet at the prefill's bootstrap server
+	HandoffNoneN        = "none-n>1"
+	HandoffNoneMissing  = "none-missing-params"
+	HandoffNoneNoEngine = "none-no-engine-id"
 	// HandoffNoneBatch: a prompt list; vLLM returns the params of its first prompt only, so no
 	// single handoff can serve the batch.
 	HandoffNoneBatch = "none-batch"
@@ -39,7 +39,7 @@ const (
 	// echoed back: do_remote_decode still true).
 	HandoffNoneInvalid = "none-invalid-params"
 	// HandoffNoneFailed: the request failed before its decode answered; nothing was handed off.
-	HandoffNoneFailed = "none-failed"
+	HandoffNoneFailed    = "none-failed"
 	HandoffNonePrefix    = "none-"
 	DefaultBootstrapPort = 8998
 	keyKVTransferParams  = "kv_transfer_params"
