@@ -75,3 +75,75 @@ func TestPDSequentialEchoedTagIsNoHandoff(t *testing.T) {
 		t.Errorf("decode KV source %q, want recompute", src)
 	}
 }
+
+// Item 8: every outcome is true. A failed PD request no longer says it handed off, a prefill that
+// failed is never counted as a success, and a failed prefill still names its handoff.
+func TestPDOutcomesAreTrue(t *testing.T) {
+	t.Parallel()
+	t.Run("sglang prefill fails", func(t *testing.T) {
+		t.Parallel()
+		_, _, g, gw := sglangPD(t, sim.Config{Faults: sim.Faults{Status: 503}}, sim.Config{})
+		resp, body := postTimeout(t, gw+"/generate", `{"text":"fail me","sampling_params":{"max_new_tokens":2}}`)
+		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
+			t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
+		}
+		waitFor(t, func() bool {
+			return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "bootstrap")) == 1
+		})
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("bootstrap", "bootstrap")); v != 0 {
+			t.Errorf("a failed request counted as %v bootstrap handoffs", v)
+		}
+	})
+	t.Run("prefill fails after the decode answered", func(t *testing.T) {
+		t.Parallel()
+		release := make(chan struct{})
+		prefill := anyModelEngine(t, func(w http.ResponseWriter, r *http.Request) {
+			io.ReadAll(r.Body)
+			<-release
+			w.WriteHeader(400)
+			io.WriteString(w, `{"error":{"message":"bad"}}`)
+		})
+		decode := anyModelEngine(t, func(w http.ResponseWriter, r *http.Request) {
+			io.ReadAll(r.Body)
+			io.WriteString(w, `{"text":"computed without the prefill"}`)
+		})
+		cfg := config.Default()
+		cfg.PDDisaggregation = true
+		cfg.Retry.Disable = true
+		cfg.Workers = []config.Worker{{URL: prefill, Role: config.RolePrefill, Runtime: config.RuntimeSGLang}, {URL: decode, Role: config.RoleDecode, Runtime: config.RuntimeSGLang}}
+		g, gw := startGateway(t, cfg)
+		resp, _ := postTimeout(t, gw.URL+"/generate", `{"text":"late failure"}`)
+		close(release)
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+		waitFor(t, func() bool {
+			return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("none", "parallel", "prefill_failed")) == 1
+		})
+		if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("none", "parallel", "success")); v != 0 {
+			t.Errorf("a request whose prefill answered 400 counted as %v successes", v)
+		}
+	})
+	t.Run("vllm prefill fails", func(t *testing.T) {
+		t.Parallel()
+		_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Status: 503}}, sim.Config{})
+		resp, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail me","max_tokens":2}`)
+		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
+			t.Fatalf("%d, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"))
+		}
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "nixl")); v != 1 {
+			t.Errorf("none-failed counted %v", v)
+		}
+	})
+	t.Run("vllm decode fails", func(t *testing.T) {
+		t.Parallel()
+		_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503}})
+		resp, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail me","max_tokens":2}`)
+		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
+			t.Fatalf("%d, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"))
+		}
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", "nixl")); v != 0 {
+			t.Errorf("a handoff the decode never consumed counted %v times as nixl", v)
+		}
+	})
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/baton-llm/baton/internal/proxy"
@@ -26,7 +27,8 @@ type legs struct {
 	model, runtime string
 	start          time.Time
 	res            concurrentResult
-	prefill        future // the prefill leg's result
+	prefill        future       // the prefill leg's result
+	ends           atomic.Int32 // legs ended: the second accounts for the request
 
 	dleg      proxy.Leg
 	dCtx      context.Context
@@ -80,6 +82,7 @@ func (l *legs) startPrefill() {
 			x.Metrics.PDPrefillDuration.WithLabelValues(l.model, l.runtime).Observe(time.Since(l.start).Seconds())
 		}
 		l.prefill.set(p)
+		l.ended()
 	})
 }
 

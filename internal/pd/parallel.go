@@ -45,10 +45,8 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 		x.Metrics.PDBootstrapFailures.Inc()
 		return &openai.Error{Status: http.StatusBadRequest, Code: "bootstrap_injection_failed", Message: err.Error()}
 	}
-	rw.Header().Set(openai.HeaderKVHandoff, HandoffBootstrap)
-	x.Metrics.PDHandoffs.WithLabelValues(HandoffBootstrap, HandoffBootstrap).Inc()
 	return x.run(rw, r, req, pair, concurrentPlan{
-		prefillBody: pBody, decodeBody: dBody, dispatch: "parallel",
+		prefillBody: pBody, decodeBody: dBody, dispatch: "parallel", handoff: HandoffBootstrap, connector: HandoffBootstrap,
 		needPrefill: req.ReturnLogprob,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pre := prefillLogprobs(p.body)
@@ -65,6 +63,8 @@ type concurrentPlan struct {
 	prefillBody, decodeBody     []byte
 	prefillHeader, decodeHeader http.Header
 	dispatch                    string // metrics label
+	// handoff and connector name the handoff for the response header and the counter.
+	handoff, connector string
 	// needPrefill holds the decode's answer until the prefill answered; rewrite then returns
 	// the transforms of the decode's streamed events and of its whole body (nil: unchanged).
 	needPrefill bool
@@ -95,16 +95,44 @@ func (p prefillResult) failed() bool {
 func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan concurrentPlan) concurrentResult {
 	l := x.newLegs(rw, r, req, pair, plan)
 	defer l.close()
+	rw.Header().Set(openai.HeaderKVHandoff, plan.handoff) // sent with the decode's first byte
 	l.startPrefill()
 	l.res.err = l.decode()
-	x.Metrics.PDRequests.WithLabelValues(l.model, plan.dispatch, string(l.res.outcome)).Inc()
-	switch {
-	case l.res.outcome == OutcomeSuccess:
-		x.Pairs.Record(pair.Prefill, pair.Decode, true)
-	case l.res.outcome != OutcomeClientCancelled && seamFailure(l.res.err):
-		x.Pairs.Record(pair.Prefill, pair.Decode, false)
+	if !l.res.decodeStarted {
+		rw.Header().Set(openai.HeaderKVHandoff, HandoffNoneFailed) // the client gets an error
 	}
-	return l.res
+	res := l.res
+	l.ended()
+	return res
+}
+
+// ended is called once by each leg as it ends; the later one accounts for the request, once
+// both legs' outcomes are known (the prefill may outlive the decode's answer).
+func (l *legs) ended() {
+	if l.ends.Add(1) < 2 {
+		return
+	}
+	o, handoff := l.res.outcome, l.plan.handoff
+	if p := l.prefill.v; o == OutcomeSuccess && p.failed() {
+		o = OutcomePrefillFailed // the answer did not come from the prefill's KV
+	}
+	if !l.res.decodeStarted || o == OutcomePrefillFailed {
+		handoff = HandoffNoneFailed
+	}
+	x := l.x
+	x.Metrics.PDRequests.WithLabelValues(l.model, l.plan.dispatch, string(o)).Inc()
+	x.Metrics.PDHandoffs.WithLabelValues(handoff, l.plan.connector).Inc()
+	switch {
+	case o == OutcomeSuccess:
+		x.Pairs.Record(l.pair.Prefill, l.pair.Decode, true)
+	case o == OutcomePrefillFailed && l.res.err == nil:
+		// the prefill failed after the answer went out: its own status is the seam's verdict
+		if outcome.Status(l.prefill.v.status).Seam || l.prefill.v.err != nil {
+			x.Pairs.Record(l.pair.Prefill, l.pair.Decode, false)
+		}
+	case o != OutcomeClientCancelled && seamFailure(l.res.err):
+		x.Pairs.Record(l.pair.Prefill, l.pair.Decode, false)
+	}
 }
 
 // seamFailure reports whether a PD failure is the kind a broken pair produces (package outcome

@@ -120,6 +120,21 @@ type sequence struct {
 }
 
 func (s *sequence) run() error {
+	handoff, started, err := s.legs()
+	if err != nil && !started && handoff != "" && !strings.HasPrefix(handoff, HandoffNonePrefix) {
+		handoff = HandoffNoneFailed // prepared, never consumed: nothing was handed off
+	}
+	if handoff == "" {
+		handoff = HandoffNoneFailed // the prefill failed
+	}
+	s.rw.Header().Set(openai.HeaderKVHandoff, handoff)
+	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, s.plan.conn.Mode).Inc()
+	return err
+}
+
+// legs runs the prefill, then the decode, and says which handoff the decode was given ("" when
+// none could be, the prefill having failed) and whether its answer began.
+func (s *sequence) legs() (handoff string, started bool, err error) {
 	var pu prefillUsage
 	params, handoff := s.plan.decodeParams, s.plan.outcome
 	if s.plan.probe != nil {
@@ -129,7 +144,7 @@ func (s *sequence) run() error {
 			if errors.Is(err, proxy.ErrClientGone) {
 				s.outcome = OutcomeClientCancelled
 			}
-			return err
+			return "", false, err
 		}
 		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
 		pu = readPrefillUsage(body)
@@ -137,13 +152,13 @@ func (s *sequence) run() error {
 	}
 	if err := s.x.report(s.rw, s.req, s.pair, s.plan.conn, handoff); err != nil {
 		s.outcome = OutcomeHandoffRequired
-		return err
+		return handoff, false, err
 	}
 	dBody, err := decodeBody(s.req.Body, params)
 	if err != nil {
-		return err
+		return handoff, false, err
 	}
-	started, err := s.decode(dBody, pu)
+	started, err = s.decode(dBody, pu)
 	s.outcome = outcomeOf(err, OutcomeDecodeFailed)
 	if params != nil && !started {
 		s.x.abandoned(s.plan.conn, s.pair, s.outcome)
@@ -154,7 +169,7 @@ func (s *sequence) run() error {
 	case params != nil && seamFailure(err):
 		s.x.Pairs.Record(s.pair.Prefill, s.pair.Decode, false) // the decode failed on a handoff
 	}
-	return err
+	return handoff, started, err
 }
 
 // handoff returns the decode's kv_transfer_params and the handoff outcome once the prefill
@@ -241,11 +256,11 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 	return started, s.x.Proxy.Finish(s.r, leg, resp.StatusCode, err)
 }
 
-// report makes the handoff outcome visible: response header, counter, and a log line when the
-// decode will recompute. In strict mode a recompute is answered with 502 instead.
+// report makes the planned handoff visible: the response header, and a log line when the decode
+// will recompute. In strict mode a recompute is answered with 502 instead. The counter is taken
+// once the request ended, with what really happened.
 func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pair, conn Connector, handoff string) error {
 	rw.Header().Set(openai.HeaderKVHandoff, handoff)
-	x.Metrics.PDHandoffs.WithLabelValues(handoff, conn.Mode).Inc()
 	if !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		return nil
 	}
@@ -289,7 +304,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 	}
 	res := x.Concurrent.run(rw, r, req, pair, concurrentPlan{
 		prefillBody: plan.probe, decodeBody: dBody, prefillHeader: plan.prefillHeader, decodeHeader: dHeader,
-		dispatch: "concurrent", needPrefill: true,
+		dispatch: "concurrent", handoff: HandoffMooncake, connector: ModeMooncake, needPrefill: true,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pu := readPrefillUsage(p.body)
 			if !pu.ok {
