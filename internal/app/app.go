@@ -323,14 +323,22 @@ func (g *Gateway) drain(api *http.Server, grace time.Duration) {
 // and warns when none is configured: its decodes would recompute unless the engine happens to
 // return kv_transfer_params.
 func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
+	if in := w.Info(); in != nil && in.Runtime == config.RuntimeGeneric && len(in.Models) == 0 {
+		log.Warn("worker registered as generic with no model list: it is offered every model; set its runtime (vllm, sglang) and models, or check that /v1/models answers",
+			"worker", w.URL, "role", w.Role)
+	}
 	if w.Role != config.RolePrefill || w.Runtime() != config.RuntimeVLLM {
 		return
 	}
 	c := pd.ConnectorFor(w, cfg.KVConnector)
-	if c.Name == "" {
+	switch {
+	case c.Name == "":
 		log.Warn("vLLM prefill worker has no KV connector configured: passthrough mode, decodes recompute unless the engine returns kv_transfer_params; set kv_connector (NixlConnector or MooncakeConnector) on the worker or --kv-connector",
 			"worker", w.URL)
 		return
+	case c.Mode == pd.ModeMooncake && c.EngineID == "":
+		log.Warn("vLLM Mooncake prefill worker has no engine id: every request to it recomputes on the decode (none-no-engine-id); set kv_engine_id to the engine's kv_transfer_config.engine_id",
+			"worker", w.URL)
 	}
 	log.Info("vLLM prefill worker KV connector", "worker", w.URL, "mode", c.Mode, "detail", c.String())
 }

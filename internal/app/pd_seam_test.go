@@ -5,6 +5,7 @@ package app
 
 import (
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -146,4 +147,39 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 			t.Errorf("a handoff the decode never consumed counted %v times as nixl", v)
 		}
 	})
+}
+
+// Item 10: connector names are the engines' own, in any case; an unknown one is refused with the
+// list (it used to mean a silent passthrough); settings that make every request recompute are
+// said loudly at registration.
+func TestConnectorNamesAndLoudMisconfiguration(t *testing.T) {
+	t.Parallel()
+	if _, err := config.Parse([]string{"--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "--kv-connector", "Nxl"}, io.Discard); err == nil ||
+		!strings.Contains(err.Error(), `kv_connector "Nxl" is unknown`) || !strings.Contains(err.Error(), "NixlConnector") {
+		t.Errorf("an unknown connector name: %v", err)
+	}
+	_, _, _, gw := vllmPD(t, "nixlCONNECTOR", sim.Config{}, sim.Config{}, func(c *config.Config) { c.KVConnector = "Nixl" })
+	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"any case","max_tokens":2}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+		t.Errorf("connector nixlCONNECTOR: %d, handoff %q, KV %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
+	}
+
+	mooncake := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorMooncake})
+	generic := anyModelEngine(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{{URL: mooncake.URL(), Role: config.RolePrefill, KVConnector: "mooncake"}, {URL: generic, Role: config.RoleDecode}}
+	logs := &syncBuffer{}
+	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Start(t.Context())
+	t.Cleanup(g.Wait)
+	waitFor(t, func() bool {
+		return strings.Contains(logs.String(), "Mooncake prefill worker has no engine id") && strings.Contains(logs.String(), "registered as generic with no model list")
+	})
+	if !strings.Contains(logs.String(), "level=WARN") {
+		t.Errorf("not warnings:\n%s", logs.String())
+	}
 }

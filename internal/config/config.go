@@ -179,8 +179,9 @@ type Worker struct {
 	BootstrapPort *int `json:"bootstrap_port,omitempty"`
 	// DPSize is the worker's data parallel size; above 1 Baton picks a rank for each leg.
 	DPSize int `json:"dp_size,omitempty"`
-	// KVConnector is a vLLM prefill worker's KV connector: NixlConnector, MooncakeConnector, or
-	// anything else (passthrough). Empty uses the kv_connector label, then the global default.
+	// KVConnector is a vLLM prefill worker's KV connector, by vLLM's name or the short form,
+	// any case: NixlConnector (nixl), MooncakeConnector (mooncake), or another vLLM connector
+	// (passthrough). Empty uses the kv_connector label, then the global default.
 	KVConnector string `json:"kv_connector,omitempty"`
 	// KVEngineID is the vLLM engine id (kv_transfer_config.engine_id) Mooncake handoffs name;
 	// with dp_size > 1 Baton appends _dp{rank}. Empty uses the kv_engine_id label.
@@ -263,6 +264,9 @@ func (c *Config) Validate() error {
 			bad("%s %q is unknown (want round_robin or random)", p.key, p.val)
 		}
 	}
+	if _, ok := KVConnectorMode(c.KVConnector); !ok {
+		bad("kv_connector %q is unknown (want %s)", c.KVConnector, knownConnectors)
+	}
 	if c.PDMooncakeDispatch != "concurrent" && c.PDMooncakeDispatch != "sequential" {
 		bad("pd_mooncake_dispatch %q is unknown (want concurrent or sequential)", c.PDMooncakeDispatch)
 	}
@@ -335,9 +339,46 @@ func (c *Config) Validate() error {
 		if w.DPSize < 0 {
 			bad("%s: dp_size %d must not be negative", where, w.DPSize)
 		}
+		for _, name := range []string{w.KVConnector, w.Labels["kv_connector"]} {
+			if _, ok := KVConnectorMode(name); !ok {
+				bad("%s: kv_connector %q is unknown (want %s)", where, name, knownConnectors)
+			}
+		}
 	}
 	return errors.Join(errs...)
 }
+
+// KV connector modes: how Baton hands a vLLM prefill's KV to the decode.
+const (
+	ConnectorNixl        = "nixl"        // relay the kv_transfer_params the prefill returns
+	ConnectorMooncake    = "mooncake"    // mint the params (transfer_id, engine id) for both legs
+	ConnectorPassthrough = "passthrough" // tag nothing; relay params only if the prefill returns some
+)
+
+// kvConnectors are the connector names Baton accepts, lower-cased, with the mode each means:
+// vLLM's registered connector names (vllm/distributed/kv_transfer/kv_connector/factory.py) and
+// the short forms.
+var kvConnectors = map[string]string{
+	"nixlconnector": ConnectorNixl, "nixl": ConnectorNixl,
+	"mooncakeconnector": ConnectorMooncake, "mooncake": ConnectorMooncake,
+	"p2pncclconnector": ConnectorPassthrough, "lmcacheconnectorv1": ConnectorPassthrough,
+	"lmcachempconnector": ConnectorPassthrough, "multiconnector": ConnectorPassthrough,
+	"offloadingconnector": ConnectorPassthrough, "sharedstorageconnector": ConnectorPassthrough,
+	"exampleconnector": ConnectorPassthrough, "passthrough": ConnectorPassthrough,
+}
+
+// KVConnectorMode returns the mode a connector name means (case-insensitively), and false for
+// a name Baton does not know. The empty name is passthrough.
+func KVConnectorMode(name string) (string, bool) {
+	if name == "" {
+		return ConnectorPassthrough, true
+	}
+	mode, ok := kvConnectors[strings.ToLower(name)]
+	return mode, ok
+}
+
+// knownConnectors lists the accepted names for an error message.
+const knownConnectors = "NixlConnector (nixl), MooncakeConnector (mooncake), P2pNcclConnector, LMCacheConnectorV1, LMCacheMPConnector, MultiConnector, OffloadingConnector, SharedStorageConnector, ExampleConnector, passthrough; any case"
 
 // Warnings returns what in a valid configuration will make Baton fail every request, or every
 // request of a kind, so that it is said loudly at startup.

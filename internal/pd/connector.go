@@ -9,15 +9,16 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// Connector modes of a vLLM prefill worker.
+// Connector modes of a vLLM prefill worker (config.KVConnectorMode names them).
 const (
-	ModeNixl        = "nixl"
-	ModeMooncake    = "mooncake"
-	ModePassthrough = "passthrough"
+	ModeNixl        = config.ConnectorNixl
+	ModeMooncake    = config.ConnectorMooncake
+	ModePassthrough = config.ConnectorPassthrough
 )
 
 // Handoff outcomes, reported per request in openai.HeaderKVHandoff and baton_pd_kv_handoffs_total.
@@ -56,14 +57,15 @@ type Connector struct {
 }
 
 // ConnectorFor returns the connector of prefill worker w; def is the default connector name for
-// workers that configure none. Names match vLLM's (NixlConnector, MooncakeConnector); the short
-// forms nixl and mooncake are accepted too.
+// workers that configure none. Names match vLLM's (NixlConnector, MooncakeConnector, …) or
+// their short forms, in any case (config.KVConnectorMode).
 func ConnectorFor(w *worker.Worker, def string) Connector {
 	c := Connector{Name: cmp.Or(w.KVConnector, def), DPSize: w.DPSize, DPInvalid: w.DPSizeInvalid, EngineID: w.KVEngineID}
-	switch c.Name {
-	case "NixlConnector", "nixl":
+	mode, _ := config.KVConnectorMode(c.Name) // validated at startup
+	switch mode {
+	case config.ConnectorNixl:
 		c.Mode = ModeNixl
-	case "MooncakeConnector", "mooncake":
+	case config.ConnectorMooncake:
 		c.Mode = ModeMooncake
 		port := DefaultBootstrapPort
 		if w.BootstrapPort != nil {
