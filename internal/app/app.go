@@ -167,7 +167,9 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector, Pairs: pairs,
 		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}
 	client := &http.Client{Transport: transport}
-	parts := server.Options{Registry: reg, Selector: &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs}, Proxy: px,
+	sel := &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs,
+		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) }}
+	parts := server.Options{Registry: reg, Selector: sel, Proxy: px,
 		Dispatcher: &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, Metrics: m, Log: log}
 	return &Gateway{
 		Health:   newHealth(cfg.HealthCheck, tm, reg, client, m, log),

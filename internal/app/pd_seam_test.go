@@ -183,3 +183,38 @@ func TestConnectorNamesAndLoudMisconfiguration(t *testing.T) {
 		t.Errorf("not warnings:\n%s", logs.String())
 	}
 }
+
+// Item 4: decodes have a connector too. Over a fleet that mixes NIXL and Mooncake pairs on one
+// model, every request is paired within its connector and hands off; round robin across them
+// used to send half the requests to a decode that could not read the params (a silent
+// recompute).
+func TestPDPairsWithinAConnector(t *testing.T) {
+	t.Parallel()
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Retry.Disable = true
+	cfg.DecodePolicy = config.PolicyRandom // not in lockstep with the prefills' round robin
+	var decodes []*sim.Engine
+	for _, c := range []struct{ sim, name string }{{sim.ConnectorNixl, "NixlConnector"}, {sim.ConnectorMooncake, "MooncakeConnector"}} {
+		p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: c.sim, EngineID: "p-" + c.sim})
+		d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: c.sim})
+		decodes = append(decodes, d)
+		pw := config.Worker{URL: p.URL(), Role: config.RolePrefill, KVConnector: c.name, KVEngineID: "p-" + c.sim}
+		if bp := p.BootstrapPort(); bp != 0 {
+			pw.BootstrapPort = &bp
+		}
+		cfg.Workers = append(cfg.Workers, pw, config.Worker{URL: d.URL(), Role: config.RoleDecode, KVConnector: c.name})
+	}
+	_, gw := startGateway(t, cfg)
+	for i := 0; i < 12; i++ {
+		resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"pair me `+strings.Repeat("x", i)+`","max_tokens":2}`)
+		if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+			t.Fatalf("request %d: %d, handoff %q, KV %q: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
+		}
+	}
+	for _, d := range decodes {
+		if s := d.Stats(); s.KVConnectorMismatches != 0 {
+			t.Errorf("a decode got %d handoffs of another connector", s.KVConnectorMismatches)
+		}
+	}
+}

@@ -345,7 +345,53 @@ func (c *Config) Validate() error {
 			}
 		}
 	}
+	errs = append(errs, c.checkPairs()...)
 	return errors.Join(errs...)
+}
+
+// checkPairs reports each vLLM prefill whose KV no decode can take: a NIXL prefill is never
+// paired with a Mooncake decode or the reverse, so a prefill with a connector needs a decode of
+// the same connector, or of none configured, serving one of its models.
+func (c *Config) checkPairs() []error {
+	mode := func(w Worker) string {
+		m, _ := KVConnectorMode(cmp.Or(w.KVConnector, w.Labels["kv_connector"], c.KVConnector))
+		if cmp.Or(w.KVConnector, w.Labels["kv_connector"], c.KVConnector) == "" {
+			return ""
+		}
+		return m
+	}
+	var errs []error
+	for _, p := range c.Workers {
+		pm := mode(p)
+		if p.Role != RolePrefill || (pm != ConnectorNixl && pm != ConnectorMooncake) {
+			continue
+		}
+		ok := false
+		for _, d := range c.Workers {
+			if d.Role == RoleDecode && (mode(d) == "" || mode(d) == pm) && sharesModel(p, d) {
+				ok = true
+				break
+			}
+		}
+		if !ok {
+			errs = append(errs, fmt.Errorf("prefill worker %s (kv connector %s) has no decode worker to hand its KV to: every decode serving its models names another connector; set kv_connector on the decodes that run %s",
+				RedactURL(p.URL), pm, pm))
+		}
+	}
+	return errs
+}
+
+// sharesModel reports whether a and b may serve one model: either lists none, or they share one.
+func sharesModel(a, b Worker) bool {
+	if len(a.Models) == 0 || len(b.Models) == 0 {
+		return true
+	}
+	for _, m := range a.Models {
+		if slices.Contains(b.Models, m) {
+			return true
+		}
+	}
+	return false
 }
 
 // KV connector modes: how Baton hands a vLLM prefill's KV to the decode.

@@ -89,3 +89,27 @@ func TestWorkerURLCredentialsAreRefused(t *testing.T) {
 		}
 	}
 }
+
+// A NIXL prefill is never paired with a Mooncake decode or the reverse: a prefill whose KV no
+// decode can take is a configuration error.
+func TestPrefillWithoutCompatibleDecode(t *testing.T) {
+	c := Default()
+	c.PDDisaggregation = true
+	c.Workers = []Worker{
+		{URL: "http://p1", Role: RolePrefill, KVConnector: "NixlConnector"},
+		{URL: "http://p2", Role: RolePrefill, KVConnector: "mooncake"},
+		{URL: "http://d1", Role: RoleDecode, KVConnector: "nixl"},
+	}
+	err := c.Validate()
+	if err == nil || !strings.Contains(err.Error(), "http://p2") || strings.Contains(err.Error(), "http://p1") {
+		t.Errorf("err = %v, want one naming the Mooncake prefill", err)
+	}
+	c.Workers = append(c.Workers, Worker{URL: "http://d2", Role: RoleDecode}) // names none: may take anything
+	if err := c.Validate(); err != nil {
+		t.Errorf("a decode naming no connector: %v", err)
+	}
+	c.Workers[3].Models, c.Workers[1].Models = []string{"a"}, []string{"b"}
+	if err := c.Validate(); err == nil {
+		t.Error("a prefill and its only possible decode share no model, yet no error")
+	}
+}

@@ -78,6 +78,26 @@ func ConnectorFor(w *worker.Worker, def string) Connector {
 	return c
 }
 
+// Compatible reports whether decode can take prefill's KV: a vLLM prefill with a NIXL or
+// Mooncake connector pairs only with decodes of the same connector, or of none configured
+// (unknown: the engine may well have it); def is the default connector name. Every other
+// prefill (SGLang, passthrough) pairs with any decode.
+func Compatible(prefill, decode *worker.Worker, def string) bool {
+	if prefill.Runtime() != config.RuntimeVLLM {
+		return true
+	}
+	p := ConnectorFor(prefill, def).Mode
+	if p == ModePassthrough {
+		return true
+	}
+	name := cmp.Or(decode.KVConnector, def)
+	if name == "" {
+		return true
+	}
+	d, _ := config.KVConnectorMode(name)
+	return d == p
+}
+
 // engineID returns the engine id to name in a Mooncake handoff for the given DP rank, or "" when
 // none can be minted: no base id, an invalid dp_size, or DP ranks without a pinned rank.
 func (c Connector) engineID(rank int, pinned bool) string {

@@ -22,12 +22,17 @@ type NoWorkerError struct {
 	// Unserved means no worker of any role serves the model at all (rather than none being
 	// available now: unhealthy, circuits open, or still registering).
 	Unserved bool
+	// Incompatible means decodes are available, but none can take an available prefill's KV
+	// (their KV connectors differ).
+	Incompatible bool
 }
 
 func (e *NoWorkerError) Error() string {
 	switch {
 	case e.Unserved:
 		return fmt.Sprintf("the model %q is not served by any worker", e.Model)
+	case e.Incompatible:
+		return fmt.Sprintf("no available decode worker shares a KV connector with an available prefill worker (model %q)", e.Model)
 	case e.Model != "":
 		return fmt.Sprintf("no %s worker is available to serve model %q (all unhealthy, circuits open, or still registering)", e.Role, e.Model)
 	}
@@ -43,6 +48,9 @@ type Selector struct {
 	Registry *worker.Registry
 	Policies map[string]Policy  // by role
 	Pairs    *worker.PairHealth // nil: no pair quarantine
+	// Compatible reports whether a decode can take a prefill's KV (their connectors agree);
+	// nil: any pair.
+	Compatible func(prefill, decode *worker.Worker) bool
 }
 
 // Worker chooses a worker of role for req, or returns a *NoWorkerError.
@@ -75,10 +83,51 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 	if len(decodes) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
+	if prefills = s.withPartners(prefills, decodes); len(prefills) == 0 {
+		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
+	}
 	var p worker.Pair
 	p.Prefill = s.Policies[config.RolePrefill].Pick(prefills, req)
-	p.Decode = s.Policies[config.RoleDecode].Pick(s.unquarantined(p.Prefill, decodes), req)
+	p.Decode = s.Policies[config.RoleDecode].Pick(s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
 	return p, nil
+}
+
+// withPartners returns the prefills that some decode of decodes can take the KV of.
+func (s *Selector) withPartners(prefills, decodes []*worker.Worker) []*worker.Worker {
+	if s.Compatible == nil {
+		return prefills
+	}
+	for i, p := range prefills {
+		if len(s.partners(p, decodes)) == 0 {
+			out := append([]*worker.Worker(nil), prefills[:i]...)
+			for _, p := range prefills[i+1:] {
+				if len(s.partners(p, decodes)) > 0 {
+					out = append(out, p)
+				}
+			}
+			return out
+		}
+	}
+	return prefills
+}
+
+// partners returns the decodes that can take prefill's KV. It allocates only when some cannot.
+func (s *Selector) partners(prefill *worker.Worker, decodes []*worker.Worker) []*worker.Worker {
+	if s.Compatible == nil {
+		return decodes
+	}
+	for i, d := range decodes {
+		if !s.Compatible(prefill, d) {
+			out := append([]*worker.Worker(nil), decodes[:i]...)
+			for _, d := range decodes[i+1:] {
+				if s.Compatible(prefill, d) {
+					out = append(out, d)
+				}
+			}
+			return out
+		}
+	}
+	return decodes
 }
 
 // HasRole reports whether any worker of role is configured.

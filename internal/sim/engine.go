@@ -69,6 +69,7 @@ type Stats struct {
 	HandoffsPulled         int64 // pinned KV taken by a decode engine
 	HandoffsExpired        int64 // pinned KV freed by timeout, never taken
 	KVLoadFailures         int64 // decode could not load the KV it was told about
+	KVConnectorMismatches  int64 // decode got params of a connector it does not run: no transfer
 	RequestsReceived       int64 // inference requests that reached a handler
 	RequestsOK             int64
 	RequestsFailed         int64
@@ -79,6 +80,7 @@ type Stats struct {
 type stats struct {
 	remote, recompute, local                  atomic.Int64
 	pinned, pulled, expired, loadFail         atomic.Int64
+	mismatch                                  atomic.Int64
 	received, ok, failed, cancelled, rejected atomic.Int64
 }
 
@@ -88,7 +90,7 @@ func (e *Engine) Stats() Stats {
 	return Stats{
 		PromptTokensRemote: s.remote.Load(), PromptTokensRecompute: s.recompute.Load(), PromptTokensLocalCache: s.local.Load(),
 		HandoffsPinned: s.pinned.Load(), HandoffsPulled: s.pulled.Load(), HandoffsExpired: s.expired.Load(),
-		KVLoadFailures: s.loadFail.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
+		KVLoadFailures: s.loadFail.Load(), KVConnectorMismatches: s.mismatch.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
 		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(),
 	}
 }

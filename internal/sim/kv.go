@@ -195,8 +195,15 @@ func (e *Engine) loadRemote(ctx context.Context, kv *kvParams, prompt []uint32) 
 		u   string
 		eng string
 	)
+	mooncake := kv.TransferID != nil || kv.RemoteBootstrapAddr != nil
+	if (mooncake && e.cfg.KVConnector != ConnectorMooncake) || (!mooncake && e.cfg.KVConnector != ConnectorNixl) {
+		// The engine's own connector reads the params: NIXL finds no block ids in Mooncake's
+		// ("Got invalid KVTransferParams"), Mooncake no transfer_id in NIXL's. No transfer.
+		e.stats.mismatch.Add(1)
+		return false, nil
+	}
 	switch {
-	case kv.TransferID != nil || kv.RemoteBootstrapAddr != nil: // Mooncake
+	case mooncake:
 		if kv.TransferID == nil || kv.RemoteEngineID == nil || kv.RemoteBootstrapAddr == nil {
 			return false, nil // vLLM warns and does no transfer: a silent recompute
 		}
