@@ -290,9 +290,9 @@ func TestModelAwareRouting(t *testing.T) {
 			t.Fatalf("llama went to %s", body)
 		}
 	}
-	// No model (e.g. /generate): any worker, round robin over both.
+	// No model: any worker, round robin over both.
 	for i := 0; i < 4; i++ {
-		post(t, gw.URL+"/generate", `{"text":"hi"}`)
+		post(t, gw.URL+"/v1/completions", `{"prompt":"hi"}`)
 	}
 	if hits["a"].Load() != 6 || hits["b"].Load() != 6 {
 		t.Errorf("hits a=%d b=%d, want 6 and 6", hits["a"].Load(), hits["b"].Load())

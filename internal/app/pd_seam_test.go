@@ -218,3 +218,48 @@ func TestPDPairsWithinAConnector(t *testing.T) {
 		}
 	}
 }
+
+// Item 7: SGLang-only routes go only to workers that serve them. In a fleet with SGLang and vLLM
+// pairs on one model, /generate and the info routes used to flap between 200 and 404; a vLLM
+// pair's /health_generate checks each leg's /health.
+func TestSGLangRoutesSkipVLLMWorkers(t *testing.T) {
+	t.Parallel()
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Retry.Disable = true
+	sp := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+	sd := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+	vp := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	vd := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	bp := sp.BootstrapPort()
+	cfg.Workers = []config.Worker{
+		{URL: vp.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: sp.URL(), Role: config.RolePrefill, BootstrapPort: &bp},
+		{URL: vd.URL(), Role: config.RoleDecode, KVConnector: "NixlConnector"}, {URL: sd.URL(), Role: config.RoleDecode},
+	}
+	_, gw := startGateway(t, cfg)
+	for i := 0; i < 6; i++ {
+		resp, body := postTimeout(t, gw.URL+"/generate", `{"text":"sglang only","sampling_params":{"max_new_tokens":2}}`)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") != sp.URL() {
+			t.Fatalf("/generate %d: %d via %s: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"), body)
+		}
+		info, err := http.Get(gw.URL + "/get_server_info")
+		if err != nil {
+			t.Fatal(err)
+		}
+		info.Body.Close()
+		if info.StatusCode != 200 {
+			t.Fatalf("/get_server_info %d: %d", i, info.StatusCode)
+		}
+	}
+	// A vLLM-only PD fleet: /health_generate checks each leg's /health.
+	_, _, _, vgw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{})
+	resp, err := http.Get(vgw + "/health_generate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Errorf("/health_generate on a vLLM pair: %d %s", resp.StatusCode, b)
+	}
+}

@@ -40,7 +40,7 @@ func (e *NoWorkerError) Error() string {
 }
 
 // Selector chooses workers for requests: the candidates are the registered workers of a role
-// serving the request's model; of those, the available ones (healthy, circuit admitting), those
+// serving the request's model and route; of those, the available ones (healthy, circuit admitting), those
 // not in avoid (the workers that already failed this request) when any remain, and for a
 // decode those not quarantined with the chosen prefill when any remain. The role's policy picks
 // among what is left.
@@ -53,13 +53,41 @@ type Selector struct {
 	Compatible func(prefill, decode *worker.Worker) bool
 }
 
+// sglangRoutes are the routes only SGLang (and engines that are neither vLLM nor SGLang, which
+// Baton cannot tell apart) serve; a vLLM worker answers them 404.
+var sglangRoutes = map[string]bool{"/generate": true, "/get_server_info": true, "/get_model_info": true, "/health_generate": true}
+
+// Serves reports whether w serves path: an SGLang-only route is never sent to a vLLM worker.
+func Serves(w *worker.Worker, path string) bool {
+	return !sglangRoutes[path] || w.Runtime() != config.RuntimeVLLM
+}
+
+// serving returns the workers of ws that serve path. It allocates only when some do not.
+func serving(ws []*worker.Worker, path string) []*worker.Worker {
+	if !sglangRoutes[path] {
+		return ws
+	}
+	for i, w := range ws {
+		if !Serves(w, path) {
+			out := append([]*worker.Worker(nil), ws[:i]...)
+			for _, w := range ws[i+1:] {
+				if Serves(w, path) {
+					out = append(out, w)
+				}
+			}
+			return out
+		}
+	}
+	return ws
+}
+
 // Worker chooses a worker of role for req, or returns a *NoWorkerError.
 func (s *Selector) Worker(role string, req *Request, avoid map[string]bool) (*worker.Worker, error) {
 	cands, pending := s.Registry.Snapshot().Candidates(role, req.Model)
 	if len(cands) == 0 && !pending && req.Model != "" {
 		return nil, &NoWorkerError{Role: role, Model: req.Model, Unserved: true}
 	}
-	avail := preferOthers(worker.Available(cands), avoid)
+	avail := preferOthers(worker.Available(serving(cands, req.Path)), avoid)
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
@@ -75,11 +103,11 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 	if req.Model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unserved: true}
 	}
-	prefills := preferOthers(worker.Available(pc), avoid)
+	prefills := preferOthers(worker.Available(serving(pc, req.Path)), avoid)
 	if len(prefills) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model}
 	}
-	decodes := preferOthers(worker.Available(dc), avoid)
+	decodes := preferOthers(worker.Available(serving(dc, req.Path)), avoid)
 	if len(decodes) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}

@@ -52,7 +52,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.
 func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
-	pair, err := s.sel.Pair(&policy.Request{}, nil)
+	pair, err := s.sel.Pair(&policy.Request{Path: "/health"}, nil)
 	if err != nil {
 		openai.WriteError(w, selectionError(err))
 		return
@@ -70,7 +70,11 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 					panicked.Store(true)
 				}
 			}()
-			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, wk.URL+"/health_generate", nil)
+			path := "/health_generate"
+			if !policy.Serves(wk, path) {
+				path = "/health" // vLLM has no /health_generate: each leg's own health
+			}
+			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, wk.URL+path, nil)
 			proxy.CopyRequestHeaders(req.Header, r.Header, wk)
 			resp, err := s.proxy.Transport.RoundTrip(req)
 			if err != nil {
@@ -100,13 +104,12 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 // servePrefillInfo proxies GET /get_server_info and /get_model_info to a ready prefill worker,
 // relaying its answer unchanged.
 func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
-	cands, _ := s.reg.Snapshot().Candidates(config.RolePrefill, "")
-	avail := worker.Available(cands)
-	if len(avail) == 0 {
-		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no prefill worker is ready"})
+	prefill, err := s.sel.Worker(config.RolePrefill, &policy.Request{Path: r.URL.Path}, nil)
+	if err != nil {
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
+			Message: "no prefill worker that serves " + r.URL.Path + " is ready (vLLM workers do not)"})
 		return
 	}
-	prefill := avail[0]
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, prefill.URL+r.URL.Path, nil)
