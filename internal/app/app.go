@@ -329,6 +329,10 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 		log.Warn("worker registered as generic with no model list: it is offered every model; set its runtime (vllm, sglang) and models, or check that /v1/models answers",
 			"worker", w.URL, "role", w.Role)
 	}
+	if in := w.Info(); in != nil && w.DPSize > 1 && in.DPSize > 0 && in.DPSize != w.DPSize {
+		log.Warn("configured dp_size differs from the engine's: Baton addresses ranks the engine may not have (400s) or leaves ranks idle; set dp_size to the engine's",
+			"worker", w.URL, "dp_size", w.DPSize, "engine_dp_size", in.DPSize)
+	}
 	if w.Role != config.RolePrefill || w.Runtime() != config.RuntimeVLLM {
 		return
 	}

@@ -358,7 +358,9 @@ func TestBootstrapInjection(t *testing.T) {
 	engine := func(role string) *config.Worker {
 		srv := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 			b, _ := io.ReadAll(r.Body)
-			got <- role + " " + string(b)
+			if r.Method == http.MethodPost { // not the registration's GETs
+				got <- role + " " + string(b)
+			}
 			io.WriteString(w, `{"text":"x","meta_info":{}}`)
 		})
 		return &config.Worker{URL: srv.URL, Role: role}

@@ -263,3 +263,44 @@ func TestSGLangRoutesSkipVLLMWorkers(t *testing.T) {
 		t.Errorf("/health_generate on a vLLM pair: %d %s", resp.StatusCode, b)
 	}
 }
+
+// Item 2: the prefill's DP rank and the bootstrap room agree (room % dp_size == rank). An SGLang
+// prefill that follows the room refused every request whose round-robin rank disagreed with a
+// random room: about half of them.
+func TestPDParallelRoomFollowsTheRank(t *testing.T) {
+	t.Parallel()
+	_, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, func(c *config.Config) {
+		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
+	})
+	for i := 0; i < 16; i++ {
+		resp, body := postTimeout(t, gw+"/generate", `{"text":"rank and room `+strings.Repeat("y", i)+`","sampling_params":{"max_new_tokens":2}}`)
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	resp, body := postTimeout(t, gw+"/generate", `{"text":["a","b","c"],"sampling_params":{"max_new_tokens":1}}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("a batch: %d %s", resp.StatusCode, body)
+	}
+}
+
+// Item 2: a configured dp_size that is not the engine's is said at registration.
+func TestDPSizeCheckedAtRegistration(t *testing.T) {
+	t.Parallel()
+	p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+	d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, DPSize: 2}, {URL: d.URL(), Role: config.RoleDecode}}
+	logs := &syncBuffer{}
+	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Start(t.Context())
+	t.Cleanup(g.Wait)
+	waitFor(t, func() bool { return strings.Contains(logs.String(), "configured dp_size differs") })
+	if !strings.Contains(logs.String(), "engine_dp_size=1") {
+		t.Errorf("the warning does not name the engine's size:\n%s", logs.String())
+	}
+}

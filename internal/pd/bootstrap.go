@@ -22,6 +22,11 @@ func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, er
 	if p := pair.Prefill.BootstrapPort; p != nil {
 		port = strconv.AppendInt(nil, int64(*p), 10)
 	}
+	// The prefill's rank is chosen first and every room agrees with it (room % dp_size == rank):
+	// an SGLang prefill that follows the bootstrap room refuses a rank that does not, and a
+	// decode that finds its prefill by room % dp_size would wait on another rank.
+	pRank, pRanked := pair.Prefill.NextRank()
+	newRoom := func() uint64 { return roomFor(pRank, pair.Prefill.DPSize) }
 	var room []byte
 	if n := req.Batch; n > 0 {
 		hosts, ports, rooms := []byte{'['}, []byte{'['}, []byte{'['}
@@ -41,7 +46,7 @@ func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, er
 	// The DP rank fields are Baton's: a client's values never reach a leg, where they would
 	// send the KV to a rank the other leg does not look at.
 	pDel, dDel := []string{keyDPRankDeprecated, keyPrefillDPRank}, []string{keyDPRankDeprecated}
-	if rank, ok := pair.Prefill.NextRank(); ok {
+	if rank, ok := pRank, pRanked; ok {
 		v := strconv.AppendInt(nil, int64(rank), 10)
 		pFields = append(pFields[:len(pFields):len(pFields)], openai.Field{Key: keyRoutedDPRank, Value: v})
 		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyPrefillDPRank, Value: v})
@@ -70,5 +75,17 @@ const (
 	keyDPRankDeprecated = "data_parallel_rank"
 )
 
-// newRoom returns a bootstrap room: uniform in [0, 2^63-1].
-func newRoom() uint64 { return rand.Uint64() & (1<<63 - 1) }
+// roomFor returns a bootstrap room, uniform in [0, 2^63-1] among those with room % dpSize ==
+// rank (any room when the prefill has no DP ranks).
+func roomFor(rank, dpSize int) uint64 {
+	room := rand.Uint64() & (1<<63 - 1)
+	if dpSize <= 1 {
+		return room
+	}
+	n := uint64(dpSize)
+	room = room - room%n + uint64(rank)
+	if room > 1<<63-1 {
+		room -= n
+	}
+	return room
+}

@@ -152,3 +152,16 @@ func TestLogprobMerge(t *testing.T) {
 		t.Errorf("[DONE] changed: %q", out)
 	}
 }
+
+func TestRoomForAgreesWithTheRank(t *testing.T) {
+	for dp := 1; dp <= 8; dp++ {
+		for rank := 0; rank < dp; rank++ {
+			for i := 0; i < 200; i++ {
+				room := roomFor(rank, dp)
+				if room > 1<<63-1 || (dp > 1 && room%uint64(dp) != uint64(rank)) {
+					t.Fatalf("roomFor(%d, %d) = %d", rank, dp, room)
+				}
+			}
+		}
+	}
+}

@@ -290,8 +290,12 @@ func TestSGLangPartnerNeverArrives(t *testing.T) {
 
 func TestSGLangDPRooms(t *testing.T) {
 	p, d := sglangPair(t, Config{DPSize: 2}, Config{})
-	// Prefill pinned to rank 1; decode told so: they meet.
-	body := withBoot(`{"text":"a b","sampling_params":{"max_new_tokens":2}}`, p, 10)
+	// A routed rank that disagrees with the room (10 % 2 = 0) is a follow_bootstrap_room conflict.
+	if r := post(t, p.URL()+"/generate", strings.Replace(withBoot(`{"text":"a b"}`, p, 10), "{", `{"routed_dp_rank":1,`, 1)); r.status != 400 {
+		t.Errorf("conflicting routed_dp_rank: %d %s", r.status, r.raw)
+	}
+	// Prefill pinned to rank 1, room 11 (11 % 2 = 1); decode told so: they meet.
+	body := withBoot(`{"text":"a b","sampling_params":{"max_new_tokens":2}}`, p, 11)
 	var wg sync.WaitGroup
 	var pr, dr reply
 	wg.Go(func() { pr = post(t, p.URL()+"/generate", strings.Replace(body, "{", `{"routed_dp_rank":1,`, 1)) })

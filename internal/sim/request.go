@@ -382,6 +382,13 @@ func (e *Engine) pickRank(j *job, raw *rawRequest, r *http.Request) *apiError {
 		return nil
 	}
 	if e.cfg.Engine == EngineSGLang && raw.RoutedDPRank != nil {
+		// The prefill follows the bootstrap room (load_balance_method follow_bootstrap_room, as
+		// /server_info says): a routed rank that disagrees with the room is a conflict.
+		if r := *raw.RoutedDPRank; e.cfg.Role == RolePrefill && size > 1 && len(j.items) > 0 && j.items[0].boot != nil &&
+			r >= 0 && r < size && uint64(r) != j.items[0].boot.room%uint64(size) {
+			return errorf(400, "follow_bootstrap_room conflict: routed_dp_rank %d, but bootstrap_room %d %% dp_size %d = %d",
+				r, j.items[0].boot.room, size, j.items[0].boot.room%uint64(size))
+		}
 		return check(*raw.RoutedDPRank)
 	}
 	if h := r.Header.Get(HeaderDPRankIn); h != "" {

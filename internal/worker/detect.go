@@ -25,6 +25,31 @@ const probeTimeout = 5 * time.Second
 // GET /version (vLLM), else GET /server_info or /get_server_info (SGLang), else generic. Models
 // come from /v1/models. Configured runtime and models win over what the engine says.
 func Detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
+	in, err := detect(ctx, client, w)
+	if err == nil && in.Runtime == config.RuntimeSGLang {
+		in.DPSize = sglangDPSize(ctx, client, w)
+	}
+	return in, err
+}
+
+// sglangDPSize reads the data parallel size an SGLang engine reports, or 0.
+func sglangDPSize(ctx context.Context, client *http.Client, w *Worker) int {
+	for _, p := range []string{"/server_info", "/get_server_info"} {
+		status, body, err := probe(ctx, client, w, p)
+		if err != nil || status != http.StatusOK {
+			continue
+		}
+		var v struct {
+			DPSize int `json:"dp_size"`
+		}
+		if json.Unmarshal(body, &v) == nil {
+			return v.DPSize
+		}
+	}
+	return 0
+}
+
+func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
 	in := &Info{Runtime: w.configured.Runtime}
 	for _, id := range w.configured.Models {
 		in.Models = append(in.Models, Model{ID: id})

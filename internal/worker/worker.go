@@ -25,6 +25,8 @@ type Model struct {
 type Info struct {
 	Runtime string  // vllm, sglang or generic
 	Models  []Model // empty means the worker accepts any model
+	// DPSize is the data parallel size the engine reports (SGLang /server_info), 0 if unknown.
+	DPSize int
 }
 
 // Worker is one engine. Its identity and settings are fixed at construction; its live state is
