@@ -213,12 +213,16 @@ func Default() Config {
 	}
 }
 
-// LoadFile reads a YAML (or JSON) file into c, strictly: unknown keys are errors. Keys absent
-// from the file keep c's values.
+// LoadFile reads a YAML (or JSON) file into c, strictly: every unknown key and every value of
+// the wrong kind is reported at once, with its path and line. Keys absent from the file keep
+// c's values.
 func (c *Config) LoadFile(path string) error {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
+	}
+	if problems := yamlProblems(data, c); len(problems) > 0 {
+		return fmt.Errorf("config %s: %s", path, strings.Join(problems, "; "))
 	}
 	if err := yaml.UnmarshalStrict(data, c); err != nil {
 		return fmt.Errorf("config %s: %w", path, err)

@@ -2,6 +2,7 @@ package config
 
 import (
 	"io"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -111,5 +112,39 @@ func TestPrefillWithoutCompatibleDecode(t *testing.T) {
 	c.Workers[3].Models, c.Workers[1].Models = []string{"a"}, []string{"b"}
 	if err := c.Validate(); err == nil {
 		t.Error("a prefill and its only possible decode share no model, yet no error")
+	}
+}
+
+// YAML problems are reported all at once, each with its path and line, in plain words.
+func TestYAMLErrorsHavePathsAndLines(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "baton.yaml")
+	os.WriteFile(path, []byte(`port: 8080
+polcy: random
+retry:
+  max_retries: lots
+workers:
+  - url: http://a:1
+    rol: prefill
+  - url: http://b:1
+    dp_size: [2]
+    labels: {zone: a}
+`), 0o600)
+	_, err := Parse([]string{"--config", path}, io.Discard)
+	if err == nil {
+		t.Fatal("no error")
+	}
+	msg := err.Error()
+	for _, want := range []string{
+		"polcy (line 2): unknown key",
+		"retry.max_retries (line 4): want a whole number, got \"lots\"",
+		"workers[0].rol (line 7): unknown key; known keys: url, role,",
+		"workers[1].dp_size (line 9): want a whole number, got a list",
+	} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("error lacks %q:\n%s", want, msg)
+		}
+	}
+	if strings.Contains(msg, "int64") || strings.Contains(msg, "config.Worker") || strings.Contains(msg, "json:") {
+		t.Errorf("error names Go types: %s", msg)
 	}
 }
