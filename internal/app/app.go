@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/pprof"
@@ -171,15 +172,26 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) }}
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px,
 		Dispatcher: &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, Metrics: m, Log: log}
+	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
+	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
+	if health != nil {
+		count := health.OnProbe
+		health.OnProbe = func(w *worker.Worker, ok bool) {
+			count(w, ok)
+			if ok {
+				learn(w) // an engine that restarted may have registered a new engine id
+			}
+		}
+	}
 	return &Gateway{
-		Health:   newHealth(cfg.HealthCheck, tm, reg, client, m, log),
+		Health:   health,
 		Config:   cfg,
 		Registry: reg,
 		Metrics:  m,
 		Parallel: parallel,
 		Server:   server.New(serverOptions(cfg, tm, parts)),
 		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
-			OnRegistered: func(w *worker.Worker) { logConnector(log, cfg, w) }},
+			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w) }},
 		Log: log,
 	}, nil
 }
@@ -321,6 +333,22 @@ func (g *Gateway) drain(api *http.Server, grace time.Duration) {
 	}
 }
 
+// learnEngineIDs learns a Mooncake prefill's engine ids from its bootstrap server, when none is
+// configured; a change is logged.
+func learnEngineIDs(log *slog.Logger, cfg config.Config, client *http.Client, w *worker.Worker) {
+	if w.Role != config.RolePrefill || w.Runtime() != config.RuntimeVLLM {
+		return
+	}
+	before := w.EngineIDs()
+	n, err := pd.LearnEngineIDs(context.Background(), client, w, cfg.KVConnector)
+	switch {
+	case err != nil:
+		log.Warn("could not learn the Mooncake engine ids from the prefill's bootstrap server", "worker", w.URL, "err", err)
+	case n > 0 && !maps.Equal(before, w.EngineIDs()):
+		log.Info("Mooncake engine ids learned from the bootstrap server", "worker", w.URL, "engine_ids", w.EngineIDs())
+	}
+}
+
 // logConnector makes a vLLM prefill worker's effective KV connector visible at registration,
 // and warns when none is configured: its decodes would recompute unless the engine happens to
 // return kv_transfer_params.
@@ -342,9 +370,9 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 		log.Warn("vLLM prefill worker has no KV connector configured: passthrough mode, decodes recompute unless the engine returns kv_transfer_params; set kv_connector (NixlConnector or MooncakeConnector) on the worker or --kv-connector",
 			"worker", w.URL)
 		return
-	case c.Mode == pd.ModeMooncake && c.EngineID == "":
-		log.Warn("vLLM Mooncake prefill worker has no engine id: every request to it recomputes on the decode (none-no-engine-id); set kv_engine_id to the engine's kv_transfer_config.engine_id",
-			"worker", w.URL)
+	case c.Mode == pd.ModeMooncake && c.EngineID == "" && len(c.Learned) == 0:
+		log.Warn("vLLM Mooncake prefill worker has no engine id, and its bootstrap server told none: every request to it recomputes on the decode (none-no-engine-id); check bootstrap_port (VLLM_MOONCAKE_BOOTSTRAP_PORT) or set kv_engine_id to the engine's kv_transfer_config.engine_id",
+			"worker", w.URL, "bootstrap", c.BootstrapAddr)
 	}
 	log.Info("vLLM prefill worker KV connector", "worker", w.URL, "mode", c.Mode, "detail", c.String())
 }

@@ -4,11 +4,13 @@ package app
 // wasted prefills, outcomes that lied), against simulators as strict as the engines.
 
 import (
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -303,4 +305,60 @@ func TestDPSizeCheckedAtRegistration(t *testing.T) {
 	if !strings.Contains(logs.String(), "engine_dp_size=1") {
 		t.Errorf("the warning does not name the engine's size:\n%s", logs.String())
 	}
+}
+
+// Item 5: a Mooncake handoff needs the prefill's engine id, which used to be hand-copied into
+// Baton's configuration (from flags alone every request recomputed). Baton learns it from the
+// prefill's bootstrap server, per DP rank, as vLLM's own proxy does, and learns it anew when the
+// engine restarts under another id.
+func TestMooncakeEngineIDsAreLearned(t *testing.T) {
+	t.Parallel()
+	for _, dp := range []int{1, 2} {
+		p, _, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{EngineID: "learn-me", DPSize: dp}, sim.Config{}, func(c *config.Config) {
+			c.Workers[0].KVEngineID = "" // nothing configured: as from --prefill URL PORT --kv-connector MooncakeConnector
+		})
+		for i := 0; i < 4; i++ {
+			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"learned `+strings.Repeat("z", i)+`","max_tokens":2}`)
+			if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "mooncake" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+				t.Fatalf("dp %d request %d: %d, handoff %q, KV %q: %s", dp, i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
+			}
+		}
+		if s := p.Stats(); s.HandoffsPinned != 4 {
+			t.Errorf("dp %d: %d handoffs pinned, want 4", dp, s.HandoffsPinned)
+		}
+	}
+}
+
+func TestMooncakeEngineIDsRelearnedAfterARestart(t *testing.T) {
+	t.Parallel()
+	start := func(id string, port, bport int) *sim.Engine {
+		e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorMooncake, Model: pdModel,
+			EngineID: id, Port: port, BootstrapPort: bport})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e
+	}
+	p := start("before-restart", 0, 0)
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorMooncake})
+	bp := p.BootstrapPort()
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Retry.Disable = true
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "MooncakeConnector", BootstrapPort: &bp},
+		{URL: d.URL(), Role: config.RoleDecode, KVConnector: "MooncakeConnector"}}
+	_, gw := startGateway(t, cfg, func(tm *timing) { tm.healthInterval = 50 * time.Millisecond })
+	handsOff := func() bool {
+		resp, _ := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"restart","max_tokens":2}`)
+		return resp.StatusCode == 200 && resp.Header.Get(sim.HeaderKVSource) == sim.SourceRemote
+	}
+	if !handsOff() {
+		t.Fatal("no handoff before the restart")
+	}
+	var port int
+	fmt.Sscanf(p.URL()[strings.LastIndexByte(p.URL(), ':')+1:], "%d", &port)
+	p.Close()
+	p = start("after-restart", port, bp)
+	t.Cleanup(p.Close)
+	waitFor(t, handsOff) // the old id would make every handoff fail: the new one was learned
 }

@@ -204,8 +204,11 @@ func TestPDSequentialInvalidDPSizeFailsClosed(t *testing.T) {
 	if p.Stats().RequestsReceived != 0 || d.Stats().RequestsOK != 1 {
 		t.Errorf("prefill %+v decode %+v", p.Stats(), d.Stats())
 	}
-	// Without an engine id at all: the same.
-	_, _, _, gw2 := vllmPD(t, "MooncakeConnector", sim.Config{}, sim.Config{}, func(c *config.Config) { c.Workers[0].KVEngineID = "" })
+	// Without an engine id at all, and a bootstrap server that cannot tell one: the same.
+	closed := 1
+	_, _, _, gw2 := vllmPD(t, "MooncakeConnector", sim.Config{}, sim.Config{}, func(c *config.Config) {
+		c.Workers[0].KVEngineID, c.Workers[0].BootstrapPort = "", &closed
+	})
 	if resp, _ := postTimeout(t, gw2+"/v1/completions", `{"model":"m","prompt":"no id","max_tokens":2}`); resp.Header.Get("X-Baton-Kv-Handoff") != "none-no-engine-id" {
 		t.Errorf("no engine id: %q", resp.Header.Get("X-Baton-Kv-Handoff"))
 	}

@@ -2,10 +2,14 @@ package pd
 
 import (
 	"cmp"
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -50,10 +54,13 @@ const (
 type Connector struct {
 	Mode          string // nixl, mooncake or passthrough
 	Name          string // the configured connector name, "" when none
-	EngineID      string // Mooncake: the base engine id; "" when unknown
+	EngineID      string // Mooncake: the configured base engine id; "" when not configured
 	BootstrapAddr string // Mooncake: http://host:port of the prefill's bootstrap server
 	DPSize        int    // data parallel ranks; 0 or 1 means none
 	DPInvalid     bool   // a dp_size label that is not a positive integer: mint nothing
+	// Learned are the engine ids by DP rank that the prefill's bootstrap server reported, used
+	// when none is configured.
+	Learned map[int]string
 }
 
 // ConnectorFor returns the connector of prefill worker w; def is the default connector name for
@@ -72,6 +79,12 @@ func ConnectorFor(w *worker.Worker, def string) Connector {
 			port = *w.BootstrapPort
 		}
 		c.BootstrapAddr = "http://" + w.BootstrapHost + ":" + strconv.Itoa(port)
+		if c.EngineID == "" {
+			c.Learned = w.EngineIDs()
+			if c.DPSize <= 1 && len(c.Learned) > 1 {
+				c.DPSize = len(c.Learned)
+			}
+		}
 	default:
 		c.Mode = ModePassthrough
 	}
@@ -98,15 +111,18 @@ func Compatible(prefill, decode *worker.Worker, def string) bool {
 	return d == p
 }
 
-// engineID returns the engine id to name in a Mooncake handoff for the given DP rank, or "" when
-// none can be minted: no base id, an invalid dp_size, or DP ranks without a pinned rank.
+// engineID returns the engine id to name in a Mooncake handoff for the given DP rank: the
+// configured base id ({id}_dp{rank} with DP ranks), else the one the bootstrap server reported
+// for the rank; "" when none can be minted (no id, an invalid dp_size, DP ranks without a pinned
+// rank).
 func (c Connector) engineID(rank int, pinned bool) string {
 	switch {
-	case c.EngineID == "" || c.DPInvalid:
+	case c.DPInvalid || (c.DPSize > 1 && !pinned):
 		return ""
-	case c.DPSize > 1 && !pinned:
-		return ""
-	case c.DPSize > 1:
+	case c.EngineID == "":
+		return c.Learned[rank] // the id the bootstrap server reported for that rank
+	}
+	if c.DPSize > 1 {
 		return fmt.Sprintf("%s_dp%d", c.EngineID, rank)
 	}
 	return c.EngineID
@@ -115,7 +131,9 @@ func (c Connector) engineID(rank int, pinned bool) string {
 // String describes the connector for logs and the admin view.
 func (c Connector) String() string {
 	s := c.Mode
-	if c.Mode == ModeMooncake {
+	if c.Mode == ModeMooncake && c.EngineID == "" && len(c.Learned) > 0 {
+		s += fmt.Sprintf(" (engine ids %v from the bootstrap server %s)", c.Learned, c.BootstrapAddr)
+	} else if c.Mode == ModeMooncake {
 		s += fmt.Sprintf(" (engine id %q, bootstrap %s)", c.EngineID, c.BootstrapAddr)
 	}
 	if c.DPSize > 1 {
@@ -208,3 +226,42 @@ func harvest(body []byte) (params []byte, valid bool) {
 // CompletionRequest, ChatCompletionRequest and the Anthropic messages request do;
 // ResponsesRequest does not (vllm/entrypoints/openai/responses/protocol.py).
 var handoffRoutes = map[string]bool{"/v1/completions": true, "/v1/chat/completions": true, "/v1/messages": true}
+
+// LearnEngineIDs asks a Mooncake prefill's bootstrap server which engine id each of its DP ranks
+// registered (GET /query: {"<dp_rank>": {"engine_id": …}}, as vLLM's own proxy does) and
+// records them on w. It reports how many it learned; an engine that restarted under a new id is
+// learned anew by the next call.
+func LearnEngineIDs(ctx context.Context, client *http.Client, w *worker.Worker, def string) (int, error) {
+	c := ConnectorFor(w, def)
+	if c.Mode != ModeMooncake || c.EngineID != "" {
+		return 0, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.BootstrapAddr+"/query", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("GET %s/query answered %d", c.BootstrapAddr, resp.StatusCode)
+	}
+	var ranks map[string]struct {
+		EngineID string `json:"engine_id"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&ranks); err != nil {
+		return 0, fmt.Errorf("GET %s/query: %v", c.BootstrapAddr, err)
+	}
+	ids := map[int]string{}
+	for r, v := range ranks {
+		if rank, err := strconv.Atoi(r); err == nil && rank >= 0 && v.EngineID != "" {
+			ids[rank] = v.EngineID
+		}
+	}
+	w.SetEngineIDs(ids)
+	return len(ids), nil
+}

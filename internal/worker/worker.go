@@ -52,6 +52,7 @@ type Worker struct {
 
 	configured config.Worker
 	info       atomic.Pointer[Info] // nil until registration succeeds
+	engineIDs  atomic.Pointer[map[int]string]
 	ready      atomic.Bool
 	inflight   atomic.Int64
 	rank       atomic.Uint64 // round robin over DP ranks
@@ -175,9 +176,24 @@ func (w *Worker) Outcomes() (successes, failures int64) { return w.successes.Loa
 
 // NextRank returns the next data parallel rank to use on this worker, round robin, and false
 // when the worker has no DP ranks configured.
-func (w *Worker) NextRank() (int, bool) {
-	if w.DPSize <= 1 {
+func (w *Worker) NextRank() (int, bool) { return w.NextRankOf(w.DPSize) }
+
+// NextRankOf is NextRank over n ranks (n > 1), for a DP size learned from the engine.
+func (w *Worker) NextRankOf(n int) (int, bool) {
+	if n <= 1 {
 		return 0, false
 	}
-	return int((w.rank.Add(1) - 1) % uint64(w.DPSize)), true
+	return int((w.rank.Add(1) - 1) % uint64(n)), true
+}
+
+// SetEngineIDs records the KV engine id of each DP rank, as the engine's bootstrap server
+// reports them (Mooncake's /query); nil forgets them.
+func (w *Worker) SetEngineIDs(ids map[int]string) { w.engineIDs.Store(&ids) }
+
+// EngineIDs returns the engine ids SetEngineIDs recorded, by DP rank, or nil.
+func (w *Worker) EngineIDs() map[int]string {
+	if p := w.engineIDs.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
