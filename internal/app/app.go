@@ -170,6 +170,12 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	client := &http.Client{Transport: transport}
 	sel := &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs,
 		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) }}
+	if !cfg.Retry.Disable {
+		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
+		sequential.Redecode = func(prefill *worker.Worker, req *pd.Request, avoid map[string]bool) (*worker.Worker, error) {
+			return sel.Decode(prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body}, avoid)
+		}
+	}
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px,
 		Dispatcher: &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, Metrics: m, Log: log}
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }

@@ -55,6 +55,7 @@ type Metrics struct {
 	PDConnectorMode     *prometheus.CounterVec // mode
 	PDHandoffs          *prometheus.CounterVec // outcome, connector
 	PDHandoffsAbandoned *prometheus.CounterVec // connector
+	PDDecodeRetries     prometheus.Counter
 
 	Retries            *prometheus.CounterVec // route, reason
 	RetriesExhausted   *prometheus.CounterVec // route
@@ -118,6 +119,10 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_pd_kv_handoffs_abandoned_total",
 			Help: "KV handoffs prepared on a prefill but never consumed by a decode (decode failed or client left); the KV stays pinned until the engine's timeout.",
 		}, []string{"connector"}),
+		PDDecodeRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_pd_decode_retries_total",
+			Help: "vLLM PD decode legs sent again, alone, to another decode worker with the same handoff after a retryable failure before their first byte.",
+		}),
 		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_retries_total",
 			Help: "Retried attempts by route and the reason of the failed attempt (status_<code>, transport, timeout).",
@@ -155,7 +160,7 @@ func New(reg *worker.Registry) *Metrics {
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
-		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned,
+		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

@@ -12,6 +12,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -34,6 +35,11 @@ type Sequential struct {
 	Concurrent *Parallel
 	// Pairs learns which pairs fail at the seam; nil learns nothing.
 	Pairs *worker.PairHealth
+	// Redecode chooses another decode worker for prefill's handoff, avoiding those in avoid;
+	// nil never retries a decode alone.
+	Redecode func(prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error)
+	// RedecodeAttempts bounds the decode retries of one handoff.
+	RedecodeAttempts int
 }
 
 var _ Executor = (*Sequential)(nil)
@@ -158,7 +164,7 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 	if err != nil {
 		return handoff, false, err
 	}
-	started, err = s.decode(dBody, pu)
+	started, err = s.decodeAgain(dBody, pu, params != nil)
 	s.outcome = outcomeOf(err, OutcomeDecodeFailed)
 	if params != nil && !started {
 		s.x.abandoned(s.plan.conn, s.pair, s.outcome)
@@ -194,6 +200,40 @@ func decodeBody(body, params []byte) ([]byte, error) {
 		return openai.Set(body, keyKVTransferParams, params)
 	}
 	return openai.Delete(body, keyKVTransferParams)
+}
+
+// decodeAgain sends the decode leg, and while it fails before its first byte with a retryable
+// status, sends it again to another decode worker with the same handoff: the KV stays pinned on
+// the prefill until pulled or expired, so a new pair would waste the prefill's work (and double
+// prefill load when the decodes are overloaded). When no other decode can take it, the last
+// failure is returned and the request's own retry starts over with a new pair.
+func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool, error) {
+	started, err := s.decode(body, pu)
+	var avoid map[string]bool
+	for n := 0; handed && !started && n < s.x.RedecodeAttempts && s.x.Redecode != nil && retryableLeg(err); n++ {
+		if avoid == nil {
+			avoid = map[string]bool{}
+		}
+		avoid[s.pair.Decode.URL] = true
+		d, serr := s.x.Redecode(s.pair.Prefill, s.req, avoid)
+		if serr != nil {
+			break
+		}
+		s.x.Metrics.PDDecodeRetries.Inc()
+		s.x.Log.Info("decode failed before its first byte; sending the decode alone to another worker with the same handoff",
+			"failed", s.pair.Decode.URL, "decode", d.URL, "prefill", s.pair.Prefill.URL, "err", err)
+		s.pair.Decode = d
+		s.rw.Header().Set(openai.HeaderDecodeWorker, d.URL)
+		s.rw.Header().Set(openai.HeaderWorker, d.URL)
+		started, err = s.decode(body, pu)
+	}
+	return started, err
+}
+
+// retryableLeg reports whether a leg's failure before its first byte may succeed elsewhere.
+func retryableLeg(err error) bool {
+	var e *openai.Error
+	return errors.As(err, &e) && !e.NoRetry && outcome.Status(e.Status).Retryable
 }
 
 // prefill sends the probe and returns the prefill's body. A failure is returned as the client's

@@ -158,6 +158,23 @@ func (s *Selector) partners(prefill *worker.Worker, decodes []*worker.Worker) []
 	return decodes
 }
 
+// Decode chooses another decode worker for prefill's handoff: one serving req's model and
+// route, available, able to take prefill's KV, not in avoid (strictly: none left is a
+// *NoWorkerError), preferring one not quarantined with prefill.
+func (s *Selector) Decode(prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
+	dc, _ := s.Registry.Snapshot().Candidates(config.RoleDecode, req.Model)
+	var ds []*worker.Worker
+	for _, d := range s.partners(prefill, worker.Available(serving(dc, req.Path))) {
+		if !avoid[d.URL] {
+			ds = append(ds, d)
+		}
+	}
+	if len(ds) == 0 {
+		return nil, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
+	}
+	return s.Policies[config.RoleDecode].Pick(s.unquarantined(prefill, ds), req), nil
+}
+
 // HasRole reports whether any worker of role is configured.
 func (s *Selector) HasRole(role string) bool {
 	for _, w := range s.Registry.Snapshot().Workers {
