@@ -164,6 +164,9 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	}
 	transport := proxy.NewTransport()
 	px := &proxy.Proxy{Transport: transport, Timeout: tm.request, Metrics: m, Log: log}
+	if cfg.ForwardSimFaults {
+		px.ExtraHeaders = []string{"X-Sim-Fault"}
+	}
 	parallel := &pd.Parallel{Proxy: px, Metrics: m, Log: log, Pairs: pairs}
 	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector, Pairs: pairs,
 		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}

@@ -229,6 +229,7 @@ func TestSGLangRoutesSkipVLLMWorkers(t *testing.T) {
 	cfg := config.Default()
 	cfg.PDDisaggregation = true
 	cfg.Retry.Disable = true
+	cfg.DecodePolicy = config.PolicyRandom // not in lockstep with the prefills' round robin
 	sp := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
 	sd := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
 	vp := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
@@ -251,6 +252,14 @@ func TestSGLangRoutesSkipVLLMWorkers(t *testing.T) {
 		info.Body.Close()
 		if info.StatusCode != 200 {
 			t.Fatalf("/get_server_info %d: %d", i, info.StatusCode)
+		}
+	}
+	// Generation routes both runtimes serve pair within a runtime: a vLLM prefill's params never
+	// go to an SGLang decode, nor a bootstrap room to a vLLM decode.
+	for i := 0; i < 8; i++ {
+		resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"runtime pairs `+strings.Repeat("v", i)+`","max_tokens":2}`)
+		if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+			t.Fatalf("completion %d: %d, handoff %q, KV %q: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 		}
 	}
 	// A vLLM-only PD fleet: /health_generate checks each leg's /health.
@@ -402,5 +411,23 @@ func TestPDDecodeRetriedAloneWithTheSameHandoff(t *testing.T) {
 				t.Errorf("%v handoffs abandoned", v)
 			}
 		})
+	}
+}
+
+// X-Sim-Fault reaches simulated engines through the gateway only when asked for.
+func TestSimFaultsThroughTheGateway(t *testing.T) {
+	t.Parallel()
+	for _, forward := range []bool{false, true} {
+		_, _, gw := fleet(t, []sim.Config{{}}, func(c *config.Config) { c.ForwardSimFaults = forward; c.Retry.Disable = true })
+		req, _ := http.NewRequest(http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"fault","max_tokens":2}`))
+		req.Header.Set("X-Sim-Fault", "status=503")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if want := map[bool]int{false: 200, true: 503}[forward]; resp.StatusCode != want {
+			t.Errorf("forward_sim_faults %v: %d, want %d", forward, resp.StatusCode, want)
+		}
 	}
 }

@@ -43,6 +43,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	cfg := config.Default()
 	cfg.Host, cfg.Port, cfg.MetricsPort, cfg.LogLevel = "127.0.0.1", *port, *metricsPort, *logLevel
 	cfg.PDDisaggregation = true
+	cfg.ForwardSimFaults = true // try: -H 'X-Sim-Fault: status=503' (every leg gets it)
 	fmt.Fprintln(stdout, "Baton demo: simulated engines (deterministic fake model, no GPU) behind one PD gateway.")
 	for _, dp := range demoPairs {
 		pe, err := sim.Start(sim.Config{Engine: dp.engine, Role: sim.RolePrefill, KVConnector: dp.connect, Model: dp.model, EngineID: dp.model + "-prefill"})

@@ -84,6 +84,10 @@ type Config struct {
 	LogJSON bool `json:"log_json"`
 	// EnablePprof serves Go's /debug/pprof/ on the metrics port, for profiling in place.
 	EnablePprof bool `json:"enable_pprof"`
+	// ForwardSimFaults forwards a client's X-Sim-Fault header to the workers, so that a test or
+	// a demo can inject faults into simulated engines through the gateway. Off by default: a
+	// client's headers are otherwise an allowlist.
+	ForwardSimFaults bool `json:"forward_sim_faults"`
 	// ReadHeaderTimeoutSecs bounds how long a client may take to send request headers; a slow
 	// or stuck client is disconnected. Default 30.
 	ReadHeaderTimeoutSecs int `json:"read_header_timeout_secs"`

@@ -117,6 +117,7 @@ var serveFlags = []flag{
 	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
 	strFlag("log-level", "debug | info | warn | error", func(c *Config) *string { return &c.LogLevel }),
 	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
+	boolFlag("forward-sim-faults", "forward a client's X-Sim-Fault header to the workers (tests and demos against simulated engines)", func(c *Config) *bool { return &c.ForwardSimFaults }),
 	boolFlag("enable-pprof", "serve /debug/pprof/ on the metrics port", func(c *Config) *bool { return &c.EnablePprof }),
 	intFlag("read-header-timeout-secs", "a client must send its request headers within this", func(c *Config) *int { return &c.ReadHeaderTimeoutSecs }),
 	intFlag("idle-timeout-secs", "idle keep-alive client connections are closed after this; streams are never cut", func(c *Config) *int { return &c.IdleTimeoutSecs }),

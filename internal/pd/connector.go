@@ -91,11 +91,14 @@ func ConnectorFor(w *worker.Worker, def string) Connector {
 	return c
 }
 
-// Compatible reports whether decode can take prefill's KV: a vLLM prefill with a NIXL or
-// Mooncake connector pairs only with decodes of the same connector, or of none configured
-// (unknown: the engine may well have it); def is the default connector name. Every other
-// prefill (SGLang, passthrough) pairs with any decode.
+// Compatible reports whether decode can take prefill's KV: vLLM pairs with vLLM and every other
+// runtime with any but vLLM; a vLLM prefill with a NIXL or Mooncake connector pairs only with
+// decodes of the same connector, or of none configured (unknown: the engine may well have it);
+// def is the default connector name.
 func Compatible(prefill, decode *worker.Worker, def string) bool {
+	if (prefill.Runtime() == config.RuntimeVLLM) != (decode.Runtime() == config.RuntimeVLLM) {
+		return false // a vLLM handoff and an SGLang rendezvous never meet
+	}
 	if prefill.Runtime() != config.RuntimeVLLM {
 		return true
 	}

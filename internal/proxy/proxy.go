@@ -147,6 +147,8 @@ type Proxy struct {
 	Metrics *metrics.Metrics
 	// Log receives upstream failures.
 	Log *slog.Logger
+	// ExtraHeaders are client headers forwarded besides the allowlist (X-Sim-Fault in tests).
+	ExtraHeaders []string
 }
 
 // singleHeaders are client headers sent to workers when the client sent exactly one of them
@@ -174,6 +176,11 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	}
 	// The client's query string is not forwarded: the engines' routes take none.
 	CopyRequestHeaders(out.Header, in.Header, leg.W)
+	for _, k := range p.ExtraHeaders {
+		if v := in.Header[k]; len(v) > 0 {
+			out.Header[k] = v
+		}
+	}
 	for k, v := range c.Header {
 		out.Header[k] = v
 	}
