@@ -204,7 +204,7 @@ func TestPDParallelLogprobMerge(t *testing.T) {
 	t.Parallel()
 	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
-	body := `{"text":"a b c d e f","sampling_params":{"max_new_tokens":3},"return_logprob":true}`
+	body := `{"text":"a b c d e f","sampling_params":{"max_new_tokens":3,"ignore_eos":true},"return_logprob":true}`
 	inputLP := func(s string) string {
 		var v map[string]any
 		json.Unmarshal([]byte(s), &v)

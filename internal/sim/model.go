@@ -95,7 +95,16 @@ func Token(d, seed uint64, i int) uint32 {
 }
 
 // NaturalLength is how many tokens the model generates before EOS when nothing caps it.
-func NaturalLength(d, seed uint64) int { return 1 + int(mix(d^mix(seed^0xe05))%maxNatural) }
+//
+// One prompt in sixteen ends at once: its first token is EOS, as a real model's can be. A
+// prefill probe that does not set ignore_eos then ends by stop, not by length, and the engine
+// keeps no KV for a decode: the simulator catches such a probe.
+func NaturalLength(d, seed uint64) int {
+	if mix(d^mix(seed^0x5e0f))%16 == 0 {
+		return 0
+	}
+	return 1 + int(mix(d^mix(seed^0xe05))%maxNatural)
+}
 
 // Sampling is what bounds one generation.
 type Sampling struct {

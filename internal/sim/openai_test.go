@@ -91,11 +91,11 @@ func TestChatStreamFraming(t *testing.T) {
 
 func TestCompletionsAndResponses(t *testing.T) {
 	e := start(t, Config{Model: "m"})
-	r := post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":["a b c","d e"],"max_tokens":2,"n":2}`)
+	r := post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":["a b c","d e"],"max_tokens":2,"n":2,"ignore_eos":true}`)
 	if ch := path(r.json, "choices").([]any); len(ch) != 4 || num(path(r.json, "usage", "prompt_tokens")) != 5 || num(path(r.json, "usage", "completion_tokens")) != 8 {
 		t.Fatalf("batch completions: %s", r.raw)
 	}
-	want := Detokenize(must(Generate(Digest(Tokenize("d e")), Sampling{MaxTokens: 2, Seed: 1})))
+	want := Detokenize(must(Generate(Digest(Tokenize("d e")), Sampling{MaxTokens: 2, Seed: 1, IgnoreEOS: true})))
 	if got := path(r.json, "choices", 3, "text"); got != want {
 		t.Errorf("choice 3 %v, want %q", got, want)
 	}

@@ -17,7 +17,7 @@ const chatBody = `{"model":"m","messages":[{"role":"user","content":"tell me abo
 func prefillProbe(body, kv string) string {
 	var m map[string]any
 	json.Unmarshal([]byte(body), &m)
-	m["max_tokens"], m["stream"] = 1, false
+	m["max_tokens"], m["stream"], m["ignore_eos"] = 1, false, true
 	delete(m, "stream_options")
 	var p any
 	json.Unmarshal([]byte(kv), &p)
@@ -378,5 +378,24 @@ func TestFaultRate(t *testing.T) {
 	// Binomial(200, 0.5): outside [60, 140] has probability below 1e-8.
 	if failed < 60 || failed > 140 {
 		t.Errorf("%d of 200 failed at rate 0.5", failed)
+	}
+}
+
+// Some prompts end at their first token (EOS), as a real model's can: a prefill probe without
+// ignore_eos then ends by stop, and the engine keeps no KV and returns no params. A gateway whose
+// probe forgot ignore_eos fails here.
+func TestProbeWithoutIgnoreEOSLosesTheHandoff(t *testing.T) {
+	p, _ := nixlPair(t, Config{EngineID: "P"}, Config{})
+	if _, finish := expected("tell me about relays", Sampling{MaxTokens: 1}); finish != FinishStop {
+		t.Fatal("the test prompt does not end at its first token")
+	}
+	lenient := strings.Replace(prefillProbe(chatBody, `{"do_remote_decode":true}`), `"ignore_eos":true`, `"ignore_eos":false`, 1)
+	r := post(t, p.URL()+"/v1/chat/completions", lenient)
+	if kv := path(r.json, "kv_transfer_params"); r.status != 200 || kv != nil || path(r.json, "choices", 0, "finish_reason") != "stop" {
+		t.Errorf("a probe without ignore_eos: %d %s", r.status, r.raw)
+	}
+	r = post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`))
+	if kv := path(r.json, "kv_transfer_params"); r.status != 200 || kv == nil {
+		t.Errorf("a probe with ignore_eos: %d %s", r.status, r.raw)
 	}
 }
