@@ -91,6 +91,9 @@ func answerText(t *testing.T, body string) string {
 					}
 				} else if s, ok := v["delta"].(string); ok {
 					sb.WriteString(s)
+				} else if d, ok := v["delta"].(map[string]any); ok { // messages: content_block_delta
+					s, _ := d["text"].(string)
+					sb.WriteString(s)
 				} else if s, ok := v["text"].(string); ok { // /generate: cumulative
 					sb.Reset()
 					sb.WriteString(s)
@@ -112,6 +115,9 @@ func answerText(t *testing.T, body string) string {
 	}
 	if out, ok := v["output"].([]any); ok {
 		return out[0].(map[string]any)["content"].([]any)[0].(map[string]any)["text"].(string)
+	}
+	if blocks, ok := v["content"].([]any); ok && len(blocks) > 0 { // messages
+		return blocks[0].(map[string]any)["text"].(string)
 	}
 	return v["text"].(string)
 }

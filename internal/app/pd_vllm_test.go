@@ -51,6 +51,8 @@ var vllmCases = []struct{ name, route, body string }{
 	{"completions stream", "/v1/completions", `{"model":"m","prompt":"the relay has four legs","max_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`},
 	{"responses", "/v1/responses", `{"model":"m","input":"who runs the anchor leg","max_output_tokens":4}`},
 	{"responses stream", "/v1/responses", `{"model":"m","input":"who runs the anchor leg","max_output_tokens":4,"stream":true}`},
+	{"messages", "/v1/messages", `{"model":"m","system":"be brief, please","messages":[{"role":"user","content":"pass the baton"}],"max_tokens":5,"stop_sequences":["zzz"]}`},
+	{"messages stream", "/v1/messages", `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"pass the baton"}]}],"max_tokens":5,"stream":true}`},
 }
 
 // usageOf returns prompt, cached and completion tokens of an answer (the usage chunk when
@@ -68,14 +70,14 @@ func usageOf(t *testing.T, body string) (prompt, cached, completion int, ok bool
 			}
 		}
 	}
-	for _, o := range objs {
+	for i := len(objs) - 1; i >= 0; i-- { // the last usage of a stream is the whole answer's
 		var v struct {
 			Usage    map[string]any `json:"usage"`
 			Response struct {
 				Usage map[string]any `json:"usage"`
 			} `json:"response"`
 		}
-		json.Unmarshal([]byte(o), &v)
+		json.Unmarshal([]byte(objs[i]), &v)
 		u := v.Usage
 		if u == nil {
 			u = v.Response.Usage
@@ -88,6 +90,9 @@ func usageOf(t *testing.T, body string) (prompt, cached, completion int, ok bool
 			d, _ := u["prompt_tokens_details"].(map[string]any)
 			c, _ := d["cached_tokens"].(float64)
 			return num("prompt_tokens"), int(c), num("completion_tokens"), true
+		}
+		if _, has := u["cache_read_input_tokens"]; has { // messages
+			return num("input_tokens"), num("cache_read_input_tokens"), num("output_tokens"), true
 		}
 		d, _ := u["input_tokens_details"].(map[string]any)
 		c, _ := d["cached_tokens"].(float64)

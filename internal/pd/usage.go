@@ -21,6 +21,7 @@ type prefillUsage struct {
 type usageJSON struct {
 	PromptTokens  *int `json:"prompt_tokens"`
 	InputTokens   *int `json:"input_tokens"`
+	CacheRead     *int `json:"cache_read_input_tokens"` // Anthropic-style messages
 	PromptDetails struct {
 		Cached int `json:"cached_tokens"`
 	} `json:"prompt_tokens_details"`
@@ -40,6 +41,8 @@ func readPrefillUsage(body []byte) prefillUsage {
 	switch u := v.Usage; {
 	case u.PromptTokens != nil:
 		return prefillUsage{prompt: *u.PromptTokens, cached: u.PromptDetails.Cached, ok: true}
+	case u.InputTokens != nil && u.CacheRead != nil:
+		return prefillUsage{prompt: *u.InputTokens, cached: *u.CacheRead, ok: true}
 	case u.InputTokens != nil:
 		return prefillUsage{prompt: *u.InputTokens, cached: u.InputDetails.Cached, ok: true}
 	}
@@ -50,17 +53,22 @@ func readPrefillUsage(body []byte) prefillUsage {
 // responses-API event) with the prefill's prompt view. It returns obj unchanged when there is
 // no usage to fix.
 func fixUsage(obj []byte, pu prefillUsage) []byte {
-	if inner, ok := openai.Get(obj, "response"); ok && len(inner) > 0 && inner[0] == '{' {
-		if fixed := fixUsage(inner, pu); !bytes.Equal(fixed, inner) {
-			if out, err := openai.Set(obj, "response", fixed); err == nil {
-				return out
+	for _, key := range []string{"response", "message"} { // a responses or messages stream's event
+		if inner, ok := openai.Get(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
+			if fixed := fixUsage(inner, pu); !bytes.Equal(fixed, inner) {
+				if out, err := openai.Set(obj, key, fixed); err == nil {
+					return out
+				}
 			}
+			return obj
 		}
-		return obj
 	}
 	u, ok := openai.Get(obj, "usage")
 	if !ok || len(u) == 0 || u[0] != '{' {
 		return obj
+	}
+	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
+		return fixAnthropicUsage(obj, u, pu)
 	}
 	var (
 		promptKey, completionKey, detailsKey = "prompt_tokens", "completion_tokens", "prompt_tokens_details"
@@ -96,6 +104,23 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 		return obj
 	}
 	return out
+}
+
+// fixAnthropicUsage rewrites an Anthropic-style usage in its own shape: input_tokens and
+// cache_read_input_tokens from the prefill's view; nothing is added.
+func fixAnthropicUsage(obj, u []byte, pu prefillUsage) []byte {
+	sets := []openai.Field{{Key: "cache_read_input_tokens", Value: strconv.AppendInt(nil, int64(pu.cached), 10)}}
+	if _, ok := openai.Get(u, "input_tokens"); ok {
+		sets = append(sets, openai.Field{Key: "input_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt), 10)})
+	}
+	u2, err := openai.Edit(u, sets, nil)
+	if err != nil {
+		return obj
+	}
+	if out, err := openai.Set(obj, "usage", u2); err == nil {
+		return out
+	}
+	return obj
 }
 
 // fixUsageEvent rewrites the usage in one streamed event; events without usage pass unchanged.

@@ -199,6 +199,9 @@ func (e *Engine) routes() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", e.inference(routeChat))
 	mux.HandleFunc("POST /v1/completions", e.inference(routeCompletions))
 	mux.HandleFunc("POST /v1/responses", e.inference(routeResponses))
+	if e.cfg.Engine == EngineVLLM {
+		mux.HandleFunc("POST /v1/messages", e.inference(routeMessages))
+	}
 	mux.HandleFunc("GET /v1/models", e.serveModels)
 	mux.HandleFunc("GET /health", e.serveHealth)
 	mux.HandleFunc("GET /metrics", e.serveMetrics)

@@ -73,6 +73,10 @@ func (e *Engine) writeFull(w http.ResponseWriter, j *job, results []itemResult) 
 			out["kv_transfer_params"] = kvTransferParams(results)
 		}
 		writeJSON(w, 200, out)
+	case routeMessages:
+		out := e.messageObject(j, results, true)
+		out["kv_transfer_params"] = kvTransferParams(results)
+		writeJSON(w, 200, out)
 	case routeGenerate:
 		var outs []any
 		for i, res := range results {
@@ -104,6 +108,24 @@ func (e *Engine) responseObject(j *job, results []itemResult, status string) map
 		}
 	}
 	return out
+}
+
+// messageObject is an Anthropic-style message: the whole answer when final, else the empty
+// message a stream starts with.
+func (e *Engine) messageObject(j *job, results []itemResult, final bool) map[string]any {
+	p, c, o := usage(results)
+	content := []any{}
+	var stop any
+	if final {
+		ch := results[0].choices[0]
+		content = append(content, map[string]any{"type": "text", "text": Detokenize(ch.tokens)})
+		stop = map[bool]string{true: "max_tokens", false: "end_turn"}[ch.finish == FinishLength]
+	} else {
+		o = 0
+	}
+	return map[string]any{"id": j.id, "type": "message", "role": "assistant", "model": e.cfg.Model, "content": content,
+		"stop_reason": stop, "stop_sequence": nil,
+		"usage": map[string]any{"input_tokens": p, "output_tokens": o, "cache_read_input_tokens": c}}
 }
 
 // generateObject is SGLang's /generate answer after k tokens of choice ch.
@@ -237,6 +259,8 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 			}
 		}
 		return s.event("response.completed", map[string]any{"type": "response.completed", "response": e.responseObject(j, results, "completed")})
+	case routeMessages:
+		return e.streamMessage(s, j, results, tick)
 	default: // generate: cumulative text per chunk
 		for i, res := range results {
 			for c, ch := range res.choices {
@@ -257,4 +281,35 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 		}
 		return s.done()
 	}
+}
+
+// streamMessage streams an Anthropic-style message: message_start, one content block of text
+// deltas, message_delta with the stop reason and usage, message_stop; no [DONE].
+func (e *Engine) streamMessage(s *sse, j *job, results []itemResult, tick func() error) error {
+	if err := s.event("message_start", map[string]any{"type": "message_start", "message": e.messageObject(j, results, false)}); err != nil {
+		return err
+	}
+	if err := s.event("content_block_start", map[string]any{"type": "content_block_start", "index": 0,
+		"content_block": map[string]any{"type": "text", "text": ""}}); err != nil {
+		return err
+	}
+	ch := results[0].choices[0]
+	for _, tok := range ch.tokens {
+		if err := tick(); err != nil {
+			return err
+		}
+		if err := s.event("content_block_delta", map[string]any{"type": "content_block_delta", "index": 0,
+			"delta": map[string]any{"type": "text_delta", "text": TokenText(tok)}}); err != nil {
+			return err
+		}
+	}
+	if err := s.event("content_block_stop", map[string]any{"type": "content_block_stop", "index": 0}); err != nil {
+		return err
+	}
+	final := e.messageObject(j, results, true)
+	if err := s.event("message_delta", map[string]any{"type": "message_delta",
+		"delta": map[string]any{"stop_reason": final["stop_reason"], "stop_sequence": nil}, "usage": final["usage"]}); err != nil {
+		return err
+	}
+	return s.event("message_stop", map[string]any{"type": "message_stop"})
 }

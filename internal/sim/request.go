@@ -14,6 +14,7 @@ const (
 	routeCompletions
 	routeResponses
 	routeGenerate
+	routeMessages // vLLM's Anthropic-style /v1/messages
 )
 
 // bootstrap is one item's SGLang bootstrap fields.
@@ -66,6 +67,8 @@ type rawRequest struct {
 	Prompt         json.RawMessage `json:"prompt"`
 	Input          json.RawMessage `json:"input"`
 	Instructions   string          `json:"instructions"`
+	System         json.RawMessage `json:"system"`
+	StopSequences  json.RawMessage `json:"stop_sequences"`
 	Text           json.RawMessage `json:"text"`
 	InputIDs       json.RawMessage `json:"input_ids"`
 	SamplingParams *rawSampling    `json:"sampling_params"`
@@ -127,6 +130,12 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		stop = raw.Stop
 	case routeResponses:
 		s.MaxTokens = firstInt(raw.MaxOutputTokens)
+	case routeMessages:
+		if raw.MaxTokens == nil {
+			return nil, errorf(400, "max_tokens: Field required")
+		}
+		s.MaxTokens = *raw.MaxTokens
+		stop = raw.StopSequences
 	case routeGenerate:
 		if sp := raw.SamplingParams; sp != nil {
 			s.MaxTokens = firstInt(sp.MaxNewTokens)
@@ -180,7 +189,7 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 	if rid == "" {
 		rid = randHex(8)
 	}
-	prefix := map[route]string{routeChat: "chatcmpl-", routeCompletions: "cmpl-", routeResponses: "resp_", routeGenerate: ""}[rt]
+	prefix := map[route]string{routeChat: "chatcmpl-", routeCompletions: "cmpl-", routeResponses: "resp_", routeGenerate: "", routeMessages: "msg_"}[rt]
 	j.id = prefix + rid
 	j.reqID = j.id + "-" + randHex(4) // vLLM ≥ 0.14 randomizes internal ids
 	return j, nil
@@ -203,6 +212,15 @@ func (e *Engine) prompts(rt route, raw *rawRequest) ([][]uint32, *apiError) {
 			return nil, errorf(400, "messages must not be empty")
 		}
 		return [][]uint32{chatPrompt(raw.Messages)}, nil
+	case routeMessages:
+		if len(raw.Messages) == 0 {
+			return nil, errorf(400, "messages must not be empty")
+		}
+		msgs := raw.Messages
+		if len(raw.System) > 0 && !bytes.Equal(raw.System, []byte("null")) {
+			msgs = append([]message{{Role: "system", Content: raw.System}}, msgs...)
+		}
+		return [][]uint32{chatPrompt(msgs)}, nil
 	case routeResponses:
 		var msgs []message
 		if raw.Instructions != "" {
