@@ -87,11 +87,15 @@ func NewLogger(cfg config.Config, w io.Writer) *slog.Logger {
 
 // Gateway is a wired, not yet listening Baton: what Serve runs, and what tests drive in-process.
 type Gateway struct {
-	Config    config.Config
-	Registry  *worker.Registry
-	Metrics   *metrics.Metrics
-	Server    *server.Server
-	Parallel  *pd.Parallel
+	Config   config.Config
+	Registry *worker.Registry
+	Metrics  *metrics.Metrics
+	Server   *server.Server
+	Parallel *pd.Parallel
+	// Dispatcher runs PD requests over a given pair (baton check sends each pair one).
+	Dispatcher pd.Executor
+	// Selector chooses workers; its Compatible rule says which pairs can meet.
+	Selector  *policy.Selector
 	Registrar *worker.Registrar
 	Health    *worker.HealthChecker // nil when health checks are disabled
 	Log       *slog.Logger
@@ -179,8 +183,8 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 			return sel.Decode(prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body}, avoid)
 		}
 	}
-	parts := server.Options{Registry: reg, Selector: sel, Proxy: px,
-		Dispatcher: &pd.Dispatcher{Sequential: sequential, Parallel: parallel}, Metrics: m, Log: log}
+	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
+	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log}
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
 	if health != nil {
@@ -193,12 +197,14 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	return &Gateway{
-		Health:   health,
-		Config:   cfg,
-		Registry: reg,
-		Metrics:  m,
-		Parallel: parallel,
-		Server:   server.New(serverOptions(cfg, tm, parts)),
+		Health:     health,
+		Config:     cfg,
+		Registry:   reg,
+		Metrics:    m,
+		Parallel:   parallel,
+		Dispatcher: dispatcher,
+		Selector:   sel,
+		Server:     server.New(serverOptions(cfg, tm, parts)),
 		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
 			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w) }},
 		Log: log,

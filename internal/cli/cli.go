@@ -1,6 +1,6 @@
-// Package cli is the baton command: it runs the gateway (package app) or one of the developer
-// tools beside it — simulated engines, the demo, the benchmark harness — with one flag style
-// (--long-names; --help prints the usage and exits 0).
+// Package cli is the baton command: it runs the gateway (package app), checks a fleet's PD
+// handoffs (check), or one of the developer tools beside it — simulated engines, the demo, the
+// benchmark harness — with one flag style (--long-names; --help prints the usage and exits 0).
 package cli
 
 import (
@@ -36,10 +36,12 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		err = runDemo(ctx, args, stdout, stderr)
 	case "bench":
 		err = runBench(ctx, args, stdout, stderr)
+	case "check":
+		err = runCheck(ctx, args, stdout, stderr)
 	case "version":
 		fmt.Fprintln(stdout, app.Version())
 	default:
-		err = fmt.Errorf("unknown command %q (want serve, sim, demo, bench or version)", cmd)
+		err = fmt.Errorf("unknown command %q (want serve, check, sim, demo, bench or version)", cmd)
 	}
 	if errors.Is(err, flag.ErrHelp) {
 		return config.ErrHelp // the usage was printed: asking for it is no failure

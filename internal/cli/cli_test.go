@@ -6,12 +6,14 @@ import (
 	"io"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
 )
 
 // syncBuffer is a goroutine-safe bytes.Buffer for a running command's output.
@@ -129,5 +131,39 @@ func TestHelpVersionAndBenchScenarios(t *testing.T) {
 	}
 	if err := Run(t.Context(), []string{"frobnicate"}, io.Discard, io.Discard); err == nil {
 		t.Error("an unknown command ran")
+	}
+}
+
+// `baton check` sends every pair that can meet one request and fails when a pair would
+// recompute instead of handing off its KV.
+func TestCheckReportsEveryPair(t *testing.T) {
+	t.Parallel()
+	start := func(c sim.Config) *sim.Engine {
+		c.Model = "m"
+		e, err := sim.Start(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close)
+		return e
+	}
+	np := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	nd := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	sp := start(sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+	sd := start(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+	good := []string{"check", "--pd-disaggregation", "--disable-health-check",
+		"--prefill", np.URL(), "--decode", nd.URL(), "--kv-connector", "nixl",
+		"--prefill", sp.URL(), strconv.Itoa(sp.BootstrapPort()), "--decode", sd.URL()}
+	var out bytes.Buffer
+	if err := Run(t.Context(), good, &out, io.Discard); err != nil || !strings.Contains(out.String(), "nixl") || !strings.Contains(out.String(), "bootstrap") {
+		t.Fatalf("a fleet that hands off: %v\n%s", err, out.String())
+	}
+	mp := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorMooncake})
+	md := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorMooncake})
+	out.Reset()
+	err := Run(t.Context(), []string{"check", "--pd-disaggregation", "--disable-health-check",
+		"--prefill", mp.URL(), "1", "--decode", md.URL(), "--kv-connector", "MooncakeConnector"}, &out, io.Discard)
+	if err == nil || !strings.Contains(out.String(), "none-no-engine-id") {
+		t.Errorf("a Mooncake prefill whose engine id cannot be had: %v\n%s", err, out.String())
 	}
 }

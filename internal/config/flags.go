@@ -226,7 +226,7 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 }
 
 func writeUsage(w io.Writer) {
-	fmt.Fprintln(w, "usage: baton [serve] [flags]")
+	fmt.Fprintln(w, "usage: baton [serve|check] [flags]   (check: send every PD pair one request, report its handoff)")
 	fmt.Fprintln(w, "       baton sim|demo|bench [flags]  (see 'baton sim --help')")
 	fmt.Fprintln(w, "       baton version")
 	fmt.Fprintln(w)

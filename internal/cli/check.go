@@ -1,0 +1,143 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/baton-llm/baton/internal/app"
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// checkWait bounds how long `baton check` waits for the workers to register.
+const checkWait = 30 * time.Second
+
+// runCheck is `baton check`: with the serve configuration (flags or --config), it registers
+// the workers, sends every prefill/decode pair that can meet one small generation through the
+// PD path, and reports what each pair's KV handoff really was. It fails when a pair fails or
+// its decode would recompute (none-*), so that a fleet whose every request would silently
+// recompute is caught before it serves.
+func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg, err := config.Parse(args, stdout)
+	if err != nil {
+		return err
+	}
+	if !cfg.PDDisaggregation {
+		return errors.New("check: nothing to check without --pd-disaggregation (it tests prefill/decode handoffs)")
+	}
+	g, err := app.New(cfg, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	if err != nil {
+		return err
+	}
+	bg, stop := context.WithCancel(ctx)
+	defer func() { stop(); g.Wait() }()
+	g.Start(bg)
+	registered(ctx, g.Registry)
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "PREFILL\tDECODE\tRUNTIME\tMODEL\tSTATUS\tHANDOFF")
+	bad := 0
+	for _, p := range roleWorkers(g.Registry, config.RolePrefill) {
+		for _, d := range roleWorkers(g.Registry, config.RoleDecode) {
+			if !g.Selector.Compatible(p, d) {
+				continue
+			}
+			model, ok := sharedModel(p, d)
+			if !ok {
+				continue
+			}
+			status, handoff := checkPair(ctx, g, worker.Pair{Prefill: p, Decode: d}, model)
+			if status != http.StatusOK || handoff == "" || strings.HasPrefix(handoff, pd.HandoffNonePrefix) {
+				bad++
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\n", p.URL, d.URL, p.Runtime(), model, status, handoff)
+		}
+	}
+	_ = tw.Flush()
+	if bad > 0 {
+		return fmt.Errorf("check: %d pair(s) do not hand off their KV", bad)
+	}
+	return nil
+}
+
+// registered waits until every worker registered, or checkWait passed.
+func registered(ctx context.Context, reg *worker.Registry) {
+	deadline := time.Now().Add(checkWait)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		all := true
+		for _, w := range reg.Snapshot().Workers {
+			all = all && w.Registered()
+		}
+		if all {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func roleWorkers(reg *worker.Registry, role string) []*worker.Worker {
+	var out []*worker.Worker
+	for _, w := range reg.Snapshot().Workers {
+		if w.Role == role && w.Registered() {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+// sharedModel returns a model both workers serve ("" when either takes any), or false.
+func sharedModel(a, b *worker.Worker) (string, bool) {
+	am, bm := a.Info().Models, b.Info().Models
+	switch {
+	case len(am) == 0 && len(bm) == 0:
+		return "", true
+	case len(am) == 0:
+		return bm[0].ID, true
+	}
+	for _, m := range am {
+		if len(bm) == 0 {
+			return m.ID, true
+		}
+		for _, n := range bm {
+			if m.ID == n.ID {
+				return m.ID, true
+			}
+		}
+	}
+	return "", false
+}
+
+// checkPair sends pair one small completion through the PD path and returns the status and
+// the handoff Baton reported.
+func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model string) (int, string) {
+	body := fmt.Sprintf(`{"model":%q,"prompt":"baton check: does this pair hand off its KV?","max_tokens":2}`, model)
+	if model == "" {
+		body = `{"prompt":"baton check: does this pair hand off its KV?","max_tokens":2}`
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
+	req, err := openai.ParseRequest([]byte(body))
+	if err != nil {
+		return 0, err.Error()
+	}
+	rec := httptest.NewRecorder()
+	err = g.Dispatcher.Execute(rec, in, &pd.Request{Request: req, Path: "/v1/completions"}, pair)
+	var oe *openai.Error
+	if errors.As(err, &oe) {
+		return oe.Status, rec.Header().Get(openai.HeaderKVHandoff) + " (" + oe.Code + ")"
+	}
+	if err != nil {
+		return http.StatusBadGateway, rec.Header().Get(openai.HeaderKVHandoff) + " (" + err.Error() + ")"
+	}
+	return rec.Code, rec.Header().Get(openai.HeaderKVHandoff)
+}
