@@ -160,7 +160,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: tm.quarantine}
 	policies := map[string]policy.Policy{}
 	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
-		p, err := policy.New(cfg.PolicyFor(role))
+		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor})
 		if err != nil {
 			return nil, err
 		}

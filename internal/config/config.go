@@ -32,7 +32,13 @@ const (
 const (
 	PolicyRoundRobin = "round_robin"
 	PolicyRandom     = "random"
+	PolicyLeastLoad  = "least_load"
+	PolicyPowerOfTwo = "power_of_two"
+	PolicyPrefixHash = "prefix_hash"
 )
+
+// Policies are the selection policies Baton knows.
+var Policies = []string{PolicyRoundRobin, PolicyRandom, PolicyLeastLoad, PolicyPowerOfTwo, PolicyPrefixHash}
 
 // Config is the whole of Baton's configuration. Every field has a YAML key and most a flag of
 // the same name in kebab case.
@@ -47,8 +53,15 @@ type Config struct {
 	WorkerURLs []string `json:"worker_urls"`
 	// Workers are workers with full settings.
 	Workers []Worker `json:"workers"`
-	// Policy selects a worker among those serving a request's model. Default "round_robin".
+	// Policy selects a worker among those serving a request's model: round_robin, random,
+	// least_load, power_of_two or prefix_hash. Default "round_robin".
 	Policy string `json:"policy"`
+	// PrefixTokenCount is how much of a prompt prefix_hash hashes, in tokens (about four
+	// characters each). Default 256.
+	PrefixTokenCount int `json:"prefix_token_count"`
+	// PrefixHashLoadFactor lets prefix_hash leave a prefix's worker for the next one on its ring
+	// when that worker's load exceeds this many times the mean. Default 1.25.
+	PrefixHashLoadFactor float64 `json:"prefix_hash_load_factor"`
 	// PDDisaggregation turns on prefill/decode disaggregation: generation routes go to a
 	// prefill worker and a decode worker at once.
 	PDDisaggregation bool `json:"pd_disaggregation"`
@@ -199,6 +212,8 @@ func Default() Config {
 		Port:                     30000,
 		MetricsPort:              29000,
 		Policy:                   PolicyRoundRobin,
+		PrefixTokenCount:         256,
+		PrefixHashLoadFactor:     1.25,
 		RequestTimeoutSecs:       1800,
 		MaxPayloadSize:           512 << 20,
 		MaxBatchSize:             1024,
@@ -268,8 +283,8 @@ func (c *Config) Validate() error {
 		bad("metrics_port %d must differ from port", c.MetricsPort)
 	}
 	for _, p := range []struct{ key, val string }{{"policy", c.Policy}, {"prefill_policy", c.PrefillPolicy}, {"decode_policy", c.DecodePolicy}} {
-		if (p.val != "" || p.key == "policy") && !slices.Contains([]string{PolicyRoundRobin, PolicyRandom}, p.val) {
-			bad("%s %q is unknown (want round_robin or random)", p.key, p.val)
+		if (p.val != "" || p.key == "policy") && !slices.Contains(Policies, p.val) {
+			bad("%s %q is unknown (want one of %s)", p.key, p.val, strings.Join(Policies, ", "))
 		}
 	}
 	if _, ok := KVConnectorMode(c.KVConnector); !ok {
@@ -283,6 +298,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxPayloadSize <= 0 {
 		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)
+	}
+	if c.PrefixTokenCount < 1 || c.PrefixHashLoadFactor < 1 {
+		bad("prefix_token_count must be at least 1 and prefix_hash_load_factor at least 1, got %d and %v", c.PrefixTokenCount, c.PrefixHashLoadFactor)
 	}
 	if c.MaxBatchSize < 1 {
 		bad("max_batch_size must be at least 1, got %d", c.MaxBatchSize)

@@ -80,7 +80,9 @@ var serveFlags = []flag{
 		c.WorkerURLs = append(c.WorkerURLs, v...)
 		return nil
 	}},
-	strFlag("policy", "worker selection policy: round_robin | random", func(c *Config) *string { return &c.Policy }),
+	strFlag("policy", "worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash", func(c *Config) *string { return &c.Policy }),
+	intFlag("prefix-token-count", "prefix_hash: how much of the prompt to hash, in tokens (about 4 characters each)", func(c *Config) *int { return &c.PrefixTokenCount }),
+	floatFlag("prefix-hash-load-factor", "prefix_hash: move on along the ring when a worker's load exceeds this times the mean", func(c *Config) *float64 { return &c.PrefixHashLoadFactor }),
 	boolFlag("pd-disaggregation", "prefill/decode disaggregation: generation goes to a prefill and a decode worker", func(c *Config) *bool { return &c.PDDisaggregation }),
 	{name: "prefill", arg: "URL [BOOTSTRAP_PORT|none]", optPort: true, help: "a prefill worker (repeatable); the bootstrap port SGLang legs name", apply: func(c *Config, v []string) error {
 		w := Worker{URL: v[0], Role: RolePrefill}

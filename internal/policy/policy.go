@@ -18,13 +18,25 @@ type Policy interface {
 	Pick(ws []*worker.Worker, req *Request) *worker.Worker
 }
 
+// Options are the settings of the policies that have some.
+type Options struct {
+	PrefixBytes      int     // prefix_hash: how much of the prompt it hashes
+	PrefixLoadFactor float64 // prefix_hash: the load bound, as a multiple of the mean
+}
+
 // New returns the policy named name.
-func New(name string) (Policy, error) {
+func New(name string, o Options) (Policy, error) {
 	switch name {
 	case config.PolicyRoundRobin:
 		return &RoundRobin{}, nil
 	case config.PolicyRandom:
 		return Random{}, nil
+	case config.PolicyLeastLoad:
+		return LeastLoad{}, nil
+	case config.PolicyPowerOfTwo:
+		return PowerOfTwo{}, nil
+	case config.PolicyPrefixHash:
+		return &PrefixHash{PrefixBytes: max(1, o.PrefixBytes), LoadFactor: max(1, o.PrefixLoadFactor)}, nil
 	}
 	return nil, fmt.Errorf("unknown policy %q", name)
 }

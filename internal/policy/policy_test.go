@@ -40,24 +40,25 @@ func TestRandomCoversAll(t *testing.T) {
 }
 
 func TestNew(t *testing.T) {
-	for _, name := range []string{"round_robin", "random"} {
-		if _, err := New(name); err != nil {
+	for _, name := range config.Policies {
+		if _, err := New(name, Options{}); err != nil {
 			t.Errorf("New(%q): %v", name, err)
 		}
 	}
-	if _, err := New("cache_aware"); err == nil {
+	if _, err := New("cache_aware", Options{}); err == nil {
 		t.Error("New(cache_aware): want error")
 	}
 }
 
 func BenchmarkPolicies(b *testing.B) {
 	ws := fleet(16)
-	for _, name := range []string{"round_robin", "random"} {
-		p, _ := New(name)
+	req := chat("a system prompt of some length that many requests share, followed by the user's question")
+	for _, name := range config.Policies {
+		p, _ := New(name, Options{PrefixBytes: 1024, PrefixLoadFactor: 1.25})
 		b.Run(name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				p.Pick(ws, nil)
+				p.Pick(ws, req)
 			}
 		})
 	}

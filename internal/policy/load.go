@@ -1,0 +1,60 @@
+package policy
+
+import (
+	"math/rand/v2"
+
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Load-aware policies. A worker's load is the requests Baton has in flight on it (streams
+// included, released exactly once however they end); it is what every replica of Baton knows
+// without asking anyone.
+
+// load is w's load for the policies.
+func load(w *worker.Worker) float64 { return float64(w.InFlight()) }
+
+// LeastLoad picks the least loaded worker, breaking ties at random (a fixed tie-break sends
+// every idle moment's requests to the same worker).
+type LeastLoad struct{}
+
+var _ Policy = LeastLoad{}
+
+// Pick implements Policy.
+func (LeastLoad) Pick(ws []*worker.Worker, _ *Request) *worker.Worker {
+	best, ties := ws[0], 1
+	for _, w := range ws[1:] {
+		switch l, b := load(w), load(best); {
+		case l < b:
+			best, ties = w, 1
+		case l == b:
+			ties++
+			if rand.IntN(ties) == 0 { // reservoir: each tied worker equally likely
+				best = w
+			}
+		}
+	}
+	return best
+}
+
+// PowerOfTwo samples two distinct workers at random and picks the less loaded: near the
+// balance of least_load at constant cost, and without sending a burst all to one worker.
+type PowerOfTwo struct{}
+
+var _ Policy = PowerOfTwo{}
+
+// Pick implements Policy.
+func (PowerOfTwo) Pick(ws []*worker.Worker, _ *Request) *worker.Worker {
+	if len(ws) == 1 {
+		return ws[0]
+	}
+	i := rand.IntN(len(ws))
+	j := rand.IntN(len(ws) - 1)
+	if j >= i {
+		j++
+	}
+	a, b := ws[i], ws[j]
+	if load(b) < load(a) {
+		return b
+	}
+	return a
+}

@@ -1,0 +1,85 @@
+package policy
+
+import (
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// PrefixHash sends requests whose prompts begin alike to the same worker, where their prefix is
+// likely cached, with no state at all: the first PrefixBytes of the prompt are hashed and the
+// workers ranked by rendezvous hashing (highest hash of prompt and worker wins), so every
+// replica of Baton makes the same choice and a worker joining or leaving moves only the prefixes
+// it wins or held. A worker loaded above LoadFactor times the mean (plus one request) is passed
+// over for the next on the prefix's ranking, so one hot prefix cannot bury its worker. A request
+// without a prompt goes to the least loaded worker.
+type PrefixHash struct {
+	PrefixBytes int     // how much of the prompt is hashed
+	LoadFactor  float64 // ≥ 1
+}
+
+var _ Policy = (*PrefixHash)(nil)
+
+// Pick implements Policy.
+func (p *PrefixHash) Pick(ws []*worker.Worker, req *Request) *worker.Worker {
+	prefix := promptOf(req)
+	if len(ws) == 1 || len(prefix) == 0 {
+		return LeastLoad{}.Pick(ws, req)
+	}
+	if len(prefix) > p.PrefixBytes {
+		prefix = prefix[:p.PrefixBytes]
+	}
+	key := xxhash.Sum64(prefix)
+	mean := 0.0
+	for _, w := range ws {
+		mean += load(w)
+	}
+	limit := p.LoadFactor*mean/float64(len(ws)) + 1
+	var best *worker.Worker
+	var bestScore uint64
+	for _, w := range ws {
+		if load(w) > limit {
+			continue
+		}
+		if s := mix(key ^ xxhash.Sum64String(w.URL)); best == nil || s > bestScore {
+			best, bestScore = w, s
+		}
+	}
+	if best == nil {
+		return LeastLoad{}.Pick(ws, req)
+	}
+	return best
+}
+
+// mix is a 64-bit finalizer (splitmix64's): it spreads a combined key over the whole range.
+func mix(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ (x >> 31)
+}
+
+// promptFields are the members that hold a request's prompt, by route.
+var promptFields = map[string][]string{
+	"/v1/chat/completions": {"messages"},
+	"/v1/messages":         {"system", "messages"},
+	"/v1/completions":      {"prompt"},
+	"/v1/responses":        {"instructions", "input"},
+	"/generate":            {"text", "input_ids"},
+}
+
+// promptOf returns the raw bytes of the request's prompt member (the first present), without
+// decoding it: requests whose prompts begin alike have bytes that begin alike. nil when none.
+func promptOf(req *Request) []byte {
+	if req == nil {
+		return nil
+	}
+	for _, k := range promptFields[req.Path] {
+		if raw, ok := openai.Get(req.Body, k); ok && len(raw) > 0 && string(raw) != "null" {
+			return raw
+		}
+	}
+	return nil
+}
