@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
@@ -98,14 +99,17 @@ type Gateway struct {
 	Selector  *policy.Selector
 	Registrar *worker.Registrar
 	Health    *worker.HealthChecker // nil when health checks are disabled
-	Log       *slog.Logger
+	// Load reads each engine's load from its /metrics.
+	Load *enginestate.Poller
+	Log  *slog.Logger
 }
 
-// Start starts the background work: the stalled-upload sweeper, registration and health
-// checks, until ctx ends.
+// Start starts the background work: the stalled-upload sweeper, registration, health checks
+// and the engine load poller, until ctx ends.
 func (g *Gateway) Start(ctx context.Context) {
 	g.Server.Start(ctx)
 	g.Registrar.Start(ctx)
+	g.Load.Start(ctx)
 	if g.Health != nil {
 		g.Health.Start(ctx)
 	}
@@ -115,6 +119,7 @@ func (g *Gateway) Start(ctx context.Context) {
 func (g *Gateway) Wait() {
 	g.Server.Wait()
 	g.Registrar.Wait()
+	g.Load.Wait()
 	if g.Health != nil {
 		g.Health.Wait()
 	}
@@ -132,7 +137,7 @@ type timing struct {
 	request, stalled, queue       time.Duration
 	breakerOpen, quarantine       time.Duration
 	healthInterval, healthTimeout time.Duration
-	detect                        time.Duration
+	detect, loadPoll              time.Duration
 }
 
 func timingOf(cfg config.Config) timing {
@@ -141,7 +146,7 @@ func timingOf(cfg config.Config) timing {
 		request: secs(cfg.RequestTimeoutSecs), stalled: secs(cfg.StalledClientTimeoutSecs), queue: secs(cfg.Admission.QueueTimeoutSecs),
 		breakerOpen: secs(cfg.CircuitBreaker.TimeoutSecs), quarantine: secs(cfg.PairHealth.QuarantineSecs),
 		healthInterval: secs(cfg.HealthCheck.IntervalSecs), healthTimeout: secs(cfg.HealthCheck.TimeoutSecs),
-		detect: secs(cfg.DetectIntervalSecs),
+		detect: secs(cfg.DetectIntervalSecs), loadPoll: time.Duration(cfg.LoadPollIntervalMs) * time.Millisecond,
 	}
 }
 
@@ -207,7 +212,8 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		Server:     server.New(serverOptions(cfg, tm, parts)),
 		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
 			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w) }},
-		Log: log,
+		Load: &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
+		Log:  log,
 	}, nil
 }
 

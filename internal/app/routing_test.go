@@ -1,9 +1,14 @@
 package app
 
 import (
+	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/sim"
@@ -68,4 +73,66 @@ func TestPDPrefixHashAndPowerOfTwo(t *testing.T) {
 			t.Fatalf("a shared prefix went to prefills %s and %s", home, p)
 		}
 	}
+}
+
+// least_load sees load Baton did not send: another client (or another replica) keeps one
+// engine busy, its /metrics says so, and Baton routes around it; GET /workers shows the signal.
+func TestLeastLoadSeesEngineReportedLoad(t *testing.T) {
+	t.Parallel()
+	es, g, gw := fleet(t, []sim.Config{{MaxConcurrency: 1, DecodePerToken: 20 * time.Millisecond}, {}},
+		func(c *config.Config) { c.Policy = config.PolicyLeastLoad; c.LoadPollIntervalMs = 20 })
+	busy, idle := es[0], es[1]
+	// Another client: three long requests straight to the first engine (one runs, two queue).
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	for i := 0; i < 3; i++ {
+		go func() {
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, busy.URL()+"/v1/completions",
+				strings.NewReader(`{"model":"m","prompt":"elsewhere","max_tokens":500,"ignore_eos":true}`))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		}()
+	}
+	waitFor(t, func() bool { l := g.Registry.Snapshot().Workers[0].EngineLoad(); return l.Waiting >= 2 })
+	for i := 0; i < 10; i++ {
+		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"route me","max_tokens":2}`)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != idle.URL() {
+			t.Fatalf("request %d went to %s (%d): %s", i, resp.Header.Get("X-Baton-Worker"), resp.StatusCode, body)
+		}
+	}
+	wresp, err := http.Get(gw + "/workers")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(wresp.Body)
+	wresp.Body.Close()
+	if !strings.Contains(string(b), `"engine_load":{"running":1,"waiting":2`) || !strings.Contains(string(b), `"fresh":true`) {
+		t.Errorf("GET /workers does not show the engine's load: %s", b)
+	}
+}
+
+// An engine whose /metrics stops answering is not trusted: its last report goes stale.
+func TestStaleEngineLoadIsNotTrusted(t *testing.T) {
+	t.Parallel()
+	var broken atomic.Bool
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			if broken.Load() {
+				w.WriteHeader(500)
+				return
+			}
+			io.WriteString(w, "vllm:num_requests_running 3\nvllm:num_requests_waiting 5\n")
+			return
+		}
+		io.WriteString(w, "{}")
+	})
+	cfg := testConfig(up.URL)
+	cfg.LoadPollIntervalMs = 20
+	g, _ := startGateway(t, cfg)
+	wk := g.Registry.Snapshot().Workers[0]
+	waitFor(t, func() bool { return wk.EngineLoad().Fresh(time.Now()) && wk.EngineLoad().Waiting == 5 })
+	broken.Store(true)
+	waitFor(t, func() bool { return !wk.EngineLoad().Fresh(time.Now()) })
 }

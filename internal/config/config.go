@@ -56,6 +56,9 @@ type Config struct {
 	// Policy selects a worker among those serving a request's model: round_robin, random,
 	// least_load, power_of_two or prefix_hash. Default "round_robin".
 	Policy string `json:"policy"`
+	// LoadPollIntervalMs is how often each engine's /metrics is read for its load (running,
+	// waiting, KV usage); a reading older than three intervals is ignored. Default 500.
+	LoadPollIntervalMs int `json:"load_poll_interval_ms"`
 	// PrefixTokenCount is how much of a prompt prefix_hash hashes, in tokens (about four
 	// characters each). Default 256.
 	PrefixTokenCount int `json:"prefix_token_count"`
@@ -213,6 +216,7 @@ func Default() Config {
 		MetricsPort:              29000,
 		Policy:                   PolicyRoundRobin,
 		PrefixTokenCount:         256,
+		LoadPollIntervalMs:       500,
 		PrefixHashLoadFactor:     1.25,
 		RequestTimeoutSecs:       1800,
 		MaxPayloadSize:           512 << 20,
@@ -298,6 +302,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxPayloadSize <= 0 {
 		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)
+	}
+	if c.LoadPollIntervalMs < 10 || c.LoadPollIntervalMs > 60000 {
+		bad("load_poll_interval_ms must be within 10-60000, got %d", c.LoadPollIntervalMs)
 	}
 	if c.PrefixTokenCount < 1 || c.PrefixHashLoadFactor < 1 {
 		bad("prefix_token_count must be at least 1 and prefix_hash_load_factor at least 1, got %d and %v", c.PrefixTokenCount, c.PrefixHashLoadFactor)

@@ -81,6 +81,7 @@ var serveFlags = []flag{
 		return nil
 	}},
 	strFlag("policy", "worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash", func(c *Config) *string { return &c.Policy }),
+	intFlag("load-poll-interval-ms", "how often each engine's /metrics is read for its load; older than three intervals is ignored", func(c *Config) *int { return &c.LoadPollIntervalMs }),
 	intFlag("prefix-token-count", "prefix_hash: how much of the prompt to hash, in tokens (about 4 characters each)", func(c *Config) *int { return &c.PrefixTokenCount }),
 	floatFlag("prefix-hash-load-factor", "prefix_hash: move on along the ring when a worker's load exceeds this times the mean", func(c *Config) *float64 { return &c.PrefixHashLoadFactor }),
 	boolFlag("pd-disaggregation", "prefill/decode disaggregation: generation goes to a prefill and a decode worker", func(c *Config) *bool { return &c.PDDisaggregation }),

@@ -2,16 +2,26 @@ package policy
 
 import (
 	"math/rand/v2"
+	"time"
 
 	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Load-aware policies. A worker's load is the requests Baton has in flight on it (streams
-// included, released exactly once however they end); it is what every replica of Baton knows
-// without asking anyone.
+// included, released exactly once however they end) or, when the engine's own report is fresh
+// and higher (it counts every replica's requests), what the engine runs and queues; a request
+// waiting in the engine's queue counts twice, the strongest sign that a worker is full. A stale
+// engine report is ignored, never believed.
 
 // load is w's load for the policies.
-func load(w *worker.Worker) float64 { return float64(w.InFlight()) }
+func load(w *worker.Worker) float64 {
+	in := float64(w.InFlight())
+	l := w.EngineLoad()
+	if !l.Fresh(time.Now()) {
+		return in
+	}
+	return max(in, l.Running+l.Waiting) + l.Waiting
+}
 
 // LeastLoad picks the least loaded worker, breaking ties at random (a fixed tie-break sends
 // every idle moment's requests to the same worker).

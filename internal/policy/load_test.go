@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -105,5 +106,27 @@ func TestPrefixHashSpillsFromAnOverloadedWorker(t *testing.T) {
 	// Without a prompt: least loaded.
 	if got := p.Pick(ws, &Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}); got == home {
 		t.Error("a request without a prompt went to the busiest worker")
+	}
+}
+
+// An engine's own report counts (it sees every replica's requests), a queue twice; a stale
+// report is ignored.
+func TestLoadTrustsOnlyFreshEngineReports(t *testing.T) {
+	ws := fleet(2)
+	now := time.Now()
+	ws[0].SetEngineLoad(worker.EngineLoad{Running: 4, Waiting: 3, At: now, Until: now.Add(time.Minute), HasRunning: true, HasWaiting: true})
+	if got := load(ws[0]); got != 10 {
+		t.Errorf("load %v, want running+waiting 7 plus waiting 3", got)
+	}
+	if got := (LeastLoad{}).Pick(ws, nil); got != ws[1] {
+		t.Errorf("least_load picked %s, busy in its engine's own report", got)
+	}
+	ws[0].SetEngineLoad(worker.EngineLoad{Running: 40, Waiting: 30, At: now.Add(-time.Hour), Until: now.Add(-time.Minute)})
+	busy(t, ws[1], 1)
+	if got := load(ws[0]); got != 0 {
+		t.Errorf("a stale report still counts: load %v", got)
+	}
+	if got := (LeastLoad{}).Pick(ws, nil); got != ws[0] {
+		t.Errorf("least_load believed a stale report")
 	}
 }

@@ -7,6 +7,9 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"net/http"
 	"strconv"
+	"time"
+
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // serveModels answers GET /v1/models with the union of the models of every ready worker, each
@@ -54,17 +57,47 @@ type workerView struct {
 	KVConnector string            `json:"kv_connector,omitempty"`
 	KVDetail    string            `json:"kv_connector_detail,omitempty"`
 	Labels      map[string]string `json:"labels,omitempty"`
+	// Engine is the load the engine last reported; Fresh says whether routing still trusts it.
+	Engine *engineView `json:"engine_load,omitempty"`
+}
+
+// engineView is a worker's engine-reported load in GET /workers.
+type engineView struct {
+	Running *float64 `json:"running,omitempty"`
+	Waiting *float64 `json:"waiting,omitempty"`
+	KVUsage *float64 `json:"kv_usage,omitempty"`
+	AgeMs   int64    `json:"age_ms"`
+	Fresh   bool     `json:"fresh"`
+}
+
+func engineOf(w *worker.Worker, now time.Time) *engineView {
+	l := w.EngineLoad()
+	if l.At.IsZero() {
+		return nil
+	}
+	v := &engineView{AgeMs: now.Sub(l.At).Milliseconds(), Fresh: l.Fresh(now)}
+	if l.HasRunning {
+		v.Running = &l.Running
+	}
+	if l.HasWaiting {
+		v.Waiting = &l.Waiting
+	}
+	if l.HasKV {
+		v.KVUsage = &l.KVUsage
+	}
+	return v
 }
 
 // serveWorkers answers GET /workers: every worker with its live state and, for vLLM prefill
 // workers, the effective KV connector mode.
 func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	out := []workerView{}
+	now := time.Now()
 	for _, wk := range s.reg.Snapshot().Workers {
 		ok, failed := wk.Outcomes()
 		v := workerView{URL: wk.URL, Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
 			Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
-			BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels}
+			BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now)}
 		if in := wk.Info(); in != nil {
 			for _, m := range in.Models {
 				v.Models = append(v.Models, m.ID)

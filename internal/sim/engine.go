@@ -269,8 +269,16 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	gauge := func(name, help string, v int64) {
 		fmt.Fprintf(&b, "# HELP %s%s %s\n# TYPE %s%s gauge\n%s%s %d\n", p, name, help, p, name, p, name, v)
 	}
-	gauge("num_requests_running", "Requests running.", e.running.Load())
-	gauge("num_requests_waiting", "Requests waiting in the queue.", e.waiting.Load())
+	// The engines' own names: vLLM num_requests_running/waiting and kv_cache_usage_perc,
+	// SGLang num_running_reqs/num_queue_reqs and token_usage.
+	running, waiting, usage := "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"
+	if e.cfg.Engine == EngineSGLang {
+		running, waiting, usage = "num_running_reqs", "num_queue_reqs", "token_usage"
+	}
+	gauge(running, "Requests running.", e.running.Load())
+	gauge(waiting, "Requests waiting in the queue.", e.waiting.Load())
+	fmt.Fprintf(&b, "# HELP %s%s KV cache in use, 0..1.\n# TYPE %s%s gauge\n%s%s %g\n", p, usage, p, usage, p, usage,
+		float64(e.running.Load())/float64(max(1, e.cfg.MaxConcurrency)))
 	type sample struct {
 		label string
 		v     int64

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -53,6 +54,7 @@ type Worker struct {
 	configured config.Worker
 	info       atomic.Pointer[Info] // nil until registration succeeds
 	engineIDs  atomic.Pointer[map[int]string]
+	engineLoad atomic.Pointer[EngineLoad]
 	ready      atomic.Bool
 	inflight   atomic.Int64
 	rank       atomic.Uint64 // round robin over DP ranks
@@ -184,6 +186,30 @@ func (w *Worker) NextRankOf(n int) (int, bool) {
 		return 0, false
 	}
 	return int((w.rank.Add(1) - 1) % uint64(n)), true
+}
+
+// EngineLoad is a worker's load as its engine reports it.
+type EngineLoad struct {
+	Running, Waiting float64   // requests running, and waiting in the engine's queue
+	KVUsage          float64   // KV cache in use, 0..1
+	At               time.Time // when it was read
+	Until            time.Time // trusted until then: an older signal is ignored
+	// Has* report whether the engine exports that signal at all.
+	HasRunning, HasWaiting, HasKV bool
+}
+
+// Fresh reports whether l may still be trusted at now.
+func (l EngineLoad) Fresh(now time.Time) bool { return !l.At.IsZero() && now.Before(l.Until) }
+
+// SetEngineLoad records what the engine last reported of its load.
+func (w *Worker) SetEngineLoad(l EngineLoad) { w.engineLoad.Store(&l) }
+
+// EngineLoad returns what the engine last reported of its load (the zero value before any).
+func (w *Worker) EngineLoad() EngineLoad {
+	if p := w.engineLoad.Load(); p != nil {
+		return *p
+	}
+	return EngineLoad{}
 }
 
 // SetEngineIDs records the KV engine id of each DP rank, as the engine's bootstrap server

@@ -1,0 +1,141 @@
+// Package enginestate holds what the engines tell Baton about themselves: their load (requests
+// running and waiting, KV cache usage), scraped from their Prometheus /metrics. Every replica of
+// Baton reads the same engines, so each sees the whole fleet's load, not only its own share.
+package enginestate
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// maxMetricsBody bounds an engine's /metrics page that Baton reads.
+const maxMetricsBody = 8 << 20
+
+// Metric names, vLLM's and SGLang's (current and older spellings).
+var (
+	runningNames = []string{"vllm:num_requests_running", "sglang:num_running_reqs"}
+	waitingNames = []string{"vllm:num_requests_waiting", "sglang:num_queue_reqs"}
+	kvNames      = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"}
+)
+
+// Poller scrapes every registered worker's /metrics each Interval and records its load on the
+// worker, trusted for three intervals: a signal older than that is ignored, not believed.
+type Poller struct {
+	Registry *worker.Registry
+	Client   *http.Client
+	Interval time.Duration
+	Log      *slog.Logger
+
+	wg sync.WaitGroup
+}
+
+// Start polls until ctx ends; Wait waits for it.
+func (p *Poller) Start(ctx context.Context) {
+	p.wg.Go(func() {
+		t := time.NewTicker(p.Interval)
+		defer t.Stop()
+		for {
+			p.PollAll(ctx)
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	})
+}
+
+// Wait waits for the poll loop to end.
+func (p *Poller) Wait() { p.wg.Wait() }
+
+// PollAll scrapes every registered worker once, concurrently.
+func (p *Poller) PollAll(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, w := range p.Registry.Snapshot().Workers {
+		if !w.Registered() {
+			continue
+		}
+		wg.Go(func() {
+			l, err := Scrape(ctx, p.Client, w, p.Interval)
+			if err != nil {
+				p.Log.Debug("engine load not read", "worker", w.URL, "err", err)
+				return
+			}
+			l.Until = l.At.Add(3 * p.Interval)
+			w.SetEngineLoad(l)
+		})
+	}
+	wg.Wait()
+}
+
+// Scrape reads w's load from its /metrics, within timeout.
+func Scrape(ctx context.Context, client *http.Client, w *worker.Worker, timeout time.Duration) (worker.EngineLoad, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, w.URL+"/metrics", nil)
+	if err != nil {
+		return worker.EngineLoad{}, err
+	}
+	if w.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+w.APIKey)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return worker.EngineLoad{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return worker.EngineLoad{}, &statusError{resp.StatusCode}
+	}
+	return Parse(io.LimitReader(resp.Body, maxMetricsBody))
+}
+
+type statusError struct{ status int }
+
+func (e *statusError) Error() string { return "GET /metrics answered " + http.StatusText(e.status) }
+
+// Parse reads an engine's load from Prometheus text: running and waiting summed over every
+// series (models, DP ranks), KV usage the highest of any series.
+func Parse(r io.Reader) (worker.EngineLoad, error) {
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(r)
+	if err != nil && len(fams) == 0 {
+		return worker.EngineLoad{}, err
+	}
+	l := worker.EngineLoad{At: time.Now()}
+	sum := func(names []string, agg func(float64, float64) float64) (float64, bool) {
+		v, found := 0.0, false
+		for _, n := range names {
+			f, ok := fams[n]
+			if !ok {
+				continue
+			}
+			for _, m := range f.GetMetric() {
+				x := m.GetUntyped().GetValue()
+				if m.GetGauge() != nil {
+					x = m.GetGauge().GetValue()
+				}
+				v, found = agg(v, x), true
+			}
+			if found {
+				break
+			}
+		}
+		return v, found
+	}
+	add := func(a, b float64) float64 { return a + b }
+	highest := func(a, b float64) float64 { return max(a, b) }
+	l.Running, l.HasRunning = sum(runningNames, add)
+	l.Waiting, l.HasWaiting = sum(waitingNames, add)
+	l.KVUsage, l.HasKV = sum(kvNames, highest)
+	return l, nil
+}
