@@ -54,7 +54,9 @@ type Config struct {
 	KVTimeout        time.Duration // pinned prefill KV is freed after this (NIXL/Mooncake); 0 means 30 s
 	BootstrapTimeout time.Duration // SGLang: a leg whose partner never arrives fails; 0 means 10 s
 	KVLoadFailure    string        // decode whose KV cannot be loaded: fail (500) or recompute
-	PrefixCache      bool          // remember prompts computed here and report them as local-cache hits
+	PrefixCache      bool          // keep computed prompts' KV in a block prefix cache (LRU)
+	// PrefixCacheBlocks is the prefix cache's capacity in blocks of 16 tokens; 0 means 4096.
+	PrefixCacheBlocks int
 
 	Faults Faults // faults applied to every inference request
 }
@@ -94,6 +96,9 @@ func (c *Config) withDefaults() Config {
 	}
 	if out.MaxConcurrency <= 0 {
 		out.MaxConcurrency = 256
+	}
+	if out.PrefixCacheBlocks <= 0 {
+		out.PrefixCacheBlocks = 4096
 	}
 	if out.QueueSize <= 0 {
 		out.QueueSize = 1024
@@ -150,7 +155,8 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.DurationVar(&c.KVTimeout, "kv-timeout", 30*time.Second, "pinned prefill KV is freed after this")
 	fs.DurationVar(&c.BootstrapTimeout, "bootstrap-timeout", 10*time.Second, "SGLang: a leg whose partner never arrives fails after this")
 	fs.StringVar(&c.KVLoadFailure, "kv-load-failure-policy", PolicyFail, "fail | recompute")
-	fs.BoolVar(&c.PrefixCache, "prefix-cache", false, "report repeated prompts as local-cache hits")
+	fs.BoolVar(&c.PrefixCache, "prefix-cache", false, "keep computed prompts' KV in a block prefix cache: a prompt that starts like an earlier one computes only the rest")
+	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 4096, "prefix cache capacity in blocks of 16 tokens (least recently used evicted)")
 	fs.IntVar(&c.Faults.Status, "fault-status", 0, "fail requests with this status")
 	fs.Float64Var(&c.Faults.Rate, "fault-rate", 0, "probability of the fault status (0 with a status: always)")
 	fs.DurationVar(&c.Faults.Latency, "fault-latency", 0, "latency added to every request")

@@ -54,7 +54,7 @@ type Engine struct {
 
 	kv     *kvStore
 	rooms  *roomTable
-	prefix sync.Map // prompt digest -> struct{}, when PrefixCache
+	prefix *prefixCache // nil without PrefixCache
 
 	stats stats
 	wg    sync.WaitGroup
@@ -70,6 +70,8 @@ type Stats struct {
 	HandoffsExpired        int64 // pinned KV freed by timeout, never taken
 	KVLoadFailures         int64 // decode could not load the KV it was told about
 	KVConnectorMismatches  int64 // decode got params of a connector it does not run: no transfer
+	PrefixCacheQueries     int64 // prompt tokens looked up in the prefix cache
+	PrefixCacheHits        int64 // of those, found cached
 	RequestsReceived       int64 // inference requests that reached a handler
 	RequestsOK             int64
 	RequestsFailed         int64
@@ -81,6 +83,7 @@ type stats struct {
 	remote, recompute, local                  atomic.Int64
 	pinned, pulled, expired, loadFail         atomic.Int64
 	mismatch                                  atomic.Int64
+	cacheQueries, cacheHits                   atomic.Int64
 	received, ok, failed, cancelled, rejected atomic.Int64
 }
 
@@ -90,7 +93,8 @@ func (e *Engine) Stats() Stats {
 	return Stats{
 		PromptTokensRemote: s.remote.Load(), PromptTokensRecompute: s.recompute.Load(), PromptTokensLocalCache: s.local.Load(),
 		HandoffsPinned: s.pinned.Load(), HandoffsPulled: s.pulled.Load(), HandoffsExpired: s.expired.Load(),
-		KVLoadFailures: s.loadFail.Load(), KVConnectorMismatches: s.mismatch.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
+		KVLoadFailures: s.loadFail.Load(), KVConnectorMismatches: s.mismatch.Load(),
+		PrefixCacheQueries: s.cacheQueries.Load(), PrefixCacheHits: s.cacheHits.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
 		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(),
 	}
 }
@@ -109,6 +113,9 @@ func Start(cfg Config) (*Engine, error) {
 		rooms:  newRoomTable(),
 	}
 	e.kv = newKVStore(e)
+	if c.PrefixCache {
+		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
+	}
 	base := c.EngineID
 	if base == "" {
 		base = c.Engine + "-" + randHex(4)
@@ -293,6 +300,11 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 		sample{"external_kv_transfer", s.PromptTokensRemote}, sample{"local_compute", s.PromptTokensRecompute}, sample{"local_cache_hit", s.PromptTokensLocalCache})
 	counter("kv_handoffs_total", "Prefill KV handoffs by event.", "event",
 		sample{"pinned", s.HandoffsPinned}, sample{"pulled", s.HandoffsPulled}, sample{"expired", s.HandoffsExpired}, sample{"load_failed", s.KVLoadFailures})
+	plain := func(name, help string, v int64) {
+		fmt.Fprintf(&b, "# HELP %s%s %s\n# TYPE %s%s counter\n%s%s %d\n", p, name, help, p, name, p, name, v)
+	}
+	plain("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", s.PrefixCacheQueries)
+	plain("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.PrefixCacheHits)
 	counter("requests_total", "Requests by outcome.", "outcome",
 		sample{"ok", s.RequestsOK}, sample{"failed", s.RequestsFailed}, sample{"cancelled", s.RequestsCancelled}, sample{"rejected", s.RequestsRejected})
 	_, _ = io.WriteString(w, b.String())

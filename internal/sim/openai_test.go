@@ -2,6 +2,7 @@ package sim
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -186,5 +187,42 @@ func TestGenerate(t *testing.T) {
 	d := sseData(t, rs.raw)
 	if len(d) != 4 || d[3] != "[DONE]" || !strings.Contains(d[2], mustJSON(want)) {
 		t.Errorf("generate stream (cumulative text) %q", d)
+	}
+}
+
+// The prefix cache keeps full blocks of 16 tokens, reuses them only after the same prefix, and
+// evicts the least recently used past its capacity; only uncached tokens are computed.
+func TestPrefixCache(t *testing.T) {
+	e := start(t, Config{Model: "m", PrefixCache: true, PrefixCacheBlocks: 4})
+	words := func(prefix string, n int) string {
+		var b strings.Builder
+		for i := 0; i < n; i++ {
+			fmt.Fprintf(&b, "%s%d ", prefix, i)
+		}
+		return b.String()
+	}
+	shared := words("w", 32) // two full blocks
+	cached := func(prompt string) int {
+		r := post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":1,"ignore_eos":true}`)
+		return int(num(path(r.json, "usage", "prompt_tokens_details", "cached_tokens")))
+	}
+	if c := cached(shared + "first question"); c != 0 {
+		t.Errorf("a cold cache reported %d cached tokens", c)
+	}
+	if c := cached(shared + "second question"); c != 32 {
+		t.Errorf("a shared 32-token prefix: %d cached, want 32", c)
+	}
+	if c := cached("different start " + shared); c != 0 {
+		t.Errorf("the same blocks after another prefix: %d cached, want 0", c)
+	}
+	// Capacity 4 blocks: two more 2-block prompts evict the shared prefix.
+	cached(words("x", 32))
+	cached(words("y", 32))
+	if c := cached(shared + "third question"); c != 0 {
+		t.Errorf("after eviction: %d cached, want 0", c)
+	}
+	s := e.Stats()
+	if s.PrefixCacheHits != 32 || s.PrefixCacheQueries == 0 {
+		t.Errorf("stats %+v", s)
 	}
 }

@@ -145,18 +145,19 @@ func (e *Engine) run(ctx context.Context, j *job) ([]itemResult, *apiError) {
 func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) *apiError {
 	n := len(it.prompt)
 	local := func() error {
-		if _, hit := e.prefix.Load(res.digest); hit && e.cfg.PrefixCache {
-			res.source, res.cached = SourceLocalCache, n-1
-			e.stats.local.Add(int64(n - 1))
-			e.stats.recompute.Add(1)
-			return sleep(ctx, e.cfg.PrefillPerToken)
+		cached := 0
+		if e.prefix != nil {
+			cached = e.prefix.compute(it.prompt)
+			e.stats.cacheQueries.Add(int64(n))
+			e.stats.cacheHits.Add(int64(cached))
 		}
-		res.source = SourceRecompute
-		e.stats.recompute.Add(int64(n))
-		if e.cfg.PrefixCache {
-			e.prefix.Store(res.digest, struct{}{})
+		res.source, res.cached = SourceRecompute, cached
+		if cached > 0 {
+			res.source = SourceLocalCache
 		}
-		return sleep(ctx, time.Duration(n)*e.cfg.PrefillPerToken)
+		e.stats.local.Add(int64(cached))
+		e.stats.recompute.Add(int64(n - cached))
+		return sleep(ctx, time.Duration(n-cached)*e.cfg.PrefillPerToken) // only the uncached tokens cost
 	}
 	remote := func(cached int) error {
 		res.source, res.cached = SourceRemote, cached

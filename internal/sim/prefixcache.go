@@ -1,0 +1,68 @@
+package sim
+
+import (
+	"container/list"
+	"sync"
+)
+
+// prefixCache is an engine's prefix cache: the KV of full blocks of blockSize tokens, each keyed
+// by the chained hash of its tokens and of every block before it (so a block is reused only
+// after the same prefix), at most capacity blocks, the least recently used evicted first.
+type prefixCache struct {
+	mu       sync.Mutex
+	capacity int
+	lru      *list.List               // of uint64 block keys, most recent at the front
+	blocks   map[uint64]*list.Element // key -> element in lru
+}
+
+func newPrefixCache(capacity int) *prefixCache {
+	return &prefixCache{capacity: capacity, lru: list.New(), blocks: map[uint64]*list.Element{}}
+}
+
+// blockKeys returns the chained keys of prompt's full blocks.
+func blockKeys(prompt []uint32) []uint64 {
+	keys := make([]uint64, 0, len(prompt)/blockSize)
+	h := uint64(0x9e3779b97f4a7c15)
+	for i := 0; i+blockSize <= len(prompt); i += blockSize {
+		for _, t := range prompt[i : i+blockSize] {
+			h = mix(h ^ uint64(t))
+		}
+		keys = append(keys, h)
+	}
+	return keys
+}
+
+// compute looks prompt up and stores its blocks: it returns how many leading tokens were
+// cached (full blocks only, and never the last token, which is always computed).
+func (c *prefixCache) compute(prompt []uint32) int {
+	keys := blockKeys(prompt)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	hits := 0
+	for _, k := range keys {
+		if _, ok := c.blocks[k]; !ok {
+			break
+		}
+		hits++
+	}
+	for _, k := range keys {
+		if el, ok := c.blocks[k]; ok {
+			c.lru.MoveToFront(el)
+			continue
+		}
+		c.blocks[k] = c.lru.PushFront(k)
+		for c.lru.Len() > c.capacity {
+			old := c.lru.Back()
+			delete(c.blocks, old.Value.(uint64))
+			c.lru.Remove(old)
+		}
+	}
+	return min(hits*blockSize, len(prompt)-1)
+}
+
+// size is the number of cached blocks.
+func (c *prefixCache) size() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lru.Len()
+}
