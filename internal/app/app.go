@@ -165,7 +165,9 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: tm.quarantine}
 	policies := map[string]policy.Policy{}
 	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
-		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor})
+		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
+			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
+			CacheLoadCost: cfg.CacheLoadCost, CacheMaxBlocks: cfg.MaxTreeSize / 64, CacheTTL: time.Duration(cfg.EvictionIntervalSecs) * time.Second})
 		if err != nil {
 			return nil, err
 		}

@@ -35,10 +35,11 @@ const (
 	PolicyLeastLoad  = "least_load"
 	PolicyPowerOfTwo = "power_of_two"
 	PolicyPrefixHash = "prefix_hash"
+	PolicyCacheAware = "cache_aware"
 )
 
 // Policies are the selection policies Baton knows.
-var Policies = []string{PolicyRoundRobin, PolicyRandom, PolicyLeastLoad, PolicyPowerOfTwo, PolicyPrefixHash}
+var Policies = []string{PolicyRoundRobin, PolicyRandom, PolicyLeastLoad, PolicyPowerOfTwo, PolicyPrefixHash, PolicyCacheAware}
 
 // Config is the whole of Baton's configuration. Every field has a YAML key and most a flag of
 // the same name in kebab case.
@@ -54,8 +55,23 @@ type Config struct {
 	// Workers are workers with full settings.
 	Workers []Worker `json:"workers"`
 	// Policy selects a worker among those serving a request's model: round_robin, random,
-	// least_load, power_of_two or prefix_hash. Default "round_robin".
+	// least_load, power_of_two, prefix_hash or cache_aware. Default "round_robin".
 	Policy string `json:"policy"`
+	// CacheThreshold is the share of a prompt cache_aware must find cached on some worker to
+	// follow the cache; below it, the load decides. Default 0.3.
+	CacheThreshold float64 `json:"cache_threshold"`
+	// BalanceAbsThreshold and BalanceRelThreshold: when the busiest worker is above the absolute
+	// and the relative bound of the idlest, cache_aware balances load instead. Defaults 64, 1.5.
+	BalanceAbsThreshold float64 `json:"balance_abs_threshold"`
+	BalanceRelThreshold float64 `json:"balance_rel_threshold"`
+	// CacheLoadCost is how many 64-byte prompt blocks one request of load costs cache_aware: the
+	// higher, the sooner a hot prefix spreads from a busy worker. Default 16.
+	CacheLoadCost float64 `json:"cache_load_cost"`
+	// EvictionIntervalSecs: cache_aware forgets a prefix not routed for this long. Default 120.
+	EvictionIntervalSecs int `json:"eviction_interval_secs"`
+	// MaxTreeSize bounds cache_aware's index, in prompt characters (64 per block). Default
+	// 16777216 (262,144 blocks, about 40 MB).
+	MaxTreeSize int `json:"max_tree_size"`
 	// LoadPollIntervalMs is how often each engine's /metrics is read for its load (running,
 	// waiting, KV usage); a reading older than three intervals is ignored. Default 500.
 	LoadPollIntervalMs int `json:"load_poll_interval_ms"`
@@ -217,6 +233,12 @@ func Default() Config {
 		Policy:                   PolicyRoundRobin,
 		PrefixTokenCount:         256,
 		LoadPollIntervalMs:       500,
+		CacheThreshold:           0.3,
+		BalanceAbsThreshold:      64,
+		BalanceRelThreshold:      1.5,
+		CacheLoadCost:            16,
+		EvictionIntervalSecs:     120,
+		MaxTreeSize:              16 << 20,
 		PrefixHashLoadFactor:     1.25,
 		RequestTimeoutSecs:       1800,
 		MaxPayloadSize:           512 << 20,
@@ -302,6 +324,10 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxPayloadSize <= 0 {
 		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)
+	}
+	if c.CacheThreshold < 0 || c.CacheThreshold > 1 || c.BalanceAbsThreshold < 0 || c.BalanceRelThreshold < 1 || c.CacheLoadCost < 0 ||
+		c.EvictionIntervalSecs <= 0 || c.MaxTreeSize < 64 {
+		bad("cache_aware: want cache_threshold in [0,1], balance_abs_threshold >= 0, balance_rel_threshold >= 1, cache_load_cost >= 0, eviction_interval_secs > 0, max_tree_size >= 64")
 	}
 	if c.LoadPollIntervalMs < 10 || c.LoadPollIntervalMs > 60000 {
 		bad("load_poll_interval_ms must be within 10-60000, got %d", c.LoadPollIntervalMs)

@@ -15,12 +15,13 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	c.Retry.MaxRetries = 0
 	c.CircuitBreaker.SuccessThreshold = 0
 	c.HealthCheck.Endpoint = "health"
+	c.CacheThreshold = 2
 	c.Workers = []Worker{{URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
 	err := c.Validate()
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice"} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
 		}

@@ -80,7 +80,13 @@ var serveFlags = []flag{
 		c.WorkerURLs = append(c.WorkerURLs, v...)
 		return nil
 	}},
-	strFlag("policy", "worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash", func(c *Config) *string { return &c.Policy }),
+	strFlag("policy", "worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware", func(c *Config) *string { return &c.Policy }),
+	floatFlag("cache-threshold", "cache_aware: share of the prompt that must be cached on a worker to follow the cache", func(c *Config) *float64 { return &c.CacheThreshold }),
+	floatFlag("balance-abs-threshold", "cache_aware: balance load when the busiest worker has this many more requests than the idlest", func(c *Config) *float64 { return &c.BalanceAbsThreshold }),
+	floatFlag("balance-rel-threshold", "cache_aware: … and this many times as many", func(c *Config) *float64 { return &c.BalanceRelThreshold }),
+	floatFlag("cache-load-cost", "cache_aware: 64-byte prompt blocks one request of load is worth", func(c *Config) *float64 { return &c.CacheLoadCost }),
+	intFlag("eviction-interval-secs", "cache_aware: forget a prefix not routed for this long", func(c *Config) *int { return &c.EvictionIntervalSecs }),
+	intFlag("max-tree-size", "cache_aware: bound of the prefix index, in prompt characters", func(c *Config) *int { return &c.MaxTreeSize }),
 	intFlag("load-poll-interval-ms", "how often each engine's /metrics is read for its load; older than three intervals is ignored", func(c *Config) *int { return &c.LoadPollIntervalMs }),
 	intFlag("prefix-token-count", "prefix_hash: how much of the prompt to hash, in tokens (about 4 characters each)", func(c *Config) *int { return &c.PrefixTokenCount }),
 	floatFlag("prefix-hash-load-factor", "prefix_hash: move on along the ring when a worker's load exceeds this times the mean", func(c *Config) *float64 { return &c.PrefixHashLoadFactor }),

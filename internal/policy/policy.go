@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync/atomic"
+	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/worker"
@@ -22,6 +23,10 @@ type Policy interface {
 type Options struct {
 	PrefixBytes      int     // prefix_hash: how much of the prompt it hashes
 	PrefixLoadFactor float64 // prefix_hash: the load bound, as a multiple of the mean
+	// cache_aware: see CacheAware.
+	CacheThreshold, BalanceAbs, BalanceRel, CacheLoadCost float64
+	CacheMaxBlocks                                        int
+	CacheTTL                                              time.Duration
 }
 
 // New returns the policy named name.
@@ -35,6 +40,9 @@ func New(name string, o Options) (Policy, error) {
 		return LeastLoad{}, nil
 	case config.PolicyPowerOfTwo:
 		return PowerOfTwo{}, nil
+	case config.PolicyCacheAware:
+		return &CacheAware{Threshold: o.CacheThreshold, BalanceAbs: o.BalanceAbs, BalanceRel: o.BalanceRel,
+			LoadCost: o.CacheLoadCost, MaxBlocks: max(1, o.CacheMaxBlocks), TTL: o.CacheTTL}, nil
 	case config.PolicyPrefixHash:
 		return &PrefixHash{PrefixBytes: max(1, o.PrefixBytes), LoadFactor: max(1, o.PrefixLoadFactor)}, nil
 	}

@@ -45,8 +45,8 @@ func TestNew(t *testing.T) {
 			t.Errorf("New(%q): %v", name, err)
 		}
 	}
-	if _, err := New("cache_aware", Options{}); err == nil {
-		t.Error("New(cache_aware): want error")
+	if _, err := New("bucket", Options{}); err == nil {
+		t.Error("New(bucket): want error")
 	}
 }
 

@@ -1,0 +1,223 @@
+package policy
+
+import (
+	"container/list"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// prefixBlock is how many bytes of a prompt make one block of the approximate prefix index.
+const prefixBlock = 64
+
+// maxPromptBlocks bounds how much of a prompt the index looks at (64 KiB).
+const maxPromptBlocks = 1024
+
+// CacheAware sends a request where the longest part of its prompt is likely cached, from what
+// this gateway routed before (an approximate index: blocks of the prompt's bytes, each keyed by
+// its whole prefix, remembered per worker, least recently used forgotten past MaxBlocks or after
+// TTL, when set). It chooses by cost — the prompt blocks a worker would have to compute, plus its load
+// weighted by LoadCost blocks per request — so that a hot prefix spreads to more workers as its
+// worker's queue grows instead of burying it. When no worker has at least Threshold of the
+// prompt, or the fleet is out of balance (the busiest above BalanceAbs requests and BalanceRel
+// times the idlest), it falls back to the least loaded worker, the one with the fewest indexed
+// blocks among equals.
+type CacheAware struct {
+	Threshold              float64
+	BalanceAbs, BalanceRel float64
+	LoadCost               float64 // prompt blocks one request of load is worth
+	MaxBlocks              int
+	TTL                    time.Duration
+
+	mu    sync.Mutex
+	index map[uint64]*entry      // block key -> the workers that had it
+	lru   *list.List             // of *entry, most recent at the front
+	owned map[*worker.Worker]int // blocks the index holds per worker: its cache pressure
+}
+
+type entry struct {
+	key     uint64
+	workers []*worker.Worker // few: the workers this block was routed to
+	seen    time.Time
+	el      *list.Element
+}
+
+var _ Policy = (*CacheAware)(nil)
+
+// Pick implements Policy.
+func (p *CacheAware) Pick(ws []*worker.Worker, req *Request) *worker.Worker {
+	keys := blocksOf(promptOf(req))
+	if len(ws) == 1 {
+		p.record(keys, ws[0])
+		return ws[0]
+	}
+	now := time.Now()
+	matched := p.matches(keys, ws, now)
+	best, bestCost, bestMatch := ws[0], 0.0, 0
+	ties := 0
+	for i, w := range ws {
+		cost := float64(len(keys)-matched[i]) + p.LoadCost*load(w)
+		switch {
+		case i == 0 || cost < bestCost:
+			best, bestCost, bestMatch, ties = w, cost, matched[i], 1
+		case cost == bestCost:
+			ties++
+			if rand.IntN(ties) == 0 {
+				best, bestMatch = w, matched[i]
+			}
+		}
+	}
+	if len(keys) == 0 || float64(bestMatch) < p.Threshold*float64(len(keys)) || p.imbalanced(ws) {
+		best = p.roomiest(ws)
+	}
+	p.record(keys, best)
+	return best
+}
+
+// roomiest is where a prompt nobody has cached goes: the least loaded worker, and among those
+// the one the index holds fewest blocks for, so that prefixes spread over the fleet's caches
+// instead of piling onto one worker's (ties at random).
+func (p *CacheAware) roomiest(ws []*worker.Worker) *worker.Worker {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	best, bl, bo, ties := ws[0], load(ws[0]), p.owned[ws[0]], 1
+	for _, w := range ws[1:] {
+		l, o := load(w), p.owned[w]
+		switch {
+		case l < bl || (l == bl && o < bo):
+			best, bl, bo, ties = w, l, o, 1
+		case l == bl && o == bo:
+			ties++
+			if rand.IntN(ties) == 0 {
+				best = w
+			}
+		}
+	}
+	return best
+}
+
+// imbalanced reports whether the busiest worker is above BalanceAbs requests and BalanceRel
+// times the idlest.
+func (p *CacheAware) imbalanced(ws []*worker.Worker) bool {
+	lo, hi := load(ws[0]), load(ws[0])
+	for _, w := range ws[1:] {
+		l := load(w)
+		lo, hi = min(lo, l), max(hi, l)
+	}
+	return hi-lo > p.BalanceAbs && hi > p.BalanceRel*lo
+}
+
+// blocksOf returns the chained keys of prompt's blocks (the last partial one included).
+func blocksOf(prompt []byte) []uint64 {
+	if len(prompt) == 0 {
+		return nil
+	}
+	n := min((len(prompt)+prefixBlock-1)/prefixBlock, maxPromptBlocks)
+	keys := make([]uint64, n)
+	h := uint64(0)
+	for i := range keys {
+		end := min((i+1)*prefixBlock, len(prompt))
+		h = mix(h ^ xxhash.Sum64(prompt[i*prefixBlock:end]))
+		keys[i] = h
+	}
+	return keys
+}
+
+// matches returns, for each of ws, how many leading blocks of keys the index holds for it.
+func (p *CacheAware) matches(keys []uint64, ws []*worker.Worker, now time.Time) []int {
+	out := make([]int, len(ws))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	alive := len(ws) // workers still matching
+	for i, k := range keys {
+		e := p.index[k]
+		if e == nil || (p.TTL > 0 && now.Sub(e.seen) > p.TTL) {
+			break
+		}
+		alive = 0
+		for j, w := range ws {
+			if out[j] == i && holds(e, w) {
+				out[j]++
+				alive++
+			}
+		}
+		if alive == 0 {
+			break
+		}
+	}
+	return out
+}
+
+func holds(e *entry, w *worker.Worker) bool {
+	for _, x := range e.workers {
+		if x == w {
+			return true
+		}
+	}
+	return false
+}
+
+// maxHolders bounds the workers remembered per block: a block on more workers than this is
+// everywhere as far as routing goes.
+const maxHolders = 8
+
+// record remembers that keys were routed to w.
+func (p *CacheAware) record(keys []uint64, w *worker.Worker) {
+	if len(keys) == 0 {
+		return
+	}
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.index == nil {
+		p.index, p.lru, p.owned = map[uint64]*entry{}, list.New(), map[*worker.Worker]int{}
+	}
+	for _, k := range keys {
+		e := p.index[k]
+		if e == nil {
+			e = &entry{key: k}
+			e.el = p.lru.PushFront(e)
+			p.index[k] = e
+		} else {
+			p.lru.MoveToFront(e.el)
+		}
+		e.seen = now
+		if !holds(e, w) {
+			if len(e.workers) >= maxHolders {
+				p.disown(e.workers[0])
+				e.workers = e.workers[1:]
+			}
+			e.workers = append(e.workers, w)
+			p.owned[w]++
+		}
+	}
+	for p.lru.Len() > p.MaxBlocks {
+		old := p.lru.Remove(p.lru.Back()).(*entry)
+		delete(p.index, old.key)
+		for _, x := range old.workers {
+			p.disown(x)
+		}
+	}
+}
+
+// disown forgets one block of w's; a worker with none leaves the map (which so stays bounded
+// by the workers the index still mentions, whatever the fleet's churn).
+func (p *CacheAware) disown(w *worker.Worker) {
+	if p.owned[w]--; p.owned[w] <= 0 {
+		delete(p.owned, w)
+	}
+}
+
+// Size is the number of blocks the index holds.
+func (p *CacheAware) Size() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.lru == nil {
+		return 0
+	}
+	return p.lru.Len()
+}
