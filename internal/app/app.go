@@ -18,6 +18,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/metrics"
@@ -172,6 +174,14 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 			return nil, err
 		}
 		policies[role] = p
+		if ca, ok := p.(*policy.CacheAware); ok {
+			role := prometheus.Labels{"role": role}
+			m.Registry.MustRegister(
+				prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "baton_route_cache_index_blocks", ConstLabels: role,
+					Help: "cache_aware: prompt blocks its prefix index holds (bounded by max_tree_size / 64)."}, func() float64 { return float64(ca.Size()) }),
+				prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "baton_route_cache_index_evictions_total", ConstLabels: role,
+					Help: "cache_aware: prompt blocks forgotten to keep its prefix index within max_tree_size."}, func() float64 { return float64(ca.Evictions()) }))
+		}
 	}
 	transport := proxy.NewTransport()
 	px := &proxy.Proxy{Transport: transport, Timeout: tm.request, Metrics: m, Log: log}
@@ -183,7 +193,13 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}
 	client := &http.Client{Transport: transport}
 	sel := &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs,
-		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) }}
+		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) },
+		Observe: func(d policy.Decision) {
+			m.RouteDecisions.WithLabelValues(d.Role, d.Policy, d.Reason).Inc()
+			if d.Match >= 0 {
+				m.RouteMatch.WithLabelValues(d.Role).Observe(d.Match)
+			}
+		}}
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
 		sequential.Redecode = func(prefill *worker.Worker, req *pd.Request, avoid map[string]bool) (*worker.Worker, error) {
@@ -259,6 +275,7 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 	o := parts
 	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.APIKey, cfg.KVConnector
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
+	o.RouteHeader = cfg.RouteHeader
 	o.RequestTimeout, o.StalledClientTimeout = tm.request, tm.stalled
 	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
 		Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -169,5 +170,107 @@ func TestCacheAwareRaisesEngineCacheHits(t *testing.T) {
 	t.Logf("prompt tokens found cached: round_robin %.2f, cache_aware %.2f", rr, ca)
 	if ca < 0.6 || ca < 2*rr {
 		t.Errorf("cache_aware found %.2f of prompt tokens cached, round_robin %.2f", ca, rr)
+	}
+}
+
+// PD with --prefill-policy cache_aware --decode-policy power_of_two, on both PD styles: the
+// prefill follows the cached prefix, the decode the load, the KV handoff still happens, and
+// X-Baton-Route and the route metrics say so.
+func TestPDCacheAwareBothStyles(t *testing.T) {
+	t.Parallel()
+	for _, style := range []string{sim.EngineVLLM, sim.EngineSGLang} {
+		t.Run(style, func(t *testing.T) {
+			t.Parallel()
+			cfg := config.Default()
+			cfg.PDDisaggregation, cfg.RouteHeader = true, true
+			cfg.PrefillPolicy, cfg.DecodePolicy = config.PolicyCacheAware, config.PolicyPowerOfTwo
+			for i := 0; i < 2; i++ {
+				if style == sim.EngineVLLM {
+					p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, PrefixCache: true})
+					d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+					cfg.Workers = append(cfg.Workers, config.Worker{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"},
+						config.Worker{URL: d.URL(), Role: config.RoleDecode, KVConnector: "NixlConnector"})
+					continue
+				}
+				p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill, PrefixCache: true})
+				d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+				port := p.BootstrapPort()
+				cfg.Workers = append(cfg.Workers, config.Worker{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port},
+					config.Worker{URL: d.URL(), Role: config.RoleDecode})
+			}
+			g, gw := startGateway(t, cfg)
+			home := ""
+			for i := 0; i < 8; i++ {
+				resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("q%d", i)))
+				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+					t.Fatalf("%d %q: %s", resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), body)
+				}
+				route := resp.Header.Get("X-Baton-Route")
+				if !strings.Contains(route, "role=decode; policy=power_of_two; reason=load") {
+					t.Errorf("request %d: X-Baton-Route %q lacks the decode's decision", i, route)
+				}
+				if p := resp.Header.Get("X-Baton-Prefill-Worker"); home == "" {
+					home = p
+					continue
+				} else if p != home {
+					t.Fatalf("a shared prefix went to prefills %s and %s", home, p)
+				}
+				if !strings.Contains(route, "role=prefill; policy=cache_aware; reason=cache_match;") || !strings.Contains(route, "; match=0.9") {
+					t.Errorf("request %d: X-Baton-Route %q, want the prefill's cache match", i, route)
+				}
+			}
+			m := scrape(t, g)
+			for _, want := range []string{`baton_route_decisions_total{policy="cache_aware",reason="cache_match",role="prefill"} 7`,
+				`baton_route_decisions_total{policy="power_of_two",reason="load",role="decode"} 8`,
+				`baton_route_prefix_match_ratio_count{role="prefill"} 8`, `baton_route_cache_index_blocks{role="prefill"}`} {
+				if !strings.Contains(m, want) {
+					t.Errorf("metrics lack %s", want)
+				}
+			}
+		})
+	}
+}
+
+// A hot prefix that one engine cannot serve alone spreads: with many clients sending the same
+// long system prompt at once, its first engine's queue makes computing the prompt elsewhere
+// cheaper, and no engine serves more than half of the requests.
+func TestCacheAwareSpreadsAHotPrefix(t *testing.T) {
+	t.Parallel()
+	engines := make([]sim.Config, 4)
+	for i := range engines {
+		engines[i] = sim.Config{PrefixCache: true, MaxConcurrency: 2, DecodePerToken: 5 * time.Millisecond}
+	}
+	_, _, gw := fleet(t, engines, func(c *config.Config) { c.Policy = config.PolicyCacheAware })
+	hot := strings.Repeat(longPrompt, 4)
+	var mu sync.Mutex
+	count := map[string]int{}
+	var wg sync.WaitGroup
+	const clients, each = 16, 5
+	for c := 0; c < clients; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < each; i++ {
+				resp, body := postTimeout(t, gw+"/v1/chat/completions",
+					fmt.Sprintf(`{"model":"m","messages":[{"role":"system","content":%q},{"role":"user","content":"c%d q%d"}],"max_tokens":8,"ignore_eos":true}`, hot, c, i))
+				if resp.StatusCode != 200 {
+					t.Errorf("%d %s", resp.StatusCode, body)
+					return
+				}
+				mu.Lock()
+				count[resp.Header.Get("X-Baton-Worker")]++
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("requests per engine: %v", count)
+	for w, n := range count {
+		if n > clients*each/2 {
+			t.Errorf("engine %s served %d of %d requests of the hot prefix", w, n, clients*each)
+		}
+	}
+	if len(count) < 3 {
+		t.Errorf("the hot prefix reached %d engines of 4", len(count))
 	}
 }

@@ -23,7 +23,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -64,6 +64,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.workers(ctx)
 		case "hardening":
 			err = r.hardening(ctx)
+		case "routing":
+			err = r.routing(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

@@ -57,6 +57,9 @@ type Config struct {
 	// Policy selects a worker among those serving a request's model: round_robin, random,
 	// least_load, power_of_two, prefix_hash or cache_aware. Default "round_robin".
 	Policy string `json:"policy"`
+	// RouteHeader adds X-Baton-Route to responses: why each worker was chosen (policy, reason,
+	// its load, the share of the prompt found cached). Off by default.
+	RouteHeader bool `json:"route_header"`
 	// CacheThreshold is the share of a prompt cache_aware must find cached on some worker to
 	// follow the cache; below it, the load decides. Default 0.3.
 	CacheThreshold float64 `json:"cache_threshold"`

@@ -66,6 +66,9 @@ type Metrics struct {
 	HealthChecks       *prometheus.CounterVec // worker, result
 	Panics             *prometheus.CounterVec // where
 
+	RouteDecisions *prometheus.CounterVec   // role, policy, reason
+	RouteMatch     *prometheus.HistogramVec // role
+
 	reg    *worker.Registry
 	mu     sync.Mutex
 	models map[string]struct{}
@@ -156,12 +159,22 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_panics_total",
 			Help: "Panics recovered while serving a request, by where (handler, prefill_leg, health_generate); each failed its request with 500.",
 		}, []string{"where"}),
+		RouteDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_route_decisions_total",
+			Help: "Worker choices by role, policy and reason (turn, random, load, hash, cache_match, cache_miss, imbalanced, no_prompt).",
+		}, []string{"role", "policy", "reason"}),
+		RouteMatch: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "baton_route_prefix_match_ratio",
+			Help:    "cache_aware: share of the prompt the chosen worker was found to have cached.",
+			Buckets: []float64{0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1},
+		}, []string{"role"}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics,
+		m.RouteDecisions, m.RouteMatch,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

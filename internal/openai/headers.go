@@ -21,10 +21,12 @@ const (
 	HeaderDecodeWorker  = "X-Baton-Decode-Worker"
 	// HeaderKVHandoff names a PD request's KV handoff outcome (nixl, mooncake, bootstrap, none-*).
 	HeaderKVHandoff = "X-Baton-Kv-Handoff"
+	// HeaderRoute says why each worker was chosen (opt-in: route_header).
+	HeaderRoute = "X-Baton-Route"
 
 	// HeaderDPRank pins a vLLM leg to a data parallel rank.
 	HeaderDPRank = "X-Data-Parallel-Rank"
 )
 
 // AttemptHeaders are the headers one attempt of a request sets, cleared before a retry.
-var AttemptHeaders = []string{HeaderWorker, HeaderPrefillWorker, HeaderDecodeWorker, HeaderKVHandoff}
+var AttemptHeaders = []string{HeaderWorker, HeaderPrefillWorker, HeaderDecodeWorker, HeaderKVHandoff, HeaderRoute}

@@ -4,6 +4,7 @@ import (
 	"container/list"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -37,6 +38,8 @@ type CacheAware struct {
 	index map[uint64]*entry      // block key -> the workers that had it
 	lru   *list.List             // of *entry, most recent at the front
 	owned map[*worker.Worker]int // blocks the index holds per worker: its cache pressure
+
+	evictions atomic.Uint64
 }
 
 type entry struct {
@@ -50,50 +53,67 @@ var _ Policy = (*CacheAware)(nil)
 
 // Pick implements Policy.
 func (p *CacheAware) Pick(ws []*worker.Worker, req *Request) *worker.Worker {
-	keys := blocksOf(promptOf(req))
-	if len(ws) == 1 {
-		p.record(keys, ws[0])
-		return ws[0]
+	w, _ := p.explain(ws, req)
+	return w
+}
+
+func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker, Decision) {
+	var model string
+	if req != nil {
+		model = req.Model
 	}
-	now := time.Now()
-	matched := p.matches(keys, ws, now)
-	best, bestCost, bestMatch := ws[0], 0.0, 0
+	keys := blocksOf(model, promptOf(req))
+	matched := p.matches(keys, ws, time.Now())
+	best, bestCost, bestMatch := 0, 0.0, 0
 	ties := 0
 	for i, w := range ws {
 		cost := float64(len(keys)-matched[i]) + p.LoadCost*load(w)
 		switch {
 		case i == 0 || cost < bestCost:
-			best, bestCost, bestMatch, ties = w, cost, matched[i], 1
+			best, bestCost, bestMatch, ties = i, cost, matched[i], 1
 		case cost == bestCost:
 			ties++
 			if rand.IntN(ties) == 0 {
-				best, bestMatch = w, matched[i]
+				best, bestMatch = i, matched[i]
 			}
 		}
 	}
-	if len(keys) == 0 || float64(bestMatch) < p.Threshold*float64(len(keys)) || p.imbalanced(ws) {
+	reason := ReasonCacheMatch
+	switch {
+	case len(keys) == 0:
+		reason = ReasonNoPrompt
+	case float64(bestMatch) < p.Threshold*float64(len(keys)):
+		reason = ReasonCacheMiss
+	case p.imbalanced(ws):
+		reason = ReasonImbalanced
+	}
+	if reason != ReasonCacheMatch {
 		best = p.roomiest(ws)
 	}
-	p.record(keys, best)
-	return best
+	p.record(keys, ws[best])
+	match := -1.0
+	if len(keys) > 0 {
+		match = float64(matched[best]) / float64(len(keys))
+	}
+	return ws[best], Decision{Reason: reason, Match: match}
 }
 
 // roomiest is where a prompt nobody has cached goes: the least loaded worker, and among those
 // the one the index holds fewest blocks for, so that prefixes spread over the fleet's caches
 // instead of piling onto one worker's (ties at random).
-func (p *CacheAware) roomiest(ws []*worker.Worker) *worker.Worker {
+func (p *CacheAware) roomiest(ws []*worker.Worker) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	best, bl, bo, ties := ws[0], load(ws[0]), p.owned[ws[0]], 1
-	for _, w := range ws[1:] {
+	best, bl, bo, ties := 0, load(ws[0]), p.owned[ws[0]], 1
+	for i, w := range ws[1:] {
 		l, o := load(w), p.owned[w]
 		switch {
 		case l < bl || (l == bl && o < bo):
-			best, bl, bo, ties = w, l, o, 1
+			best, bl, bo, ties = i+1, l, o, 1
 		case l == bl && o == bo:
 			ties++
 			if rand.IntN(ties) == 0 {
-				best = w
+				best = i + 1
 			}
 		}
 	}
@@ -111,14 +131,15 @@ func (p *CacheAware) imbalanced(ws []*worker.Worker) bool {
 	return hi-lo > p.BalanceAbs && hi > p.BalanceRel*lo
 }
 
-// blocksOf returns the chained keys of prompt's blocks (the last partial one included).
-func blocksOf(prompt []byte) []uint64 {
+// blocksOf returns the chained keys of prompt's blocks (the last partial one included), the
+// chain seeded by the model: one prompt sent to two models shares no cache.
+func blocksOf(model string, prompt []byte) []uint64 {
 	if len(prompt) == 0 {
 		return nil
 	}
 	n := min((len(prompt)+prefixBlock-1)/prefixBlock, maxPromptBlocks)
 	keys := make([]uint64, n)
-	h := uint64(0)
+	h := xxhash.Sum64String(model)
 	for i := range keys {
 		end := min((i+1)*prefixBlock, len(prompt))
 		h = mix(h ^ xxhash.Sum64(prompt[i*prefixBlock:end]))
@@ -196,6 +217,7 @@ func (p *CacheAware) record(keys []uint64, w *worker.Worker) {
 		}
 	}
 	for p.lru.Len() > p.MaxBlocks {
+		p.evictions.Add(1)
 		old := p.lru.Remove(p.lru.Back()).(*entry)
 		delete(p.index, old.key)
 		for _, x := range old.workers {
@@ -211,6 +233,9 @@ func (p *CacheAware) disown(w *worker.Worker) {
 		delete(p.owned, w)
 	}
 }
+
+// Evictions is the number of blocks forgotten to keep the index within MaxBlocks.
+func (p *CacheAware) Evictions() uint64 { return p.evictions.Load() }
 
 // Size is the number of blocks the index holds.
 func (p *CacheAware) Size() int {

@@ -2,10 +2,12 @@ package policy
 
 import (
 	"fmt"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -99,7 +101,7 @@ func TestCacheAwareIndexIsBounded(t *testing.T) {
 	}
 	// A prompt longer than the index looks at is cut, not indexed whole.
 	huge := strings.Repeat("x", 10*prefixBlock*maxPromptBlocks)
-	if n := len(blocksOf([]byte(huge))); n != maxPromptBlocks {
+	if n := len(blocksOf("m", []byte(huge))); n != maxPromptBlocks {
 		t.Fatalf("a huge prompt made %d blocks, want %d", n, maxPromptBlocks)
 	}
 }
@@ -110,7 +112,7 @@ func TestCacheAwareForgetsAfterTTL(t *testing.T) {
 	ws := fleet(4)
 	p.Pick(ws, chat(system))
 	time.Sleep(time.Millisecond)
-	keys := blocksOf(promptOf(chat(system)))
+	keys := blocksOf("m", promptOf(chat(system)))
 	for i, n := range p.matches(keys, ws, time.Now()) {
 		if n != 0 {
 			t.Fatalf("worker %d still matches %d blocks after the TTL", i, n)
@@ -135,14 +137,24 @@ func BenchmarkCacheAware10kPrefixes(b *testing.B) {
 	reqs := make([]*Request, 10000)
 	for i := range reqs {
 		reqs[i] = chat(fmt.Sprintf("tenant %d %s", i, system))
-		p.Pick(ws, reqs[i])
 	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for _, r := range reqs {
+		p.Pick(ws, r)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	perBlock, blocks := float64(after.HeapAlloc-before.HeapAlloc)/float64(p.Size()), float64(p.Size())
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
 		p.Pick(ws, reqs[i%len(reqs)])
 		i++
 	}
+	b.ReportMetric(perBlock, "index-B/block")
+	b.ReportMetric(blocks, "blocks")
 }
 
 func TestCacheAwareSpreadsNewPrefixesOverCaches(t *testing.T) {
@@ -179,5 +191,61 @@ func TestCacheAwareSpreadsNewPrefixesOverCaches(t *testing.T) {
 		if p.owned[w] != n {
 			t.Fatalf("tally says %d blocks for %s, index holds %d", p.owned[w], w, n)
 		}
+	}
+}
+
+func TestCacheAwareExplains(t *testing.T) {
+	p := cacheAware()
+	ws := fleet(3)
+	_, d := p.explain(ws, chat(system+"first"))
+	if d.Reason != ReasonCacheMiss || d.Match != 0 {
+		t.Fatalf("first sight: %+v, want cache_miss with match 0", d)
+	}
+	_, d = p.explain(ws, chat(system+"second"))
+	if d.Reason != ReasonCacheMatch || d.Match < 0.9 || d.Match >= 1 {
+		t.Fatalf("second: %+v, want cache_match with most of the prompt", d)
+	}
+	if _, d = p.explain(ws, &Request{Model: "m", Path: "/v1/models"}); d.Reason != ReasonNoPrompt || d.Match != -1 {
+		t.Fatalf("no prompt: %+v", d)
+	}
+	// The same prompt for another model matches nothing: engines cache per model.
+	other := chat(system + "second")
+	other.Model = "other"
+	if _, d = p.explain(ws, other); d.Reason != ReasonCacheMiss || d.Match != 0 {
+		t.Fatalf("another model: %+v, want cache_miss", d)
+	}
+	p.LoadCost = 0
+	home := p.Pick(ws, chat(system))
+	busy(t, home, 100)
+	if _, d = p.explain(ws, chat(system)); d.Reason != ReasonImbalanced {
+		t.Fatalf("imbalanced fleet: %+v", d)
+	}
+}
+
+func TestSelectorRecordsDecisions(t *testing.T) {
+	sel, _ := selectorFleet(config.Worker{URL: "http://a", Models: []string{"m"}}, config.Worker{URL: "http://b", Models: []string{"m"}})
+	sel.Policies[config.RoleRegular] = cacheAware()
+	var seen []Decision
+	sel.Observe = func(d Decision) { seen = append(seen, d) }
+	req := chat(system)
+	w, err := sel.Worker(config.RoleRegular, req, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(req.Decisions) != 1 || len(seen) != 1 || req.Decisions[0] != seen[0] {
+		t.Fatalf("decisions %+v, observed %+v", req.Decisions, seen)
+	}
+	d := req.Decisions[0]
+	if d.Role != config.RoleRegular || d.Policy != config.PolicyCacheAware || d.Worker != w.URL || d.Reason != ReasonCacheMiss {
+		t.Fatalf("decision %+v", d)
+	}
+	if got, want := RouteHeader(req.Decisions), "role=regular; policy=cache_aware; reason=cache_miss; load=0; match=0.00"; got != want {
+		t.Errorf("header %q, want %q", got, want)
+	}
+	sel.Policies[config.RoleRegular] = &RoundRobin{}
+	req.Decisions = nil
+	sel.Worker(config.RoleRegular, req, nil)
+	if got, want := RouteHeader(req.Decisions), "role=regular; policy=round_robin; reason=turn; load=0"; got != want {
+		t.Errorf("header %q, want %q", got, want)
 	}
 }

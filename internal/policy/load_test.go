@@ -59,7 +59,7 @@ func TestPowerOfTwo(t *testing.T) {
 }
 
 func chat(prompt string) *Request {
-	return &Request{Path: "/v1/chat/completions", Body: []byte(`{"model":"m","messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":3}`)}
+	return &Request{Model: "m", Path: "/v1/chat/completions", Body: []byte(`{"model":"m","messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":3}`)}
 }
 
 func TestPrefixHashIsStickyAndStable(t *testing.T) {

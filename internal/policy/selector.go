@@ -13,6 +13,8 @@ type Request struct {
 	Model string
 	Path  string
 	Body  []byte
+	// Decisions are appended by each choice made for the request, saying why.
+	Decisions []Decision
 }
 
 // NoWorkerError says why no worker could be chosen.
@@ -51,6 +53,8 @@ type Selector struct {
 	// Compatible reports whether a decode can take a prefill's KV (their connectors agree);
 	// nil: any pair.
 	Compatible func(prefill, decode *worker.Worker) bool
+	// Observe, when set, sees every decision (for metrics).
+	Observe func(Decision)
 }
 
 // sglangRoutes are the routes only SGLang (and engines that are neither vLLM nor SGLang, which
@@ -91,7 +95,7 @@ func (s *Selector) Worker(role string, req *Request, avoid map[string]bool) (*wo
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
-	return s.Policies[role].Pick(avail, req), nil
+	return s.pick(role, avail, req), nil
 }
 
 // Pair chooses a prefill and a decode worker for req, each by its role's policy, or returns a
@@ -115,8 +119,8 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
-	p.Prefill = s.Policies[config.RolePrefill].Pick(prefills, req)
-	p.Decode = s.Policies[config.RoleDecode].Pick(s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
+	p.Prefill = s.pick(config.RolePrefill, prefills, req)
+	p.Decode = s.pick(config.RoleDecode, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
 	return p, nil
 }
 
@@ -172,7 +176,7 @@ func (s *Selector) Decode(prefill *worker.Worker, req *Request, avoid map[string
 	if len(ds) == 0 {
 		return nil, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
-	return s.Policies[config.RoleDecode].Pick(s.unquarantined(prefill, ds), req), nil
+	return s.pick(config.RoleDecode, s.unquarantined(prefill, ds), req), nil
 }
 
 // HasRole reports whether any worker of role is configured.

@@ -38,10 +38,12 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	defer release()
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
+		sreq.Decisions = sreq.Decisions[:0]
 		pair, err := s.sel.Pair(sreq, avoid)
 		if err != nil {
 			return selectionError(err)
 		}
+		s.routeHeader(w, sreq)
 		h := w.Header()
 		h.Set(openai.HeaderPrefillWorker, pair.Prefill.URL)
 		h.Set(openai.HeaderDecodeWorker, pair.Decode.URL)

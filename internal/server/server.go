@@ -60,6 +60,8 @@ type Options struct {
 	Admission Admission
 	// KVConnector is the connector of vLLM prefill workers that configure none (GET /workers).
 	KVConnector string
+	// RouteHeader adds X-Baton-Route: why each worker was chosen.
+	RouteHeader bool
 
 	Registry   *worker.Registry
 	Selector   *policy.Selector
@@ -353,13 +355,22 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
+		sreq.Decisions = sreq.Decisions[:0]
 		wk, err := s.sel.Worker(config.RoleRegular, sreq, avoid)
 		if err != nil {
 			return selectionError(err)
 		}
 		w.Header().Set(openai.HeaderWorker, wk.URL)
+		s.routeHeader(w, sreq)
 		return s.proxy.Forward(w, r, wk, r.URL.Path, req.Body)
 	})
+}
+
+// routeHeader sets X-Baton-Route from req's decisions when the option is on.
+func (s *Server) routeHeader(w http.ResponseWriter, req *policy.Request) {
+	if s.opts.RouteHeader {
+		w.Header().Set(openai.HeaderRoute, policy.RouteHeader(req.Decisions))
+	}
 }
 
 // selectionError is the client's error for a failed selection: 404 for a model no worker

@@ -1,0 +1,103 @@
+package policy
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Decision says why a worker was chosen: for the opt-in X-Baton-Route header, the route
+// decision metrics and debugging. Every field is Baton's own (policy and reason names from a
+// fixed set, a configured worker URL, numbers), never a client's bytes.
+type Decision struct {
+	Role, Policy, Reason string
+	Worker               string
+	Match                float64 // share of the prompt the chosen worker was found to have cached; -1: not known
+	Load                 float64 // the chosen worker's load when chosen
+}
+
+// The reasons a worker is chosen.
+const (
+	ReasonTurn       = "turn"        // round_robin: the next in turn
+	ReasonRandom     = "random"      // random
+	ReasonLoad       = "load"        // least_load, power_of_two: the less loaded
+	ReasonHash       = "hash"        // prefix_hash: the prompt's hash ranks it first among the unloaded
+	ReasonCacheMatch = "cache_match" // cache_aware: the cheapest by cached prompt and load
+	ReasonCacheMiss  = "cache_miss"  // cache_aware: no worker had cache_threshold of the prompt
+	ReasonImbalanced = "imbalanced"  // cache_aware: the fleet's load was out of balance
+	ReasonNoPrompt   = "no_prompt"   // cache_aware: the request had no prompt to match
+)
+
+// Name is the configured name of p.
+func Name(p Policy) string {
+	switch p.(type) {
+	case *RoundRobin:
+		return config.PolicyRoundRobin
+	case Random:
+		return config.PolicyRandom
+	case LeastLoad:
+		return config.PolicyLeastLoad
+	case PowerOfTwo:
+		return config.PolicyPowerOfTwo
+	case *PrefixHash:
+		return config.PolicyPrefixHash
+	case *CacheAware:
+		return config.PolicyCacheAware
+	}
+	return "custom"
+}
+
+// explainer is a policy that says why it chose.
+type explainer interface {
+	explain(ws []*worker.Worker, req *Request) (*worker.Worker, Decision)
+}
+
+func reasonOf(p Policy) string {
+	switch p.(type) {
+	case *RoundRobin:
+		return ReasonTurn
+	case Random:
+		return ReasonRandom
+	case *PrefixHash:
+		return ReasonHash
+	}
+	return ReasonLoad
+}
+
+// pick has role's policy choose among ws, recording the decision on req and with Observe.
+func (s *Selector) pick(role string, ws []*worker.Worker, req *Request) *worker.Worker {
+	p := s.Policies[role]
+	var w *worker.Worker
+	var d Decision
+	if e, ok := p.(explainer); ok {
+		w, d = e.explain(ws, req)
+	} else {
+		w, d = p.Pick(ws, req), Decision{Reason: reasonOf(p), Match: -1}
+	}
+	d.Role, d.Policy, d.Worker, d.Load = role, Name(p), w.URL, load(w)
+	if req != nil {
+		req.Decisions = append(req.Decisions, d)
+	}
+	if s.Observe != nil {
+		s.Observe(d)
+	}
+	return w
+}
+
+// RouteHeader formats decisions for the X-Baton-Route header: per decision
+// "role=R; policy=P; reason=X; load=L" with "; match=M" when known, comma separated.
+func RouteHeader(ds []Decision) string {
+	var b strings.Builder
+	for i, d := range ds {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("role=" + d.Role + "; policy=" + d.Policy + "; reason=" + d.Reason + "; load=" + strconv.FormatFloat(d.Load, 'f', -1, 64))
+		if d.Match >= 0 {
+			b.WriteString("; match=" + strconv.FormatFloat(d.Match, 'f', 2, 64))
+		}
+	}
+	return b.String()
+}
