@@ -443,3 +443,39 @@ func TestPDParallelMetrics(t *testing.T) {
 	}
 	waitFor(t, func() bool { return testutil.CollectAndCount(g2.Metrics.PDPrefillDuration) == 1 })
 }
+
+// Baton counts its legs per DP rank and sends new work to the idle rank: while a long stream
+// holds one decode rank, requests go to the other; when all end, every count is back to zero.
+func TestPDDPRankFollowsLoad(t *testing.T) {
+	t.Parallel()
+	_, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2, DecodePerToken: 5 * time.Millisecond}, func(c *config.Config) {
+		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
+	})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/generate",
+		strings.NewReader(`{"text":"long","sampling_params":{"max_new_tokens":2000,"ignore_eos":true},"stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	busy := resp.Header.Get(sim.HeaderDPRank)
+	defer resp.Body.Close()
+	for i := 0; i < 6; i++ {
+		r, body := postTimeout(t, gw+"/generate", `{"text":"short","sampling_params":{"max_new_tokens":1}}`)
+		if r.StatusCode != 200 || r.Header.Get(sim.HeaderDPRank) == busy {
+			t.Fatalf("request %d: %d on decode rank %q while rank %q streams: %s", i, r.StatusCode, r.Header.Get(sim.HeaderDPRank), busy, body)
+		}
+	}
+	cancel()
+	resp.Body.Close()
+	waitFor(t, func() bool {
+		r, err := http.Get(gw + "/workers")
+		if err != nil {
+			return false
+		}
+		b, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		return strings.Count(string(b), `"dp_in_flight":[0,0]`) == 2
+	})
+}

@@ -17,6 +17,13 @@ import (
 // fresh room each), and, for workers with DP ranks, routed_dp_rank on each leg and
 // disagg_prefill_dp_rank on the decode. Client values of these keys are replaced.
 func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, err error) {
+	prefill, decode, _, _, err = bootstrapLegs(req, pair)
+	return prefill, decode, err
+}
+
+// bootstrapLegs is BootstrapBodies, also returning the DP rank each leg runs on (-1: none).
+func bootstrapLegs(req *Request, pair worker.Pair) (prefill, decode []byte, pRankOut, dRankOut int, err error) {
+	pRankOut, dRankOut = -1, -1
 	host, _ := json.Marshal(pair.Prefill.BootstrapHost)
 	port := []byte("null")
 	if p := pair.Prefill.BootstrapPort; p != nil {
@@ -47,6 +54,7 @@ func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, er
 	// send the KV to a rank the other leg does not look at.
 	pDel, dDel := []string{keyDPRankDeprecated, keyPrefillDPRank}, []string{keyDPRankDeprecated}
 	if rank, ok := pRank, pRanked; ok {
+		pRankOut = rank
 		v := strconv.AppendInt(nil, int64(rank), 10)
 		pFields = append(pFields[:len(pFields):len(pFields)], openai.Field{Key: keyRoutedDPRank, Value: v})
 		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyPrefillDPRank, Value: v})
@@ -54,17 +62,18 @@ func BootstrapBodies(req *Request, pair worker.Pair) (prefill, decode []byte, er
 		pDel, dDel = append(pDel, keyRoutedDPRank), append(dDel, keyPrefillDPRank)
 	}
 	if rank, ok := pair.Decode.NextRank(); ok {
+		dRankOut = rank
 		dFields = append(dFields[:len(dFields):len(dFields)], openai.Field{Key: keyRoutedDPRank, Value: strconv.AppendInt(nil, int64(rank), 10)})
 	} else {
 		dDel = append(dDel, keyRoutedDPRank)
 	}
 	if prefill, err = openai.Edit(req.Body, pFields, pDel); err != nil {
-		return nil, nil, err
+		return nil, nil, -1, -1, err
 	}
 	if decode, err = openai.Edit(req.Body, dFields, dDel); err != nil {
-		return nil, nil, err
+		return nil, nil, -1, -1, err
 	}
-	return prefill, decode, nil
+	return prefill, decode, pRankOut, dRankOut, nil
 }
 
 // SGLang's DP rank fields (python/sglang/srt/managers/io_struct.py): the rank a leg runs on,

@@ -53,6 +53,7 @@ func (x *Parallel) newLegs(rw http.ResponseWriter, r *http.Request, req *Request
 	ctx, l.closeDCtx = context.WithTimeout(r.Context(), x.Proxy.Timeout)
 	l.dCtx, l.dCancel = context.WithCancelCause(ctx)
 	l.dleg.Start(pair.Decode, LegDecode)
+	l.dleg.OnRank(plan.decodeRank - 1)
 	l.res.outcome = OutcomeSuccess
 	return l
 }
@@ -71,6 +72,7 @@ func (l *legs) startPrefill() {
 	l.unlink = context.AfterFunc(l.dCtx, func() { pCancel(context.Cause(l.dCtx)) })
 	pleg := &proxy.Leg{}
 	pleg.Start(l.pair.Prefill, LegPrefill)
+	pleg.OnRank(l.plan.prefillRank - 1)
 	x.wg.Go(func() {
 		defer pCancel(nil)
 		defer pTimeout()

@@ -40,13 +40,13 @@ func (x *Parallel) Wait() { x.wg.Wait() }
 
 // Execute implements Executor.
 func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
-	pBody, dBody, err := BootstrapBodies(req, pair)
+	pBody, dBody, pRank, dRank, err := bootstrapLegs(req, pair)
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
 		return &openai.Error{Status: http.StatusBadRequest, Code: "bootstrap_injection_failed", Message: err.Error()}
 	}
 	return x.run(rw, r, req, pair, concurrentPlan{
-		prefillBody: pBody, decodeBody: dBody, dispatch: "parallel", handoff: HandoffBootstrap, connector: HandoffBootstrap,
+		prefillBody: pBody, decodeBody: dBody, prefillRank: pRank + 1, decodeRank: dRank + 1, dispatch: "parallel", handoff: HandoffBootstrap, connector: HandoffBootstrap,
 		needPrefill: req.ReturnLogprob,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pre := prefillLogprobs(p.body)
@@ -62,6 +62,7 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 type concurrentPlan struct {
 	prefillBody, decodeBody     []byte
 	prefillHeader, decodeHeader http.Header
+	prefillRank, decodeRank     int    // the DP rank each leg runs on, plus one; 0: none
 	dispatch                    string // metrics label
 	// handoff and connector name the handoff for the response header and the counter.
 	handoff, connector string

@@ -50,6 +50,7 @@ type handoffPlan struct {
 	outcome       string      // decided before the prefill: a none-* outcome, or "" (decided after)
 	probe         []byte      // the prefill leg, nil when the prefill is skipped
 	prefillHeader http.Header // the DP rank pin, when the prefill has DP ranks
+	prefillRank   int         // that rank plus one; 0: none
 	decodeParams  []byte      // minted decode params (Mooncake)
 }
 
@@ -71,6 +72,7 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	if conn.DPSize > 1 && !conn.DPInvalid {
 		rank, pinned = pair.Prefill.NextRankOf(conn.DPSize)
 		p.prefillHeader = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
+		p.prefillRank = rank + 1
 	}
 	var tag []byte
 	switch conn.Mode {
@@ -242,6 +244,7 @@ func retryableLeg(err error) bool {
 func (s *sequence) prefill() ([]byte, error) {
 	leg := &proxy.Leg{}
 	leg.Start(s.pair.Prefill, LegPrefill)
+	leg.OnRank(s.plan.prefillRank - 1)
 	defer leg.Excuse()
 	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: s.plan.probe, Header: s.plan.prefillHeader})
 	if err != nil {
@@ -269,6 +272,7 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 	var hdr http.Header
 	if rank, ok := s.pair.Decode.NextRank(); ok {
 		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
+		leg.OnRank(rank)
 	}
 	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr})
 	if err != nil {
@@ -339,11 +343,14 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 		return err
 	}
 	var dHeader http.Header
+	dRank := 0
 	if rank, ok := pair.Decode.NextRank(); ok {
 		dHeader = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
+		dRank = rank + 1
 	}
 	res := x.Concurrent.run(rw, r, req, pair, concurrentPlan{
 		prefillBody: plan.probe, decodeBody: dBody, prefillHeader: plan.prefillHeader, decodeHeader: dHeader,
+		prefillRank: plan.prefillRank, decodeRank: dRank,
 		dispatch: "concurrent", handoff: HandoffMooncake, connector: ModeMooncake, needPrefill: true,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pu := readPrefillUsage(p.body)

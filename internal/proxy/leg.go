@@ -13,7 +13,22 @@ type Leg struct {
 	W     *worker.Worker
 	Name  string // prefill, decode, or "" for a regular request
 	probe bool   // admitted as a half-open circuit's probe
+	rank  int    // the DP rank the leg runs on, plus one; 0: none
 	ended atomic.Bool
+}
+
+// OnRank counts the leg on DP rank r of its worker until it ends; r < 0 means no rank.
+func (l *Leg) OnRank(r int) {
+	if r >= 0 {
+		l.rank = r + 1
+		l.W.EnterRank(r)
+	}
+}
+
+func (l *Leg) leaveRank() {
+	if l.rank > 0 {
+		l.W.LeaveRank(l.rank - 1)
+	}
 }
 
 // Start starts the leg, named name, on w. A Leg is started once, and may live on the stack.
@@ -27,6 +42,7 @@ func (l *Leg) Done(status int, err error) {
 	if l.ended.CompareAndSwap(false, true) {
 		l.W.Record(status, err)
 		l.W.Leave(l.probe)
+		l.leaveRank()
 	}
 }
 
@@ -35,5 +51,6 @@ func (l *Leg) Done(status int, err error) {
 func (l *Leg) Excuse() {
 	if l.ended.CompareAndSwap(false, true) {
 		l.W.Leave(l.probe)
+		l.leaveRank()
 	}
 }

@@ -53,6 +53,8 @@ type workerView struct {
 	Failures      int64    `json:"failures"`
 	BootstrapPort *int     `json:"bootstrap_port,omitempty"`
 	DPSize        int      `json:"dp_size,omitempty"`
+	// DPInFlight is the legs Baton has in flight on each DP rank (which it balances).
+	DPInFlight []int64 `json:"dp_in_flight,omitempty"`
 	// KVConnector is the effective connector mode of a vLLM prefill worker.
 	KVConnector string            `json:"kv_connector,omitempty"`
 	KVDetail    string            `json:"kv_connector_detail,omitempty"`
@@ -103,10 +105,13 @@ func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 				v.Models = append(v.Models, m.ID)
 			}
 		}
+		dp := wk.DPSize
 		if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
 			c := pd.ConnectorFor(wk, s.opts.KVConnector)
 			v.KVConnector, v.KVDetail = c.Mode, c.String()
+			dp = max(dp, c.DPSize)
 		}
+		v.DPInFlight = wk.RankInFlight(dp)
 		out = append(out, v)
 	}
 	body, _ := json.Marshal(map[string]any{"workers": out, "total": len(out)})

@@ -136,3 +136,36 @@ func TestEnterLeaveCountInFlight(t *testing.T) {
 		t.Fatalf("in flight %d after both left, want 0", w.InFlight())
 	}
 }
+
+// DP ranks: the rank with the fewest legs in flight is chosen, ties in turn.
+func TestNextRankPrefersTheIdleRank(t *testing.T) {
+	w := New(config.Worker{URL: "http://dp", DPSize: 3})
+	seen := map[int]bool{}
+	for i := 0; i < 3; i++ {
+		r, ok := w.NextRank()
+		if !ok {
+			t.Fatal("a worker with dp_size 3 has no rank")
+		}
+		seen[r] = true
+	}
+	if len(seen) != 3 {
+		t.Fatalf("idle ranks used %v, want all three in turn", seen)
+	}
+	w.EnterRank(0)
+	w.EnterRank(0)
+	w.EnterRank(2)
+	for i := 0; i < 6; i++ {
+		if r, _ := w.NextRank(); r != 1 {
+			t.Fatalf("chose rank %d with %v in flight", r, w.RankInFlight(3))
+		}
+	}
+	w.LeaveRank(0)
+	w.LeaveRank(0)
+	w.LeaveRank(2)
+	if got := w.RankInFlight(3); got[0] != 0 || got[1] != 0 || got[2] != 0 {
+		t.Fatalf("in flight per rank %v after every leg left", got)
+	}
+	if _, ok := New(config.Worker{URL: "http://x"}).NextRank(); ok {
+		t.Error("a worker without DP ranks returned a rank")
+	}
+}

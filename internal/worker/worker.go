@@ -57,7 +57,8 @@ type Worker struct {
 	engineLoad atomic.Pointer[EngineLoad]
 	ready      atomic.Bool
 	inflight   atomic.Int64
-	rank       atomic.Uint64 // round robin over DP ranks
+	rank       atomic.Uint64 // rotates the start of the rank search, so ties go round robin
+	rankLoad   [MaxTrackedRanks]atomic.Int64
 	successes  atomic.Int64
 	failures   atomic.Int64
 	breaker    *breaker // nil: always closed
@@ -176,8 +177,12 @@ func (w *Worker) Record(status int, err error) {
 // Outcomes returns the success and failure samples recorded so far.
 func (w *Worker) Outcomes() (successes, failures int64) { return w.successes.Load(), w.failures.Load() }
 
-// NextRank returns the next data parallel rank to use on this worker, round robin, and false
-// when the worker has no DP ranks configured.
+// MaxTrackedRanks bounds the DP ranks whose in-flight legs Baton counts; ranks past it are
+// chosen round robin.
+const MaxTrackedRanks = 64
+
+// NextRank returns the data parallel rank to use on this worker: the one with the fewest legs
+// in flight (EnterRank), ties round robin; false when the worker has no DP ranks configured.
 func (w *Worker) NextRank() (int, bool) { return w.NextRankOf(w.DPSize) }
 
 // NextRankOf is NextRank over n ranks (n > 1), for a DP size learned from the engine.
@@ -185,7 +190,44 @@ func (w *Worker) NextRankOf(n int) (int, bool) {
 	if n <= 1 {
 		return 0, false
 	}
-	return int((w.rank.Add(1) - 1) % uint64(n)), true
+	start := int((w.rank.Add(1) - 1) % uint64(n))
+	if n > MaxTrackedRanks {
+		return start, true
+	}
+	best, bestLoad := start, w.rankLoad[start].Load()
+	for i := 1; i < n && bestLoad > 0; i++ {
+		r := (start + i) % n
+		if l := w.rankLoad[r].Load(); l < bestLoad {
+			best, bestLoad = r, l
+		}
+	}
+	return best, true
+}
+
+// EnterRank counts a leg in flight on DP rank r; LeaveRank uncounts it.
+func (w *Worker) EnterRank(r int) {
+	if r >= 0 && r < MaxTrackedRanks {
+		w.rankLoad[r].Add(1)
+	}
+}
+
+// LeaveRank uncounts a leg EnterRank counted.
+func (w *Worker) LeaveRank(r int) {
+	if r >= 0 && r < MaxTrackedRanks {
+		w.rankLoad[r].Add(-1)
+	}
+}
+
+// RankInFlight returns the legs in flight on each of the first n DP ranks (nil for n <= 1).
+func (w *Worker) RankInFlight(n int) []int64 {
+	if n <= 1 {
+		return nil
+	}
+	out := make([]int64, min(n, MaxTrackedRanks))
+	for i := range out {
+		out[i] = w.rankLoad[i].Load()
+	}
+	return out
 }
 
 // EngineLoad is a worker's load as its engine reports it.
