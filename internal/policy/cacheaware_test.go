@@ -249,3 +249,24 @@ func TestSelectorRecordsDecisions(t *testing.T) {
 		t.Errorf("header %q, want %q", got, want)
 	}
 }
+
+// An engine that queues moves a hot prefix at small concurrency, long before an absolute
+// threshold of 64 requests would; a stale report of a queue moves nothing.
+func TestCacheAwareReactsToAnEngineThatQueues(t *testing.T) {
+	p := cacheAware()
+	ws := fleet(2)
+	home := p.Pick(ws, chat(system))
+	other := ws[0]
+	if home == ws[0] {
+		other = ws[1]
+	}
+	now := time.Now()
+	home.SetEngineLoad(worker.EngineLoad{Running: 1, Waiting: 1, HasRunning: true, HasWaiting: true, At: now.Add(-time.Hour), Until: now.Add(-time.Minute)})
+	if got := p.Pick(ws, chat(system+"stale")); got != home {
+		t.Fatalf("a stale queue report moved the prefix to %s", got)
+	}
+	home.SetEngineLoad(worker.EngineLoad{Running: 1, Waiting: 1, HasRunning: true, HasWaiting: true, At: now, Until: now.Add(time.Minute)})
+	if got := p.Pick(ws, chat(system+"queued")); got != other {
+		t.Fatalf("an engine with one request queued kept the prefix (load %v)", load(home))
+	}
+}
