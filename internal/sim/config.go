@@ -57,6 +57,11 @@ type Config struct {
 	PrefixCache      bool          // keep computed prompts' KV in a block prefix cache (LRU)
 	// PrefixCacheBlocks is the prefix cache's capacity in blocks of 16 tokens; 0 means 4096.
 	PrefixCacheBlocks int
+	// KVEvents publishes the prefix cache's changes as KV events on a ZMQ PUB socket (port
+	// KVEventsPort, 0 picks a free one), in KVEventsEncoding: array (default) or map.
+	KVEvents         bool
+	KVEventsPort     int
+	KVEventsEncoding string
 
 	Faults Faults // faults applied to every inference request
 }
@@ -97,6 +102,9 @@ func (c *Config) withDefaults() Config {
 	if out.MaxConcurrency <= 0 {
 		out.MaxConcurrency = 256
 	}
+	if out.KVEventsEncoding == "" {
+		out.KVEventsEncoding = KVEventsArray
+	}
 	if out.PrefixCacheBlocks <= 0 {
 		out.PrefixCacheBlocks = 4096
 	}
@@ -125,6 +133,12 @@ func (c *Config) validate() error {
 	}
 	if !slices.Contains([]string{ConnectorNixl, ConnectorMooncake, ConnectorNone}, c.KVConnector) {
 		errs = append(errs, fmt.Errorf("kv-connector %q: want nixl, mooncake or none", c.KVConnector))
+	}
+	if c.KVEvents && !c.PrefixCache {
+		errs = append(errs, fmt.Errorf("kv-events: needs prefix-cache (the events are its changes)"))
+	}
+	if c.KVEventsEncoding != KVEventsArray && c.KVEventsEncoding != KVEventsMap {
+		errs = append(errs, fmt.Errorf("kv-events-encoding %q: want array or map", c.KVEventsEncoding))
 	}
 	if !slices.Contains([]string{PolicyFail, PolicyRecompute}, c.KVLoadFailure) {
 		errs = append(errs, fmt.Errorf("kv-load-failure-policy %q: want fail or recompute", c.KVLoadFailure))
@@ -156,6 +170,9 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.DurationVar(&c.BootstrapTimeout, "bootstrap-timeout", 10*time.Second, "SGLang: a leg whose partner never arrives fails after this")
 	fs.StringVar(&c.KVLoadFailure, "kv-load-failure-policy", PolicyFail, "fail | recompute")
 	fs.BoolVar(&c.PrefixCache, "prefix-cache", false, "keep computed prompts' KV in a block prefix cache: a prompt that starts like an earlier one computes only the rest")
+	fs.BoolVar(&c.KVEvents, "kv-events", false, "publish the prefix cache's changes as vLLM-style KV events on a ZMQ PUB socket (needs --prefix-cache)")
+	fs.IntVar(&c.KVEventsPort, "kv-events-port", 0, "port of the KV events publisher (0: a free one)")
+	fs.StringVar(&c.KVEventsEncoding, "kv-events-encoding", KVEventsArray, "KV event encoding: array (msgspec array_like) or map (tagged maps)")
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 4096, "prefix cache capacity in blocks of 16 tokens (least recently used evicted)")
 	fs.IntVar(&c.Faults.Status, "fault-status", 0, "fail requests with this status")
 	fs.Float64Var(&c.Faults.Rate, "fault-rate", 0, "probability of the fault status (0 with a status: always)")

@@ -55,6 +55,7 @@ type Engine struct {
 	kv     *kvStore
 	rooms  *roomTable
 	prefix *prefixCache // nil without PrefixCache
+	kvpub  *kvPublisher // nil without KVEvents
 
 	stats stats
 	wg    sync.WaitGroup
@@ -115,6 +116,14 @@ func Start(cfg Config) (*Engine, error) {
 	e.kv = newKVStore(e)
 	if c.PrefixCache {
 		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
+		if c.KVEvents {
+			pub, err := startKVPublisher(c.Host, c.KVEventsPort, c.KVEventsEncoding, "")
+			if err != nil {
+				return nil, err
+			}
+			e.kvpub = pub
+			e.prefix.onChange = pub.publish
+		}
 	}
 	base := c.EngineID
 	if base == "" {
@@ -185,8 +194,19 @@ func (e *Engine) Close() {
 		}
 	}
 	e.kv.close()
+	if e.kvpub != nil {
+		e.kvpub.close()
+	}
 	e.wg.Wait()
 	e.client.CloseIdleConnections()
+}
+
+// KVEventsEndpoint is where the engine publishes its KV events, "" when it does not.
+func (e *Engine) KVEventsEndpoint() string {
+	if e.kvpub == nil {
+		return ""
+	}
+	return e.kvpub.endpoint()
 }
 
 // URL is the engine's API base URL.

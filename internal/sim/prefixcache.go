@@ -13,6 +13,16 @@ type prefixCache struct {
 	capacity int
 	lru      *list.List               // of uint64 block keys, most recent at the front
 	blocks   map[uint64]*list.Element // key -> element in lru
+	// onChange, when set, is told (under the lock, in order) of the blocks each compute stored,
+	// with their parents and tokens, and of those it evicted: the engine's KV events.
+	onChange func(stored []storedBlock, removed []uint64)
+}
+
+// storedBlock is one block newly cached: its key, its parent's (0 for the first block) and its
+// tokens.
+type storedBlock struct {
+	key, parent uint64
+	tokens      []uint32
 }
 
 func newPrefixCache(capacity int) *prefixCache {
@@ -45,17 +55,30 @@ func (c *prefixCache) compute(prompt []uint32) int {
 		}
 		hits++
 	}
-	for _, k := range keys {
+	var stored []storedBlock
+	var removed []uint64
+	for i, k := range keys {
 		if el, ok := c.blocks[k]; ok {
 			c.lru.MoveToFront(el)
 			continue
 		}
 		c.blocks[k] = c.lru.PushFront(k)
+		if c.onChange != nil {
+			var parent uint64
+			if i > 0 {
+				parent = keys[i-1]
+			}
+			stored = append(stored, storedBlock{key: k, parent: parent, tokens: prompt[i*blockSize : (i+1)*blockSize]})
+		}
 		for c.lru.Len() > c.capacity {
 			old := c.lru.Back()
 			delete(c.blocks, old.Value.(uint64))
 			c.lru.Remove(old)
+			removed = append(removed, old.Value.(uint64))
 		}
+	}
+	if c.onChange != nil && (len(stored) > 0 || len(removed) > 0) {
+		c.onChange(stored, removed)
 	}
 	return min(hits*blockSize, len(prompt)-1)
 }

@@ -1,0 +1,101 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"log/slog"
+	"math"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+)
+
+// Subscriber reads one engine's KV events (a ZMQ SUB socket connected to the engine's PUB
+// endpoint, every topic) into an index under the worker's name. Sequence numbers are checked:
+// one that goes backwards (the engine restarted) or skips (events were lost) clears the
+// worker's blocks before the batch is applied — an index that believes in blocks the engine no
+// longer holds is worse than one that knows less.
+type Subscriber struct {
+	Worker, Model, Endpoint string
+	Index                   *Index
+	Log                     *slog.Logger
+
+	Received, Malformed, Ignored, Gaps, Resets atomic.Uint64
+	lastSeq                                    atomic.Int64 // -1 before the first message
+	lastTS                                     atomic.Uint64
+}
+
+// Stats is a snapshot of a subscriber's counters.
+type Stats struct {
+	Received, Malformed, Ignored, Gaps, Resets uint64
+	LastSeq                                    int64   // -1: none yet
+	LastTS                                     float64 // the last batch's engine timestamp (Unix seconds)
+}
+
+// Stats returns the subscriber's counters.
+func (s *Subscriber) Stats() Stats {
+	return Stats{Received: s.Received.Load(), Malformed: s.Malformed.Load(), Ignored: s.Ignored.Load(), Gaps: s.Gaps.Load(),
+		Resets: s.Resets.Load(), LastSeq: s.lastSeq.Load(), LastTS: math.Float64frombits(s.lastTS.Load())}
+}
+
+// Run subscribes until ctx ends, redialling a lost engine.
+func (s *Subscriber) Run(ctx context.Context) {
+	s.lastSeq.Store(-1)
+	sock := zmq4.NewSub(ctx, zmq4.WithAutomaticReconnect(true), zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1))
+	defer sock.Close()
+	for ctx.Err() == nil {
+		if err := sock.Dial(s.Endpoint); err != nil {
+			s.Log.Warn("kv events: cannot connect", "worker", s.Worker, "endpoint", s.Endpoint, "err", err)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+			continue
+		}
+		break
+	}
+	_ = sock.SetOption(zmq4.OptionSubscribe, "")
+	for ctx.Err() == nil {
+		msg, err := sock.Recv()
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+			continue
+		}
+		s.handle(msg.Frames)
+	}
+}
+
+// handle applies one message: [topic, seq, payload].
+func (s *Subscriber) handle(frames [][]byte) {
+	s.Received.Add(1)
+	if len(frames) != 3 || len(frames[1]) != 8 {
+		s.Malformed.Add(1)
+		return
+	}
+	seq := int64(binary.BigEndian.Uint64(frames[1]))
+	b, err := Decode(frames[2])
+	if err != nil {
+		s.Malformed.Add(1)
+		s.Log.Warn("kv events: undecodable batch", "worker", s.Worker, "err", err)
+		return
+	}
+	if last := s.lastSeq.Load(); last >= 0 && seq != last+1 {
+		if seq <= last {
+			s.Resets.Add(1)
+			s.Log.Info("kv events: sequence went back, the engine restarted: forgetting its blocks", "worker", s.Worker, "seq", seq, "last", last)
+		} else {
+			s.Gaps.Add(1)
+			s.Log.Warn("kv events: gap, events were lost: forgetting the worker's blocks", "worker", s.Worker, "seq", seq, "last", last)
+		}
+		s.Index.ClearWorker(s.Worker)
+	}
+	s.lastSeq.Store(seq)
+	s.lastTS.Store(math.Float64bits(b.TS))
+	s.Ignored.Add(uint64(b.Ignored))
+	s.Index.Apply(s.Worker, s.Model, b)
+}

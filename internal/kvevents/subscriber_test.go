@@ -1,0 +1,112 @@
+package kvevents_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+func complete(t *testing.T, e *sim.Engine, prompt string) {
+	t.Helper()
+	resp, err := http.Post(e.URL()+"/v1/completions", "application/json",
+		strings.NewReader(fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":1}`, prompt)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// The index follows a simulated engine's cache through its events, in both encodings: blocks
+// stored, blocks evicted, and a restart (the sequence starts again at 0), after which the lost
+// prefixes are no longer believed.
+func TestSubscriberFollowsTheEngine(t *testing.T) {
+	for _, enc := range []string{sim.KVEventsArray, sim.KVEventsMap} {
+		t.Run(enc, func(t *testing.T) {
+			cfg := sim.Config{Model: "m", PrefixCache: true, PrefixCacheBlocks: 64, KVEvents: true, KVEventsEncoding: enc}
+			e, err := sim.Start(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { e.Close() }()
+			idx := kvevents.NewIndex(1 << 20)
+			s := &kvevents.Subscriber{Worker: "w", Model: "m", Endpoint: e.KVEventsEndpoint(), Index: idx, Log: slog.New(slog.DiscardHandler)}
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			go s.Run(ctx)
+			// ZMQ drops what is published before the subscriber joins: warm up with throwaway prompts.
+			for i := 0; ; i++ {
+				complete(t, e, fmt.Sprintf("warm up %d %s", i, strings.Repeat("x ", 40)))
+				time.Sleep(20 * time.Millisecond)
+				if n, _ := idx.Size(); n > 0 {
+					break
+				}
+				if i > 200 {
+					t.Fatal("no KV event reached the subscriber")
+				}
+			}
+			prompt := strings.Repeat("the relay hands the baton over ", 12)
+			tokens := sim.Tokenize(prompt)
+			keys := kvevents.Keys("m", "", tokens, 16)
+			complete(t, e, prompt)
+			waitFor(t, "the prompt's blocks", func() bool { return idx.Match(keys)["w"] == len(keys) })
+			// Other prompts fill the 64-block cache and evict it.
+			for i := 0; i < 40; i++ {
+				complete(t, e, fmt.Sprintf("filler %d %s", i, strings.Repeat("y ", 60)))
+			}
+			waitFor(t, "the eviction", func() bool { return idx.Match(keys)["w"] == 0 })
+			// A restart on the same endpoints: the new engine's first event clears the old view.
+			complete(t, e, prompt)
+			waitFor(t, "the prompt again", func() bool { return idx.Match(keys)["w"] == len(keys) })
+			port := strings.TrimPrefix(e.KVEventsEndpoint(), "tcp://127.0.0.1:")
+			e.Close()
+			cfg.KVEventsPort = atoi(t, port)
+			if e, err = sim.Start(cfg); err != nil {
+				t.Fatal(err)
+			}
+			for i := 0; s.Stats().Resets == 0; i++ {
+				complete(t, e, fmt.Sprintf("after restart %d %s", i, strings.Repeat("z ", 40)))
+				time.Sleep(20 * time.Millisecond)
+				if i > 300 {
+					t.Fatalf("the restart was never seen: %+v", s.Stats())
+				}
+			}
+			if got := idx.Match(keys)["w"]; got != 0 {
+				t.Fatalf("after the engine restarted the index still believes %d blocks of a prompt it lost", got)
+			}
+			if st := s.Stats(); st.Malformed != 0 || st.Received == 0 {
+				t.Fatalf("stats %+v", st)
+			}
+		})
+	}
+}
+
+func atoi(t *testing.T, s string) int {
+	var n int
+	if _, err := fmt.Sscan(s, &n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
