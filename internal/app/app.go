@@ -103,7 +103,9 @@ type Gateway struct {
 	Health    *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
-	Log  *slog.Logger
+	// KVEvents subscribes to the engines' KV events; nil when no worker publishes.
+	KVEvents *KVEvents
+	Log      *slog.Logger
 }
 
 // Start starts the background work: the stalled-upload sweeper, registration, health checks
@@ -112,6 +114,9 @@ func (g *Gateway) Start(ctx context.Context) {
 	g.Server.Start(ctx)
 	g.Registrar.Start(ctx)
 	g.Load.Start(ctx)
+	if g.KVEvents != nil {
+		g.KVEvents.Start(ctx)
+	}
 	if g.Health != nil {
 		g.Health.Start(ctx)
 	}
@@ -122,6 +127,9 @@ func (g *Gateway) Wait() {
 	g.Server.Wait()
 	g.Registrar.Wait()
 	g.Load.Wait()
+	if g.KVEvents != nil {
+		g.KVEvents.Wait()
+	}
 	if g.Health != nil {
 		g.Health.Wait()
 	}
@@ -207,7 +215,12 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
+	kv := newKVEvents(cfg, ws, log)
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log}
+	if kv != nil {
+		m.Registry.MustRegister(kvCollector{kv})
+		parts.KVEventsView = kv.View
+	}
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
 	if health != nil {
@@ -230,8 +243,9 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		Server:     server.New(serverOptions(cfg, tm, parts)),
 		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
 			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w) }},
-		Load: &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
-		Log:  log,
+		Load:     &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
+		KVEvents: kv,
+		Log:      log,
 	}, nil
 }
 

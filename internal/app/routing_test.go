@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -272,5 +273,47 @@ func TestCacheAwareSpreadsAHotPrefix(t *testing.T) {
 	}
 	if len(count) < 3 {
 		t.Errorf("the hot prefix reached %d engines of 4", len(count))
+	}
+}
+
+// A worker with a KV events endpoint is subscribed to: its engine's blocks reach the index
+// under the worker's name and model, and GET /workers and /metrics show the subscription.
+func TestKVEventsSubscription(t *testing.T) {
+	t.Parallel()
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true, KVEventsEncoding: sim.KVEventsMap})
+	plain := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := config.Default()
+	cfg.Workers = []config.Worker{{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()}, {URL: plain.URL()}}
+	g, gw := startGateway(t, cfg)
+	if g.KVEvents == nil {
+		t.Fatal("no subscription for a worker with kv_events_endpoint")
+	}
+	// ZMQ drops what is published before the subscriber joins: send until the index sees blocks.
+	waitFor(t, func() bool {
+		resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
+		n, _ := g.KVEvents.Index.Size()
+		return resp.StatusCode == 200 && n > 0
+	})
+	prompt := strings.Repeat("the baton passes from hand to hand ", 10)
+	for i := 0; i < 2; i++ { // round robin: one of the two reaches the publishing engine
+		resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+	}
+	keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
+	waitFor(t, func() bool { return len(keys) > 0 && g.KVEvents.Index.Match(keys)[e.URL()] == len(keys) })
+	wresp, err := http.Get(gw.URL + "/workers")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(wresp.Body)
+	wresp.Body.Close()
+	if !strings.Contains(string(b), `"kv_events":{"endpoint":"`+e.KVEventsEndpoint()+`","healthy":true`) || strings.Count(string(b), `"kv_events"`) != 1 {
+		t.Errorf("GET /workers does not show the one subscription: %s", b)
+	}
+	m := scrape(t, g)
+	if !strings.Contains(m, `baton_kv_events_healthy{worker="`+e.URL()+`"} 1`) || !strings.Contains(m, "baton_kv_index_blocks ") {
+		t.Errorf("metrics lack the subscription")
 	}
 }

@@ -6,9 +6,11 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -57,6 +59,10 @@ type Config struct {
 	// Policy selects a worker among those serving a request's model: round_robin, random,
 	// least_load, power_of_two, prefix_hash or cache_aware. Default "round_robin".
 	Policy string `json:"policy"`
+	// KVEvents subscribes to every worker's KV events (vLLM/SGLang ZMQ publishers), at its
+	// kv_events_endpoint or tcp://<worker host>:5557. Off by default; a worker with an explicit
+	// kv_events_endpoint is subscribed to either way.
+	KVEvents bool `json:"kv_events"`
 	// RouteHeader adds X-Baton-Route to responses: why each worker was chosen (policy, reason,
 	// its load, the share of the prompt found cached). Off by default.
 	RouteHeader bool `json:"route_header"`
@@ -225,6 +231,9 @@ type Worker struct {
 	// KVEngineID is the vLLM engine id (kv_transfer_config.engine_id) Mooncake handoffs name;
 	// with dp_size > 1 Baton appends _dp{rank}. Empty uses the kv_engine_id label.
 	KVEngineID string `json:"kv_engine_id,omitempty"`
+	// KVEventsEndpoint is the engine's KV events publisher (tcp://host:port) Baton subscribes
+	// to; empty uses the kv_events_endpoint label, then, with kv_events on, tcp://<host>:5557.
+	KVEventsEndpoint string `json:"kv_events_endpoint,omitempty"`
 }
 
 // Default returns the configuration with every default filled in.
@@ -406,9 +415,31 @@ func (c *Config) Validate() error {
 				bad("%s: kv_connector %q is unknown (want %s)", where, name, knownConnectors)
 			}
 		}
+		for _, ep := range []string{w.KVEventsEndpoint, w.Labels["kv_events_endpoint"]} {
+			if err := CheckKVEventsEndpoint(ep); ep != "" && err != nil {
+				bad("%s: kv_events_endpoint: %v", where, err)
+			}
+		}
 	}
 	errs = append(errs, c.checkPairs()...)
 	return errors.Join(errs...)
+}
+
+// CheckKVEventsEndpoint checks a KV events endpoint: tcp://host:port, a host Baton can dial
+// (not the engine's bind-all "*"), nothing else.
+func CheckKVEventsEndpoint(ep string) error {
+	hostport, ok := strings.CutPrefix(ep, "tcp://")
+	if !ok {
+		return fmt.Errorf("%q: want tcp://host:port", ep)
+	}
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil || host == "" || host == "*" || strings.ContainsAny(host, "@/?#") {
+		return fmt.Errorf("%q: want tcp://host:port with a host Baton can reach", ep)
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("%q: port must be 1-65535", ep)
+	}
+	return nil
 }
 
 // checkPairs reports each vLLM prefill whose KV no decode can take: a NIXL prefill is never

@@ -16,12 +16,12 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	c.CircuitBreaker.SuccessThreshold = 0
 	c.HealthCheck.Endpoint = "health"
 	c.CacheThreshold = 2
-	c.Workers = []Worker{{URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
+	c.Workers = []Worker{{URL: "http://kv", KVEventsEndpoint: "tcp://*:5557"}, {URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
 	err := c.Validate()
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:"} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv_events_endpoint: \"tcp://*:5557\""} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
 		}

@@ -18,12 +18,16 @@ import (
 // longer holds is worse than one that knows less.
 type Subscriber struct {
 	Worker, Model, Endpoint string
-	Index                   *Index
-	Log                     *slog.Logger
+	// ModelOf, when Model is empty, names the model at each batch (a worker's model is known
+	// only once it registered); a batch with no model yet is not applied.
+	ModelOf func() string
+	Index   *Index
+	Log     *slog.Logger
 
 	Received, Malformed, Ignored, Gaps, Resets atomic.Uint64
 	lastSeq                                    atomic.Int64 // -1 before the first message
 	lastTS                                     atomic.Uint64
+	lastOK                                     atomic.Bool
 }
 
 // Stats is a snapshot of a subscriber's counters.
@@ -31,12 +35,14 @@ type Stats struct {
 	Received, Malformed, Ignored, Gaps, Resets uint64
 	LastSeq                                    int64   // -1: none yet
 	LastTS                                     float64 // the last batch's engine timestamp (Unix seconds)
+	// Healthy: a batch arrived and the last one decoded and applied.
+	Healthy bool
 }
 
 // Stats returns the subscriber's counters.
 func (s *Subscriber) Stats() Stats {
 	return Stats{Received: s.Received.Load(), Malformed: s.Malformed.Load(), Ignored: s.Ignored.Load(), Gaps: s.Gaps.Load(),
-		Resets: s.Resets.Load(), LastSeq: s.lastSeq.Load(), LastTS: math.Float64frombits(s.lastTS.Load())}
+		Resets: s.Resets.Load(), LastSeq: s.lastSeq.Load(), LastTS: math.Float64frombits(s.lastTS.Load()), Healthy: s.lastOK.Load()}
 }
 
 // Run subscribes until ctx ends, redialling a lost engine.
@@ -75,12 +81,14 @@ func (s *Subscriber) handle(frames [][]byte) {
 	s.Received.Add(1)
 	if len(frames) != 3 || len(frames[1]) != 8 {
 		s.Malformed.Add(1)
+		s.lastOK.Store(false)
 		return
 	}
 	seq := int64(binary.BigEndian.Uint64(frames[1]))
 	b, err := Decode(frames[2])
 	if err != nil {
 		s.Malformed.Add(1)
+		s.lastOK.Store(false)
 		s.Log.Warn("kv events: undecodable batch", "worker", s.Worker, "err", err)
 		return
 	}
@@ -97,5 +105,14 @@ func (s *Subscriber) handle(frames [][]byte) {
 	s.lastSeq.Store(seq)
 	s.lastTS.Store(math.Float64bits(b.TS))
 	s.Ignored.Add(uint64(b.Ignored))
-	s.Index.Apply(s.Worker, s.Model, b)
+	model := s.Model
+	if model == "" && s.ModelOf != nil {
+		model = s.ModelOf()
+	}
+	if model == "" {
+		s.lastOK.Store(false)
+		return
+	}
+	s.Index.Apply(s.Worker, model, b)
+	s.lastOK.Store(true)
 }

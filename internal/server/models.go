@@ -61,6 +61,8 @@ type workerView struct {
 	Labels      map[string]string `json:"labels,omitempty"`
 	// Engine is the load the engine last reported; Fresh says whether routing still trusts it.
 	Engine *engineView `json:"engine_load,omitempty"`
+	// KVEvents is Baton's subscription to the engine's KV events, when it has one.
+	KVEvents any `json:"kv_events,omitempty"`
 }
 
 // engineView is a worker's engine-reported load in GET /workers.
@@ -112,6 +114,9 @@ func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 			dp = max(dp, c.DPSize)
 		}
 		v.DPInFlight = wk.RankInFlight(dp)
+		if s.opts.KVEventsView != nil {
+			v.KVEvents = s.opts.KVEventsView(wk)
+		}
 		out = append(out, v)
 	}
 	body, _ := json.Marshal(map[string]any{"workers": out, "total": len(out)})

@@ -62,6 +62,9 @@ type Options struct {
 	KVConnector string
 	// RouteHeader adds X-Baton-Route: why each worker was chosen.
 	RouteHeader bool
+	// KVEventsView, when set, gives a worker's KV event subscription for GET /workers (nil:
+	// not subscribed).
+	KVEventsView func(*worker.Worker) any
 
 	Registry   *worker.Registry
 	Selector   *policy.Selector

@@ -50,6 +50,8 @@ type Worker struct {
 	// KVConnector and KVEngineID are a vLLM prefill worker's connector settings (fields win
 	// over the kv_connector and kv_engine_id labels).
 	KVConnector, KVEngineID string
+	// KVEventsEndpoint is the engine's KV events publisher, "" for none configured.
+	KVEventsEndpoint string
 
 	configured config.Worker
 	info       atomic.Pointer[Info] // nil until registration succeeds
@@ -92,6 +94,8 @@ func New(c config.Worker) *Worker {
 		KVConnector:   cmp.Or(c.KVConnector, c.Labels["kv_connector"]),
 		KVEngineID:    cmp.Or(c.KVEngineID, c.Labels["kv_engine_id"]),
 		configured:    c,
+
+		KVEventsEndpoint: cmp.Or(c.KVEventsEndpoint, c.Labels["kv_events_endpoint"]),
 	}
 	if label, ok := c.Labels["dp_size"]; ok && c.DPSize == 0 {
 		if n, err := strconv.Atoi(label); err == nil && n > 0 {

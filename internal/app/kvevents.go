@@ -1,0 +1,135 @@
+package app
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"net/url"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// kvEventsPort is where vLLM and SGLang publish KV events by default (tcp://*:5557).
+const kvEventsPort = "5557"
+
+// maxKVIndexBlocks bounds the KV event index (about 139 MiB per million blocks).
+const maxKVIndexBlocks = 4 << 20
+
+// KVEvents is the gateway's subscription to its engines' KV events: one subscriber per worker
+// that publishes, all feeding one index.
+type KVEvents struct {
+	Index *kvevents.Index
+	subs  map[string]*kvevents.Subscriber // by worker URL
+	wg    sync.WaitGroup
+}
+
+// newKVEvents subscribes to the workers with a KV events endpoint (every worker with kv_events
+// on), or returns nil when none has one.
+func newKVEvents(cfg config.Config, ws []*worker.Worker, log *slog.Logger) *KVEvents {
+	k := &KVEvents{Index: kvevents.NewIndex(maxKVIndexBlocks), subs: map[string]*kvevents.Subscriber{}}
+	for _, w := range ws {
+		ep := w.KVEventsEndpoint
+		if ep == "" && cfg.KVEvents {
+			if u, err := url.Parse(w.URL); err == nil {
+				ep = "tcp://" + net.JoinHostPort(u.Hostname(), kvEventsPort)
+			}
+		}
+		if ep == "" {
+			continue
+		}
+		k.subs[w.URL] = &kvevents.Subscriber{Worker: w.URL, Endpoint: ep, Index: k.Index, Log: log,
+			ModelOf: func() string {
+				if in := w.Info(); in != nil && len(in.Models) > 0 {
+					return in.Models[0].ID
+				}
+				return ""
+			}}
+	}
+	if len(k.subs) == 0 {
+		return nil
+	}
+	return k
+}
+
+// Start runs the subscribers until ctx ends.
+func (k *KVEvents) Start(ctx context.Context) {
+	for _, s := range k.subs {
+		k.wg.Go(func() { s.Run(ctx) })
+	}
+}
+
+// Wait waits for the subscribers to stop.
+func (k *KVEvents) Wait() { k.wg.Wait() }
+
+// KVEventsView is a worker's KV event subscription in GET /workers.
+type KVEventsView struct {
+	Endpoint  string  `json:"endpoint"`
+	Healthy   bool    `json:"healthy"`
+	Received  uint64  `json:"received"`
+	Malformed uint64  `json:"malformed"`
+	Ignored   uint64  `json:"ignored"`
+	Gaps      uint64  `json:"gaps"`
+	Resets    uint64  `json:"resets"`
+	LastSeq   int64   `json:"last_seq"`
+	LagMs     float64 `json:"lag_ms,omitempty"` // now minus the last batch's engine timestamp
+}
+
+// View returns w's subscription state, or nil when Baton does not subscribe to it.
+func (k *KVEvents) View(w *worker.Worker) any {
+	if k == nil || k.subs[w.URL] == nil {
+		return nil
+	}
+	s := k.subs[w.URL]
+	st := s.Stats()
+	v := &KVEventsView{Endpoint: s.Endpoint, Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
+		Gaps: st.Gaps, Resets: st.Resets, LastSeq: st.LastSeq}
+	if st.LastTS > 0 {
+		v.LagMs = float64(time.Now().UnixNano())/1e6 - st.LastTS*1e3
+	}
+	return v
+}
+
+// collector exports the subscriptions at scrape time: baton_kv_events_total{worker,result},
+// baton_kv_events_gaps_total{worker}, baton_kv_events_resets_total{worker},
+// baton_kv_events_healthy{worker}, baton_kv_index_blocks, baton_kv_index_dropped_total.
+type kvCollector struct{ k *KVEvents }
+
+var (
+	kvEventsDesc  = prometheus.NewDesc("baton_kv_events_total", "KV event messages from each worker's engine by result (received, malformed; ignored counts unknown events).", []string{"worker", "result"}, nil)
+	kvGapsDesc    = prometheus.NewDesc("baton_kv_events_gaps_total", "KV event sequence gaps (events lost): each cleared the worker's blocks from the index.", []string{"worker"}, nil)
+	kvResetsDesc  = prometheus.NewDesc("baton_kv_events_resets_total", "KV event sequences that started again (the engine restarted): each cleared the worker's blocks.", []string{"worker"}, nil)
+	kvHealthyDesc = prometheus.NewDesc("baton_kv_events_healthy", "1 when the worker's last KV event batch was decoded and applied.", []string{"worker"}, nil)
+	kvBlocksDesc  = prometheus.NewDesc("baton_kv_index_blocks", "Blocks the KV event index holds, per worker and rank summed.", nil, nil)
+	kvDroppedDesc = prometheus.NewDesc("baton_kv_index_dropped_total", "Stored blocks the KV event index refused past its bound.", nil, nil)
+)
+
+func (c kvCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{kvEventsDesc, kvGapsDesc, kvResetsDesc, kvHealthyDesc, kvBlocksDesc, kvDroppedDesc} {
+		ch <- d
+	}
+}
+
+func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
+	for url, s := range c.k.subs {
+		st := s.Stats()
+		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Received), url, "received")
+		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Malformed), url, "malformed")
+		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Ignored), url, "ignored")
+		ch <- prometheus.MustNewConstMetric(kvGapsDesc, prometheus.CounterValue, float64(st.Gaps), url)
+		ch <- prometheus.MustNewConstMetric(kvResetsDesc, prometheus.CounterValue, float64(st.Resets), url)
+		healthy := 0.0
+		if st.Healthy {
+			healthy = 1
+		}
+		ch <- prometheus.MustNewConstMetric(kvHealthyDesc, prometheus.GaugeValue, healthy, url)
+	}
+	n, dropped := c.k.Index.Size()
+	ch <- prometheus.MustNewConstMetric(kvBlocksDesc, prometheus.GaugeValue, float64(n))
+	ch <- prometheus.MustNewConstMetric(kvDroppedDesc, prometheus.CounterValue, float64(dropped))
+}
