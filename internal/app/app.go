@@ -216,6 +216,13 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
 	kv := newKVEvents(cfg, ws, log)
+	if kv != nil && cfg.CacheAwareSource != "approx" {
+		for _, p := range policies {
+			if ca, ok := p.(*policy.CacheAware); ok {
+				ca.Precise = kv.precise(&http.Client{Transport: proxy.NewTransport()})
+			}
+		}
+	}
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log}
 	if kv != nil {
 		m.Registry.MustRegister(kvCollector{kv})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/url"
 	"sync"
 	"time"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -132,4 +134,42 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 	n, dropped := c.k.Index.Size()
 	ch <- prometheus.MustNewConstMetric(kvBlocksDesc, prometheus.GaugeValue, float64(n))
 	ch <- prometheus.MustNewConstMetric(kvDroppedDesc, prometheus.CounterValue, float64(dropped))
+}
+
+// precise returns cache_aware's view from the engines' events: the prompt's token ids (asked of
+// a subscribed candidate's /tokenize, cached), their blocks at that engine's block size, and
+// each subscribed worker's resident share; -1 for workers without a healthy subscription, nil
+// when none has one or the prompt cannot be tokenized.
+func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *policy.Request) []float64 {
+	tok := &kvevents.Tokenizer{Client: client, Timeout: 2 * time.Second, MaxEntries: 4096}
+	return func(ws []*worker.Worker, req *policy.Request) []float64 {
+		var via *worker.Worker
+		bs := 0
+		for _, w := range ws {
+			if s := k.subs[w.URL]; s != nil && s.Stats().Healthy && s.BlockSize() > 0 {
+				via, bs = w, s.BlockSize()
+				break
+			}
+		}
+		if via == nil {
+			return nil
+		}
+		toks, ok := tok.Tokens(via.URL, req.Model, req.Path, req.Body)
+		if !ok || len(toks) == 0 {
+			return nil
+		}
+		model := req.Model
+		if in := via.Info(); in != nil && len(in.Models) > 0 {
+			model = in.Models[0].ID
+		}
+		held := k.Index.Match(kvevents.Keys(model, "", toks, bs))
+		out := make([]float64, len(ws))
+		for i, w := range ws {
+			out[i] = -1
+			if s := k.subs[w.URL]; s != nil && s.Stats().Healthy {
+				out[i] = float64(held[w.URL]*bs) / float64(len(toks))
+			}
+		}
+		return out
+	}
 }

@@ -317,3 +317,56 @@ func TestKVEventsSubscription(t *testing.T) {
 		t.Errorf("metrics lack the subscription")
 	}
 }
+
+// cache_aware from the engines' own KV events: prompts cached on an engine by traffic that never
+// went through this Baton (another replica, a direct client) are routed to that engine; the
+// approximate index, which knows only what this Baton routed, cannot.
+func TestCacheAwareFollowsEngineEvents(t *testing.T) {
+	t.Parallel()
+	hits := func(source string) int {
+		var es []*sim.Engine
+		cfg := config.Default()
+		cfg.Policy, cfg.CacheAwareSource, cfg.RouteHeader = config.PolicyCacheAware, source, true
+		for i := 0; i < 2; i++ {
+			e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true})
+			es = append(es, e)
+			cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+		}
+		g, gw := startGateway(t, cfg)
+		direct := func(e *sim.Engine, prompt string) {
+			resp, body := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+			if resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, body)
+			}
+		}
+		// Both subscriptions up: warm each engine until its events arrive.
+		for i, e := range es {
+			waitFor(t, func() bool {
+				direct(e, fmt.Sprintf("warm %d %d %s", i, time.Now().UnixNano(), strings.Repeat("w ", 40)))
+				v, _ := g.KVEvents.View(g.Registry.Snapshot().Workers[i]).(*KVEventsView)
+				return v != nil && v.Healthy
+			})
+		}
+		right := 0
+		for p := 0; p < 8; p++ {
+			prompt := fmt.Sprintf("tenant %d: %s", p, strings.Repeat("a long shared system prompt for this tenant ", 8))
+			home := es[p%2]
+			direct(home, prompt) // cached there, behind this Baton's back
+			keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
+			waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+			resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
+			if resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, body)
+			}
+			if resp.Header.Get("X-Baton-Worker") == home.URL() {
+				right++
+			}
+		}
+		return right
+	}
+	events, approx := hits("auto"), hits("approx")
+	t.Logf("requests sent to the engine holding their prefix, of 8: events %d, approx %d", events, approx)
+	if events != 8 {
+		t.Errorf("from the engines' events, %d of 8 requests went to the engine holding their prefix", events)
+	}
+}

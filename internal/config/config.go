@@ -63,6 +63,10 @@ type Config struct {
 	// kv_events_endpoint or tcp://<worker host>:5557. Off by default; a worker with an explicit
 	// kv_events_endpoint is subscribed to either way.
 	KVEvents bool `json:"kv_events"`
+	// CacheAwareSource is where cache_aware learns what engines hold: auto (their KV events,
+	// for the workers Baton subscribes to and prompts it can tokenize, else its approximate
+	// index), events (the same), approx (its approximate index only). Default "auto".
+	CacheAwareSource string `json:"cache_aware_source"`
 	// RouteHeader adds X-Baton-Route to responses: why each worker was chosen (policy, reason,
 	// its load, the share of the prompt found cached). Off by default.
 	RouteHeader bool `json:"route_header"`
@@ -246,6 +250,7 @@ func Default() Config {
 		PrefixTokenCount:         256,
 		LoadPollIntervalMs:       500,
 		CacheThreshold:           0.3,
+		CacheAwareSource:         "auto",
 		BalanceAbsThreshold:      64,
 		BalanceRelThreshold:      1.5,
 		CacheLoadCost:            16,
@@ -340,6 +345,9 @@ func (c *Config) Validate() error {
 	if c.CacheThreshold < 0 || c.CacheThreshold > 1 || c.BalanceAbsThreshold < 0 || c.BalanceRelThreshold < 1 || c.CacheLoadCost < 0 ||
 		c.EvictionIntervalSecs <= 0 || c.MaxTreeSize < 64 {
 		bad("cache_aware: want cache_threshold in [0,1], balance_abs_threshold >= 0, balance_rel_threshold >= 1, cache_load_cost >= 0, eviction_interval_secs > 0, max_tree_size >= 64")
+	}
+	if !slices.Contains([]string{"auto", "events", "approx"}, c.CacheAwareSource) {
+		bad("cache_aware_source %q is unknown (want auto, events or approx)", c.CacheAwareSource)
 	}
 	if c.LoadPollIntervalMs < 10 || c.LoadPollIntervalMs > 60000 {
 		bad("load_poll_interval_ms must be within 10-60000, got %d", c.LoadPollIntervalMs)

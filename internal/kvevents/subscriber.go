@@ -28,7 +28,11 @@ type Subscriber struct {
 	lastSeq                                    atomic.Int64 // -1 before the first message
 	lastTS                                     atomic.Uint64
 	lastOK                                     atomic.Bool
+	blockSize                                  atomic.Int64
 }
+
+// BlockSize is the engine's block size, from its last BlockStored event (0 before one).
+func (s *Subscriber) BlockSize() int { return int(s.blockSize.Load()) }
 
 // Stats is a snapshot of a subscriber's counters.
 type Stats struct {
@@ -112,6 +116,11 @@ func (s *Subscriber) handle(frames [][]byte) {
 	if model == "" {
 		s.lastOK.Store(false)
 		return
+	}
+	for _, e := range b.Events {
+		if e.Kind == KindStored && e.BlockSize > 0 {
+			s.blockSize.Store(int64(e.BlockSize))
+		}
 	}
 	s.Index.Apply(s.Worker, model, b)
 	s.lastOK.Store(true)

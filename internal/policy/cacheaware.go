@@ -33,6 +33,10 @@ type CacheAware struct {
 	LoadCost               float64 // prompt blocks one request of load is worth
 	MaxBlocks              int
 	TTL                    time.Duration
+	// Precise, when set, gives each worker's cached share of the prompt from the engines' own
+	// KV events (0..1), or -1 for a worker it knows nothing of (those, and every worker when it
+	// returns nil, use the approximate index).
+	Precise func(ws []*worker.Worker, req *Request) []float64
 
 	mu    sync.Mutex
 	index map[uint64]*entry      // block key -> the workers that had it
@@ -63,18 +67,19 @@ func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker,
 		model = req.Model
 	}
 	keys := blocksOf(model, promptOf(req))
-	matched := p.matches(keys, ws, time.Now())
-	best, bestCost, bestMatch := 0, 0.0, 0
+	shares := p.shares(keys, ws, req)
+	n := float64(len(keys))
+	best, bestCost, bestShare := 0, 0.0, 0.0
 	ties := 0
 	for i, w := range ws {
-		cost := float64(len(keys)-matched[i]) + p.LoadCost*load(w)
+		cost := (1-shares[i])*n + p.LoadCost*load(w)
 		switch {
 		case i == 0 || cost < bestCost:
-			best, bestCost, bestMatch, ties = i, cost, matched[i], 1
+			best, bestCost, bestShare, ties = i, cost, shares[i], 1
 		case cost == bestCost:
 			ties++
 			if rand.IntN(ties) == 0 {
-				best, bestMatch = i, matched[i]
+				best, bestShare = i, shares[i]
 			}
 		}
 	}
@@ -82,7 +87,7 @@ func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker,
 	switch {
 	case len(keys) == 0:
 		reason = ReasonNoPrompt
-	case float64(bestMatch) < p.Threshold*float64(len(keys)):
+	case bestShare < p.Threshold:
 		reason = ReasonCacheMiss
 	case p.imbalanced(ws):
 		reason = ReasonImbalanced
@@ -93,9 +98,32 @@ func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker,
 	p.record(keys, ws[best])
 	match := -1.0
 	if len(keys) > 0 {
-		match = float64(matched[best]) / float64(len(keys))
+		match = shares[best]
 	}
 	return ws[best], Decision{Reason: reason, Match: match}
+}
+
+// shares returns each worker's cached share of the prompt: from the engines' events where
+// Precise knows, else from the approximate index.
+func (p *CacheAware) shares(keys []uint64, ws []*worker.Worker, req *Request) []float64 {
+	matched := p.matches(keys, ws, time.Now())
+	out := make([]float64, len(ws))
+	for i := range out {
+		if len(keys) > 0 {
+			out[i] = float64(matched[i]) / float64(len(keys))
+		}
+	}
+	if p.Precise == nil || len(keys) == 0 {
+		return out
+	}
+	if precise := p.Precise(ws, req); len(precise) == len(ws) {
+		for i, s := range precise {
+			if s >= 0 {
+				out[i] = min(s, 1)
+			}
+		}
+	}
+	return out
 }
 
 // roomiest is where a prompt nobody has cached goes: the least loaded worker, and among those

@@ -226,6 +226,7 @@ func (e *Engine) routes() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", e.inference(routeChat))
 	mux.HandleFunc("POST /v1/completions", e.inference(routeCompletions))
 	mux.HandleFunc("POST /v1/responses", e.inference(routeResponses))
+	mux.HandleFunc("POST /tokenize", e.tokenize)
 	if e.cfg.Engine == EngineVLLM {
 		mux.HandleFunc("POST /v1/messages", e.inference(routeMessages))
 	}

@@ -3,6 +3,7 @@ package sim
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strconv"
 )
@@ -420,4 +421,34 @@ func (e *Engine) pickRank(j *job, raw *rawRequest, r *http.Request) *apiError {
 	}
 	j.rank = int((e.rr.Add(1) - 1) % uint64(size))
 	return nil
+}
+
+// tokenize answers POST /tokenize as vLLM does: {"model", "prompt"} or {"model", "messages"} →
+// {"count", "max_model_len", "tokens"}, the token ids the engine would compute for that prompt
+// (chat: with the template applied).
+func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+	if err != nil {
+		e.writeError(w, errorf(400, "reading the body: %v", err))
+		return
+	}
+	var raw rawRequest
+	if err := json.Unmarshal(body, &raw); err != nil {
+		e.writeError(w, errorf(400, "invalid JSON: %v", err))
+		return
+	}
+	rt := routeCompletions
+	if len(raw.Messages) > 0 {
+		rt = routeChat
+	}
+	ps, apiErr := e.prompts(rt, &raw)
+	if apiErr != nil {
+		e.writeError(w, apiErr)
+		return
+	}
+	if len(ps) != 1 {
+		e.writeError(w, errorf(400, "tokenize takes one prompt"))
+		return
+	}
+	writeJSON(w, 200, map[string]any{"count": len(ps[0]), "max_model_len": 1 << 20, "tokens": ps[0]})
 }
