@@ -370,3 +370,65 @@ func TestCacheAwareFollowsEngineEvents(t *testing.T) {
 		t.Errorf("from the engines' events, %d of 8 requests went to the engine holding their prefix", events)
 	}
 }
+
+// Three Baton replicas over the same engines, clients spread across them, share nothing but
+// the engines' KV events, and find as much of their prompts cached as one replica does; the
+// approximate index, which each replica learns from its own third of the traffic, finds less.
+func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
+	t.Parallel()
+	share := func(replicas int, source string) float64 {
+		var es []*sim.Engine
+		cfg := config.Default()
+		cfg.Policy, cfg.CacheAwareSource = config.PolicyCacheAware, source
+		for i := 0; i < 4; i++ {
+			// Room for about four of the eight groups' prompts each.
+			e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, PrefixCacheBlocks: 170, KVEvents: true})
+			es = append(es, e)
+			cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+		}
+		var gs []*Gateway
+		var urls []string
+		for r := 0; r < replicas; r++ {
+			g, gw := startGateway(t, cfg)
+			gs, urls = append(gs, g), append(urls, gw.URL)
+		}
+		for i, e := range es { // every replica subscribed to every engine
+			waitFor(t, func() bool {
+				resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, fmt.Sprint("warm ", i, time.Now().UnixNano(), strings.Repeat(" w", 40))))
+				for _, g := range gs {
+					v, _ := g.KVEvents.View(g.Registry.Snapshot().Workers[i]).(*KVEventsView)
+					if resp.StatusCode != 200 || v == nil || !v.Healthy {
+						return false
+					}
+				}
+				return true
+			})
+		}
+		var h0, q0 int64
+		for _, e := range es {
+			h0, q0 = h0+e.Stats().PrefixCacheHits, q0+e.Stats().PrefixCacheQueries
+		}
+		n := 0
+		for round := 0; round < 6; round++ {
+			for g := 0; g < 8; g++ {
+				prompt := fmt.Sprintf("group %d. %s question %d", g, strings.Repeat("shared system prompt words for the group ", 80), round)
+				resp, body := postTimeout(t, urls[n%replicas]+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+				if resp.StatusCode != 200 {
+					t.Fatalf("%d %s", resp.StatusCode, body)
+				}
+				n++
+				time.Sleep(5 * time.Millisecond) // the engine's events reach the replicas
+			}
+		}
+		var h, q int64
+		for _, e := range es {
+			h, q = h+e.Stats().PrefixCacheHits, q+e.Stats().PrefixCacheQueries
+		}
+		return float64(h-h0) / float64(q-q0)
+	}
+	one, three, approx := share(1, "auto"), share(3, "auto"), share(3, "approx")
+	t.Logf("prompt tokens found cached: 1 replica (events) %.2f, 3 replicas (events) %.2f, 3 replicas (approximate) %.2f", one, three, approx)
+	if three < 0.95*one {
+		t.Errorf("3 replicas from events found %.2f cached, 1 replica %.2f: want at least 0.95 of it", three, one)
+	}
+}

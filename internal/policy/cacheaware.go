@@ -106,7 +106,8 @@ func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker,
 // shares returns each worker's cached share of the prompt: from the engines' events where
 // Precise knows, else from the approximate index.
 func (p *CacheAware) shares(keys []uint64, ws []*worker.Worker, req *Request) []float64 {
-	matched := p.matches(keys, ws, time.Now())
+	now := time.Now()
+	matched := p.matches(keys, ws, now, p.TTL)
 	out := make([]float64, len(ws))
 	for i := range out {
 		if len(keys) > 0 {
@@ -117,9 +118,13 @@ func (p *CacheAware) shares(keys []uint64, ws []*worker.Worker, req *Request) []
 		return out
 	}
 	if precise := p.Precise(ws, req); len(precise) == len(ws) {
+		// What the engines confirmed, or what this gateway routed there in the last moments
+		// (the engine's events for it may not have arrived yet): a burst of one prefix stays
+		// together instead of scattering while its first request is still in prefill.
+		recent := p.matches(keys, ws, now, SpeculativeTTL)
 		for i, s := range precise {
 			if s >= 0 {
-				out[i] = min(s, 1)
+				out[i] = min(max(s, float64(recent[i])/float64(len(keys))), 1)
 			}
 		}
 	}
@@ -177,14 +182,14 @@ func blocksOf(model string, prompt []byte) []uint64 {
 }
 
 // matches returns, for each of ws, how many leading blocks of keys the index holds for it.
-func (p *CacheAware) matches(keys []uint64, ws []*worker.Worker, now time.Time) []int {
+func (p *CacheAware) matches(keys []uint64, ws []*worker.Worker, now time.Time, ttl time.Duration) []int {
 	out := make([]int, len(ws))
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	alive := len(ws) // workers still matching
 	for i, k := range keys {
 		e := p.index[k]
-		if e == nil || (p.TTL > 0 && now.Sub(e.seen) > p.TTL) {
+		if e == nil || (ttl > 0 && now.Sub(e.seen) > ttl) {
 			break
 		}
 		alive = 0
@@ -209,6 +214,9 @@ func holds(e *entry, w *worker.Worker) bool {
 	}
 	return false
 }
+
+// SpeculativeTTL is how long what this gateway routed counts beside the engines' events.
+const SpeculativeTTL = 5 * time.Second
 
 // maxHolders bounds the workers remembered per block: a block on more workers than this is
 // everywhere as far as routing goes.

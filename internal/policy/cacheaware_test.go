@@ -113,7 +113,7 @@ func TestCacheAwareForgetsAfterTTL(t *testing.T) {
 	p.Pick(ws, chat(system))
 	time.Sleep(time.Millisecond)
 	keys := blocksOf("m", promptOf(chat(system)))
-	for i, n := range p.matches(keys, ws, time.Now()) {
+	for i, n := range p.matches(keys, ws, time.Now(), p.TTL) {
 		if n != 0 {
 			t.Fatalf("worker %d still matches %d blocks after the TTL", i, n)
 		}
@@ -122,7 +122,7 @@ func TestCacheAwareForgetsAfterTTL(t *testing.T) {
 	p.Pick(ws, chat(system))
 	time.Sleep(time.Millisecond)
 	total := 0
-	for _, n := range p.matches(keys, ws, time.Now()) {
+	for _, n := range p.matches(keys, ws, time.Now(), p.TTL) {
 		total += n
 	}
 	if total != len(keys) {
