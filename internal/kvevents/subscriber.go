@@ -55,7 +55,7 @@ func (s *Subscriber) Run(ctx context.Context) {
 	sock := zmq4.NewSub(ctx, zmq4.WithAutomaticReconnect(true), zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1))
 	defer sock.Close()
 	for ctx.Err() == nil {
-		if err := sock.Dial(s.Endpoint); err != nil {
+		if err := sock.Dial(dialAddr(s.Endpoint)); err != nil {
 			s.Log.Warn("kv events: cannot connect", "worker", s.Worker, "endpoint", s.Endpoint, "err", err)
 			select {
 			case <-ctx.Done():

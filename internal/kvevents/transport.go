@@ -1,0 +1,124 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"net"
+	"strings"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/transport"
+)
+
+// MaxMessage bounds one ZMQ message from an engine (all its frames): the ZMQ library allocates
+// whatever size a frame header claims, so Baton checks the claims on the wire before the library
+// reads them.
+const MaxMessage = 64 << 20
+
+// cappedScheme is the ZMQ transport Baton dials engines with: TCP, with every frame header
+// checked against MaxMessage.
+const cappedScheme = "baton-tcp"
+
+func init() {
+	if err := zmq4.RegisterTransport(cappedScheme, capped{transport.New("tcp")}); err != nil {
+		panic(err)
+	}
+}
+
+// dialAddr turns a tcp:// endpoint into one on the capped transport.
+func dialAddr(ep string) string {
+	if rest, ok := strings.CutPrefix(ep, "tcp://"); ok {
+		return cappedScheme + "://" + rest
+	}
+	return ep
+}
+
+type capped struct{ tcp transport.Transport }
+
+func (c capped) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
+	conn, err := c.tcp.Dial(ctx, d, addr)
+	if err != nil {
+		return nil, err
+	}
+	return &frameCap{Conn: conn, max: MaxMessage}, nil
+}
+
+func (c capped) Listen(context.Context, string) (net.Listener, error) {
+	return nil, errors.New("kv events: the capped transport only dials")
+}
+
+func (c capped) Addr(ep string) (string, error) { return c.tcp.Addr(ep) }
+
+// errTooLarge ends a connection whose peer announced a message above the bound.
+var errTooLarge = errors.New("kv events: a ZMQ frame or message above the size bound")
+
+// frameCap follows the ZMTP 3 stream as it is read (a 64-byte greeting, then frames: a flags
+// byte, a 1- or 8-byte size, the body) and fails the read that would deliver a frame header
+// claiming more than max bytes for its message.
+type frameCap struct {
+	net.Conn
+	max int64
+
+	greeting int    // greeting bytes still to pass
+	hdr      []byte // the frame header read so far
+	body     int64  // body bytes of the current frame still to pass
+	message  int64  // bytes of the current message so far
+	more     bool   // the current frame is followed by another of the same message
+	started  bool
+}
+
+func (f *frameCap) Read(p []byte) (int, error) {
+	if !f.started {
+		f.started, f.greeting = true, 64
+	}
+	n, err := f.Conn.Read(p)
+	if cerr := f.scan(p[:n]); cerr != nil {
+		_ = f.Conn.Close()
+		return 0, cerr
+	}
+	return n, err
+}
+
+func (f *frameCap) scan(b []byte) error {
+	for len(b) > 0 {
+		switch {
+		case f.greeting > 0:
+			k := min(f.greeting, len(b))
+			f.greeting -= k
+			b = b[k:]
+		case f.body > 0:
+			k := int(min(f.body, int64(len(b))))
+			f.body -= int64(k)
+			b = b[k:]
+		default:
+			f.hdr = append(f.hdr, b[0])
+			b = b[1:]
+			need := 2
+			if f.hdr[0]&0x02 != 0 { // long frame: 8-byte size
+				need = 9
+			}
+			if len(f.hdr) < need {
+				continue
+			}
+			size := int64(f.hdr[1])
+			if need == 9 {
+				u := binary.BigEndian.Uint64(f.hdr[1:9])
+				if u > uint64(f.max) {
+					return errTooLarge
+				}
+				size = int64(u)
+			}
+			if !f.more {
+				f.message = 0
+			}
+			f.message += size
+			if f.message > f.max {
+				return errTooLarge
+			}
+			f.more = f.hdr[0]&0x01 != 0
+			f.body, f.hdr = size, f.hdr[:0]
+		}
+	}
+	return nil
+}
