@@ -6,6 +6,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,14 +29,14 @@ const maxKVIndexBlocks = 4 << 20
 // that publishes, all feeding one index.
 type KVEvents struct {
 	Index *kvevents.Index
-	subs  map[string]*kvevents.Subscriber // by worker URL
+	subs  map[string][]*kvevents.Subscriber // by worker URL, one per DP rank
 	wg    sync.WaitGroup
 }
 
 // newKVEvents subscribes to the workers with a KV events endpoint (every worker with kv_events
 // on), or returns nil when none has one.
 func newKVEvents(cfg config.Config, ws []*worker.Worker, log *slog.Logger) *KVEvents {
-	k := &KVEvents{Index: kvevents.NewIndex(maxKVIndexBlocks), subs: map[string]*kvevents.Subscriber{}}
+	k := &KVEvents{Index: kvevents.NewIndex(maxKVIndexBlocks), subs: map[string][]*kvevents.Subscriber{}}
 	for _, w := range ws {
 		ep := w.KVEventsEndpoint
 		if ep == "" && cfg.KVEvents {
@@ -45,13 +47,16 @@ func newKVEvents(cfg config.Config, ws []*worker.Worker, log *slog.Logger) *KVEv
 		if ep == "" {
 			continue
 		}
-		k.subs[w.URL] = &kvevents.Subscriber{Worker: w.URL, Endpoint: ep, Index: k.Index, Log: log,
-			ModelOf: func() string {
-				if in := w.Info(); in != nil && len(in.Models) > 0 {
-					return in.Models[0].ID
-				}
-				return ""
-			}}
+		modelOf := func() string {
+			if in := w.Info(); in != nil && len(in.Models) > 0 {
+				return in.Models[0].ID
+			}
+			return ""
+		}
+		// A vLLM engine with DP ranks publishes rank r on the endpoint's port + r.
+		for r := 0; r < max(1, w.DPSize); r++ {
+			k.subs[w.URL] = append(k.subs[w.URL], &kvevents.Subscriber{Worker: w.URL, Rank: r, Endpoint: portPlus(ep, r), Index: k.Index, Log: log, ModelOf: modelOf})
+		}
 	}
 	if len(k.subs) == 0 {
 		return nil
@@ -61,8 +66,10 @@ func newKVEvents(cfg config.Config, ws []*worker.Worker, log *slog.Logger) *KVEv
 
 // Start runs the subscribers until ctx ends.
 func (k *KVEvents) Start(ctx context.Context) {
-	for _, s := range k.subs {
-		k.wg.Go(func() { s.Run(ctx) })
+	for _, ss := range k.subs {
+		for _, s := range ss {
+			k.wg.Go(func() { s.Run(ctx) })
+		}
 	}
 }
 
@@ -71,7 +78,8 @@ func (k *KVEvents) Wait() { k.wg.Wait() }
 
 // KVEventsView is a worker's KV event subscription in GET /workers.
 type KVEventsView struct {
-	Endpoint  string  `json:"endpoint"`
+	Endpoint  string  `json:"endpoint"` // rank 0's; rank r is at its port + r
+	Ranks     int     `json:"ranks"`
 	Healthy   bool    `json:"healthy"`
 	Received  uint64  `json:"received"`
 	Malformed uint64  `json:"malformed"`
@@ -87,9 +95,8 @@ func (k *KVEvents) View(w *worker.Worker) any {
 	if k == nil || k.subs[w.URL] == nil {
 		return nil
 	}
-	s := k.subs[w.URL]
-	st := s.Stats()
-	v := &KVEventsView{Endpoint: s.Endpoint, Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
+	st, _ := k.stats(w.URL)
+	v := &KVEventsView{Endpoint: k.subs[w.URL][0].Endpoint, Ranks: len(k.subs[w.URL]), Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
 		Gaps: st.Gaps, Resets: st.Resets, LastSeq: st.LastSeq}
 	if st.LastTS > 0 {
 		v.LagMs = float64(time.Now().UnixNano())/1e6 - st.LastTS*1e3
@@ -118,8 +125,8 @@ func (c kvCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
-	for url, s := range c.k.subs {
-		st := s.Stats()
+	for url := range c.k.subs {
+		st, _ := c.k.stats(url)
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Received), url, "received")
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Malformed), url, "malformed")
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Ignored), url, "ignored")
@@ -146,8 +153,8 @@ func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *p
 		var via *worker.Worker
 		bs := 0
 		for _, w := range ws {
-			if s := k.subs[w.URL]; s != nil && s.Stats().Healthy && s.BlockSize() > 0 {
-				via, bs = w, s.BlockSize()
+			if st, size := k.stats(w.URL); st.Healthy && size > 0 {
+				via, bs = w, size
 				break
 			}
 		}
@@ -166,10 +173,39 @@ func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *p
 		out := make([]float64, len(ws))
 		for i, w := range ws {
 			out[i] = -1
-			if s := k.subs[w.URL]; s != nil && s.Stats().Healthy {
+			if st, _ := k.stats(w.URL); st.Healthy {
 				out[i] = float64(held[w.URL]*bs) / float64(len(toks))
 			}
 		}
 		return out
 	}
+}
+
+// stats sums a worker's subscriptions (one per DP rank): healthy when every rank's is; the
+// engine's block size from any rank that reported one. Zero for a worker without any.
+func (k *KVEvents) stats(url string) (kvevents.Stats, int) {
+	var out kvevents.Stats
+	bs := 0
+	for i, s := range k.subs[url] {
+		st := s.Stats()
+		out.Received, out.Malformed, out.Ignored = out.Received+st.Received, out.Malformed+st.Malformed, out.Ignored+st.Ignored
+		out.Gaps, out.Resets = out.Gaps+st.Gaps, out.Resets+st.Resets
+		out.LastSeq, out.LastTS = max(out.LastSeq, st.LastSeq), max(out.LastTS, st.LastTS)
+		out.Healthy = st.Healthy && (i == 0 || out.Healthy)
+		bs = max(bs, s.BlockSize())
+	}
+	return out, bs
+}
+
+// portPlus returns the tcp://host:port endpoint ep with its port raised by r.
+func portPlus(ep string, r int) string {
+	if r == 0 {
+		return ep
+	}
+	host, port, err := net.SplitHostPort(strings.TrimPrefix(ep, "tcp://"))
+	p, perr := strconv.Atoi(port)
+	if err != nil || perr != nil {
+		return ep
+	}
+	return "tcp://" + net.JoinHostPort(host, strconv.Itoa(p+r))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 func chatWith(system, question string) string {
@@ -309,7 +311,7 @@ func TestKVEventsSubscription(t *testing.T) {
 	}
 	b, _ := io.ReadAll(wresp.Body)
 	wresp.Body.Close()
-	if !strings.Contains(string(b), `"kv_events":{"endpoint":"`+e.KVEventsEndpoint()+`","healthy":true`) || strings.Count(string(b), `"kv_events"`) != 1 {
+	if !strings.Contains(string(b), `"kv_events":{"endpoint":"`+e.KVEventsEndpoint()+`","ranks":1,"healthy":true`) || strings.Count(string(b), `"kv_events"`) != 1 {
 		t.Errorf("GET /workers does not show the one subscription: %s", b)
 	}
 	m := scrape(t, g)
@@ -430,5 +432,25 @@ func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
 	t.Logf("prompt tokens found cached: 1 replica (events) %.2f, 3 replicas (events) %.2f, 3 replicas (approximate) %.2f", one, three, approx)
 	if three < 0.95*one {
 		t.Errorf("3 replicas from events found %.2f cached, 1 replica %.2f: want at least 0.95 of it", three, one)
+	}
+}
+
+// A worker with DP ranks is subscribed on one endpoint per rank (port + r), as vLLM publishes.
+func TestKVEventsOneSubscriptionPerRank(t *testing.T) {
+	cfg := config.Default()
+	cfg.Workers = []config.Worker{{URL: "http://dp:8000", DPSize: 3, KVEventsEndpoint: "tcp://dp:5557"}, {URL: "http://plain:8000"}}
+	ws := []*worker.Worker{worker.New(cfg.Workers[0]), worker.New(cfg.Workers[1])}
+	k := newKVEvents(cfg, ws, slog.New(slog.DiscardHandler))
+	var eps []string
+	for _, s := range k.subs["http://dp:8000"] {
+		eps = append(eps, fmt.Sprintf("%s rank %d", s.Endpoint, s.Rank))
+	}
+	if got := strings.Join(eps, ", "); got != "tcp://dp:5557 rank 0, tcp://dp:5558 rank 1, tcp://dp:5559 rank 2" || k.subs["http://plain:8000"] != nil {
+		t.Fatalf("subscriptions %q", got)
+	}
+	cfg.KVEvents = true // every worker, at its host's 5557
+	k = newKVEvents(cfg, ws, slog.New(slog.DiscardHandler))
+	if s := k.subs["http://plain:8000"]; len(s) != 1 || s[0].Endpoint != "tcp://plain:5557" {
+		t.Fatalf("kv_events on: %+v", s)
 	}
 }

@@ -18,6 +18,8 @@ import (
 // longer holds is worse than one that knows less.
 type Subscriber struct {
 	Worker, Model, Endpoint string
+	// Rank is the DP rank this endpoint publishes for, used when a batch names none.
+	Rank int
 	// ModelOf, when Model is empty, names the model at each batch (a worker's model is known
 	// only once it registered); a batch with no model yet is not applied.
 	ModelOf func() string
@@ -121,6 +123,9 @@ func (s *Subscriber) handle(frames [][]byte) {
 		if e.Kind == KindStored && e.BlockSize > 0 {
 			s.blockSize.Store(int64(e.BlockSize))
 		}
+	}
+	if !b.HasDPRank {
+		b.DPRank = s.Rank
 	}
 	s.Index.Apply(s.Worker, model, b)
 	s.lastOK.Store(true)
