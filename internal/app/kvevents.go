@@ -55,7 +55,11 @@ func newKVEvents(cfg config.Config, ws []*worker.Worker, log *slog.Logger) *KVEv
 		}
 		// A vLLM engine with DP ranks publishes rank r on the endpoint's port + r.
 		for r := 0; r < max(1, w.DPSize); r++ {
-			k.subs[w.URL] = append(k.subs[w.URL], &kvevents.Subscriber{Worker: w.URL, Rank: r, Endpoint: portPlus(ep, r), Index: k.Index, Log: log, ModelOf: modelOf})
+			s := &kvevents.Subscriber{Worker: w.URL, Rank: r, Endpoint: portPlus(ep, r), Index: k.Index, Log: log, ModelOf: modelOf}
+			if w.KVEventsReplayEndpoint != "" {
+				s.ReplayEndpoint = portPlus(w.KVEventsReplayEndpoint, r)
+			}
+			k.subs[w.URL] = append(k.subs[w.URL], s)
 		}
 	}
 	if len(k.subs) == 0 {
@@ -86,6 +90,7 @@ type KVEventsView struct {
 	Ignored   uint64  `json:"ignored"`
 	Gaps      uint64  `json:"gaps"`
 	Resets    uint64  `json:"resets"`
+	Replays   uint64  `json:"replays"` // gaps filled from the replay endpoint
 	LastSeq   int64   `json:"last_seq"`
 	LagMs     float64 `json:"lag_ms,omitempty"` // now minus the last batch's engine timestamp
 }
@@ -97,7 +102,7 @@ func (k *KVEvents) View(w *worker.Worker) any {
 	}
 	st, _ := k.stats(w.URL)
 	v := &KVEventsView{Endpoint: k.subs[w.URL][0].Endpoint, Ranks: len(k.subs[w.URL]), Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
-		Gaps: st.Gaps, Resets: st.Resets, LastSeq: st.LastSeq}
+		Gaps: st.Gaps, Resets: st.Resets, Replays: st.Replays, LastSeq: st.LastSeq}
 	if st.LastTS > 0 {
 		v.LagMs = float64(time.Now().UnixNano())/1e6 - st.LastTS*1e3
 	}
@@ -111,7 +116,8 @@ type kvCollector struct{ k *KVEvents }
 
 var (
 	kvEventsDesc  = prometheus.NewDesc("baton_kv_events_total", "KV event messages from each worker's engine by result (received, malformed; ignored counts unknown events).", []string{"worker", "result"}, nil)
-	kvGapsDesc    = prometheus.NewDesc("baton_kv_events_gaps_total", "KV event sequence gaps (events lost): each cleared the worker's blocks from the index.", []string{"worker"}, nil)
+	kvGapsDesc    = prometheus.NewDesc("baton_kv_events_gaps_total", "KV event sequence gaps (events lost): each filled from the replay endpoint or, failing that, cleared the worker's blocks.", []string{"worker"}, nil)
+	kvReplaysDesc = prometheus.NewDesc("baton_kv_events_replays_total", "KV event gaps filled from the engine's replay endpoint.", []string{"worker"}, nil)
 	kvResetsDesc  = prometheus.NewDesc("baton_kv_events_resets_total", "KV event sequences that started again (the engine restarted): each cleared the worker's blocks.", []string{"worker"}, nil)
 	kvHealthyDesc = prometheus.NewDesc("baton_kv_events_healthy", "1 when the worker's last KV event batch was decoded and applied.", []string{"worker"}, nil)
 	kvBlocksDesc  = prometheus.NewDesc("baton_kv_index_blocks", "Blocks the KV event index holds, per worker and rank summed.", nil, nil)
@@ -119,7 +125,7 @@ var (
 )
 
 func (c kvCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{kvEventsDesc, kvGapsDesc, kvResetsDesc, kvHealthyDesc, kvBlocksDesc, kvDroppedDesc} {
+	for _, d := range []*prometheus.Desc{kvEventsDesc, kvGapsDesc, kvReplaysDesc, kvResetsDesc, kvHealthyDesc, kvBlocksDesc, kvDroppedDesc} {
 		ch <- d
 	}
 }
@@ -132,6 +138,7 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Ignored), url, "ignored")
 		ch <- prometheus.MustNewConstMetric(kvGapsDesc, prometheus.CounterValue, float64(st.Gaps), url)
 		ch <- prometheus.MustNewConstMetric(kvResetsDesc, prometheus.CounterValue, float64(st.Resets), url)
+		ch <- prometheus.MustNewConstMetric(kvReplaysDesc, prometheus.CounterValue, float64(st.Replays), url)
 		healthy := 0.0
 		if st.Healthy {
 			healthy = 1
@@ -189,7 +196,7 @@ func (k *KVEvents) stats(url string) (kvevents.Stats, int) {
 	for i, s := range k.subs[url] {
 		st := s.Stats()
 		out.Received, out.Malformed, out.Ignored = out.Received+st.Received, out.Malformed+st.Malformed, out.Ignored+st.Ignored
-		out.Gaps, out.Resets = out.Gaps+st.Gaps, out.Resets+st.Resets
+		out.Gaps, out.Resets, out.Replays = out.Gaps+st.Gaps, out.Resets+st.Resets, out.Replays+st.Replays
 		out.LastSeq, out.LastTS = max(out.LastSeq, st.LastSeq), max(out.LastTS, st.LastTS)
 		out.Healthy = st.Healthy && (i == 0 || out.Healthy)
 		bs = max(bs, s.BlockSize())

@@ -438,14 +438,14 @@ func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
 // A worker with DP ranks is subscribed on one endpoint per rank (port + r), as vLLM publishes.
 func TestKVEventsOneSubscriptionPerRank(t *testing.T) {
 	cfg := config.Default()
-	cfg.Workers = []config.Worker{{URL: "http://dp:8000", DPSize: 3, KVEventsEndpoint: "tcp://dp:5557"}, {URL: "http://plain:8000"}}
+	cfg.Workers = []config.Worker{{URL: "http://dp:8000", DPSize: 3, KVEventsEndpoint: "tcp://dp:5557", KVEventsReplayEndpoint: "tcp://dp:6557"}, {URL: "http://plain:8000"}}
 	ws := []*worker.Worker{worker.New(cfg.Workers[0]), worker.New(cfg.Workers[1])}
 	k := newKVEvents(cfg, ws, slog.New(slog.DiscardHandler))
 	var eps []string
 	for _, s := range k.subs["http://dp:8000"] {
-		eps = append(eps, fmt.Sprintf("%s rank %d", s.Endpoint, s.Rank))
+		eps = append(eps, fmt.Sprintf("%s %s rank %d", s.Endpoint, s.ReplayEndpoint, s.Rank))
 	}
-	if got := strings.Join(eps, ", "); got != "tcp://dp:5557 rank 0, tcp://dp:5558 rank 1, tcp://dp:5559 rank 2" || k.subs["http://plain:8000"] != nil {
+	if got := strings.Join(eps, ", "); got != "tcp://dp:5557 tcp://dp:6557 rank 0, tcp://dp:5558 tcp://dp:6558 rank 1, tcp://dp:5559 tcp://dp:6559 rank 2" || k.subs["http://plain:8000"] != nil {
 		t.Fatalf("subscriptions %q", got)
 	}
 	cfg.KVEvents = true // every worker, at its host's 5557

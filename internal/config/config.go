@@ -238,6 +238,10 @@ type Worker struct {
 	// KVEventsEndpoint is the engine's KV events publisher (tcp://host:port) Baton subscribes
 	// to; empty uses the kv_events_endpoint label, then, with kv_events on, tcp://<host>:5557.
 	KVEventsEndpoint string `json:"kv_events_endpoint,omitempty"`
+	// KVEventsReplayEndpoint is the engine's replay endpoint (vLLM replay_endpoint,
+	// tcp://host:port): lost events are fetched from it instead of forgetting the worker. Empty
+	// uses the kv_events_replay_endpoint label; none means a gap forgets the worker's blocks.
+	KVEventsReplayEndpoint string `json:"kv_events_replay_endpoint,omitempty"`
 }
 
 // Default returns the configuration with every default filled in.
@@ -423,9 +427,9 @@ func (c *Config) Validate() error {
 				bad("%s: kv_connector %q is unknown (want %s)", where, name, knownConnectors)
 			}
 		}
-		for _, ep := range []string{w.KVEventsEndpoint, w.Labels["kv_events_endpoint"]} {
+		for _, ep := range []string{w.KVEventsEndpoint, w.Labels["kv_events_endpoint"], w.KVEventsReplayEndpoint, w.Labels["kv_events_replay_endpoint"]} {
 			if err := CheckKVEventsEndpoint(ep); ep != "" && err != nil {
-				bad("%s: kv_events_endpoint: %v", where, err)
+				bad("%s: kv events endpoint: %v", where, err)
 			}
 		}
 	}

@@ -21,7 +21,7 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv_events_endpoint: \"tcp://*:5557\""} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\""} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
 		}

@@ -20,17 +20,20 @@ type Subscriber struct {
 	Worker, Model, Endpoint string
 	// Rank is the DP rank this endpoint publishes for, used when a batch names none.
 	Rank int
+	// ReplayEndpoint, when set, is the engine's replay ROUTER: a gap is filled from it before the
+	// worker is given up on.
+	ReplayEndpoint string
 	// ModelOf, when Model is empty, names the model at each batch (a worker's model is known
 	// only once it registered); a batch with no model yet is not applied.
 	ModelOf func() string
 	Index   *Index
 	Log     *slog.Logger
 
-	Received, Malformed, Ignored, Gaps, Resets atomic.Uint64
-	lastSeq                                    atomic.Int64 // -1 before the first message
-	lastTS                                     atomic.Uint64
-	lastOK                                     atomic.Bool
-	blockSize                                  atomic.Int64
+	Received, Malformed, Ignored, Gaps, Resets, Replays atomic.Uint64
+	lastSeq                                             atomic.Int64 // -1 before the first message
+	lastTS                                              atomic.Uint64
+	lastOK                                              atomic.Bool
+	blockSize                                           atomic.Int64
 }
 
 // BlockSize is the engine's block size, from its last BlockStored event (0 before one).
@@ -38,9 +41,9 @@ func (s *Subscriber) BlockSize() int { return int(s.blockSize.Load()) }
 
 // Stats is a snapshot of a subscriber's counters.
 type Stats struct {
-	Received, Malformed, Ignored, Gaps, Resets uint64
-	LastSeq                                    int64   // -1: none yet
-	LastTS                                     float64 // the last batch's engine timestamp (Unix seconds)
+	Received, Malformed, Ignored, Gaps, Resets, Replays uint64
+	LastSeq                                             int64   // -1: none yet
+	LastTS                                              float64 // the last batch's engine timestamp (Unix seconds)
 	// Healthy: a batch arrived and the last one decoded and applied.
 	Healthy bool
 }
@@ -48,7 +51,7 @@ type Stats struct {
 // Stats returns the subscriber's counters.
 func (s *Subscriber) Stats() Stats {
 	return Stats{Received: s.Received.Load(), Malformed: s.Malformed.Load(), Ignored: s.Ignored.Load(), Gaps: s.Gaps.Load(),
-		Resets: s.Resets.Load(), LastSeq: s.lastSeq.Load(), LastTS: math.Float64frombits(s.lastTS.Load()), Healthy: s.lastOK.Load()}
+		Resets: s.Resets.Load(), Replays: s.Replays.Load(), LastSeq: s.lastSeq.Load(), LastTS: math.Float64frombits(s.lastTS.Load()), Healthy: s.lastOK.Load()}
 }
 
 // Run subscribes until ctx ends, redialling a lost engine.
@@ -99,16 +102,26 @@ func (s *Subscriber) handle(frames [][]byte) {
 		return
 	}
 	if last := s.lastSeq.Load(); last >= 0 && seq != last+1 {
-		if seq <= last {
+		switch {
+		case seq <= last:
 			s.Resets.Add(1)
 			s.Log.Info("kv events: sequence went back, the engine restarted: forgetting its blocks", "worker", s.Worker, "seq", seq, "last", last)
-		} else {
+			s.Index.ClearWorker(s.Worker)
+		case s.ReplayEndpoint != "" && s.replay(last+1, seq):
+			s.Gaps.Add(1)
+			s.Replays.Add(1)
+		default:
 			s.Gaps.Add(1)
 			s.Log.Warn("kv events: gap, events were lost: forgetting the worker's blocks", "worker", s.Worker, "seq", seq, "last", last)
+			s.Index.ClearWorker(s.Worker)
 		}
-		s.Index.ClearWorker(s.Worker)
 	}
 	s.lastSeq.Store(seq)
+	s.apply(b)
+}
+
+// apply applies one decoded batch under the worker's model.
+func (s *Subscriber) apply(b Batch) {
 	s.lastTS.Store(math.Float64bits(b.TS))
 	s.Ignored.Add(uint64(b.Ignored))
 	model := s.Model
@@ -129,4 +142,64 @@ func (s *Subscriber) handle(frames [][]byte) {
 	}
 	s.Index.Apply(s.Worker, model, b)
 	s.lastOK.Store(true)
+}
+
+// replay asks the engine's replay endpoint for the batches from..upto-1 and applies them in
+// order; false when it cannot have them all (the engine keeps only its last buffer_steps).
+func (s *Subscriber) replay(from, upto int64) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	sock := zmq4.NewDealer(ctx)
+	defer sock.Close()
+	if err := sock.Dial(dialAddr(s.ReplayEndpoint)); err != nil {
+		return false
+	}
+	var start [8]byte
+	binary.BigEndian.PutUint64(start[:], uint64(from))
+	if err := sock.Send(zmq4.NewMsgFrom(nil, start[:])); err != nil {
+		return false
+	}
+	want := from
+	var batches []Batch
+	for {
+		msg, err := sock.Recv()
+		if err != nil {
+			return false
+		}
+		// ["", seq, payload] (older vLLM) or ["", topic, seq, payload].
+		f := msg.Frames
+		if len(f) == 4 {
+			f = f[2:]
+		} else if len(f) == 3 {
+			f = f[1:]
+		} else {
+			return false
+		}
+		if len(f[0]) != 8 {
+			return false
+		}
+		seq := int64(binary.BigEndian.Uint64(f[0]))
+		if seq == -1 {
+			break
+		}
+		if seq < want || seq >= upto {
+			continue
+		}
+		if seq != want {
+			return false // the engine no longer has some of them
+		}
+		b, err := Decode(f[1])
+		if err != nil {
+			return false
+		}
+		batches = append(batches, b)
+		want++
+	}
+	if want != upto {
+		return false
+	}
+	for _, b := range batches {
+		s.apply(b)
+	}
+	return true
 }

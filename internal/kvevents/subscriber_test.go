@@ -110,3 +110,69 @@ func atoi(t *testing.T, s string) int {
 	}
 	return n
 }
+
+// Batches lost on the way (the publisher drops every third) are fetched from the engine's replay
+// endpoint, in order, and the index ends up with every prompt; without a replay endpoint, each
+// gap forgets the worker instead.
+func TestSubscriberReplaysGaps(t *testing.T) {
+	for _, withReplay := range []bool{true, false} {
+		t.Run(fmt.Sprint("replay=", withReplay), func(t *testing.T) {
+			e, err := sim.Start(sim.Config{Model: "m", PrefixCache: true, KVEvents: true, KVEventsDropEvery: 3})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close()
+			idx := kvevents.NewIndex(1 << 20)
+			s := &kvevents.Subscriber{Worker: "w", Model: "m", Endpoint: e.KVEventsEndpoint(), Index: idx, Log: slog.New(slog.DiscardHandler)}
+			if withReplay {
+				s.ReplayEndpoint = e.KVEventsReplayEndpoint()
+			}
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			go s.Run(ctx)
+			for i := 0; s.Stats().Received == 0; i++ {
+				complete(t, e, fmt.Sprintf("warm up %d %s", i, strings.Repeat("x ", 40)))
+				time.Sleep(20 * time.Millisecond)
+				if i > 200 {
+					t.Fatal("no KV event reached the subscriber")
+				}
+			}
+			var all [][]uint64
+			for i := 0; i < 9; i++ {
+				prompt := fmt.Sprintf("prompt %d %s", i, strings.Repeat("the relay hands the baton over ", 6))
+				complete(t, e, prompt)
+				all = append(all, kvevents.Keys("m", "", sim.Tokenize(prompt), 16))
+			}
+			complete(t, e, "flush "+strings.Repeat("f ", 40)) // a last batch after the prompts
+			complete(t, e, "flush again "+strings.Repeat("g ", 40))
+			waitFor(t, "the gaps", func() bool { return s.Stats().Gaps >= 2 })
+			st := s.Stats()
+			if withReplay {
+				waitFor(t, "every prompt", func() bool {
+					for _, keys := range all {
+						if idx.Match(keys)["w"] != len(keys) {
+							return false
+						}
+					}
+					return true
+				})
+				if st = s.Stats(); st.Replays != st.Gaps || st.Resets != 0 {
+					t.Fatalf("stats %+v: want every gap replayed", st)
+				}
+				return
+			}
+			if st.Replays != 0 {
+				t.Fatalf("replays without an endpoint: %+v", st)
+			}
+			missing := 0
+			for _, keys := range all {
+				if idx.Match(keys)["w"] != len(keys) {
+					missing++
+				}
+			}
+			if missing == 0 {
+				t.Fatal("gaps without replay left every prompt in the index")
+			}
+		})
+	}
+}

@@ -62,6 +62,8 @@ type Config struct {
 	KVEvents         bool
 	KVEventsPort     int
 	KVEventsEncoding string
+	// KVEventsDropEvery loses every Nth batch on the PUB socket (kept for replay): a fault.
+	KVEventsDropEvery int
 
 	Faults Faults // faults applied to every inference request
 }

@@ -117,7 +117,7 @@ func Start(cfg Config) (*Engine, error) {
 	if c.PrefixCache {
 		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
 		if c.KVEvents {
-			pub, err := startKVPublisher(c.Host, c.KVEventsPort, c.KVEventsEncoding, "")
+			pub, err := startKVPublisher(c.Host, c.KVEventsPort, c.KVEventsEncoding, "", c.KVEventsDropEvery)
 			if err != nil {
 				return nil, err
 			}
@@ -207,6 +207,14 @@ func (e *Engine) KVEventsEndpoint() string {
 		return ""
 	}
 	return e.kvpub.endpoint()
+}
+
+// KVEventsReplayEndpoint is where the engine replays missed KV event batches, "" without events.
+func (e *Engine) KVEventsReplayEndpoint() string {
+	if e.kvpub == nil {
+		return ""
+	}
+	return e.kvpub.replayEndpoint()
 }
 
 // URL is the engine's API base URL.

@@ -24,25 +24,81 @@ const (
 // to the engine's host, multipart [topic, seq (8 bytes, big-endian, from 0 at start), msgpack
 // KVEventBatch].
 type kvPublisher struct {
-	mu       sync.Mutex
-	sock     zmq4.Socket
-	seq      uint64
-	encoding string
-	topic    string
+	mu        sync.Mutex
+	sock      zmq4.Socket
+	seq       uint64
+	encoding  string
+	topic     string
+	dropEvery int // fault: every Nth batch is not published (still kept for replay); 0 never
+
+	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
+	// missed some, as vLLM's replay_endpoint keeps buffer_steps of them.
+	replay zmq4.Socket
+	buffer []replayed
 }
 
-func startKVPublisher(host string, port int, encoding, topic string) (*kvPublisher, error) {
+type replayed struct {
+	seq     uint64
+	payload []byte
+}
+
+const replayBuffer = 10000
+
+func startKVPublisher(host string, port int, encoding, topic string, dropEvery int) (*kvPublisher, error) {
 	sock := zmq4.NewPub(context.Background())
 	if err := sock.Listen(fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(port)))); err != nil {
 		return nil, fmt.Errorf("sim kv events: %w", err)
 	}
-	return &kvPublisher{sock: sock, encoding: encoding, topic: topic}, nil
+	router := zmq4.NewRouter(context.Background())
+	if err := router.Listen(fmt.Sprintf("tcp://%s", net.JoinHostPort(host, "0"))); err != nil {
+		_ = sock.Close()
+		return nil, fmt.Errorf("sim kv events replay: %w", err)
+	}
+	p := &kvPublisher{sock: sock, encoding: encoding, topic: topic, dropEvery: dropEvery, replay: router}
+	go p.serveReplay()
+	return p, nil
+}
+
+// replayEndpoint is where a subscriber asks for missed batches.
+func (p *kvPublisher) replayEndpoint() string { return "tcp://" + p.replay.Addr().String() }
+
+// serveReplay answers ["", start_seq] with ["", topic, seq, payload] for every buffered batch
+// from start_seq on, then the end marker (seq -1, empty payload).
+func (p *kvPublisher) serveReplay() {
+	for {
+		msg, err := p.replay.Recv()
+		if err != nil {
+			return
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[2]) != 8 {
+			continue
+		}
+		id, start := msg.Frames[0], binary.BigEndian.Uint64(msg.Frames[2])
+		p.mu.Lock()
+		var out []replayed
+		for _, b := range p.buffer {
+			if b.seq >= start {
+				out = append(out, b)
+			}
+		}
+		p.mu.Unlock()
+		for _, b := range out {
+			var seq [8]byte
+			binary.BigEndian.PutUint64(seq[:], b.seq)
+			_ = p.replay.Send(zmq4.NewMsgFrom(id, nil, []byte(p.topic), seq[:], b.payload))
+		}
+		end := []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
+		_ = p.replay.Send(zmq4.NewMsgFrom(id, nil, []byte(p.topic), end, nil))
+	}
 }
 
 // endpoint is where subscribers connect.
 func (p *kvPublisher) endpoint() string { return "tcp://" + p.sock.Addr().String() }
 
-func (p *kvPublisher) close() { _ = p.sock.Close() }
+func (p *kvPublisher) close() {
+	_ = p.sock.Close()
+	_ = p.replay.Close()
+}
 
 // publish sends one batch: a BlockStored per stored block (with its parent, 0 for none → nil),
 // then one BlockRemoved for the evicted blocks.
@@ -82,6 +138,13 @@ func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
 	defer p.mu.Unlock()
 	var seq [8]byte
 	binary.BigEndian.PutUint64(seq[:], p.seq)
+	p.buffer = append(p.buffer, replayed{seq: p.seq, payload: buf.Bytes()})
+	if len(p.buffer) > replayBuffer {
+		p.buffer = p.buffer[len(p.buffer)-replayBuffer:]
+	}
 	p.seq++
+	if p.dropEvery > 0 && p.seq%uint64(p.dropEvery) == 0 {
+		return // lost on the way, as a PUB drops for a slow subscriber
+	}
 	_ = p.sock.SendMulti(zmq4.NewMsgFrom([]byte(p.topic), seq[:], buf.Bytes()))
 }

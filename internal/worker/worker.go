@@ -50,8 +50,9 @@ type Worker struct {
 	// KVConnector and KVEngineID are a vLLM prefill worker's connector settings (fields win
 	// over the kv_connector and kv_engine_id labels).
 	KVConnector, KVEngineID string
-	// KVEventsEndpoint is the engine's KV events publisher, "" for none configured.
-	KVEventsEndpoint string
+	// KVEventsEndpoint is the engine's KV events publisher, "" for none configured;
+	// KVEventsReplayEndpoint its replay endpoint, "" for none.
+	KVEventsEndpoint, KVEventsReplayEndpoint string
 
 	configured config.Worker
 	info       atomic.Pointer[Info] // nil until registration succeeds
@@ -95,7 +96,8 @@ func New(c config.Worker) *Worker {
 		KVEngineID:    cmp.Or(c.KVEngineID, c.Labels["kv_engine_id"]),
 		configured:    c,
 
-		KVEventsEndpoint: cmp.Or(c.KVEventsEndpoint, c.Labels["kv_events_endpoint"]),
+		KVEventsEndpoint:       cmp.Or(c.KVEventsEndpoint, c.Labels["kv_events_endpoint"]),
+		KVEventsReplayEndpoint: cmp.Or(c.KVEventsReplayEndpoint, c.Labels["kv_events_replay_endpoint"]),
 	}
 	if label, ok := c.Labels["dp_size"]; ok && c.DPSize == 0 {
 		if n, err := strconv.Atoi(label); err == nil && n > 0 {
