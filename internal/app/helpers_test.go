@@ -19,6 +19,14 @@ import (
 // serving models, and sends everything else to handle.
 func fakeEngine(t *testing.T, ownedBy string, models []string, handle http.HandlerFunc) *httptest.Server {
 	t.Helper()
+	return fakeEngineWith(t, ownedBy, models, handle, false)
+}
+
+// fakeEngineWith is fakeEngine; with serveMetrics false it answers the gateway's load poll (GET
+// /metrics) itself with nothing, so that handle sees only the requests a test sends: a handler
+// that records every request would otherwise record a poll that raced the test's first request.
+func fakeEngineWith(t *testing.T, ownedBy string, models []string, handle http.HandlerFunc, serveMetrics bool) *httptest.Server {
+	t.Helper()
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
 			var data []map[string]any
@@ -26,6 +34,9 @@ func fakeEngine(t *testing.T, ownedBy string, models []string, handle http.Handl
 				data = append(data, map[string]any{"id": m, "object": "model", "owned_by": ownedBy})
 			}
 			_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})
+			return
+		}
+		if !serveMetrics && r.Method == http.MethodGet && r.URL.Path == "/metrics" {
 			return
 		}
 		handle(w, r)

@@ -121,7 +121,7 @@ func TestLeastLoadSeesEngineReportedLoad(t *testing.T) {
 func TestStaleEngineLoadIsNotTrusted(t *testing.T) {
 	t.Parallel()
 	var broken atomic.Bool
-	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+	up := fakeEngineWith(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/metrics" {
 			if broken.Load() {
 				w.WriteHeader(500)
@@ -131,7 +131,7 @@ func TestStaleEngineLoadIsNotTrusted(t *testing.T) {
 			return
 		}
 		io.WriteString(w, "{}")
-	})
+	}, true)
 	cfg := testConfig(up.URL)
 	cfg.LoadPollIntervalMs = 20
 	g, _ := startGateway(t, cfg)
