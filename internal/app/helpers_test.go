@@ -62,7 +62,7 @@ func startGateway(t *testing.T, cfg config.Config, tune ...func(*timing)) (*Gate
 	t.Cleanup(func() { cancel(); g.Wait() })
 	deadline := time.Now().Add(10 * time.Second)
 	for _, w := range g.Registry.Snapshot().Workers {
-		for !w.Registered() {
+		for !w.Registered() || !w.Ready() {
 			if time.Now().After(deadline) {
 				t.Fatalf("worker %s never registered", w.URL)
 			}

@@ -69,13 +69,13 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return nil
 }
 
-// registered waits until every worker registered, or checkWait passed.
+// registered waits until every worker registered and took traffic, or checkWait passed.
 func registered(ctx context.Context, reg *worker.Registry) {
 	deadline := time.Now().Add(checkWait)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
 		all := true
 		for _, w := range reg.Snapshot().Workers {
-			all = all && w.Registered()
+			all = all && w.Registered() && w.Ready()
 		}
 		if all {
 			return

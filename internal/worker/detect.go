@@ -152,7 +152,8 @@ type Registrar struct {
 	Client      *http.Client
 	Log         *slog.Logger
 	MaxInterval time.Duration // longest wait between attempts for one worker
-	// OnRegistered, when set, is called once for each worker that registered.
+	// OnRegistered, when set, is called once for each worker that registered, after its info is
+	// set and before it is ready.
 	OnRegistered func(w *Worker)
 
 	wg sync.WaitGroup
@@ -178,6 +179,11 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 		in, err := Detect(ctx, r.Client, w)
 		if err == nil {
 			w.SetInfo(in)
+			// What the hook learns (a Mooncake prefill's engine ids) is known before the
+			// worker takes traffic.
+			if r.OnRegistered != nil {
+				r.OnRegistered(w)
+			}
 			w.SetReady(true)
 			r.Registry.Rebuild()
 			ids := make([]string, len(in.Models))
@@ -185,9 +191,6 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 				ids[i] = m.ID
 			}
 			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
-			if r.OnRegistered != nil {
-				r.OnRegistered(w)
-			}
 			return
 		}
 		if attempt == 1 {

@@ -169,3 +169,33 @@ func TestNextRankPrefersTheIdleRank(t *testing.T) {
 		t.Error("a worker without DP ranks returned a rank")
 	}
 }
+
+// What OnRegistered learns about a worker (a Mooncake prefill's engine ids) is known before the
+// worker takes traffic: a request routed in between would lose its KV handoff.
+func TestRegisteredHookRunsBeforeReady(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, `{"data":[{"id":"m1","owned_by":"vllm"}]}`)
+	}))
+	defer srv.Close()
+	w := New(config.Worker{URL: srv.URL})
+	var readyDuring, runtimeDuring atomic.Value
+	r := &Registrar{Registry: NewRegistry(w), Client: srv.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)), MaxInterval: 50 * time.Millisecond,
+		OnRegistered: func(w *Worker) {
+			time.Sleep(50 * time.Millisecond) // a slow bootstrap server
+			readyDuring.Store(w.Ready())
+			runtimeDuring.Store(w.Runtime())
+		}}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer func() { cancel(); r.Wait() }()
+	r.Start(ctx)
+	deadline := time.Now().Add(10 * time.Second)
+	for !w.Ready() {
+		if time.Now().After(deadline) {
+			t.Fatal("worker never became ready")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if readyDuring.Load() != false || runtimeDuring.Load() != "vllm" {
+		t.Fatalf("during OnRegistered: ready %v, runtime %v; want not ready yet, runtime known", readyDuring.Load(), runtimeDuring.Load())
+	}
+}
