@@ -177,7 +177,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
 		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
 			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
-			CacheLoadCost: cfg.CacheLoadCost, CacheMaxBlocks: cfg.MaxTreeSize / 64, CacheTTL: time.Duration(cfg.EvictionIntervalSecs) * time.Second})
+			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: time.Duration(cfg.EvictionIntervalSecs) * time.Second})
 		if err != nil {
 			return nil, err
 		}
@@ -219,7 +219,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	if kv != nil && cfg.CacheAwareSource != "approx" {
 		for _, p := range policies {
 			if ca, ok := p.(*policy.CacheAware); ok {
-				ca.Precise = kv.precise(&http.Client{Transport: proxy.NewTransport()})
+				ca.Precise = kv.precise(client)
 			}
 		}
 	}

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"encoding/binary"
+	"slices"
 	"sync"
 
 	"github.com/cespare/xxhash/v2"
@@ -43,7 +44,8 @@ func root(model, lora string) uint64 {
 // next chains one block of tokens onto parent.
 func next(parent uint64, tokens []uint32) uint64 {
 	var buf [8 + 4*64]byte
-	d := xxhash.New()
+	var d xxhash.Digest
+	d.Reset()
 	binary.LittleEndian.PutUint64(buf[:8], parent)
 	_, _ = d.Write(buf[:8])
 	for len(tokens) > 0 {
@@ -197,20 +199,20 @@ func (x *Index) Match(keys []uint64) map[string]int {
 	out := map[string]int{}
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	alive := map[Holder]bool{}
+	var alive []Holder // the holders of every block so far
 	for i, k := range keys {
 		hs := x.blocks[k]
-		still := map[Holder]bool{}
-		for _, h := range hs {
-			if i == 0 || alive[h] {
-				still[h] = true
-				out[h.Worker] = max(out[h.Worker], i+1)
-			}
+		if i == 0 {
+			alive = append(alive, hs...)
+		} else {
+			alive = slices.DeleteFunc(alive, func(h Holder) bool { return !slices.Contains(hs, h) })
 		}
-		if len(still) == 0 {
+		if len(alive) == 0 {
 			break
 		}
-		alive = still
+		for _, h := range alive {
+			out[h.Worker] = i + 1
+		}
 	}
 	return out
 }

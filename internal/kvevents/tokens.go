@@ -46,7 +46,12 @@ func (t *Tokenizer) Tokens(base, model, path string, body []byte) ([]uint32, boo
 	if !ok || (member == "prompt" && (len(raw) == 0 || raw[0] != '"')) {
 		return nil, false
 	}
-	key := xxhash.Sum64String(path + "\x00" + model + "\x00" + string(raw))
+	d := xxhash.New()
+	for _, part := range []string{path, "\x00", model, "\x00"} {
+		_, _ = d.WriteString(part)
+	}
+	_, _ = d.Write(raw)
+	key := d.Sum64()
 	t.mu.Lock()
 	toks, hit := t.cache[key]
 	t.mu.Unlock()

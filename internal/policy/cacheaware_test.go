@@ -99,6 +99,9 @@ func TestCacheAwareIndexIsBounded(t *testing.T) {
 			t.Fatalf("index holds %d blocks, bound 100", n)
 		}
 	}
+	if p.Evictions() == 0 {
+		t.Fatal("a full index evicted nothing, or did not count it")
+	}
 	// A prompt longer than the index looks at is cut, not indexed whole.
 	huge := strings.Repeat("x", 10*prefixBlock*maxPromptBlocks)
 	if n := len(blocksOf("m", []byte(huge))); n != maxPromptBlocks {
@@ -228,6 +231,7 @@ func TestSelectorRecordsDecisions(t *testing.T) {
 	var seen []Decision
 	sel.Observe = func(d Decision) { seen = append(seen, d) }
 	req := chat(system)
+	req.Explain = true
 	w, err := sel.Worker(config.RoleRegular, req, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -77,7 +77,7 @@ func (s *Selector) pick(role string, ws []*worker.Worker, req *Request) *worker.
 		w, d = p.Pick(ws, req), Decision{Reason: reasonOf(p), Match: -1}
 	}
 	d.Role, d.Policy, d.Worker, d.Load = role, Name(p), w.URL, load(w)
-	if req != nil {
+	if req != nil && req.Explain {
 		req.Decisions = append(req.Decisions, d)
 	}
 	if s.Observe != nil {

@@ -25,7 +25,7 @@ type Options struct {
 	PrefixLoadFactor float64 // prefix_hash: the load bound, as a multiple of the mean
 	// cache_aware: see CacheAware.
 	CacheThreshold, BalanceAbs, BalanceRel, CacheLoadCost float64
-	CacheMaxBlocks                                        int
+	CacheMaxChars                                         int // the index bound, in prompt characters
 	CacheTTL                                              time.Duration
 }
 
@@ -42,7 +42,7 @@ func New(name string, o Options) (Policy, error) {
 		return PowerOfTwo{}, nil
 	case config.PolicyCacheAware:
 		return &CacheAware{Threshold: o.CacheThreshold, BalanceAbs: o.BalanceAbs, BalanceRel: o.BalanceRel,
-			LoadCost: o.CacheLoadCost, MaxBlocks: max(1, o.CacheMaxBlocks), TTL: o.CacheTTL}, nil
+			LoadCost: o.CacheLoadCost, MaxBlocks: max(1, o.CacheMaxChars/prefixBlock), TTL: o.CacheTTL}, nil
 	case config.PolicyPrefixHash:
 		return &PrefixHash{PrefixBytes: max(1, o.PrefixBytes), LoadFactor: max(1, o.PrefixLoadFactor)}, nil
 	}

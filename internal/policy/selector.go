@@ -13,7 +13,9 @@ type Request struct {
 	Model string
 	Path  string
 	Body  []byte
-	// Decisions are appended by each choice made for the request, saying why.
+	// Explain asks each choice made for the request to append its Decision to Decisions
+	// (X-Baton-Route); off, nothing is kept on the request.
+	Explain   bool
 	Decisions []Decision
 }
 

@@ -36,7 +36,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body}
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
 		pair, err := s.sel.Pair(sreq, avoid)
