@@ -64,6 +64,12 @@ type Config struct {
 	KVEventsEncoding string
 	// KVEventsDropEvery loses every Nth batch on the PUB socket (kept for replay): a fault.
 	KVEventsDropEvery int
+	// KVEventsConnect makes the publisher dial this endpoint (a gateway listening for engines,
+	// tcp://host:port) instead of binding, as vLLM and SGLang do for an endpoint without "*".
+	KVEventsConnect string
+	// KVEventsTopic is the first frame of every message; "" publishes none, except that a
+	// publisher that connects out names itself kv@<host>:<port>@<model>.
+	KVEventsTopic string
 
 	Faults Faults // faults applied to every inference request
 }
@@ -172,9 +178,11 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.DurationVar(&c.BootstrapTimeout, "bootstrap-timeout", 10*time.Second, "SGLang: a leg whose partner never arrives fails after this")
 	fs.StringVar(&c.KVLoadFailure, "kv-load-failure-policy", PolicyFail, "fail | recompute")
 	fs.BoolVar(&c.PrefixCache, "prefix-cache", false, "keep computed prompts' KV in a block prefix cache: a prompt that starts like an earlier one computes only the rest")
-	fs.BoolVar(&c.KVEvents, "kv-events", false, "publish the prefix cache's changes as vLLM-style KV events on a ZMQ PUB socket (needs --prefix-cache)")
+	fs.BoolVar(&c.KVEvents, "kv-events", false, "publish the prefix cache's changes as KV events on a ZMQ PUB socket, in the --engine's format (needs --prefix-cache)")
 	fs.IntVar(&c.KVEventsPort, "kv-events-port", 0, "port of the KV events publisher (0: a free one)")
 	fs.StringVar(&c.KVEventsEncoding, "kv-events-encoding", KVEventsArray, "KV event encoding: array (msgspec array_like) or map (tagged maps)")
+	fs.StringVar(&c.KVEventsConnect, "kv-events-connect", "", "publish KV events by dialling this endpoint (a gateway's --kv-events-listen, tcp://host:port) instead of binding")
+	fs.StringVar(&c.KVEventsTopic, "kv-events-topic", "", "KV events topic (default: none; kv@<host>:<port>@<model> with --kv-events-connect)")
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 4096, "prefix cache capacity in blocks of 16 tokens (least recently used evicted)")
 	fs.IntVar(&c.Faults.Status, "fault-status", 0, "fail requests with this status")
 	fs.Float64Var(&c.Faults.Rate, "fault-rate", 0, "probability of the fault status (0 with a status: always)")

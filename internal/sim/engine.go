@@ -116,14 +116,6 @@ func Start(cfg Config) (*Engine, error) {
 	e.kv = newKVStore(e)
 	if c.PrefixCache {
 		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
-		if c.KVEvents {
-			pub, err := startKVPublisher(c.Host, c.KVEventsPort, c.KVEventsEncoding, "", c.KVEventsDropEvery)
-			if err != nil {
-				return nil, err
-			}
-			e.kvpub = pub
-			e.prefix.onChange = pub.publish
-		}
 	}
 	base := c.EngineID
 	if base == "" {
@@ -139,6 +131,20 @@ func Start(cfg Config) (*Engine, error) {
 	var err error
 	if e.ln, err = net.Listen("tcp", net.JoinHostPort(c.Host, strconv.Itoa(c.Port))); err != nil {
 		return nil, fmt.Errorf("sim listen: %w", err)
+	}
+	if c.PrefixCache && c.KVEvents {
+		topic := c.KVEventsTopic
+		if topic == "" && c.KVEventsConnect != "" {
+			topic = "kv@" + e.ln.Addr().String() + "@" + c.Model
+		}
+		pub, err := startKVPublisher(c.Host, c.KVEventsPort, &kvPublisher{encoding: c.KVEventsEncoding, topic: topic,
+			dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect})
+		if err != nil {
+			_ = e.ln.Close()
+			return nil, err
+		}
+		e.kvpub = pub
+		e.prefix.onChange = pub.publish
 	}
 	e.srv = &http.Server{Handler: e.routes(), ReadHeaderTimeout: 10 * time.Second}
 	if err := e.startSide(); err != nil {
@@ -283,12 +289,20 @@ func (e *Engine) serveServerInfo(w http.ResponseWriter, _ *http.Request) {
 	} else if e.cfg.BootstrapPort != 0 {
 		bport = e.cfg.BootstrapPort
 	}
-	writeJSON(w, 200, map[string]any{
+	info := map[string]any{
 		"model_path": e.cfg.Model, "served_model_name": e.cfg.Model, "tp_size": 1, "dp_size": e.cfg.DPSize,
 		"disaggregation_mode": mode, "disaggregation_bootstrap_port": bport, "disaggregation_transfer_backend": "fake",
 		"load_balance_method": "follow_bootstrap_room", "max_queued_requests": e.cfg.QueueSize,
 		"internal_states": []any{map[string]any{"last_gen_throughput": 0.0}}, "version": "0.5.0+baton.sim",
-	})
+	}
+	// The KV events publisher descriptor SGLang reports when it binds one (endpoint_host "*"
+	// means the engine's own address). The simulator's ranks share one prefix cache and one
+	// publisher, so it describes one.
+	if e.kvpub != nil && e.kvpub.port() != 0 {
+		info["kv_events"] = map[string]any{"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": e.kvpub.port(),
+			"topic": e.kvpub.topic, "block_size": blockSize, "dp_size": 1}
+	}
+	writeJSON(w, 200, info)
 }
 
 func (e *Engine) serveModelInfo(w http.ResponseWriter, _ *http.Request) {

@@ -20,9 +20,9 @@ const (
 	KVEventsMap   = "map"
 )
 
-// kvPublisher publishes the engine's prefix cache changes as vLLM does: a ZMQ PUB socket bound
-// to the engine's host, multipart [topic, seq (8 bytes, big-endian, from 0 at start), msgpack
-// KVEventBatch].
+// kvPublisher publishes the engine's prefix cache changes as vLLM and SGLang do: a ZMQ PUB
+// socket bound to the engine's host (or dialling a gateway that listens), multipart [topic, seq
+// (8 bytes, big-endian, from 0 at start), msgpack KVEventBatch].
 type kvPublisher struct {
 	mu        sync.Mutex
 	sock      zmq4.Socket
@@ -30,6 +30,13 @@ type kvPublisher struct {
 	encoding  string
 	topic     string
 	dropEvery int // fault: every Nth batch is not published (still kept for replay); 0 never
+	// sglang: events carry SGLang's fields only (BlockStored without medium and the later
+	// fields, BlockRemoved with its hashes alone).
+	sglang bool
+	// connect: the PUB socket dials this endpoint (a gateway listening for engines) instead of
+	// binding; "" binds.
+	connect string
+	stop    context.CancelFunc
 
 	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
 	// missed some, as vLLM's replay_endpoint keeps buffer_steps of them.
@@ -44,9 +51,23 @@ type replayed struct {
 
 const replayBuffer = 10000
 
-func startKVPublisher(host string, port int, encoding, topic string, dropEvery int) (*kvPublisher, error) {
-	sock := zmq4.NewPub(context.Background())
-	if err := sock.Listen(fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(port)))); err != nil {
+// startKVPublisher binds the PUB socket on host:port (or, with p.connect set, dials that
+// endpoint) and the replay ROUTER on a free port of host.
+func startKVPublisher(host string, port int, p *kvPublisher) (*kvPublisher, error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	p.stop = cancel
+	var opts []zmq4.Option
+	if p.connect != "" {
+		// Only a socket that dials may redial: the library redials a socket's endpoint whenever
+		// a peer leaves, which for a bound socket would dial its own address.
+		opts = []zmq4.Option{zmq4.WithAutomaticReconnect(true), zmq4.WithDialerRetry(100 * time.Millisecond), zmq4.WithDialerMaxRetries(-1)}
+	}
+	sock := zmq4.NewPub(ctx, opts...)
+	if p.connect != "" {
+		// As engines do, connect in the background: the gateway may not be listening yet, and
+		// batches published until it is are lost.
+		go func() { _ = sock.Dial(p.connect) }()
+	} else if err := sock.Listen(fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(port)))); err != nil {
 		return nil, fmt.Errorf("sim kv events: %w", err)
 	}
 	router := zmq4.NewRouter(context.Background())
@@ -54,7 +75,7 @@ func startKVPublisher(host string, port int, encoding, topic string, dropEvery i
 		_ = sock.Close()
 		return nil, fmt.Errorf("sim kv events replay: %w", err)
 	}
-	p := &kvPublisher{sock: sock, encoding: encoding, topic: topic, dropEvery: dropEvery, replay: router}
+	p.sock, p.replay = sock, router
 	go p.serveReplay()
 	return p, nil
 }
@@ -63,7 +84,8 @@ func startKVPublisher(host string, port int, encoding, topic string, dropEvery i
 func (p *kvPublisher) replayEndpoint() string { return "tcp://" + p.replay.Addr().String() }
 
 // serveReplay answers ["", start_seq] with ["", topic, seq, payload] for every buffered batch
-// from start_seq on, then the end marker (seq -1, empty payload).
+// from start_seq on, then the end marker (seq -1, empty payload); SGLang answers without the
+// topic frame.
 func (p *kvPublisher) serveReplay() {
 	for {
 		msg, err := p.replay.Recv()
@@ -85,17 +107,41 @@ func (p *kvPublisher) serveReplay() {
 		for _, b := range out {
 			var seq [8]byte
 			binary.BigEndian.PutUint64(seq[:], b.seq)
-			_ = p.replay.Send(zmq4.NewMsgFrom(id, nil, []byte(p.topic), seq[:], b.payload))
+			_ = p.replay.Send(p.replayMsg(id, seq[:], b.payload))
 		}
 		end := []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
-		_ = p.replay.Send(zmq4.NewMsgFrom(id, nil, []byte(p.topic), end, nil))
+		_ = p.replay.Send(p.replayMsg(id, end, nil))
 	}
 }
 
-// endpoint is where subscribers connect.
-func (p *kvPublisher) endpoint() string { return "tcp://" + p.sock.Addr().String() }
+func (p *kvPublisher) replayMsg(id, seq, payload []byte) zmq4.Msg {
+	if p.sglang {
+		return zmq4.NewMsgFrom(id, nil, seq, payload)
+	}
+	return zmq4.NewMsgFrom(id, nil, []byte(p.topic), seq, payload)
+}
+
+// endpoint is where subscribers connect ("" when the publisher dials out).
+func (p *kvPublisher) endpoint() string {
+	if p.connect != "" {
+		return ""
+	}
+	return "tcp://" + p.sock.Addr().String()
+}
+
+// port is the PUB socket's bound port (0 when it dials out).
+func (p *kvPublisher) port() int {
+	if p.connect != "" {
+		return 0
+	}
+	if a, ok := p.sock.Addr().(*net.TCPAddr); ok {
+		return a.Port
+	}
+	return 0
+}
 
 func (p *kvPublisher) close() {
+	p.stop()
 	_ = p.sock.Close()
 	_ = p.replay.Close()
 }
@@ -109,17 +155,28 @@ func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
 		if b.parent != 0 {
 			parent = b.parent
 		}
-		if p.encoding == KVEventsMap {
+		switch {
+		case p.sglang && p.encoding == KVEventsMap:
+			events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
+				"token_ids": b.tokens, "block_size": blockSize, "lora_id": nil})
+		case p.sglang:
+			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil})
+		case p.encoding == KVEventsMap:
 			events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
 				"token_ids": b.tokens, "block_size": blockSize, "medium": "GPU", "event_version": 1})
-		} else {
+		default:
 			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 0})
 		}
 	}
 	if len(removed) > 0 {
-		if p.encoding == KVEventsMap {
+		switch {
+		case p.sglang && p.encoding == KVEventsMap:
+			events = append(events, map[string]any{"type": "BlockRemoved", "block_hashes": removed})
+		case p.sglang:
+			events = append(events, []any{"BlockRemoved", removed})
+		case p.encoding == KVEventsMap:
 			events = append(events, map[string]any{"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU"})
-		} else {
+		default:
 			events = append(events, []any{"BlockRemoved", removed, "GPU", 0})
 		}
 	}
