@@ -103,23 +103,23 @@ type Gateway struct {
 	Health    *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
-	// KVEvents subscribes to the engines' KV events; nil when no worker publishes.
+	// KVEvents subscribes to the engines' KV events.
 	KVEvents *KVEvents
 	Log      *slog.Logger
 }
 
-// Start starts the background work: the stalled-upload sweeper, registration, health checks
-// and the engine load poller, until ctx ends.
-func (g *Gateway) Start(ctx context.Context) {
+// Start starts the background work: the stalled-upload sweeper, the KV event subscriptions,
+// registration, health checks and the engine load poller, until ctx ends. The error is a KV
+// events listener that cannot bind; the rest has started regardless.
+func (g *Gateway) Start(ctx context.Context) error {
 	g.Server.Start(ctx)
+	err := g.KVEvents.Start(ctx)
 	g.Registrar.Start(ctx)
 	g.Load.Start(ctx)
-	if g.KVEvents != nil {
-		g.KVEvents.Start(ctx)
-	}
 	if g.Health != nil {
 		g.Health.Start(ctx)
 	}
+	return err
 }
 
 // Wait waits for the background work Start began, and for prefill legs still finishing.
@@ -127,9 +127,7 @@ func (g *Gateway) Wait() {
 	g.Server.Wait()
 	g.Registrar.Wait()
 	g.Load.Wait()
-	if g.KVEvents != nil {
-		g.KVEvents.Wait()
-	}
+	g.KVEvents.Wait()
 	if g.Health != nil {
 		g.Health.Wait()
 	}
@@ -215,19 +213,16 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
-	kv := newKVEvents(cfg, ws, log)
-	if kv != nil && cfg.CacheAwareSource != "approx" {
+	kv := newKVEvents(cfg, ws, reg, log)
+	if cfg.CacheAwareSource != "approx" {
 		for _, p := range policies {
 			if ca, ok := p.(*policy.CacheAware); ok {
 				ca.Precise = kv.precise(client)
 			}
 		}
 	}
-	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log}
-	if kv != nil {
-		m.Registry.MustRegister(kvCollector{kv})
-		parts.KVEventsView = kv.View
-	}
+	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View}
+	m.Registry.MustRegister(kvCollector{kv})
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
 	if health != nil {
@@ -249,7 +244,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		Selector:   sel,
 		Server:     server.New(serverOptions(cfg, tm, parts)),
 		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
-			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w) }},
+			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w); kv.Registered(w) }},
 		Load:     &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
 		KVEvents: kv,
 		Log:      log,
@@ -345,7 +340,15 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 
 	bg, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
-	g.Start(bg)
+	if err := g.Start(bg); err != nil {
+		stopBG()
+		g.Wait()
+		ln.Close()
+		if mln != nil {
+			mln.Close()
+		}
+		return err
+	}
 	errc := make(chan error, 2)
 	go func() { errc <- api.Serve(ln) }()
 	if msrv != nil {

@@ -58,8 +58,10 @@ func startGateway(t *testing.T, cfg config.Config, tune ...func(*timing)) (*Gate
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	g.Start(ctx)
 	t.Cleanup(func() { cancel(); g.Wait() })
+	if err := g.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
 	deadline := time.Now().Add(10 * time.Second)
 	for _, w := range g.Registry.Snapshot().Workers {
 		for !w.Registered() || !w.Ready() {

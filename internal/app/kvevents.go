@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -25,64 +27,224 @@ const kvEventsPort = "5557"
 // maxKVIndexBlocks bounds the KV event index (about 139 MiB per million blocks).
 const maxKVIndexBlocks = 4 << 20
 
-// KVEvents is the gateway's subscription to its engines' KV events: one subscriber per worker
-// that publishes, all feeding one index.
+// KVEvents is the gateway's subscription to its engines' KV events, all feeding one index: per
+// worker that publishes, one subscriber per DP rank, dialling the engine's publisher (an
+// explicit kv_events_endpoint from startup; the one an SGLang engine reports in /server_info,
+// or with --kv-events the worker's host:5557, once it registers) or, with --kv-events-listen,
+// fed by the one socket engines that connect out publish to.
 type KVEvents struct {
 	Index *kvevents.Index
-	subs  map[string][]*kvevents.Subscriber // by worker URL, one per DP rank
-	wg    sync.WaitGroup
+	// tokenizer asks the engines for request prompts' token ids (cached).
+	tokenizer *kvevents.Tokenizer
+
+	log      *slog.Logger
+	all      bool // --kv-events: every worker, at its host's 5557 unless it says otherwise
+	listener *kvevents.Listener
+	reg      *worker.Registry // names the workers behind listener topics
+
+	mu      sync.RWMutex
+	subs    map[string]*workerSubs // by worker URL
+	n       atomic.Int32           // len(subs): routing skips the event index when 0
+	ctx     context.Context        // nil until Start
+	wg      sync.WaitGroup
+	started bool
 }
 
-// newKVEvents subscribes to the workers with a KV events endpoint (every worker with kv_events
-// on), or returns nil when none has one.
-func newKVEvents(cfg config.Config, ws []*worker.Worker, log *slog.Logger) *KVEvents {
-	k := &KVEvents{Index: kvevents.NewIndex(maxKVIndexBlocks), subs: map[string][]*kvevents.Subscriber{}}
-	for _, w := range ws {
-		ep := w.KVEventsEndpoint
-		if ep == "" && cfg.KVEvents {
-			if u, err := url.Parse(w.URL); err == nil {
-				ep = "tcp://" + net.JoinHostPort(u.Hostname(), kvEventsPort)
-			}
-		}
-		if ep == "" {
-			continue
-		}
-		modelOf := func() string {
-			if in := w.Info(); in != nil && len(in.Models) > 0 {
-				return in.Models[0].ID
-			}
-			return ""
-		}
-		// A vLLM engine with DP ranks publishes rank r on the endpoint's port + r.
-		for r := 0; r < max(1, w.DPSize); r++ {
-			s := &kvevents.Subscriber{Worker: w.URL, Rank: r, Endpoint: portPlus(ep, r), Index: k.Index, Log: log, ModelOf: modelOf}
-			if w.KVEventsReplayEndpoint != "" {
-				s.ReplayEndpoint = portPlus(w.KVEventsReplayEndpoint, r)
-			}
-			k.subs[w.URL] = append(k.subs[w.URL], s)
-		}
+// workerSubs is one worker's subscription: where it comes from and one subscriber per DP rank
+// (in listening mode, per rank heard from; nil entries for ranks not heard from yet).
+type workerSubs struct {
+	source string // configured, server_info, default or listen
+	ranks  []*kvevents.Subscriber
+}
+
+// newKVEvents returns the gateway's KV events subscription, with the workers that name their
+// endpoint subscribed from the start; others join as they register (Registered).
+func newKVEvents(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, log *slog.Logger) *KVEvents {
+	k := &KVEvents{Index: kvevents.NewIndex(maxKVIndexBlocks), subs: map[string]*workerSubs{}, log: log, all: cfg.KVEvents, reg: reg,
+		tokenizer: &kvevents.Tokenizer{Timeout: 2 * time.Second, MaxEntries: 4096, MaxBytes: 64 << 20}}
+	if cfg.KVEventsListen != "" {
+		k.listener = &kvevents.Listener{Addr: listenAddr(cfg.KVEventsListen), Route: k.route, Log: log}
 	}
-	if len(k.subs) == 0 {
-		return nil
+	for _, w := range ws {
+		if w.KVEventsEndpoint != "" {
+			k.subscribe(w, w.KVEventsEndpoint, "configured", 0)
+		}
 	}
 	return k
 }
 
-// Start runs the subscribers until ctx ends.
-func (k *KVEvents) Start(ctx context.Context) {
-	for _, ss := range k.subs {
-		for _, s := range ss {
-			k.wg.Go(func() { s.Run(ctx) })
+// Registered subscribes to a worker that just registered, if it publishes and is not
+// subscribed to yet: at the publisher its engine reports (SGLang /server_info), else with
+// --kv-events at its host's port 5557.
+func (k *KVEvents) Registered(w *worker.Worker) {
+	in := w.Info()
+	switch {
+	case in != nil && in.KVEvents != nil:
+		p := in.KVEvents
+		k.subscribeRanks(w, p.Endpoint, "server_info", p.BlockSize, max(1, p.DPSize))
+	case k.all:
+		if u, err := url.Parse(w.URL); err == nil {
+			k.subscribe(w, "tcp://"+net.JoinHostPort(u.Hostname(), kvEventsPort), "default", 0)
 		}
 	}
+}
+
+// subscribe subscribes to w at endpoint ep (rank r at its port + r, as engines with DP ranks
+// publish), unless w already has a subscription.
+func (k *KVEvents) subscribe(w *worker.Worker, ep, source string, blockSize int) {
+	k.subscribeRanks(w, ep, source, blockSize, max(1, w.DPSize))
+}
+
+func (k *KVEvents) subscribeRanks(w *worker.Worker, ep, source string, blockSize, ranks int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.subs[w.URL] != nil && k.subs[w.URL].source != "listen" {
+		return
+	}
+	ws := &workerSubs{source: source}
+	for r := 0; r < ranks; r++ {
+		s := k.newSubscriber(w, r)
+		s.Endpoint = portPlus(ep, r)
+		s.SetBlockSize(blockSize)
+		if w.KVEventsReplayEndpoint != "" {
+			s.ReplayEndpoint = portPlus(w.KVEventsReplayEndpoint, r)
+		}
+		ws.ranks = append(ws.ranks, s)
+		if k.ctx != nil {
+			k.wg.Go(func() { s.Run(k.ctx) })
+		}
+	}
+	k.subs[w.URL] = ws
+	k.n.Store(int32(len(k.subs)))
+	k.log.Info("kv events: subscribing", "worker", w.URL, "endpoint", ep, "ranks", ranks, "source", source)
+}
+
+func (k *KVEvents) newSubscriber(w *worker.Worker, rank int) *kvevents.Subscriber {
+	return &kvevents.Subscriber{Worker: w.URL, Rank: rank, Index: k.Index, Log: k.log, ModelOf: func() string {
+		if in := w.Info(); in != nil && len(in.Models) > 0 {
+			return in.Models[0].ID
+		}
+		return ""
+	}}
+}
+
+// route names the subscriber of a listened-to message: the topic kv@<ip>:<port>@<model> (or
+// kv@<ip>@<model>, when one worker has that host) names a worker by its URL's host and port;
+// the rank is bounded by what Baton tracks. A worker that dials its engine keeps that.
+func (k *KVEvents) route(topic string, rank int) *kvevents.Subscriber {
+	rest, ok := strings.CutPrefix(topic, "kv@")
+	if !ok || rank < 0 || rank >= worker.MaxTrackedRanks {
+		return nil
+	}
+	addr, _, _ := strings.Cut(rest, "@")
+	var found *worker.Worker
+	for _, w := range k.reg.Snapshot().Workers {
+		u, err := url.Parse(w.URL)
+		if err != nil {
+			continue
+		}
+		if u.Host == addr || (u.Port() != "" && net.JoinHostPort(u.Hostname(), u.Port()) == addr) {
+			found = w
+			break
+		}
+		if u.Hostname() == strings.Trim(addr, "[]") {
+			if found != nil {
+				return nil // several workers on that host: the topic must name the port
+			}
+			found = w
+		}
+	}
+	if found == nil {
+		return nil
+	}
+	k.mu.RLock()
+	ws := k.subs[found.URL]
+	var s *kvevents.Subscriber
+	if ws != nil && ws.source == "listen" && rank < len(ws.ranks) {
+		s = ws.ranks[rank]
+	}
+	k.mu.RUnlock()
+	if s != nil || (ws != nil && ws.source != "listen") {
+		return s
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ws = k.subs[found.URL]
+	if ws == nil {
+		ws = &workerSubs{source: "listen"}
+		k.subs[found.URL] = ws
+		k.n.Store(int32(len(k.subs)))
+		k.log.Info("kv events: an engine connected and publishes", "worker", found.URL, "topic", topic)
+	}
+	if ws.source != "listen" {
+		return nil
+	}
+	for len(ws.ranks) <= rank {
+		ws.ranks = append(ws.ranks, nil)
+	}
+	if ws.ranks[rank] == nil {
+		s := k.newSubscriber(found, rank)
+		s.Endpoint = "listen"
+		ws.ranks[rank] = s
+	}
+	return ws.ranks[rank]
+}
+
+// Start runs the subscribers (and the listener) until ctx ends; an error is a listener that
+// cannot bind.
+func (k *KVEvents) Start(ctx context.Context) error {
+	k.mu.Lock()
+	k.ctx = ctx
+	for _, ws := range k.subs {
+		for _, s := range ws.ranks {
+			if s != nil && ws.source != "listen" {
+				k.wg.Go(func() { s.Run(ctx) })
+			}
+		}
+	}
+	k.mu.Unlock()
+	if k.listener == nil {
+		return nil
+	}
+	ready := make(chan error, 1)
+	k.wg.Go(func() { k.listener.Run(ctx, ready) })
+	if err := <-ready; err != nil {
+		return fmt.Errorf("kv events listener %s: %w", k.listener.Addr, err)
+	}
+	k.log.Info("kv events: listening for engines that connect out", "addr", k.listener.BoundAddr())
+	return nil
+}
+
+// ListenAddr is where the listener bound, "" without one.
+func (k *KVEvents) ListenAddr() string {
+	if k.listener == nil {
+		return ""
+	}
+	return k.listener.BoundAddr()
 }
 
 // Wait waits for the subscribers to stop.
 func (k *KVEvents) Wait() { k.wg.Wait() }
 
+// listenAddr turns the configured listen address into one to bind ("*" is every interface).
+func listenAddr(addr string) string {
+	hostport := strings.TrimPrefix(addr, "tcp://")
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return addr
+	}
+	if host == "*" {
+		host = "0.0.0.0"
+	}
+	return "tcp://" + net.JoinHostPort(host, port)
+}
+
 // KVEventsView is a worker's KV event subscription in GET /workers.
 type KVEventsView struct {
-	Endpoint  string  `json:"endpoint"` // rank 0's; rank r is at its port + r
+	Endpoint string `json:"endpoint"` // rank 0's (rank r is at its port + r); "listen" when the engine connects to Baton
+	// Source says where the endpoint came from: configured, server_info (the engine reported
+	// it), default (--kv-events: the worker's host:5557) or listen.
+	Source    string  `json:"source"`
 	Ranks     int     `json:"ranks"`
 	Healthy   bool    `json:"healthy"`
 	Received  uint64  `json:"received"`
@@ -97,11 +259,11 @@ type KVEventsView struct {
 
 // View returns w's subscription state, or nil when Baton does not subscribe to it.
 func (k *KVEvents) View(w *worker.Worker) any {
-	if k == nil || k.subs[w.URL] == nil {
+	st, _, ws := k.stats(w.URL)
+	if ws == nil {
 		return nil
 	}
-	st, _ := k.stats(w.URL)
-	v := &KVEventsView{Endpoint: k.subs[w.URL][0].Endpoint, Ranks: len(k.subs[w.URL]), Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
+	v := &KVEventsView{Endpoint: ws.endpoint, Source: ws.source, Ranks: ws.n, Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
 		Gaps: st.Gaps, Resets: st.Resets, Replays: st.Replays, LastSeq: st.LastSeq}
 	if st.LastTS > 0 {
 		v.LagMs = float64(time.Now().UnixNano())/1e6 - st.LastTS*1e3
@@ -115,24 +277,32 @@ func (k *KVEvents) View(w *worker.Worker) any {
 type kvCollector struct{ k *KVEvents }
 
 var (
-	kvEventsDesc  = prometheus.NewDesc("baton_kv_events_total", "KV event messages from each worker's engine by result (received, malformed; ignored counts unknown events).", []string{"worker", "result"}, nil)
-	kvGapsDesc    = prometheus.NewDesc("baton_kv_events_gaps_total", "KV event sequence gaps (events lost): each filled from the replay endpoint or, failing that, cleared the worker's blocks.", []string{"worker"}, nil)
-	kvReplaysDesc = prometheus.NewDesc("baton_kv_events_replays_total", "KV event gaps filled from the engine's replay endpoint.", []string{"worker"}, nil)
-	kvResetsDesc  = prometheus.NewDesc("baton_kv_events_resets_total", "KV event sequences that started again (the engine restarted): each cleared the worker's blocks.", []string{"worker"}, nil)
-	kvHealthyDesc = prometheus.NewDesc("baton_kv_events_healthy", "1 when the worker's last KV event batch was decoded and applied.", []string{"worker"}, nil)
-	kvBlocksDesc  = prometheus.NewDesc("baton_kv_index_blocks", "Blocks the KV event index holds, per worker and rank summed.", nil, nil)
-	kvDroppedDesc = prometheus.NewDesc("baton_kv_index_dropped_total", "Stored blocks the KV event index refused past its bound.", nil, nil)
+	kvEventsDesc   = prometheus.NewDesc("baton_kv_events_total", "KV event messages from each worker's engine by result (received, malformed; ignored counts unknown events).", []string{"worker", "result"}, nil)
+	kvGapsDesc     = prometheus.NewDesc("baton_kv_events_gaps_total", "KV event sequence gaps (events lost): each filled from the replay endpoint or, failing that, cleared the worker's blocks.", []string{"worker"}, nil)
+	kvReplaysDesc  = prometheus.NewDesc("baton_kv_events_replays_total", "KV event gaps filled from the engine's replay endpoint.", []string{"worker"}, nil)
+	kvResetsDesc   = prometheus.NewDesc("baton_kv_events_resets_total", "KV event sequences that started again (the engine restarted): each cleared the worker's blocks.", []string{"worker"}, nil)
+	kvHealthyDesc  = prometheus.NewDesc("baton_kv_events_healthy", "1 when the worker's last KV event batch was decoded and applied.", []string{"worker"}, nil)
+	kvBlocksDesc   = prometheus.NewDesc("baton_kv_index_blocks", "Blocks the KV event index holds, per worker and rank summed.", nil, nil)
+	kvListenerDesc = prometheus.NewDesc("baton_kv_events_listener_total", "KV event messages on the --kv-events-listen socket by result (received, malformed, unrouted: the topic named no known worker).", []string{"result"}, nil)
+	kvTokenizeDesc = prometheus.NewDesc("baton_kv_tokenize_total", "Prompts cache_aware needed token ids for, by result: cached, asked (an engine's /tokenize answered) or failed (routed by the approximate index instead).", []string{"result"}, nil)
+	kvDroppedDesc  = prometheus.NewDesc("baton_kv_index_dropped_total", "Stored blocks the KV event index refused past its bound.", nil, nil)
 )
 
 func (c kvCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{kvEventsDesc, kvGapsDesc, kvReplaysDesc, kvResetsDesc, kvHealthyDesc, kvBlocksDesc, kvDroppedDesc} {
+	for _, d := range []*prometheus.Desc{kvEventsDesc, kvGapsDesc, kvReplaysDesc, kvResetsDesc, kvHealthyDesc, kvBlocksDesc, kvDroppedDesc, kvListenerDesc, kvTokenizeDesc} {
 		ch <- d
 	}
 }
 
 func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
+	c.k.mu.RLock()
+	urls := make([]string, 0, len(c.k.subs))
 	for url := range c.k.subs {
-		st, _ := c.k.stats(url)
+		urls = append(urls, url)
+	}
+	c.k.mu.RUnlock()
+	for _, url := range urls {
+		st, _, _ := c.k.stats(url)
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Received), url, "received")
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Malformed), url, "malformed")
 		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(st.Ignored), url, "ignored")
@@ -145,6 +315,15 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(kvHealthyDesc, prometheus.GaugeValue, healthy, url)
 	}
+	if l := c.k.listener; l != nil {
+		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Received.Load()), "received")
+		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Malformed.Load()), "malformed")
+		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Unrouted.Load()), "unrouted")
+	}
+	t := c.k.tokenizer
+	ch <- prometheus.MustNewConstMetric(kvTokenizeDesc, prometheus.CounterValue, float64(t.Hits.Load()), "cached")
+	ch <- prometheus.MustNewConstMetric(kvTokenizeDesc, prometheus.CounterValue, float64(t.Asks.Load()-t.Failures.Load()), "asked")
+	ch <- prometheus.MustNewConstMetric(kvTokenizeDesc, prometheus.CounterValue, float64(t.Failures.Load()), "failed")
 	n, dropped := c.k.Index.Size()
 	ch <- prometheus.MustNewConstMetric(kvBlocksDesc, prometheus.GaugeValue, float64(n))
 	ch <- prometheus.MustNewConstMetric(kvDroppedDesc, prometheus.CounterValue, float64(dropped))
@@ -155,12 +334,16 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 // each subscribed worker's resident share; -1 for workers without a healthy subscription, nil
 // when none has one or the prompt cannot be tokenized.
 func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *policy.Request) []float64 {
-	tok := &kvevents.Tokenizer{Client: client, Timeout: 2 * time.Second, MaxEntries: 4096}
+	tok := k.tokenizer
+	tok.Client = client
 	return func(ws []*worker.Worker, req *policy.Request) []float64 {
+		if k.n.Load() == 0 {
+			return nil
+		}
 		var via *worker.Worker
 		bs := 0
 		for _, w := range ws {
-			if st, size := k.stats(w.URL); st.Healthy && size > 0 {
+			if st, size, _ := k.stats(w.URL); st.Healthy && size > 0 {
 				via, bs = w, size
 				break
 			}
@@ -168,7 +351,7 @@ func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *p
 		if via == nil {
 			return nil
 		}
-		toks, ok := tok.Tokens(via.URL, req.Model, req.Path, req.Body)
+		toks, ok := tok.Tokens(via.URL, via.APIKey, req.Model, req.Path, req.Body)
 		if !ok || len(toks) == 0 {
 			return nil
 		}
@@ -180,7 +363,7 @@ func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *p
 		out := make([]float64, len(ws))
 		for i, w := range ws {
 			out[i] = -1
-			if st, _ := k.stats(w.URL); st.Healthy {
+			if st, _, _ := k.stats(w.URL); st.Healthy {
 				out[i] = float64(held[w.URL]*bs) / float64(len(toks))
 			}
 		}
@@ -188,20 +371,45 @@ func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *p
 	}
 }
 
+// subsView is what stats reports of a worker's subscription besides the counters.
+type subsView struct {
+	endpoint, source string
+	n                int
+}
+
 // stats sums a worker's subscriptions (one per DP rank): healthy when every rank's is; the
-// engine's block size from any rank that reported one. Zero for a worker without any.
-func (k *KVEvents) stats(url string) (kvevents.Stats, int) {
-	var out kvevents.Stats
+// engine's block size from any rank that reported one. Zero and nil for a worker without any.
+func (k *KVEvents) stats(url string) (kvevents.Stats, int, *subsView) {
+	k.mu.RLock()
+	ws := k.subs[url]
+	var ranks []*kvevents.Subscriber
+	if ws != nil {
+		ranks = ws.ranks
+	}
+	k.mu.RUnlock()
+	if ws == nil {
+		return kvevents.Stats{LastSeq: -1}, 0, nil
+	}
+	out := kvevents.Stats{LastSeq: -1, Healthy: true}
+	view := &subsView{source: ws.source}
 	bs := 0
-	for i, s := range k.subs[url] {
+	for _, s := range ranks {
+		if s == nil {
+			continue
+		}
+		if view.n == 0 {
+			view.endpoint = s.Endpoint
+		}
+		view.n++
 		st := s.Stats()
 		out.Received, out.Malformed, out.Ignored = out.Received+st.Received, out.Malformed+st.Malformed, out.Ignored+st.Ignored
 		out.Gaps, out.Resets, out.Replays = out.Gaps+st.Gaps, out.Resets+st.Resets, out.Replays+st.Replays
 		out.LastSeq, out.LastTS = max(out.LastSeq, st.LastSeq), max(out.LastTS, st.LastTS)
-		out.Healthy = st.Healthy && (i == 0 || out.Healthy)
+		out.Healthy = out.Healthy && st.Healthy
 		bs = max(bs, s.BlockSize())
 	}
-	return out, bs
+	out.Healthy = out.Healthy && view.n > 0
+	return out, bs, view
 }
 
 // portPlus returns the tcp://host:port endpoint ep with its port raised by r.

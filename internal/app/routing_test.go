@@ -311,7 +311,7 @@ func TestKVEventsSubscription(t *testing.T) {
 	}
 	b, _ := io.ReadAll(wresp.Body)
 	wresp.Body.Close()
-	if !strings.Contains(string(b), `"kv_events":{"endpoint":"`+e.KVEventsEndpoint()+`","ranks":1,"healthy":true`) || strings.Count(string(b), `"kv_events"`) != 1 {
+	if !strings.Contains(string(b), `"kv_events":{"endpoint":"`+e.KVEventsEndpoint()+`","source":"configured","ranks":1,"healthy":true`) || strings.Count(string(b), `"kv_events"`) != 1 {
 		t.Errorf("GET /workers does not show the one subscription: %s", b)
 	}
 	m := scrape(t, g)
@@ -335,36 +335,8 @@ func TestCacheAwareFollowsEngineEvents(t *testing.T) {
 			cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
 		}
 		g, gw := startGateway(t, cfg)
-		direct := func(e *sim.Engine, prompt string) {
-			resp, body := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
-			if resp.StatusCode != 200 {
-				t.Fatalf("%d %s", resp.StatusCode, body)
-			}
-		}
-		// Both subscriptions up: warm each engine until its events arrive.
-		for i, e := range es {
-			waitFor(t, func() bool {
-				direct(e, fmt.Sprintf("warm %d %d %s", i, time.Now().UnixNano(), strings.Repeat("w ", 40)))
-				v, _ := g.KVEvents.View(g.Registry.Snapshot().Workers[i]).(*KVEventsView)
-				return v != nil && v.Healthy
-			})
-		}
-		right := 0
-		for p := 0; p < 8; p++ {
-			prompt := fmt.Sprintf("tenant %d: %s", p, strings.Repeat("a long shared system prompt for this tenant ", 8))
-			home := es[p%2]
-			direct(home, prompt) // cached there, behind this Baton's back
-			keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
-			waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-			resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
-			if resp.StatusCode != 200 {
-				t.Fatalf("%d %s", resp.StatusCode, body)
-			}
-			if resp.Header.Get("X-Baton-Worker") == home.URL() {
-				right++
-			}
-		}
-		return right
+		waitHealthy(t, es, g)
+		return homeHits(t, g, gw.URL, es, 8, "X-Baton-Worker")
 	}
 	events, approx := hits("auto"), hits("approx")
 	t.Logf("requests sent to the engine holding their prefix, of 8: events %d, approx %d", events, approx)
@@ -394,18 +366,7 @@ func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
 			g, gw := startGateway(t, cfg)
 			gs, urls = append(gs, g), append(urls, gw.URL)
 		}
-		for i, e := range es { // every replica subscribed to every engine
-			waitFor(t, func() bool {
-				resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, fmt.Sprint("warm ", i, time.Now().UnixNano(), strings.Repeat(" w", 40))))
-				for _, g := range gs {
-					v, _ := g.KVEvents.View(g.Registry.Snapshot().Workers[i]).(*KVEventsView)
-					if resp.StatusCode != 200 || v == nil || !v.Healthy {
-						return false
-					}
-				}
-				return true
-			})
-		}
+		waitHealthy(t, es, gs...) // every replica subscribed to every engine
 		var h0, q0 int64
 		for _, e := range es {
 			h0, q0 = h0+e.Stats().PrefixCacheHits, q0+e.Stats().PrefixCacheQueries
@@ -435,22 +396,34 @@ func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
 	}
 }
 
-// A worker with DP ranks is subscribed on one endpoint per rank (port + r), as vLLM publishes.
+// A worker with DP ranks is subscribed on one endpoint per rank (port + r), as vLLM publishes;
+// with --kv-events, a worker that names no endpoint is subscribed at its host's 5557 once it
+// registers.
 func TestKVEventsOneSubscriptionPerRank(t *testing.T) {
 	cfg := config.Default()
 	cfg.Workers = []config.Worker{{URL: "http://dp:8000", DPSize: 3, KVEventsEndpoint: "tcp://dp:5557", KVEventsReplayEndpoint: "tcp://dp:6557"}, {URL: "http://plain:8000"}}
 	ws := []*worker.Worker{worker.New(cfg.Workers[0]), worker.New(cfg.Workers[1])}
-	k := newKVEvents(cfg, ws, slog.New(slog.DiscardHandler))
-	var eps []string
-	for _, s := range k.subs["http://dp:8000"] {
-		eps = append(eps, fmt.Sprintf("%s %s rank %d", s.Endpoint, s.ReplayEndpoint, s.Rank))
+	endpoints := func(k *KVEvents, url string) string {
+		var eps []string
+		if k.subs[url] != nil {
+			for _, s := range k.subs[url].ranks {
+				eps = append(eps, fmt.Sprintf("%s %s rank %d", s.Endpoint, s.ReplayEndpoint, s.Rank))
+			}
+		}
+		return strings.Join(eps, ", ")
 	}
-	if got := strings.Join(eps, ", "); got != "tcp://dp:5557 tcp://dp:6557 rank 0, tcp://dp:5558 tcp://dp:6558 rank 1, tcp://dp:5559 tcp://dp:6559 rank 2" || k.subs["http://plain:8000"] != nil {
+	k := newKVEvents(cfg, ws, worker.NewRegistry(ws...), slog.New(slog.DiscardHandler))
+	k.Registered(ws[1])
+	if got := endpoints(k, "http://dp:8000"); got != "tcp://dp:5557 tcp://dp:6557 rank 0, tcp://dp:5558 tcp://dp:6558 rank 1, tcp://dp:5559 tcp://dp:6559 rank 2" || k.subs["http://plain:8000"] != nil {
 		t.Fatalf("subscriptions %q", got)
 	}
 	cfg.KVEvents = true // every worker, at its host's 5557
-	k = newKVEvents(cfg, ws, slog.New(slog.DiscardHandler))
-	if s := k.subs["http://plain:8000"]; len(s) != 1 || s[0].Endpoint != "tcp://plain:5557" {
-		t.Fatalf("kv_events on: %+v", s)
+	k = newKVEvents(cfg, ws, worker.NewRegistry(ws...), slog.New(slog.DiscardHandler))
+	if k.subs["http://plain:8000"] != nil {
+		t.Fatal("subscribed to a worker that names no endpoint before it registered")
+	}
+	k.Registered(ws[1])
+	if got := endpoints(k, "http://plain:8000"); got != "tcp://plain:5557  rank 0" {
+		t.Fatalf("kv_events on: %q", got)
 	}
 }

@@ -63,6 +63,10 @@ type Config struct {
 	// kv_events_endpoint or tcp://<worker host>:5557. Off by default; a worker with an explicit
 	// kv_events_endpoint is subscribed to either way.
 	KVEvents bool `json:"kv_events"`
+	// KVEventsListen is a ZMQ address (tcp://host:port, "*" for every interface) where Baton
+	// listens for engines that publish KV events by connecting out; each names itself by its
+	// topic kv@<ip>:<port>@<model>. Empty: no listener.
+	KVEventsListen string `json:"kv_events_listen"`
 	// CacheAwareSource is where cache_aware learns what engines hold: auto (their KV events,
 	// for the workers Baton subscribes to and prompts it can tokenize, else its approximate
 	// index), events (the same), approx (its approximate index only). Default "auto".
@@ -350,6 +354,11 @@ func (c *Config) Validate() error {
 		c.EvictionIntervalSecs <= 0 || c.MaxTreeSize < 64 {
 		bad("cache_aware: want cache_threshold in [0,1], balance_abs_threshold >= 0, balance_rel_threshold >= 1, cache_load_cost >= 0, eviction_interval_secs > 0, max_tree_size >= 64")
 	}
+	if c.KVEventsListen != "" {
+		if err := CheckKVEventsListen(c.KVEventsListen); err != nil {
+			bad("kv_events_listen: %v", err)
+		}
+	}
 	if !slices.Contains([]string{"auto", "events", "approx"}, c.CacheAwareSource) {
 		bad("cache_aware_source %q is unknown (want auto, events or approx)", c.CacheAwareSource)
 	}
@@ -450,6 +459,23 @@ func CheckKVEventsEndpoint(ep string) error {
 	}
 	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
 		return fmt.Errorf("%q: port must be 1-65535", ep)
+	}
+	return nil
+}
+
+// CheckKVEventsListen checks the address Baton listens on for engines' KV events:
+// tcp://host:port, where host may be "*" (every interface) and port 0 picks a free one.
+func CheckKVEventsListen(addr string) error {
+	hostport, ok := strings.CutPrefix(addr, "tcp://")
+	if !ok {
+		return fmt.Errorf("%q: want tcp://host:port", addr)
+	}
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil || strings.ContainsAny(host, "@/?#") {
+		return fmt.Errorf("%q: want tcp://host:port", addr)
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
+		return fmt.Errorf("%q: port must be 0-65535", addr)
 	}
 	return nil
 }

@@ -16,14 +16,25 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	c.CircuitBreaker.SuccessThreshold = 0
 	c.HealthCheck.Endpoint = "health"
 	c.CacheThreshold = 2
+	c.KVEventsListen = "tcp://*:99999"
 	c.Workers = []Worker{{URL: "http://kv", KVEventsEndpoint: "tcp://*:5557"}, {URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
 	err := c.Validate()
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\""} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
+		}
+	}
+	for _, ok := range []string{"tcp://*:5556", "tcp://0.0.0.0:0", "tcp://[::1]:5556"} {
+		if err := CheckKVEventsListen(ok); err != nil {
+			t.Errorf("%s: %v", ok, err)
+		}
+	}
+	for _, bad := range []string{"5556", "tcp://host", "ipc:///x", "tcp://a@b:1"} {
+		if CheckKVEventsListen(bad) == nil {
+			t.Errorf("%s accepted", bad)
 		}
 	}
 	if d := Default(); d.Validate() != nil {

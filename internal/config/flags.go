@@ -82,6 +82,7 @@ var serveFlags = []flag{
 	}},
 	strFlag("policy", "worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware", func(c *Config) *string { return &c.Policy }),
 	boolFlag("kv-events", "subscribe to every worker's KV events at its kv_events_endpoint or tcp://<host>:5557 (GET /workers shows their health)", func(c *Config) *bool { return &c.KVEvents }),
+	strFlag("kv-events-listen", "listen for KV events from engines that connect out (tcp://host:port, * for every interface); each publishes on the topic kv@<ip>:<port>@<model>", func(c *Config) *string { return &c.KVEventsListen }),
 	strFlag("cache-aware-source", "where cache_aware learns what engines hold: auto | events (their KV events where subscribed, else approximate) | approx", func(c *Config) *string { return &c.CacheAwareSource }),
 	boolFlag("route-header", "add X-Baton-Route to responses: why each worker was chosen (policy, reason, load, cached share)", func(c *Config) *bool { return &c.RouteHeader }),
 	floatFlag("cache-threshold", "cache_aware: share of the prompt that must be cached on a worker to follow the cache", func(c *Config) *float64 { return &c.CacheThreshold }),

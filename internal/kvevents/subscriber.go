@@ -30,14 +30,22 @@ type Subscriber struct {
 	Log     *slog.Logger
 
 	Received, Malformed, Ignored, Gaps, Resets, Replays atomic.Uint64
-	lastSeq                                             atomic.Int64 // -1 before the first message
+	nextSeq                                             atomic.Int64 // the last message's seq + 1; 0 before the first
 	lastTS                                              atomic.Uint64
 	lastOK                                              atomic.Bool
 	blockSize                                           atomic.Int64
 }
 
-// BlockSize is the engine's block size, from its last BlockStored event (0 before one).
+// BlockSize is the engine's block size, from its last BlockStored event or what the engine
+// reported (0 before either).
 func (s *Subscriber) BlockSize() int { return int(s.blockSize.Load()) }
+
+// SetBlockSize sets the block size the engine reported before its first event (0: unknown).
+func (s *Subscriber) SetBlockSize(n int) {
+	if n > 0 {
+		s.blockSize.Store(int64(n))
+	}
+}
 
 // Stats is a snapshot of a subscriber's counters.
 type Stats struct {
@@ -51,13 +59,12 @@ type Stats struct {
 // Stats returns the subscriber's counters.
 func (s *Subscriber) Stats() Stats {
 	return Stats{Received: s.Received.Load(), Malformed: s.Malformed.Load(), Ignored: s.Ignored.Load(), Gaps: s.Gaps.Load(),
-		Resets: s.Resets.Load(), Replays: s.Replays.Load(), LastSeq: s.lastSeq.Load(), LastTS: math.Float64frombits(s.lastTS.Load()), Healthy: s.lastOK.Load()}
+		Resets: s.Resets.Load(), Replays: s.Replays.Load(), LastSeq: s.nextSeq.Load() - 1, LastTS: math.Float64frombits(s.lastTS.Load()), Healthy: s.lastOK.Load()}
 }
 
 // Run subscribes until ctx ends, redialling a lost engine.
 func (s *Subscriber) Run(ctx context.Context) {
-	s.lastSeq.Store(-1)
-	sock := zmq4.NewSub(ctx, zmq4.WithAutomaticReconnect(true), zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1))
+	sock := zmq4.NewSub(ctx, zmq4.WithLogger(slog.NewLogLogger(s.Log.Handler(), slog.LevelDebug)), zmq4.WithAutomaticReconnect(true), zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1))
 	defer sock.Close()
 	for ctx.Err() == nil {
 		if err := sock.Dial(dialAddr(s.Endpoint)); err != nil {
@@ -71,6 +78,12 @@ func (s *Subscriber) Run(ctx context.Context) {
 		}
 		break
 	}
+	receive(ctx, sock, s.handle)
+}
+
+// receive subscribes sock to every topic and hands each message's frames to handle until ctx
+// ends.
+func receive(ctx context.Context, sock zmq4.Socket, handle func([][]byte)) {
 	_ = sock.SetOption(zmq4.OptionSubscribe, "")
 	for ctx.Err() == nil {
 		msg, err := sock.Recv()
@@ -81,7 +94,7 @@ func (s *Subscriber) Run(ctx context.Context) {
 			time.Sleep(50 * time.Millisecond)
 			continue
 		}
-		s.handle(msg.Frames)
+		handle(msg.Frames)
 	}
 }
 
@@ -101,7 +114,13 @@ func (s *Subscriber) handle(frames [][]byte) {
 		s.Log.Warn("kv events: undecodable batch", "worker", s.Worker, "err", err)
 		return
 	}
-	if last := s.lastSeq.Load(); last >= 0 && seq != last+1 {
+	s.deliver(seq, b)
+}
+
+// deliver applies a decoded batch with sequence number seq: a backwards sequence (the engine
+// restarted) forgets the worker's blocks, a gap is replayed or forgets them.
+func (s *Subscriber) deliver(seq int64, b Batch) {
+	if last := s.nextSeq.Load() - 1; last >= 0 && seq != last+1 {
 		switch {
 		case seq <= last:
 			s.Resets.Add(1)
@@ -116,7 +135,7 @@ func (s *Subscriber) handle(frames [][]byte) {
 			s.Index.ClearWorker(s.Worker)
 		}
 	}
-	s.lastSeq.Store(seq)
+	s.nextSeq.Store(seq + 1)
 	s.apply(b)
 }
 

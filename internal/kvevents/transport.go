@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"strings"
+	"sync"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
@@ -16,8 +17,8 @@ import (
 // reads them.
 const MaxMessage = 64 << 20
 
-// cappedScheme is the ZMQ transport Baton dials engines with: TCP, with every frame header
-// checked against MaxMessage.
+// cappedScheme is the ZMQ transport Baton dials engines with (and listens on for engines that
+// connect out): TCP, with every frame header checked against MaxMessage.
 const cappedScheme = "baton-tcp"
 
 func init() {
@@ -44,8 +45,37 @@ func (c capped) Dial(ctx context.Context, d transport.Dialer, addr string) (net.
 	return &frameCap{Conn: conn, max: MaxMessage}, nil
 }
 
-func (c capped) Listen(context.Context, string) (net.Listener, error) {
-	return nil, errors.New("kv events: the capped transport only dials")
+// MaxConns bounds the engine connections a listening gateway holds at once; more are closed
+// as they arrive.
+const MaxConns = 4096
+
+func (c capped) Listen(ctx context.Context, addr string) (net.Listener, error) {
+	ln, err := c.tcp.Listen(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return &cappedListener{Listener: ln, slots: make(chan struct{}, MaxConns)}, nil
+}
+
+// cappedListener hands out connections whose frames are checked, at most MaxConns at once.
+type cappedListener struct {
+	net.Listener
+	slots chan struct{}
+}
+
+func (l *cappedListener) Accept() (net.Conn, error) {
+	for {
+		conn, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		select {
+		case l.slots <- struct{}{}:
+			return &frameCap{Conn: conn, max: MaxMessage, release: func() { <-l.slots }}, nil
+		default:
+			_ = conn.Close()
+		}
+	}
 }
 
 func (c capped) Addr(ep string) (string, error) { return c.tcp.Addr(ep) }
@@ -66,6 +96,18 @@ type frameCap struct {
 	message  int64  // bytes of the current message so far
 	more     bool   // the current frame is followed by another of the same message
 	started  bool
+	release  func() // frees the listener's slot; nil for dialled connections
+	closed   sync.Once
+}
+
+func (f *frameCap) Close() error {
+	err := f.Conn.Close()
+	f.closed.Do(func() {
+		if f.release != nil {
+			f.release()
+		}
+	})
+	return err
 }
 
 func (f *frameCap) Read(p []byte) (int, error) {
@@ -74,7 +116,7 @@ func (f *frameCap) Read(p []byte) (int, error) {
 	}
 	n, err := f.Conn.Read(p)
 	if cerr := f.scan(p[:n]); cerr != nil {
-		_ = f.Conn.Close()
+		_ = f.Close()
 		return 0, cerr
 	}
 	return n, err

@@ -7,7 +7,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,26 +30,47 @@ const probeTimeout = 5 * time.Second
 func Detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
 	in, err := detect(ctx, client, w)
 	if err == nil && in.Runtime == config.RuntimeSGLang {
-		in.DPSize = sglangDPSize(ctx, client, w)
+		in.DPSize, in.KVEvents = sglangServerInfo(ctx, client, w)
 	}
 	return in, err
 }
 
-// sglangDPSize reads the data parallel size an SGLang engine reports, or 0.
-func sglangDPSize(ctx context.Context, client *http.Client, w *Worker) int {
+// sglangServerInfo reads the data parallel size and the KV events publisher an SGLang engine
+// reports (0 and nil when it does not).
+func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher) {
 	for _, p := range []string{"/server_info", "/get_server_info"} {
 		status, body, err := probe(ctx, client, w, p)
 		if err != nil || status != http.StatusOK {
 			continue
 		}
 		var v struct {
-			DPSize int `json:"dp_size"`
+			DPSize   int `json:"dp_size"`
+			KVEvents *struct {
+				Publisher string `json:"publisher"`
+				Host      string `json:"endpoint_host"`
+				PortBase  int    `json:"endpoint_port_base"`
+				Topic     string `json:"topic"`
+				BlockSize int    `json:"block_size"`
+				DPSize    int    `json:"dp_size"`
+			} `json:"kv_events"`
 		}
-		if json.Unmarshal(body, &v) == nil {
-			return v.DPSize
+		if json.Unmarshal(body, &v) != nil {
+			return 0, nil
 		}
+		var pub *KVEventsPublisher
+		if k := v.KVEvents; k != nil && k.Publisher == "zmq" {
+			host := k.Host
+			if host == "" || host == "*" || host == "0.0.0.0" || host == "::" || host == "[::]" {
+				host = w.BootstrapHost
+			}
+			ep := "tcp://" + net.JoinHostPort(strings.Trim(host, "[]"), strconv.Itoa(k.PortBase))
+			if config.CheckKVEventsEndpoint(ep) == nil && k.BlockSize >= 0 && k.DPSize >= 0 && k.DPSize <= MaxTrackedRanks {
+				pub = &KVEventsPublisher{Endpoint: ep, BlockSize: k.BlockSize, DPSize: k.DPSize, Topic: k.Topic}
+			}
+		}
+		return v.DPSize, pub
 	}
-	return 0
+	return 0, nil
 }
 
 func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {

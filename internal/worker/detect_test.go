@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -197,5 +198,33 @@ func TestRegisteredHookRunsBeforeReady(t *testing.T) {
 	}
 	if readyDuring.Load() != false || runtimeDuring.Load() != "vllm" {
 		t.Fatalf("during OnRegistered: ready %v, runtime %v; want not ready yet, runtime known", readyDuring.Load(), runtimeDuring.Load())
+	}
+}
+
+// An SGLang engine's /server_info kv_events descriptor becomes the worker's KV events
+// publisher: a bind-all host is the worker's own; a port or DP size out of range, or a publisher
+// that is not ZMQ, is none.
+func TestDetectSGLangKVEvents(t *testing.T) {
+	models := `{"object":"list","data":[{"id":"m","owned_by":"sglang"}]}`
+	for _, c := range []struct{ info, want string }{
+		{`{"dp_size":2,"kv_events":{"publisher":"zmq","endpoint_host":"*","endpoint_port_base":5557,"topic":"kv","block_size":64,"dp_size":2}}`, "tcp://127.0.0.1:5557 64 2 kv"},
+		{`{"kv_events":{"publisher":"zmq","endpoint_host":"10.1.2.3","endpoint_port_base":6000,"block_size":1}}`, "tcp://10.1.2.3:6000 1 0 "},
+		{`{"kv_events":{"publisher":"zmq","endpoint_host":"*","endpoint_port_base":70000}}`, ""},
+		{`{"kv_events":{"publisher":"zmq","endpoint_host":"*","endpoint_port_base":5557,"dp_size":100000}}`, ""},
+		{`{"kv_events":{"publisher":"null"}}`, ""},
+		{`{"dp_size":1}`, ""},
+	} {
+		srv := engine(t, map[string]string{"/v1/models": models, "/server_info": c.info})
+		in, err := Detect(context.Background(), srv.Client(), New(config.Worker{URL: srv.URL}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := ""
+		if p := in.KVEvents; p != nil {
+			got = fmt.Sprintf("%s %d %d %s", p.Endpoint, p.BlockSize, p.DPSize, p.Topic)
+		}
+		if got != c.want {
+			t.Errorf("%s: %q, want %q", c.info, got, c.want)
+		}
 	}
 }

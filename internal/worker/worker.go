@@ -28,6 +28,19 @@ type Info struct {
 	Models  []Model // empty means the worker accepts any model
 	// DPSize is the data parallel size the engine reports (SGLang /server_info), 0 if unknown.
 	DPSize int
+	// KVEvents is the KV events publisher the engine reports (SGLang /server_info kv_events),
+	// nil when it reports none.
+	KVEvents *KVEventsPublisher
+}
+
+// KVEventsPublisher is an engine's own description of its KV events publisher.
+type KVEventsPublisher struct {
+	// Endpoint is rank 0's tcp://host:port, the worker's host when the engine binds every
+	// interface; rank r publishes on port + r.
+	Endpoint  string
+	BlockSize int
+	DPSize    int
+	Topic     string
 }
 
 // Worker is one engine. Its identity and settings are fixed at construction; its live state is

@@ -1,0 +1,99 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+)
+
+// An engine that connects out to a listening gateway is routed by its topic: its batches reach
+// the subscriber Route names, in sequence; a topic Route does not know is counted unrouted.
+func TestListenerRoutesByTopic(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	idx := NewIndex(1000)
+	known := &Subscriber{Worker: "w1", Model: "m", Index: idx, Log: slog.New(slog.DiscardHandler)}
+	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(topic string, rank int) *Subscriber {
+		if topic == "kv@w1@m" && rank == 0 {
+			return known
+		}
+		return nil
+	}}
+	ready := make(chan error, 1)
+	done := make(chan struct{})
+	go func() { l.Run(ctx, ready); close(done) }()
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	pub := zmq4.NewPub(ctx)
+	defer pub.Close()
+	if err := pub.Dial(l.BoundAddr()); err != nil {
+		t.Fatal(err)
+	}
+	send := func(topic string, seq uint64, payload []byte) {
+		var s [8]byte
+		binary.BigEndian.PutUint64(s[:], seq)
+		if err := pub.SendMulti(zmq4.NewMsgFrom([]byte(topic), s[:], payload)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	batch := pack(t, []any{1.0, []any{[]any{"BlockStored", []any{7}, nil, []any{1, 2, 3, 4}, 4}}})
+	// The subscription joins asynchronously: send until the first batch lands.
+	deadline := time.Now().Add(5 * time.Second)
+	for known.Stats().Received == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("nothing arrived")
+		}
+		send("kv@w1@m", 0, batch)
+		time.Sleep(20 * time.Millisecond)
+	}
+	send("kv@stranger@m", 0, batch)
+	for l.Unrouted.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if l.Unrouted.Load() == 0 {
+		t.Fatal("a topic naming no worker was not counted")
+	}
+	if got := idx.Match(Keys("m", "", []uint32{1, 2, 3, 4}, 4))["w1"]; got != 1 {
+		t.Fatalf("w1 holds %d blocks, want 1", got)
+	}
+	cancel()
+	<-done
+}
+
+// The listening side bounds what an engine may claim, as the dialling side does: a frame header
+// announcing 1 TiB closes the connection before anything is allocated.
+func TestListenerRefusesHugeFrames(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(string, int) *Subscriber { return nil }}
+	ready := make(chan error, 1)
+	go l.Run(ctx, ready)
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("tcp", strings.TrimPrefix(l.BoundAddr(), "tcp://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// A ZMTP 3.0 greeting (NULL mechanism, as server=0), then a long frame claiming 2^40 bytes.
+	greeting := make([]byte, 64)
+	greeting[0], greeting[9], greeting[10], greeting[11] = 0xff, 0x7f, 3, 0
+	copy(greeting[12:], "NULL")
+	if _, err := conn.Write(greeting); err != nil {
+		t.Fatal(err)
+	}
+	_, _ = conn.Write([]byte{0x02, 0, 0, 1, 0, 0, 0, 0, 0})
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.Copy(io.Discard, conn); err != nil {
+		t.Fatalf("the connection was not closed: %v", err)
+	}
+}

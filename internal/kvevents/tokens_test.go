@@ -1,0 +1,108 @@
+package kvevents
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// tokenizeServer answers /tokenize with one token per word of the prompt, counting requests and
+// remembering the last Authorization header.
+func tokenizeServer(t testing.TB) (*httptest.Server, *atomic.Int64, *atomic.Value) {
+	var n atomic.Int64
+	var auth atomic.Value
+	auth.Store("")
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n.Add(1)
+		auth.Store(r.Header.Get("Authorization"))
+		var v struct {
+			Prompt string `json:"prompt"`
+		}
+		if r.URL.Path != "/tokenize" || json.NewDecoder(r.Body).Decode(&v) != nil {
+			http.Error(w, "bad", 400)
+			return
+		}
+		toks := make([]uint32, len(strings.Fields(v.Prompt)))
+		for i := range toks {
+			toks[i] = uint32(i + 1)
+		}
+		_ = json.NewEncoder(w).Encode(map[string]any{"tokens": toks, "count": len(toks)})
+	}))
+	t.Cleanup(srv.Close)
+	return srv, &n, &auth
+}
+
+func body(prompt string) []byte { return []byte(fmt.Sprintf(`{"model":"m","prompt":%q}`, prompt)) }
+
+// Concurrent asks for one prompt send one request; the answer is cached; the worker's key is
+// sent; the cache keeps within its byte bound, forgetting the oldest.
+func TestTokenizer(t *testing.T) {
+	srv, n, auth := tokenizeServer(t)
+	tok := &Tokenizer{Client: srv.Client(), Timeout: time.Second, MaxEntries: 100, MaxBytes: 4 * 250}
+	var wg sync.WaitGroup
+	for i := 0; i < 16; i++ {
+		wg.Go(func() {
+			if toks, ok := tok.Tokens(srv.URL, "sk-worker", "m", "/v1/completions", body(strings.Repeat("w ", 100))); !ok || len(toks) != 100 {
+				t.Errorf("tokens %d %v", len(toks), ok)
+			}
+		})
+	}
+	wg.Wait()
+	if n.Load() != 1 || auth.Load() != "Bearer sk-worker" {
+		t.Fatalf("%d requests for one prompt asked 16 times at once (auth %q)", n.Load(), auth.Load())
+	}
+	// 100 tokens each = 400 bytes: two fit in 1,000 bytes, the third forgets the first.
+	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("x ", 100)))
+	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("y ", 100)))
+	if e, b := tok.Cached(); e != 2 || b != 800 {
+		t.Fatalf("cached %d answers, %d bytes; want 2, 800", e, b)
+	}
+	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("w ", 100)))
+	if n.Load() != 4 {
+		t.Fatalf("%d requests: the oldest answer should have been forgotten", n.Load())
+	}
+	// Larger than the whole bound: answered, not kept.
+	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("z ", 300)))
+	if _, b := tok.Cached(); b > 1000 {
+		t.Fatalf("%d bytes cached past the 1,000 bound", b)
+	}
+	// What it cannot send says no without asking.
+	for _, b := range []string{`{"model":"m","prompt":["a","b"]}`, `{"model":"m","prompt":[1,2]}`, `{"model":"m"}`} {
+		if _, ok := tok.Tokens(srv.URL, "", "m", "/v1/completions", []byte(b)); ok {
+			t.Errorf("%s: tokenized", b)
+		}
+	}
+	if got := tok.Hits.Load(); got < 15 {
+		t.Errorf("hits %d, want the 15 callers that shared the first ask", got)
+	}
+}
+
+// What tokenization costs a request: a cached prompt, and a prompt of ~1,000 words asked of a
+// local /tokenize (the HTTP round trip and decoding; the engine's own tokenizer comes on top).
+func BenchmarkTokens(b *testing.B) {
+	srv, _, _ := tokenizeServer(b)
+	prompt := body(strings.Repeat("word ", 1000))
+	b.Run("cached", func(b *testing.B) {
+		tok := &Tokenizer{Client: srv.Client(), Timeout: time.Second, MaxEntries: 10}
+		tok.Tokens(srv.URL, "", "m", "/v1/completions", prompt)
+		b.ReportAllocs()
+		for b.Loop() {
+			tok.Tokens(srv.URL, "", "m", "/v1/completions", prompt)
+		}
+	})
+	b.Run("asked", func(b *testing.B) {
+		tok := &Tokenizer{Client: srv.Client(), Timeout: time.Second, MaxEntries: 1}
+		b.ReportAllocs()
+		i := 0
+		for b.Loop() {
+			i++
+			tok.Tokens(srv.URL, "", "m", "/v1/completions", body(fmt.Sprint(i, strings.Repeat(" word", 1000))))
+		}
+	})
+}
