@@ -23,7 +23,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -66,6 +66,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.hardening(ctx)
 		case "routing":
 			err = r.routing(ctx)
+		case "replicas":
+			err = r.replicas(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

@@ -184,7 +184,7 @@ func TestBenchSmoke(t *testing.T) {
 	if err != nil {
 		t.Fatalf("baton bench --quick: %v\n%s", err, out)
 	}
-	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count", "PD SGLang: Baton", "PD vLLM NIXL: Baton"} {
+	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count", "## 8. Routing", "## 9. Replicas", "PD SGLang: Baton", "PD vLLM NIXL: Baton"} {
 		if !strings.Contains(string(out), h) {
 			t.Errorf("report lacks %q:\n%s", h, out)
 		}
