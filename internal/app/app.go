@@ -100,7 +100,10 @@ type Gateway struct {
 	// Selector chooses workers; its Compatible rule says which pairs can meet.
 	Selector  *policy.Selector
 	Registrar *worker.Registrar
-	Health    *worker.HealthChecker // nil when health checks are disabled
+	// Fleet adds, updates and removes workers while Baton runs.
+	Fleet   *Fleet
+	reloads *prometheus.CounterVec
+	Health  *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
 	// KVEvents subscribes to the engines' KV events.
@@ -127,6 +130,7 @@ func (g *Gateway) Wait() {
 	g.Server.Wait()
 	g.Registrar.Wait()
 	g.Load.Wait()
+	g.Fleet.Wait()
 	g.KVEvents.Wait()
 	if g.Health != nil {
 		g.Health.Wait()
@@ -221,7 +225,9 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 			}
 		}
 	}
-	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View}
+	fleet := newFleet(cfg, reg, breaker, kv, m, log, tm.request+5*time.Second)
+	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
+		Admin: server.Admin{Fleet: fleet, SourceOf: fleet.SourceOf}}
 	m.Registry.MustRegister(kvCollector{kv})
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
@@ -234,6 +240,12 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 			}
 		}
 	}
+	onRegistered := func(w *worker.Worker) { learn(w); logConnector(log, cfg, w); kv.Registered(w) }
+	registrar := &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect, OnRegistered: onRegistered}
+	fleet.registrar, fleet.onRegistered = registrar, onRegistered
+	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_config_reloads_total",
+		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused) or invalid (nothing changed)."}, []string{"result"})
+	m.Registry.MustRegister(reloads)
 	return &Gateway{
 		Health:     health,
 		Config:     cfg,
@@ -243,11 +255,12 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		Dispatcher: dispatcher,
 		Selector:   sel,
 		Server:     server.New(serverOptions(cfg, tm, parts)),
-		Registrar: &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect,
-			OnRegistered: func(w *worker.Worker) { learn(w); logConnector(log, cfg, w); kv.Registered(w) }},
-		Load:     &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
-		KVEvents: kv,
-		Log:      log,
+		Registrar:  registrar,
+		Fleet:      fleet,
+		reloads:    reloads,
+		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
+		KVEvents:   kv,
+		Log:        log,
 	}, nil
 }
 
@@ -297,6 +310,11 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 		Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
 		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
 	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: tm.queue}
+	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
+	o.Admin.Open = config.IsLoopback(cfg.Host)
+	if o.Admin.Separate {
+		o.Admin.Open = config.IsLoopback(cfg.AdminHost)
+	}
 	return o
 }
 
@@ -338,19 +356,40 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		msrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	}
 
+	var asrv *http.Server
+	var aln net.Listener
+	if cfg.AdminPort >= 0 {
+		aln, err = net.Listen("tcp", net.JoinHostPort(cfg.AdminHost, strconv.Itoa(cfg.AdminPort)))
+		if err != nil {
+			ln.Close()
+			if mln != nil {
+				mln.Close()
+			}
+			return fmt.Errorf("listen for the admin API: %w", err)
+		}
+		asrv = &http.Server{Handler: g.Server.AdminHandler(), ReadHeaderTimeout: 10 * time.Second,
+			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+	}
+
 	bg, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
 	if err := g.Start(bg); err != nil {
 		stopBG()
 		g.Wait()
-		ln.Close()
-		if mln != nil {
-			mln.Close()
+		for _, l := range []net.Listener{ln, mln, aln} {
+			if l != nil {
+				l.Close()
+			}
 		}
 		return err
 	}
-	errc := make(chan error, 2)
+	go g.watchReload(bg, 2*time.Second)
+	errc := make(chan error, 3)
 	go func() { errc <- api.Serve(ln) }()
+	if asrv != nil {
+		go func() { errc <- asrv.Serve(aln) }()
+		fmt.Fprintf(stdout, "baton admin API on http://%s\n", aln.Addr())
+	}
 	if msrv != nil {
 		go func() { errc <- msrv.Serve(mln) }()
 		fmt.Fprintf(stdout, "baton serving on http://%s (metrics on http://%s/metrics)\n", ln.Addr(), mln.Addr())
@@ -361,6 +400,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	for _, w := range cfg.Warnings() {
 		log.Warn(w)
 	}
+	logAdmin(log, cfg)
 
 	var serveErr error
 	select {
@@ -368,8 +408,10 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	case serveErr = <-errc:
 	}
 	g.drain(api, time.Duration(cfg.ShutdownGracePeriodSecs)*time.Second)
-	if msrv != nil {
-		_ = msrv.Close()
+	for _, srv := range []*http.Server{msrv, asrv} {
+		if srv != nil {
+			_ = srv.Close()
+		}
 	}
 	stopBG()
 	g.Wait()
@@ -378,6 +420,22 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	log.Info("baton stopped")
 	return nil
+}
+
+// logAdmin says at startup where the admin API answers and how it is protected.
+func logAdmin(log *slog.Logger, cfg config.Config) {
+	where, host := "the API listener", cfg.Host
+	if cfg.AdminPort >= 0 {
+		where, host = "its own listener", cfg.AdminHost
+	}
+	switch {
+	case cfg.AdminAPIKey != "":
+		log.Info("admin API (worker routes) on "+where+", behind the admin API key", "host", host)
+	case config.IsLoopback(host):
+		log.Info("admin API (worker routes) on "+where+", loopback only, no key", "host", host)
+	default:
+		log.Warn("admin API (worker routes) refused (403): the listener is not loopback and no --admin-api-key is set; GET /workers still answers", "host", host)
+	}
 }
 
 // drain turns readiness to 503 and keeps serving until in-flight requests are done or grace

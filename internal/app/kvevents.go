@@ -55,6 +55,31 @@ type KVEvents struct {
 type workerSubs struct {
 	source string // configured, server_info, default or listen
 	ranks  []*kvevents.Subscriber
+	cancel context.CancelFunc // stops the dialling subscribers; nil before Start
+}
+
+// run starts ws's dialling subscribers under ctx. Called with k.mu held.
+func (k *KVEvents) run(ctx context.Context, ws *workerSubs) {
+	if ws.source == "listen" {
+		return
+	}
+	ctx, ws.cancel = context.WithCancel(ctx)
+	for _, s := range ws.ranks {
+		k.wg.Go(func() { s.Run(ctx) })
+	}
+}
+
+// Remove ends a removed worker's subscription and forgets what the index holds of it.
+func (k *KVEvents) Remove(w *worker.Worker) {
+	k.mu.Lock()
+	ws := k.subs[w.URL]
+	delete(k.subs, w.URL)
+	k.n.Store(int32(len(k.subs)))
+	k.mu.Unlock()
+	if ws != nil && ws.cancel != nil {
+		ws.cancel()
+	}
+	k.Index.ClearWorker(w.URL)
 }
 
 // newKVEvents returns the gateway's KV events subscription, with the workers that name their
@@ -98,7 +123,7 @@ func (k *KVEvents) subscribe(w *worker.Worker, ep, source string, blockSize int)
 func (k *KVEvents) subscribeRanks(w *worker.Worker, ep, source string, blockSize, ranks int) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if k.subs[w.URL] != nil && k.subs[w.URL].source != "listen" {
+	if (k.subs[w.URL] != nil && k.subs[w.URL].source != "listen") || w.Removed() {
 		return
 	}
 	ws := &workerSubs{source: source}
@@ -110,9 +135,9 @@ func (k *KVEvents) subscribeRanks(w *worker.Worker, ep, source string, blockSize
 			s.ReplayEndpoint = portPlus(w.KVEventsReplayEndpoint, r)
 		}
 		ws.ranks = append(ws.ranks, s)
-		if k.ctx != nil {
-			k.wg.Go(func() { s.Run(k.ctx) })
-		}
+	}
+	if k.ctx != nil {
+		k.run(k.ctx, ws)
 	}
 	k.subs[w.URL] = ws
 	k.n.Store(int32(len(k.subs)))
@@ -196,11 +221,7 @@ func (k *KVEvents) Start(ctx context.Context) error {
 	k.mu.Lock()
 	k.ctx = ctx
 	for _, ws := range k.subs {
-		for _, s := range ws.ranks {
-			if s != nil && ws.source != "listen" {
-				k.wg.Go(func() { s.Run(ctx) })
-			}
-		}
+		k.run(ctx, ws)
 	}
 	k.mu.Unlock()
 	if k.listener == nil {

@@ -4,8 +4,10 @@ package config
 
 import (
 	"cmp"
+	"crypto/sha256"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/url"
 	"os"
@@ -127,6 +129,24 @@ type Config struct {
 	StalledClientTimeoutSecs int `json:"stalled_client_timeout_secs"`
 	// APIKey, when set, is required as "Authorization: Bearer <key>" on inference routes.
 	APIKey string `json:"api_key"`
+	// AdminAPIKey, when set, is required as "Authorization: Bearer <key>" on the admin API (the
+	// worker routes); it is not the inference key. Without it the admin API answers only on a
+	// loopback listener.
+	AdminAPIKey string `json:"admin_api_key"`
+	// AdminHost and AdminPort are the admin API's own listener; AdminPort -1 (the default)
+	// serves the admin API on the API listener instead. Default host 127.0.0.1.
+	AdminHost string `json:"admin_host"`
+	AdminPort int    `json:"admin_port"`
+	// WatchConfig re-reads the configuration file when it changes (as on SIGHUP), checking
+	// every 2 s.
+	WatchConfig bool `json:"watch_config"`
+	// Args are the command-line arguments the configuration was parsed from (a reload parses
+	// them again, re-reading the file they name).
+	Args []string `json:"-"`
+	// File is the --config file, "" for none; FileSum the SHA-256 of the content it was read
+	// with.
+	File    string `json:"-"`
+	FileSum []byte `json:"-"`
 	// LogLevel is debug, info, warn or error. Default "info".
 	LogLevel string `json:"log_level"`
 	// LogJSON writes logs as JSON lines instead of text.
@@ -259,6 +279,8 @@ func Default() Config {
 		LoadPollIntervalMs:       500,
 		CacheThreshold:           0.3,
 		CacheAwareSource:         "auto",
+		AdminHost:                "127.0.0.1",
+		AdminPort:                -1,
 		BalanceAbsThreshold:      64,
 		BalanceRelThreshold:      1.5,
 		CacheLoadCost:            16,
@@ -291,6 +313,8 @@ func (c *Config) LoadFile(path string) error {
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
 	}
+	sum := sha256.Sum256(data)
+	c.FileSum = sum[:]
 	if problems := yamlProblems(data, c); len(problems) > 0 {
 		return fmt.Errorf("config %s: %s", path, strings.Join(problems, "; "))
 	}
@@ -329,6 +353,15 @@ func (c *Config) Validate() error {
 	}
 	if c.MetricsPort < -1 || c.MetricsPort > 65535 {
 		bad("metrics_port %d is out of range -1-65535", c.MetricsPort)
+	}
+	if c.AdminPort < -1 || c.AdminPort > 65535 {
+		bad("admin_port %d is out of range -1-65535", c.AdminPort)
+	}
+	if c.AdminPort > 0 && (c.AdminPort == c.Port || c.AdminPort == c.MetricsPort) {
+		bad("admin_port %d must differ from port and metrics_port", c.AdminPort)
+	}
+	if c.AdminAPIKey != "" && c.AdminAPIKey == c.APIKey {
+		bad("admin_api_key must differ from api_key: a client with the inference key would control the fleet")
 	}
 	if c.MetricsPort > 0 && c.MetricsPort == c.Port {
 		bad("metrics_port %d must differ from port", c.MetricsPort)
@@ -404,46 +437,114 @@ func (c *Config) Validate() error {
 	seen := map[string]bool{}
 	for i, w := range c.AllWorkers() {
 		where := fmt.Sprintf("worker %d (%s)", i, RedactURL(w.URL))
-		if err := CheckWorkerURL(w.URL); err != nil {
-			bad("%s: %v", where, err)
-		}
 		if seen[w.URL] {
 			bad("%s: URL is listed twice", where)
 		}
 		seen[w.URL] = true
-		if !slices.Contains([]string{"", RoleRegular, RolePrefill, RoleDecode}, w.Role) {
-			bad("%s: role %q is unknown (want regular, prefill or decode)", where, w.Role)
-		}
-		if !slices.Contains([]string{"", RuntimeVLLM, RuntimeSGLang, RuntimeGeneric}, w.Runtime) {
-			bad("%s: runtime %q is unknown (want vllm, sglang or generic)", where, w.Runtime)
-		}
-		for _, m := range w.Models {
-			if m == "" {
-				bad("%s: empty model name", where)
-			}
-		}
-		if (w.Role == RolePrefill || w.Role == RoleDecode) && !c.PDDisaggregation {
-			bad("%s: role %s needs pd_disaggregation", where, w.Role)
-		}
-		if w.BootstrapPort != nil && (*w.BootstrapPort < 1 || *w.BootstrapPort > 65535) {
-			bad("%s: bootstrap_port %d is out of range 1-65535", where, *w.BootstrapPort)
-		}
-		if w.DPSize < 0 {
-			bad("%s: dp_size %d must not be negative", where, w.DPSize)
-		}
-		for _, name := range []string{w.KVConnector, w.Labels["kv_connector"]} {
-			if _, ok := KVConnectorMode(name); !ok {
-				bad("%s: kv_connector %q is unknown (want %s)", where, name, knownConnectors)
-			}
-		}
-		for _, ep := range []string{w.KVEventsEndpoint, w.Labels["kv_events_endpoint"], w.KVEventsReplayEndpoint, w.Labels["kv_events_replay_endpoint"]} {
-			if err := CheckKVEventsEndpoint(ep); ep != "" && err != nil {
-				bad("%s: kv events endpoint: %v", where, err)
+		if err := c.CheckWorker(w); err != nil {
+			for _, e := range unjoin(err) {
+				bad("%s: %v", where, e)
 			}
 		}
 	}
 	errs = append(errs, c.checkPairs()...)
 	return errors.Join(errs...)
+}
+
+// IsLoopback reports whether host (a listen address's host) accepts loopback connections only.
+func IsLoopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(strings.Trim(host, "[]"))
+	return ip != nil && ip.IsLoopback()
+}
+
+// CheckWorker reports every problem of one worker's settings under c (joined): at startup, and
+// for workers added or changed at run time.
+func (c *Config) CheckWorker(w Worker) error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if err := CheckWorkerURL(w.URL); err != nil {
+		bad("%v", err)
+	}
+	if !slices.Contains([]string{"", RoleRegular, RolePrefill, RoleDecode}, w.Role) {
+		bad("role %q is unknown (want regular, prefill or decode)", w.Role)
+	}
+	if !slices.Contains([]string{"", RuntimeVLLM, RuntimeSGLang, RuntimeGeneric}, w.Runtime) {
+		bad("runtime %q is unknown (want vllm, sglang or generic)", w.Runtime)
+	}
+	for _, m := range w.Models {
+		if m == "" {
+			bad("empty model name")
+		}
+	}
+	if (w.Role == RolePrefill || w.Role == RoleDecode) && !c.PDDisaggregation {
+		bad("role %s needs pd_disaggregation", w.Role)
+	}
+	if w.BootstrapPort != nil && (*w.BootstrapPort < 1 || *w.BootstrapPort > 65535) {
+		bad("bootstrap_port %d is out of range 1-65535", *w.BootstrapPort)
+	}
+	if w.DPSize < 0 || w.DPSize > MaxDPSize {
+		bad("dp_size %d is out of range 0-%d", w.DPSize, MaxDPSize)
+	}
+	for _, name := range []string{w.KVConnector, w.Labels["kv_connector"]} {
+		if _, ok := KVConnectorMode(name); !ok {
+			bad("kv_connector %q is unknown (want %s)", name, knownConnectors)
+		}
+	}
+	for _, ep := range []string{w.KVEventsEndpoint, w.Labels["kv_events_endpoint"], w.KVEventsReplayEndpoint, w.Labels["kv_events_replay_endpoint"]} {
+		if err := CheckKVEventsEndpoint(ep); ep != "" && err != nil {
+			bad("kv events endpoint: %v", err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ErrInvalidWorker wraps what is wrong with a worker's settings.
+var ErrInvalidWorker = errors.New("invalid worker")
+
+// WorkerPatch is what a worker update may change (the admin API's PATCH); nil fields stay.
+type WorkerPatch struct {
+	Labels                 map[string]string `json:"labels"`
+	APIKey                 *string           `json:"api_key"`
+	KVConnector            *string           `json:"kv_connector"`
+	KVEngineID             *string           `json:"kv_engine_id"`
+	DPSize                 *int              `json:"dp_size"`
+	BootstrapPort          *int              `json:"bootstrap_port"`
+	KVEventsEndpoint       *string           `json:"kv_events_endpoint"`
+	KVEventsReplayEndpoint *string           `json:"kv_events_replay_endpoint"`
+}
+
+// Apply returns w with p's fields set.
+func (p WorkerPatch) Apply(w Worker) Worker {
+	if p.Labels != nil {
+		w.Labels = maps.Clone(p.Labels)
+	}
+	for _, f := range []struct{ dst, v *string }{{&w.APIKey, p.APIKey}, {&w.KVConnector, p.KVConnector}, {&w.KVEngineID, p.KVEngineID},
+		{&w.KVEventsEndpoint, p.KVEventsEndpoint}, {&w.KVEventsReplayEndpoint, p.KVEventsReplayEndpoint}} {
+		if f.v != nil {
+			*f.dst = *f.v
+		}
+	}
+	if p.DPSize != nil {
+		w.DPSize = *p.DPSize
+	}
+	if p.BootstrapPort != nil {
+		w.BootstrapPort = p.BootstrapPort
+	}
+	return w
+}
+
+// MaxDPSize bounds a worker's data parallel size.
+const MaxDPSize = 1024
+
+// unjoin returns the errors errors.Join joined, or err alone.
+func unjoin(err error) []error {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		return j.Unwrap()
+	}
+	return []error{err}
 }
 
 // CheckKVEventsEndpoint checks a KV events endpoint: tcp://host:port, a host Baton can dial

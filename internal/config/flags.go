@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -128,6 +129,10 @@ var serveFlags = []flag{
 	intFlag("max-batch-size", "largest n, and most prompts in one request; 400 past it", func(c *Config) *int { return &c.MaxBatchSize }),
 	intFlag("stalled-client-timeout-secs", "drop a client that sends no body bytes or accepts no response bytes for this long", func(c *Config) *int { return &c.StalledClientTimeoutSecs }),
 	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
+	strFlag("admin-api-key", "require 'Authorization: Bearer KEY' on the admin API (the worker routes); without it the admin API answers only on loopback", func(c *Config) *string { return &c.AdminAPIKey }),
+	strFlag("admin-host", "address of the admin API's own listener", func(c *Config) *string { return &c.AdminHost }),
+	intFlag("admin-port", "port of the admin API's own listener; -1 serves it on the API port; 0 picks a free one", func(c *Config) *int { return &c.AdminPort }),
+	boolFlag("watch-config", "re-read the --config file when it changes (as SIGHUP does): workers added, drained, updated", func(c *Config) *bool { return &c.WatchConfig }),
 	strFlag("log-level", "debug | info | warn | error", func(c *Config) *string { return &c.LogLevel }),
 	boolFlag("log-json", "log JSON lines", func(c *Config) *bool { return &c.LogJSON }),
 	boolFlag("forward-sim-faults", "forward a client's X-Sim-Fault header to the workers (tests and demos against simulated engines)", func(c *Config) *bool { return &c.ForwardSimFaults }),
@@ -222,6 +227,7 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 		settings = append(settings, setting{f, vals})
 	}
 	cfg := Default()
+	cfg.Args, cfg.File = slices.Clone(args), path
 	if path != "" {
 		if err := cfg.LoadFile(path); err != nil {
 			errs = append(errs, err)

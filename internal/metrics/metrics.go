@@ -203,6 +203,15 @@ func (m *Metrics) Model(model string) string {
 	return model
 }
 
+// ForgetWorker drops the series labelled with a removed worker, so that a fleet whose workers
+// come and go (Kubernetes pods) keeps a bounded number of series. Per-worker gauges are read
+// from the registry at scrape time and leave with the worker on their own.
+func (m *Metrics) ForgetWorker(url string) {
+	for _, v := range []*prometheus.MetricVec{m.UpstreamErrors.MetricVec, m.BreakerTransitions.MetricVec, m.HealthChecks.MetricVec} {
+		v.DeletePartialMatch(prometheus.Labels{"worker": url})
+	}
+}
+
 // printable reports whether s is valid UTF-8 without control characters.
 func printable(s string) bool {
 	for _, r := range s {

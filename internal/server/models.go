@@ -42,7 +42,10 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 
 // workerView is one worker in GET /workers.
 type workerView struct {
+	ID            string   `json:"id"`
 	URL           string   `json:"url"`
+	Source        string   `json:"source,omitempty"` // config, admin or kubernetes
+	Draining      bool     `json:"draining,omitempty"`
 	Role          string   `json:"role"`
 	Runtime       string   `json:"runtime,omitempty"`
 	Models        []string `json:"models"`
@@ -98,29 +101,37 @@ func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	out := []workerView{}
 	now := time.Now()
 	for _, wk := range s.reg.Snapshot().Workers {
-		ok, failed := wk.Outcomes()
-		v := workerView{URL: wk.URL, Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
-			Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
-			BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now)}
-		if in := wk.Info(); in != nil {
-			for _, m := range in.Models {
-				v.Models = append(v.Models, m.ID)
-			}
-		}
-		dp := wk.DPSize
-		if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
-			c := pd.ConnectorFor(wk, s.opts.KVConnector)
-			v.KVConnector, v.KVDetail = c.Mode, c.String()
-			dp = max(dp, c.DPSize)
-		}
-		v.DPInFlight = wk.RankInFlight(dp)
-		if s.opts.KVEventsView != nil {
-			v.KVEvents = s.opts.KVEventsView(wk)
-		}
-		out = append(out, v)
+		out = append(out, s.view(wk, now))
 	}
 	body, _ := json.Marshal(map[string]any{"workers": out, "total": len(out)})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	_, _ = w.Write(body)
+}
+
+// view is one worker's state as GET /workers shows it (never its api_key).
+func (s *Server) view(wk *worker.Worker, now time.Time) workerView {
+	ok, failed := wk.Outcomes()
+	v := workerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
+		Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
+		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now)}
+	if s.opts.Admin.SourceOf != nil {
+		v.Source = s.opts.Admin.SourceOf(wk.URL)
+	}
+	if in := wk.Info(); in != nil {
+		for _, m := range in.Models {
+			v.Models = append(v.Models, m.ID)
+		}
+	}
+	dp := wk.DPSize
+	if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
+		c := pd.ConnectorFor(wk, s.opts.KVConnector)
+		v.KVConnector, v.KVDetail = c.Mode, c.String()
+		dp = max(dp, c.DPSize)
+	}
+	v.DPInFlight = wk.RankInFlight(dp)
+	if s.opts.KVEventsView != nil {
+		v.KVEvents = s.opts.KVEventsView(wk)
+	}
+	return v
 }

@@ -65,6 +65,8 @@ type Options struct {
 	// KVEventsView, when set, gives a worker's KV event subscription for GET /workers (nil:
 	// not subscribed).
 	KVEventsView func(*worker.Worker) any
+	// Admin is the admin API (the worker routes).
+	Admin Admin
 
 	Registry   *worker.Registry
 	Selector   *policy.Selector
@@ -126,7 +128,12 @@ func (s *Server) Handler() http.Handler {
 		mux.Handle("GET /get_model_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 	}
 	mux.Handle("GET /v1/models", s.authed(http.HandlerFunc(s.serveModels)))
-	mux.Handle("GET /workers", s.authed(http.HandlerFunc(s.serveWorkers)))
+	if s.opts.Admin.Separate {
+		list := http.HandlerFunc(s.serveWorkers)
+		mux.Handle("GET /workers", s.adminOr(s.authed(list), list))
+	} else {
+		s.adminRoutes(mux, false)
+	}
 	mux.HandleFunc("GET /health", s.serveLiveness)
 	mux.HandleFunc("GET /liveness", s.serveLiveness)
 	mux.HandleFunc("GET /readiness", s.serveReadiness)

@@ -180,12 +180,17 @@ type Registrar struct {
 	// set and before it is ready.
 	OnRegistered func(w *Worker)
 
-	wg sync.WaitGroup
+	wg  sync.WaitGroup
+	mu  sync.Mutex
+	ctx context.Context // Start's, for workers added later
 }
 
 // Start registers every worker of the registry that is not registered yet, each in its own
-// goroutine, until it succeeds or ctx ends. Wait waits for them.
+// goroutine, until it succeeds, the worker is removed or ctx ends. Wait waits for them.
 func (r *Registrar) Start(ctx context.Context) {
+	r.mu.Lock()
+	r.ctx = ctx
+	r.mu.Unlock()
 	for _, w := range r.Registry.Snapshot().Workers {
 		if w.Registered() {
 			continue
@@ -194,12 +199,26 @@ func (r *Registrar) Start(ctx context.Context) {
 	}
 }
 
+// Register registers a worker added after Start, in the background.
+func (r *Registrar) Register(w *Worker) {
+	r.mu.Lock()
+	ctx := r.ctx
+	r.mu.Unlock()
+	if ctx == nil {
+		return // Start registers it
+	}
+	r.wg.Go(func() { r.register(ctx, w) })
+}
+
 // Wait waits for the registration goroutines to end.
 func (r *Registrar) Wait() { r.wg.Wait() }
 
 func (r *Registrar) register(ctx context.Context, w *Worker) {
 	wait := retry.Backoff{Initial: 200 * time.Millisecond, Max: r.MaxInterval, Multiplier: 2}
 	for attempt := 1; ; attempt++ {
+		if w.Removed() {
+			return
+		}
 		in, err := Detect(ctx, r.Client, w)
 		if err == nil {
 			w.SetInfo(in)

@@ -1,6 +1,8 @@
 package worker
 
 import (
+	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -36,6 +38,60 @@ func (r *Registry) Rebuild() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.snap.Store(build(r.snap.Load().Workers))
+}
+
+// ErrExists is an addition of a URL the registry already holds.
+var ErrExists = errors.New("a worker with that URL already exists")
+
+// ErrNotFound is a change to a worker the registry does not hold (or that is leaving).
+var ErrNotFound = errors.New("no worker with that id")
+
+// Add appends w, unless a worker with its URL is there.
+func (r *Registry) Add(w *Worker) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ws := r.snap.Load().Workers
+	for _, o := range ws {
+		if o.URL == w.URL {
+			return ErrExists
+		}
+	}
+	r.snap.Store(build(append(slices.Clip(ws), w)))
+	return nil
+}
+
+// Remove takes w out (requests already holding it finish with it) and marks it removed.
+func (r *Registry) Remove(w *Worker) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ws := slices.DeleteFunc(slices.Clone(r.snap.Load().Workers), func(o *Worker) bool { return o == w })
+	w.removed.Store(true)
+	r.snap.Store(build(ws))
+}
+
+// Replace puts next in old's place (same position); false when old is no longer there.
+func (r *Registry) Replace(old, next *Worker) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ws := slices.Clone(r.snap.Load().Workers)
+	i := slices.Index(ws, old)
+	if i < 0 {
+		return false
+	}
+	ws[i] = next
+	old.removed.Store(true)
+	r.snap.Store(build(ws))
+	return true
+}
+
+// Get returns the worker with id (or URL), nil when there is none.
+func (s *Snapshot) Get(id string) *Worker {
+	for _, w := range s.Workers {
+		if w.ID == id || w.URL == id {
+			return w
+		}
+	}
+	return nil
 }
 
 func build(ws []*Worker) *Snapshot {

@@ -5,6 +5,8 @@ package worker
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"net/url"
 	"strconv"
@@ -46,6 +48,9 @@ type KVEventsPublisher struct {
 // Worker is one engine. Its identity and settings are fixed at construction; its live state is
 // in atomics, safe to read on the hot path.
 type Worker struct {
+	// ID names the worker in the admin API: derived from its URL, so the same engine keeps it
+	// across restarts of Baton and re-additions.
+	ID     string
 	URL    string // base URL without a trailing slash
 	Role   string // regular, prefill or decode
 	Labels map[string]string
@@ -72,6 +77,8 @@ type Worker struct {
 	engineIDs  atomic.Pointer[map[int]string]
 	engineLoad atomic.Pointer[EngineLoad]
 	ready      atomic.Bool
+	draining   atomic.Bool // being removed: takes no new requests, whatever its health
+	removed    atomic.Bool // out of the registry: registration and subscriptions stop
 	inflight   atomic.Int64
 	rank       atomic.Uint64 // rotates the start of the rank search, so ties go round robin
 	rankLoad   [MaxTrackedRanks]atomic.Int64
@@ -98,6 +105,7 @@ func New(c config.Worker) *Worker {
 		}
 	}
 	w := &Worker{
+		ID:            ID(u),
 		URL:           u,
 		Role:          role,
 		Labels:        c.Labels,
@@ -127,6 +135,27 @@ func New(c config.Worker) *Worker {
 	return w
 }
 
+// ID derives a worker's id from its URL: 16 hex digits of its SHA-256.
+func ID(url string) string {
+	sum := sha256.Sum256([]byte(strings.TrimRight(url, "/")))
+	return hex.EncodeToString(sum[:8])
+}
+
+// Configured returns the settings the worker was made from.
+func (w *Worker) Configured() config.Worker { return w.configured }
+
+// Draining reports whether the worker is being removed.
+func (w *Worker) Draining() bool { return w.draining.Load() }
+
+// SetDraining stops new requests to the worker for good: it is being removed.
+func (w *Worker) SetDraining() {
+	w.draining.Store(true)
+	w.ready.Store(false)
+}
+
+// Removed reports whether the worker has left the registry.
+func (w *Worker) Removed() bool { return w.removed.Load() }
+
 // String returns the worker's URL.
 func (w *Worker) String() string { return w.URL }
 
@@ -147,8 +176,8 @@ func (w *Worker) Runtime() string {
 // Ready reports whether the worker may receive traffic.
 func (w *Worker) Ready() bool { return w.ready.Load() }
 
-// SetReady sets whether the worker may receive traffic.
-func (w *Worker) SetReady(ok bool) { w.ready.Store(ok) }
+// SetReady sets whether the worker may receive traffic; a draining worker stays out.
+func (w *Worker) SetReady(ok bool) { w.ready.Store(ok && !w.draining.Load()) }
 
 // InFlight returns the number of requests the worker is serving through Baton.
 func (w *Worker) InFlight() int64 { return w.inflight.Load() }

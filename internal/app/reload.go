@@ -1,0 +1,85 @@
+package app
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// Reload parses the configuration again (the same flags, the --config file re-read) and makes
+// the fleet's configured workers what it lists: new ones are added, changed ones updated,
+// removed ones drained. Workers the admin API or discovery added are left alone, and so is
+// every other setting (those need a restart). An invalid configuration changes nothing.
+func (g *Gateway) Reload() error {
+	cfg, err := config.Parse(g.Config.Args, io.Discard)
+	if err != nil {
+		g.Log.Error("reload: the configuration is invalid; nothing changed", "err", err)
+		g.reloads.WithLabelValues("invalid").Inc()
+		return err
+	}
+	if err := g.Fleet.Sync(cfg.AllWorkers(), SourceConfig); err != nil {
+		g.Log.Error("reload: some workers could not be applied", "err", err)
+		g.reloads.WithLabelValues("partial").Inc()
+		return err
+	}
+	g.reloads.WithLabelValues("ok").Inc()
+	g.Log.Info("reload: configuration applied", "workers", len(cfg.AllWorkers()))
+	return nil
+}
+
+// watchReload reloads on SIGHUP and, with watch_config, when the --config file's content
+// changes (checked every interval; a Kubernetes ConfigMap's files are swapped, not written in
+// place, so the content is compared, not the modification time), until ctx ends. A change is
+// applied once the content has stayed the same for one more interval: a file being written in
+// place (empty for a moment) is not taken for a fleet without workers.
+func (g *Gateway) watchReload(ctx context.Context, interval time.Duration) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	var tick <-chan time.Time
+	var last, pending []byte
+	if g.Config.WatchConfig && g.Config.File != "" {
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		tick = t.C
+		last = g.Config.FileSum
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+			g.Log.Info("reload: SIGHUP")
+			_ = g.Reload()
+		case <-tick:
+			sum := fileSum(g.Config.File)
+			switch {
+			case sum == nil || bytes.Equal(sum, last):
+				pending = nil
+			case !bytes.Equal(sum, pending):
+				pending = sum // changed: apply once it holds still
+			default:
+				last, pending = sum, nil
+				g.Log.Info("reload: the configuration file changed", "file", g.Config.File)
+				_ = g.Reload()
+			}
+		}
+	}
+}
+
+// fileSum is the SHA-256 of a file's content, nil when it cannot be read.
+func fileSum(path string) []byte {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil
+	}
+	s := sha256.Sum256(b)
+	return s[:]
+}

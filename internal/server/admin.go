@@ -1,0 +1,260 @@
+package server
+
+import (
+	"bytes"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// Fleet is what the admin API changes: the workers, while Baton runs.
+type Fleet interface {
+	Add(c config.Worker, source string) (*worker.Worker, error)
+	Update(id string, p config.WorkerPatch, source string) (*worker.Worker, error)
+	Remove(id, source string) (*worker.Worker, error)
+}
+
+// Admin is the admin API's configuration.
+type Admin struct {
+	// Key, when set, is required as "Authorization: Bearer <key>" on the admin routes (it is
+	// not the inference key).
+	Key string
+	// Open allows the admin routes without a key: the listener serving them is loopback only.
+	// With neither, they answer 403.
+	Open bool
+	// Separate: the admin routes have their own listener (AdminHandler); the API listener keeps
+	// GET /workers only.
+	Separate bool
+	Fleet    Fleet
+	// SourceOf names where a worker came from (config, admin, kubernetes) for GET /workers.
+	SourceOf func(url string) string
+}
+
+// maxAdminBody bounds an admin request's body.
+const maxAdminBody = 1 << 20
+
+// Admin error codes.
+const (
+	codeWorkerExists   = "worker_already_exists"
+	codeWorkerNotFound = "worker_not_found"
+	codeBadRequest     = "bad_request"
+	codeAdminDisabled  = "admin_disabled"
+)
+
+// AdminHandler returns the admin API alone (for its own listener): the worker routes and a 404
+// for the rest.
+func (s *Server) AdminHandler() http.Handler {
+	mux := http.NewServeMux()
+	s.adminRoutes(mux, true)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeNotFound,
+			Message: fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path)})
+	})
+	return s.observe(mux)
+}
+
+// adminRoutes mounts the worker routes. own says the mux is the admin listener's; on the API
+// listener, GET /workers also takes the inference key (it always has).
+func (s *Server) adminRoutes(mux *http.ServeMux, own bool) {
+	list := s.adminAuthed(http.HandlerFunc(s.serveWorkers))
+	if !own {
+		list = s.adminOr(s.authed(http.HandlerFunc(s.serveWorkers)), http.HandlerFunc(s.serveWorkers))
+	}
+	mux.Handle("GET /workers", list)
+	if s.opts.Admin.Fleet == nil {
+		return
+	}
+	mux.Handle("GET /workers/{id}", s.adminAuthed(http.HandlerFunc(s.serveWorker)))
+	mux.Handle("POST /workers", s.adminAuthed(http.HandlerFunc(s.addWorker)))
+	mux.Handle("PATCH /workers/{id}", s.adminAuthed(http.HandlerFunc(s.patchWorker)))
+	mux.Handle("DELETE /workers/{id}", s.adminAuthed(http.HandlerFunc(s.deleteWorker)))
+}
+
+// adminKeyOK reports whether r carries the admin key (false when none is set).
+func (s *Server) adminKeyOK(r *http.Request) bool {
+	key := s.opts.Admin.Key
+	got := r.Header["Authorization"]
+	return key != "" && len(got) == 1 && subtle.ConstantTimeCompare([]byte(got[0]), []byte("Bearer "+key)) == 1
+}
+
+// adminOr serves admin with the admin key, else other.
+func (s *Server) adminOr(other, admin http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.adminKeyOK(r) {
+			r.Header.Del("Authorization")
+			admin.ServeHTTP(w, r)
+			return
+		}
+		other.ServeHTTP(w, r)
+	})
+}
+
+// adminAuthed lets a request through with the admin key, or without one where the admin API is
+// open (loopback); 401 with a wrong key, 403 where no key is set and the listener is not
+// loopback.
+func (s *Server) adminAuthed(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		a := s.opts.Admin
+		if len(r.Header["Authorization"]) > 1 {
+			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeDuplicateHeader,
+				Message: "the request has more than one Authorization header"})
+			return
+		}
+		switch {
+		case a.Key != "" && !s.adminKeyOK(r):
+			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
+				Message: "missing or invalid admin API key: send 'Authorization: Bearer <admin key>'"})
+			return
+		case a.Key == "" && !a.Open:
+			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: codeAdminDisabled,
+				Message: "the admin API needs --admin-api-key, or a listener on loopback only (--admin-host 127.0.0.1 --admin-port N)"})
+			return
+		}
+		r.Header.Del("Authorization")
+		next.ServeHTTP(w, r)
+	})
+}
+
+// addRequest is POST /workers' body: the YAML worker fields, plus smg's names for two of them.
+type addRequest struct {
+	config.Worker
+	WorkerType  string `json:"worker_type"`
+	RuntimeType string `json:"runtime_type"`
+}
+
+func (s *Server) addWorker(w http.ResponseWriter, r *http.Request) {
+	var req addRequest
+	if !decodeAdmin(w, r, &req) {
+		return
+	}
+	c := req.Worker
+	if req.WorkerType != "" {
+		if c.Role != "" && c.Role != req.WorkerType {
+			adminError(w, http.StatusBadRequest, codeBadRequest, "role and worker_type disagree")
+			return
+		}
+		c.Role = req.WorkerType
+	}
+	if req.RuntimeType != "" {
+		if c.Runtime != "" && c.Runtime != req.RuntimeType {
+			adminError(w, http.StatusBadRequest, codeBadRequest, "runtime and runtime_type disagree")
+			return
+		}
+		c.Runtime = req.RuntimeType
+	}
+	if c.URL == "" {
+		adminError(w, http.StatusBadRequest, codeBadRequest, "url is required")
+		return
+	}
+	wk, err := s.opts.Admin.Fleet.Add(c, "admin")
+	if err != nil {
+		fleetError(w, err, c.URL)
+		return
+	}
+	loc := "/workers/" + wk.ID
+	w.Header().Set("Location", loc)
+	writeAdmin(w, http.StatusAccepted, map[string]any{"status": "accepted", "worker_id": wk.ID, "url": wk.URL, "location": loc,
+		"message": "worker added: it registers in the background and takes traffic once its engine answers"})
+}
+
+func (s *Server) patchWorker(w http.ResponseWriter, r *http.Request) {
+	var p config.WorkerPatch
+	if !decodeAdmin(w, r, &p) {
+		return
+	}
+	wk, err := s.opts.Admin.Fleet.Update(r.PathValue("id"), p, "admin")
+	if err != nil {
+		fleetError(w, err, r.PathValue("id"))
+		return
+	}
+	writeAdmin(w, http.StatusAccepted, map[string]any{"status": "accepted", "worker_id": wk.ID, "worker": s.view(wk, time.Now()),
+		"message": "worker updated: new requests use the new settings, requests in flight finish with the old"})
+}
+
+func (s *Server) deleteWorker(w http.ResponseWriter, r *http.Request) {
+	wk, err := s.opts.Admin.Fleet.Remove(r.PathValue("id"), "admin")
+	if err != nil {
+		fleetError(w, err, r.PathValue("id"))
+		return
+	}
+	writeAdmin(w, http.StatusAccepted, map[string]any{"status": "accepted", "worker_id": wk.ID, "in_flight": wk.InFlight(),
+		"message": "worker draining: it takes no new requests and leaves once those in flight finish"})
+}
+
+func (s *Server) serveWorker(w http.ResponseWriter, r *http.Request) {
+	wk := s.reg.Snapshot().Get(r.PathValue("id"))
+	if wk == nil {
+		fleetError(w, worker.ErrNotFound, r.PathValue("id"))
+		return
+	}
+	writeAdmin(w, http.StatusOK, s.view(wk, time.Now()))
+}
+
+// decodeAdmin reads a JSON body strictly (unknown fields are errors, one value, bounded);
+// false when it answered the error itself.
+func decodeAdmin(w http.ResponseWriter, r *http.Request, v any) bool {
+	body, err := io.ReadAll(io.LimitReader(r.Body, maxAdminBody+1))
+	if err != nil {
+		adminError(w, http.StatusBadRequest, codeBadRequest, "cannot read the body")
+		return false
+	}
+	if len(body) > maxAdminBody {
+		adminError(w, http.StatusRequestEntityTooLarge, openai.CodePayloadTooLarge, fmt.Sprintf("body exceeds %d bytes", maxAdminBody))
+		return false
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		adminError(w, http.StatusBadRequest, openai.CodeInvalidJSON, "invalid JSON body: "+err.Error())
+		return false
+	}
+	if dec.More() {
+		adminError(w, http.StatusBadRequest, openai.CodeInvalidJSON, "invalid JSON body: more than one value")
+		return false
+	}
+	return true
+}
+
+// fleetError answers a fleet change's error: 409 exists, 404 not found, 400 invalid.
+func fleetError(w http.ResponseWriter, err error, what string) {
+	what = config.RedactURL(what)
+	switch {
+	case errors.Is(err, worker.ErrExists):
+		adminError(w, http.StatusConflict, codeWorkerExists, fmt.Sprintf("a worker at %s already exists: PATCH /workers/%s to change it", what, worker.ID(what)))
+	case errors.Is(err, worker.ErrNotFound):
+		adminError(w, http.StatusNotFound, codeWorkerNotFound, "no worker "+printableID(what))
+	case errors.Is(err, config.ErrInvalidWorker):
+		adminError(w, http.StatusBadRequest, codeBadRequest, err.Error())
+	default:
+		adminError(w, http.StatusInternalServerError, openai.CodeInternalError, "the change failed")
+	}
+}
+
+// printableID bounds an id echoed in a message.
+func printableID(s string) string {
+	if len(s) > 128 {
+		s = s[:128]
+	}
+	return strconv.Quote(s)
+}
+
+func adminError(w http.ResponseWriter, status int, code, msg string) {
+	openai.WriteError(w, &openai.Error{Status: status, Code: code, Message: msg})
+}
+
+func writeAdmin(w http.ResponseWriter, status int, v any) {
+	body, _ := json.Marshal(v)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
