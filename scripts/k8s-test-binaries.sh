@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the kube-apiserver and etcd that Baton's Kubernetes discovery tests run against, from
-# the Go module proxy, into a cache directory; a second run finds them there and does nothing.
+# Builds the kube-apiserver and etcd that Baton's Kubernetes tests run against, and the helm
+# that renders its chart, from the Go module proxy into a cache directory; a second run finds
+# them there and does nothing.
 #
-#   scripts/k8s-test-binaries.sh            # build (about 9 minutes on 2 cores, once)
+#   scripts/k8s-test-binaries.sh            # build (about 5-9 minutes on 2 cores, once; helm 3)
 #   scripts/k8s-test-binaries.sh --print    # print the directory (for KUBE_TEST_ASSETS)
 #
 # k8s.io/kubernetes is published without its staging/ directory, so its go.mod's
@@ -13,14 +14,31 @@
 # PATH.
 set -euo pipefail
 
+# Keep these in step with internal/k8stest (Version, HelmVersion).
 K8S_VERSION="${K8S_VERSION:-v1.35.4}"
+HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 STAGING="v0.${K8S_VERSION#v1.}"
-CACHE="${KUBE_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/baton/k8s-test/$K8S_VERSION}"
+BASE="${XDG_CACHE_HOME:-$HOME/.cache}/baton"
+CACHE="${KUBE_TEST_CACHE:-$BASE/k8s-test/$K8S_VERSION}"
+HELM_DIR="$BASE/helm/$HELM_VERSION"
 
 if [[ "${1:-}" == "--print" ]]; then
   echo "$CACHE"
   exit 0
 fi
+
+if [[ -x "$HELM_DIR/helm" ]]; then
+  echo "helm $HELM_VERSION already built in $HELM_DIR"
+else
+  start=$SECONDS
+  mkdir -p "$HELM_DIR"
+  hcache=$(mktemp -d)
+  GOCACHE="$hcache" GOBIN="$HELM_DIR" GOFLAGS="-mod=mod" CGO_ENABLED=0 nice -n 10 \
+    go install -trimpath -ldflags "-s -w" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  rm -rf "$hcache"
+  echo "built helm $HELM_VERSION in $HELM_DIR in $((SECONDS - start)) s"
+fi
+
 if [[ -x "$CACHE/kube-apiserver" && -x "$CACHE/etcd" ]]; then
   echo "kube-apiserver and etcd $K8S_VERSION already built in $CACHE"
   exit 0

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/pd"
@@ -373,7 +374,8 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 
 	bg, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
-	if err := g.Start(bg); err != nil {
+	// fail undoes the start when something cannot begin.
+	fail := func(err error) error {
 		stopBG()
 		g.Wait()
 		for _, l := range []net.Listener{ln, mln, aln} {
@@ -383,7 +385,21 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		}
 		return err
 	}
+	if err := g.Start(bg); err != nil {
+		return fail(err)
+	}
 	go g.watchReload(bg, 2*time.Second)
+	if cfg.ServiceDiscovery {
+		d, err := discovery.New(cfg, g.Fleet, log)
+		if err != nil {
+			return fail(err)
+		}
+		go func() {
+			if err := d.Run(bg); err != nil {
+				log.Error("service discovery stopped", "err", err)
+			}
+		}()
+	}
 	errc := make(chan error, 3)
 	go func() { errc <- api.Serve(ln) }()
 	if asrv != nil {

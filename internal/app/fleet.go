@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -22,7 +23,7 @@ import (
 const (
 	SourceConfig     = "config"
 	SourceAdmin      = "admin"
-	SourceKubernetes = "kubernetes"
+	SourceKubernetes = discovery.SourceKubernetes
 )
 
 // Errors of fleet changes, for the admin API's statuses.
@@ -116,6 +117,7 @@ func (f *Fleet) replace(old *worker.Worker, c config.Worker, source string) (*wo
 		}
 		next.SetReady(old.Ready())
 	}
+	next.SetCordoned(old.Cordoned())
 	if !f.reg.Replace(old, next) {
 		return nil, ErrWorkerNotFound
 	}
@@ -170,6 +172,20 @@ func (f *Fleet) drain(w *worker.Worker, source string) {
 		}
 		f.changed("remove", source, w)
 	})
+}
+
+// Cordon holds the worker at url out of rotation (its pod is not ready) or lets it back; false
+// when there is no such worker.
+func (f *Fleet) Cordon(url string, on bool) bool {
+	w := f.reg.Snapshot().Get(trimURL(url))
+	if w == nil || w.Draining() {
+		return false
+	}
+	if w.Cordoned() != on {
+		w.SetCordoned(on)
+		f.log.Info("fleet: worker cordoned", "worker", w.URL, "cordoned", on)
+	}
+	return true
 }
 
 // SourceOf names where the worker at url came from ("" when unknown).

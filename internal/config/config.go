@@ -129,6 +129,17 @@ type Config struct {
 	StalledClientTimeoutSecs int `json:"stalled_client_timeout_secs"`
 	// APIKey, when set, is required as "Authorization: Bearer <key>" on inference routes.
 	APIKey string `json:"api_key"`
+	// ServiceDiscovery finds workers among the Kubernetes pods of ServiceDiscoveryNamespace
+	// (default: Baton's own namespace) that match Selector (regular workers), PrefillSelector
+	// or DecodeSelector (PD roles), at ServiceDiscoveryPort (default 8000). KubeConfig, when
+	// set, is used instead of the in-cluster service account.
+	ServiceDiscovery          bool              `json:"service_discovery"`
+	Selector                  map[string]string `json:"selector"`
+	PrefillSelector           map[string]string `json:"prefill_selector"`
+	DecodeSelector            map[string]string `json:"decode_selector"`
+	ServiceDiscoveryNamespace string            `json:"service_discovery_namespace"`
+	ServiceDiscoveryPort      int               `json:"service_discovery_port"`
+	KubeConfig                string            `json:"kubeconfig"`
 	// AdminAPIKey, when set, is required as "Authorization: Bearer <key>" on the admin API (the
 	// worker routes); it is not the inference key. Without it the admin API answers only on a
 	// loopback listener.
@@ -280,6 +291,7 @@ func Default() Config {
 		CacheThreshold:           0.3,
 		CacheAwareSource:         "auto",
 		AdminHost:                "127.0.0.1",
+		ServiceDiscoveryPort:     8000,
 		AdminPort:                -1,
 		BalanceAbsThreshold:      64,
 		BalanceRelThreshold:      1.5,
@@ -353,6 +365,17 @@ func (c *Config) Validate() error {
 	}
 	if c.MetricsPort < -1 || c.MetricsPort > 65535 {
 		bad("metrics_port %d is out of range -1-65535", c.MetricsPort)
+	}
+	if c.ServiceDiscovery {
+		if len(c.Selector)+len(c.PrefillSelector)+len(c.DecodeSelector) == 0 {
+			bad("service_discovery needs a selector, prefill_selector or decode_selector")
+		}
+		if (len(c.PrefillSelector) > 0 || len(c.DecodeSelector) > 0) && !c.PDDisaggregation {
+			bad("prefill_selector and decode_selector need pd_disaggregation")
+		}
+		if c.ServiceDiscoveryPort < 1 || c.ServiceDiscoveryPort > 65535 {
+			bad("service_discovery_port %d is out of range 1-65535", c.ServiceDiscoveryPort)
+		}
 	}
 	if c.AdminPort < -1 || c.AdminPort > 65535 {
 		bad("admin_port %d is out of range -1-65535", c.AdminPort)

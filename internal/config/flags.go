@@ -35,6 +35,25 @@ func strFlag(name, help string, field func(*Config) *string) flag {
 	}}
 }
 
+// selectorFlag is a list of k=v label matches.
+func selectorFlag(name, help string, field func(*Config) *map[string]string) flag {
+	return flag{name: name, arg: "K=V...", list: true, help: help, apply: func(c *Config, v []string) error {
+		m := *field(c)
+		if m == nil {
+			m = map[string]string{}
+		}
+		for _, kv := range v {
+			k, val, ok := strings.Cut(kv, "=")
+			if !ok || k == "" {
+				return fmt.Errorf("--%s: %q is not key=value", name, kv)
+			}
+			m[k] = val
+		}
+		*field(c) = m
+		return nil
+	}}
+}
+
 func intFlag(name, help string, field func(*Config) *int) flag {
 	return flag{name: name, arg: "N", help: help, def: func(c *Config) string { return strconv.Itoa(*field(c)) }, apply: func(c *Config, v []string) error {
 		n, err := strconv.Atoi(v[0])
@@ -129,6 +148,13 @@ var serveFlags = []flag{
 	intFlag("max-batch-size", "largest n, and most prompts in one request; 400 past it", func(c *Config) *int { return &c.MaxBatchSize }),
 	intFlag("stalled-client-timeout-secs", "drop a client that sends no body bytes or accepts no response bytes for this long", func(c *Config) *int { return &c.StalledClientTimeoutSecs }),
 	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
+	boolFlag("service-discovery", "find workers among Kubernetes pods (see --selector)", func(c *Config) *bool { return &c.ServiceDiscovery }),
+	selectorFlag("selector", "pods that are regular workers: k=v labels, all must match", func(c *Config) *map[string]string { return &c.Selector }),
+	selectorFlag("prefill-selector", "pods that are prefill workers: k=v labels", func(c *Config) *map[string]string { return &c.PrefillSelector }),
+	selectorFlag("decode-selector", "pods that are decode workers: k=v labels", func(c *Config) *map[string]string { return &c.DecodeSelector }),
+	strFlag("service-discovery-namespace", "namespace of the worker pods (default: Baton's own)", func(c *Config) *string { return &c.ServiceDiscoveryNamespace }),
+	intFlag("service-discovery-port", "port of the workers' API on their pods (the baton.ai/port annotation overrides it)", func(c *Config) *int { return &c.ServiceDiscoveryPort }),
+	strFlag("kubeconfig", "kubeconfig for discovery outside the cluster (default: the in-cluster service account)", func(c *Config) *string { return &c.KubeConfig }),
 	strFlag("admin-api-key", "require 'Authorization: Bearer KEY' on the admin API (the worker routes); without it the admin API answers only on loopback", func(c *Config) *string { return &c.AdminAPIKey }),
 	strFlag("admin-host", "address of the admin API's own listener", func(c *Config) *string { return &c.AdminHost }),
 	intFlag("admin-port", "port of the admin API's own listener; -1 serves it on the API port; 0 picks a free one", func(c *Config) *int { return &c.AdminPort }),

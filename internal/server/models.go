@@ -46,6 +46,7 @@ type workerView struct {
 	URL           string   `json:"url"`
 	Source        string   `json:"source,omitempty"` // config, admin or kubernetes
 	Draining      bool     `json:"draining,omitempty"`
+	Cordoned      bool     `json:"cordoned,omitempty"` // its pod is not ready
 	Role          string   `json:"role"`
 	Runtime       string   `json:"runtime,omitempty"`
 	Models        []string `json:"models"`
@@ -112,7 +113,7 @@ func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 // view is one worker's state as GET /workers shows it (never its api_key).
 func (s *Server) view(wk *worker.Worker, now time.Time) workerView {
 	ok, failed := wk.Outcomes()
-	v := workerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
+	v := workerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Cordoned: wk.Cordoned(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
 		Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
 		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now)}
 	if s.opts.Admin.SourceOf != nil {

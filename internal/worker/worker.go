@@ -78,6 +78,7 @@ type Worker struct {
 	engineLoad atomic.Pointer[EngineLoad]
 	ready      atomic.Bool
 	draining   atomic.Bool // being removed: takes no new requests, whatever its health
+	cordoned   atomic.Bool // its pod is not ready: no new requests until it is again
 	removed    atomic.Bool // out of the registry: registration and subscriptions stop
 	inflight   atomic.Int64
 	rank       atomic.Uint64 // rotates the start of the rank search, so ties go round robin
@@ -176,8 +177,26 @@ func (w *Worker) Runtime() string {
 // Ready reports whether the worker may receive traffic.
 func (w *Worker) Ready() bool { return w.ready.Load() }
 
-// SetReady sets whether the worker may receive traffic; a draining worker stays out.
-func (w *Worker) SetReady(ok bool) { w.ready.Store(ok && !w.draining.Load()) }
+// SetReady sets whether the worker may receive traffic; a draining or cordoned worker stays
+// out.
+func (w *Worker) SetReady(ok bool) { w.ready.Store(ok && !w.draining.Load() && !w.cordoned.Load()) }
+
+// Cordoned reports whether the worker is held out of rotation by its platform (its Kubernetes
+// pod is not ready).
+func (w *Worker) Cordoned() bool { return w.cordoned.Load() }
+
+// SetCordoned holds the worker out of rotation (requests in flight finish) or lets it back;
+// back, it is ready if registered (health checks correct that at their next probe).
+func (w *Worker) SetCordoned(on bool) {
+	if w.cordoned.Swap(on) == on {
+		return
+	}
+	if on {
+		w.ready.Store(false)
+	} else {
+		w.ready.Store(w.Registered() && !w.draining.Load())
+	}
+}
 
 // InFlight returns the number of requests the worker is serving through Baton.
 func (w *Worker) InFlight() int64 { return w.inflight.Load() }

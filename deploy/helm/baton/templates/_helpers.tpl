@@ -1,0 +1,53 @@
+{{- define "baton.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "baton.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "baton.labels" -}}
+app.kubernetes.io/name: {{ include "baton.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "baton.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "baton.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "baton.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "baton.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "baton.discoveryNamespace" -}}
+{{- default .Release.Namespace .Values.serviceDiscovery.namespace -}}
+{{- end -}}
+
+{{/* Baton's configuration file: the user's config plus what the chart owns. */}}
+{{- define "baton.config" -}}
+{{- $c := deepCopy (default dict .Values.config) -}}
+{{- $_ := set $c "host" "0.0.0.0" -}}
+{{- $_ := set $c "port" (int .Values.service.port) -}}
+{{- $_ := set $c "metrics_port" (int .Values.service.metricsPort) -}}
+{{- if .Values.serviceDiscovery.enabled -}}
+{{- $_ := set $c "service_discovery" true -}}
+{{- $_ := set $c "service_discovery_namespace" (include "baton.discoveryNamespace" .) -}}
+{{- $_ := set $c "service_discovery_port" (int .Values.serviceDiscovery.port) -}}
+{{- with .Values.serviceDiscovery.selector }}{{ $_ := set $c "selector" . }}{{ end -}}
+{{- with .Values.serviceDiscovery.prefillSelector }}{{ $_ := set $c "prefill_selector" . }}{{ end -}}
+{{- with .Values.serviceDiscovery.decodeSelector }}{{ $_ := set $c "decode_selector" . }}{{ end -}}
+{{- end -}}
+{{- toYaml $c -}}
+{{- end -}}

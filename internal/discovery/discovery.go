@@ -1,0 +1,323 @@
+// Package discovery finds Baton's workers among Kubernetes pods: a pod informer on one
+// namespace (RBAC: get, list and watch pods there), pods matched to roles by label selectors,
+// per-pod settings from annotations. A pod joins once it is Running and Ready with an IP; a
+// pod that stops being ready is cordoned (no new requests, the ones in flight finish) and
+// leaves if it stays unready; a deleted or terminating pod drains and leaves.
+package discovery
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/baton-llm/baton/internal/config"
+)
+
+// The annotations a worker pod may carry. sglang.ai/bootstrap-port is read as smg reads it.
+const (
+	AnnotationBootstrapPort     = "sglang.ai/bootstrap-port"
+	AnnotationPort              = "baton.ai/port"
+	AnnotationRuntime           = "baton.ai/runtime"
+	AnnotationModels            = "baton.ai/models"
+	AnnotationKVConnector       = "baton.ai/kv-connector"
+	AnnotationKVEngineID        = "baton.ai/kv-engine-id"
+	AnnotationDPSize            = "baton.ai/dp-size"
+	AnnotationKVEvents          = "baton.ai/kv-events-endpoint"
+	AnnotationKVEventsReplay    = "baton.ai/kv-events-replay-endpoint"
+	LabelPod, LabelNamespace    = "k8s_pod", "k8s_namespace"
+	defaultUnreadyRemoveAfter   = 60 * time.Second
+	defaultSettle               = 250 * time.Millisecond
+	maxAnnotationValue          = 1024
+	serviceAccountNamespaceFile = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+)
+
+// Fleet is what discovery changes.
+type Fleet interface {
+	// Sync makes the discovered workers those of want.
+	Sync(want []config.Worker, source string) error
+	// Cordon holds a worker out of rotation, or lets it back.
+	Cordon(url string, on bool) bool
+}
+
+// Discovery watches pods and keeps the fleet's discovered workers in step.
+type Discovery struct {
+	Client    kubernetes.Interface
+	Namespace string
+	// Selectors by role (regular, prefill, decode); empty selectors match nothing.
+	Selectors map[string]map[string]string
+	Port      int
+	Fleet     Fleet
+	Log       *slog.Logger
+	// UnreadyRemoveAfter is how long a pod that joined may stay unready (cordoned) before it
+	// leaves; Settle coalesces bursts of pod events into one fleet change; Resync is the
+	// informer's full resync period.
+	UnreadyRemoveAfter, Settle, Resync time.Duration
+
+	mu        sync.Mutex
+	members   map[string]time.Time // pod UID -> when it was last seen ready (joined pods)
+	warned    map[string]string    // pod UID -> resourceVersion whose problem was logged
+	selectors map[string]labels.Selector
+}
+
+// New returns discovery for cfg, with the in-cluster service account or cfg.KubeConfig.
+func New(cfg config.Config, fleet Fleet, log *slog.Logger) (*Discovery, error) {
+	rc, err := restConfig(cfg.KubeConfig)
+	if err != nil {
+		return nil, fmt.Errorf("service discovery: %w", err)
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("service discovery: %w", err)
+	}
+	ns := cfg.ServiceDiscoveryNamespace
+	if ns == "" {
+		ns = "default"
+		if b, err := os.ReadFile(serviceAccountNamespaceFile); err == nil && len(strings.TrimSpace(string(b))) > 0 {
+			ns = strings.TrimSpace(string(b))
+		}
+	}
+	return &Discovery{Client: cs, Namespace: ns, Port: cfg.ServiceDiscoveryPort, Fleet: fleet, Log: log,
+		Selectors: map[string]map[string]string{config.RoleRegular: cfg.Selector, config.RolePrefill: cfg.PrefillSelector, config.RoleDecode: cfg.DecodeSelector}}, nil
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig != "" {
+		return clientcmd.BuildConfigFromFlags("", kubeconfig)
+	}
+	return rest.InClusterConfig()
+}
+
+// SourceKubernetes names the workers discovery manages.
+const SourceKubernetes = "kubernetes"
+
+// Run watches pods until ctx ends. It returns an error when a selector is invalid; a lost or
+// restarted API server is waited out (the informer lists and watches again, and the workers
+// stay as they were meanwhile).
+func (d *Discovery) Run(ctx context.Context) error {
+	d.mu.Lock()
+	d.members, d.warned, d.selectors = map[string]time.Time{}, map[string]string{}, map[string]labels.Selector{}
+	for role, set := range d.Selectors {
+		if len(set) == 0 {
+			continue
+		}
+		sel, err := labels.ValidatedSelectorFromSet(set)
+		if err != nil {
+			d.mu.Unlock()
+			return fmt.Errorf("service discovery: %s selector: %w", role, err)
+		}
+		d.selectors[role] = sel
+	}
+	d.mu.Unlock()
+	if d.UnreadyRemoveAfter == 0 {
+		d.UnreadyRemoveAfter = defaultUnreadyRemoveAfter
+	}
+	if d.Settle == 0 {
+		d.Settle = defaultSettle
+	}
+	if d.Resync == 0 {
+		d.Resync = 60 * time.Second
+	}
+	factory := informers.NewSharedInformerFactoryWithOptions(d.Client, d.Resync, informers.WithNamespace(d.Namespace))
+	pods := factory.Core().V1().Pods()
+	kick := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case kick <- struct{}{}:
+		default:
+		}
+	}
+	if _, err := pods.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { poke() },
+		UpdateFunc: func(any, any) { poke() },
+		DeleteFunc: func(any) { poke() },
+	}); err != nil {
+		return err
+	}
+	factory.Start(ctx.Done())
+	defer factory.Shutdown()
+	d.Log.Info("service discovery: watching pods", "namespace", d.Namespace, "selectors", d.Selectors, "port", d.Port)
+	if !cache.WaitForCacheSync(ctx.Done(), pods.Informer().HasSynced) {
+		return nil
+	}
+	lister := pods.Lister()
+	tick := time.NewTicker(max(d.UnreadyRemoveAfter/4, time.Second))
+	defer tick.Stop()
+	for {
+		list, err := lister.Pods(d.Namespace).List(labels.Everything())
+		if err == nil {
+			d.apply(list, time.Now())
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-kick:
+		case <-tick.C:
+		}
+		// Coalesce a burst (a rollout, a flapping probe) into one change.
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(d.Settle):
+		}
+		select {
+		case <-kick:
+		default:
+		}
+	}
+}
+
+// apply computes the workers the pods describe and hands them to the fleet, then cordons the
+// joined pods that are not ready and lets the ready ones back.
+func (d *Discovery) apply(pods []*corev1.Pod, now time.Time) {
+	d.mu.Lock()
+	var want []config.Worker
+	cordon := map[string]bool{}
+	live := map[string]bool{}
+	for _, p := range pods {
+		role := d.roleOf(p)
+		if role == "" {
+			continue
+		}
+		uid := string(p.UID)
+		ready := podReady(p)
+		_, joined := d.members[uid]
+		switch {
+		case p.DeletionTimestamp != nil || p.Status.PodIP == "" || p.Status.Phase != corev1.PodRunning && !joined:
+			continue // terminating, or never ran: not a worker (any more)
+		case ready:
+			d.members[uid] = now
+		case !joined:
+			continue // joins once it is ready
+		case now.Sub(d.members[uid]) > d.UnreadyRemoveAfter:
+			continue // unready too long: leaves
+		}
+		w, err := d.workerOf(p, role)
+		if err != nil {
+			if d.warned[uid] != p.ResourceVersion {
+				d.warned[uid] = p.ResourceVersion
+				d.Log.Warn("service discovery: pod skipped", "pod", p.Name, "err", err)
+			}
+			continue
+		}
+		live[uid] = true
+		want = append(want, w)
+		cordon[w.URL] = !ready
+	}
+	for uid := range d.members {
+		if !live[uid] {
+			delete(d.members, uid)
+			delete(d.warned, uid)
+		}
+	}
+	d.mu.Unlock()
+	if err := d.Fleet.Sync(want, SourceKubernetes); err != nil {
+		d.Log.Warn("service discovery: some pods could not be applied", "err", err)
+	}
+	for _, url := range slices.Sorted(maps.Keys(cordon)) {
+		d.Fleet.Cordon(url, cordon[url])
+	}
+}
+
+// roleOf returns the role whose selector p matches (prefill, then decode, then regular), ""
+// for none. Called with d.mu held.
+func (d *Discovery) roleOf(p *corev1.Pod) string {
+	set := labels.Set(p.Labels)
+	for _, role := range []string{config.RolePrefill, config.RoleDecode, config.RoleRegular} {
+		if sel, ok := d.selectors[role]; ok && sel.Matches(set) {
+			return role
+		}
+	}
+	return ""
+}
+
+func podReady(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodRunning || p.DeletionTimestamp != nil {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// workerOf describes the worker a pod is, from its IP, the discovery port and its annotations.
+func (d *Discovery) workerOf(p *corev1.Pod, role string) (config.Worker, error) {
+	a := p.Annotations
+	for k, v := range a {
+		if (strings.HasPrefix(k, "baton.ai/") || k == AnnotationBootstrapPort) && len(v) > maxAnnotationValue {
+			return config.Worker{}, fmt.Errorf("annotation %s is longer than %d bytes", k, maxAnnotationValue)
+		}
+	}
+	port := d.Port
+	if v, ok := a[AnnotationPort]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 65535 {
+			return config.Worker{}, fmt.Errorf("%s %q is not a port", AnnotationPort, v)
+		}
+		port = n
+	}
+	ip := p.Status.PodIP
+	w := config.Worker{URL: "http://" + net.JoinHostPort(ip, strconv.Itoa(port)), Role: role, Runtime: a[AnnotationRuntime],
+		KVConnector: a[AnnotationKVConnector], KVEngineID: a[AnnotationKVEngineID],
+		Labels: map[string]string{LabelPod: p.Name, LabelNamespace: p.Namespace}}
+	if v := a[AnnotationModels]; v != "" {
+		for _, m := range strings.Split(v, ",") {
+			if m = strings.TrimSpace(m); m != "" {
+				w.Models = append(w.Models, m)
+			}
+		}
+	}
+	if v, ok := a[AnnotationBootstrapPort]; ok && role == config.RolePrefill {
+		// One value for the pod (a list aligned with several ports, as smg allows, is not
+		// supported: Baton has one worker per pod).
+		n, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || n < 1 || n > 65535 {
+			return config.Worker{}, fmt.Errorf("%s %q is not a port", AnnotationBootstrapPort, v)
+		}
+		w.BootstrapPort = &n
+	}
+	if v, ok := a[AnnotationDPSize]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > config.MaxDPSize {
+			return config.Worker{}, fmt.Errorf("%s %q is not a data parallel size", AnnotationDPSize, v)
+		}
+		w.DPSize = n
+	}
+	// A KV events endpoint may name the pod's own address as "*" (the engine binds every
+	// interface): tcp://*:5557.
+	host := ip
+	if strings.Contains(ip, ":") {
+		host = "[" + ip + "]"
+	}
+	for _, e := range []struct {
+		key string
+		dst *string
+	}{{AnnotationKVEvents, &w.KVEventsEndpoint}, {AnnotationKVEventsReplay, &w.KVEventsReplayEndpoint}} {
+		if v := a[e.key]; v != "" {
+			*e.dst = strings.Replace(v, "tcp://*:", "tcp://"+host+":", 1)
+		}
+	}
+	cfg := config.Config{PDDisaggregation: true}
+	if err := cfg.CheckWorker(w); err != nil {
+		return config.Worker{}, err
+	}
+	return w, nil
+}

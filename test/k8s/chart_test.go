@@ -1,0 +1,171 @@
+package k8s
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/restmapper"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/k8stest"
+)
+
+const chart = "../../deploy/helm/baton"
+
+// helm returns the helm binary that scripts/k8s-test-binaries.sh builds (the real tool, from
+// the Go module proxy), skipping like the API server tests when it is absent.
+func helm(t *testing.T) string {
+	t.Helper()
+	if p := k8stest.Helm(); p != "" {
+		return p
+	}
+	k8stest.Require(t, nil)
+	return ""
+}
+
+// render runs helm template with a values file ("" for the chart's defaults).
+func render(t *testing.T, values, ns string) []*unstructured.Unstructured {
+	t.Helper()
+	args := []string{"template", "baton", chart, "--namespace", ns}
+	if values != "" {
+		args = append(args, "-f", values)
+	}
+	out, err := exec.Command(helm(t), args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	var objs []*unstructured.Unstructured
+	dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(out), 4096)
+	for {
+		var m map[string]any
+		if err := dec.Decode(&m); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			t.Fatalf("rendered YAML: %v", err)
+		}
+		if len(m) > 0 {
+			objs = append(objs, &unstructured.Unstructured{Object: m})
+		}
+	}
+	return objs
+}
+
+// serviceMonitorCRD is enough of the Prometheus Operator's CRD for the API server to take a
+// ServiceMonitor.
+const serviceMonitorCRD = `{"apiVersion":"apiextensions.k8s.io/v1","kind":"CustomResourceDefinition",
+"metadata":{"name":"servicemonitors.monitoring.coreos.com"},
+"spec":{"group":"monitoring.coreos.com","scope":"Namespaced",
+"names":{"plural":"servicemonitors","singular":"servicemonitor","kind":"ServiceMonitor","listKind":"ServiceMonitorList"},
+"versions":[{"name":"v1","served":true,"storage":true,"schema":{"openAPIV3Schema":{"type":"object","x-kubernetes-preserve-unknown-fields":true}}}]}}`
+
+// The chart renders with its defaults and each example's values, helm lint passes, the API
+// server accepts every object it renders (created for real, in a namespace per render), and
+// Baton accepts the configuration and flags the Deployment runs it with.
+func TestChartRendersAndApplies(t *testing.T) {
+	s := k8stest.Require(t, server)
+	if out, err := exec.Command(helm(t), "lint", chart).CombinedOutput(); err != nil {
+		t.Fatalf("helm lint: %v\n%s", err, out)
+	}
+	dyn := dynamic.NewForConfigOrDie(s.Config)
+	cs, _ := cluster(t)
+	crd := &unstructured.Unstructured{}
+	if err := crd.UnmarshalJSON([]byte(serviceMonitorCRD)); err != nil {
+		t.Fatal(err)
+	}
+	crdRes := dyn.Resource(crd.GroupVersionKind().GroupVersion().WithResource("customresourcedefinitions"))
+	if _, err := crdRes.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	examples, _ := filepath.Glob(chart + "/examples/*.yaml")
+	for _, values := range append([]string{""}, examples...) {
+		name := strings.TrimSuffix(filepath.Base(values), ".yaml")
+		if values == "" {
+			name = "defaults"
+		}
+		t.Run(name, func(t *testing.T) {
+			_, ns := cluster(t)
+			objs := render(t, values, ns)
+			mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(cs.Discovery()))
+			kinds := map[string]int{}
+			var configYAML string
+			var args []string
+			for _, o := range objs {
+				gvk := o.GroupVersionKind()
+				var m, err = mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+				if err != nil {
+					mapper.Reset() // the CRD may be new to the cache
+					if m, err = mapper.RESTMapping(gvk.GroupKind(), gvk.Version); err != nil {
+						t.Fatalf("%s: %v", gvk, err)
+					}
+				}
+				res := dyn.Resource(m.Resource)
+				var ri dynamic.ResourceInterface = res
+				if m.Scope.Name() == "namespace" {
+					ri = res.Namespace(nsOf(o, ns))
+				}
+				if _, err := ri.Create(context.Background(), o, metav1.CreateOptions{FieldValidation: "Strict"}); err != nil {
+					t.Errorf("the API server refused %s %s: %v", gvk.Kind, o.GetName(), err)
+				}
+				kinds[gvk.Kind]++
+				switch gvk.Kind {
+				case "ConfigMap":
+					configYAML, _, _ = unstructured.NestedString(o.Object, "data", "baton.yaml")
+				case "Deployment":
+					cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
+					for _, a := range cs[0].(map[string]any)["args"].([]any) {
+						args = append(args, a.(string))
+					}
+				}
+			}
+			for _, k := range []string{"Deployment", "Service", "ConfigMap", "ServiceAccount", "PodDisruptionBudget"} {
+				if kinds[k] != 1 {
+					t.Errorf("%d %s objects rendered", kinds[k], k)
+				}
+			}
+			if strings.Contains(configYAML, "service_discovery: true") && (kinds["Role"] != 1 || kinds["RoleBinding"] != 1) {
+				t.Errorf("discovery without its Role and RoleBinding: %v", kinds)
+			}
+			// Baton takes the rendered configuration with the Deployment's arguments.
+			file := filepath.Join(t.TempDir(), "baton.yaml")
+			if err := os.WriteFile(file, []byte(configYAML), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if len(args) == 0 || args[0] != "serve" {
+				t.Fatalf("container args %q", args)
+			}
+			for i, a := range args {
+				switch a {
+				case "/etc/baton/baton.yaml":
+					args[i] = file
+				case "$(BATON_API_KEY)":
+					args[i] = "sk-inference"
+				case "$(BATON_ADMIN_API_KEY)":
+					args[i] = "sk-admin"
+				}
+			}
+			if _, err := config.Parse(args[1:], io.Discard); err != nil {
+				t.Errorf("Baton refuses the chart's configuration: %v\n%s", err, configYAML)
+			}
+		})
+	}
+}
+
+func nsOf(o *unstructured.Unstructured, def string) string {
+	if ns := o.GetNamespace(); ns != "" {
+		return ns
+	}
+	return def
+}
