@@ -432,10 +432,14 @@ func TestPDParallelMetrics(t *testing.T) {
 	// The outcome is counted as the handler returns, which may be just after the client has
 	// read the whole answer.
 	postTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
-	waitFor(t, func() bool { return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")) == 1 })
+	waitFor(t, func() bool {
+		return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")) == 1
+	})
 	_, _, g2, gw2 := sglangPD(t, sim.Config{}, sim.Config{})
 	postTimeout(t, gw2+"/generate", `{"text":"x","model":"m"}`)
-	waitFor(t, func() bool { return testutil.ToFloat64(g2.Metrics.PDRequests.WithLabelValues("m", "parallel", "success")) == 1 })
+	waitFor(t, func() bool {
+		return testutil.ToFloat64(g2.Metrics.PDRequests.WithLabelValues("m", "parallel", "success")) == 1
+	})
 	if n := testutil.CollectAndCount(g2.Metrics.PDTTFT); n != 1 {
 		t.Errorf("ttft series %d", n)
 	}
