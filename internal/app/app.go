@@ -29,6 +29,7 @@ import (
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/server"
+	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -311,6 +312,7 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 		Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
 		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
 	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: tm.queue}
+	o.AccessLog = cfg.AccessLog
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
 	o.Admin.Open = config.IsLoopback(cfg.Host)
 	if o.Admin.Separate {
@@ -372,6 +374,23 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 	}
 
+	stopTracing, err := tracing.Setup(ctx, tracing.Config{Endpoint: cfg.OTLPTracesEndpoint, Ratio: cfg.TraceSampleRatio, Version: Version()})
+	if err != nil {
+		for _, l := range []net.Listener{ln, mln, aln} {
+			if l != nil {
+				l.Close()
+			}
+		}
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = stopTracing(sctx)
+	}()
+	if tracing.Enabled() {
+		log.Info("tracing: sending spans over OTLP", "ratio", cfg.TraceSampleRatio)
+	}
 	bg, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
 	// fail undoes the start when something cannot begin.

@@ -2,23 +2,34 @@ package app
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/baton-llm/baton/internal/tracing"
 )
+
+// benchAnswer is the benchmark engine's answer.
+const benchAnswer = `{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}`
+
+// benchEngine is an in-process engine that answers every chat completion with benchAnswer.
+func benchEngine() *httptest.Server {
+	return fakeEngine(&testing.T{}, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, benchAnswer)
+	})
+}
 
 // BenchmarkProxy measures the regular-mode hot path (request in, response out) against an
 // in-process upstream, next to the same request sent straight to the upstream in the same run.
 // Compare ns/op and allocs of baton/<size> with direct/<size>.
 func BenchmarkProxy(b *testing.B) {
-	const answer = `{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}`
-	up := fakeEngine(&testing.T{}, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
-		io.Copy(io.Discard, r.Body)
-		w.Header().Set("Content-Type", "application/json")
-		io.WriteString(w, answer)
-	})
+	up := benchEngine()
 	defer up.Close()
 	_, gw := startGateway(&testing.T{}, testConfig(up.URL))
 	defer gw.Close()
@@ -36,11 +47,52 @@ func BenchmarkProxy(b *testing.B) {
 					}
 					n, _ := io.Copy(io.Discard, resp.Body)
 					resp.Body.Close()
-					if resp.StatusCode != 200 || n != int64(len(answer)) {
+					if resp.StatusCode != 200 || n != int64(len(benchAnswer)) {
 						b.Fatalf("status %d, %d bytes", resp.StatusCode, n)
 					}
 				}
 			})
 		}
 	}
+}
+
+// BenchmarkTracing measures the regular hot path (1 KB request) with tracing off — the
+// default, where every hook is one atomic load — and on (every request sampled, spans batched to
+// an OTLP/HTTP receiver in the same process), next to the upstream alone, in one run.
+func BenchmarkTracing(b *testing.B) {
+	up := benchEngine()
+	defer up.Close()
+	cfg := testConfig(up.URL)
+	cfg.AccessLog = false
+	_, gw := startGateway(&testing.T{}, cfg)
+	defer gw.Close()
+	receiver := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.Copy(io.Discard, r.Body) }))
+	defer receiver.Close()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64, DisableCompression: true}}
+	body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("a", 1000) + `"}]}`)
+	run := func(b *testing.B, url string) {
+		b.ReportAllocs()
+		for b.Loop() {
+			resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+			if err != nil {
+				b.Fatal(err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				b.Fatalf("status %d", resp.StatusCode)
+			}
+		}
+	}
+	b.Run("direct", func(b *testing.B) { run(b, up.URL) })
+	b.Run("off", func(b *testing.B) { run(b, gw.URL) })
+	b.Run("on", func(b *testing.B) {
+		stop, err := tracing.Setup(context.Background(), tracing.Config{Endpoint: receiver.URL, Ratio: 1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer stop(context.Background())
+		run(b, gw.URL)
+	})
+	b.Run("off-again", func(b *testing.B) { run(b, gw.URL) })
 }

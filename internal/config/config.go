@@ -151,6 +151,13 @@ type Config struct {
 	// WatchConfig re-reads the configuration file when it changes (as on SIGHUP), checking
 	// every 2 s.
 	WatchConfig bool `json:"watch_config"`
+	// OTLPTracesEndpoint sends OpenTelemetry traces to a collector: http(s)://host:port for
+	// OTLP/HTTP, grpc://host:port for OTLP/gRPC. Empty: the OTEL_EXPORTER_OTLP_* variables, or
+	// no tracing. TraceSampleRatio is the share of new traces kept (default 1).
+	OTLPTracesEndpoint string  `json:"otlp_traces_endpoint"`
+	TraceSampleRatio   float64 `json:"trace_sample_ratio"`
+	// AccessLog writes one info line per request (default on).
+	AccessLog bool `json:"access_log"`
 	// Args are the command-line arguments the configuration was parsed from (a reload parses
 	// them again, re-reading the file they name).
 	Args []string `json:"-"`
@@ -292,6 +299,8 @@ func Default() Config {
 		CacheAwareSource:         "auto",
 		AdminHost:                "127.0.0.1",
 		ServiceDiscoveryPort:     8000,
+		TraceSampleRatio:         1,
+		AccessLog:                true,
 		AdminPort:                -1,
 		BalanceAbsThreshold:      64,
 		BalanceRelThreshold:      1.5,
@@ -376,6 +385,9 @@ func (c *Config) Validate() error {
 		if c.ServiceDiscoveryPort < 1 || c.ServiceDiscoveryPort > 65535 {
 			bad("service_discovery_port %d is out of range 1-65535", c.ServiceDiscoveryPort)
 		}
+	}
+	if c.TraceSampleRatio < 0 || c.TraceSampleRatio > 1 {
+		bad("trace_sample_ratio %v is out of range 0-1", c.TraceSampleRatio)
 	}
 	if c.AdminPort < -1 || c.AdminPort > 65535 {
 		bad("admin_port %d is out of range -1-65535", c.AdminPort)

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -68,6 +69,11 @@ type Metrics struct {
 
 	RouteDecisions *prometheus.CounterVec   // role, policy, reason
 	RouteMatch     *prometheus.HistogramVec // role
+
+	TTFT         *prometheus.HistogramVec // model, mode
+	InterToken   *prometheus.HistogramVec // model, mode
+	Tokens       *prometheus.CounterVec   // model, kind
+	PairHandoffs *prometheus.CounterVec   // prefill, decode, outcome
 
 	reg    *worker.Registry
 	mu     sync.Mutex
@@ -168,13 +174,31 @@ func New(reg *worker.Registry) *Metrics {
 			Help:    "cache_aware: share of the prompt the chosen worker was found to have cached.",
 			Buckets: []float64{0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1},
 		}, []string{"role"}),
+		TTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "baton_ttft_seconds",
+			Help:    "Time from request arrival to the first byte of a successful answer, by model and mode (regular, pd_sglang, pd_vllm).",
+			Buckets: DurationBuckets,
+		}, []string{"model", "mode"}),
+		InterToken: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "baton_inter_token_seconds",
+			Help:    "Gaps between the events of a streamed answer as they reached the client, by model and mode.",
+			Buckets: []float64{.001, .0025, .005, .01, .02, .035, .05, .075, .1, .15, .25, .5, 1, 2.5},
+		}, []string{"model", "mode"}),
+		Tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_tokens_total",
+			Help: "Tokens from the usage of successful answers, by model and kind (prompt, completion, cached: prompt tokens the engine had cached).",
+		}, []string{"model", "kind"}),
+		PairHandoffs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_pair_handoffs_total",
+			Help: "PD requests by prefill and decode worker and KV handoff outcome (nixl, mooncake, bootstrap, passthrough, none-*).",
+		}, []string{"prefill", "decode", "outcome"}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics,
-		m.RouteDecisions, m.RouteMatch,
+		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -210,6 +234,8 @@ func (m *Metrics) ForgetWorker(url string) {
 	for _, v := range []*prometheus.MetricVec{m.UpstreamErrors.MetricVec, m.BreakerTransitions.MetricVec, m.HealthChecks.MetricVec} {
 		v.DeletePartialMatch(prometheus.Labels{"worker": url})
 	}
+	m.PairHandoffs.DeletePartialMatch(prometheus.Labels{"prefill": url})
+	m.PairHandoffs.DeletePartialMatch(prometheus.Labels{"decode": url})
 }
 
 // printable reports whether s is valid UTF-8 without control characters.
@@ -240,6 +266,8 @@ var (
 		"1 when the worker is registered and may receive traffic, else 0.", []string{"worker", "role"}, nil)
 	breakerDesc = prometheus.NewDesc("baton_worker_circuit_state",
 		"Circuit breaker state: 0 closed, 1 open, 2 half-open.", []string{"worker", "role"}, nil)
+	engineDesc = prometheus.NewDesc("baton_worker_engine_load",
+		"What the engine last reported of its load (running, waiting requests; kv_usage 0..1), while routing trusts it.", []string{"worker", "role", "signal"}, nil)
 	outcomeDesc = prometheus.NewDesc("baton_worker_outcomes_total",
 		"Outcome samples of requests a worker served (failure: transport error or 408/500/502/503/504).", []string{"worker", "role", "outcome"}, nil)
 )
@@ -251,10 +279,23 @@ func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- readyDesc
 	ch <- outcomeDesc
 	ch <- breakerDesc
+	ch <- engineDesc
 }
 
 func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
+	now := time.Now()
 	for _, w := range c.reg.Snapshot().Workers {
+		if l := w.EngineLoad(); l.Fresh(now) {
+			for _, sig := range []struct {
+				name string
+				has  bool
+				v    float64
+			}{{"running", l.HasRunning, l.Running}, {"waiting", l.HasWaiting, l.Waiting}, {"kv_usage", l.HasKV, l.KVUsage}} {
+				if sig.has {
+					ch <- prometheus.MustNewConstMetric(engineDesc, prometheus.GaugeValue, sig.v, w.URL, w.Role, sig.name)
+				}
+			}
+		}
 		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(w.InFlight()), w.URL, w.Role)
 		ready := 0.0
 		if w.Ready() {

@@ -1,7 +1,12 @@
 package proxy
 
 import (
+	"net/http"
 	"sync/atomic"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -15,6 +20,7 @@ type Leg struct {
 	probe bool   // admitted as a half-open circuit's probe
 	rank  int    // the DP rank the leg runs on, plus one; 0: none
 	ended atomic.Bool
+	span  trace.Span // the leg's client span when tracing; nil otherwise
 }
 
 // OnRank counts the leg on DP rank r of its worker until it ends; r < 0 means no rank.
@@ -40,7 +46,21 @@ func (l *Leg) Start(w *worker.Worker, name string) {
 // ended its answer, and releases the worker; only the first end of a leg counts.
 func (l *Leg) Done(status int, err error) {
 	if l.ended.CompareAndSwap(false, true) {
-		l.W.Record(status, err)
+		if l.span == nil {
+			l.W.Record(status, err)
+		} else {
+			before := l.W.BreakerState()
+			l.W.Record(status, err)
+			if after := l.W.BreakerState(); after != before {
+				l.span.AddEvent("circuit_breaker", trace.WithAttributes(attribute.String("baton.breaker.from", before.String()), attribute.String("baton.breaker.to", after.String())))
+			}
+			if err != nil {
+				l.span.SetStatus(codes.Error, err.Error())
+			} else if status >= 500 {
+				l.span.SetStatus(codes.Error, http.StatusText(status))
+			}
+			l.span.End()
+		}
 		l.W.Leave(l.probe)
 		l.leaveRank()
 	}
@@ -50,6 +70,10 @@ func (l *Leg) Done(status int, err error) {
 // failure caused its own, or it outlived the request deadline while the worker was answering.
 func (l *Leg) Excuse() {
 	if l.ended.CompareAndSwap(false, true) {
+		if l.span != nil {
+			l.span.SetAttributes(attribute.Bool("baton.excused", true))
+			l.span.End()
+		}
 		l.W.Leave(l.probe)
 		l.leaveRank()
 	}

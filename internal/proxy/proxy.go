@@ -6,6 +6,7 @@ package proxy
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -19,9 +20,13 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
+	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -186,7 +191,27 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	}
 	out.Header.Set("Content-Type", "application/json")
 	out.ContentLength = int64(len(c.Body))
-	return p.Transport.RoundTrip(out)
+	if !tracing.Enabled() {
+		return p.Transport.RoundTrip(out)
+	}
+	name := "upstream"
+	if leg.Name != "" {
+		name = leg.Name
+	}
+	start := time.Now()
+	_, leg.span = tracing.StartClient(ctx, name, out.Header, attribute.String("baton.worker", leg.W.URL), attribute.String("baton.leg", cmp.Or(leg.Name, "regular")),
+		attribute.String("baton.runtime", leg.W.Runtime()), attribute.Int("baton.attempt", tracing.Attempt(ctx)),
+		attribute.String("url.path", c.Path), attribute.Int("http.request.body.size", len(c.Body)))
+	if leg.W.KVConnector != "" {
+		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
+	}
+	resp, err := p.Transport.RoundTrip(out)
+	if err != nil {
+		leg.span.SetStatus(codes.Error, err.Error())
+	} else {
+		leg.span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode), attribute.Float64("baton.ttfb_ms", float64(time.Since(start))/1e6))
+	}
+	return resp, err
 }
 
 // Forward POSTs body to path on w and relays the response to rw (regular mode). It returns nil

@@ -16,6 +16,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -36,14 +37,21 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader}
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
+		end := s.selectSpan(r)
 		pair, err := s.sel.Pair(sreq, avoid)
+		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
 		}
 		s.routeHeader(w, sreq)
+		if pair.Prefill.Runtime() == config.RuntimeSGLang {
+			setMode(w, "pd_sglang")
+		} else {
+			setMode(w, "pd_vllm")
+		}
 		h := w.Header()
 		h.Set(openai.HeaderPrefillWorker, pair.Prefill.URL)
 		h.Set(openai.HeaderDecodeWorker, pair.Decode.URL)

@@ -2,14 +2,17 @@ package server
 
 import (
 	"cmp"
+
 	"context"
 	"errors"
+	"go.opentelemetry.io/otel/attribute"
 	"net/http"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/retry"
+	"github.com/baton-llm/baton/internal/tracing"
 )
 
 // attemptFunc is one try at a request. r carries the request's total deadline; avoid holds the
@@ -26,13 +29,19 @@ type attemptFunc func(r *http.Request, avoid map[string]bool) error
 func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt attemptFunc) {
 	var avoid map[string]bool
 	for n := 1; ; n++ {
-		err := attempt(r, avoid)
+		ar := r
+		if tracing.Enabled() && n > 1 {
+			ar = r.WithContext(tracing.WithAttempt(r.Context(), n))
+		}
+		err := attempt(ar, avoid)
 		if err == nil {
 			return
 		}
 		reason, retryable := retryReason(err)
 		if retryable && n < s.opts.Retry.Attempts {
 			s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
+			tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
+			setAttempts(w, n+1)
 			s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
 			if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
 				avoid = failed(avoid, err)

@@ -5,14 +5,19 @@ package server
 
 import (
 	"context"
+
 	"crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	"io"
 	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,6 +30,7 @@ import (
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/retry"
+	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -67,6 +73,8 @@ type Options struct {
 	KVEventsView func(*worker.Worker) any
 	// Admin is the admin API (the worker routes).
 	Admin Admin
+	// AccessLog writes one info line per request (never bodies or keys).
+	AccessLog bool
 
 	Registry   *worker.Registry
 	Selector   *policy.Selector
@@ -161,6 +169,16 @@ type statusWriter struct {
 	http.ResponseWriter
 	status int
 	model  string
+	mode   string // regular, pd_parallel or pd_sequential: how the request was served
+
+	attempts  int       // tries made (1 unless retried)
+	start     time.Time // arrival
+	firstByte time.Time // the first body byte to the client; zero: none yet
+	lastWrite time.Time
+	sse       bool       // the answer is an event stream: gaps between writes are inter-token latency
+	gaps      []float64  // inter-write gaps of a stream, in seconds (observed at the end)
+	tail      [1024]byte // the answer's last bytes: where its usage is
+	tailN     int
 
 	rc       *http.ResponseController
 	body     stallReader   // the request body's reader, kept here to save an allocation
@@ -216,8 +234,45 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	if w.status == 0 {
 		w.status = http.StatusOK
 	}
-	w.arm(time.Now())
+	now := time.Now()
+	w.arm(now)
+	if w.firstByte.IsZero() {
+		w.firstByte = now
+		w.sse = strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream")
+	} else if w.sse && len(w.gaps) < maxGaps {
+		w.gaps = append(w.gaps, now.Sub(w.lastWrite).Seconds())
+	}
+	w.lastWrite = now
+	w.keepTail(b)
 	return w.ResponseWriter.Write(b)
+}
+
+// maxGaps bounds the inter-write gaps one stream records.
+const maxGaps = 4096
+
+// keepTail keeps the last bytes of the answer, where OpenAI-style answers put their usage.
+func (w *statusWriter) keepTail(b []byte) {
+	if len(b) >= len(w.tail) {
+		w.tailN = copy(w.tail[:], b[len(b)-len(w.tail):])
+		return
+	}
+	keep := min(w.tailN, len(w.tail)-len(b))
+	copy(w.tail[:keep], w.tail[w.tailN-keep:w.tailN])
+	w.tailN = keep + copy(w.tail[keep:], b)
+}
+
+// setMode tells the observing middleware how the request was served.
+func setMode(w http.ResponseWriter, mode string) {
+	if sw := observed(w); sw != nil {
+		sw.mode = mode
+	}
+}
+
+// setAttempts tells the observing middleware how many tries the request took.
+func setAttempts(w http.ResponseWriter, n int) {
+	if sw := observed(w); sw != nil {
+		sw.attempts = n
+	}
 }
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
@@ -233,10 +288,17 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		start := time.Now()
 		rid := requestID(r.Header)
 		w.Header().Set(openai.HeaderRequestID, rid)
+		var span trace.Span
+		if tracing.Enabled() {
+			var tctx context.Context
+			tctx, span = tracing.StartServer(r)
+			r = r.WithContext(tctx)
+		}
 		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
 		defer cancel()
 		r = r.WithContext(ctx)
-		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace)}
+		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
+			start: start, attempts: 1, mode: "regular"}
 		sw.arm(start)
 		s.inflight.Add(1)
 		defer func() {
@@ -260,14 +322,100 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			}
 			model := s.metrics.Model(sw.model)
 			s.metrics.ObserveRequest(route, model, status, time.Since(start).Seconds())
-			s.log.Debug("request", "request_id", rid, "method", r.Method, "path", r.URL.Path,
-				"model", model, "status", status, "duration", time.Since(start))
+			s.finish(sw, r, route, model, status, rid, span, v == http.ErrAbortHandler)
 			if v == http.ErrAbortHandler {
 				panic(v)
 			}
 		}()
 		next.ServeHTTP(sw, r)
 	})
+}
+
+// finish records what a request's answer says once it ended: TTFT, inter-token gaps and tokens
+// of a successful generation, the PD pair's handoff, the access log line and the server span.
+func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, status int, rid string, span trace.Span, aborted bool) {
+	h := sw.Header()
+	var ttft time.Duration
+	var usage openai.Usage
+	hasUsage := false
+	generation := r.Method == http.MethodPost && route != "other" && !strings.HasPrefix(route, "POST /workers")
+	if generation && status == http.StatusOK && !sw.firstByte.IsZero() {
+		ttft = sw.firstByte.Sub(sw.start)
+		s.metrics.TTFT.WithLabelValues(model, sw.mode).Observe(ttft.Seconds())
+		if len(sw.gaps) > 0 {
+			itl := s.metrics.InterToken.WithLabelValues(model, sw.mode)
+			for _, g := range sw.gaps {
+				itl.Observe(g)
+			}
+		}
+		if usage, hasUsage = openai.LastUsage(sw.tail[:sw.tailN]); hasUsage && !aborted {
+			s.metrics.Tokens.WithLabelValues(model, "prompt").Add(float64(usage.Prompt))
+			s.metrics.Tokens.WithLabelValues(model, "completion").Add(float64(usage.Completion))
+			if usage.Cached > 0 {
+				s.metrics.Tokens.WithLabelValues(model, "cached").Add(float64(usage.Cached))
+			}
+		}
+	}
+	prefill, decode, handoff := h.Get(openai.HeaderPrefillWorker), h.Get(openai.HeaderDecodeWorker), h.Get(openai.HeaderKVHandoff)
+	if prefill != "" && decode != "" && handoff != "" {
+		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
+	}
+	dur := time.Since(sw.start)
+	if span != nil {
+		span.SetName(route)
+		span.SetAttributes(attribute.String("http.route", route), attribute.Int("http.response.status_code", status),
+			attribute.String("gen_ai.request.model", model), attribute.String("baton.request_id", rid), attribute.Int("baton.attempts", sw.attempts),
+			attribute.String("baton.mode", sw.mode))
+		if wk := h.Get(openai.HeaderWorker); wk != "" && prefill == "" {
+			span.SetAttributes(attribute.String("baton.worker", wk))
+		}
+		if prefill != "" {
+			span.SetAttributes(attribute.String("baton.prefill_worker", prefill), attribute.String("baton.decode_worker", decode))
+		}
+		if handoff != "" {
+			span.SetAttributes(attribute.String("baton.pd.handoff", handoff))
+		}
+		if ttft > 0 {
+			span.SetAttributes(attribute.Float64("baton.ttft_ms", float64(ttft)/1e6))
+		}
+		if hasUsage {
+			span.SetAttributes(attribute.Int("gen_ai.usage.input_tokens", usage.Prompt), attribute.Int("gen_ai.usage.output_tokens", usage.Completion))
+		}
+		if status >= 500 || aborted {
+			span.SetStatus(codes.Error, h.Get(openai.HeaderErrorCode))
+		}
+		span.End()
+	}
+	if !s.opts.AccessLog || !s.log.Enabled(r.Context(), slog.LevelInfo) {
+		return
+	}
+	var buf [20]slog.Attr
+	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("model", model), slog.Int("status", status),
+		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", sw.attempts))
+	if prefill != "" {
+		attrs = append(attrs, slog.String("prefill", prefill), slog.String("decode", decode))
+	} else if wk := h.Get(openai.HeaderWorker); wk != "" {
+		attrs = append(attrs, slog.String("worker", wk))
+	}
+	if handoff != "" {
+		attrs = append(attrs, slog.String("handoff", handoff))
+	}
+	if ttft > 0 {
+		attrs = append(attrs, slog.Float64("ttft_ms", float64(ttft)/1e6))
+	}
+	if hasUsage {
+		attrs = append(attrs, slog.Int("prompt_tokens", usage.Prompt), slog.Int("completion_tokens", usage.Completion), slog.Int("cached_tokens", usage.Cached))
+	}
+	if code := h.Get(openai.HeaderErrorCode); code != "" {
+		attrs = append(attrs, slog.String("error", code))
+	}
+	if aborted {
+		attrs = append(attrs, slog.Bool("aborted", true))
+	}
+	if tid := tracing.TraceID(r.Context()); tid != "" {
+		attrs = append(attrs, slog.String("trace_id", tid))
+	}
+	s.log.LogAttrs(r.Context(), slog.LevelInfo, "request", attrs...)
 }
 
 // maxRequestIDLen bounds a client's X-Request-Id; a longer one is replaced.
@@ -363,10 +511,12 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
-	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader}
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
+		end := s.selectSpan(r)
 		wk, err := s.sel.Worker(config.RoleRegular, sreq, avoid)
+		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
 		}
@@ -374,6 +524,29 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		s.routeHeader(w, sreq)
 		return s.proxy.Forward(w, r, wk, r.URL.Path, req.Body)
 	})
+}
+
+// selectSpan starts the selection's span when tracing; the returned func ends it with the
+// choices made (policy, worker, reason) or the error.
+func (s *Server) selectSpan(r *http.Request) func(*policy.Request, error) {
+	if !tracing.Enabled() {
+		return func(*policy.Request, error) {}
+	}
+	_, span := tracing.Start(r.Context(), "select")
+	return func(req *policy.Request, err error) {
+		for i, d := range req.Decisions {
+			p := fmt.Sprintf("baton.select.%d.", i)
+			span.SetAttributes(attribute.String(p+"role", d.Role), attribute.String(p+"policy", d.Policy),
+				attribute.String(p+"worker", d.Worker), attribute.String(p+"reason", d.Reason), attribute.Float64(p+"load", d.Load))
+			if d.Match >= 0 {
+				span.SetAttributes(attribute.Float64(p+"cached_share", d.Match))
+			}
+		}
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
 }
 
 // routeHeader sets X-Baton-Route from req's decisions when the option is on.

@@ -1,0 +1,34 @@
+package openai
+
+import "testing"
+
+func TestLastUsage(t *testing.T) {
+	for _, c := range []struct {
+		tail string
+		want Usage
+		ok   bool
+	}{
+		{`{"choices":[],"usage":{"prompt_tokens":12,"total_tokens":19,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":8}}}`, Usage{12, 7, 8}, true},
+		{"data: {\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\": 3, \"completion_tokens\": 4}}\n\ndata: [DONE]\n\n", Usage{3, 4, 0}, true},
+		{`{"text":"a \"usage\": {","meta_info":{"prompt_tokens":5,"completion_tokens":6,"cached_tokens":2,"id":"x}"}}`, Usage{5, 6, 2}, true},
+		{`{"usage":null}`, Usage{}, false},
+		{`ns":7}}`, Usage{}, false},
+		{`{"usage":{"prompt_tokens":1,"completion_`, Usage{}, false},
+		{`"usage":{"prompt_tokens":1,"completion_tokens":2}, "usage":{"prompt_tokens":9`, Usage{1, 2, 0}, true},
+		{``, Usage{}, false},
+	} {
+		got, ok := LastUsage([]byte(c.tail))
+		if ok != c.ok || got != c.want {
+			t.Errorf("%q: %+v %v, want %+v %v", c.tail, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+func FuzzLastUsage(f *testing.F) {
+	f.Add([]byte(`{"usage":{"prompt_tokens":12,"completion_tokens":7}}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if u, ok := LastUsage(b); ok && (u.Prompt < 0 || u.Completion < 0 || u.Cached < 0) {
+			t.Fatalf("negative counts %+v", u)
+		}
+	})
+}
