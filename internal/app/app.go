@@ -312,7 +312,7 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 		Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
 		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
 	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: tm.queue}
-	o.AccessLog = cfg.AccessLog
+	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
 	o.Admin.Open = config.IsLoopback(cfg.Host)
 	if o.Admin.Separate {
@@ -351,6 +351,10 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		}
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", g.Metrics.Handler())
+		status := g.Server.StatusHandler()
+		for _, p := range []string{"GET /{$}", "GET /status", "GET /status.json"} {
+			mux.Handle(p, status)
+		}
 		if cfg.EnablePprof {
 			mux.HandleFunc("/debug/pprof/", pprof.Index)
 			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)

@@ -29,6 +29,12 @@ func admin(t *testing.T, method, url, key, body string) (int, string) {
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
+	return do(t, req)
+}
+
+// do sends req and returns its status and body.
+func do(t *testing.T, req *http.Request) (int, string) {
+	t.Helper()
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)

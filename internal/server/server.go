@@ -75,6 +75,8 @@ type Options struct {
 	Admin Admin
 	// AccessLog writes one info line per request (never bodies or keys).
 	AccessLog bool
+	// Version is shown on the status page.
+	Version string
 
 	Registry   *worker.Registry
 	Selector   *policy.Selector
@@ -108,6 +110,7 @@ type Server struct {
 	log      *slog.Logger
 	admit    *admission
 	draining atomic.Bool
+	status   *recorder    // recent traffic, for the status page
 	inflight atomic.Int64 // client requests being served (streams included)
 	uploads  uploads      // request bodies being read
 	bg       sync.WaitGroup
@@ -117,7 +120,7 @@ type Server struct {
 func New(o Options) *Server {
 	a := o.Admission
 	return &Server{opts: o, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
-		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics)}
+		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: newRecorder()}
 }
 
 // Handler returns the API handler with its middleware.
@@ -361,6 +364,10 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
 	}
 	dur := time.Since(sw.start)
+	if route != "other" {
+		wk := h.Get(openai.HeaderWorker)
+		s.status.record(sw.start.Add(dur), route, model, status, h.Get(openai.HeaderErrorCode), wk, ttft, prefill, decode, handoff)
+	}
 	if span != nil {
 		span.SetName(route)
 		span.SetAttributes(attribute.String("http.route", route), attribute.Int("http.response.status_code", status),

@@ -1,0 +1,262 @@
+package server
+
+import (
+	"crypto/subtle"
+	_ "embed"
+	"encoding/json"
+	"math/rand/v2"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/pd"
+)
+
+// The status window: the last statusBuckets buckets of statusBucket each (5 minutes).
+const (
+	statusBucket   = 5 * time.Second
+	statusBuckets  = 60
+	statusSamples  = 256 // TTFT samples kept per bucket (reservoir)
+	statusErrors   = 20  // recent errors kept
+	statusMaxPairs = 1024
+)
+
+// recorder keeps what the status page shows of recent traffic: per bucket the requests, the
+// errors and a sample of TTFTs; the last errors; each PD pair's handoff outcomes. Bounded.
+type recorder struct {
+	mu      sync.Mutex
+	buckets [statusBuckets]bucket
+	errors  []recentError
+	pairs   map[[2]string]map[string]int64
+}
+
+type bucket struct {
+	start            int64 // unix seconds of the bucket's start; 0: empty
+	requests, errors int64
+	ttft             []float64 // seconds
+	seen             int64     // TTFTs offered (for the reservoir)
+}
+
+type recentError struct {
+	At     time.Time `json:"at"`
+	Route  string    `json:"route"`
+	Model  string    `json:"model"`
+	Status int       `json:"status"`
+	Code   string    `json:"code,omitempty"`
+	Worker string    `json:"worker,omitempty"`
+}
+
+func newRecorder() *recorder { return &recorder{pairs: map[[2]string]map[string]int64{}} }
+
+// record takes one finished request.
+func (rc *recorder) record(now time.Time, route, model string, status int, code, worker string, ttft time.Duration, prefill, decode, handoff string) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	b := rc.bucket(now)
+	b.requests++
+	failed := status >= 500 || status == 0
+	if failed {
+		b.errors++
+	}
+	if ttft > 0 {
+		b.seen++
+		if len(b.ttft) < statusSamples {
+			b.ttft = append(b.ttft, ttft.Seconds())
+		} else if j := rand.Int64N(b.seen); j < statusSamples {
+			b.ttft[j] = ttft.Seconds()
+		}
+	}
+	if failed || status == http.StatusTooManyRequests {
+		if len(rc.errors) == statusErrors {
+			copy(rc.errors, rc.errors[1:])
+			rc.errors = rc.errors[:statusErrors-1]
+		}
+		rc.errors = append(rc.errors, recentError{At: now.UTC().Truncate(time.Millisecond), Route: route, Model: model, Status: status, Code: code, Worker: worker})
+	}
+	if prefill != "" && handoff != "" {
+		k := [2]string{prefill, decode}
+		m := rc.pairs[k]
+		if m == nil {
+			if len(rc.pairs) >= statusMaxPairs {
+				return
+			}
+			m = map[string]int64{}
+			rc.pairs[k] = m
+		}
+		m[handoff]++
+	}
+}
+
+func (rc *recorder) bucket(now time.Time) *bucket {
+	start := now.Unix() / int64(statusBucket/time.Second) * int64(statusBucket/time.Second)
+	b := &rc.buckets[(start/int64(statusBucket/time.Second))%statusBuckets]
+	if b.start != start {
+		*b = bucket{start: start, ttft: b.ttft[:0]}
+	}
+	return b
+}
+
+// statusPoint is one bucket of the page's series.
+type statusPoint struct {
+	T         int64   `json:"t"`
+	RPS       float64 `json:"rps"`
+	ErrorRate float64 `json:"error_rate"`
+	TTFTp50   float64 `json:"ttft_p50_ms"`
+	TTFTp99   float64 `json:"ttft_p99_ms"`
+}
+
+// window summarises the last 5 minutes: per-bucket points and the totals over the last minute.
+func (rc *recorder) window(now time.Time) (series []statusPoint, lastMinute statusPoint, errs []recentError, pairs []pairStatus) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	step := int64(statusBucket / time.Second)
+	cur := now.Unix() / step * step
+	var minuteTTFT []float64
+	var minuteReq, minuteErr int64
+	for i := statusBuckets - 1; i >= 0; i-- {
+		start := cur - int64(i)*step
+		b := &rc.buckets[(start/step)%statusBuckets]
+		p := statusPoint{T: start}
+		if b.start == start {
+			p.RPS = float64(b.requests) / float64(step)
+			if b.requests > 0 {
+				p.ErrorRate = float64(b.errors) / float64(b.requests)
+			}
+			p.TTFTp50, p.TTFTp99 = quantileMs(b.ttft, 0.5), quantileMs(b.ttft, 0.99)
+			if cur-start < 60 {
+				minuteReq, minuteErr = minuteReq+b.requests, minuteErr+b.errors
+				minuteTTFT = append(minuteTTFT, b.ttft...)
+			}
+		}
+		series = append(series, p)
+	}
+	lastMinute = statusPoint{T: cur, RPS: float64(minuteReq) / 60, TTFTp50: quantileMs(minuteTTFT, 0.5), TTFTp99: quantileMs(minuteTTFT, 0.99)}
+	if minuteReq > 0 {
+		lastMinute.ErrorRate = float64(minuteErr) / float64(minuteReq)
+	}
+	errs = slices.Clone(rc.errors)
+	slices.Reverse(errs)
+	for k, m := range rc.pairs {
+		p := pairStatus{Prefill: k[0], Decode: k[1], Handoffs: map[string]int64{}}
+		for o, n := range m {
+			p.Handoffs[o] = n
+			p.Total += n
+			if len(o) > 5 && o[:5] == "none-" {
+				p.Recomputed += n
+			}
+		}
+		pairs = append(pairs, p)
+	}
+	slices.SortFunc(pairs, func(a, b pairStatus) int { return int(b.Total - a.Total) })
+	return series, lastMinute, errs, pairs
+}
+
+func quantileMs(v []float64, q float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[min(len(s)-1, int(q*float64(len(s))))] * 1000
+}
+
+// pairStatus is a PD pair's handoff outcomes on the status page.
+type pairStatus struct {
+	Prefill    string           `json:"prefill"`
+	Decode     string           `json:"decode"`
+	Handoffs   map[string]int64 `json:"handoffs"`
+	Total      int64            `json:"total"`
+	Recomputed int64            `json:"recomputed"` // handoffs none-*: the decode computed the prompt again
+}
+
+// workerStatus is a worker on the status page.
+type workerStatus struct {
+	ID        string      `json:"id"`
+	URL       string      `json:"url"`
+	Role      string      `json:"role"`
+	Runtime   string      `json:"runtime"`
+	Connector string      `json:"connector,omitempty"`
+	Health    string      `json:"health"` // ready, registering, unhealthy, cordoned, draining
+	Breaker   string      `json:"breaker"`
+	InFlight  int64       `json:"in_flight"`
+	Load      *engineView `json:"engine_load,omitempty"`
+	KVEvents  any         `json:"kv_events,omitempty"`
+}
+
+//go:embed status.html
+var statusPage []byte
+
+// StatusHandler serves the status page (GET / and /status) and its data (GET /status.json),
+// for the metrics port. With an admin key set, both need it: as a bearer token, or as the
+// password of HTTP Basic authentication (what a browser asks for).
+func (s *Server) StatusHandler() http.Handler {
+	mux := http.NewServeMux()
+	page := func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:")
+		w.Header().Set("Cache-Control", "no-store")
+		_, _ = w.Write(statusPage)
+	}
+	mux.HandleFunc("GET /{$}", page)
+	mux.HandleFunc("GET /status", page)
+	mux.HandleFunc("GET /status.json", s.serveStatusJSON)
+	return s.statusAuth(mux)
+}
+
+func (s *Server) statusAuth(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := s.opts.Admin.Key
+		if key != "" {
+			_, pass, basic := r.BasicAuth()
+			if !(basic && subtle.ConstantTimeCompare([]byte(pass), []byte(key)) == 1) && !s.adminKeyOK(r) {
+				w.Header().Set("WWW-Authenticate", `Basic realm="baton status", charset="UTF-8"`)
+				adminError(w, http.StatusUnauthorized, "invalid_api_key", "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')")
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+var started = time.Now()
+
+func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
+	now := time.Now()
+	series, minute, errs, pairs := s.status.window(now)
+	var ws []workerStatus
+	for _, wk := range s.reg.Snapshot().Workers {
+		v := workerStatus{ID: wk.ID, URL: wk.URL, Role: wk.Role, Runtime: wk.Runtime(), Breaker: wk.BreakerState().String(),
+			InFlight: wk.InFlight(), Load: engineOf(wk, now)}
+		switch {
+		case wk.Draining():
+			v.Health = "draining"
+		case wk.Cordoned():
+			v.Health = "cordoned"
+		case !wk.Registered():
+			v.Health = "registering"
+		case wk.Ready():
+			v.Health = "ready"
+		default:
+			v.Health = "unhealthy"
+		}
+		if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
+			v.Connector = pd.ConnectorFor(wk, s.opts.KVConnector).Mode
+		}
+		if s.opts.KVEventsView != nil {
+			v.KVEvents = s.opts.KVEventsView(wk)
+		}
+		ws = append(ws, v)
+	}
+	body, _ := json.Marshal(map[string]any{
+		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
+		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
+		"pd": s.opts.PD,
+	})
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	w.Header().Set("Cache-Control", "no-store")
+	_, _ = w.Write(body)
+}
