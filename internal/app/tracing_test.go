@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
@@ -16,6 +17,7 @@ import (
 
 	collectortrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -285,4 +287,55 @@ func TestTracingSpanTrees(t *testing.T) {
 			t.Errorf("no retry event on the server span: events %v attempts %s", server.Events, attr(server, "baton.attempts"))
 		}
 	})
+}
+
+// grpcReceiver is an in-process OTLP/gRPC collector.
+type grpcReceiver struct {
+	collectortrace.UnimplementedTraceServiceServer
+	mu    sync.Mutex
+	spans []*tracepb.Span
+}
+
+func (g *grpcReceiver) Export(_ context.Context, req *collectortrace.ExportTraceServiceRequest) (*collectortrace.ExportTraceServiceResponse, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, rs := range req.ResourceSpans {
+		for _, ss := range rs.ScopeSpans {
+			g.spans = append(g.spans, ss.Spans...)
+		}
+	}
+	return &collectortrace.ExportTraceServiceResponse{}, nil
+}
+
+// Tracing configured only by the standard environment (OTEL_EXPORTER_OTLP_ENDPOINT with
+// OTEL_EXPORTER_OTLP_PROTOCOL=grpc) exports over OTLP/gRPC.
+func TestTracingOverGRPCFromEnvironment(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rcv := &grpcReceiver{}
+	gs := grpc.NewServer()
+	collectortrace.RegisterTraceServiceServer(gs, rcv)
+	go func() { _ = gs.Serve(ln) }()
+	t.Cleanup(gs.Stop)
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://"+ln.Addr().String())
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	_, gw := startGateway(t, testConfig(e.URL()))
+	stop, err := tracing.Setup(context.Background(), tracing.Config{Ratio: 1})
+	if err != nil || !tracing.Enabled() {
+		t.Fatalf("tracing from the environment did not start: %v", err)
+	}
+	resp := post(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"hi","max_tokens":2}`, pdModel))
+	_, _ = io.ReadAll(resp.Body)
+	time.Sleep(50 * time.Millisecond)
+	if err := stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	rcv.mu.Lock()
+	defer rcv.mu.Unlock()
+	if len(byName(rcv.spans, "POST /v1/completions")) != 1 || len(byName(rcv.spans, "upstream")) != 1 {
+		t.Errorf("spans over gRPC: %d", len(rcv.spans))
+	}
 }

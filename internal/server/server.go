@@ -182,6 +182,7 @@ type statusWriter struct {
 	gaps      []float64  // inter-write gaps of a stream, in seconds (observed at the end)
 	tail      [1024]byte // the answer's last bytes: where its usage is
 	tailN     int
+	written   int64 // body bytes written to the client
 
 	rc       *http.ResponseController
 	body     stallReader   // the request body's reader, kept here to save an allocation
@@ -247,7 +248,9 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	}
 	w.lastWrite = now
 	w.keepTail(b)
-	return w.ResponseWriter.Write(b)
+	n, err := w.ResponseWriter.Write(b)
+	w.written += int64(n)
+	return n, err
 }
 
 // maxGaps bounds the inter-write gaps one stream records.
@@ -372,7 +375,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 		span.SetName(route)
 		span.SetAttributes(attribute.String("http.route", route), attribute.Int("http.response.status_code", status),
 			attribute.String("gen_ai.request.model", model), attribute.String("baton.request_id", rid), attribute.Int("baton.attempts", sw.attempts),
-			attribute.String("baton.mode", sw.mode))
+			attribute.String("baton.mode", sw.mode), attribute.Int64("http.response.body.size", sw.written))
 		if wk := h.Get(openai.HeaderWorker); wk != "" && prefill == "" {
 			span.SetAttributes(attribute.String("baton.worker", wk))
 		}
@@ -398,7 +401,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 	}
 	var buf [20]slog.Attr
 	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("model", model), slog.Int("status", status),
-		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", sw.attempts))
+		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", sw.attempts), slog.Int64("bytes", sw.written))
 	if prefill != "" {
 		attrs = append(attrs, slog.String("prefill", prefill), slog.String("decode", decode))
 	} else if wk := h.Get(openai.HeaderWorker); wk != "" {
