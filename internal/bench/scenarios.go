@@ -17,13 +17,14 @@ import (
 // Options configures a benchmark run.
 type Options struct {
 	Binary    string   // the baton binary to measure; it runs as its own process
+	Baseline  string   // an earlier baton binary the hotpath scenario measures in the same run; "" none
 	Quick     bool     // small runs: checks the harness works, not for publishing
 	Scenarios []string // names to run; empty runs all
 	Out       io.Writer
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -68,6 +69,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.routing(ctx)
 		case "replicas":
 			err = r.replicas(ctx)
+		case "hotpath":
+			err = r.hotpath(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

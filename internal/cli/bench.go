@@ -19,9 +19,10 @@ const pinnedEnv = "BATON_BENCH_PINNED"
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("baton bench", stdout)
 	quick := fs.Bool("quick", false, "small runs: checks the harness works (seconds), not for publishing")
-	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening,routing,replicas); default all")
+	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening,routing,replicas,hotpath); default all")
 	out := fs.String("out", "", "also write the report to this file")
 	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
+	baseline := fs.String("baseline", "", "an earlier baton binary to measure beside it in the hotpath scenario")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -44,7 +45,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if os.Getenv(pinnedEnv) == "" {
 		if taskset, err := exec.LookPath("taskset"); err == nil {
-			cmd := exec.CommandContext(ctx, taskset, append([]string{"-c", "0", self, "bench", "--binary", *binary}, args...)...)
+			cmd := exec.CommandContext(ctx, taskset, append([]string{"-c", "0", self, "bench", "--binary", *binary, "--baseline", *baseline}, args...)...)
 			cmd.Env = append(os.Environ(), pinnedEnv+"=1")
 			cmd.Stdout, cmd.Stderr = stdout, stderr
 			if err := cmd.Run(); err != nil {
@@ -62,5 +63,5 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
 	}
-	return bench.Run(ctx, bench.Options{Binary: *binary, Quick: *quick, Scenarios: names, Out: w})
+	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Scenarios: names, Out: w})
 }

@@ -32,13 +32,17 @@ type usageJSON struct {
 
 // readPrefillUsage reads usage from a prefill response (chat/completions or responses shape).
 func readPrefillUsage(body []byte) prefillUsage {
-	var v struct {
-		Usage *usageJSON `json:"usage"`
-	}
-	if json.Unmarshal(body, &v) != nil || v.Usage == nil {
+	// Only the usage object is decoded: the answer's top level is scanned, not unmarshalled
+	// (this runs on every vLLM PD request).
+	raw, ok := openai.Get(body, "usage")
+	if !ok || len(raw) == 0 || raw[0] != '{' {
 		return prefillUsage{}
 	}
-	switch u := v.Usage; {
+	var u usageJSON
+	if json.Unmarshal(raw, &u) != nil {
+		return prefillUsage{}
+	}
+	switch {
 	case u.PromptTokens != nil:
 		return prefillUsage{prompt: *u.PromptTokens, cached: u.PromptDetails.Cached, ok: true}
 	case u.InputTokens != nil && u.CacheRead != nil:

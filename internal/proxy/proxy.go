@@ -27,6 +27,7 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/tracing"
+	"github.com/baton-llm/baton/internal/upstream"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -123,9 +124,17 @@ type ReadError struct {
 func (e *ReadError) Error() string { return "reading upstream response: " + e.Err.Error() }
 func (e *ReadError) Unwrap() error { return e.Err }
 
-// NewTransport returns the pooled upstream transport Baton uses for every worker. Compression
-// is left to the engines and clients: Baton never asks for it, so bodies pass through untouched.
-func NewTransport() *http.Transport {
+// NewTransport returns the pooled upstream transport Baton uses for every worker: its own
+// HTTP/1.1 client (package upstream: no goroutines per connection, one write per request),
+// with net/http's transport behind it for https workers. Compression is left to the engines and
+// clients: Baton never asks for it, so bodies pass through untouched.
+func NewTransport() http.RoundTripper {
+	return upstream.New(StdTransport(), MaxResponseHeaderBytes)
+}
+
+// StdTransport is net/http's transport as Baton configures it (https workers, and the
+// baseline the upstream client is measured against).
+func StdTransport() *http.Transport {
 	return &http.Transport{
 		DialContext: (&net.Dialer{
 			Timeout:   10 * time.Second,
@@ -163,7 +172,12 @@ var singleHeaders = []string{"Authorization", openai.HeaderRequestID, openai.Hea
 // hopHeaders are never relayed in either direction.
 var hopHeaders = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
 
-var bufPool = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
+// Relay buffers: 16 KiB for whole answers (fewer reads of large bodies), 4 KiB for streams,
+// which send small events and may stay open for minutes — thousands at once.
+var (
+	bufPool       = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
+	streamBufPool = sync.Pool{New: func() any { b := make([]byte, 4<<10); return &b }}
+)
 
 // Call is one upstream POST of a leg: the route path (the same on the worker), the body, and
 // headers beyond the client's allowlisted ones (nil: none).
@@ -294,8 +308,12 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 	if transform != nil && out.stream {
 		in.events, in.transform = openai.NewEventReader(resp.Body), transform
 	} else {
-		bp := bufPool.Get().(*[]byte)
-		defer bufPool.Put(bp)
+		pool := &bufPool
+		if out.stream {
+			pool = &streamBufPool
+		}
+		bp := pool.Get().(*[]byte)
+		defer pool.Put(bp)
 		in.buf = *bp
 	}
 	for {

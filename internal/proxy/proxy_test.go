@@ -16,7 +16,7 @@ import (
 
 func testProxy() *Proxy { return &Proxy{Log: slog.New(slog.NewTextHandler(io.Discard, nil))} }
 
-func upstream(status int, header http.Header, body io.Reader) *http.Response {
+func upstreamAnswer(status int, header http.Header, body io.Reader) *http.Response {
 	if header == nil {
 		header = http.Header{}
 	}
@@ -27,7 +27,7 @@ func TestRelayPassesTheAnswerThrough(t *testing.T) {
 	rec := httptest.NewRecorder()
 	h := http.Header{"Content-Type": {"application/json"}, "X-Engine": {"e"}, "Connection": {"X-Hop"}, "X-Hop": {"1"},
 		"Transfer-Encoding": {"chunked"}, "X-Baton-Worker": {"spoofed"}, "X-Request-Id": {"spoofed"}}
-	err := testProxy().Relay(rec, upstream(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil)
+	err := testProxy().Relay(rec, upstreamAnswer(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +44,7 @@ func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
 	rec := httptest.NewRecorder()
 	h := http.Header{"Content-Type": {"text/event-stream"}, "Content-Length": {"99"}}
 	body := "data: {\"n\":1}\n\n: comment\n\ndata: [DONE]\n\n"
-	err := testProxy().Relay(rec, upstream(200, h, iotest.OneByteReader(strings.NewReader(body))), func(ev []byte) []byte {
+	err := testProxy().Relay(rec, upstreamAnswer(200, h, iotest.OneByteReader(strings.NewReader(body))), func(ev []byte) []byte {
 		return []byte(strings.ReplaceAll(string(ev), `"n":1`, `"n":2`))
 	})
 	if err != nil {
@@ -61,13 +61,13 @@ func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
 func TestRelayReportsWhetherAnythingWasWritten(t *testing.T) {
 	broken := errors.New("reset")
 	rec := httptest.NewRecorder()
-	err := testProxy().Relay(rec, upstream(200, nil, iotest.ErrReader(broken)), nil)
+	err := testProxy().Relay(rec, upstreamAnswer(200, nil, iotest.ErrReader(broken)), nil)
 	var re *ReadError
 	if !errors.As(err, &re) || re.Written || !errors.Is(err, broken) || rec.Code != 200 || rec.Body.Len() != 0 {
 		t.Errorf("failure before any byte: %v (written %v), wrote %q", err, re != nil && re.Written, rec.Body.String())
 	}
 	rec = httptest.NewRecorder()
-	err = testProxy().Relay(rec, upstream(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil)
+	err = testProxy().Relay(rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil)
 	if !errors.As(err, &re) || !re.Written {
 		t.Errorf("failure after bytes: %v, want a ReadError with Written", err)
 	}

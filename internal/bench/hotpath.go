@@ -1,0 +1,93 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// hotpath: scenario 10, the hot path's goals in one run — CPU per request on pass-through
+// (against nginx) and on vLLM NIXL PD with 16 clients, for this Baton and, with --baseline, an
+// earlier build measured in the same run.
+func (r *runner) hotpath(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 10. Hot path: CPU per request")
+	fmt.Fprintln(r.out)
+	n := r.n(20000, 1000)
+	fmt.Fprintf(r.out, "Closed loop, %d non-streamed requests per row (512-byte prompt, 16 tokens); CPU is the proxy process's user+system time per request. Pass-through: 64 clients, one engine. PD: vLLM NIXL, 16 clients, one prefill and one decode engine.\n\n", n)
+	fmt.Fprintln(r.out, "| row | proxy | req/s | CPU µs / request | vs nginx | vs baseline |")
+	fmt.Fprintln(r.out, "|---|---|---:|---:|---:|---:|")
+	var binaries []struct{ name, path string }
+	if r.o.Baseline != "" { // first, so that Baton's rows can say how they compare
+		binaries = append(binaries, struct{ name, path string }{"baseline", r.o.Baseline})
+	}
+	binaries = append(binaries, struct{ name, path string }{"Baton", r.o.Binary})
+	w := workload{promptBytes: 512, maxTokens: 16}
+	perReq := func(m measured) float64 { return m.cpu / float64(m.s.N) * 1e6 }
+
+	// Pass-through.
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	var nginxCPU float64
+	if ng, err := startNginx(1, e.Addr()); err != nil {
+		return err
+	} else if ng != nil {
+		m := r.run(ctx, "hotpath nginx", completion(r.client, ng.URL, w), 64, n, ng)
+		ng.stop()
+		nginxCPU = perReq(m)
+		fmt.Fprintf(r.out, "| pass-through | nginx | %.0f | %.1f | 1.00× | |\n", m.s.Throughput(), nginxCPU)
+	}
+	results := map[string]float64{}
+	for _, bin := range binaries {
+		b, err := startBaton(bin.path, 1, "--worker-urls", e.URL(), "--access-log=false")
+		if err != nil {
+			b, err = startBaton(bin.path, 1, "--worker-urls", e.URL()) // a build from before the flag
+			if err != nil {
+				return err
+			}
+		}
+		m := r.run(ctx, "hotpath "+bin.name, completion(r.client, b.URL, w), 64, n, b)
+		b.stop()
+		results["pt "+bin.name] = perReq(m)
+		fmt.Fprintf(r.out, "| pass-through | %s | %.0f | %.1f | %s | %s |\n", bin.name, m.s.Throughput(), perReq(m), ratioF(perReq(m), nginxCPU), ratioF(perReq(m), results["pt baseline"]))
+	}
+	// PD vLLM NIXL.
+	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	d, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	for _, bin := range binaries {
+		args := []string{"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", p.URL(), "--decode", d.URL()}
+		b, err := startBaton(bin.path, 1, append(args, "--access-log=false")...)
+		if err != nil {
+			if b, err = startBaton(bin.path, 1, args...); err != nil {
+				return err
+			}
+		}
+		time.Sleep(200 * time.Millisecond)
+		m := r.run(ctx, "hotpath PD "+bin.name, completion(r.client, b.URL, w), 16, n, b)
+		b.stop()
+		results["pd "+bin.name] = perReq(m)
+		fmt.Fprintf(r.out, "| PD vLLM NIXL | %s | %.0f | %.1f | | %s |\n", bin.name, m.s.Throughput(), perReq(m), ratioF(perReq(m), results["pd baseline"]))
+	}
+	fmt.Fprintln(r.out)
+	return nil
+}
+
+// ratioF is a/b as "x.xx×", or empty without b.
+func ratioF(a, b float64) string {
+	if b == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%.2f×", a/b)
+}

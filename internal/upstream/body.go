@@ -1,0 +1,251 @@
+package upstream
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
+// body is an answer's body, read from its connection: Content-Length, chunked, or until the
+// engine closes. Read to its end, the connection goes back to the pool; closed early, it is
+// closed.
+type body struct {
+	t    *Transport
+	c    *conn
+	ctx  context.Context
+	stop func() bool // unregisters the cancellation callback; false when it already ran
+
+	mode     int   // bodyLength, bodyChunked, bodyClose, bodyNone
+	left     int64 // bytes left of the body (length) or of the current chunk (chunked)
+	reusable bool
+	eof      bool
+	err      error       // owned by the reader
+	end      sync.Once   // the connection's fate: back to the pool, or closed
+	closed   atomic.Bool // Close was called
+}
+
+const (
+	bodyNone = iota
+	bodyLength
+	bodyChunked
+	bodyClose
+)
+
+// maxChunkLine bounds a chunk-size line (and each trailer line).
+const maxChunkLine = 4 << 10
+
+func newBody(t *Transport, c *conn, resp *http.Response, stop func() bool, ctx context.Context) io.ReadCloser {
+	b := &body{t: t, c: c, ctx: ctx, stop: stop, reusable: true}
+	h := resp.Header
+	if resp.ProtoMinor == 0 && !strings.EqualFold(h.Get("Connection"), "keep-alive") || hasToken(h, "Connection", "close") || resp.Request.Close {
+		b.reusable = false
+	}
+	resp.ContentLength = -1
+	switch {
+	case resp.Request.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
+		b.mode = bodyNone
+		resp.ContentLength = 0
+	case hasToken(h, "Transfer-Encoding", "chunked"):
+		b.mode = bodyChunked
+		resp.TransferEncoding = []string{"chunked"}
+		h.Del("Transfer-Encoding")
+		h.Del("Content-Length")
+	case h.Get("Content-Length") != "":
+		n, err := strconv.ParseInt(strings.TrimSpace(h.Get("Content-Length")), 10, 64)
+		if err != nil || n < 0 || len(h["Content-Length"]) > 1 {
+			b.mode, b.reusable, b.err = bodyNone, false, fmt.Errorf("upstream: bad Content-Length %q", h.Get("Content-Length"))
+			break
+		}
+		b.mode, b.left = bodyLength, n
+		resp.ContentLength = n
+	default:
+		b.mode, b.reusable = bodyClose, false
+	}
+	if b.mode == bodyNone && b.err == nil {
+		b.finish()
+		return http.NoBody
+	}
+	if b.mode == bodyLength && b.left == 0 {
+		b.finish()
+		return http.NoBody
+	}
+	return b
+}
+
+func hasToken(h http.Header, key, token string) bool {
+	for _, v := range h[key] {
+		for _, part := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(part), token) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Read reads the body; one reader at a time (Close may come from any goroutine).
+func (b *body) Read(p []byte) (int, error) {
+	if b.closed.Load() {
+		return 0, errBodyClosed
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	if b.eof {
+		return 0, io.EOF
+	}
+	n, err := b.read(p)
+	if err == io.EOF {
+		b.eof = true
+		b.finish()
+		return n, io.EOF
+	}
+	if err != nil {
+		switch {
+		case b.ctx.Err() != nil:
+			err = b.ctx.Err()
+		case b.closed.Load():
+			err = errBodyClosed
+		}
+		b.err = err
+		b.abandon()
+	}
+	return n, err
+}
+
+var errBodyClosed = errors.New("upstream: read on a closed body")
+
+func (b *body) read(p []byte) (int, error) {
+	br := b.c.br
+	switch b.mode {
+	case bodyLength:
+		if b.left == 0 {
+			return 0, io.EOF
+		}
+		if int64(len(p)) > b.left {
+			p = p[:b.left]
+		}
+		n, err := br.Read(p)
+		b.left -= int64(n)
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		if err == nil && b.left == 0 {
+			err = io.EOF
+		}
+		return n, err
+	case bodyChunked:
+		if b.left == 0 {
+			size, err := readChunkSize(br)
+			if err != nil {
+				return 0, err
+			}
+			if size == 0 {
+				if err := skipTrailers(br); err != nil {
+					return 0, err
+				}
+				return 0, io.EOF
+			}
+			b.left = size
+		}
+		if int64(len(p)) > b.left {
+			p = p[:b.left]
+		}
+		n, err := br.Read(p)
+		b.left -= int64(n)
+		if err == io.EOF {
+			return n, io.ErrUnexpectedEOF
+		}
+		if err == nil && b.left == 0 {
+			err = readCRLF(br)
+		}
+		return n, err
+	default: // until the engine closes
+		return br.Read(p)
+	}
+}
+
+// readChunkSize reads a chunk-size line: hex digits, optional extensions, CRLF.
+func readChunkSize(br *bufio.Reader) (int64, error) {
+	line, _, err := readLine(br, maxChunkLine)
+	if err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return 0, err
+	}
+	if i := strings.IndexByte(line, ';'); i >= 0 {
+		line = line[:i]
+	}
+	line = strings.TrimSpace(line)
+	n, err := strconv.ParseInt(line, 16, 64)
+	if err != nil || n < 0 || len(line) == 0 || len(line) > 15 {
+		return 0, fmt.Errorf("upstream: malformed chunk size %q", truncate(line))
+	}
+	return n, nil
+}
+
+func readCRLF(br *bufio.Reader) error {
+	line, _, err := readLine(br, 2)
+	if err != nil || line != "" {
+		if err == nil || err == io.EOF {
+			err = errors.New("upstream: malformed chunk end")
+		}
+		return err
+	}
+	return nil
+}
+
+func skipTrailers(br *bufio.Reader) error {
+	for total := 0; ; {
+		line, n, err := readLine(br, maxChunkLine)
+		if err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+		if total += n; total > 64<<10 {
+			return ErrHeaderTooLarge
+		}
+		if line == "" {
+			return nil
+		}
+	}
+}
+
+// finish ends a body read to its end: the connection goes back to the pool when the
+// cancellation callback never ran and the engine sent nothing more.
+func (b *body) finish() {
+	b.end.Do(func() {
+		if b.stop() && b.reusable && b.c.br.Buffered() == 0 && !b.closed.Load() {
+			b.t.put(b.c)
+			return
+		}
+		b.c.c.Close()
+	})
+}
+
+// abandon closes the connection of a body not read to its end.
+func (b *body) abandon() {
+	b.end.Do(func() {
+		b.stop()
+		b.c.c.Close()
+	})
+}
+
+// Close ends the body; before its end, the connection is closed (which also ends a Read
+// blocked on it in another goroutine).
+func (b *body) Close() error {
+	if !b.closed.Swap(true) {
+		b.abandon() // nothing when the body was read to its end: its connection is settled
+	}
+	return nil
+}

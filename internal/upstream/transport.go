@@ -1,0 +1,331 @@
+// Package upstream is Baton's HTTP/1.1 client for the engines: an http.RoundTripper built for
+// one job — small requests with bodies in memory, answers relayed as they arrive — without
+// net/http's per-connection reader and writer goroutines. The request is written from the
+// caller's goroutine in one buffered write, the answer read by whoever reads its body; a
+// cancelled context breaks the connection's blocking I/O through its deadline (a callback,
+// no goroutine waiting). Connections are kept per host and reused when an answer was read to its
+// end. HTTPS workers, and requests whose body length is unknown, go to the standard transport.
+package upstream
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Transport is the engines' client. The zero value is not ready: use New.
+type Transport struct {
+	// Fallback serves what this transport does not (https, unknown body length).
+	Fallback http.RoundTripper
+	// MaxIdlePerHost bounds the idle connections kept per host; IdleTimeout closes them.
+	MaxIdlePerHost int
+	IdleTimeout    time.Duration
+	// MaxResponseHeaderBytes bounds an answer's status line and headers.
+	MaxResponseHeaderBytes int
+	Dialer                 *net.Dialer
+
+	mu   sync.Mutex
+	idle map[string][]*conn // by host:port, most recently used last
+}
+
+// New returns a transport with fallback for what it does not serve.
+func New(fallback http.RoundTripper, maxHeaderBytes int) *Transport {
+	return &Transport{Fallback: fallback, MaxIdlePerHost: 512, IdleTimeout: 90 * time.Second, MaxResponseHeaderBytes: maxHeaderBytes,
+		Dialer: &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, idle: map[string][]*conn{}}
+}
+
+// readBufSize is each connection's read buffer: an answer's headers, then its body as it comes.
+const readBufSize = 4 << 10
+
+type conn struct {
+	c      net.Conn
+	br     *bufio.Reader
+	host   string
+	idleAt time.Time
+}
+
+var wbufPool = sync.Pool{New: func() any { b := make([]byte, 0, 4<<10); return &b }}
+
+// ErrHeaderTooLarge is an answer whose status line and headers exceed the bound.
+var ErrHeaderTooLarge = errors.New("upstream: response headers too large")
+
+// RoundTrip sends req and returns the answer once its headers arrived; its body reads from the
+// connection as the engine sends.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength < 0) || req.Method == http.MethodConnect {
+		return t.Fallback.RoundTrip(req)
+	}
+	var body []byte
+	if req.Body != nil && req.Body != http.NoBody {
+		b, err := io.ReadAll(io.LimitReader(req.Body, req.ContentLength+1))
+		req.Body.Close()
+		if err != nil {
+			return nil, err
+		}
+		if int64(len(b)) != req.ContentLength {
+			return nil, fmt.Errorf("upstream: body of %d bytes, ContentLength %d", len(b), req.ContentLength)
+		}
+		body = b
+	}
+	host := req.URL.Host
+	if req.URL.Port() == "" {
+		host = net.JoinHostPort(req.URL.Hostname(), "80")
+	}
+	ctx := req.Context()
+	for attempt := 0; ; attempt++ {
+		c, reused, err := t.get(ctx, host)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := t.exchange(ctx, c, req, body)
+		if err == nil {
+			return resp, nil
+		}
+		// A reused connection the engine had closed fails before any answer: send again on a
+		// fresh one (the request had no effect). Anything else is the answer's failure.
+		if reused && attempt == 0 && errors.Is(err, errStale) && ctx.Err() == nil {
+			continue
+		}
+		return nil, err
+	}
+}
+
+var errStale = errors.New("upstream: connection closed before an answer")
+
+// exchange writes req on c and reads the answer's head.
+func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, body []byte) (*http.Response, error) {
+	stop := context.AfterFunc(ctx, func() { _ = c.c.SetDeadline(time.Unix(1, 0)) })
+	bp := wbufPool.Get().(*[]byte)
+	buf := appendRequest((*bp)[:0], req, len(body))
+	var err error
+	if len(buf)+len(body) <= cap(buf) || len(body) < 64<<10 {
+		buf = append(buf, body...)
+		_, err = c.c.Write(buf)
+	} else {
+		bufs := net.Buffers{buf, body}
+		_, err = bufs.WriteTo(c.c)
+	}
+	if cap(buf) <= 64<<10 {
+		*bp = buf[:0]
+		wbufPool.Put(bp)
+	}
+	if err != nil {
+		stop()
+		c.c.Close()
+		return nil, t.ctxErr(ctx, fmt.Errorf("%w: %v", errStale, err))
+	}
+	resp, err := t.readHead(c, req)
+	if err != nil {
+		stop()
+		c.c.Close()
+		return nil, t.ctxErr(ctx, err)
+	}
+	resp.Body = newBody(t, c, resp, stop, ctx)
+	return resp, nil
+}
+
+// ctxErr reports the context's error when it ended the exchange.
+func (t *Transport) ctxErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}
+
+// appendRequest writes req's request line and headers.
+func appendRequest(b []byte, req *http.Request, n int) []byte {
+	b = append(b, req.Method...)
+	b = append(b, ' ')
+	b = append(b, req.URL.RequestURI()...)
+	b = append(b, " HTTP/1.1\r\nHost: "...)
+	if req.Host != "" {
+		b = append(b, req.Host...)
+	} else {
+		b = append(b, req.URL.Host...)
+	}
+	b = append(b, "\r\n"...)
+	for k, vs := range req.Header {
+		if k == "Host" || k == "Content-Length" || k == "Connection" || k == "Transfer-Encoding" {
+			continue
+		}
+		for _, v := range vs {
+			b = append(b, k...)
+			b = append(b, ": "...)
+			b = appendClean(b, v)
+			b = append(b, "\r\n"...)
+		}
+	}
+	if n > 0 || (req.Method != http.MethodGet && req.Method != http.MethodHead) {
+		b = append(b, "Content-Length: "...)
+		b = strconv.AppendInt(b, int64(n), 10)
+		b = append(b, "\r\n"...)
+	}
+	if req.Close {
+		b = append(b, "Connection: close\r\n"...)
+	}
+	return append(b, "\r\n"...)
+}
+
+// appendClean appends a header value with CR and LF replaced: a value never splits a header.
+func appendClean(b []byte, v string) []byte {
+	if !strings.ContainsAny(v, "\r\n") {
+		return append(b, v...)
+	}
+	for i := 0; i < len(v); i++ {
+		c := v[i]
+		if c == '\r' || c == '\n' {
+			c = ' '
+		}
+		b = append(b, c)
+	}
+	return b
+}
+
+// readHead reads the status line and headers (skipping 1xx answers).
+func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error) {
+	limit := t.MaxResponseHeaderBytes
+	for {
+		line, n, err := readLine(c.br, limit)
+		if err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+				return nil, fmt.Errorf("%w: %v", errStale, err)
+			}
+			return nil, err
+		}
+		limit -= n
+		resp := &http.Response{Request: req, Header: make(http.Header, 8)}
+		if err := parseStatus(line, resp); err != nil {
+			return nil, err
+		}
+		for {
+			line, n, err := readLine(c.br, limit)
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					err = io.ErrUnexpectedEOF
+				}
+				return nil, err
+			}
+			limit -= n
+			if len(line) == 0 {
+				break
+			}
+			i := strings.IndexByte(line, ':')
+			if i <= 0 {
+				return nil, fmt.Errorf("upstream: malformed header line %q", truncate(line))
+			}
+			k := http.CanonicalHeaderKey(strings.TrimSpace(line[:i]))
+			resp.Header[k] = append(resp.Header[k], strings.TrimSpace(line[i+1:]))
+		}
+		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
+			continue // 100 Continue and friends: the answer follows
+		}
+		return resp, nil
+	}
+}
+
+// readLine reads one CRLF- or LF-terminated line of at most limit bytes.
+func readLine(br *bufio.Reader, limit int) (string, int, error) {
+	var sb []byte
+	for {
+		frag, err := br.ReadSlice('\n')
+		if len(sb)+len(frag) > limit {
+			return "", 0, ErrHeaderTooLarge
+		}
+		if err == bufio.ErrBufferFull {
+			sb = append(sb, frag...)
+			continue
+		}
+		if err != nil {
+			return "", 0, err
+		}
+		n := len(sb) + len(frag)
+		var s string
+		if sb == nil {
+			s = string(frag)
+		} else {
+			s = string(append(sb, frag...))
+		}
+		return strings.TrimRight(s, "\r\n"), n, nil
+	}
+}
+
+func parseStatus(line string, resp *http.Response) error {
+	proto, rest, ok := strings.Cut(line, " ")
+	if !ok || !strings.HasPrefix(proto, "HTTP/1.") || len(proto) != 8 {
+		return fmt.Errorf("upstream: malformed status line %q", truncate(line))
+	}
+	code, reason, _ := strings.Cut(rest, " ")
+	n, err := strconv.Atoi(code)
+	if err != nil || len(code) != 3 || n < 100 {
+		return fmt.Errorf("upstream: malformed status code in %q", truncate(line))
+	}
+	resp.Proto, resp.ProtoMajor, resp.ProtoMinor = proto, 1, int(proto[7]-'0')
+	resp.StatusCode, resp.Status = n, code+" "+reason
+	return nil
+}
+
+func truncate(s string) string {
+	if len(s) > 64 {
+		return s[:64] + "…"
+	}
+	return s
+}
+
+// get returns an idle connection to host, or dials one.
+func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
+	t.mu.Lock()
+	list := t.idle[host]
+	for len(list) > 0 {
+		c := list[len(list)-1]
+		list = list[:len(list)-1]
+		if time.Since(c.idleAt) < t.IdleTimeout {
+			t.idle[host] = list
+			t.mu.Unlock()
+			return c, true, nil
+		}
+		c.c.Close()
+	}
+	t.idle[host] = list
+	t.mu.Unlock()
+	nc, err := t.Dialer.DialContext(ctx, "tcp", host)
+	if err != nil {
+		return nil, false, err
+	}
+	return &conn{c: nc, br: bufio.NewReaderSize(nc, readBufSize), host: host}, false, nil
+}
+
+// put keeps c for reuse, or closes it past the bound.
+func (t *Transport) put(c *conn) {
+	_ = c.c.SetDeadline(time.Time{})
+	c.idleAt = time.Now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.idle[c.host]) >= t.MaxIdlePerHost {
+		c.c.Close()
+		return
+	}
+	t.idle[c.host] = append(t.idle[c.host], c)
+}
+
+// CloseIdleConnections closes the connections kept for reuse.
+func (t *Transport) CloseIdleConnections() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for h, list := range t.idle {
+		for _, c := range list {
+			c.c.Close()
+		}
+		delete(t.idle, h)
+	}
+	if ci, ok := t.Fallback.(interface{ CloseIdleConnections() }); ok {
+		ci.CloseIdleConnections()
+	}
+}

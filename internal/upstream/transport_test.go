@@ -1,0 +1,300 @@
+package upstream
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func newT() *Transport { return New(http.DefaultTransport, 64<<10) }
+
+func send(t *testing.T, tr *Transport, ctx context.Context, url, body string) (*http.Response, error) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	return tr.RoundTrip(req)
+}
+
+// Answers with a length, in chunks and until close all arrive whole; the request arrives as
+// sent; connections are reused when an answer was read to its end.
+func TestTransportFraming(t *testing.T) {
+	var conns atomic.Int64
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		switch r.URL.Path {
+		case "/length":
+			w.Header().Set("X-Echo", r.Header.Get("Content-Type"))
+			fmt.Fprintf(w, "got %s", b)
+		case "/chunked":
+			for i := 0; i < 5; i++ {
+				fmt.Fprintf(w, "data: %d\n\n", i)
+				w.(http.Flusher).Flush()
+			}
+		case "/close":
+			c, rw, _ := w.(http.Hijacker).Hijack()
+			rw.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end")
+			rw.Flush()
+			c.Close()
+		}
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	tr := newT()
+	for i := 0; i < 3; i++ {
+		resp, err := send(t, tr, context.Background(), srv.URL+"/length", `{"n":1}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(b) != `got {"n":1}` || resp.StatusCode != 200 || resp.Header.Get("X-Echo") != "application/json" || resp.ContentLength != int64(len(b)) {
+			t.Fatalf("length: %d %q %v", resp.StatusCode, b, resp.Header)
+		}
+	}
+	if conns.Load() != 1 {
+		t.Errorf("%d connections for 3 sequential requests, want 1", conns.Load())
+	}
+	resp, err := send(t, tr, context.Background(), srv.URL+"/chunked", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	if string(b) != "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n" || resp.ContentLength != -1 || resp.Header.Get("Transfer-Encoding") != "" {
+		t.Fatalf("chunked: %q", b)
+	}
+	resp, err = send(t, tr, context.Background(), srv.URL+"/close", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ = io.ReadAll(resp.Body)
+	if string(b) != "until the end" {
+		t.Fatalf("close-delimited: %q", b)
+	}
+}
+
+// rawServer answers every connection with handle.
+func rawServer(t *testing.T, handle func(c net.Conn, br *bufio.Reader)) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); handle(c, bufio.NewReader(c)) }()
+		}
+	}()
+	return "http://" + ln.Addr().String()
+}
+
+func readRequest(br *bufio.Reader) bool {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		return false
+	}
+	io.Copy(io.Discard, req.Body)
+	return true
+}
+
+// A stream arrives as it is sent: the first event before the engine finished.
+func TestTransportStreamsAsItArrives(t *testing.T) {
+	release := make(chan struct{})
+	url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+		readRequest(br)
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n")
+		<-release
+		io.WriteString(c, "7\r\ndata: 2\r\n0\r\n\r\n")
+	})
+	resp, err := send(t, newT(), context.Background(), url, "{}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64)
+	n, err := resp.Body.Read(buf)
+	if err != nil || string(buf[:n]) != "data: 1" {
+		t.Fatalf("first event: %q %v", buf[:n], err)
+	}
+	close(release)
+	rest, err := io.ReadAll(resp.Body)
+	if err != nil || string(rest) != "data: 2" {
+		t.Fatalf("rest: %q %v", rest, err)
+	}
+}
+
+// Hostile or broken answers fail cleanly: headers past the bound, a bad status line, a bad
+// chunk size, a body cut short; 1xx answers are skipped; header values cannot split a header.
+func TestTransportBadAnswers(t *testing.T) {
+	for _, c := range []struct {
+		name, answer, want string
+	}{
+		{"huge headers", "HTTP/1.1 200 OK\r\nX-Big: " + strings.Repeat("a", 70<<10) + "\r\n\r\n", "too large"},
+		{"bad status", "HTTP/9 OK\r\n\r\n", "malformed status"},
+		{"bad header", "HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "malformed header"},
+		{"bad chunk", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"},
+		{"short body", "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", "unexpected EOF"},
+		{"two lengths", "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", "bad Content-Length"},
+		{"continue", "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+				readRequest(br)
+				io.WriteString(conn, c.answer)
+			})
+			resp, err := send(t, newT(), context.Background(), url, "{}")
+			if err == nil {
+				var b []byte
+				b, err = io.ReadAll(resp.Body)
+				if c.want == "" && (err != nil || string(b) != "ok") {
+					t.Fatalf("%q %v", b, err)
+				}
+			}
+			if c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+				t.Fatalf("err %v, want %q", err, c.want)
+			}
+		})
+	}
+	got := make(chan string, 1)
+	url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+		req, err := http.ReadRequest(br)
+		if err == nil {
+			got <- fmt.Sprint(len(req.Header["Injected"]), req.Header.Get("X-Id"))
+		}
+		io.WriteString(conn, "HTTP/1.1 204 No Content\r\n\r\n")
+	})
+	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader("{}"))
+	req.Header["X-Id"] = []string{"a\r\nInjected: yes"}
+	resp, err := newT().RoundTrip(req)
+	if err != nil || resp.StatusCode != 204 {
+		t.Fatalf("%v", err)
+	}
+	if g := <-got; g != "0a  Injected: yes" {
+		t.Errorf("the engine saw %q", g)
+	}
+}
+
+// An idle connection the engine closed is not an error: the request goes on a fresh one.
+func TestTransportStaleConnection(t *testing.T) {
+	var n atomic.Int64
+	url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+		if !readRequest(br) {
+			return
+		}
+		n.Add(1)
+		io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		// and close: the client still holds the connection as idle
+	})
+	tr := newT()
+	for i := 0; i < 3; i++ {
+		resp, err := send(t, tr, context.Background(), url, "{}")
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		if string(b) != "ok" {
+			t.Fatalf("%q", b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n.Load() != 3 {
+		t.Errorf("the engine answered %d requests", n.Load())
+	}
+}
+
+// Cancelling the request's context ends a read blocked on a silent engine at once, and so does
+// closing the body from another goroutine; neither connection is reused.
+func TestTransportCancel(t *testing.T) {
+	url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+		readRequest(br)
+		io.WriteString(conn, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n")
+		time.Sleep(10 * time.Second)
+	})
+	tr := newT()
+	ctx, cancel := context.WithCancel(context.Background())
+	resp, err := send(t, tr, ctx, url, "{}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(50*time.Millisecond, cancel)
+	start := time.Now()
+	_, err = io.ReadAll(resp.Body)
+	if !errors.Is(err, context.Canceled) || time.Since(start) > 5*time.Second {
+		t.Fatalf("after cancel: %v after %s", err, time.Since(start))
+	}
+	resp, err = send(t, tr, context.Background(), url, "{}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(50*time.Millisecond, func() { resp.Body.Close() })
+	if _, err = io.ReadAll(resp.Body); err == nil {
+		t.Fatal("a closed body read to its end")
+	}
+	tr.mu.Lock()
+	idle := len(tr.idle)
+	for _, l := range tr.idle {
+		idle += len(l) - 1
+	}
+	tr.mu.Unlock()
+	if idle != 0 {
+		t.Errorf("%d broken connections kept for reuse", idle)
+	}
+}
+
+// fakeConn answers with fixed bytes.
+type fakeConn struct {
+	net.Conn
+	r io.Reader
+}
+
+func (f *fakeConn) Read(p []byte) (int, error)         { return f.r.Read(p) }
+func (f *fakeConn) Write(p []byte) (int, error)        { return len(p), nil }
+func (f *fakeConn) Close() error                       { return nil }
+func (f *fakeConn) SetDeadline(time.Time) error        { return nil }
+func (f *fakeConn) LocalAddr() net.Addr                { return &net.TCPAddr{} }
+func (f *fakeConn) RemoteAddr() net.Addr               { return &net.TCPAddr{} }
+func (f *fakeConn) SetReadDeadline(t time.Time) error  { return nil }
+func (f *fakeConn) SetWriteDeadline(t time.Time) error { return nil }
+
+// FuzzAnswer feeds arbitrary bytes as an engine's answer: no panic, and what is read never
+// exceeds what was sent.
+func FuzzAnswer(f *testing.F) {
+	f.Add([]byte("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
+	f.Add([]byte("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"))
+	f.Add([]byte("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.0 200 OK\r\n\r\nbody"))
+	f.Fuzz(func(t *testing.T, answer []byte) {
+		tr := newT()
+		c := &conn{c: &fakeConn{r: bytes.NewReader(answer)}, host: "x:80"}
+		c.br = bufio.NewReaderSize(c.c, readBufSize)
+		req, _ := http.NewRequest(http.MethodPost, "http://x/", nil)
+		resp, err := tr.exchange(context.Background(), c, req, []byte("{}"))
+		if err != nil {
+			return
+		}
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, int64(len(answer))+1))
+		if len(b) > len(answer) {
+			t.Fatalf("read %d bytes of a %d-byte answer", len(b), len(answer))
+		}
+		resp.Body.Close()
+	})
+}
