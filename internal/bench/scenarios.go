@@ -367,8 +367,9 @@ func (r *runner) memory(ctx context.Context) error {
 	time.Sleep(500 * time.Millisecond)
 	idleHeap := b.liveHeapBytes()
 	idle, idleG := b.rssBytes(), b.metric("go_goroutines")
+	idleHeapInuse, idleStack := b.metric("go_memstats_heap_inuse_bytes"), b.metric("go_memstats_stack_inuse_bytes")
 	var peak int64
-	var peakG float64
+	var peakG, peakHeapInuse, peakStack float64
 	var mu sync.Mutex
 	stop := make(chan struct{})
 	sampler := make(chan struct{})
@@ -382,9 +383,10 @@ func (r *runner) memory(ctx context.Context) error {
 				return
 			case <-t.C:
 				if v := b.rssBytes(); v > 0 {
-					g := b.metric("go_goroutines")
+					g, h, st := b.metric("go_goroutines"), b.metric("go_memstats_heap_inuse_bytes"), b.metric("go_memstats_stack_inuse_bytes")
 					mu.Lock()
 					peak, peakG = max(peak, v), max(peakG, g)
+					peakHeapInuse, peakStack = max(peakHeapInuse, h), max(peakStack, st)
 					mu.Unlock()
 				}
 			}
@@ -408,8 +410,9 @@ func (r *runner) memory(ctx context.Context) error {
 	for i := range afterRSS {
 		fmt.Fprintf(r.out, "| 2 s after load round %d | %.1f | %.0f | %.1f |\n", i+1, mib(afterRSS[i]), afterG[i], afterHeap[i]/(1<<20))
 	}
-	fmt.Fprintf(r.out, "\nPer open stream: **%.1f KiB** of RSS and %.1f goroutines (peak minus idle, over %d streams).\n\n",
-		float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), streams)
+	fmt.Fprintf(r.out, "\nPer open stream: **%.1f KiB** of RSS and %.1f goroutines (peak minus idle, over %d streams); of which Go heap in use %.1f KiB and goroutine stacks %.1f KiB (peaks).\n\n",
+		float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), streams,
+		(peakHeapInuse-idleHeapInuse)/float64(streams)/1024, (peakStack-idleStack)/float64(streams)/1024)
 	return nil
 }
 

@@ -14,6 +14,8 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/prometheus/client_golang/prometheus"
 	"io"
 	"log/slog"
 	"net/http"
@@ -178,8 +180,9 @@ type statusWriter struct {
 	start     time.Time // arrival
 	firstByte time.Time // the first body byte to the client; zero: none yet
 	lastWrite time.Time
-	sse       bool       // the answer is an event stream: gaps between writes are inter-token latency
-	gaps      []float64  // inter-write gaps of a stream, in seconds (observed at the end)
+	sse       bool                // the answer is an event stream: gaps between writes are inter-token latency
+	itl       prometheus.Observer // a stream's inter-token histogram, resolved at its first byte
+	metrics   *metrics.Metrics
 	tail      [1024]byte // the answer's last bytes: where its usage is
 	tailN     int
 	written   int64 // body bytes written to the client
@@ -243,8 +246,11 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	if w.firstByte.IsZero() {
 		w.firstByte = now
 		w.sse = strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream")
-	} else if w.sse && len(w.gaps) < maxGaps {
-		w.gaps = append(w.gaps, now.Sub(w.lastWrite).Seconds())
+		if w.sse && w.status == http.StatusOK && w.metrics != nil {
+			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.model), w.mode)
+		}
+	} else if w.itl != nil {
+		w.itl.Observe(now.Sub(w.lastWrite).Seconds())
 	}
 	w.lastWrite = now
 	w.keepTail(b)
@@ -252,9 +258,6 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	w.written += int64(n)
 	return n, err
 }
-
-// maxGaps bounds the inter-write gaps one stream records.
-const maxGaps = 4096
 
 // keepTail keeps the last bytes of the answer, where OpenAI-style answers put their usage.
 func (w *statusWriter) keepTail(b []byte) {
@@ -304,7 +307,7 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		defer cancel()
 		r = r.WithContext(ctx)
 		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
-			start: start, attempts: 1, mode: "regular"}
+			start: start, attempts: 1, mode: "regular", metrics: s.metrics}
 		sw.arm(start)
 		s.inflight.Add(1)
 		defer func() {
@@ -348,12 +351,6 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 	if generation && status == http.StatusOK && !sw.firstByte.IsZero() {
 		ttft = sw.firstByte.Sub(sw.start)
 		s.metrics.TTFT.WithLabelValues(model, sw.mode).Observe(ttft.Seconds())
-		if len(sw.gaps) > 0 {
-			itl := s.metrics.InterToken.WithLabelValues(model, sw.mode)
-			for _, g := range sw.gaps {
-				itl.Observe(g)
-			}
-		}
 		if usage, hasUsage = openai.LastUsage(sw.tail[:sw.tailN]); hasUsage && !aborted {
 			s.metrics.Tokens.WithLabelValues(model, "prompt").Add(float64(usage.Prompt))
 			s.metrics.Tokens.WithLabelValues(model, "completion").Add(float64(usage.Completion))
