@@ -81,6 +81,7 @@ Try (every model above works the same way; /generate is SGLang's, use demo-sglan
     -d '{"model":"demo-sglang","text":"once upon a time","sampling_params":{"max_new_tokens":8},"return_logprob":true}'
   curl -s %[1]s/workers
   curl -s localhost:%[3]d/metrics | grep ^baton_pd
+The live status page (workers, pairs and their handoffs, rates, TTFT, errors): http://localhost:%[3]d/
 Response headers name the pair (X-Baton-Prefill-Worker, X-Baton-Decode-Worker), the KV handoff
 (X-Baton-Kv-Handoff: nixl, mooncake, or none-* when the decode recomputes) and where the decode's
 KV came from (X-Sim-Kv-Source: remote). Ctrl-C stops the demo.
