@@ -244,7 +244,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	}
 	onRegistered := func(w *worker.Worker) { learn(w); logConnector(log, cfg, w); kv.Registered(w) }
 	registrar := &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect, OnRegistered: onRegistered}
-	fleet.registrar, fleet.onRegistered = registrar, onRegistered
+	fleet.registrar, fleet.onRegistered, fleet.pairs = registrar, onRegistered, pairs
 	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_config_reloads_total",
 		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused) or invalid (nothing changed)."}, []string{"result"})
 	m.Registry.MustRegister(reloads)

@@ -41,6 +41,7 @@ type Fleet struct {
 	cfg       config.Config
 	reg       *worker.Registry
 	breaker   *worker.BreakerConfig
+	pairs     *worker.PairHealth
 	registrar *worker.Registrar
 	kv        *KVEvents
 	metrics   *metrics.Metrics
@@ -121,6 +122,7 @@ func (f *Fleet) replace(old *worker.Worker, c config.Worker, source string) (*wo
 	if !f.reg.Replace(old, next) {
 		return nil, ErrWorkerNotFound
 	}
+	f.pairs.Forget(old)
 	f.setSource(next.URL, source)
 	if next.KVEventsEndpoint != old.KVEventsEndpoint || next.KVEventsReplayEndpoint != old.KVEventsReplayEndpoint || next.DPSize != old.DPSize {
 		f.kv.Remove(old)
@@ -165,6 +167,7 @@ func (f *Fleet) drain(w *worker.Worker, source string) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
 		f.reg.Remove(w)
+		f.pairs.Forget(w)
 		if cur := f.reg.Snapshot().Get(w.URL); cur == nil {
 			f.setSource(w.URL, "")
 			f.kv.Remove(w)

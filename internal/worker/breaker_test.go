@@ -169,3 +169,16 @@ func TestBreakerStateString(t *testing.T) {
 		}
 	}
 }
+
+// A worker that leaves takes its pairs' records with it.
+func TestPairHealthForget(t *testing.T) {
+	p := &PairHealth{Threshold: 5, Quarantine: time.Minute}
+	a, b, c := New(config.Worker{URL: "http://a"}), New(config.Worker{URL: "http://b"}), New(config.Worker{URL: "http://c"})
+	p.Record(a, b, false)
+	p.Record(a, c, false)
+	p.Record(c, b, false)
+	p.Forget(b)
+	if p.Len() != 1 {
+		t.Fatalf("%d pairs after forgetting b, want 1 (a, c)", p.Len())
+	}
+}

@@ -73,3 +73,24 @@ func (p *PairHealth) Quarantined(prefill, decode *Worker) bool {
 	st := p.m[[2]*Worker{prefill, decode}]
 	return st != nil && p.now().Before(st.until)
 }
+
+// Forget drops the pairs w is part of: it left the fleet (or was replaced by an update).
+func (p *PairHealth) Forget(w *Worker) {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k := range p.m {
+		if k[0] == w || k[1] == w {
+			delete(p.m, k)
+		}
+	}
+}
+
+// Len is the number of pairs with a failure on record.
+func (p *PairHealth) Len() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.m)
+}
