@@ -36,9 +36,15 @@ type Transport struct {
 	idle map[string][]*conn // by host:port, most recently used last
 }
 
+// DefaultIdleTimeout is how long an idle connection is kept: less than the 5 s after which
+// uvicorn (vLLM's and SGLang's HTTP server) closes an idle keep-alive connection, so that a
+// request is not sent on a connection the engine is closing (it would be retried, at the cost of
+// a round trip). Busy connections are reused within milliseconds.
+const DefaultIdleTimeout = 4 * time.Second
+
 // New returns a transport with fallback for what it does not serve.
 func New(fallback http.RoundTripper, maxHeaderBytes int) *Transport {
-	return &Transport{Fallback: fallback, MaxIdlePerHost: 512, IdleTimeout: 90 * time.Second, MaxResponseHeaderBytes: maxHeaderBytes,
+	return &Transport{Fallback: fallback, MaxIdlePerHost: 512, IdleTimeout: DefaultIdleTimeout, MaxResponseHeaderBytes: maxHeaderBytes,
 		Dialer: &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, idle: map[string][]*conn{}}
 }
 
@@ -195,7 +201,7 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 	for {
 		line, n, err := readLine(c.br, limit)
 		if err != nil {
-			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			if err == io.EOF { // closed before a single byte of an answer: the request had no effect
 				return nil, fmt.Errorf("%w: %v", errStale, err)
 			}
 			return nil, err
@@ -242,6 +248,9 @@ func readLine(br *bufio.Reader, limit int) (string, int, error) {
 		if err == bufio.ErrBufferFull {
 			sb = append(sb, frag...)
 			continue
+		}
+		if err == io.EOF && len(sb)+len(frag) > 0 {
+			return "", 0, io.ErrUnexpectedEOF // a line cut short
 		}
 		if err != nil {
 			return "", 0, err

@@ -298,3 +298,29 @@ func FuzzAnswer(f *testing.F) {
 		resp.Body.Close()
 	})
 }
+
+// A connection idle for longer than IdleTimeout is closed rather than reused.
+func TestTransportIdleTimeout(t *testing.T) {
+	var conns atomic.Int64
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	tr := newT()
+	tr.IdleTimeout = 50 * time.Millisecond
+	for i := 0; i < 2; i++ {
+		resp, err := send(t, tr, context.Background(), srv.URL, "{}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.ReadAll(resp.Body)
+		time.Sleep(100 * time.Millisecond)
+	}
+	if conns.Load() != 2 {
+		t.Errorf("%d connections: an expired idle connection was reused", conns.Load())
+	}
+}
