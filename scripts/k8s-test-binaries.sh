@@ -18,7 +18,7 @@ set -euo pipefail
 K8S_VERSION="${K8S_VERSION:-v1.35.4}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 STAGING="v0.${K8S_VERSION#v1.}"
-BASE="${XDG_CACHE_HOME:-$HOME/.cache}/baton"
+BASE="${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/baton"
 CACHE="${KUBE_TEST_CACHE:-$BASE/k8s-test/$K8S_VERSION}"
 HELM_DIR="$BASE/helm/$HELM_VERSION"
 
