@@ -75,8 +75,11 @@ func TestStatusJSON(t *testing.T) {
 		t.Fatalf("status.json: %d %s", code, body)
 	}
 	var s struct {
-		Workers []struct{ URL, Role, Runtime, Connector, Health, Breaker string }
-		Pairs   []struct {
+		Workers []struct {
+			URL, Role, Runtime, Health, Breaker string
+			Connector                           string `json:"kv_connector"`
+		}
+		Pairs []struct {
 			Prefill, Decode string
 			Handoffs        map[string]int
 			Total           int

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -236,6 +237,37 @@ func (m *Metrics) ForgetWorker(url string) {
 	}
 	m.PairHandoffs.DeletePartialMatch(prometheus.Labels{"prefill": url})
 	m.PairHandoffs.DeletePartialMatch(prometheus.Labels{"decode": url})
+}
+
+// PairHandoffCounts returns the handoff outcomes counted per PD pair: [prefill, decode] → outcome →
+// requests (for the status page; read from baton_pd_pair_handoffs_total).
+func (m *Metrics) PairHandoffCounts() map[[2]string]map[string]float64 {
+	ch := make(chan prometheus.Metric, 64)
+	go func() { m.PairHandoffs.Collect(ch); close(ch) }()
+	out := map[[2]string]map[string]float64{}
+	for c := range ch {
+		var d dto.Metric
+		if c.Write(&d) != nil || d.Counter == nil {
+			continue
+		}
+		var prefill, decode, outcome string
+		for _, l := range d.Label {
+			switch l.GetName() {
+			case "prefill":
+				prefill = l.GetValue()
+			case "decode":
+				decode = l.GetValue()
+			case "outcome":
+				outcome = l.GetValue()
+			}
+		}
+		k := [2]string{prefill, decode}
+		if out[k] == nil {
+			out[k] = map[string]float64{}
+		}
+		out[k][outcome] = d.Counter.GetValue()
+	}
+	return out
 }
 
 // printable reports whether s is valid UTF-8 without control characters.

@@ -42,11 +42,14 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 
 // workerView is one worker in GET /workers.
 type workerView struct {
-	ID            string   `json:"id"`
-	URL           string   `json:"url"`
-	Source        string   `json:"source,omitempty"` // config, admin or kubernetes
-	Draining      bool     `json:"draining,omitempty"`
-	Cordoned      bool     `json:"cordoned,omitempty"` // its pod is not ready
+	ID       string `json:"id"`
+	URL      string `json:"url"`
+	Source   string `json:"source,omitempty"` // config, admin or kubernetes
+	Draining bool   `json:"draining,omitempty"`
+	Cordoned bool   `json:"cordoned,omitempty"` // its pod is not ready
+	// Health sums up the above: ready, registering, unhealthy, cordoned or draining.
+	Health        string   `json:"health"`
+	Breaker       string   `json:"breaker"` // closed, open or half-open
 	Role          string   `json:"role"`
 	Runtime       string   `json:"runtime,omitempty"`
 	Models        []string `json:"models"`
@@ -118,6 +121,19 @@ func (s *Server) view(wk *worker.Worker, now time.Time) workerView {
 		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now)}
 	if s.opts.Admin.SourceOf != nil {
 		v.Source = s.opts.Admin.SourceOf(wk.URL)
+	}
+	v.Breaker = wk.BreakerState().String()
+	switch {
+	case v.Draining:
+		v.Health = "draining"
+	case v.Cordoned:
+		v.Health = "cordoned"
+	case !v.Registered:
+		v.Health = "registering"
+	case v.Ready:
+		v.Health = "ready"
+	default:
+		v.Health = "unhealthy"
 	}
 	if in := wk.Info(); in != nil {
 		for _, m := range in.Models {

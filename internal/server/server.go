@@ -122,7 +122,7 @@ type Server struct {
 func New(o Options) *Server {
 	a := o.Admission
 	return &Server{opts: o, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
-		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: newRecorder()}
+		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: &recorder{}}
 }
 
 // Handler returns the API handler with its middleware.
@@ -180,7 +180,6 @@ type statusWriter struct {
 	start     time.Time // arrival
 	firstByte time.Time // the first body byte to the client; zero: none yet
 	lastWrite time.Time
-	sse       bool                // the answer is an event stream: gaps between writes are inter-token latency
 	itl       prometheus.Observer // a stream's inter-token histogram, resolved at its first byte
 	metrics   *metrics.Metrics
 	tail      [1024]byte // the answer's last bytes: where its usage is
@@ -245,8 +244,8 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	w.arm(now)
 	if w.firstByte.IsZero() {
 		w.firstByte = now
-		w.sse = strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream")
-		if w.sse && w.status == http.StatusOK && w.metrics != nil {
+		// A stream's gaps between writes are its inter-token latency.
+		if w.status == http.StatusOK && w.metrics != nil && strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream") {
 			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.model), w.mode)
 		}
 	} else if w.itl != nil {
@@ -360,20 +359,20 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 		}
 	}
 	prefill, decode, handoff := h.Get(openai.HeaderPrefillWorker), h.Get(openai.HeaderDecodeWorker), h.Get(openai.HeaderKVHandoff)
+	wk, code := h.Get(openai.HeaderWorker), h.Get(openai.HeaderErrorCode)
 	if prefill != "" && decode != "" && handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
 	}
 	dur := time.Since(sw.start)
 	if route != "other" {
-		wk := h.Get(openai.HeaderWorker)
-		s.status.record(sw.start.Add(dur), route, model, status, h.Get(openai.HeaderErrorCode), wk, ttft, prefill, decode, handoff)
+		s.status.record(sw.start.Add(dur), route, model, status, code, wk, ttft)
 	}
 	if span != nil {
 		span.SetName(route)
 		span.SetAttributes(attribute.String("http.route", route), attribute.Int("http.response.status_code", status),
 			attribute.String("gen_ai.request.model", model), attribute.String("baton.request_id", rid), attribute.Int("baton.attempts", sw.attempts),
 			attribute.String("baton.mode", sw.mode), attribute.Int64("http.response.body.size", sw.written))
-		if wk := h.Get(openai.HeaderWorker); wk != "" && prefill == "" {
+		if wk != "" && prefill == "" {
 			span.SetAttributes(attribute.String("baton.worker", wk))
 		}
 		if prefill != "" {
@@ -389,7 +388,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 			span.SetAttributes(attribute.Int("gen_ai.usage.input_tokens", usage.Prompt), attribute.Int("gen_ai.usage.output_tokens", usage.Completion))
 		}
 		if status >= 500 || aborted {
-			span.SetStatus(codes.Error, h.Get(openai.HeaderErrorCode))
+			span.SetStatus(codes.Error, code)
 		}
 		span.End()
 	}
@@ -401,7 +400,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", sw.attempts), slog.Int64("bytes", sw.written))
 	if prefill != "" {
 		attrs = append(attrs, slog.String("prefill", prefill), slog.String("decode", decode))
-	} else if wk := h.Get(openai.HeaderWorker); wk != "" {
+	} else if wk != "" {
 		attrs = append(attrs, slog.String("worker", wk))
 	}
 	if handoff != "" {
@@ -413,7 +412,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 	if hasUsage {
 		attrs = append(attrs, slog.Int("prompt_tokens", usage.Prompt), slog.Int("completion_tokens", usage.Completion), slog.Int("cached_tokens", usage.Cached))
 	}
-	if code := h.Get(openai.HeaderErrorCode); code != "" {
+	if code != "" {
 		attrs = append(attrs, slog.String("error", code))
 	}
 	if aborted {

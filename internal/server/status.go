@@ -8,29 +8,26 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
-
-	"github.com/baton-llm/baton/internal/config"
-	"github.com/baton-llm/baton/internal/pd"
 )
 
 // The status window: the last statusBuckets buckets of statusBucket each (5 minutes).
 const (
-	statusBucket   = 5 * time.Second
-	statusBuckets  = 60
-	statusSamples  = 256 // TTFT samples kept per bucket (reservoir)
-	statusErrors   = 20  // recent errors kept
-	statusMaxPairs = 1024
+	statusBucket  = 5 * time.Second
+	statusBuckets = 60
+	statusSamples = 256 // TTFT samples kept per bucket (reservoir)
+	statusErrors  = 20  // recent errors kept
 )
 
 // recorder keeps what the status page shows of recent traffic: per bucket the requests, the
-// errors and a sample of TTFTs; the last errors; each PD pair's handoff outcomes. Bounded.
+// errors and a sample of TTFTs; the last errors. Bounded. (Pairs' handoffs come from their
+// counter, baton_pd_pair_handoffs_total.)
 type recorder struct {
 	mu      sync.Mutex
 	buckets [statusBuckets]bucket
 	errors  []recentError
-	pairs   map[[2]string]map[string]int64
 }
 
 type bucket struct {
@@ -49,10 +46,8 @@ type recentError struct {
 	Worker string    `json:"worker,omitempty"`
 }
 
-func newRecorder() *recorder { return &recorder{pairs: map[[2]string]map[string]int64{}} }
-
 // record takes one finished request.
-func (rc *recorder) record(now time.Time, route, model string, status int, code, worker string, ttft time.Duration, prefill, decode, handoff string) {
+func (rc *recorder) record(now time.Time, route, model string, status int, code, worker string, ttft time.Duration) {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	b := rc.bucket(now)
@@ -76,18 +71,6 @@ func (rc *recorder) record(now time.Time, route, model string, status int, code,
 		}
 		rc.errors = append(rc.errors, recentError{At: now.UTC().Truncate(time.Millisecond), Route: route, Model: model, Status: status, Code: code, Worker: worker})
 	}
-	if prefill != "" && handoff != "" {
-		k := [2]string{prefill, decode}
-		m := rc.pairs[k]
-		if m == nil {
-			if len(rc.pairs) >= statusMaxPairs {
-				return
-			}
-			m = map[string]int64{}
-			rc.pairs[k] = m
-		}
-		m[handoff]++
-	}
 }
 
 func (rc *recorder) bucket(now time.Time) *bucket {
@@ -109,7 +92,7 @@ type statusPoint struct {
 }
 
 // window summarises the last 5 minutes: per-bucket points and the totals over the last minute.
-func (rc *recorder) window(now time.Time) (series []statusPoint, lastMinute statusPoint, errs []recentError, pairs []pairStatus) {
+func (rc *recorder) window(now time.Time) (series []statusPoint, lastMinute statusPoint, errs []recentError) {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	step := int64(statusBucket / time.Second)
@@ -139,19 +122,25 @@ func (rc *recorder) window(now time.Time) (series []statusPoint, lastMinute stat
 	}
 	errs = slices.Clone(rc.errors)
 	slices.Reverse(errs)
-	for k, m := range rc.pairs {
+	return series, lastMinute, errs
+}
+
+// pairsOf turns the pairs' handoff counts into the page's rows, busiest first.
+func pairsOf(counts map[[2]string]map[string]float64) []pairStatus {
+	var pairs []pairStatus
+	for k, m := range counts {
 		p := pairStatus{Prefill: k[0], Decode: k[1], Handoffs: map[string]int64{}}
 		for o, n := range m {
-			p.Handoffs[o] = n
-			p.Total += n
-			if len(o) > 5 && o[:5] == "none-" {
-				p.Recomputed += n
+			p.Handoffs[o] = int64(n)
+			p.Total += int64(n)
+			if strings.HasPrefix(o, "none-") {
+				p.Recomputed += int64(n)
 			}
 		}
 		pairs = append(pairs, p)
 	}
 	slices.SortFunc(pairs, func(a, b pairStatus) int { return int(b.Total - a.Total) })
-	return series, lastMinute, errs, pairs
+	return pairs
 }
 
 func quantileMs(v []float64, q float64) float64 {
@@ -170,20 +159,6 @@ type pairStatus struct {
 	Handoffs   map[string]int64 `json:"handoffs"`
 	Total      int64            `json:"total"`
 	Recomputed int64            `json:"recomputed"` // handoffs none-*: the decode computed the prompt again
-}
-
-// workerStatus is a worker on the status page.
-type workerStatus struct {
-	ID        string      `json:"id"`
-	URL       string      `json:"url"`
-	Role      string      `json:"role"`
-	Runtime   string      `json:"runtime"`
-	Connector string      `json:"connector,omitempty"`
-	Health    string      `json:"health"` // ready, registering, unhealthy, cordoned, draining
-	Breaker   string      `json:"breaker"`
-	InFlight  int64       `json:"in_flight"`
-	Load      *engineView `json:"engine_load,omitempty"`
-	KVEvents  any         `json:"kv_events,omitempty"`
 }
 
 //go:embed status.html
@@ -225,31 +200,12 @@ var started = time.Now()
 
 func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
 	now := time.Now()
-	series, minute, errs, pairs := s.status.window(now)
-	var ws []workerStatus
+	series, minute, errs := s.status.window(now)
+	ws := []workerView{}
 	for _, wk := range s.reg.Snapshot().Workers {
-		v := workerStatus{ID: wk.ID, URL: wk.URL, Role: wk.Role, Runtime: wk.Runtime(), Breaker: wk.BreakerState().String(),
-			InFlight: wk.InFlight(), Load: engineOf(wk, now)}
-		switch {
-		case wk.Draining():
-			v.Health = "draining"
-		case wk.Cordoned():
-			v.Health = "cordoned"
-		case !wk.Registered():
-			v.Health = "registering"
-		case wk.Ready():
-			v.Health = "ready"
-		default:
-			v.Health = "unhealthy"
-		}
-		if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
-			v.Connector = pd.ConnectorFor(wk, s.opts.KVConnector).Mode
-		}
-		if s.opts.KVEventsView != nil {
-			v.KVEvents = s.opts.KVEventsView(wk)
-		}
-		ws = append(ws, v)
+		ws = append(ws, s.view(wk, now))
 	}
+	pairs := pairsOf(s.metrics.PairHandoffCounts())
 	body, _ := json.Marshal(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
