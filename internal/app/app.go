@@ -220,10 +220,11 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
 	kv := newKVEvents(cfg, ws, reg, log)
+	kv.tokenizer.Client = client
 	if cfg.CacheAwareSource != "approx" {
 		for _, p := range policies {
 			if ca, ok := p.(*policy.CacheAware); ok {
-				ca.Precise = kv.precise(client)
+				ca.Precise = kv.precise()
 			}
 		}
 	}

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -83,9 +85,7 @@ func (f *Fleet) Add(c config.Worker, source string) (*worker.Worker, error) {
 		return nil, err
 	}
 	f.setSource(w.URL, source)
-	if w.KVEventsEndpoint != "" {
-		f.kv.subscribe(w, w.KVEventsEndpoint, "configured", 0)
-	}
+	f.kv.Configured(w)
 	f.registrar.Register(w)
 	f.changed("add", source, w)
 	return w, nil
@@ -126,10 +126,9 @@ func (f *Fleet) replace(old *worker.Worker, c config.Worker, source string) (*wo
 	f.setSource(next.URL, source)
 	if next.KVEventsEndpoint != old.KVEventsEndpoint || next.KVEventsReplayEndpoint != old.KVEventsReplayEndpoint || next.DPSize != old.DPSize {
 		f.kv.Remove(old)
-		if next.KVEventsEndpoint != "" {
-			f.kv.subscribe(next, next.KVEventsEndpoint, "configured", 0)
-		} else if next.Registered() {
-			f.kv.Registered(next)
+		f.kv.Configured(next)
+		if next.Registered() {
+			f.kv.Registered(next) // an engine-reported or default endpoint, when none is configured
 		}
 	}
 	if !next.Registered() {
@@ -180,7 +179,7 @@ func (f *Fleet) drain(w *worker.Worker, source string) {
 // Cordon holds the worker at url out of rotation (its pod is not ready) or lets it back; false
 // when there is no such worker.
 func (f *Fleet) Cordon(url string, on bool) bool {
-	w := f.reg.Snapshot().Get(trimURL(url))
+	w := f.reg.Snapshot().Get(strings.TrimRight(url, "/"))
 	if w == nil || w.Draining() {
 		return false
 	}
@@ -218,7 +217,7 @@ func (f *Fleet) Sync(want []config.Worker, source string) error {
 	var errs []error
 	wanted := map[string]config.Worker{}
 	for _, c := range want {
-		c.URL = trimURL(c.URL)
+		c.URL = strings.TrimRight(c.URL, "/")
 		wanted[c.URL] = c
 	}
 	f.mu.Lock()
@@ -278,7 +277,7 @@ func (f *Fleet) changed(op, source string, w *worker.Worker) {
 // sameWorker reports whether two settings describe the same worker.
 func sameWorker(a, b config.Worker) bool {
 	norm := func(c config.Worker) config.Worker {
-		c.URL = trimURL(c.URL)
+		c.URL = strings.TrimRight(c.URL, "/")
 		c.Role = cmp.Or(c.Role, config.RoleRegular)
 		if len(c.Labels) == 0 {
 			c.Labels = nil
@@ -288,17 +287,5 @@ func sameWorker(a, b config.Worker) bool {
 		}
 		return c
 	}
-	a, b = norm(a), norm(b)
-	return a.URL == b.URL && a.Role == b.Role && a.Runtime == b.Runtime && slices.Equal(a.Models, b.Models) && maps.Equal(a.Labels, b.Labels) &&
-		a.APIKey == b.APIKey && ptrEq(a.BootstrapPort, b.BootstrapPort) && a.DPSize == b.DPSize && a.KVConnector == b.KVConnector &&
-		a.KVEngineID == b.KVEngineID && a.KVEventsEndpoint == b.KVEventsEndpoint && a.KVEventsReplayEndpoint == b.KVEventsReplayEndpoint
-}
-
-func ptrEq(a, b *int) bool { return (a == nil && b == nil) || (a != nil && b != nil && *a == *b) }
-
-func trimURL(u string) string {
-	for len(u) > 0 && u[len(u)-1] == '/' {
-		u = u[:len(u)-1]
-	}
-	return u
+	return reflect.DeepEqual(norm(a), norm(b)) // every setting, those added later included
 }

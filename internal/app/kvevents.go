@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
@@ -91,11 +90,17 @@ func newKVEvents(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, l
 		k.listener = &kvevents.Listener{Addr: listenAddr(cfg.KVEventsListen), Route: k.route, Log: log}
 	}
 	for _, w := range ws {
-		if w.KVEventsEndpoint != "" {
-			k.subscribe(w, w.KVEventsEndpoint, "configured", 0)
-		}
+		k.Configured(w)
 	}
 	return k
+}
+
+// Configured subscribes to a worker at the KV events endpoint its settings name, if any (from
+// the start, before it registers).
+func (k *KVEvents) Configured(w *worker.Worker) {
+	if w.KVEventsEndpoint != "" {
+		k.subscribe(w, w.KVEventsEndpoint, "configured", 0)
+	}
 }
 
 // Registered subscribes to a worker that just registered, if it publishes and is not
@@ -354,9 +359,8 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 // a subscribed candidate's /tokenize, cached), their blocks at that engine's block size, and
 // each subscribed worker's resident share; -1 for workers without a healthy subscription, nil
 // when none has one or the prompt cannot be tokenized.
-func (k *KVEvents) precise(client *http.Client) func(ws []*worker.Worker, req *policy.Request) []float64 {
+func (k *KVEvents) precise() func(ws []*worker.Worker, req *policy.Request) []float64 {
 	tok := k.tokenizer
-	tok.Client = client
 	return func(ws []*worker.Worker, req *policy.Request) []float64 {
 		if k.n.Load() == 0 {
 			return nil
