@@ -9,10 +9,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -229,8 +227,8 @@ func (d *Discovery) apply(pods []*corev1.Pod, now time.Time) {
 	if err := d.Fleet.Sync(want, SourceKubernetes); err != nil {
 		d.Log.Warn("service discovery: some pods could not be applied", "err", err)
 	}
-	for _, url := range slices.Sorted(maps.Keys(cordon)) {
-		d.Fleet.Cordon(url, cordon[url])
+	for url, on := range cordon {
+		d.Fleet.Cordon(url, on)
 	}
 }
 

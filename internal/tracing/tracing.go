@@ -22,11 +22,12 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 var (
 	on     atomic.Bool
-	tracer trace.Tracer = trace.NewNoopTracerProvider().Tracer("baton")
+	tracer trace.Tracer = noop.NewTracerProvider().Tracer("baton")
 	prop                = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 )
 
@@ -68,7 +69,7 @@ func Setup(ctx context.Context, cfg Config) (shutdown func(context.Context) erro
 	}
 	var exp sdktrace.SpanExporter
 	switch {
-	case u.Scheme == "grpc" || (protocol == "grpc" && u.Scheme != "grpc"):
+	case u.Scheme == "grpc" || protocol == "grpc":
 		opts := []otlptracegrpc.Option{otlptracegrpc.WithEndpoint(u.Host)}
 		if u.Scheme != "https" {
 			opts = append(opts, otlptracegrpc.WithInsecure())

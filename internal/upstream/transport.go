@@ -112,7 +112,7 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 	bp := wbufPool.Get().(*[]byte)
 	buf := appendRequest((*bp)[:0], req, len(body))
 	var err error
-	if len(buf)+len(body) <= cap(buf) || len(body) < 64<<10 {
+	if len(body) < 64<<10 { // one write; a large body goes beside the head, uncopied
 		buf = append(buf, body...)
 		_, err = c.c.Write(buf)
 	} else {
@@ -126,20 +126,20 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 	if err != nil {
 		stop()
 		c.c.Close()
-		return nil, t.ctxErr(ctx, fmt.Errorf("%w: %v", errStale, err))
+		return nil, ctxErr(ctx, fmt.Errorf("%w: %v", errStale, err))
 	}
 	resp, err := t.readHead(c, req)
 	if err != nil {
 		stop()
 		c.c.Close()
-		return nil, t.ctxErr(ctx, err)
+		return nil, ctxErr(ctx, err)
 	}
 	resp.Body = newBody(t, c, resp, stop, ctx)
 	return resp, nil
 }
 
 // ctxErr reports the context's error when it ended the exchange.
-func (t *Transport) ctxErr(ctx context.Context, err error) error {
+func ctxErr(ctx context.Context, err error) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
