@@ -171,13 +171,7 @@ func TestConnectorNamesAndLoudMisconfiguration(t *testing.T) {
 	cfg := config.Default()
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: mooncake.URL(), Role: config.RolePrefill, KVConnector: "mooncake"}, {URL: generic, Role: config.RoleDecode}}
-	logs := &syncBuffer{}
-	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	g.Start(t.Context())
-	t.Cleanup(g.Wait)
+	logs := startLogged(t, cfg)
 	waitFor(t, func() bool {
 		return strings.Contains(logs.String(), "Mooncake prefill worker has no engine id") && strings.Contains(logs.String(), "registered as generic with no model list")
 	})
@@ -303,13 +297,7 @@ func TestDPSizeCheckedAtRegistration(t *testing.T) {
 	cfg := config.Default()
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, DPSize: 2}, {URL: d.URL(), Role: config.RoleDecode}}
-	logs := &syncBuffer{}
-	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	g.Start(t.Context())
-	t.Cleanup(g.Wait)
+	logs := startLogged(t, cfg)
 	waitFor(t, func() bool { return strings.Contains(logs.String(), "configured dp_size differs") })
 	if !strings.Contains(logs.String(), "engine_dp_size=1") {
 		t.Errorf("the warning does not name the engine's size:\n%s", logs.String())
@@ -430,4 +418,20 @@ func TestSimFaultsThroughTheGateway(t *testing.T) {
 			t.Errorf("forward_sim_faults %v: %d, want %d", forward, resp.StatusCode, want)
 		}
 	}
+}
+
+// startLogged starts a gateway for cfg whose log is kept, without waiting for its workers, and
+// returns the log.
+func startLogged(t *testing.T, cfg config.Config) *syncBuffer {
+	t.Helper()
+	logs := &syncBuffer{}
+	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(g.Wait)
+	return logs
 }

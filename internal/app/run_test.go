@@ -44,6 +44,20 @@ var addrLine = regexp.MustCompile(`baton serving on (http://\S+) \(metrics on (h
 // function (as SIGTERM would) and a channel with Run's result.
 func runBaton(t *testing.T, args ...string) (api, metricsURL string, stop func(), result <-chan error) {
 	t.Helper()
+	r := startRun(t, args...)
+	return r.api, r.metrics, r.stop, r.result
+}
+
+// running is a Baton started by startRun, with its output.
+type running struct {
+	api, metrics string
+	out, logs    *syncBuffer
+	stop         func()
+	result       <-chan error
+}
+
+func startRun(t *testing.T, args ...string) *running {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	out, logs := &syncBuffer{}, &syncBuffer{}
 	res := make(chan error, 1)
@@ -59,7 +73,7 @@ func runBaton(t *testing.T, args ...string) (api, metricsURL string, stop func()
 					t.Logf("baton logs:\n%s", logs.String())
 				}
 			})
-			return m[1], m[2], cancel, res
+			return &running{api: m[1], metrics: m[2], out: out, logs: logs, stop: cancel, result: res}
 		}
 		select {
 		case err := <-res:
@@ -268,5 +282,64 @@ func TestSlowClientTimeoutsSpareStreams(t *testing.T) {
 	body, err := io.ReadAll(resp.Body)
 	if err != nil || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
 		t.Fatalf("stream cut: %v %q", err, body)
+	}
+}
+
+var adminLine = regexp.MustCompile(`baton admin API on (http://\S+)`)
+
+// What Serve puts on its listeners: the admin API on its own (--admin-port), the status page on
+// the metrics port; and the access log line of a request, which names the route, status and
+// worker and never the prompt or a key.
+func TestServeListenersAndAccessLog(t *testing.T) {
+	t.Parallel()
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":5,"completion_tokens":2}}`)
+	})
+	r := startRun(t, "--worker-urls", up.URL, "--api-key", "sk-inference-secret", "--admin-port", "0", "--admin-host", "127.0.0.1")
+	m := adminLine.FindStringSubmatch(r.out.String())
+	if m == nil {
+		t.Fatalf("no admin listener announced: %q", r.out.String())
+	}
+	if status, body := admin(t, http.MethodPost, m[1]+"/workers", "", `{"url":"http://127.0.0.1:9"}`); status != 202 {
+		t.Errorf("admin API on its own loopback listener: %d %s", status, body)
+	}
+	if status, _ := admin(t, http.MethodPost, r.api+"/workers", "sk-inference-secret", `{"url":"http://127.0.0.1:8"}`); status != http.StatusNotFound && status != http.StatusMethodNotAllowed {
+		t.Errorf("admin route on the API port with its own listener: %d", status)
+	}
+	resp, err := http.Get(r.metrics + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/html") || !strings.Contains(string(page), "status.json") {
+		t.Errorf("status page on the metrics port: %d %q", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	if code := getStatus(t, r.metrics+"/status.json"); code != 200 {
+		t.Errorf("status.json: %d", code)
+	}
+	resp = post(t, r.api+"/v1/completions", `{"model":"m","prompt":"a very private prompt"}`, "Authorization", "Bearer sk-inference-secret")
+	io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	var line string
+	waitFor(t, func() bool {
+		for _, l := range strings.Split(r.logs.String(), "\n") {
+			if strings.Contains(l, "msg=request") && strings.Contains(l, "/v1/completions") {
+				line = l
+			}
+		}
+		return line != ""
+	})
+	for _, want := range []string{`route="POST /v1/completions"`, "status=200", "worker=" + up.URL, "prompt_tokens=5", "completion_tokens=2", "attempts=1", "request_id="} {
+		if !strings.Contains(line, want) {
+			t.Errorf("access log line lacks %s: %s", want, line)
+		}
+	}
+	if strings.Contains(r.logs.String(), "private prompt") || strings.Contains(r.logs.String(), "sk-inference-secret") {
+		t.Error("the log holds the prompt or the key")
 	}
 }
