@@ -320,6 +320,10 @@ func TestServeListenersAndAccessLog(t *testing.T) {
 	if code := getStatus(t, r.metrics+"/status.json"); code != 200 {
 		t.Errorf("status.json: %d", code)
 	}
+	waitFor(t, func() bool {
+		w := findWorker(listWorkers(t, r.api, "sk-inference-secret"), up.URL)
+		return w != nil && w.Ready
+	})
 	resp = post(t, r.api+"/v1/completions", `{"model":"m","prompt":"a very private prompt"}`, "Authorization", "Bearer sk-inference-secret")
 	io.ReadAll(resp.Body)
 	if resp.StatusCode != 200 {
