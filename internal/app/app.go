@@ -23,6 +23,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/enginestate"
+	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
@@ -334,14 +335,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	api := &http.Server{
-		Handler:           g.Server.Handler(),
-		ReadHeaderTimeout: time.Duration(cfg.ReadHeaderTimeoutSecs) * time.Second,
-		IdleTimeout:       time.Duration(cfg.IdleTimeoutSecs) * time.Second,
-		// No ReadTimeout or WriteTimeout: they would cut long uploads and long streams; the
-		// request deadline (request_timeout_secs) bounds those instead.
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug),
-	}
+	api := apiServer(cfg, g.Server.Handler(), log)
 	var msrv *http.Server
 	var mln net.Listener
 	if cfg.MetricsPort >= 0 {
@@ -462,6 +456,26 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	return nil
 }
 
+// httpServer is the API listener's server: Baton's own (internal/h1) or net/http's.
+type httpServer interface {
+	Serve(net.Listener) error
+	Shutdown(context.Context) error
+	Close() error
+}
+
+// apiServer builds the API listener's server. Neither has a read or write timeout: they would
+// cut long uploads and long streams; the request deadline (request_timeout_secs) and the
+// stalled-client timeout bound those instead.
+func apiServer(cfg config.Config, h http.Handler, log *slog.Logger) httpServer {
+	header := time.Duration(cfg.ReadHeaderTimeoutSecs) * time.Second
+	idle := time.Duration(cfg.IdleTimeoutSecs) * time.Second
+	if cfg.HTTPServer == "baton" && h1.Supported() {
+		return &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log}
+	}
+	return &http.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle,
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+}
+
 // logAdmin says at startup where the admin API answers and how it is protected.
 func logAdmin(log *slog.Logger, cfg config.Config) {
 	where, host := "the API listener", cfg.Host
@@ -480,7 +494,7 @@ func logAdmin(log *slog.Logger, cfg config.Config) {
 
 // drain turns readiness to 503 and keeps serving until in-flight requests are done or grace
 // passes, then closes the listener and waits for the last handlers.
-func (g *Gateway) drain(api *http.Server, grace time.Duration) {
+func (g *Gateway) drain(api httpServer, grace time.Duration) {
 	g.Server.SetDraining()
 	g.Log.Info("draining", "in_flight", g.Server.InFlight(), "grace", grace)
 	deadline := time.Now().Add(grace)

@@ -3,6 +3,7 @@ package app
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -71,9 +72,31 @@ func startGateway(t *testing.T, cfg config.Config, tune ...func(*timing)) (*Gate
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	srv := httptest.NewServer(g.Server.Handler())
-	t.Cleanup(srv.Close)
-	return g, srv
+	return g, serveAPI(t, cfg, g.Server.Handler())
+}
+
+// serveAPI serves h as Serve does: on Baton's own HTTP/1.1 server where it runs (so every
+// gateway test goes through it), else on net/http's. The httptest.Server carries the URL and
+// the listener.
+func serveAPI(t *testing.T, cfg config.Config, h http.Handler) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(h)
+	api := apiServer(cfg, h, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if _, ok := api.(*http.Server); ok {
+		srv.Start()
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	srv.URL = "http://" + srv.Listener.Addr().String()
+	done := make(chan error, 1)
+	go func() { done <- api.Serve(srv.Listener) }()
+	t.Cleanup(func() {
+		api.Close()
+		if err := <-done; !errors.Is(err, http.ErrServerClosed) {
+			t.Errorf("API server: %v", err)
+		}
+	})
+	return srv
 }
 
 func testConfig(urls ...string) config.Config {

@@ -99,47 +99,52 @@ func getStatus(t *testing.T, url string) int {
 	return resp.StatusCode
 }
 
+// Both API servers (Baton's own and net/http's) drain an open stream to its end.
 func TestGracefulDrainOfOpenStream(t *testing.T) {
 	t.Parallel()
-	release := make(chan struct{})
-	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
-		io.WriteString(w, "data: {\"n\":1}\n\n")
-		w.(http.Flusher).Flush()
-		<-release
-		io.WriteString(w, "data: {\"n\":2}\n\ndata: [DONE]\n\n")
-	})
-	api, _, stop, result := runBaton(t, "--worker-urls", up.URL)
-	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+	for _, server := range []string{"baton", "net"} {
+		t.Run(server, func(t *testing.T) {
+			release := make(chan struct{})
+			up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+				io.ReadAll(r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				io.WriteString(w, "data: {\"n\":1}\n\n")
+				w.(http.Flusher).Flush()
+				<-release
+				io.WriteString(w, "data: {\"n\":2}\n\ndata: [DONE]\n\n")
+			})
+			api, _, stop, result := runBaton(t, "--worker-urls", up.URL, "--http-server", server)
+			waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
 
-	resp := post(t, api+"/v1/chat/completions", `{"model":"m","stream":true}`)
-	br := bufio.NewReader(resp.Body)
-	if line, _ := br.ReadString('\n'); line != "data: {\"n\":1}\n" {
-		t.Fatalf("first event %q", line)
-	}
-	stop() // SIGTERM
-	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 503 })
-	select {
-	case err := <-result:
-		t.Fatalf("Run returned (%v) while a stream was open", err)
-	case <-time.After(50 * time.Millisecond):
-	}
-	close(release)
-	rest, err := io.ReadAll(br)
-	if err != nil {
-		t.Fatalf("stream broken during drain: %v", err)
-	}
-	if string(rest) != "\ndata: {\"n\":2}\n\ndata: [DONE]\n\n" {
-		t.Errorf("rest of stream %q", rest)
-	}
-	select {
-	case err := <-result:
-		if err != nil {
-			t.Fatalf("Run = %v, want nil after drain", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run did not return after the stream ended")
+			resp := post(t, api+"/v1/chat/completions", `{"model":"m","stream":true}`)
+			br := bufio.NewReader(resp.Body)
+			if line, _ := br.ReadString('\n'); line != "data: {\"n\":1}\n" {
+				t.Fatalf("first event %q", line)
+			}
+			stop() // SIGTERM
+			waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 503 })
+			select {
+			case err := <-result:
+				t.Fatalf("Run returned (%v) while a stream was open", err)
+			case <-time.After(50 * time.Millisecond):
+			}
+			close(release)
+			rest, err := io.ReadAll(br)
+			if err != nil {
+				t.Fatalf("stream broken during drain: %v", err)
+			}
+			if string(rest) != "\ndata: {\"n\":2}\n\ndata: [DONE]\n\n" {
+				t.Errorf("rest of stream %q", rest)
+			}
+			select {
+			case err := <-result:
+				if err != nil {
+					t.Fatalf("Run = %v, want nil after drain", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("Run did not return after the stream ended")
+			}
+		})
 	}
 }
 

@@ -181,6 +181,10 @@ type Config struct {
 	// IdleTimeoutSecs closes a client's keep-alive connection idle this long between requests.
 	// It never cuts a request or a stream in progress. Default 120.
 	IdleTimeoutSecs int `json:"idle_timeout_secs"`
+	// HTTPServer is the server of the API listener: baton (Baton's own HTTP/1.1 server, less
+	// CPU per request and memory per open stream; Linux only, elsewhere net is used) or net
+	// (Go's net/http server). Default baton.
+	HTTPServer string `json:"http_server"`
 	// ShutdownGracePeriodSecs bounds how long in-flight requests may drain after SIGTERM.
 	// Default 180.
 	ShutdownGracePeriodSecs int `json:"shutdown_grace_period_secs"`
@@ -317,6 +321,7 @@ func Default() Config {
 		ReadHeaderTimeoutSecs:    30,
 		IdleTimeoutSecs:          120,
 		PDMooncakeDispatch:       "concurrent",
+		HTTPServer:               "baton",
 		Retry:                    Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
 		CircuitBreaker:           CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
 		HealthCheck:              HealthCheck{IntervalSecs: 60, TimeoutSecs: 5, FailureThreshold: 3, SuccessThreshold: 2, Endpoint: "/health"},
@@ -408,6 +413,9 @@ func (c *Config) Validate() error {
 	}
 	if _, ok := KVConnectorMode(c.KVConnector); !ok {
 		bad("kv_connector %q is unknown (want %s)", c.KVConnector, knownConnectors)
+	}
+	if c.HTTPServer != "baton" && c.HTTPServer != "net" {
+		bad("http_server %q is unknown (want baton or net)", c.HTTPServer)
 	}
 	if c.PDMooncakeDispatch != "concurrent" && c.PDMooncakeDispatch != "sequential" {
 		bad("pd_mooncake_dispatch %q is unknown (want concurrent or sequential)", c.PDMooncakeDispatch)

@@ -17,12 +17,13 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	c.HealthCheck.Endpoint = "health"
 	c.CacheThreshold = 2
 	c.KVEventsListen = "tcp://*:99999"
+	c.HTTPServer = "caddy"
 	c.Workers = []Worker{{URL: "http://kv", KVEventsEndpoint: "tcp://*:5557"}, {URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
 	err := c.Validate()
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`, `http_server "caddy"`} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
 		}
@@ -46,14 +47,14 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 func TestParseFlags(t *testing.T) {
 	c, err := Parse([]string{"--pd-disaggregation", "--prefill", "http://p1:8000", "9001", "--prefill", "http://p2:8000", "none",
 		"--prefill", "http://p3:8000", "--decode", "http://d:8000", "--worker-urls", "http://r1", "http://r2",
-		"--retry-backoff-multiplier=2", "--disable-retries", "--log-json", "--kv-connector", "NixlConnector"}, io.Discard)
+		"--retry-backoff-multiplier=2", "--disable-retries", "--log-json", "--kv-connector", "NixlConnector", "--http-server", "net"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(c.Workers) != 4 || *c.Workers[0].BootstrapPort != 9001 || c.Workers[1].BootstrapPort != nil || c.Workers[2].BootstrapPort != nil || c.Workers[3].Role != RoleDecode {
 		t.Errorf("workers %+v", c.Workers)
 	}
-	if len(c.WorkerURLs) != 2 || c.Retry.BackoffMultiplier != 2 || !c.Retry.Disable || !c.LogJSON || c.KVConnector != "NixlConnector" || c.PolicyFor(RolePrefill) != PolicyRoundRobin {
+	if len(c.WorkerURLs) != 2 || c.Retry.BackoffMultiplier != 2 || !c.Retry.Disable || !c.LogJSON || c.KVConnector != "NixlConnector" || c.HTTPServer != "net" || c.PolicyFor(RolePrefill) != PolicyRoundRobin {
 		t.Errorf("config %+v", c)
 	}
 	if _, err := Parse([]string{"--port", "x", "--nope", "--prefill"}, io.Discard); err == nil || !strings.Contains(err.Error(), "not an integer") || !strings.Contains(err.Error(), "unknown flag --nope") || !strings.Contains(err.Error(), "--prefill needs a value") {

@@ -1,0 +1,321 @@
+package h1
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Connection states, for Shutdown: only an idle connection (waiting for its next request) is
+// closed under a client's feet.
+const (
+	stateActive int32 = iota
+	stateIdle
+	stateClosed
+)
+
+// readBufSize is the request reader's buffer: a request line or header longer than it is still
+// read (gathered), up to MaxHeaderBytes.
+const readBufSize = 4 << 10
+
+var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBufSize) }}
+
+// errPeerGone is the cause a request's context ends with when its client went away.
+var errPeerGone = errors.New("client closed the connection")
+
+// conn is one client connection.
+type conn struct {
+	s          *Server
+	rwc        net.Conn
+	remoteAddr string
+	br         *bufio.Reader // nil while the connection holds no unread bytes and reads nothing
+	state      atomic.Int32
+	watchID    uint64 // the epoll watcher's name for this connection; 0: not watched
+
+	mu       sync.Mutex
+	cancel   context.CancelCauseFunc // the current request's; nil between requests
+	peerGone bool                    // the client closed its side
+
+	werr      error       // the first write error: the connection is done
+	wdlSet    atomic.Bool // a write deadline was set during the request
+	rdlSet    atomic.Bool // a read deadline was set during the request
+	firstDone bool        // a request was served: the next wait is an idle one
+}
+
+func newConn(s *Server, rw net.Conn) *conn {
+	return &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
+}
+
+// abort closes the connection from another goroutine: a read or write in progress fails.
+func (c *conn) abort() { c.rwc.Close() }
+
+func (c *conn) serve() {
+	defer c.s.forget(c)
+	defer func() {
+		c.s.watcher().remove(c)
+		c.rwc.Close()
+		if c.br != nil {
+			c.br.Reset(nil)
+			readers.Put(c.br)
+			c.br = nil
+		}
+	}()
+	c.s.watcher().add(c)
+	for {
+		if !c.waitRequest() {
+			return
+		}
+		if !c.serveOne() {
+			return
+		}
+	}
+}
+
+// waitRequest waits for the first byte of the next request: idle, so that Shutdown may close
+// the connection, and bounded by the idle (or, first, the header) timeout.
+func (c *conn) waitRequest() bool {
+	if c.br == nil {
+		c.br = readers.Get().(*bufio.Reader)
+		c.br.Reset(c.rwc)
+	}
+	wait := c.s.ReadHeaderTimeout
+	if c.firstDone {
+		wait = c.s.idleTimeout()
+		if !c.state.CompareAndSwap(stateActive, stateIdle) {
+			return false
+		}
+	}
+	if c.s.shutdown.Load() && c.firstDone {
+		return false
+	}
+	if wait > 0 {
+		_ = c.rwc.SetReadDeadline(time.Now().Add(wait))
+	} else if c.rdlSet.Swap(false) {
+		_ = c.rwc.SetReadDeadline(time.Time{})
+	}
+	if c.br.Buffered() == 0 {
+		if _, err := c.br.Peek(1); err != nil {
+			return false
+		}
+	}
+	if c.firstDone && !c.state.CompareAndSwap(stateIdle, stateActive) {
+		return false
+	}
+	if c.s.ReadHeaderTimeout > 0 && c.firstDone {
+		_ = c.rwc.SetReadDeadline(time.Now().Add(c.s.ReadHeaderTimeout))
+	}
+	return true
+}
+
+// serveOne reads one request, runs the handler on it, and finishes its answer; false means
+// the connection is done.
+func (c *conn) serveOne() bool {
+	c.firstDone = true
+	req, b, herr := c.readRequest()
+	if herr != nil {
+		c.refuse(herr)
+		return false
+	}
+	if c.s.ReadHeaderTimeout > 0 || c.s.IdleTimeout > 0 {
+		_ = c.rwc.SetReadDeadline(time.Time{})
+	}
+	ctx, cancel := context.WithCancelCause(context.Background())
+	c.mu.Lock()
+	gone := c.peerGone
+	c.cancel = cancel
+	c.mu.Unlock()
+	if gone {
+		cancel(errPeerGone)
+	}
+	req = req.WithContext(ctx)
+	w := newResponse(c, req, b)
+	if b.eof && c.br.Buffered() == 0 {
+		c.releaseReader()
+	}
+	c.runHandler(w, req)
+	w.finish()
+	c.mu.Lock()
+	c.cancel = nil
+	c.mu.Unlock()
+	cancel(context.Canceled)
+	b.done.Store(true)
+	if c.wdlSet.Swap(false) {
+		_ = c.rwc.SetWriteDeadline(time.Time{})
+	}
+	if w.closeAfter || c.werr != nil || !b.drain(c) {
+		return false
+	}
+	return true
+}
+
+// runHandler runs the handler, turning a panic into a closed connection (and a log line,
+// unless it is http.ErrAbortHandler: the handler's way to cut an answer short).
+func (c *conn) runHandler(w *response, req *http.Request) {
+	defer func() {
+		if p := recover(); p != nil {
+			w.closeAfter = true
+			w.aborted = true
+			if p != http.ErrAbortHandler {
+				buf := make([]byte, 16<<10)
+				buf = buf[:runtime.Stack(buf, false)]
+				c.s.logf("panic serving request", "remote", c.remoteAddr, "panic", fmt.Sprint(p), "stack", string(buf))
+			}
+		}
+	}()
+	c.s.Handler.ServeHTTP(w, req)
+}
+
+// releaseReader gives the read buffer back while the connection has nothing buffered, so an
+// open stream holds none.
+func (c *conn) releaseReader() {
+	if c.br != nil && c.br.Buffered() == 0 {
+		c.br.Reset(nil)
+		readers.Put(c.br)
+		c.br = nil
+	}
+}
+
+// reader returns the connection's read buffer, taking one from the pool when it gave its own
+// back.
+func (c *conn) reader() *bufio.Reader {
+	if c.br == nil {
+		c.br = readers.Get().(*bufio.Reader)
+		c.br.Reset(c.rwc)
+	}
+	return c.br
+}
+
+// gone is the watcher telling the connection its client closed its side: the request being
+// served, if any, ends.
+func (c *conn) gone() {
+	c.mu.Lock()
+	c.peerGone = true
+	cancel := c.cancel
+	c.mu.Unlock()
+	if cancel != nil {
+		cancel(errPeerGone)
+	}
+}
+
+// write sends p to the client; after a failure every write fails with the first error.
+func (c *conn) write(p []byte) error {
+	if c.werr != nil {
+		return c.werr
+	}
+	if _, err := c.rwc.Write(p); err != nil {
+		c.werr = err
+		return err
+	}
+	return nil
+}
+
+// writev sends several buffers in one system call where the platform allows.
+func (c *conn) writev(bufs ...[]byte) error {
+	if c.werr != nil {
+		return c.werr
+	}
+	nb := net.Buffers(bufs)
+	if _, err := nb.WriteTo(c.rwc); err != nil {
+		c.werr = err
+		return err
+	}
+	return nil
+}
+
+// body is a request's body, read from the connection's buffer.
+type body struct {
+	c         *conn
+	remaining int64 // Content-Length bodies: bytes still to come
+	chunked   io.Reader
+	eof       bool
+	err       error       // sticky read error
+	expect    bool        // 100 Continue is owed before the first read
+	done      atomic.Bool // the handler returned: reads fail
+}
+
+var errBodyAfterHandler = errors.New("h1: read of a request body after its handler returned")
+
+func (b *body) Read(p []byte) (int, error) {
+	if b.done.Load() {
+		return 0, errBodyAfterHandler
+	}
+	if b.eof {
+		return 0, io.EOF
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if b.expect {
+		b.expect = false
+		if err := b.c.write([]byte("HTTP/1.1 100 Continue\r\n\r\n")); err != nil {
+			b.err = err
+			return 0, err
+		}
+	}
+	br := b.c.reader()
+	var n int
+	var err error
+	if b.chunked != nil {
+		n, err = b.chunked.Read(p)
+		if err == io.EOF {
+			err = skipTrailers(br, b.c.s.maxHeaderBytes())
+			if err == nil {
+				err = io.EOF
+			}
+		}
+	} else {
+		if int64(len(p)) > b.remaining {
+			p = p[:b.remaining]
+		}
+		n, err = br.Read(p)
+		b.remaining -= int64(n)
+		if b.remaining == 0 {
+			err = io.EOF
+		} else if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+	}
+	if err == io.EOF {
+		b.eof = true
+		b.c.releaseReader()
+	} else if err != nil {
+		b.err = err
+	}
+	return n, err
+}
+
+// Close is a no-op: what the handler did not read is discarded (or the connection closed)
+// after it returns.
+func (b *body) Close() error { return nil }
+
+// maxDiscard is how much of a body its handler left unread is read and dropped to keep the
+// connection; beyond it the connection closes (net/http's figure).
+const maxDiscard = 256 << 10
+
+// drain reads what the handler left of the body; false: the connection cannot be reused.
+func (b *body) drain(c *conn) bool {
+	if b.eof {
+		return true
+	}
+	if b.err != nil || b.expect { // never asked to send it: the client may not
+		return false
+	}
+	if b.chunked == nil && b.remaining > maxDiscard {
+		return false
+	}
+	b.done.Store(false)
+	n, err := io.Copy(io.Discard, io.LimitReader(b, maxDiscard+1))
+	b.done.Store(true)
+	return err == nil && n <= maxDiscard && b.eof
+}

@@ -1,0 +1,378 @@
+package h1
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"strconv"
+	"strings"
+)
+
+// headError is a request the server refuses before any handler sees it.
+type headError struct {
+	status int
+	code   string
+	msg    string
+}
+
+func (e *headError) Error() string { return e.msg }
+
+func badRequest(msg string) *headError {
+	return &headError{status: http.StatusBadRequest, code: "invalid_request", msg: msg}
+}
+
+var errHeadTooLarge = &headError{status: http.StatusRequestHeaderFieldsTooLarge, code: "headers_too_large",
+	msg: "the request line and headers exceed the server's bound"}
+
+// errClosed is a connection that ended before a whole request head: nothing is answered.
+var errClosed = errors.New("connection closed")
+
+// readLine returns the next line without its CRLF (or LF), charging it to *budget; the slice is
+// valid until the next read.
+func readLine(br *bufio.Reader, budget *int) ([]byte, error) {
+	line, err := br.ReadSlice('\n')
+	if err == bufio.ErrBufferFull { // longer than the buffer: gather it, within the budget
+		long := append([]byte(nil), line...)
+		for err == bufio.ErrBufferFull {
+			if len(long) > *budget {
+				return nil, errHeadTooLarge
+			}
+			line, err = br.ReadSlice('\n')
+			long = append(long, line...)
+		}
+		line = long
+	}
+	if err != nil {
+		if len(line) > *budget {
+			return nil, errHeadTooLarge
+		}
+		return nil, errClosed
+	}
+	if *budget -= len(line); *budget < 0 {
+		return nil, errHeadTooLarge
+	}
+	line = line[:len(line)-1]
+	if n := len(line); n > 0 && line[n-1] == '\r' {
+		line = line[:n-1]
+	}
+	return line, nil
+}
+
+// readRequest parses the next request's head and sets up its body. An error that is not
+// errClosed is answered to the client.
+func (c *conn) readRequest() (*http.Request, *body, error) {
+	br := c.reader()
+	budget := c.s.maxHeaderBytes()
+	line, err := readLine(br, &budget)
+	if err != nil {
+		return nil, nil, err
+	}
+	req := &http.Request{Header: make(http.Header, 8)}
+	if herr := parseRequestLine(req, line); herr != nil {
+		return nil, nil, herr
+	}
+	for {
+		line, err := readLine(br, &budget)
+		if err != nil {
+			return nil, nil, err
+		}
+		if len(line) == 0 {
+			break
+		}
+		if herr := addHeader(req.Header, line); herr != nil {
+			return nil, nil, herr
+		}
+	}
+	b, herr := c.prepare(req)
+	if herr != nil {
+		return nil, nil, herr
+	}
+	return req, b, nil
+}
+
+func parseRequestLine(req *http.Request, line []byte) *headError {
+	sp1 := bytes.IndexByte(line, ' ')
+	if sp1 <= 0 {
+		return badRequest("malformed request line")
+	}
+	rest := line[sp1+1:]
+	sp2 := bytes.IndexByte(rest, ' ')
+	if sp2 <= 0 {
+		return badRequest("malformed request line")
+	}
+	method, target, proto := line[:sp1], rest[:sp2], rest[sp2+1:]
+	if !isToken(method) {
+		return badRequest("malformed request method")
+	}
+	switch string(proto) {
+	case "HTTP/1.1":
+		req.Proto, req.ProtoMajor, req.ProtoMinor = "HTTP/1.1", 1, 1
+	case "HTTP/1.0":
+		req.Proto, req.ProtoMajor, req.ProtoMinor = "HTTP/1.0", 1, 0
+	default:
+		if bytes.HasPrefix(proto, []byte("HTTP/")) {
+			return &headError{status: http.StatusHTTPVersionNotSupported, code: "http_version_not_supported",
+				msg: "only HTTP/1.1 and HTTP/1.0 are served here"}
+		}
+		return badRequest("malformed request line")
+	}
+	req.Method = internMethod(method)
+	for _, b := range target {
+		if b <= ' ' || b == 0x7f {
+			return badRequest("malformed request target")
+		}
+	}
+	req.RequestURI = string(target)
+	u, err := url.ParseRequestURI(req.RequestURI)
+	if err != nil {
+		return badRequest("malformed request target")
+	}
+	req.URL = u
+	return nil
+}
+
+// addHeader adds one "Name: value" line; folded lines and bad names or values are refused.
+func addHeader(h http.Header, line []byte) *headError {
+	name, v, herr := splitHeader(line)
+	if herr != nil {
+		return herr
+	}
+	key := canonicalKey(name)
+	h[key] = append(h[key], internValue(v))
+	return nil
+}
+
+// splitHeader checks a header line and returns its name and its value without surrounding
+// whitespace.
+func splitHeader(line []byte) (name, value []byte, herr *headError) {
+	if line[0] == ' ' || line[0] == '\t' {
+		return nil, nil, badRequest("folded header lines are not accepted")
+	}
+	i := bytes.IndexByte(line, ':')
+	if i <= 0 || !isToken(line[:i]) {
+		return nil, nil, badRequest("malformed header line")
+	}
+	v := bytes.Trim(line[i+1:], " \t")
+	for _, b := range v {
+		if b < ' ' && b != '\t' || b == 0x7f {
+			return nil, nil, badRequest("invalid byte in a header value")
+		}
+	}
+	return line[:i], v, nil
+}
+
+// prepare reads the request's framing and connection headers into req and sets up its body.
+func (c *conn) prepare(req *http.Request) (*body, *headError) {
+	h := req.Header
+	hosts := h["Host"]
+	switch {
+	case len(hosts) > 1:
+		return nil, badRequest("more than one Host header")
+	case len(hosts) == 1:
+		if !validHost(hosts[0]) {
+			return nil, badRequest("malformed Host header")
+		}
+		req.Host = hosts[0]
+	case req.ProtoMinor == 1:
+		return nil, badRequest("missing Host header")
+	}
+	if req.URL.Host != "" { // absolute form names the host
+		req.Host = req.URL.Host
+	}
+	delete(h, "Host")
+	req.RemoteAddr = c.remoteAddr
+	req.Close = req.ProtoMinor == 0 || hasToken(h["Connection"], "close")
+
+	b := &body{c: c}
+	te, cls := h["Transfer-Encoding"], h["Content-Length"]
+	switch {
+	case len(te) > 0:
+		if req.ProtoMinor == 0 {
+			return nil, badRequest("Transfer-Encoding in an HTTP/1.0 request")
+		}
+		if len(cls) > 0 {
+			return nil, badRequest("both Transfer-Encoding and Content-Length")
+		}
+		if len(te) != 1 || !strings.EqualFold(te[0], "chunked") {
+			return nil, &headError{status: http.StatusNotImplemented, code: "unsupported_transfer_encoding",
+				msg: "only the chunked transfer coding is accepted"}
+		}
+		req.TransferEncoding = []string{"chunked"}
+		delete(h, "Transfer-Encoding")
+		req.ContentLength = -1
+		b.chunked = httputil.NewChunkedReader(c.reader())
+	case len(cls) > 0:
+		n, ok := parseLength(cls[0])
+		for _, v := range cls[1:] {
+			if v != cls[0] {
+				ok = false
+			}
+		}
+		if !ok {
+			return nil, badRequest("malformed Content-Length")
+		}
+		req.ContentLength, b.remaining = n, n
+	}
+	if req.ContentLength == 0 {
+		b.eof = true
+		req.Body = http.NoBody
+	} else {
+		req.Body = b
+	}
+	if ex := h["Expect"]; len(ex) > 0 {
+		if len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue") {
+			return nil, &headError{status: http.StatusExpectationFailed, code: "expectation_failed",
+				msg: "only Expect: 100-continue is understood"}
+		}
+		b.expect = req.ProtoMinor == 1 && !b.eof
+	}
+	return b, nil
+}
+
+// skipTrailers reads and drops a chunked body's trailer section, bounded by budget. Its lines
+// must end in CRLF (net/http's parser wants the section's CRLF CRLF end too).
+func skipTrailers(br *bufio.Reader, budget int) error {
+	for {
+		line, err := br.ReadSlice('\n')
+		if budget -= len(line); err != nil || budget < 0 || !bytes.HasSuffix(line, crlf) {
+			return errors.New("malformed chunked trailer")
+		}
+		if len(line) == 2 {
+			return nil
+		}
+		if _, _, herr := splitHeader(line[:len(line)-2]); herr != nil {
+			return errors.New("malformed chunked trailer")
+		}
+	}
+}
+
+func parseLength(s string) (int64, bool) {
+	if s == "" || len(s) > 18 {
+		return 0, false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return 0, false
+		}
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	return n, err == nil
+}
+
+// hasToken reports whether a comma-separated header's values name tok (case-insensitive).
+func hasToken(values []string, tok string) bool {
+	for _, v := range values {
+		for part := range strings.SplitSeq(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(part), tok) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func validHost(h string) bool {
+	for i := 0; i < len(h); i++ {
+		switch b := h[i]; {
+		case b <= ' ' || b == 0x7f || b == '/' || b == '\\' || b == '"' || b == '<' || b == '>' || b == '{' || b == '}' || b == '|' || b == '^' || b == '`':
+			return false
+		}
+	}
+	return true
+}
+
+// isToken reports whether b is an RFC 9110 token (a method or a header name).
+func isToken(b []byte) bool {
+	if len(b) == 0 {
+		return false
+	}
+	for _, c := range b {
+		if c >= 0x80 || !tokenChars[c] {
+			return false
+		}
+	}
+	return true
+}
+
+var tokenChars = func() (t [128]bool) {
+	for c := '0'; c <= '9'; c++ {
+		t[c] = true
+	}
+	for c := 'a'; c <= 'z'; c++ {
+		t[c], t[c-'a'+'A'] = true, true
+	}
+	for _, c := range "!#$%&'*+-.^_`|~" {
+		t[c] = true
+	}
+	return t
+}()
+
+// commonKeys are header names clients send on almost every request: matched without
+// allocating.
+var commonKeys = []string{"Host", "Content-Type", "Content-Length", "User-Agent", "Accept", "Accept-Encoding",
+	"Authorization", "Connection", "Transfer-Encoding", "Expect", "Traceparent", "Tracestate", "X-Request-Id",
+	"Openai-Organization", "Openai-Project", "X-Stainless-Lang", "Api-Key", "X-Api-Key"}
+
+// canonicalKey returns name in net/http's canonical form.
+func canonicalKey(name []byte) string {
+	for _, k := range commonKeys {
+		if len(k) == len(name) && equalFold(k, name) {
+			return k
+		}
+	}
+	return http.CanonicalHeaderKey(string(name))
+}
+
+func equalFold(s string, b []byte) bool {
+	for i := 0; i < len(b); i++ {
+		x, y := s[i], b[i]
+		if x == y {
+			continue
+		}
+		if 'A' <= y && y <= 'Z' {
+			y += 'a' - 'A'
+		}
+		if 'A' <= x && x <= 'Z' {
+			x += 'a' - 'A'
+		}
+		if x != y {
+			return false
+		}
+	}
+	return true
+}
+
+var commonValues = []string{"application/json", "keep-alive", "close", "*/*", "chunked", "100-continue",
+	"gzip, deflate", "gzip, deflate, br", "gzip, deflate, zstd", "text/event-stream"}
+
+func internValue(v []byte) string {
+	for _, c := range commonValues {
+		if string(v) == c {
+			return c
+		}
+	}
+	return string(v)
+}
+
+func internMethod(m []byte) string {
+	switch string(m) {
+	case "POST":
+		return http.MethodPost
+	case "GET":
+		return http.MethodGet
+	case "HEAD":
+		return http.MethodHead
+	case "DELETE":
+		return http.MethodDelete
+	case "PATCH":
+		return http.MethodPatch
+	case "PUT":
+		return http.MethodPut
+	case "OPTIONS":
+		return http.MethodOptions
+	}
+	return string(m)
+}

@@ -1,0 +1,208 @@
+// Package h1 is Baton's client-facing HTTP/1.1 server: the listener the OpenAI API is served on.
+//
+// It runs ordinary http.Handlers, one goroutine per connection like net/http, but spends less
+// on each request and each open stream: the request head is parsed from a pooled 4 KiB buffer
+// that goes back to the pool once the body has been read, answers are written from a pooled
+// buffer that a stream gives back after every flush, and a client that goes away is noticed by
+// one epoll watcher for the whole process (EPOLLRDHUP) instead of a reading goroutine per
+// request. An open stream costs its handler's goroutine and little else.
+//
+// What it serves: HTTP/1.1 and HTTP/1.0 over plain TCP; Content-Length and chunked request
+// bodies (trailers read and dropped); Expect: 100-continue; keep-alive; pipelined requests
+// answered one after another, in order; header bytes bounded (431), malformed requests refused
+// (400, 501, 505, 417) with an OpenAI error body. Not served: TLS, HTTP/2, Upgrade, Hijack —
+// use net/http's server for those.
+package h1
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// DefaultMaxHeaderBytes bounds a request's line and headers when Server.MaxHeaderBytes is zero
+// (net/http's default).
+const DefaultMaxHeaderBytes = 1 << 20
+
+// Server serves HTTP/1.1 on listeners. The zero value of each field is its documented default;
+// a Server must not be copied after first use.
+type Server struct {
+	// Handler answers every request.
+	Handler http.Handler
+	// ReadHeaderTimeout bounds the wait for a request's head once its first byte arrived, and
+	// for the first byte of a new connection's first request; zero: no bound.
+	ReadHeaderTimeout time.Duration
+	// IdleTimeout closes a keep-alive connection that sends no next request for this long;
+	// zero: ReadHeaderTimeout; both zero: no bound.
+	IdleTimeout time.Duration
+	// MaxHeaderBytes bounds the request line and headers (431 beyond); zero: DefaultMaxHeaderBytes.
+	MaxHeaderBytes int
+	// Log receives what cannot be answered to a client (a handler's panic, a failed accept);
+	// nil: discarded.
+	Log *slog.Logger
+
+	mu        sync.Mutex
+	listeners map[net.Listener]struct{}
+	conns     map[*conn]struct{}
+	shutdown  atomic.Bool
+	wg        sync.WaitGroup
+	warnOnce  sync.Once
+}
+
+// ErrServerClosed is what Serve returns after Shutdown or Close (net/http's value, so callers
+// need not tell the servers apart).
+var ErrServerClosed = http.ErrServerClosed
+
+// Supported reports whether this platform has what the server needs to notice clients that
+// go away (epoll). Where it does not, use net/http's server.
+func Supported() bool { return watchSupported }
+
+// Serve accepts connections on ln until Shutdown or Close, and serves each on its own
+// goroutine. It always returns a non-nil error; ErrServerClosed after Shutdown or Close.
+func (s *Server) Serve(ln net.Listener) error {
+	s.mu.Lock()
+	if s.shutdown.Load() {
+		s.mu.Unlock()
+		return ErrServerClosed
+	}
+	if s.listeners == nil {
+		s.listeners = map[net.Listener]struct{}{}
+		s.conns = map[*conn]struct{}{}
+	}
+	s.listeners[ln] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.listeners, ln)
+		s.mu.Unlock()
+	}()
+	var backoff time.Duration
+	for {
+		rw, err := ln.Accept()
+		if err != nil {
+			if s.shutdown.Load() {
+				return ErrServerClosed
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || isTemporary(err) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.logf("accept failed; retrying", "err", err, "in", backoff)
+				time.Sleep(backoff)
+				continue
+			}
+			return err
+		}
+		backoff = 0
+		c := newConn(s, rw)
+		s.mu.Lock()
+		if s.shutdown.Load() {
+			s.mu.Unlock()
+			rw.Close()
+			return ErrServerClosed
+		}
+		s.conns[c] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go c.serve()
+	}
+}
+
+// isTemporary reports an accept error worth retrying (out of file descriptors and the like).
+func isTemporary(err error) bool {
+	var t interface{ Temporary() bool }
+	return errors.As(err, &t) && t.Temporary()
+}
+
+// Shutdown stops accepting, closes idle connections, and waits for the requests being served
+// to finish (their connections then close) until ctx ends, when it returns ctx's error and
+// leaves the rest to Close.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.closeListeners()
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if s.closeIdle() == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// Close stops accepting and closes every connection at once, requests in flight included
+// (their handlers see their contexts end and their writes fail), then waits for the handlers.
+func (s *Server) Close() error {
+	s.closeListeners()
+	s.mu.Lock()
+	for c := range s.conns {
+		c.abort()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return nil
+}
+
+func (s *Server) closeListeners() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.shutdown.Store(true)
+	for ln := range s.listeners {
+		ln.Close()
+	}
+}
+
+// closeIdle closes the connections waiting for a next request and returns how many remain.
+func (s *Server) closeIdle() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for c := range s.conns {
+		if c.state.CompareAndSwap(stateIdle, stateClosed) {
+			c.abort()
+		}
+	}
+	return len(s.conns)
+}
+
+func (s *Server) forget(c *conn) {
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+	s.wg.Done()
+}
+
+func (s *Server) logf(msg string, args ...any) {
+	if s.Log != nil {
+		s.Log.Debug("http server: "+msg, args...)
+	}
+}
+
+func (s *Server) maxHeaderBytes() int {
+	if s.MaxHeaderBytes > 0 {
+		return s.MaxHeaderBytes
+	}
+	return DefaultMaxHeaderBytes
+}
+
+func (s *Server) idleTimeout() time.Duration {
+	if s.IdleTimeout > 0 {
+		return s.IdleTimeout
+	}
+	return s.ReadHeaderTimeout
+}
+
+// warnUnwatched logs, once per server, that clients leaving will not be noticed.
+func (s *Server) warnUnwatched(err error) {
+	s.warnOnce.Do(func() {
+		if s.Log != nil {
+			s.Log.Warn("http server: clients that disconnect are noticed only when a write to them fails", "err", err)
+		}
+	})
+}

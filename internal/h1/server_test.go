@@ -1,0 +1,560 @@
+package h1
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// serve starts a Server for h on a loopback listener and returns its address.
+func serve(t *testing.T, h http.Handler, tune ...func(*Server)) (*Server, string) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{Handler: h}
+	for _, f := range tune {
+		f(s)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ln) }()
+	t.Cleanup(func() {
+		s.Close()
+		if err := <-done; !errors.Is(err, ErrServerClosed) {
+			t.Errorf("Serve returned %v, want ErrServerClosed", err)
+		}
+	})
+	return s, ln.Addr().String()
+}
+
+// dial connects to addr; the connection closes with the test.
+func dial(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// exchange writes raw to a new connection and returns everything the server sends until it
+// closes the connection or goes quiet for the wait.
+func exchange(t *testing.T, addr, raw string, wait time.Duration) string {
+	t.Helper()
+	c := dial(t, addr)
+	defer c.Close()
+	if _, err := io.WriteString(c, raw); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(wait))
+	b, _ := io.ReadAll(c)
+	return string(b)
+}
+
+// readResponse reads one answer from br, as a client would.
+func readResponse(t *testing.T, br *bufio.Reader, method string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.ReadResponse(br, &http.Request{Method: method})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading the body: %v", err)
+	}
+	return resp, string(b)
+}
+
+func TestFraming(t *testing.T) {
+	big := strings.Repeat("0123456789abcdef", 1024) // 16 KiB: more than the buffer
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/small":
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"ok":true}`)
+		case "/big":
+			io.WriteString(w, big)
+		case "/declared":
+			w.Header().Set("Content-Length", "5")
+			io.WriteString(w, "hello")
+		case "/flushed":
+			io.WriteString(w, "data: 1\n\n")
+			w.(http.Flusher).Flush()
+			io.WriteString(w, "data: 2\n\n")
+		case "/nocontent":
+			w.WriteHeader(http.StatusNoContent)
+			if _, err := io.WriteString(w, "x"); !errors.Is(err, http.ErrBodyNotAllowed) {
+				panic(fmt.Sprintf("write after 204: %v", err))
+			}
+		case "/status":
+			w.WriteHeader(http.StatusTeapot)
+		case "/sniff":
+			io.WriteString(w, "<html><body>hi</body></html>")
+		}
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	for _, tc := range []struct {
+		path, method   string
+		status         int
+		body           string
+		chunked        bool
+		contentLength  int64
+		contentTypeHas string
+	}{
+		{"/small", "GET", 200, `{"ok":true}`, false, 11, "application/json"},
+		{"/big", "GET", 200, big, true, -1, "text/plain"},
+		{"/declared", "GET", 200, "hello", false, 5, "text/plain"},
+		{"/flushed", "GET", 200, "data: 1\n\ndata: 2\n\n", true, -1, "text/plain"},
+		{"/nocontent", "GET", 204, "", false, 0, ""},
+		{"/status", "GET", 418, "", false, 0, ""},
+		{"/sniff", "GET", 200, "<html><body>hi</body></html>", false, 28, "text/html"},
+		{"/small", "HEAD", 200, "", false, 11, "application/json"},
+	} {
+		fmt.Fprintf(c, "%s %s HTTP/1.1\r\nHost: x\r\n\r\n", tc.method, tc.path)
+		resp, body := readResponse(t, br, tc.method)
+		chunked := len(resp.TransferEncoding) > 0
+		if resp.StatusCode != tc.status || body != tc.body || chunked != tc.chunked || resp.ContentLength != tc.contentLength {
+			t.Errorf("%s %s: got %d, chunked %v, length %d, body %.40q; want %d, chunked %v, length %d, body %.40q", tc.method, tc.path,
+				resp.StatusCode, chunked, resp.ContentLength, body, tc.status, tc.chunked, tc.contentLength, tc.body)
+		}
+		if ct := resp.Header.Get("Content-Type"); !strings.Contains(ct, tc.contentTypeHas) {
+			t.Errorf("%s: Content-Type %q, want it to contain %q", tc.path, ct, tc.contentTypeHas)
+		}
+		if resp.Header.Get("Date") == "" {
+			t.Errorf("%s: no Date header", tc.path)
+		}
+		if resp.Close {
+			t.Errorf("%s: the server asked to close a keep-alive connection", tc.path)
+		}
+	}
+}
+
+// A flushed event reaches the client while the handler is still running.
+func TestFlushReachesClientAtOnce(t *testing.T) {
+	release := make(chan struct{})
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: first\n\n")
+		w.(http.Flusher).Flush()
+		<-release
+		io.WriteString(w, "data: second\n\n")
+	}))
+	resp, err := http.Get("http://" + addr + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	line, err := br.ReadString('\n')
+	if err != nil || line != "data: first\n" {
+		t.Fatalf("first line %q, %v", line, err)
+	}
+	close(release)
+	rest, err := io.ReadAll(br)
+	if err != nil || string(rest) != "\ndata: second\n\n" {
+		t.Fatalf("rest %q, %v", rest, err)
+	}
+}
+
+func TestKeepAliveWithNetHTTPClient(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		fmt.Fprintf(w, "%s %s %d %s", r.Method, r.URL.Path, r.ContentLength, b)
+	}))
+	var reused atomic.Int32
+	client := &http.Client{}
+	for i := range 5 {
+		ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+			if info.Reused {
+				reused.Add(1)
+			}
+		}})
+		req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+addr+"/p", strings.NewReader(fmt.Sprint("body", i)))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if want := fmt.Sprintf("POST /p 5 body%d", i); string(b) != want {
+			t.Errorf("got %q, want %q", b, want)
+		}
+	}
+	if reused.Load() != 4 {
+		t.Errorf("%d of 4 later requests reused the connection", reused.Load())
+	}
+}
+
+func TestRequestBodies(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, err := io.ReadAll(r.Body)
+		fmt.Fprintf(w, "%d|%v|%q|%v", r.ContentLength, r.TransferEncoding, b, err)
+	}))
+	for _, tc := range []struct{ name, raw, want string }{
+		{"length", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", `5|[]|"hello"|<nil>`},
+		{"chunked with trailers and extensions", "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3;ext=1\r\nhel\r\n2\r\nlo\r\n0\r\nX-Trailer: t\r\n\r\n", `-1|[chunked]|"hello"|<nil>`},
+		{"empty", "POST / HTTP/1.1\r\nHost: x\r\n\r\n", `0|[]|""|<nil>`},
+	} {
+		c := dial(t, addr)
+		br := bufio.NewReader(c)
+		// Twice on one connection: the body's end is exactly where the next request begins.
+		io.WriteString(c, tc.raw+tc.raw)
+		for i := range 2 {
+			_, body := readResponse(t, br, "POST")
+			if body != tc.want {
+				t.Errorf("%s #%d: got %s, want %s", tc.name, i, body, tc.want)
+			}
+		}
+		c.Close()
+	}
+}
+
+func TestExpectContinue(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/ignore" {
+			io.WriteString(w, "not read")
+			return
+		}
+		b, _ := io.ReadAll(r.Body)
+		w.Write(b)
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	io.WriteString(c, "POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	line, err := br.ReadString('\n')
+	if err != nil || line != "HTTP/1.1 100 Continue\r\n" {
+		t.Fatalf("before the body: %q, %v", line, err)
+	}
+	if l, _ := br.ReadString('\n'); l != "\r\n" {
+		t.Fatalf("100 Continue ends with %q", l)
+	}
+	io.WriteString(c, "ping")
+	if _, body := readResponse(t, br, "POST"); body != "ping" {
+		t.Errorf("echo %q", body)
+	}
+	// A handler that never reads: no 100 Continue, and the connection closes since the body
+	// may still be on its way.
+	io.WriteString(c, "POST /ignore HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+	resp, body := readResponse(t, br, "POST")
+	if resp.StatusCode != 200 || body != "not read" || !resp.Close {
+		t.Errorf("got %d %q close=%v, want 200 \"not read\" and a close", resp.StatusCode, body, resp.Close)
+	}
+	if got, err := net.Conn(c).Read(make([]byte, 1)); err == nil {
+		t.Errorf("the connection stayed open (%d bytes)", got)
+	}
+}
+
+func TestRefusedRequests(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		t.Errorf("the handler saw %s %s", r.Method, r.URL)
+	}), func(s *Server) { s.MaxHeaderBytes = 2048 })
+	for _, tc := range []struct {
+		name, raw string
+		status    int
+	}{
+		{"no host", "GET / HTTP/1.1\r\n\r\n", 400},
+		{"two hosts", "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400},
+		{"bad host", "GET / HTTP/1.1\r\nHost: a/b\r\n\r\n", 400},
+		{"bad length", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n", 400},
+		{"negative length", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400},
+		{"two lengths", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400},
+		{"length and chunked", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400},
+		{"gzip coding", "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501},
+		{"chunked twice", "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", 501},
+		{"HTTP/2", "GET / HTTP/2.0\r\nHost: x\r\n\r\n", 505},
+		{"prior knowledge h2", "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505},
+		{"odd expectation", "POST / HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\nContent-Length: 1\r\n\r\nx", 417},
+		{"headers too large", "GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + strings.Repeat("a", 4096) + "\r\n\r\n", 431},
+		{"line too large", "GET /" + strings.Repeat("a", 4096) + " HTTP/1.1\r\nHost: x\r\n\r\n", 431},
+		{"folded header", "GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  2\r\n\r\n", 400},
+		{"space before colon", "GET / HTTP/1.1\r\nHost: x\r\nX-A : 1\r\n\r\n", 400},
+		{"control byte in value", "GET / HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400},
+		{"no colon", "GET / HTTP/1.1\r\nHost: x\r\nX-A\r\n\r\n", 400},
+		{"bad method", "G(T / HTTP/1.1\r\nHost: x\r\n\r\n", 400},
+		{"bad target", "GET foo HTTP/1.1\r\nHost: x\r\n\r\n", 400},
+		{"garbage", "\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400},
+	} {
+		out := exchange(t, addr, tc.raw, 5*time.Second)
+		resp, err := http.ReadResponse(bufio.NewReader(strings.NewReader(out)), nil)
+		if err != nil {
+			t.Errorf("%s: unreadable answer %q: %v", tc.name, out, err)
+			continue
+		}
+		var env struct {
+			Error struct{ Message, Type, Code string }
+		}
+		err = json.NewDecoder(resp.Body).Decode(&env)
+		if resp.StatusCode != tc.status || err != nil || env.Error.Message == "" || env.Error.Code == "" || !resp.Close {
+			t.Errorf("%s: got %d close=%v %+v (%v), want %d in an OpenAI error envelope and a close", tc.name,
+				resp.StatusCode, resp.Close, env, err, tc.status)
+		}
+	}
+}
+
+func TestPipelinedRequestsAnswerInOrder(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			time.Sleep(50 * time.Millisecond)
+		}
+		io.WriteString(w, r.URL.Path)
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	io.WriteString(c, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+	br := bufio.NewReader(c)
+	for _, want := range []string{"/slow", "/a", "/b"} {
+		if _, body := readResponse(t, br, "GET"); body != want {
+			t.Errorf("got %q, want %q", body, want)
+		}
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("after Connection: close: %d bytes, %v; want EOF", n, err)
+	}
+}
+
+// Header values cannot add header lines to an answer, and invalid names are dropped.
+func TestHeaderValuesCannotSplitTheHead(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["X-Value"] = []string{"a\r\nX-Injected: 1"}
+		w.Header()["Bad Name"] = []string{"v"}
+		w.Header()["Transfer-Encoding"] = []string{"identity"}
+	}))
+	out := exchange(t, addr, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 5*time.Second)
+	resp, err := http.ReadResponse(bufio.NewReader(strings.NewReader(out)), nil)
+	if err != nil {
+		t.Fatalf("%q: %v", out, err)
+	}
+	if resp.Header.Get("X-Injected") != "" || resp.Header.Get("X-Value") != "a  X-Injected: 1" || strings.Contains(out, "Bad Name") ||
+		strings.Contains(out, "identity") {
+		t.Errorf("head %q", out)
+	}
+}
+
+// A client that closes its connection ends its request's context, and the cause says why.
+func TestClientLeavingCancelsTheRequest(t *testing.T) {
+	if !Supported() {
+		t.Skip("SKIP: no epoll on this platform; Baton serves with net/http here")
+	}
+	started, ended := make(chan struct{}), make(chan error, 1)
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		if r.URL.Path == "/stream" {
+			io.WriteString(w, "data: 1\n\n")
+			w.(http.Flusher).Flush()
+		}
+		started <- struct{}{}
+		select {
+		case <-r.Context().Done():
+			ended <- context.Cause(r.Context())
+		case <-time.After(10 * time.Second):
+			ended <- errors.New("never cancelled")
+		}
+	}))
+	for _, path := range []string{"/wait", "/stream"} {
+		c := dial(t, addr)
+		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi", path)
+		<-started
+		c.Close()
+		if err := <-ended; !errors.Is(err, errPeerGone) {
+			t.Errorf("%s: the request ended with %v, want %v", path, err, errPeerGone)
+		}
+	}
+	// A request whose client already left when it was read starts cancelled.
+	c := dial(t, addr)
+	io.WriteString(c, "GET /gone HTTP/1.1\r\nHost: x\r\n\r\n")
+	c.(*net.TCPConn).CloseWrite()
+	<-started
+	if err := <-ended; !errors.Is(err, errPeerGone) {
+		t.Errorf("half-closed client: %v", err)
+	}
+	c.Close()
+}
+
+func TestTimeouts(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }),
+		func(s *Server) { s.ReadHeaderTimeout, s.IdleTimeout = 200*time.Millisecond, 300*time.Millisecond })
+	for _, tc := range []struct{ name, raw string }{
+		{"silent", ""},
+		{"slow head", "GET / HTTP/1.1\r\nHost: x\r\n"},
+	} {
+		c := dial(t, addr)
+		io.WriteString(c, tc.raw)
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		start := time.Now()
+		n, err := c.Read(make([]byte, 1))
+		if err != io.EOF || n != 0 {
+			t.Errorf("%s: %d bytes, %v; want the server to close", tc.name, n, err)
+		}
+		if d := time.Since(start); d > 4*time.Second {
+			t.Errorf("%s: closed after %v", tc.name, d)
+		}
+		c.Close()
+	}
+	// An idle keep-alive connection is closed after the idle timeout, not the header one.
+	c := dial(t, addr)
+	defer c.Close()
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	br := bufio.NewReader(c)
+	readResponse(t, br, "GET")
+	time.Sleep(250 * time.Millisecond) // past the header timeout, within the idle one
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	if _, body := readResponse(t, br, "GET"); body != "ok" {
+		t.Errorf("second request: %q", body)
+	}
+}
+
+func TestShutdownFinishesRequestsInFlight(t *testing.T) {
+	started, release := make(chan struct{}), make(chan struct{})
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			close(started)
+			<-release
+		}
+		io.WriteString(w, "done")
+	}))
+	idle := dial(t, addr)
+	defer idle.Close()
+	io.WriteString(idle, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	readResponse(t, bufio.NewReader(idle), "GET")
+	busy := dial(t, addr)
+	defer busy.Close()
+	io.WriteString(busy, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+	<-started
+	shut := make(chan error, 1)
+	go func() { shut <- s.Shutdown(context.Background()) }()
+	_ = idle.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := idle.Read(make([]byte, 1)); err == nil {
+		t.Errorf("the idle connection got %d bytes; want it closed", n)
+	}
+	select {
+	case err := <-shut:
+		t.Fatalf("Shutdown returned %v with a request in flight", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	resp, body := readResponse(t, bufio.NewReader(busy), "GET")
+	if body != "done" || !resp.Close {
+		t.Errorf("in flight: %q close=%v; want done and a close", body, resp.Close)
+	}
+	if err := <-shut; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if _, err := net.Dial("tcp", addr); err == nil {
+		t.Error("still accepting after Shutdown")
+	}
+}
+
+func TestPanicsCloseOnlyTheirConnection(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/panic":
+			panic("boom")
+		case "/abort":
+			io.WriteString(w, "partial")
+			w.(http.Flusher).Flush()
+			panic(http.ErrAbortHandler)
+		}
+		io.WriteString(w, "fine")
+	}))
+	if out := exchange(t, addr, "GET /panic HTTP/1.1\r\nHost: x\r\n\r\n", 5*time.Second); out != "" {
+		t.Errorf("a panic before the first byte answered %q; want the connection closed", out)
+	}
+	resp, err := http.Get("http://" + addr + "/abort")
+	if err == nil {
+		_, err = io.ReadAll(resp.Body)
+		resp.Body.Close()
+	}
+	if !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("an abort after the first byte: %v; want the client to see a cut (unexpected EOF)", err)
+	}
+	resp, err = http.Get("http://" + addr + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(b) != "fine" {
+		t.Errorf("after the panics: %q", b)
+	}
+}
+
+func TestResponseControllerDeadlines(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		if r.URL.Path == "/read" {
+			if err := rc.SetReadDeadline(time.Now().Add(100 * time.Millisecond)); err != nil {
+				panic(err)
+			}
+			_, err := io.ReadAll(r.Body)
+			var ne net.Error
+			fmt.Fprintf(w, "timeout=%v", errors.As(err, &ne) && ne.Timeout())
+			return
+		}
+		if err := rc.SetWriteDeadline(time.Now().Add(time.Minute)); err != nil {
+			panic(err)
+		}
+		io.WriteString(w, "x")
+		if err := rc.Flush(); err != nil {
+			panic(err)
+		}
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	io.WriteString(c, "GET /write HTTP/1.1\r\nHost: x\r\n\r\n")
+	if _, body := readResponse(t, br, "GET"); body != "x" {
+		t.Errorf("write: %q", body)
+	}
+	io.WriteString(c, "POST /read HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+	if _, body := readResponse(t, br, "POST"); body != "timeout=true" {
+		t.Errorf("read: %q", body)
+	}
+}
+
+func TestHTTP10(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "one")
+		w.(http.Flusher).Flush()
+		io.WriteString(w, "two")
+	}))
+	out := exchange(t, addr, "GET / HTTP/1.0\r\n\r\n", 5*time.Second)
+	if !strings.HasPrefix(out, "HTTP/1.0 200 OK\r\n") || !strings.HasSuffix(out, "\r\n\r\nonetwo") || strings.Contains(out, "chunked") {
+		t.Errorf("HTTP/1.0 answer %q; want a close-delimited body", out)
+	}
+}
+
+// A body the handler left unread is read off a kept connection when small, and closes the
+// connection when large.
+func TestUnreadBodies(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	fmt.Fprintf(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	for i := range 2 {
+		if resp, body := readResponse(t, br, "GET"); body != "ok" || resp.Close {
+			t.Errorf("#%d: %q close=%v", i, body, resp.Close)
+		}
+	}
+	fmt.Fprintf(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", 10<<20)
+	if resp, _ := readResponse(t, br, "POST"); !resp.Close {
+		t.Error("a 10 MB body left unread kept the connection")
+	}
+}
