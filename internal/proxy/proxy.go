@@ -307,6 +307,8 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 	in := source{body: resp.Body}
 	if transform != nil && out.stream {
 		in.events, in.transform = openai.NewEventReader(resp.Body), transform
+	} else if v, ok := resp.Body.(viewer); ok && out.stream {
+		in.view = v // a stream holds no buffer while it waits for its next event
 	} else {
 		pool := &bufPool
 		if out.stream {
@@ -375,15 +377,26 @@ func (o *relayOut) emit(b []byte, flush bool) error {
 // through transform.
 type source struct {
 	body      io.Reader
+	view      viewer // body's own buffer, when it lends it
 	buf       []byte
 	events    *openai.EventReader
 	transform func([]byte) []byte
+}
+
+// viewer is a body that lends views of its own read buffer (internal/upstream's), each valid
+// until the next call.
+type viewer interface {
+	Next() ([]byte, error)
 }
 
 // next returns the next chunk to write and whether to flush after it: every read of a plain
 // body; after an event, only when no other event is already buffered (events that arrived
 // together leave together).
 func (s *source) next() ([]byte, bool, error) {
+	if s.view != nil {
+		v, err := s.view.Next()
+		return v, true, err
+	}
 	if s.events == nil {
 		n, err := s.body.Read(s.buf)
 		return s.buf[:n], true, err

@@ -26,6 +26,7 @@ type body struct {
 	left     int64 // bytes left of the body (length) or of the current chunk (chunked)
 	reusable bool
 	eof      bool
+	crlfOwed bool        // Next returned a chunk's last bytes; its CRLF is still to read
 	err      error       // owned by the reader
 	end      sync.Once   // the connection's fate: back to the pool, or closed
 	closed   atomic.Bool // Close was called
@@ -108,19 +109,109 @@ func (b *body) Read(p []byte) (int, error) {
 		return n, io.EOF
 	}
 	if err != nil {
-		switch {
-		case b.ctx.Err() != nil:
-			err = b.ctx.Err()
-		case b.closed.Load():
-			err = errBodyClosed
-		}
-		b.err = err
-		b.abandon()
+		err = b.fail(err)
 	}
 	return n, err
 }
 
 var errBodyClosed = errors.New("upstream: read on a closed body")
+
+// Next returns the body's next bytes without copying them: a view of the connection's read
+// buffer, valid until the next call to Next or Read. The body ends with io.EOF and no bytes. A
+// relay that writes each view before asking for the next holds no buffer of its own.
+func (b *body) Next() ([]byte, error) {
+	if b.closed.Load() {
+		return nil, errBodyClosed
+	}
+	if b.err != nil {
+		return nil, b.err
+	}
+	if b.eof {
+		return nil, io.EOF
+	}
+	v, err := b.next()
+	if err == io.EOF {
+		b.eof = true
+		b.finish()
+		return nil, io.EOF
+	}
+	if err != nil {
+		return nil, b.fail(err)
+	}
+	return v, nil
+}
+
+// next finds the next bytes of the body in the read buffer. The connection is settled (finish)
+// only on the call after the last bytes, when the caller no longer holds a view of its buffer.
+func (b *body) next() ([]byte, error) {
+	br := b.c.br
+	switch b.mode {
+	case bodyLength:
+		if b.left == 0 {
+			return nil, io.EOF
+		}
+		v, err := view(br, b.left, io.ErrUnexpectedEOF)
+		b.left -= int64(len(v))
+		return v, err
+	case bodyChunked:
+		if b.crlfOwed {
+			if err := readCRLF(br); err != nil {
+				return nil, err
+			}
+			b.crlfOwed = false
+		}
+		if b.left == 0 {
+			size, err := readChunkSize(br)
+			if err != nil {
+				return nil, err
+			}
+			if size == 0 {
+				if err := skipTrailers(br); err != nil {
+					return nil, err
+				}
+				return nil, io.EOF
+			}
+			b.left = size
+		}
+		v, err := view(br, b.left, io.ErrUnexpectedEOF)
+		b.left -= int64(len(v))
+		b.crlfOwed = b.left == 0
+		return v, err
+	default:
+		return view(br, 1<<62, io.EOF)
+	}
+}
+
+// view returns up to limit buffered bytes, reading when none are buffered; atEOF is the error
+// when the engine closed first.
+func view(br *bufio.Reader, limit int64, atEOF error) ([]byte, error) {
+	if br.Buffered() == 0 {
+		if _, err := br.Peek(1); err != nil {
+			if err == io.EOF {
+				err = atEOF
+			}
+			return nil, err
+		}
+	}
+	n := int(min(int64(br.Buffered()), limit))
+	v, _ := br.Peek(n)
+	_, _ = br.Discard(n)
+	return v, nil
+}
+
+// fail records a read error (the request's cancellation or a Close, when those caused it) and
+// closes the connection.
+func (b *body) fail(err error) error {
+	switch {
+	case b.ctx.Err() != nil:
+		err = b.ctx.Err()
+	case b.closed.Load():
+		err = errBodyClosed
+	}
+	b.err = err
+	b.abandon()
+	return err
+}
 
 func (b *body) read(p []byte) (int, error) {
 	br := b.c.br
@@ -142,6 +233,12 @@ func (b *body) read(p []byte) (int, error) {
 		}
 		return n, err
 	case bodyChunked:
+		if b.crlfOwed {
+			if err := readCRLF(br); err != nil {
+				return 0, err
+			}
+			b.crlfOwed = false
+		}
 		if b.left == 0 {
 			size, err := readChunkSize(br)
 			if err != nil {

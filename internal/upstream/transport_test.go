@@ -30,7 +30,27 @@ func send(t *testing.T, tr *Transport, ctx context.Context, url, body string) (*
 
 // Answers with a length, in chunks and until close all arrive whole; the request arrives as
 // sent; connections are reused when an answer was read to its end.
+// Both ways of reading a body (Read, and Next's views of the connection's buffer) see every
+// framing whole, and leave a kept connection reusable.
 func TestTransportFraming(t *testing.T) {
+	for name, readAll := range map[string]func(io.Reader) []byte{"Read": func(r io.Reader) []byte { b, _ := io.ReadAll(r); return b }, "Next": readViews} {
+		t.Run(name, func(t *testing.T) { testFraming(t, readAll) })
+	}
+}
+
+// readViews reads a body through Next, copying each view before asking for the next.
+func readViews(r io.Reader) []byte {
+	var out []byte
+	for {
+		v, err := r.(interface{ Next() ([]byte, error) }).Next()
+		out = append(out, v...)
+		if err != nil {
+			return out
+		}
+	}
+}
+
+func testFraming(t *testing.T, readAll func(io.Reader) []byte) {
 	var conns atomic.Int64
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
@@ -63,7 +83,7 @@ func TestTransportFraming(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		b, _ := io.ReadAll(resp.Body)
+		b := readAll(resp.Body)
 		resp.Body.Close()
 		if string(b) != `got {"n":1}` || resp.StatusCode != 200 || resp.Header.Get("X-Echo") != "application/json" || resp.ContentLength != int64(len(b)) {
 			t.Fatalf("length: %d %q %v", resp.StatusCode, b, resp.Header)
@@ -76,7 +96,7 @@ func TestTransportFraming(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, _ := io.ReadAll(resp.Body)
+	b := readAll(resp.Body)
 	if string(b) != "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n" || resp.ContentLength != -1 || resp.Header.Get("Transfer-Encoding") != "" {
 		t.Fatalf("chunked: %q", b)
 	}
@@ -84,7 +104,7 @@ func TestTransportFraming(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, _ = io.ReadAll(resp.Body)
+	b = readAll(resp.Body)
 	if string(b) != "until the end" {
 		t.Fatalf("close-delimited: %q", b)
 	}
@@ -291,9 +311,29 @@ func FuzzAnswer(f *testing.F) {
 		if err != nil {
 			return
 		}
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, int64(len(answer))+1))
+		b, rerr := io.ReadAll(io.LimitReader(resp.Body, int64(len(answer))+1))
 		if len(b) > len(answer) {
 			t.Fatalf("read %d bytes of a %d-byte answer", len(b), len(answer))
+		}
+		resp.Body.Close()
+		// The same answer read through Next's views: the same bytes, the same verdict.
+		c = &conn{c: &fakeConn{r: bytes.NewReader(answer)}, host: "x:80"}
+		c.br = bufio.NewReaderSize(c.c, readBufSize)
+		resp, err = tr.exchange(context.Background(), c, req, []byte("{}"))
+		if err != nil {
+			t.Fatalf("the second exchange failed: %v", err)
+		}
+		if v, ok := resp.Body.(interface{ Next() ([]byte, error) }); ok {
+			var views []byte
+			var verr error
+			for verr == nil {
+				var p []byte
+				p, verr = v.Next()
+				views = append(views, p...)
+			}
+			if !bytes.Equal(views, b) || (verr == io.EOF) != (rerr == nil) {
+				t.Fatalf("Next read %q (%v), Read %q (%v)", views, verr, b, rerr)
+			}
 		}
 		resp.Body.Close()
 	})
