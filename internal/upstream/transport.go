@@ -298,6 +298,8 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		if time.Since(c.idleAt) < t.IdleTimeout {
 			t.idle[host] = list
 			t.mu.Unlock()
+			c.br = readers.Get().(*bufio.Reader)
+			c.br.Reset(c.c)
 			return c, true, nil
 		}
 		c.c.Close()
@@ -308,8 +310,13 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 	if err != nil {
 		return nil, false, err
 	}
-	return &conn{c: nc, br: bufio.NewReaderSize(nc, readBufSize), host: host}, false, nil
+	br := readers.Get().(*bufio.Reader)
+	br.Reset(nc)
+	return &conn{c: nc, br: br, host: host}, false, nil
 }
+
+// readers are the connections' read buffers: an idle connection (nothing buffered) holds none.
+var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBufSize) }}
 
 // put keeps c for reuse, or closes it past the bound.
 func (t *Transport) put(c *conn) {
@@ -321,6 +328,9 @@ func (t *Transport) put(c *conn) {
 		c.c.Close()
 		return
 	}
+	c.br.Reset(nil)
+	readers.Put(c.br)
+	c.br = nil
 	t.idle[c.host] = append(t.idle[c.host], c)
 }
 
