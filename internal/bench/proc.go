@@ -86,6 +86,39 @@ func startBaton(binary string, cpu int, args ...string) (*proc, error) {
 	}
 }
 
+var simLine = regexp.MustCompile(`serving on (http://\S+)`)
+
+// startSim starts `baton sim` with args on cpu and waits until it serves.
+func startSim(binary string, cpu int, args ...string) (*proc, error) {
+	argv := pinned(cpu, append([]string{binary, "sim"}, args...)...)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	p := &proc{cmd: cmd, logs: &strings.Builder{}}
+	cmd.Stderr = p.logs
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	urls := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if m := simLine.FindStringSubmatch(sc.Text()); m != nil {
+				urls <- m[1]
+			}
+		}
+	}()
+	select {
+	case p.URL = <-urls:
+		return p, nil
+	case <-time.After(30 * time.Second):
+		p.stop()
+		return nil, fmt.Errorf("the simulator did not start: %s", p.logs.String())
+	}
+}
+
 // allRegistered reports whether every worker of the Baton at url has registered.
 func allRegistered(url string) bool {
 	resp, err := http.Get(url + "/workers")

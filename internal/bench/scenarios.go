@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -19,6 +20,7 @@ type Options struct {
 	Binary    string   // the baton binary to measure; it runs as its own process
 	Baseline  string   // an earlier baton binary the hotpath scenario measures in the same run; "" none
 	Quick     bool     // small runs: checks the harness works, not for publishing
+	Streams   int      // open streams in the memory scenario; 0: 1,500 (100 with Quick)
 	Scenarios []string // names to run; empty runs all
 	Out       io.Writer
 }
@@ -350,13 +352,19 @@ func (r *runner) memory(ctx context.Context) error {
 	fmt.Fprintln(r.out)
 	streams := r.n(1500, 100)
 	tokens, per := 100, 30*time.Millisecond
+	if r.o.Streams > 0 {
+		streams = r.o.Streams
+	}
+	if streams > 2000 { // longer streams, so that all are open at once after the connection burst
+		tokens, per = 200, 50*time.Millisecond
+	}
 	fmt.Fprintf(r.out, "%d concurrent streams held open through Baton (each %d tokens at %s per token, so about %s long). Resident memory of the Baton process from /proc.\n\n", streams, tokens, per, time.Duration(tokens)*per)
-	e, err := engine(sim.Config{Engine: sim.EngineVLLM, DecodePerToken: per})
+	engineURL, stopEngine, err := r.streamEngine(streams, per)
 	if err != nil {
 		return err
 	}
-	defer e.Close()
-	b, err := startBaton(r.o.Binary, 1, "--worker-urls", e.URL())
+	defer stopEngine()
+	b, err := startBaton(r.o.Binary, 1, "--worker-urls", engineURL)
 	if err != nil {
 		return err
 	}
@@ -417,6 +425,29 @@ func (r *runner) memory(ctx context.Context) error {
 }
 
 func mib(b int64) float64 { return float64(b) / (1 << 20) }
+
+// streamEngine starts the simulated engine of the memory scenario: in this process for up to
+// 2,000 streams, else as a process of its own (this one then holds only the clients' ends, so
+// that its file descriptors suffice).
+func (r *runner) streamEngine(streams int, per time.Duration) (string, func(), error) {
+	if streams <= 2000 {
+		e, err := engine(sim.Config{Engine: sim.EngineVLLM, DecodePerToken: per})
+		if err != nil {
+			return "", nil, err
+		}
+		return e.URL(), e.Close, nil
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", nil, err
+	}
+	n := strconv.Itoa(streams)
+	p, err := startSim(self, 0, "--port", "0", "--model", benchModel, "--decode-per-token", per.String(), "--max-concurrency", n, "--queue-size", n)
+	if err != nil {
+		return "", nil, err
+	}
+	return p.URL, p.stop, nil
+}
 
 // bodySize: scenario 5, cost per request as the prompt grows.
 func (r *runner) bodySize(ctx context.Context) error {

@@ -23,6 +23,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	out := fs.String("out", "", "also write the report to this file")
 	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
 	baseline := fs.String("baseline", "", "an earlier baton binary to measure beside it in the hotpath scenario")
+	streams := fs.Int("streams", 0, "open streams in the memory scenario (default 1500; Baton holds two file descriptors per stream)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -63,5 +64,5 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
 	}
-	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Scenarios: names, Out: w})
+	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Streams: *streams, Scenarios: names, Out: w})
 }
