@@ -37,27 +37,37 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 		if err == nil {
 			return
 		}
-		reason, retryable := retryReason(err)
-		if retryable && n < s.opts.Retry.Attempts {
-			s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
-			tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
-			setAttempts(w, n+1)
-			s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
-			if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
-				avoid = failed(avoid, err)
-				for _, h := range openai.AttemptHeaders {
-					w.Header().Del(h)
-				}
-				continue
-			}
-			err, retryable = context.Cause(r.Context()), false // the deadline passed or the client left
+		var again bool
+		if avoid, again = s.afterFailure(w, r, n, avoid, err); !again {
+			return
 		}
-		if retryable {
-			s.metrics.RetriesExhausted.WithLabelValues(r.Pattern).Inc()
-		}
-		s.writeFailure(w, r, err)
-		return
 	}
+}
+
+// afterFailure decides what follows attempt n's failure: another attempt (after the backoff,
+// avoiding the worker that failed), or the client's answer. It is its own function so that
+// withRetries, under every open stream, keeps a small stack frame.
+func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, n int, avoid map[string]bool, err error) (map[string]bool, bool) {
+	reason, retryable := retryReason(err)
+	if retryable && n < s.opts.Retry.Attempts {
+		s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
+		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
+		setAttempts(w, n+1)
+		s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
+		if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
+			avoid = failed(avoid, err)
+			for _, h := range openai.AttemptHeaders {
+				w.Header().Del(h)
+			}
+			return avoid, true
+		}
+		err, retryable = context.Cause(r.Context()), false // the deadline passed or the client left
+	}
+	if retryable {
+		s.metrics.RetriesExhausted.WithLabelValues(r.Pattern).Inc()
+	}
+	s.writeFailure(w, r, err)
+	return avoid, false
 }
 
 // failed adds the worker err belongs to, if known, to avoid.

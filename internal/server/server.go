@@ -457,22 +457,32 @@ func validRequestID(s string) bool {
 func (s *Server) authed(next http.Handler) http.Handler {
 	want := []byte("Bearer " + s.opts.APIKey)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got := r.Header["Authorization"]
-		if len(got) > 1 {
-			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeDuplicateHeader,
-				Message: "the request has more than one Authorization header"})
+		if (s.opts.APIKey != "" || len(r.Header["Authorization"]) > 1) && !s.checkKey(w, r, want) {
 			return
-		}
-		if s.opts.APIKey != "" {
-			if len(got) == 0 || subtle.ConstantTimeCompare([]byte(got[0]), want) != 1 {
-				openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
-					Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
-				return
-			}
-			r.Header.Del("Authorization")
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// checkKey answers a request with more than one Authorization header, or without Baton's key
+// when one is set, and removes the key from a request that has it. Apart from authed, so that
+// the middleware under every open stream keeps a small stack frame.
+func (s *Server) checkKey(w http.ResponseWriter, r *http.Request, want []byte) bool {
+	got := r.Header["Authorization"]
+	if len(got) > 1 {
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeDuplicateHeader,
+			Message: "the request has more than one Authorization header"})
+		return false
+	}
+	if s.opts.APIKey != "" {
+		if len(got) == 0 || subtle.ConstantTimeCompare([]byte(got[0]), want) != 1 {
+			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
+				Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
+			return false
+		}
+		r.Header.Del("Authorization")
+	}
+	return true
 }
 
 func tooLarge(limit int64) *openai.Error {
