@@ -51,11 +51,25 @@ type conn struct {
 }
 
 func newConn(s *Server, rw net.Conn) *conn {
-	return &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
+	c := &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
+	c.state.Store(stateIdle) // waiting for its first request: Shutdown may close it
+	return c
 }
 
-// abort closes the connection from another goroutine: a read or write in progress fails.
-func (c *conn) abort() { c.rwc.Close() }
+// errServerClosed is the cause a request's context ends with when Close cut its connection.
+var errServerClosed = errors.New("the server closed the connection")
+
+// abort closes the connection from another goroutine: a read or write in progress fails, and
+// the request being served, if any, sees its context end.
+func (c *conn) abort() {
+	c.rwc.Close()
+	c.mu.Lock()
+	cancel := c.cancel
+	c.mu.Unlock()
+	if cancel != nil {
+		cancel(errServerClosed)
+	}
+}
 
 func (c *conn) serve() {
 	defer c.s.forget(c)
@@ -106,8 +120,8 @@ func (c *conn) waitRequest() bool {
 			return false
 		}
 	}
-	if c.firstDone && !c.state.CompareAndSwap(stateIdle, stateActive) {
-		return false
+	if !c.state.CompareAndSwap(stateIdle, stateActive) {
+		return false // Shutdown closed it
 	}
 	if c.s.ReadHeaderTimeout > 0 && c.firstDone {
 		_ = c.rwc.SetReadDeadline(time.Now().Add(c.s.ReadHeaderTimeout))

@@ -50,7 +50,6 @@ type Server struct {
 	listeners map[net.Listener]struct{}
 	conns     map[*conn]struct{}
 	shutdown  atomic.Bool
-	wg        sync.WaitGroup
 	warnOnce  sync.Once
 }
 
@@ -106,7 +105,6 @@ func (s *Server) Serve(ln net.Listener) error {
 			return ErrServerClosed
 		}
 		s.conns[c] = struct{}{}
-		s.wg.Add(1)
 		s.mu.Unlock()
 		go c.serve()
 	}
@@ -137,8 +135,9 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	}
 }
 
-// Close stops accepting and closes every connection at once, requests in flight included
-// (their handlers see their contexts end and their writes fail), then waits for the handlers.
+// Close stops accepting and closes every connection at once, requests in flight included:
+// their handlers see their contexts end and their writes fail. Like net/http's, it does not
+// wait for the handlers to return.
 func (s *Server) Close() error {
 	s.closeListeners()
 	s.mu.Lock()
@@ -146,7 +145,6 @@ func (s *Server) Close() error {
 		c.abort()
 	}
 	s.mu.Unlock()
-	s.wg.Wait()
 	return nil
 }
 
@@ -175,7 +173,6 @@ func (s *Server) forget(c *conn) {
 	s.mu.Lock()
 	delete(s.conns, c)
 	s.mu.Unlock()
-	s.wg.Done()
 }
 
 func (s *Server) logf(msg string, args ...any) {

@@ -558,3 +558,42 @@ func TestUnreadBodies(t *testing.T) {
 		t.Error("a 10 MB body left unread kept the connection")
 	}
 }
+
+// Close ends the requests in flight: their contexts say why, and Close does not wait for them.
+func TestCloseEndsRequestsInFlight(t *testing.T) {
+	started, ended := make(chan struct{}), make(chan error, 1)
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(started)
+		<-r.Context().Done()
+		ended <- context.Cause(r.Context())
+	}))
+	c := dial(t, addr)
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	<-started
+	s.Close()
+	select {
+	case err := <-ended:
+		if !errors.Is(err, errServerClosed) {
+			t.Errorf("the request ended with %v, want %v", err, errServerClosed)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close left the request running")
+	}
+}
+
+// Shutdown does not wait for a connection that never sent a request.
+func TestShutdownClosesSilentConnections(t *testing.T) {
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}),
+		func(s *Server) { s.ReadHeaderTimeout = time.Minute })
+	c := dial(t, addr)
+	time.Sleep(50 * time.Millisecond) // accepted
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("the silent connection: %d bytes, %v; want it closed", n, err)
+	}
+}
