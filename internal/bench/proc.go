@@ -309,6 +309,15 @@ func (p *proc) metric(name string) float64 {
 }
 
 // liveHeapBytes forces a garbage collection in Baton (through pprof) and returns its heap in use.
+// heldBytes returns the Go heap reachable after two collections (the second frees what sync
+// pools let go of in the first) and the goroutine stacks: what the process holds, without the
+// garbage a collector paces ahead of.
+func (p *proc) heldBytes() (heap, stacks float64) {
+	p.liveHeapBytes()
+	p.liveHeapBytes()
+	return p.metric("go_memstats_heap_alloc_bytes"), p.metric("go_memstats_stack_inuse_bytes")
+}
+
 func (p *proc) liveHeapBytes() float64 {
 	if p.MetricsURL == "" {
 		return 0

@@ -400,6 +400,17 @@ func (r *runner) memory(ctx context.Context) error {
 			}
 		}
 	}()
+	// Once every stream is open, what Baton holds for them after a collection.
+	idleHeld, idleStacks := b.heldBytes()
+	held := make(chan [2]float64, 1)
+	go func() {
+		deadline := time.Now().Add(time.Duration(tokens) * per / 2)
+		for b.metric("go_goroutines") < idleG+float64(streams) && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		h, st := b.heldBytes()
+		held <- [2]float64{h, st}
+	}()
 	var afterRSS [2]int64
 	var afterG, afterHeap [2]float64
 	for round := 0; round < 2; round++ { // the same load twice: memory after the second must not grow
@@ -418,9 +429,13 @@ func (r *runner) memory(ctx context.Context) error {
 	for i := range afterRSS {
 		fmt.Fprintf(r.out, "| 2 s after load round %d | %.1f | %.0f | %.1f |\n", i+1, mib(afterRSS[i]), afterG[i], afterHeap[i]/(1<<20))
 	}
-	fmt.Fprintf(r.out, "\nPer open stream: **%.1f KiB** of RSS and %.1f goroutines (peak minus idle, over %d streams); of which Go heap in use %.1f KiB and goroutine stacks %.1f KiB (peaks).\n\n",
+	h := <-held
+	heldHeap, heldStacks := (h[0]-idleHeld)/float64(streams)/1024, (h[1]-idleStacks)/float64(streams)/1024
+	fmt.Fprintf(r.out, "\nPer open stream: **%.1f KiB** of RSS and %.1f goroutines (peak minus idle, over %d streams); of which Go heap in use %.1f KiB and goroutine stacks %.1f KiB (peaks).\n",
 		float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), streams,
 		(peakHeapInuse-idleHeapInuse)/float64(streams)/1024, (peakStack-idleStack)/float64(streams)/1024)
+	fmt.Fprintf(r.out, "Held per open stream once all were open, after a collection: **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB); the peak adds the garbage of the connection burst, which the collector paces at GOGC.\n\n",
+		heldHeap+heldStacks, heldHeap, heldStacks)
 	return nil
 }
 

@@ -144,22 +144,25 @@ func (b *body) Next() ([]byte, error) {
 // next finds the next bytes of the body in the read buffer. The connection is settled (finish)
 // only on the call after the last bytes, when the caller no longer holds a view of its buffer.
 func (b *body) next() ([]byte, error) {
+	if b.mode == bodyLength && b.left == 0 {
+		return nil, io.EOF
+	}
+	if b.crlfOwed { // the end of the chunk whose last bytes went out
+		if err := readCRLF(b.c.br); err != nil {
+			return nil, err
+		}
+		b.crlfOwed = false
+	}
+	if b.c.br.Buffered() == 0 {
+		b.c.awaitData() // more is due: wait for it holding no buffer
+	}
 	br := b.c.br
 	switch b.mode {
 	case bodyLength:
-		if b.left == 0 {
-			return nil, io.EOF
-		}
-		v, err := view(br, b.left, io.ErrUnexpectedEOF)
+		v, err := b.view(b.left, io.ErrUnexpectedEOF)
 		b.left -= int64(len(v))
 		return v, err
 	case bodyChunked:
-		if b.crlfOwed {
-			if err := readCRLF(br); err != nil {
-				return nil, err
-			}
-			b.crlfOwed = false
-		}
 		if b.left == 0 {
 			size, err := readChunkSize(br)
 			if err != nil {
@@ -173,18 +176,19 @@ func (b *body) next() ([]byte, error) {
 			}
 			b.left = size
 		}
-		v, err := view(br, b.left, io.ErrUnexpectedEOF)
+		v, err := b.view(b.left, io.ErrUnexpectedEOF)
 		b.left -= int64(len(v))
 		b.crlfOwed = b.left == 0
 		return v, err
 	default:
-		return view(br, 1<<62, io.EOF)
+		return b.view(1<<62, io.EOF)
 	}
 }
 
 // view returns up to limit buffered bytes, reading when none are buffered; atEOF is the error
 // when the engine closed first.
-func view(br *bufio.Reader, limit int64, atEOF error) ([]byte, error) {
+func (b *body) view(limit int64, atEOF error) ([]byte, error) {
+	br := b.c.br
 	if br.Buffered() == 0 {
 		if _, err := br.Peek(1); err != nil {
 			if err == io.EOF {

@@ -243,8 +243,30 @@ func TestTransportStaleConnection(t *testing.T) {
 }
 
 // Cancelling the request's context ends a read blocked on a silent engine at once, and so does
-// closing the body from another goroutine; neither connection is reused.
+// closing the body from another goroutine; neither connection is reused. The same for a body
+// read through Next, which waits for the engine holding no buffer.
 func TestTransportCancel(t *testing.T) {
+	for name, readAll := range map[string]func(io.Reader) ([]byte, error){"Read": io.ReadAll, "Next": readViewsErr} {
+		t.Run(name, func(t *testing.T) { testCancel(t, readAll) })
+	}
+}
+
+// readViewsErr is readViews with the error that ended it (nil at the body's end).
+func readViewsErr(r io.Reader) ([]byte, error) {
+	var out []byte
+	for {
+		v, err := r.(interface{ Next() ([]byte, error) }).Next()
+		out = append(out, v...)
+		if err == io.EOF {
+			return out, nil
+		}
+		if err != nil {
+			return out, err
+		}
+	}
+}
+
+func testCancel(t *testing.T, readAll func(io.Reader) ([]byte, error)) {
 	url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
 		readRequest(br)
 		io.WriteString(conn, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n")
@@ -258,8 +280,8 @@ func TestTransportCancel(t *testing.T) {
 	}
 	time.AfterFunc(50*time.Millisecond, cancel)
 	start := time.Now()
-	_, err = io.ReadAll(resp.Body)
-	if !errors.Is(err, context.Canceled) || time.Since(start) > 5*time.Second {
+	got, err := readAll(resp.Body)
+	if string(got) != "hi" || !errors.Is(err, context.Canceled) || time.Since(start) > 5*time.Second {
 		t.Fatalf("after cancel: %v after %s", err, time.Since(start))
 	}
 	resp, err = send(t, tr, context.Background(), url, "{}")
@@ -267,8 +289,20 @@ func TestTransportCancel(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.AfterFunc(50*time.Millisecond, func() { resp.Body.Close() })
-	if _, err = io.ReadAll(resp.Body); err == nil {
+	if _, err = readAll(resp.Body); err == nil {
 		t.Fatal("a closed body read to its end")
+	}
+	left := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+		readRequest(br)
+		io.WriteString(conn, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n")
+		time.Sleep(50 * time.Millisecond)
+	})
+	resp, err = send(t, tr, context.Background(), left, "{}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := readAll(resp.Body); string(got) != "hi" || !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("an engine that left mid-answer: %q, %v; want hi and an unexpected EOF", got, err)
 	}
 	tr.mu.Lock()
 	idle := len(tr.idle)
