@@ -14,8 +14,9 @@ const watchSupported = true
 const epollET = 1 << 31
 
 // watcher notices clients that close their side, for every connection of the process, with
-// one epoll set and one goroutine: each connection is added once (edge-triggered EPOLLRDHUP,
-// no EPOLLIN, so request bytes wake nothing) and removed before it closes.
+// one epoll set and one goroutine that live as long as the process (started with the first
+// connection): each connection is added once (edge-triggered EPOLLRDHUP, no EPOLLIN, so
+// request bytes wake nothing) and removed before it closes.
 type watcher struct {
 	epfd int
 	err  error
