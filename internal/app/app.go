@@ -430,7 +430,15 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	} else {
 		fmt.Fprintf(stdout, "baton serving on http://%s\n", ln.Addr())
 	}
-	log.Info("baton started", "version", Version(), "addr", ln.Addr().String(), "workers", len(g.Registry.Snapshot().Workers), "policy", cfg.Policy)
+	server := "baton"
+	if _, ok := api.(*http.Server); ok {
+		server = "net"
+		if cfg.HTTPServer == "baton" {
+			log.Warn("http_server baton needs epoll (Linux); serving the API with net/http's server instead")
+		}
+	}
+	log.Info("baton started", "version", Version(), "addr", ln.Addr().String(), "workers", len(g.Registry.Snapshot().Workers),
+		"policy", cfg.Policy, "http_server", server)
 	for _, w := range cfg.Warnings() {
 		log.Warn(w)
 	}

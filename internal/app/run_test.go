@@ -113,8 +113,12 @@ func TestGracefulDrainOfOpenStream(t *testing.T) {
 				<-release
 				io.WriteString(w, "data: {\"n\":2}\n\ndata: [DONE]\n\n")
 			})
-			api, _, stop, result := runBaton(t, "--worker-urls", up.URL, "--http-server", server)
+			r := startRun(t, "--worker-urls", up.URL, "--http-server", server)
+			api, stop, result := r.api, r.stop, r.result
 			waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+			if !strings.Contains(r.logs.String(), "http_server="+server) {
+				t.Errorf("the startup line does not name the %s server:\n%s", server, r.logs.String())
+			}
 
 			resp := post(t, api+"/v1/chat/completions", `{"model":"m","stream":true}`)
 			br := bufio.NewReader(resp.Body)
