@@ -43,6 +43,7 @@ type conn struct {
 	mu       sync.Mutex
 	cancel   context.CancelCauseFunc // the current request's; nil between requests
 	peerGone bool                    // the client closed its side
+	aborted  bool                    // Close closed the connection
 
 	werr      error       // the first write error: the connection is done
 	wdlSet    atomic.Bool // a write deadline was set during the request
@@ -64,6 +65,7 @@ var errServerClosed = errors.New("the server closed the connection")
 func (c *conn) abort() {
 	c.rwc.Close()
 	c.mu.Lock()
+	c.aborted = true
 	cancel := c.cancel
 	c.mu.Unlock()
 	if cancel != nil {
@@ -143,10 +145,13 @@ func (c *conn) serveOne() bool {
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
 	c.mu.Lock()
-	gone := c.peerGone
+	gone, aborted := c.peerGone, c.aborted
 	c.cancel = cancel
 	c.mu.Unlock()
-	if gone {
+	switch {
+	case aborted:
+		cancel(errServerClosed)
+	case gone:
 		cancel(errPeerGone)
 	}
 	req = req.WithContext(ctx)
