@@ -597,3 +597,94 @@ func TestShutdownClosesSilentConnections(t *testing.T) {
 		t.Errorf("the silent connection: %d bytes, %v; want it closed", n, err)
 	}
 }
+
+// Many clients at once, each mixing whole answers, streams it leaves halfway, refused requests
+// and pipelined pairs, then a shutdown: every answer read is whole and right, and the race
+// detector sees the watcher, the handlers and Shutdown together.
+func TestConcurrentClients(t *testing.T) {
+	var left atomic.Int64
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if r.URL.Path == "/stream" {
+			for i := 0; i < 50; i++ {
+				fmt.Fprintf(w, "data: %d\n\n", i)
+				w.(http.Flusher).Flush()
+				select {
+				case <-r.Context().Done():
+					left.Add(1)
+					return
+				case <-time.After(time.Millisecond):
+				}
+			}
+			return
+		}
+		w.Write(b)
+	}))
+	const clients, rounds = 32, 20
+	errs := make(chan error, clients)
+	for i := range clients {
+		go func() {
+			errs <- func() error {
+				for j := range rounds {
+					c, err := net.Dial("tcp", addr)
+					if err != nil {
+						return err
+					}
+					br := bufio.NewReader(c)
+					switch j % 4 {
+					case 0, 1: // two requests in one write, answered in order
+						a, b := fmt.Sprintf("c%d-r%d-a", i, j), fmt.Sprintf("c%d-r%d-b", i, j)
+						fmt.Fprintf(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%sPOST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n", len(a), a, len(b), b)
+						for _, want := range []string{a, b} {
+							resp, err := http.ReadResponse(br, nil)
+							if err != nil {
+								c.Close()
+								return err
+							}
+							got, err := io.ReadAll(resp.Body)
+							if err != nil || string(got) != want {
+								c.Close()
+								return fmt.Errorf("got %q (%v), want %q", got, err, want)
+							}
+						}
+					case 2: // a stream left after its first event
+						io.WriteString(c, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+						resp, err := http.ReadResponse(br, nil)
+						if err != nil {
+							c.Close()
+							return err
+						}
+						line, err := bufio.NewReader(resp.Body).ReadString('\n')
+						if err != nil || line != "data: 0\n" {
+							c.Close()
+							return fmt.Errorf("first event %q, %v", line, err)
+						}
+					case 3: // refused
+						io.WriteString(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n")
+						resp, err := http.ReadResponse(br, nil)
+						if err != nil || resp.StatusCode != 400 {
+							c.Close()
+							return fmt.Errorf("refusal: %v %v", resp, err)
+						}
+					}
+					c.Close()
+				}
+				return nil
+			}()
+		}()
+	}
+	for range clients {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	// Each stream lasts 50 ms unless its client's leaving ends it; it leaves after one event.
+	if streams := int64(clients * rounds / 4); left.Load() < streams*9/10 {
+		t.Errorf("%d of %d streams noticed their client leaving", left.Load(), streams)
+	}
+}
