@@ -357,6 +357,9 @@ func (r *runner) memory(ctx context.Context) error {
 	}
 	if streams > 2000 { // longer streams, so that all are open at once after the connection burst
 		tokens, per = 200, 50*time.Millisecond
+		if r.o.Quick {
+			tokens = 20
+		}
 	}
 	fmt.Fprintf(r.out, "%d concurrent streams held open through Baton (each %d tokens at %s per token, so about %s long). Resident memory of the Baton process from /proc.\n\n", streams, tokens, per, time.Duration(tokens)*per)
 	engineURL, stopEngine, err := r.streamEngine(streams, per)

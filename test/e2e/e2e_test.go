@@ -189,4 +189,12 @@ func TestBenchSmoke(t *testing.T) {
 			t.Errorf("report lacks %q:\n%s", h, out)
 		}
 	}
+	// Past 2,000 streams the memory scenario runs its engine as a process of its own.
+	out, err = exec.CommandContext(ctx, binary, "bench", "--quick", "--scenarios", "memory", "--streams", "2100").CombinedOutput()
+	if err != nil {
+		t.Fatalf("baton bench --scenarios memory --streams 2100: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "2100 concurrent streams") || !strings.Contains(string(out), "Held per open stream") {
+		t.Errorf("memory report:\n%s", out)
+	}
 }
