@@ -231,7 +231,7 @@ func (s *Server) run(name string, args ...string) (*proc, error) {
 	}
 	cmd := exec.Command(filepath.Join(s.assets, name), args...)
 	cmd.Stdout, cmd.Stderr = log, log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the tests
+	cmd.SysProcAttr = dieWithParent() // never outlive the tests (where the platform allows)
 	if err := cmd.Start(); err != nil {
 		log.Close()
 		return nil, err
