@@ -8,10 +8,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/yaml"
@@ -102,6 +104,7 @@ func TestChartRendersAndApplies(t *testing.T) {
 			kinds := map[string]int{}
 			var configYAML string
 			var args []string
+			var memLimit, goMemLimit string
 			for _, o := range objs {
 				gvk := o.GroupVersionKind()
 				var m, err = mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
@@ -125,8 +128,16 @@ func TestChartRendersAndApplies(t *testing.T) {
 					configYAML, _, _ = unstructured.NestedString(o.Object, "data", "baton.yaml")
 				case "Deployment":
 					cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
-					for _, a := range cs[0].(map[string]any)["args"].([]any) {
+					c := cs[0].(map[string]any)
+					for _, a := range c["args"].([]any) {
 						args = append(args, a.(string))
+					}
+					memLimit, _, _ = unstructured.NestedString(c, "resources", "limits", "memory")
+					env, _, _ := unstructured.NestedSlice(c, "env")
+					for _, e := range env {
+						if e := e.(map[string]any); e["name"] == "GOMEMLIMIT" {
+							goMemLimit, _ = e["value"].(string)
+						}
 					}
 				}
 			}
@@ -137,6 +148,14 @@ func TestChartRendersAndApplies(t *testing.T) {
 			}
 			if strings.Contains(configYAML, "service_discovery: true") && (kinds["Role"] != 1 || kinds["RoleBinding"] != 1) {
 				t.Errorf("discovery without its Role and RoleBinding: %v", kinds)
+			}
+			// The Go runtime's soft limit sits under the container's memory limit.
+			if memLimit != "" {
+				limit := resource.MustParse(memLimit)
+				soft, ok := goMemBytes(goMemLimit)
+				if !ok || soft >= limit.Value() || soft < limit.Value()/2 {
+					t.Errorf("GOMEMLIMIT %q for a memory limit of %s: want a valid value between half of it and it", goMemLimit, memLimit)
+				}
 			}
 			// Baton takes the rendered configuration with the Deployment's arguments.
 			file := filepath.Join(t.TempDir(), "baton.yaml")
@@ -168,4 +187,24 @@ func nsOf(o *unstructured.Unstructured, def string) string {
 		return ns
 	}
 	return def
+}
+
+// goMemBytes reads a GOMEMLIMIT value (bytes, or with a B/KiB/MiB/GiB/TiB suffix) as the Go
+// runtime does.
+func goMemBytes(v string) (int64, bool) {
+	mult := int64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}, {"B", 1}} {
+		if strings.HasSuffix(v, u.suffix) {
+			v, mult = strings.TrimSuffix(v, u.suffix), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, false
+	}
+	return n * mult, true
 }
