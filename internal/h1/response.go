@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -335,23 +336,39 @@ func appendHeaders(dst []byte, h http.Header) []byte {
 	}
 	slices.Sort(keys)
 	for _, k := range keys {
-		if !isToken([]byte(k)) {
+		if !isTokenString(k) {
 			continue
 		}
 		for _, v := range h[k] {
 			dst = append(dst, k...)
 			dst = append(dst, ": "...)
-			for i := 0; i < len(v); i++ {
-				if b := v[i]; b == '\r' || b == '\n' {
-					dst = append(dst, ' ')
-				} else {
-					dst = append(dst, b)
+			if strings.IndexByte(v, '\r') < 0 && strings.IndexByte(v, '\n') < 0 {
+				dst = append(dst, v...)
+			} else {
+				for i := 0; i < len(v); i++ {
+					if b := v[i]; b == '\r' || b == '\n' {
+						dst = append(dst, ' ')
+					} else {
+						dst = append(dst, b)
+					}
 				}
 			}
 			dst = append(dst, crlf...)
 		}
 	}
 	return dst
+}
+
+func isTokenString(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c >= 0x80 || !tokenChars[c] {
+			return false
+		}
+	}
+	return true
 }
 
 type dateEntry struct {
