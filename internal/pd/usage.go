@@ -18,39 +18,59 @@ type prefillUsage struct {
 	ok             bool
 }
 
-type usageJSON struct {
-	PromptTokens  *int `json:"prompt_tokens"`
-	InputTokens   *int `json:"input_tokens"`
-	CacheRead     *int `json:"cache_read_input_tokens"` // Anthropic-style messages
-	PromptDetails struct {
-		Cached int `json:"cached_tokens"`
-	} `json:"prompt_tokens_details"`
-	InputDetails struct {
-		Cached int `json:"cached_tokens"`
-	} `json:"input_tokens_details"`
-}
-
 // readPrefillUsage reads usage from a prefill response (chat/completions or responses shape).
+// Nothing is unmarshalled (this runs on every vLLM PD request): the answer's top level is
+// scanned for its usage, the usage for the members that matter, and their integers parsed in
+// place. A member present with anything but an integer (or null) makes the usage unreadable.
 func readPrefillUsage(body []byte) prefillUsage {
-	// Only the usage object is decoded: the answer's top level is scanned, not unmarshalled
-	// (this runs on every vLLM PD request).
 	raw, ok := openai.Get(body, "usage")
 	if !ok || len(raw) == 0 || raw[0] != '{' {
 		return prefillUsage{}
 	}
-	var u usageJSON
-	if json.Unmarshal(raw, &u) != nil {
+	prompt, hasPrompt, ok1 := intMember(raw, "prompt_tokens")
+	input, hasInput, ok2 := intMember(raw, "input_tokens")
+	cacheRead, hasCacheRead, ok3 := intMember(raw, "cache_read_input_tokens")
+	promptCached, ok4 := cachedTokens(raw, "prompt_tokens_details")
+	inputCached, ok5 := cachedTokens(raw, "input_tokens_details")
+	if !ok1 || !ok2 || !ok3 || !ok4 || !ok5 {
 		return prefillUsage{}
 	}
 	switch {
-	case u.PromptTokens != nil:
-		return prefillUsage{prompt: *u.PromptTokens, cached: u.PromptDetails.Cached, ok: true}
-	case u.InputTokens != nil && u.CacheRead != nil:
-		return prefillUsage{prompt: *u.InputTokens, cached: *u.CacheRead, ok: true}
-	case u.InputTokens != nil:
-		return prefillUsage{prompt: *u.InputTokens, cached: u.InputDetails.Cached, ok: true}
+	case hasPrompt:
+		return prefillUsage{prompt: prompt, cached: promptCached, ok: true}
+	case hasInput && hasCacheRead:
+		return prefillUsage{prompt: input, cached: cacheRead, ok: true}
+	case hasInput:
+		return prefillUsage{prompt: input, cached: inputCached, ok: true}
 	}
 	return prefillUsage{}
+}
+
+// intMember reads the integer member key of obj: its value, whether it is there (not null),
+// and false when it is there but not an integer.
+func intMember(obj []byte, key string) (n int, present, ok bool) {
+	raw, found := openai.Get(obj, key)
+	if !found || string(raw) == "null" {
+		return 0, false, true
+	}
+	n, err := strconv.Atoi(string(raw))
+	if err != nil || raw[0] == '+' || (len(raw) > 1 && raw[0] == '0') || (len(raw) > 2 && raw[0] == '-' && raw[1] == '0') {
+		return 0, false, false
+	}
+	return n, true, true
+}
+
+// cachedTokens reads details.cached_tokens of obj, 0 when absent.
+func cachedTokens(obj []byte, details string) (int, bool) {
+	raw, found := openai.Get(obj, details)
+	if !found || string(raw) == "null" {
+		return 0, true
+	}
+	if len(raw) == 0 || raw[0] != '{' {
+		return 0, false
+	}
+	n, _, ok := intMember(raw, "cached_tokens")
+	return n, ok
 }
 
 // fixUsage rewrites the usage of a decode response object (or of the response inside a
