@@ -40,10 +40,9 @@ type conn struct {
 	state      atomic.Int32
 	watchID    uint64 // the epoll watcher's name for this connection; 0: not watched
 
-	mu       sync.Mutex
-	cancel   context.CancelCauseFunc // the current request's; nil between requests
-	peerGone bool                    // the client closed its side
-	aborted  bool                    // Close closed the connection
+	mu     sync.Mutex
+	cancel context.CancelCauseFunc // the current request's; nil between requests
+	ended  error                   // why the connection ended under its requests (errPeerGone, errServerClosed); nil: it did not
 
 	werr      error       // the first write error: the connection is done
 	wdlSet    atomic.Bool // a write deadline was set during the request
@@ -64,12 +63,24 @@ var errServerClosed = errors.New("the server closed the connection")
 // the request being served, if any, sees its context end.
 func (c *conn) abort() {
 	c.rwc.Close()
+	c.end(errServerClosed)
+}
+
+// gone is the watcher telling the connection its client closed its side: the request being
+// served, if any, ends.
+func (c *conn) gone() { c.end(errPeerGone) }
+
+// end records why the connection ended (the first cause stays) and ends the request being
+// served with it; a request read later starts ended.
+func (c *conn) end(cause error) {
 	c.mu.Lock()
-	c.aborted = true
-	cancel := c.cancel
+	if c.ended == nil {
+		c.ended = cause
+	}
+	cause, cancel := c.ended, c.cancel
 	c.mu.Unlock()
 	if cancel != nil {
-		cancel(errServerClosed)
+		cancel(cause)
 	}
 }
 
@@ -78,11 +89,7 @@ func (c *conn) serve() {
 	defer func() {
 		c.s.watcher().remove(c)
 		c.rwc.Close()
-		if c.br != nil {
-			c.br.Reset(nil)
-			readers.Put(c.br)
-			c.br = nil
-		}
+		c.dropReader()
 	}()
 	c.s.watcher().add(c)
 	for {
@@ -98,10 +105,7 @@ func (c *conn) serve() {
 // waitRequest waits for the first byte of the next request: idle, so that Shutdown may close
 // the connection, and bounded by the idle (or, first, the header) timeout.
 func (c *conn) waitRequest() bool {
-	if c.br == nil {
-		c.br = readers.Get().(*bufio.Reader)
-		c.br.Reset(c.rwc)
-	}
+	br := c.reader()
 	wait := c.s.ReadHeaderTimeout
 	if c.firstDone {
 		wait = c.s.idleTimeout()
@@ -117,8 +121,8 @@ func (c *conn) waitRequest() bool {
 	} else if c.rdlSet.Swap(false) {
 		_ = c.rwc.SetReadDeadline(time.Time{})
 	}
-	if c.br.Buffered() == 0 {
-		if _, err := c.br.Peek(1); err != nil {
+	if br.Buffered() == 0 {
+		if _, err := br.Peek(1); err != nil {
 			return false
 		}
 	}
@@ -145,18 +149,15 @@ func (c *conn) serveOne() bool {
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
 	c.mu.Lock()
-	gone, aborted := c.peerGone, c.aborted
+	ended := c.ended
 	c.cancel = cancel
 	c.mu.Unlock()
-	switch {
-	case aborted:
-		cancel(errServerClosed)
-	case gone:
-		cancel(errPeerGone)
+	if ended != nil {
+		cancel(ended)
 	}
 	req = req.WithContext(ctx)
 	w := newResponse(c, req, b)
-	if b.eof && c.br.Buffered() == 0 {
+	if b.eof {
 		c.releaseReader()
 	}
 	c.runHandler(w, req)
@@ -196,6 +197,13 @@ func (c *conn) runHandler(w *response, req *http.Request) {
 // open stream holds none.
 func (c *conn) releaseReader() {
 	if c.br != nil && c.br.Buffered() == 0 {
+		c.dropReader()
+	}
+}
+
+// dropReader gives the read buffer back, whatever it holds.
+func (c *conn) dropReader() {
+	if c.br != nil {
 		c.br.Reset(nil)
 		readers.Put(c.br)
 		c.br = nil
@@ -210,18 +218,6 @@ func (c *conn) reader() *bufio.Reader {
 		c.br.Reset(c.rwc)
 	}
 	return c.br
-}
-
-// gone is the watcher telling the connection its client closed its side: the request being
-// served, if any, ends.
-func (c *conn) gone() {
-	c.mu.Lock()
-	c.peerGone = true
-	cancel := c.cancel
-	c.mu.Unlock()
-	if cancel != nil {
-		cancel(errPeerGone)
-	}
 }
 
 // write sends p to the client; after a failure every write fails with the first error.

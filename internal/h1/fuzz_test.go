@@ -8,6 +8,8 @@ import (
 	"net"
 	"net/http"
 	"testing"
+
+	"github.com/baton-llm/baton/internal/openai"
 )
 
 // fakeConn reads a fixed input and collects what is written (a 100 Continue).
@@ -44,9 +46,9 @@ func FuzzRequest(f *testing.F) {
 		for range 4 {
 			req, b, err := c.readRequest()
 			if err != nil {
-				var he *headError
+				var he *openai.Error
 				if errors.As(err, &he) {
-					if he.status < 400 || he.status > 505 || he.code == "" || he.msg == "" {
+					if he.Status < 400 || he.Status > 505 || he.Code == "" || he.Message == "" {
 						t.Fatalf("refusal %+v", he)
 					}
 				} else if !errors.Is(err, errClosed) {
@@ -58,7 +60,7 @@ func FuzzRequest(f *testing.F) {
 			if len(body) > len(data) {
 				t.Fatalf("read %d body bytes from %d input bytes", len(body), len(data))
 			}
-			if !isToken([]byte(req.Method)) || req.URL == nil {
+			if !isToken(req.Method) || req.URL == nil {
 				t.Fatalf("accepted a malformed request: %q %v host %q", req.Method, req.URL, req.Host)
 			}
 			want, rerr := http.ReadRequest(ref)

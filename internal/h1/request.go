@@ -9,23 +9,19 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+
+	"github.com/baton-llm/baton/internal/openai"
 )
 
-// headError is a request the server refuses before any handler sees it.
-type headError struct {
-	status int
-	code   string
-	msg    string
+// A request the server refuses before any handler sees it is an *openai.Error: its status,
+// code and message go to the client in the OpenAI envelope.
+
+func badRequest(msg string) *openai.Error {
+	return &openai.Error{Status: http.StatusBadRequest, Code: "invalid_request", Message: msg}
 }
 
-func (e *headError) Error() string { return e.msg }
-
-func badRequest(msg string) *headError {
-	return &headError{status: http.StatusBadRequest, code: "invalid_request", msg: msg}
-}
-
-var errHeadTooLarge = &headError{status: http.StatusRequestHeaderFieldsTooLarge, code: "headers_too_large",
-	msg: "the request line and headers exceed the server's bound"}
+var errHeadTooLarge = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: "headers_too_large",
+	Message: "the request line and headers exceed the server's bound"}
 
 // errClosed is a connection that ended before a whole request head: nothing is answered.
 var errClosed = errors.New("connection closed")
@@ -93,7 +89,7 @@ func (c *conn) readRequest() (*http.Request, *body, error) {
 	return req, b, nil
 }
 
-func parseRequestLine(req *http.Request, line []byte) *headError {
+func parseRequestLine(req *http.Request, line []byte) *openai.Error {
 	sp1 := bytes.IndexByte(line, ' ')
 	if sp1 <= 0 {
 		return badRequest("malformed request line")
@@ -114,8 +110,8 @@ func parseRequestLine(req *http.Request, line []byte) *headError {
 		req.Proto, req.ProtoMajor, req.ProtoMinor = "HTTP/1.0", 1, 0
 	default:
 		if bytes.HasPrefix(proto, []byte("HTTP/")) {
-			return &headError{status: http.StatusHTTPVersionNotSupported, code: "http_version_not_supported",
-				msg: "only HTTP/1.1 and HTTP/1.0 are served here"}
+			return &openai.Error{Status: http.StatusHTTPVersionNotSupported, Code: "http_version_not_supported",
+				Message: "only HTTP/1.1 and HTTP/1.0 are served here"}
 		}
 		return badRequest("malformed request line")
 	}
@@ -135,7 +131,7 @@ func parseRequestLine(req *http.Request, line []byte) *headError {
 }
 
 // addHeader adds one "Name: value" line; folded lines and bad names or values are refused.
-func addHeader(h http.Header, line []byte) *headError {
+func addHeader(h http.Header, line []byte) *openai.Error {
 	name, v, herr := splitHeader(line)
 	if herr != nil {
 		return herr
@@ -147,7 +143,7 @@ func addHeader(h http.Header, line []byte) *headError {
 
 // splitHeader checks a header line and returns its name and its value without surrounding
 // whitespace.
-func splitHeader(line []byte) (name, value []byte, herr *headError) {
+func splitHeader(line []byte) (name, value []byte, herr *openai.Error) {
 	if line[0] == ' ' || line[0] == '\t' {
 		return nil, nil, badRequest("folded header lines are not accepted")
 	}
@@ -165,7 +161,7 @@ func splitHeader(line []byte) (name, value []byte, herr *headError) {
 }
 
 // prepare reads the request's framing and connection headers into req and sets up its body.
-func (c *conn) prepare(req *http.Request) (*body, *headError) {
+func (c *conn) prepare(req *http.Request) (*body, *openai.Error) {
 	h := req.Header
 	hosts := h["Host"]
 	switch {
@@ -197,8 +193,8 @@ func (c *conn) prepare(req *http.Request) (*body, *headError) {
 			return nil, badRequest("both Transfer-Encoding and Content-Length")
 		}
 		if len(te) != 1 || !strings.EqualFold(te[0], "chunked") {
-			return nil, &headError{status: http.StatusNotImplemented, code: "unsupported_transfer_encoding",
-				msg: "only the chunked transfer coding is accepted"}
+			return nil, &openai.Error{Status: http.StatusNotImplemented, Code: "unsupported_transfer_encoding",
+				Message: "only the chunked transfer coding is accepted"}
 		}
 		req.TransferEncoding = []string{"chunked"}
 		delete(h, "Transfer-Encoding")
@@ -224,8 +220,8 @@ func (c *conn) prepare(req *http.Request) (*body, *headError) {
 	}
 	if ex := h["Expect"]; len(ex) > 0 {
 		if len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue") {
-			return nil, &headError{status: http.StatusExpectationFailed, code: "expectation_failed",
-				msg: "only Expect: 100-continue is understood"}
+			return nil, &openai.Error{Status: http.StatusExpectationFailed, Code: "expectation_failed",
+				Message: "only Expect: 100-continue is understood"}
 		}
 		b.expect = req.ProtoMinor == 1 && !b.eof
 	}
@@ -285,12 +281,12 @@ func validHost(h string) bool {
 }
 
 // isToken reports whether b is an RFC 9110 token (a method or a header name).
-func isToken(b []byte) bool {
+func isToken[T string | []byte](b T) bool {
 	if len(b) == 0 {
 		return false
 	}
-	for _, c := range b {
-		if c >= 0x80 || !tokenChars[c] {
+	for i := 0; i < len(b); i++ {
+		if c := b[i]; c >= 0x80 || !tokenChars[c] {
 			return false
 		}
 	}

@@ -1,7 +1,6 @@
 package h1
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"slices"
@@ -10,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/baton-llm/baton/internal/openai"
 )
 
 // writeBufSize is the answer buffer: an answer that fits and is not flushed goes out in one
@@ -336,7 +337,7 @@ func appendHeaders(dst []byte, h http.Header) []byte {
 	}
 	slices.Sort(keys)
 	for _, k := range keys {
-		if !isTokenString(k) {
+		if !isToken(k) {
 			continue
 		}
 		for _, v := range h[k] {
@@ -357,18 +358,6 @@ func appendHeaders(dst []byte, h http.Header) []byte {
 		}
 	}
 	return dst
-}
-
-func isTokenString(s string) bool {
-	if s == "" {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; c >= 0x80 || !tokenChars[c] {
-			return false
-		}
-	}
-	return true
 }
 
 type dateEntry struct {
@@ -392,14 +381,13 @@ func appendDate(dst []byte) []byte {
 // refuse answers a request the server would not pass to its handler, in the OpenAI error
 // envelope, and the connection closes.
 func (c *conn) refuse(err error) {
-	he, ok := err.(*headError)
+	e, ok := err.(*openai.Error)
 	if !ok {
 		return // the client left before a whole request
 	}
-	msg, _ := json.Marshal(map[string]any{"error": map[string]any{
-		"message": he.msg, "type": "invalid_request_error", "code": he.code, "param": nil}})
-	b := fmt.Appendf(nil, "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
-		he.status, http.StatusText(he.status), len(msg), msg)
+	body := e.Marshal()
+	b := fmt.Appendf(nil, "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s: %s\r\nConnection: close\r\n\r\n%s",
+		e.Status, http.StatusText(e.Status), len(body), openai.HeaderErrorCode, e.Code, body)
 	_ = c.rwc.SetWriteDeadline(time.Now().Add(time.Second))
 	_ = c.write(b)
 }

@@ -300,7 +300,8 @@ func TestRefusedRequests(t *testing.T) {
 			Error struct{ Message, Type, Code string }
 		}
 		err = json.NewDecoder(resp.Body).Decode(&env)
-		if resp.StatusCode != tc.status || err != nil || env.Error.Message == "" || env.Error.Code == "" || !resp.Close {
+		if resp.StatusCode != tc.status || err != nil || env.Error.Message == "" || env.Error.Code == "" || !resp.Close ||
+			resp.Header.Get("X-Baton-Error-Code") != env.Error.Code {
 			t.Errorf("%s: got %d close=%v %+v (%v), want %d in an OpenAI error envelope and a close", tc.name,
 				resp.StatusCode, resp.Close, env, err, tc.status)
 		}
