@@ -3,7 +3,6 @@
 package upstream
 
 import (
-	"bufio"
 	"syscall"
 	"unsafe"
 )
@@ -15,23 +14,12 @@ import (
 // deadlines (the request's cancellation) and Close end the wait as they end a Read; the read
 // that follows reports them.
 func (c *conn) awaitData() {
-	if c.br.Buffered() > 0 {
+	if c.raw == nil || c.br.Buffered() > 0 {
 		return
 	}
-	sc, ok := c.c.(syscall.Conn)
-	if !ok {
-		return
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return
-	}
-	c.br.Reset(nil)
-	readers.Put(c.br)
-	c.br = nil
-	_ = rc.Read(peek)
-	c.br = readers.Get().(*bufio.Reader)
-	c.br.Reset(c.c)
+	c.dropReader()
+	_ = c.raw.Read(peek)
+	c.takeReader()
 }
 
 // peek reports whether fd has a byte to read, or an end or error to report (true), or nothing

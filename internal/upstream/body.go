@@ -93,25 +93,37 @@ func hasToken(h http.Header, key, token string) bool {
 
 // Read reads the body; one reader at a time (Close may come from any goroutine).
 func (b *body) Read(p []byte) (int, error) {
-	if b.closed.Load() {
-		return 0, errBodyClosed
-	}
-	if b.err != nil {
-		return 0, b.err
-	}
-	if b.eof {
-		return 0, io.EOF
+	if err := b.readable(); err != nil {
+		return 0, err
 	}
 	n, err := b.read(p)
-	if err == io.EOF {
+	return n, b.settle(err)
+}
+
+// readable reports why the body cannot be read further, or nil.
+func (b *body) readable() error {
+	switch {
+	case b.closed.Load():
+		return errBodyClosed
+	case b.err != nil:
+		return b.err
+	case b.eof:
+		return io.EOF
+	}
+	return nil
+}
+
+// settle takes a read's error: at the end the connection is settled, on a failure it is
+// closed and the error recorded.
+func (b *body) settle(err error) error {
+	switch {
+	case err == io.EOF:
 		b.eof = true
 		b.finish()
-		return n, io.EOF
-	}
-	if err != nil {
+	case err != nil:
 		err = b.fail(err)
 	}
-	return n, err
+	return err
 }
 
 var errBodyClosed = errors.New("upstream: read on a closed body")
@@ -120,23 +132,12 @@ var errBodyClosed = errors.New("upstream: read on a closed body")
 // buffer, valid until the next call to Next or Read. The body ends with io.EOF and no bytes. A
 // relay that writes each view before asking for the next holds no buffer of its own.
 func (b *body) Next() ([]byte, error) {
-	if b.closed.Load() {
-		return nil, errBodyClosed
-	}
-	if b.err != nil {
-		return nil, b.err
-	}
-	if b.eof {
-		return nil, io.EOF
+	if err := b.readable(); err != nil {
+		return nil, err
 	}
 	v, err := b.next()
-	if err == io.EOF {
-		b.eof = true
-		b.finish()
-		return nil, io.EOF
-	}
 	if err != nil {
-		return nil, b.fail(err)
+		return nil, b.settle(err)
 	}
 	return v, nil
 }

@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -53,6 +54,7 @@ const readBufSize = 4 << 10
 
 type conn struct {
 	c      net.Conn
+	raw    syscall.RawConn // c's descriptor, for waiting without a buffer; nil where there is none
 	br     *bufio.Reader
 	host   string
 	idleAt time.Time
@@ -298,8 +300,7 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		if time.Since(c.idleAt) < t.IdleTimeout {
 			t.idle[host] = list
 			t.mu.Unlock()
-			c.br = readers.Get().(*bufio.Reader)
-			c.br.Reset(c.c)
+			c.takeReader()
 			return c, true, nil
 		}
 		c.c.Close()
@@ -310,13 +311,29 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 	if err != nil {
 		return nil, false, err
 	}
-	br := readers.Get().(*bufio.Reader)
-	br.Reset(nc)
-	return &conn{c: nc, br: br, host: host}, false, nil
+	c := &conn{c: nc, host: host}
+	if sc, ok := nc.(syscall.Conn); ok {
+		c.raw, _ = sc.SyscallConn()
+	}
+	c.takeReader()
+	return c, false, nil
 }
 
 // readers are the connections' read buffers: an idle connection (nothing buffered) holds none.
 var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBufSize) }}
+
+// takeReader gives c a read buffer from the pool.
+func (c *conn) takeReader() {
+	c.br = readers.Get().(*bufio.Reader)
+	c.br.Reset(c.c)
+}
+
+// dropReader gives c's read buffer back; c must have nothing buffered.
+func (c *conn) dropReader() {
+	c.br.Reset(nil)
+	readers.Put(c.br)
+	c.br = nil
+}
 
 // put keeps c for reuse, or closes it past the bound.
 func (t *Transport) put(c *conn) {
@@ -328,9 +345,7 @@ func (t *Transport) put(c *conn) {
 		c.c.Close()
 		return
 	}
-	c.br.Reset(nil)
-	readers.Put(c.br)
-	c.br = nil
+	c.dropReader()
 	t.idle[c.host] = append(t.idle[c.host], c)
 }
 
