@@ -41,33 +41,11 @@ var servingLine = regexp.MustCompile(`baton serving on (http://\S+) \(metrics on
 
 // startBaton starts `baton serve` with args on its own core and waits until it is ready.
 func startBaton(binary string, cpu int, args ...string) (*proc, error) {
-	argv := pinned(cpu, append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)...)
-	cmd := exec.Command(argv[0], argv[1:]...)
-	stdout, err := cmd.StdoutPipe()
+	p, m, err := startUntil(pinned(cpu, append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)...), servingLine, "baton")
 	if err != nil {
 		return nil, err
 	}
-	p := &proc{cmd: cmd, logs: &strings.Builder{}}
-	cmd.Stderr = p.logs
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	urls := make(chan []string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if m := servingLine.FindStringSubmatch(sc.Text()); m != nil {
-				urls <- m
-			}
-		}
-	}()
-	select {
-	case m := <-urls:
-		p.URL, p.MetricsURL = m[1], m[2]
-	case <-time.After(30 * time.Second):
-		p.stop()
-		return nil, fmt.Errorf("baton did not start: %s", p.logs.String())
-	}
+	p.URL, p.MetricsURL = m[1], m[2]
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		resp, err := http.Get(p.URL + "/readiness")
@@ -90,32 +68,45 @@ var simLine = regexp.MustCompile(`serving on (http://\S+)`)
 
 // startSim starts `baton sim` with args on cpu and waits until it serves.
 func startSim(binary string, cpu int, args ...string) (*proc, error) {
-	argv := pinned(cpu, append([]string{binary, "sim"}, args...)...)
+	p, m, err := startUntil(pinned(cpu, append([]string{binary, "sim"}, args...)...), simLine, "the simulator")
+	if err != nil {
+		return nil, err
+	}
+	p.URL = m[1]
+	return p, nil
+}
+
+// startUntil starts argv and waits (30 s at most) for the first line of its output that line
+// matches; its standard error is kept in the process's logs.
+func startUntil(argv []string, line *regexp.Regexp, what string) (*proc, []string, error) {
 	cmd := exec.Command(argv[0], argv[1:]...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	p := &proc{cmd: cmd, logs: &strings.Builder{}}
 	cmd.Stderr = p.logs
 	if err := cmd.Start(); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	urls := make(chan string, 1)
+	matched := make(chan []string, 1)
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
-			if m := simLine.FindStringSubmatch(sc.Text()); m != nil {
-				urls <- m[1]
+			if m := line.FindStringSubmatch(sc.Text()); m != nil {
+				select {
+				case matched <- m:
+				default: // only the first counts
+				}
 			}
 		}
 	}()
 	select {
-	case p.URL = <-urls:
-		return p, nil
+	case m := <-matched:
+		return p, m, nil
 	case <-time.After(30 * time.Second):
 		p.stop()
-		return nil, fmt.Errorf("the simulator did not start: %s", p.logs.String())
+		return nil, nil, fmt.Errorf("%s did not start: %s", what, p.logs.String())
 	}
 }
 
