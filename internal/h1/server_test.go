@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -690,5 +691,33 @@ func TestConcurrentClients(t *testing.T) {
 	// Each stream lasts 50 ms unless its client's leaving ends it; it leaves after one event.
 	if streams := int64(clients * rounds / 4); left.Load() < streams*9/10 {
 		t.Errorf("%d of %d streams noticed their client leaving", left.Load(), streams)
+	}
+}
+
+// An open stream costs the server one goroutine, its handler's: no reader per request.
+func TestOneGoroutinePerOpenStream(t *testing.T) {
+	if !Supported() {
+		t.Skip("SKIP: no epoll on this platform; Baton serves with net/http here")
+	}
+	release := make(chan struct{})
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		<-release
+	}))
+	defer close(release)
+	warm := dial(t, addr) // the watcher and the accept loop are running before the count
+	io.WriteString(warm, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+	before := runtime.NumGoroutine()
+	const streams = 100
+	for range streams {
+		c := dial(t, addr)
+		io.WriteString(c, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+		if _, err := http.ReadResponse(bufio.NewReader(c), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if per := float64(runtime.NumGoroutine()-before) / streams; per > 1.05 {
+		t.Errorf("%.2f goroutines per open stream, want 1", per)
 	}
 }

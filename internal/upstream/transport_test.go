@@ -70,13 +70,7 @@ func testFraming(t *testing.T, readAll func(io.Reader) []byte) {
 			c.Close()
 		}
 	}))
-	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			conns.Add(1)
-		}
-	}
-	srv.Start()
-	defer srv.Close()
+	startCounting(t, srv, &conns)
 	tr := newT()
 	for i := 0; i < 3; i++ {
 		resp, err := send(t, tr, context.Background(), srv.URL+"/length", `{"n":1}`)
@@ -108,6 +102,17 @@ func testFraming(t *testing.T, readAll func(io.Reader) []byte) {
 	if string(b) != "until the end" {
 		t.Fatalf("close-delimited: %q", b)
 	}
+}
+
+// startCounting starts srv, counting the connections it accepts in conns; it closes with the test.
+func startCounting(t *testing.T, srv *httptest.Server, conns *atomic.Int64) {
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
 }
 
 // rawServer answers every connection with handle.
@@ -377,13 +382,7 @@ func FuzzAnswer(f *testing.F) {
 func TestTransportIdleTimeout(t *testing.T) {
 	var conns atomic.Int64
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
-	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			conns.Add(1)
-		}
-	}
-	srv.Start()
-	defer srv.Close()
+	startCounting(t, srv, &conns)
 	tr := newT()
 	tr.IdleTimeout = 50 * time.Millisecond
 	for i := 0; i < 2; i++ {
