@@ -11,6 +11,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -38,7 +39,8 @@ type conn struct {
 	remoteAddr string
 	br         *bufio.Reader // nil while the connection holds no unread bytes and reads nothing
 	state      atomic.Int32
-	watchID    uint64 // the epoll watcher's name for this connection; 0: not watched
+	watchID    uint64          // the epoll watcher's name for this connection; 0: not watched
+	raw        syscall.RawConn // the watched descriptor
 
 	mu     sync.Mutex
 	cancel context.CancelCauseFunc // the current request's; nil between requests

@@ -104,7 +104,7 @@ func (w *watcher) add(c *conn) {
 		w.mu.Unlock()
 		return
 	}
-	c.watchID = id
+	c.watchID, c.raw = id, rc
 }
 
 // remove stops watching c; it runs before c's descriptor closes (a descriptor already closed
@@ -113,13 +113,9 @@ func (w *watcher) remove(c *conn) {
 	if c.watchID == 0 {
 		return
 	}
-	if sc, ok := c.rwc.(syscall.Conn); ok {
-		if rc, err := sc.SyscallConn(); err == nil {
-			_ = rc.Control(func(fd uintptr) {
-				_ = syscall.EpollCtl(w.epfd, syscall.EPOLL_CTL_DEL, int(fd), nil)
-			})
-		}
-	}
+	_ = c.raw.Control(func(fd uintptr) {
+		_ = syscall.EpollCtl(w.epfd, syscall.EPOLL_CTL_DEL, int(fd), nil)
+	})
 	w.mu.Lock()
 	delete(w.conns, c.watchID)
 	w.mu.Unlock()
