@@ -41,12 +41,11 @@ type KVEvents struct {
 	listener *kvevents.Listener
 	reg      *worker.Registry // names the workers behind listener topics
 
-	mu      sync.RWMutex
-	subs    map[string]*workerSubs // by worker URL
-	n       atomic.Int32           // len(subs): routing skips the event index when 0
-	ctx     context.Context        // nil until Start
-	wg      sync.WaitGroup
-	started bool
+	mu   sync.RWMutex
+	subs map[string]*workerSubs // by worker URL
+	n    atomic.Int32           // len(subs): routing skips the event index when 0
+	ctx  context.Context        // nil until Start
+	wg   sync.WaitGroup
 }
 
 // workerSubs is one worker's subscription: where it comes from and one subscriber per DP rank

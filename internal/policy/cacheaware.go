@@ -186,13 +186,12 @@ func (p *CacheAware) matches(keys []uint64, ws []*worker.Worker, now time.Time, 
 	out := make([]int, len(ws))
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	alive := len(ws) // workers still matching
 	for i, k := range keys {
 		e := p.index[k]
 		if e == nil || (ttl > 0 && now.Sub(e.seen) > ttl) {
 			break
 		}
-		alive = 0
+		alive := 0 // workers still matching
 		for j, w := range ws {
 			if out[j] == i && holds(e, w) {
 				out[j]++

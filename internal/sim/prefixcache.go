@@ -82,10 +82,3 @@ func (c *prefixCache) compute(prompt []uint32) int {
 	}
 	return min(hits*blockSize, len(prompt)-1)
 }
-
-// size is the number of cached blocks.
-func (c *prefixCache) size() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.lru.Len()
-}
