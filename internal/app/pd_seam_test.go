@@ -360,48 +360,6 @@ func TestMooncakeEngineIDsRelearnedAfterARestart(t *testing.T) {
 	waitFor(t, handsOff) // the old id would make every handoff fail: the new one was learned
 }
 
-// Item 3: a retryable decode failure re-ran the whole pair, abandoning the KV the prefill had
-// pinned and doubling prefill load under decode overload. The decode is sent again, alone, to
-// another decode with the same handoff.
-func TestPDDecodeRetriedAloneWithTheSameHandoff(t *testing.T) {
-	t.Parallel()
-	for _, connector := range []string{"NixlConnector", "MooncakeConnector"} {
-		t.Run(connector, func(t *testing.T) {
-			t.Parallel()
-			mode := map[string]string{"NixlConnector": sim.ConnectorNixl, "MooncakeConnector": sim.ConnectorMooncake}[connector]
-			p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: mode, EngineID: "p"})
-			busy := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: mode, Faults: sim.Faults{Status: 503}})
-			ok := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: mode})
-			cfg := config.Default()
-			cfg.PDDisaggregation = true
-			cfg.PDMooncakeDispatch = "sequential"
-			cfg.CircuitBreaker.Disable = true // keep the busy decode in rotation: every other request meets it
-			pw := config.Worker{URL: p.URL(), Role: config.RolePrefill, KVConnector: connector, KVEngineID: "p"}
-			if bp := p.BootstrapPort(); bp != 0 {
-				pw.BootstrapPort = &bp
-			}
-			cfg.Workers = []config.Worker{pw, {URL: busy.URL(), Role: config.RoleDecode}, {URL: ok.URL(), Role: config.RoleDecode}}
-			g, gw := startGateway(t, cfg)
-			const n = 6
-			for i := 0; i < n; i++ {
-				resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"decode again `+strings.Repeat("w", i)+`","max_tokens":2}`)
-				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote || resp.Header.Get("X-Baton-Decode-Worker") != ok.URL() {
-					t.Fatalf("request %d: %d, KV %q, decode %s: %s", i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), resp.Header.Get("X-Baton-Decode-Worker"), body)
-				}
-			}
-			if s := p.Stats(); s.RequestsReceived != n {
-				t.Errorf("the prefill served %d requests for %d: a decode failure re-ran it", s.RequestsReceived, n)
-			}
-			if v := testutil.ToFloat64(g.Metrics.PDDecodeRetries); v == 0 {
-				t.Error("no decode retry was counted")
-			}
-			if v := testutil.ToFloat64(g.Metrics.PDHandoffsAbandoned.WithLabelValues(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[connector])); v != 0 {
-				t.Errorf("%v handoffs abandoned", v)
-			}
-		})
-	}
-}
-
 // X-Sim-Fault reaches simulated engines through the gateway only when asked for.
 func TestSimFaultsThroughTheGateway(t *testing.T) {
 	t.Parallel()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -125,6 +126,7 @@ type sequence struct {
 	model, runtime string
 	start          time.Time
 	outcome        Outcome
+	unreached      bool // the last decode leg could not connect to its worker
 }
 
 func (s *sequence) run() error {
@@ -204,15 +206,21 @@ func decodeBody(body, params []byte) ([]byte, error) {
 	return openai.Delete(body, keyKVTransferParams)
 }
 
-// decodeAgain sends the decode leg, and while it fails before its first byte with a retryable
-// status, sends it again to another decode worker with the same handoff: the KV stays pinned on
-// the prefill until pulled or expired, so a new pair would waste the prefill's work (and double
-// prefill load when the decodes are overloaded). When no other decode can take it, the last
-// failure is returned and the request's own retry starts over with a new pair.
+// decodeAgain sends the decode leg and, while the decode could not even be reached (its
+// connection never opened, so no engine saw the request), sends it again to another decode
+// worker with the same handoff: the KV is still pinned on the prefill, and a new pair would
+// waste the prefill's work.
+//
+// After any HTTP answer from a decode the handoff is spent: vLLM (≥ 0.21) tells the prefill to
+// free the blocks when its serving layer refuses a request (overload 503, a 4xx, a 500 before
+// the engine took it), and a decode that pulled the KV and then failed freed them too. Another
+// decode given the same params would read blocks the prefill may already have reused — NIXL
+// cannot tell, and the answer would be 200 and wrong. Such a failure goes back to the request's
+// retry loop, which starts over with a new pair and a new prefill.
 func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool, error) {
 	started, err := s.decode(body, pu)
 	var avoid map[string]bool
-	for n := 0; handed && !started && n < s.x.RedecodeAttempts && s.x.Redecode != nil && retryableLeg(err); n++ {
+	for n := 0; handed && !started && s.unreached && n < s.x.RedecodeAttempts && s.x.Redecode != nil && retryableLeg(err); n++ {
 		if avoid == nil {
 			avoid = map[string]bool{}
 		}
@@ -222,7 +230,7 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 			break
 		}
 		s.x.Metrics.PDDecodeRetries.Inc()
-		s.x.Log.Info("decode failed before its first byte; sending the decode alone to another worker with the same handoff",
+		s.x.Log.Info("decode could not be reached; sending the decode alone to another worker with the same handoff",
 			"failed", s.pair.Decode.URL, "decode", d.URL, "prefill", s.pair.Prefill.URL, "err", err)
 		s.pair.Decode = d
 		s.rw.Header().Set(openai.HeaderDecodeWorker, d.URL)
@@ -230,6 +238,13 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 		started, err = s.decode(body, pu)
 	}
 	return started, err
+}
+
+// unreached reports whether err is a failure to open a connection to the worker: the request
+// never left Baton, so no engine saw it or its kv_transfer_params.
+func unreached(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
 }
 
 // retryableLeg reports whether a leg's failure before its first byte may succeed elsewhere.
@@ -275,6 +290,7 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 		leg.OnRank(rank)
 	}
 	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr})
+	s.unreached = err != nil && unreached(err)
 	if err != nil {
 		return false, s.x.Proxy.Failure(s.r, leg, err)
 	}
@@ -324,11 +340,11 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pa
 	return e
 }
 
-// abandoned counts a handoff prepared but never consumed: the prefill's KV stays pinned until
-// the engine's timeout.
+// abandoned counts a handoff prepared but never consumed: the prefill frees its KV when the
+// decode refused the request (vLLM ≥ 0.21), else at the engine's timeout.
 func (x *Sequential) abandoned(conn Connector, pair worker.Pair, outcome Outcome) {
 	x.Metrics.PDHandoffsAbandoned.WithLabelValues(conn.Mode).Inc()
-	x.Log.Warn("KV handoff prepared but never consumed; the prefill holds it until its timeout",
+	x.Log.Warn("KV handoff prepared but never consumed; the prefill frees it on the decode's refusal or at its timeout",
 		"connector", conn.Mode, "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "outcome", outcome)
 }
 

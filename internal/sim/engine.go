@@ -69,6 +69,8 @@ type Stats struct {
 	HandoffsPinned         int64 // prefill KV pinned for a decode engine
 	HandoffsPulled         int64 // pinned KV taken by a decode engine
 	HandoffsExpired        int64 // pinned KV freed by timeout, never taken
+	HandoffsReleased       int64 // pinned KV freed because the decode engine refused its request
+	StaleKVReads           int64 // KV read after it was freed: the decode's answer is built on another request's blocks
 	KVLoadFailures         int64 // decode could not load the KV it was told about
 	KVConnectorMismatches  int64 // decode got params of a connector it does not run: no transfer
 	PrefixCacheQueries     int64 // prompt tokens looked up in the prefix cache
@@ -83,6 +85,7 @@ type Stats struct {
 type stats struct {
 	remote, recompute, local                  atomic.Int64
 	pinned, pulled, expired, loadFail         atomic.Int64
+	released, staleReads                      atomic.Int64
 	mismatch                                  atomic.Int64
 	cacheQueries, cacheHits                   atomic.Int64
 	received, ok, failed, cancelled, rejected atomic.Int64
@@ -94,6 +97,7 @@ func (e *Engine) Stats() Stats {
 	return Stats{
 		PromptTokensRemote: s.remote.Load(), PromptTokensRecompute: s.recompute.Load(), PromptTokensLocalCache: s.local.Load(),
 		HandoffsPinned: s.pinned.Load(), HandoffsPulled: s.pulled.Load(), HandoffsExpired: s.expired.Load(),
+		HandoffsReleased: s.released.Load(), StaleKVReads: s.staleReads.Load(),
 		KVLoadFailures: s.loadFail.Load(), KVConnectorMismatches: s.mismatch.Load(),
 		PrefixCacheQueries: s.cacheQueries.Load(), PrefixCacheHits: s.cacheHits.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
 		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(),
@@ -342,7 +346,8 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	counter("prompt_tokens_by_source_total", "Prompt tokens by where their KV came from.", "source",
 		sample{"external_kv_transfer", s.PromptTokensRemote}, sample{"local_compute", s.PromptTokensRecompute}, sample{"local_cache_hit", s.PromptTokensLocalCache})
 	counter("kv_handoffs_total", "Prefill KV handoffs by event.", "event",
-		sample{"pinned", s.HandoffsPinned}, sample{"pulled", s.HandoffsPulled}, sample{"expired", s.HandoffsExpired}, sample{"load_failed", s.KVLoadFailures})
+		sample{"pinned", s.HandoffsPinned}, sample{"pulled", s.HandoffsPulled}, sample{"expired", s.HandoffsExpired}, sample{"load_failed", s.KVLoadFailures},
+		sample{"released", s.HandoffsReleased}, sample{"stale_read", s.StaleKVReads})
 	plain := func(name, help string, v int64) {
 		fmt.Fprintf(&b, "# HELP %s%s %s\n# TYPE %s%s counter\n%s%s %d\n", p, name, help, p, name, p, name, v)
 	}

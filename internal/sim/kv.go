@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/url"
@@ -38,8 +39,15 @@ type pinnedKV struct {
 	Digest       string    `json:"digest"`
 	PinnedAt     time.Time `json:"pinned_at"`
 	ExpiresAt    time.Time `json:"expires_at"`
-	timer        *time.Timer
+	// Stale marks blocks read after the prefill freed them (pulled before, or released when a
+	// decode refused the request): the read succeeds, but the blocks may hold another request's
+	// KV. vLLM can only log "Potentially invalid KV blocks"; the decode answers from them.
+	Stale bool `json:"stale,omitempty"`
+	timer *time.Timer
 }
+
+// maxFreed bounds the ids a prefill remembers as freed, oldest forgotten first.
+const maxFreed = 4096
 
 // kvStore holds pinned KV until a decode engine takes it or it expires.
 type kvStore struct {
@@ -47,10 +55,41 @@ type kvStore struct {
 	mu      sync.Mutex
 	m       map[string]*pinnedKV
 	waiters map[string][]chan struct{}
+	// freed are ids whose blocks were given back (pulled, or released on a decode's refusal),
+	// in order, for stale reads.
+	freed     map[string]*pinnedKV
+	freedList []string
 }
 
 func newKVStore(e *Engine) *kvStore {
-	return &kvStore{e: e, m: map[string]*pinnedKV{}, waiters: map[string][]chan struct{}{}}
+	return &kvStore{e: e, m: map[string]*pinnedKV{}, waiters: map[string][]chan struct{}{}, freed: map[string]*pinnedKV{}}
+}
+
+// free remembers p as freed; s.mu is held.
+func (s *kvStore) free(p *pinnedKV) {
+	if len(s.freedList) >= maxFreed {
+		delete(s.freed, s.freedList[0])
+		s.freedList = s.freedList[1:]
+	}
+	s.freed[p.ID] = p
+	s.freedList = append(s.freedList, p.ID)
+}
+
+// release frees the KV pinned under id for engineID at once: a decode engine refused the
+// request it was meant for (vLLM's notify_kv_transfer_request_rejected). It reports whether
+// anything was pinned.
+func (s *kvStore) release(id, engineID string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, ok := s.m[id]
+	if !ok || p.EngineID != engineID {
+		return false
+	}
+	delete(s.m, id)
+	p.timer.Stop()
+	s.free(p)
+	s.e.stats.released.Add(1)
+	return true
 }
 
 func (s *kvStore) pin(p *pinnedKV) {
@@ -80,6 +119,14 @@ func (s *kvStore) take(id, engineID string) (*pinnedKV, *apiError) {
 	defer s.mu.Unlock()
 	p, ok := s.m[id]
 	if !ok {
+		if f, was := s.freed[id]; was && f.EngineID == engineID {
+			// The blocks were freed and may already hold another request's KV: the read goes
+			// through, and the decode builds its answer on whatever they hold.
+			s.e.stats.staleReads.Add(1)
+			stale := *f
+			stale.Stale, stale.timer = true, nil
+			return &stale, nil
+		}
 		return nil, errorf(http.StatusNotFound, "no KV pinned under %q (unknown or expired)", id)
 	}
 	if p.EngineID != engineID {
@@ -87,6 +134,7 @@ func (s *kvStore) take(id, engineID string) (*pinnedKV, *apiError) {
 	}
 	delete(s.m, id)
 	p.timer.Stop()
+	s.free(p)
 	s.e.stats.pulled.Add(1)
 	return p, nil
 }
@@ -99,6 +147,10 @@ func (s *kvStore) wait(ctx context.Context, id, engineID string, timeout time.Du
 	for {
 		s.mu.Lock()
 		_, ok := s.m[id]
+		if _, gone := s.freed[id]; !ok && gone {
+			s.mu.Unlock()
+			return nil, errorf(http.StatusGone, "transfer %q was already sent or released", id)
+		}
 		var ch chan struct{}
 		if !ok {
 			ch = make(chan struct{})
@@ -149,7 +201,16 @@ func (e *Engine) sideRoutes(rank int) http.Handler {
 		}
 		writeJSON(w, 200, p)
 	})
+	mux.HandleFunc("POST /nixl/release", e.serveRelease("request_id"))
 	return mux
+}
+
+// serveRelease frees the KV a decode engine refused, keyed by the query parameter key.
+func (e *Engine) serveRelease(key string) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		writeJSON(w, 200, map[string]any{"released": e.kv.release(q.Get(key), q.Get("engine_id"))})
+	}
 }
 
 // bootstrapRoutes is the bootstrap server of a prefill engine: Mooncake's query/register and
@@ -178,6 +239,7 @@ func (e *Engine) bootstrapRoutes() http.Handler {
 		}
 		writeJSON(w, 200, p)
 	})
+	mux.HandleFunc("POST /mooncake/release", e.serveRelease("transfer_id"))
 	mux.HandleFunc("GET /route", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, 200, map[string]any{"prefill_dp_size": e.cfg.DPSize, "prefill_tp_size": 1})
 	})
@@ -185,54 +247,100 @@ func (e *Engine) bootstrapRoutes() http.Handler {
 	return mux
 }
 
-// loadRemote loads the KV a decode request was told about. It returns true when the KV was
-// loaded, false to recompute, or an error to fail the request (kv-load-failure-policy fail).
-func (e *Engine) loadRemote(ctx context.Context, kv *kvParams, prompt []uint32) (bool, *apiError) {
+// loadRemote loads the KV a decode request was told about. It returns loaded true when the KV
+// was loaded, false to recompute, or an error to fail the request (kv-load-failure-policy
+// fail); stale reports KV read from blocks the prefill had already freed, which the engine
+// cannot tell from good KV.
+func (e *Engine) loadRemote(ctx context.Context, kv *kvParams, prompt []uint32) (loaded, stale bool, aerr *apiError) {
 	if kv == nil || !kv.DoRemotePrefill {
-		return false, nil
+		return false, false, nil
 	}
-	var (
-		u   string
-		eng string
-	)
+	u, eng, ok := e.kvSource(kv)
+	if !ok {
+		return false, false, nil
+	}
+	p, err := e.fetchKV(ctx, u)
+	switch {
+	case err == nil && p.Stale:
+		return true, true, nil
+	case err == nil && p.Digest != fmt.Sprintf("%016x", Digest(prompt)):
+		err = fmt.Errorf("KV from %s is for a different prompt", eng)
+	case err == nil:
+		return true, false, nil
+	}
+	if ctx.Err() != nil {
+		return false, false, errorf(499, "client left")
+	}
+	e.stats.loadFail.Add(1)
+	if e.cfg.KVLoadFailure == PolicyRecompute {
+		return false, false, nil
+	}
+	return false, false, errorf(http.StatusInternalServerError, "KV load failed: %v", err)
+}
+
+// kvSource returns where this decode engine reads the KV that kv names (its side-channel or
+// bootstrap URL) and the remote engine id, or ok false when its connector finds no transfer in
+// them: the engine then recomputes, silently.
+func (e *Engine) kvSource(kv *kvParams) (u, eng string, ok bool) {
 	mooncake := kv.TransferID != nil || kv.RemoteBootstrapAddr != nil
 	if (mooncake && e.cfg.KVConnector != ConnectorMooncake) || (!mooncake && e.cfg.KVConnector != ConnectorNixl) {
 		// The engine's own connector reads the params: NIXL finds no block ids in Mooncake's
 		// ("Got invalid KVTransferParams"), Mooncake no transfer_id in NIXL's. No transfer.
 		e.stats.mismatch.Add(1)
-		return false, nil
+		return "", "", false
 	}
-	switch {
-	case mooncake:
+	if mooncake {
 		if kv.TransferID == nil || kv.RemoteEngineID == nil || kv.RemoteBootstrapAddr == nil {
-			return false, nil // vLLM warns and does no transfer: a silent recompute
+			return "", "", false // vLLM warns and does no transfer: a silent recompute
 		}
 		eng = *kv.RemoteEngineID
-		u = fmt.Sprintf("%s/mooncake/fetch?transfer_id=%s&engine_id=%s&timeout=%s", *kv.RemoteBootstrapAddr,
-			url.QueryEscape(*kv.TransferID), url.QueryEscape(eng), e.cfg.BootstrapTimeout)
-	default: // NIXL
-		if len(kv.RemoteBlockIDs) == 0 || kv.RemoteEngineID == nil || kv.RemoteRequestID == nil || kv.RemoteHost == nil || kv.RemotePort == nil {
-			return false, nil // "Got invalid KVTransferParams": no transfer
-		}
-		eng = *kv.RemoteEngineID
-		u = fmt.Sprintf("http://%s/nixl/pull?request_id=%s&engine_id=%s", netJoin(*kv.RemoteHost, *kv.RemotePort),
-			url.QueryEscape(*kv.RemoteRequestID), url.QueryEscape(eng))
+		return fmt.Sprintf("%s/mooncake/fetch?transfer_id=%s&engine_id=%s&timeout=%s", *kv.RemoteBootstrapAddr,
+			url.QueryEscape(*kv.TransferID), url.QueryEscape(eng), e.cfg.BootstrapTimeout), eng, true
 	}
-	p, err := e.fetchKV(ctx, u)
-	if err == nil && p.Digest != fmt.Sprintf("%016x", Digest(prompt)) {
-		err = fmt.Errorf("KV from %s is for a different prompt", eng)
+	if len(kv.RemoteBlockIDs) == 0 || kv.RemoteEngineID == nil || kv.RemoteRequestID == nil || kv.RemoteHost == nil || kv.RemotePort == nil {
+		return "", "", false // "Got invalid KVTransferParams": no transfer
 	}
-	if err == nil {
-		return true, nil
+	eng = *kv.RemoteEngineID
+	return fmt.Sprintf("http://%s/nixl/pull?request_id=%s&engine_id=%s", netJoin(*kv.RemoteHost, *kv.RemotePort),
+		url.QueryEscape(*kv.RemoteRequestID), url.QueryEscape(eng)), eng, true
+}
+
+// refuseKV tells the prefill named in a refused decode request's kv_transfer_params to free
+// the KV at once, as vLLM's serving layer does for a request it answers with an error before
+// the engine takes it (_with_kv_transfer_rejection_cleanup → notify_kv_transfer_request_rejected,
+// vLLM ≥ 0.21). body is the refused request's.
+func (e *Engine) refuseKV(body []byte) {
+	if e.cfg.Engine != EngineVLLM || e.cfg.Role == RolePrefill || e.cfg.KVConnector == ConnectorNone {
+		return
 	}
-	if ctx.Err() != nil {
-		return false, errorf(499, "client left")
+	var raw struct {
+		KV *kvParams `json:"kv_transfer_params"`
 	}
-	e.stats.loadFail.Add(1)
-	if e.cfg.KVLoadFailure == PolicyRecompute {
-		return false, nil
+	if json.Unmarshal(body, &raw) != nil || raw.KV == nil || !raw.KV.DoRemotePrefill {
+		return
 	}
-	return false, errorf(http.StatusInternalServerError, "KV load failed: %v", err)
+	kv := raw.KV
+	var u string
+	switch {
+	case kv.TransferID != nil && kv.RemoteBootstrapAddr != nil && kv.RemoteEngineID != nil:
+		u = fmt.Sprintf("%s/mooncake/release?transfer_id=%s&engine_id=%s", *kv.RemoteBootstrapAddr,
+			url.QueryEscape(*kv.TransferID), url.QueryEscape(*kv.RemoteEngineID))
+	case kv.RemoteHost != nil && kv.RemotePort != nil && kv.RemoteRequestID != nil && kv.RemoteEngineID != nil:
+		u = fmt.Sprintf("http://%s/nixl/release?request_id=%s&engine_id=%s", netJoin(*kv.RemoteHost, *kv.RemotePort),
+			url.QueryEscape(*kv.RemoteRequestID), url.QueryEscape(*kv.RemoteEngineID))
+	default:
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, nil)
+	if err != nil {
+		return
+	}
+	if resp, err := e.client.Do(req); err == nil {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
 }
 
 func (e *Engine) fetchKV(ctx context.Context, u string) (*pinnedKV, error) {

@@ -46,20 +46,24 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 			e.stats.cancelled.Add(1)
 			return
 		}
+		// Refusals before the engine takes the request free the prefill's KV it names.
 		if f.fails() {
 			e.stats.failed.Add(1)
+			e.refuseKV(body)
 			e.writeError(w, errorf(f.Status, "injected fault: status %d", f.Status))
 			return
 		}
 		j, aerr := e.parse(rt, r, body)
 		if aerr != nil {
 			e.stats.failed.Add(1)
+			e.refuseKV(body)
 			e.writeError(w, aerr)
 			return
 		}
 		release, ok, err := e.admit(ctx)
 		if !ok {
 			e.stats.rejected.Add(1)
+			e.refuseKV(body)
 			e.writeError(w, errorf(503, "The request queue is full."))
 			return
 		}
@@ -173,9 +177,12 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 	}
 	if e.cfg.Engine == EngineVLLM {
 		if j.kv != nil && j.kv.DoRemotePrefill && e.cfg.Role != RolePrefill {
-			loaded, aerr := e.loadRemote(ctx, j.kv, it.prompt)
+			loaded, stale, aerr := e.loadRemote(ctx, j.kv, it.prompt)
 			if aerr != nil {
 				return aerr
+			}
+			if stale {
+				res.digest ^= staleKV // the answer is built on whatever the freed blocks held
 			}
 			if loaded {
 				return cancelled(remote(n - 1))
@@ -225,6 +232,10 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 	}
 	return cancelled(local())
 }
+
+// staleKV changes the digest of a prompt whose KV was read from freed blocks: its answer
+// differs from the one the prompt's own KV gives.
+const staleKV = 0x5d1e_57a1_e0ff_ba5e
 
 // inputLogprobs are SGLang's input_token_logprobs for prompt positions [from, to).
 func inputLogprobs(prompt []uint32, from, to int) [][]any {

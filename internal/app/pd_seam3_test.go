@@ -1,0 +1,109 @@
+package app
+
+// The PD seam, third pass: each test here fails on the gateway before it, against simulators
+// that behave as the engines' current source does.
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// connectorModes maps Baton's connector names to the simulator's and to the metrics label.
+var connectorModes = map[string]string{"NixlConnector": sim.ConnectorNixl, "MooncakeConnector": sim.ConnectorMooncake}
+
+// decodePairFleet starts one vLLM prefill and the given decodes with connector, and a gateway
+// over them (Mooncake dispatched sequentially, the breaker off so that every decode stays in
+// rotation).
+func decodePairFleet(t *testing.T, connector string, decodes []sim.Config, tune ...func(*timing)) (*sim.Engine, []*sim.Engine, *Gateway, string) {
+	t.Helper()
+	mode := connectorModes[connector]
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: mode, EngineID: "p"})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.PDMooncakeDispatch = "sequential"
+	cfg.CircuitBreaker.Disable = true
+	pw := config.Worker{URL: p.URL(), Role: config.RolePrefill, KVConnector: connector, KVEngineID: "p"}
+	if bp := p.BootstrapPort(); bp != 0 {
+		pw.BootstrapPort = &bp
+	}
+	cfg.Workers = []config.Worker{pw}
+	var ds []*sim.Engine
+	for _, dc := range decodes {
+		dc.Engine, dc.Role, dc.KVConnector = sim.EngineVLLM, sim.RoleDecode, mode
+		d := simEngine(t, dc)
+		ds = append(ds, d)
+		cfg.Workers = append(cfg.Workers, config.Worker{URL: d.URL(), Role: config.RoleDecode})
+	}
+	g, gw := startGateway(t, cfg, tune...)
+	return p, ds, g, gw.URL
+}
+
+// Item 1: a decode that answered (here 503, as vLLM's admission control does) has spent the
+// handoff: vLLM's serving layer tells the prefill to free the blocks. Sending the same params to
+// another decode read freed blocks and answered 200 with a wrong text. The request starts over
+// with a new prefill instead.
+func TestPDDecodeAnswerStartsOverWithANewPrefill(t *testing.T) {
+	t.Parallel()
+	for connector := range connectorModes {
+		t.Run(connector, func(t *testing.T) {
+			t.Parallel()
+			p, ds, g, gw := decodePairFleet(t, connector, []sim.Config{{Faults: sim.Faults{Status: 503}}, {}})
+			agg := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+			const n = 6
+			for i := 0; i < n; i++ {
+				body := `{"model":"m","prompt":"decode again ` + strings.Repeat("w", i) + `","max_tokens":4}`
+				_, want := postTimeout(t, agg.URL()+"/v1/completions", body)
+				resp, got := postTimeout(t, gw+"/v1/completions", body)
+				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote || resp.Header.Get("X-Baton-Decode-Worker") != ds[1].URL() {
+					t.Fatalf("request %d: %d, KV %q, decode %s: %s", i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), resp.Header.Get("X-Baton-Decode-Worker"), got)
+				}
+				if stripIDs(got) != stripIDs(want) {
+					t.Fatalf("request %d: PD answer\n%s\nwant (aggregated)\n%s", i, got, want)
+				}
+			}
+			s := p.Stats()
+			if s.StaleKVReads != 0 {
+				t.Errorf("%d decodes read KV the prefill had freed", s.StaleKVReads)
+			}
+			if s.HandoffsReleased == 0 || s.RequestsReceived != n+s.HandoffsReleased {
+				t.Errorf("prefill served %d requests, %d handoffs released by the busy decode: want one new prefill per refusal", s.RequestsReceived, s.HandoffsReleased)
+			}
+			if v := testutil.ToFloat64(g.Metrics.PDDecodeRetries); v != 0 {
+				t.Errorf("%v decodes retried alone after an answer", v)
+			}
+		})
+	}
+}
+
+// Item 1, the other side: a decode whose connection cannot even be opened never saw the
+// request, so the KV is still pinned: the decode alone goes to another worker with the same
+// handoff, and the prefill is not run again.
+func TestPDDecodeUnreachableRetriedAlone(t *testing.T) {
+	t.Parallel()
+	for connector := range connectorModes {
+		t.Run(connector, func(t *testing.T) {
+			t.Parallel()
+			p, ds, g, gw := decodePairFleet(t, connector, []sim.Config{{}, {}}, func(tm *timing) { tm.healthInterval = time.Hour })
+			ds[0].Close() // registered, then gone: its port refuses connections
+			const n = 6
+			for i := 0; i < n; i++ {
+				resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"unreachable `+strings.Repeat("u", i)+`","max_tokens":2}`)
+				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+					t.Fatalf("request %d: %d, KV %q: %s", i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), body)
+				}
+			}
+			if s := p.Stats(); s.RequestsReceived != n || s.StaleKVReads != 0 {
+				t.Errorf("the prefill served %d requests for %d (%d stale reads): an unreachable decode re-ran it", s.RequestsReceived, n, s.StaleKVReads)
+			}
+			if v := testutil.ToFloat64(g.Metrics.PDDecodeRetries); v == 0 {
+				t.Error("no decode was retried alone")
+			}
+		})
+	}
+}
