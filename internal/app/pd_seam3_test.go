@@ -4,6 +4,8 @@ package app
 // that behave as the engines' current source does.
 
 import (
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -105,5 +107,37 @@ func TestPDDecodeUnreachableRetriedAlone(t *testing.T) {
 				t.Error("no decode was retried alone")
 			}
 		})
+	}
+}
+
+// Item 2: a client's kv_transfer_params reached a vLLM engine on the regular path (pinning KV
+// for minutes, or making the engine connect where the client said), and SGLang's bootstrap and
+// DP rank fields likewise. Baton owns them: they never reach an engine from a client, on any
+// route, while every other byte passes unchanged.
+func TestClientNeverSetsHandoffFields(t *testing.T) {
+	t.Parallel()
+	got := make(chan string, 8)
+	record := func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return // registration probes
+		}
+		b, _ := io.ReadAll(r.Body)
+		got <- string(b)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"index":0,"text":"x"}]}`)
+	}
+	vllm, sglang := fakeEngine(t, "vllm", []string{"m"}, record), fakeEngine(t, "sglang", []string{"m"}, record)
+	_, gw := startGateway(t, testConfig(vllm.URL, sglang.URL))
+	body := `{"model":"m","prompt":"p","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.1","remote_port":1},` +
+		`"x":18446744073709551617,"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7,"bootstrap_pair_key":"k",` +
+		`"routed_dp_rank":1,"disagg_prefill_dp_rank":1,"data_parallel_rank":1,"u":"\u00e9"}`
+	for _, route := range []string{"/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages"} {
+		resp, answer := postTimeout(t, gw.URL+route, body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", route, resp.StatusCode, answer)
+		}
+		if b, want := <-got, `{"model":"m","prompt":"p","x":18446744073709551617,"u":"\u00e9"}`; b != want {
+			t.Errorf("%s: the engine received\n%s\nwant\n%s", route, b, want)
+		}
 	}
 }
