@@ -141,3 +141,39 @@ func TestClientNeverSetsHandoffFields(t *testing.T) {
 		}
 	}
 }
+
+// Item 4: SGLang's /v1/responses drops the bootstrap fields, so its legs never met and the
+// decode waited out its bootstrap timeout. On SGLang pairs it is refused at once, clearly, and
+// no leg is sent.
+func TestPDSGLangResponsesRefused(t *testing.T) {
+	t.Parallel()
+	p, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	resp, body := postTimeout(t, gw+"/v1/responses", `{"model":"m","input":"hello","max_output_tokens":3}`)
+	if resp.StatusCode != 501 || !strings.Contains(body, "not_implemented_in_pd_mode") || !strings.Contains(body, "bootstrap") {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	if p.Stats().RequestsReceived+d.Stats().RequestsReceived != 0 {
+		t.Error("a leg was sent")
+	}
+	if resp, body := postTimeout(t, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`); resp.StatusCode != 200 {
+		t.Errorf("chat on the same pair: %d %s", resp.StatusCode, body)
+	}
+}
+
+// Item 5: a prompt_embeds list is a batch like a prompt list: counted against max_batch_size,
+// and never handed off as one request.
+func TestPDPromptEmbedsListIsABatch(t *testing.T) {
+	t.Parallel()
+	p, _, _, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) { c.MaxBatchSize = 2 })
+	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt_embeds":["QUFB","QkJC","Q0ND"],"max_tokens":2}`)
+	if resp.StatusCode != 400 || !strings.Contains(body, "batch_too_large") {
+		t.Fatalf("3 prompt_embeds with max_batch_size 2: %d %s", resp.StatusCode, body)
+	}
+	resp, body = postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"x","prompt_embeds":["QUFB"],"max_tokens":2}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-batch" {
+		t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
+	}
+	if n := p.Stats().RequestsReceived; n != 0 {
+		t.Errorf("the prefill served %d requests", n)
+	}
+}

@@ -14,6 +14,7 @@ const (
 	CodePayloadTooLarge     = "payload_too_large"
 	CodeInvalidAPIKey       = "invalid_api_key"
 	CodeModelNotFound       = "model_not_found"
+	CodeNotImplementedInPD  = "not_implemented_in_pd_mode"
 	CodeNoAvailableWorkers  = "no_available_workers"
 	CodeUpstreamUnreachable = "upstream_unreachable"
 	CodeUpstreamTimeout     = "upstream_timeout"

@@ -70,7 +70,8 @@ func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 
 // BatchSize returns how many sequences the request holds for bootstrap purposes, or 0 for a
 // single one: a /generate batch (text list or input_ids list of lists), a /v1/completions prompt
-// list (of strings or of token lists; a flat token list is one prompt), or chat n>1. It counts
+// list (of strings or of token lists; a flat token list is one prompt) and prompt_embeds list
+// (of base64 tensors), or chat n>1. It counts
 // at most limit, without allocating: a client's list never costs more than its bytes.
 func BatchSize(req *Request, limit int) int {
 	switch req.Path {
@@ -82,9 +83,16 @@ func BatchSize(req *Request, limit int) int {
 			return listLen(raw, false, limit)
 		}
 	case "/v1/completions":
+		// vLLM's CompletionRequest takes prompt_embeds as one base64 tensor or a list of them,
+		// beside or instead of prompt: each listed tensor is one more prompt.
+		n := 0
 		if raw, ok := openai.Get(req.Body, "prompt"); ok {
-			return listLen(raw, true, limit)
+			n = listLen(raw, true, limit)
 		}
+		if raw, ok := openai.Get(req.Body, "prompt_embeds"); ok && n <= limit {
+			n += listLen(raw, false, limit)
+		}
+		return n
 	case "/v1/chat/completions":
 		if req.N > 1 {
 			return req.N

@@ -36,6 +36,10 @@ func TestBatchSize(t *testing.T) {
 		{"/generate", `{"text":[ "a" , "b" ]}`, 2},
 		{"/generate", `{"text":[]}`, 0},
 		{"/v1/completions", `{"prompt":[["a"],"b"]}`, 2},
+		{"/v1/completions", `{"prompt_embeds":"QUFB"}`, 0}, // one tensor
+		{"/v1/completions", `{"prompt_embeds":["QUFB","QkJC"]}`, 2},
+		{"/v1/completions", `{"prompt":"a","prompt_embeds":["QUFB"]}`, 1},
+		{"/v1/completions", `{"prompt":["a","b"],"prompt_embeds":["QUFB"]}`, 3},
 	} {
 		if got := BatchSize(req(tc.path, tc.body), 1<<20); got != tc.want {
 			t.Errorf("BatchSize(%s %s) = %d, want %d", tc.path, tc.body, got, tc.want)

@@ -29,10 +29,15 @@ type NoWorkerError struct {
 	// Incompatible means decodes are available, but none can take an available prefill's KV
 	// (their KV connectors differ).
 	Incompatible bool
+	// Route, when set, is a route no available prefill can serve disaggregated, whatever its
+	// load: a failure no retry mends.
+	Route string
 }
 
 func (e *NoWorkerError) Error() string {
 	switch {
+	case e.Route != "":
+		return fmt.Sprintf("%s cannot be served through SGLang prefill/decode pairs: SGLang's %s request carries no bootstrap fields, so its legs would never meet; send /v1/chat/completions, or add vLLM pairs or regular workers", e.Route, e.Route)
 	case e.Unserved:
 		return fmt.Sprintf("the model %q is not served by any worker", e.Model)
 	case e.Incompatible:
@@ -113,6 +118,9 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 	if len(prefills) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model}
 	}
+	if prefills = handingOff(prefills, req.Path); len(prefills) == 0 {
+		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Route: req.Path}
+	}
 	decodes := preferOthers(worker.Available(serving(dc, req.Path)), avoid)
 	if len(decodes) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
@@ -124,6 +132,24 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 	p.Prefill = s.pick(config.RolePrefill, prefills, req)
 	p.Decode = s.pick(config.RoleDecode, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
 	return p, nil
+}
+
+// handingOff returns the prefills of ws that can serve path disaggregated: SGLang's
+// ResponsesRequest has no bootstrap_host/port/room (python/sglang/srt/entrypoints/openai/
+// protocol.py), so /v1/responses reaches an SGLang pair without them and its decode waits out
+// its bootstrap timeout; only vLLM prefills (the sequential relay) take it. It allocates only
+// when some cannot.
+func handingOff(ws []*worker.Worker, path string) []*worker.Worker {
+	if path != "/v1/responses" {
+		return ws
+	}
+	var out []*worker.Worker
+	for _, w := range ws {
+		if w.Runtime() == config.RuntimeVLLM {
+			out = append(out, w)
+		}
+	}
+	return out
 }
 
 // withPartners returns the prefills that some decode of decodes can take the KV of.

@@ -523,7 +523,7 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	}
 	defer release()
 	if s.opts.PD && !s.sel.HasRole(config.RoleRegular) {
-		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: "not_implemented_in_pd_mode",
+		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD,
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
@@ -578,6 +578,9 @@ func selectionError(err error) *openai.Error {
 	var nw *policy.NoWorkerError
 	if errors.As(err, &nw) && nw.Unserved {
 		return &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()}
+	}
+	if errors.As(err, &nw) && nw.Route != "" {
+		return &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD, NoRetry: true, Message: err.Error()}
 	}
 	return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()}
 }

@@ -180,6 +180,10 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		}
 		j.items = append(j.items, item{prompt: p})
 	}
+	if e.cfg.Engine == EngineSGLang && rt == routeResponses {
+		// SGLang's ResponsesRequest has no bootstrap fields: they are dropped unread.
+		raw.BootstrapHost, raw.BootstrapPort, raw.BootstrapRoom = nil, nil, nil
+	}
 	if aerr := e.parseBootstrap(j, &raw); aerr != nil {
 		return nil, aerr
 	}
