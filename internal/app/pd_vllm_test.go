@@ -294,7 +294,7 @@ func TestPrefillProbePerRoute(t *testing.T) {
 	for _, tc := range []struct{ route, in, want string }{
 		{"/v1/chat/completions",
 			`{"model":"m","messages":[{"role":"user","content":"caf\u00e9"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"min_tokens":5,"stop":["x"],"stop_token_ids":[2],"n":1,"seed":9007199254740993,"extra":{"k":[1,2]},"kv_transfer_params":{"forged":true}}`,
-			`{"model":"m","messages":[{"role":"user","content":"caf\u00e9"}],"stream":false,"max_tokens":1,"n":1,"seed":9007199254740993,"extra":{"k":[1,2]},` + tag + `,"ignore_eos":true}`},
+			`{"model":"m","messages":[{"role":"user","content":"caf\u00e9"}],"stream":false,"max_tokens":1,"n":1,"seed":9007199254740993,"extra":{"k":[1,2]},"ignore_eos":true,` + tag + `}`}, // the client's kv_transfer_params never reach an engine
 		{"/v1/chat/completions",
 			`{"model":"m","messages":[],"max_completion_tokens":50,"max_tokens":40}`,
 			`{"model":"m","messages":[],"max_completion_tokens":1,"stream":false,"ignore_eos":true,` + tag + `}`},
