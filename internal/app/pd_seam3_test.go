@@ -177,3 +177,31 @@ func TestPDPromptEmbedsListIsABatch(t *testing.T) {
 		t.Errorf("the prefill served %d requests", n)
 	}
 }
+
+// Item 7: the decode's own usage is the engine's only word on whether it used the KV. A decode
+// that was handed params but computed the prompt (here its connector reads none of them: a
+// silent recompute) used to be reported as a NIXL handoff; now it is "recomputed", in the
+// header of a whole answer, the counter and the log, for streams too.
+func TestPDDecodeThatComputedThePromptIsARecompute(t *testing.T) {
+	t.Parallel()
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorMooncake})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
+	g, gw := startGateway(t, cfg)
+	resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"computed again after all","max_tokens":2}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "recomputed" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRecompute {
+		t.Fatalf("%d, handoff %q, KV %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
+	}
+	resp, body = postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"again"}],"max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`)
+	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") {
+		t.Fatalf("stream: %d %s", resp.StatusCode, body)
+	}
+	waitFor(t, func() bool {
+		return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("recomputed", "nixl")) == 2
+	})
+	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", "nixl")); v != 0 {
+		t.Errorf("%v recomputes counted as NIXL handoffs", v)
+	}
+}

@@ -55,8 +55,13 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			if !ok {
 				continue
 			}
-			status, handoff := checkPair(ctx, g, worker.Pair{Prefill: p, Decode: d}, model)
-			if status != http.StatusOK || handoff == "" || strings.HasPrefix(handoff, pd.HandoffNonePrefix) {
+			status, handoff, consumed := checkPair(ctx, g, worker.Pair{Prefill: p, Decode: d}, model)
+			switch {
+			case status != http.StatusOK || handoff == "" || strings.HasPrefix(handoff, pd.HandoffNonePrefix) || handoff == pd.HandoffRecomputed:
+				bad++
+			case consumed == pd.VerdictUnknown:
+				// Relayed, but nothing says the decode used it: not a green light.
+				handoff += " (unverified: the decode's usage has no prompt_tokens_details.cached_tokens; start vLLM with --enable-prompt-tokens-details)"
 				bad++
 			}
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\n", p.URL, d.URL, p.Runtime(), model, status, handoff)
@@ -116,9 +121,9 @@ func sharedModel(a, b *worker.Worker) (string, bool) {
 	return "", false
 }
 
-// checkPair sends pair one small completion through the PD path and returns the status and
-// the handoff Baton reported.
-func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model string) (int, string) {
+// checkPair sends pair one small completion through the PD path and returns the status, the
+// handoff Baton reported, and what the decode's usage said of it (pd.Request.Consumed).
+func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model string) (status int, handoff, consumed string) {
 	body := fmt.Sprintf(`{"model":%q,"prompt":"baton check: does this pair hand off its KV?","max_tokens":2}`, model)
 	if model == "" {
 		body = `{"prompt":"baton check: does this pair hand off its KV?","max_tokens":2}`
@@ -128,16 +133,17 @@ func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model stri
 	in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
 	req, err := openai.ParseRequest([]byte(body))
 	if err != nil {
-		return 0, err.Error()
+		return 0, err.Error(), ""
 	}
 	rec := httptest.NewRecorder()
-	err = g.Dispatcher.Execute(rec, in, &pd.Request{Request: req, Path: "/v1/completions"}, pair)
+	preq := &pd.Request{Request: req, Path: "/v1/completions"}
+	err = g.Dispatcher.Execute(rec, in, preq, pair)
 	var oe *openai.Error
 	if errors.As(err, &oe) {
-		return oe.Status, rec.Header().Get(openai.HeaderKVHandoff) + " (" + oe.Code + ")"
+		return oe.Status, rec.Header().Get(openai.HeaderKVHandoff) + " (" + oe.Code + ")", ""
 	}
 	if err != nil {
-		return http.StatusBadGateway, rec.Header().Get(openai.HeaderKVHandoff) + " (" + err.Error() + ")"
+		return http.StatusBadGateway, rec.Header().Get(openai.HeaderKVHandoff) + " (" + err.Error() + ")", ""
 	}
-	return rec.Code, rec.Header().Get(openai.HeaderKVHandoff)
+	return rec.Code, rec.Header().Get(openai.HeaderKVHandoff), preq.Consumed
 }

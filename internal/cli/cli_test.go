@@ -166,4 +166,21 @@ func TestCheckReportsEveryPair(t *testing.T) {
 	if err == nil || !strings.Contains(out.String(), "none-no-engine-id") {
 		t.Errorf("a Mooncake prefill whose engine id cannot be had: %v\n%s", err, out.String())
 	}
+	// Params relayed to a decode that computes the prompt anyway (its connector reads none of
+	// them), and to one whose usage cannot say: neither is a green light.
+	for _, tc := range []struct {
+		decode sim.Config
+		want   string
+	}{
+		{sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorMooncake}, "recomputed"},
+		{sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, NoPromptTokensDetails: true}, "unverified"},
+	} {
+		d := start(tc.decode)
+		out.Reset()
+		err := Run(t.Context(), []string{"check", "--pd-disaggregation", "--disable-health-check",
+			"--prefill", np.URL(), "--decode", d.URL(), "--kv-connector", "nixl"}, &out, io.Discard)
+		if err == nil || !strings.Contains(out.String(), tc.want) {
+			t.Errorf("want %s: %v\n%s", tc.want, err, out.String())
+		}
+	}
 }

@@ -44,7 +44,10 @@ const (
 	// echoed back: do_remote_decode still true).
 	HandoffNoneInvalid = "none-invalid-params"
 	// HandoffNoneFailed: the request failed before its decode answered; nothing was handed off.
-	HandoffNoneFailed    = "none-failed"
+	HandoffNoneFailed = "none-failed"
+	// HandoffRecomputed: the decode was handed the KV, but its own usage says it computed the
+	// prompt (consumed.go).
+	HandoffRecomputed    = "recomputed"
 	HandoffNonePrefix    = "none-"
 	DefaultBootstrapPort = 8998
 	keyKVTransferParams  = "kv_transfer_params"

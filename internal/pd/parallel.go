@@ -70,6 +70,8 @@ type concurrentPlan struct {
 	// the transforms of the decode's streamed events and of its whole body (nil: unchanged).
 	needPrefill bool
 	rewrite     func(p prefillResult) (event func([]byte) []byte, body func([]byte) []byte)
+	// check, when set, is what the decode's usage says about the handoff (vLLM Mooncake).
+	check *kvCheck
 }
 
 // concurrentResult is how a concurrent dispatch ended.
@@ -119,6 +121,8 @@ func (l *legs) ended() {
 	}
 	if !l.res.decodeStarted || o == OutcomePrefillFailed {
 		handoff = HandoffNoneFailed
+	} else if l.plan.check.recomputed() {
+		handoff = HandoffRecomputed
 	}
 	x := l.x
 	x.Metrics.PDRequests.WithLabelValues(l.model, l.plan.dispatch, string(o)).Inc()

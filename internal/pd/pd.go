@@ -40,7 +40,17 @@ type Request struct {
 	Path string // route path, the same on the workers
 	// Batch is BatchSize of the request, counted once when it arrived.
 	Batch int
+	// Consumed is set by a vLLM executor once the decode answered with a handoff: what the
+	// decode's own usage said of it (VerdictReceived, VerdictRecomputed, VerdictUnknown).
+	Consumed string
 }
+
+// What a decode's usage said about the KV it was handed (Request.Consumed).
+const (
+	VerdictReceived   = "received"
+	VerdictRecomputed = "recomputed"
+	VerdictUnknown    = "unknown" // no prompt_tokens_details.cached_tokens in the decode's usage
+)
 
 // Executor runs one PD request over a selected pair and writes the response. It returns nil
 // when the whole response reached the client, proxy.ErrClientGone, proxy.ErrAbort (the caller

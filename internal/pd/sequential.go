@@ -126,7 +126,9 @@ type sequence struct {
 	model, runtime string
 	start          time.Time
 	outcome        Outcome
-	unreached      bool // the last decode leg could not connect to its worker
+	unreached      bool    // the last decode leg could not connect to its worker
+	check          kvCheck // what the decode's usage says about the handoff
+	handed         bool    // the decode was given kv_transfer_params
 }
 
 func (s *sequence) run() error {
@@ -137,9 +139,22 @@ func (s *sequence) run() error {
 	if handoff == "" {
 		handoff = HandoffNoneFailed // the prefill failed
 	}
+	if s.handed && started {
+		s.req.Consumed = s.check.verdict()
+	}
+	if s.check.recomputed() && !strings.HasPrefix(handoff, HandoffNonePrefix) {
+		s.x.recomputed(s.req, s.pair, s.plan.conn.Mode, handoff)
+		handoff = HandoffRecomputed
+	}
 	s.rw.Header().Set(openai.HeaderKVHandoff, handoff)
 	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, s.plan.conn.Mode).Inc()
 	return err
+}
+
+// recomputed says loudly that a decode computed the prompt it was handed the KV of.
+func (x *Sequential) recomputed(req *Request, pair worker.Pair, mode, handoff string) {
+	x.Log.Warn("decode recomputed the prompt although its KV was handed off (its usage reports the prompt as computed)",
+		"handoff", handoff, "connector", mode, "prefill", pair.Prefill.URL, "decode", pair.Decode.URL, "model", req.Model)
 }
 
 // legs runs the prefill, then the decode, and says which handoff the decode was given ("" when
@@ -168,7 +183,8 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 	if err != nil {
 		return handoff, false, err
 	}
-	started, err = s.decodeAgain(dBody, pu, params != nil)
+	s.handed = params != nil
+	started, err = s.decodeAgain(dBody, pu, s.handed)
 	s.outcome = outcomeOf(err, OutcomeDecodeFailed)
 	if params != nil && !started {
 		s.x.abandoned(s.plan.conn, s.pair, s.outcome)
@@ -305,15 +321,48 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 		started = true
 		s.x.Metrics.PDTTFT.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
 	}}
+	check := &s.check
+	if !s.handed {
+		check = nil
+	}
 	switch {
-	case pu.ok && !isStream(resp):
-		err = relayBody(s.rw, resp, func(b []byte) []byte { return fixUsage(b, pu) })
-	case pu.ok:
-		err = s.x.Proxy.Relay(s.rw, resp, func(ev []byte) []byte { return fixUsageEvent(ev, pu) })
+	case (pu.ok || check != nil) && !isStream(resp):
+		err = relayBody(s.rw, resp, checkedBody(s.rw, check, pu))
+	case pu.ok || check != nil:
+		err = s.x.Proxy.Relay(s.rw, resp, checkedEvent(check, pu))
 	default:
 		err = s.x.Proxy.Relay(s.rw, resp, nil)
 	}
 	return started, s.x.Proxy.Finish(s.r, leg, resp.StatusCode, err)
+}
+
+// checkedBody returns the transform of a decode's whole answer: the decode's usage checked when
+// check is set (a recompute is named in the handoff header, which leaves with this answer),
+// then rewritten to the prefill's view when pu is known.
+func checkedBody(rw http.ResponseWriter, check *kvCheck, pu prefillUsage) func([]byte) []byte {
+	return func(b []byte) []byte {
+		if check != nil && check.observe(b) {
+			rw.Header().Set(openai.HeaderKVHandoff, HandoffRecomputed)
+		}
+		if !pu.ok {
+			return b
+		}
+		return fixUsage(b, pu)
+	}
+}
+
+// checkedEvent is checkedBody for one streamed event. A stream's head left with its first event, so
+// a recompute seen in its usage is reported in the metric and the log, not in the header.
+func checkedEvent(check *kvCheck, pu prefillUsage) func([]byte) []byte {
+	return func(ev []byte) []byte {
+		if check != nil {
+			check.observeEvent(ev)
+		}
+		if !pu.ok {
+			return ev
+		}
+		return fixUsageEvent(ev, pu)
+	}
 }
 
 // report makes the planned handoff visible: the response header, and a log line when the decode
@@ -358,6 +407,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 	if err != nil {
 		return err
 	}
+	check := &kvCheck{}
 	var dHeader http.Header
 	dRank := 0
 	if rank, ok := pair.Decode.NextRank(); ok {
@@ -368,14 +418,18 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 		prefillBody: plan.probe, decodeBody: dBody, prefillHeader: plan.prefillHeader, decodeHeader: dHeader,
 		prefillRank: plan.prefillRank, decodeRank: dRank,
 		dispatch: "concurrent", handoff: HandoffMooncake, connector: ModeMooncake, needPrefill: true,
+		check: check,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pu := readPrefillUsage(p.body)
-			if !pu.ok {
-				return nil, nil
-			}
-			return func(ev []byte) []byte { return fixUsageEvent(ev, pu) }, func(b []byte) []byte { return fixUsage(b, pu) }
+			return checkedEvent(check, pu), checkedBody(rw, check, pu)
 		},
 	})
+	if res.decodeStarted {
+		req.Consumed = check.verdict()
+	}
+	if check.recomputed() {
+		x.recomputed(req, pair, ModeMooncake, HandoffMooncake)
+	}
 	if !res.decodeStarted && res.outcome != OutcomePrefillFailed && res.outcome != OutcomeSuccess {
 		x.abandoned(plan.conn, pair, res.outcome)
 	}

@@ -25,16 +25,25 @@ func usage(results []itemResult) (prompt, cached, completion int) {
 	return
 }
 
-func openAIUsage(results []itemResult) map[string]any {
+// openAIUsage is the usage of chat and completions answers. Without prompt-token details (vLLM
+// started without --enable-prompt-tokens-details) prompt_tokens_details is null.
+func (e *Engine) openAIUsage(results []itemResult) map[string]any {
 	p, c, o := usage(results)
 	return map[string]any{"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o,
-		"prompt_tokens_details": map[string]any{"cached_tokens": c}}
+		"prompt_tokens_details": e.tokenDetails(c)}
 }
 
-func responsesUsage(results []itemResult) map[string]any {
+func (e *Engine) responsesUsage(results []itemResult) map[string]any {
 	p, c, o := usage(results)
-	return map[string]any{"input_tokens": p, "input_tokens_details": map[string]any{"cached_tokens": c},
+	return map[string]any{"input_tokens": p, "input_tokens_details": e.tokenDetails(c),
 		"output_tokens": o, "output_tokens_details": map[string]any{"reasoning_tokens": 0}, "total_tokens": p + o}
+}
+
+func (e *Engine) tokenDetails(cached int) any {
+	if e.cfg.NoPromptTokensDetails {
+		return nil
+	}
+	return map[string]any{"cached_tokens": cached}
 }
 
 // kvTransferParams is vLLM's top-level response field: the first prompt's params, or null.
@@ -62,7 +71,7 @@ func (e *Engine) writeFull(w http.ResponseWriter, j *job, results []itemResult) 
 			}
 		}
 		out := map[string]any{"id": j.id, "object": j.object(), "created": created, "model": e.cfg.Model,
-			"choices": choices, "usage": openAIUsage(results)}
+			"choices": choices, "usage": e.openAIUsage(results)}
 		if e.cfg.Engine == EngineVLLM {
 			out["kv_transfer_params"] = kvTransferParams(results)
 		}
@@ -101,7 +110,7 @@ func (e *Engine) responseObject(j *job, results []itemResult, status string) map
 		"output": []any{map[string]any{"type": "message", "id": "msg_" + j.id, "role": "assistant", "status": status,
 			"content": []any{map[string]any{"type": "output_text", "text": text, "annotations": []any{}}}}}}
 	if status == "completed" {
-		out["usage"] = responsesUsage(results)
+		out["usage"] = e.responsesUsage(results)
 		if results[0].choices[0].finish == FinishLength {
 			out["status"] = "incomplete"
 			out["incomplete_details"] = map[string]any{"reason": "max_output_tokens"}
@@ -239,7 +248,7 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 		}
 		if j.includeUsage {
 			u := map[string]any{"id": j.id, "object": j.object() + map[bool]string{true: ".chunk", false: ""}[j.route == routeChat],
-				"created": created, "model": e.cfg.Model, "choices": []any{}, "usage": openAIUsage(results)}
+				"created": created, "model": e.cfg.Model, "choices": []any{}, "usage": e.openAIUsage(results)}
 			if err := s.event("", u); err != nil {
 				return err
 			}
