@@ -205,3 +205,59 @@ func TestPDDecodeThatComputedThePromptIsARecompute(t *testing.T) {
 		t.Errorf("%v recomputes counted as NIXL handoffs", v)
 	}
 }
+
+// Item 6: a stream the engine answered 200 and then failed inside (a KV load failure, an SGLang
+// transfer abort) was counted as a success. The client still gets every byte as the engine sent
+// it; the request is counted as failed, against the worker that failed it.
+func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
+	t.Parallel()
+	const stream = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n" +
+		"data: {\"error\": {\"message\": \"KV load failed\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\ndata: [DONE]\n\n"
+	failing := func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return
+		}
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, stream)
+	}
+	t.Run("regular", func(t *testing.T) {
+		t.Parallel()
+		engine := fakeEngine(t, "vllm", []string{"m"}, failing)
+		cfg := testConfig(engine.URL)
+		cfg.CircuitBreaker.Disable = true
+		g, gw := startGateway(t, cfg)
+		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[],"stream":true}`)
+		if resp.StatusCode != 200 || body != stream {
+			t.Fatalf("%d, the client got\n%q\nwant the engine's bytes\n%q", resp.StatusCode, body, stream)
+		}
+		waitFor(t, func() bool {
+			return testutil.ToFloat64(g.Metrics.UpstreamErrors.WithLabelValues(engine.URL, "in_band")) == 1
+		})
+		if _, failures := g.Registry.Snapshot().Workers[0].Outcomes(); failures != 1 {
+			t.Errorf("the worker's failures: %d, want 1", failures)
+		}
+	})
+	t.Run("pd decode", func(t *testing.T) {
+		t.Parallel()
+		p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+		d := fakeEngine(t, "vllm", []string{"m"}, failing)
+		cfg := config.Default()
+		cfg.PDDisaggregation = true
+		cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL, Role: config.RoleDecode}}
+		g, gw := startGateway(t, cfg)
+		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}`)
+		if resp.StatusCode != 200 || body != stream {
+			t.Fatalf("%d, the client got\n%q\nwant the engine's bytes\n%q", resp.StatusCode, body, stream)
+		}
+		waitFor(t, func() bool {
+			return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "sequential", "decode_failed")) == 1
+		})
+		if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "sequential", "success")); v != 0 {
+			t.Errorf("counted as %v successes", v)
+		}
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "nixl")); v != 1 {
+			t.Errorf("none-failed counted %v times", v)
+		}
+	})
+}

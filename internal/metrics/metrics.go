@@ -37,6 +37,7 @@ const (
 	KindTimeout   = "timeout"    // request deadline passed
 	KindStatus    = "status"     // upstream answered 5xx
 	KindMidStream = "mid_stream" // upstream failed after the first byte reached the client
+	KindInBand    = "in_band"    // upstream reported an error inside a stream it answered 200
 )
 
 // DurationBuckets are the buckets of every *_seconds histogram, 1 ms to 2 h.

@@ -18,6 +18,8 @@ const (
 	CodeNoAvailableWorkers  = "no_available_workers"
 	CodeUpstreamUnreachable = "upstream_unreachable"
 	CodeUpstreamTimeout     = "upstream_timeout"
+	// CodeUpstreamStreamError: the engine reported an error inside a stream it answered 200.
+	CodeUpstreamStreamError = "upstream_stream_error"
 	CodeDraining            = "server_draining"
 	CodeNotFound            = "not_found"
 	CodeInternalError       = "internal_error"

@@ -119,7 +119,7 @@ func (l *legs) ended() {
 	if p := l.prefill.v; o == OutcomeSuccess && p.failed() {
 		o = OutcomePrefillFailed // the answer did not come from the prefill's KV
 	}
-	if !l.res.decodeStarted || o == OutcomePrefillFailed {
+	if !l.res.decodeStarted || o == OutcomePrefillFailed || o == OutcomeDecodeFailed {
 		handoff = HandoffNoneFailed
 	} else if l.plan.check.recomputed() {
 		handoff = HandoffRecomputed
@@ -143,7 +143,13 @@ func (l *legs) ended() {
 // seamFailure reports whether a PD failure is the kind a broken pair produces (package outcome
 // says which statuses), not a client error, a cancellation or Baton's own bug.
 func seamFailure(err error) bool {
-	var e *openai.Error
+	var (
+		e  *openai.Error
+		ib *proxy.InBandError
+	)
+	if errors.As(err, &ib) {
+		return outcome.Status(ib.Status).Seam
+	}
 	if errors.As(err, &e) {
 		return outcome.Status(e.Status).Seam && e.Code != openai.CodeInternalError
 	}

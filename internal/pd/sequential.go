@@ -136,8 +136,9 @@ func (s *sequence) run() error {
 	if err != nil && !started && handoff != "" && !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		handoff = HandoffNoneFailed // prepared, never consumed: nothing was handed off
 	}
-	if handoff == "" {
-		handoff = HandoffNoneFailed // the prefill failed
+	var ib *proxy.InBandError
+	if handoff == "" || errors.As(err, &ib) {
+		handoff = HandoffNoneFailed // the prefill failed, or the decode reported a failure in its stream
 	}
 	if s.handed && started {
 		s.req.Consumed = s.check.verdict()

@@ -268,14 +268,24 @@ func (p *Proxy) HoldError(r *http.Request, leg *Leg, resp *http.Response) error 
 }
 
 // Finish ends a leg whose answer with status was relayed, given Relay's result: success ends
-// it with status; a read failure before the first byte is a failure like a send failure
+// it with status; a stream that reported an error inside it ends with that error's status and
+// returns its *InBandError (nothing more can be written); a read failure before the first byte is a failure like a send failure
 // (nothing was written: the caller may retry); after it the connection must be aborted.
 func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
-	var re *ReadError
+	var (
+		re *ReadError
+		ib *InBandError
+	)
 	switch {
 	case err == nil:
 		leg.Done(status, nil)
 		return nil
+	case errors.As(err, &ib):
+		// Every byte reached the client; the engine's own verdict is the leg's outcome.
+		leg.Done(ib.Status, nil)
+		p.countError(leg.W, metrics.KindInBand)
+		p.Log.Warn("the engine reported an error inside its stream; relayed as sent", "worker", leg.W.URL, "leg", leg.Name, "status", ib.Status, "message", ib.Message)
+		return err
 	case errors.Is(err, ErrClientGone), ClientGone(r):
 		leg.Excuse()
 		return ErrClientGone
@@ -300,7 +310,8 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 // Relay writes resp to rw: status, headers and body. The head is written only once the first
 // body bytes arrived, so a failure before them leaves the client unanswered (ReadError with
 // Written false). SSE bodies are flushed after every read; with transform set, they are split
-// into events and each is passed through transform (which may return it unchanged).
+// into events and each is passed through transform (which may return it unchanged). A stream
+// relayed whole that carried an engine's error event returns an *InBandError (inband.go).
 func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
 	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
 		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
@@ -318,15 +329,22 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 		defer pool.Put(bp)
 		in.buf = *bp
 	}
+	var w watch
 	for {
 		chunk, flush, err := in.next()
 		if len(chunk) > 0 {
+			if out.stream && resp.StatusCode == http.StatusOK {
+				w.see(chunk)
+			}
 			if werr := out.emit(chunk, flush); werr != nil {
 				return werr
 			}
 		}
 		if err == io.EOF {
 			out.head()
+			if w.err != nil {
+				return w.err
+			}
 			return nil
 		}
 		if err != nil {

@@ -86,10 +86,15 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	var (
 		oe *openai.Error
 		ue *proxy.UpstreamError
+		ib *proxy.InBandError
 	)
 	switch {
 	case errors.Is(err, proxy.ErrAbort):
 		panic(http.ErrAbortHandler)
+	case errors.As(err, &ib):
+		// The stream went out whole, the engine's error event in it; the request failed. The
+		// code is for the access log and the status page (the head left long ago).
+		w.Header().Set(openai.HeaderErrorCode, openai.CodeUpstreamStreamError)
 	case errors.As(err, &oe):
 		openai.WriteError(w, oe)
 	case errors.As(err, &ue):

@@ -322,3 +322,25 @@ func (e *Engine) streamMessage(s *sse, j *job, results []itemResult, tick func()
 	}
 	return s.event("message_stop", map[string]any{"type": "message_stop"})
 }
+
+// writeStreamError answers a stream that failed after its 200 was sent, as the engines do: the
+// error as an event, then [DONE]. vLLM and SGLang's OpenAI routes send {"error": {…}}; SGLang's
+// /generate a last chunk whose finish_reason is an abort with its status.
+func (e *Engine) writeStreamError(w http.ResponseWriter, j *job, ae *apiError) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.WriteHeader(200)
+	s := &sse{w: w, rc: http.NewResponseController(w)}
+	var ev any
+	if j.route == routeGenerate {
+		ev = map[string]any{"text": "", "output_ids": []any{}, "meta_info": map[string]any{"id": j.id,
+			"finish_reason": map[string]any{"type": "abort", "message": ae.msg, "status_code": ae.status}}}
+	} else {
+		ev = map[string]any{"error": e.errorBody(ae)["error"]}
+		if e.cfg.Engine == EngineSGLang {
+			ev = map[string]any{"error": e.errorBody(ae)}
+		}
+	}
+	if s.event("", ev) == nil {
+		_ = s.done()
+	}
+}

@@ -399,3 +399,43 @@ func TestProbeWithoutIgnoreEOSLosesTheHandoff(t *testing.T) {
 		t.Errorf("a probe with ignore_eos: %d %s", r.status, r.raw)
 	}
 }
+
+// A streamed decode whose KV cannot be loaded answers 200 and reports the failure inside the
+// stream, as vLLM does once the stream's head is out.
+func TestNixlStreamedLoadFailureIsInBand(t *testing.T) {
+	p, d := nixlPair(t, Config{KVTimeout: 50 * time.Millisecond}, Config{})
+	kv := path(post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`)).json, "kv_transfer_params")
+	waitUntil(t, func() bool { return p.Stats().HandoffsExpired == 1 })
+	streamed := strings.Replace(withKV(chatBody, kv), `{`, `{"stream":true,`, 1)
+	r := post(t, d.URL()+"/v1/chat/completions", streamed)
+	if r.status != 200 || !strings.HasPrefix(r.raw, `data: {"error":{`) || !strings.Contains(r.raw, `"code":500`) || !strings.HasSuffix(r.raw, "data: [DONE]\n\n") {
+		t.Errorf("%d %q", r.status, r.raw)
+	}
+}
+
+// A decode that refuses a request tells its prefill to free the KV at once; a later read of it
+// succeeds from freed blocks, and the answer differs from the prompt's own.
+func TestNixlRefusalFreesTheKV(t *testing.T) {
+	p, d := nixlPair(t, Config{}, Config{})
+	busy := start(t, Config{Engine: EngineVLLM, Role: RoleDecode, Model: "m", Faults: Faults{Status: 503}})
+	want := post(t, d.URL()+"/v1/chat/completions", withKV(chatBody, path(post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`)).json, "kv_transfer_params")))
+	kv := path(post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`)).json, "kv_transfer_params")
+	if r := post(t, busy.URL()+"/v1/chat/completions", withKV(chatBody, kv)); r.status != 503 {
+		t.Fatalf("busy decode: %d", r.status)
+	}
+	if s := p.Stats(); s.HandoffsReleased != 1 {
+		t.Fatalf("released %d handoffs, want 1", s.HandoffsReleased)
+	}
+	r := post(t, d.URL()+"/v1/chat/completions", withKV(chatBody, kv))
+	if r.status != 200 || r.header.Get(HeaderKVSource) != SourceRemote || p.Stats().StaleKVReads != 1 {
+		t.Fatalf("read of freed KV: %d %q, %d stale reads", r.status, r.header.Get(HeaderKVSource), p.Stats().StaleKVReads)
+	}
+	content := func(raw string) string {
+		_, after, _ := strings.Cut(raw, `"content":`)
+		before, _, _ := strings.Cut(after, `,"`)
+		return before
+	}
+	if got, own := content(r.raw), content(want.raw); got == "" || got == own {
+		t.Errorf("an answer built on freed blocks, %s, equals the prompt's own, %s", got, own)
+	}
+}

@@ -64,7 +64,12 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 		if !ok {
 			e.stats.rejected.Add(1)
 			e.refuseKV(body)
-			e.writeError(w, errorf(503, "The request queue is full."))
+			full := errorf(503, "The request queue is full.")
+			if j.stream && e.cfg.Engine == EngineSGLang {
+				e.writeStreamError(w, j, full) // SGLang aborts a queued stream in-band
+				return
+			}
+			e.writeError(w, full)
 			return
 		}
 		if err != nil {
@@ -79,6 +84,10 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 				return
 			}
 			e.stats.failed.Add(1)
+			if j.stream {
+				e.writeStreamError(w, j, aerr) // the stream's 200 went out before the engine failed
+				return
+			}
 			e.writeError(w, aerr)
 			return
 		}

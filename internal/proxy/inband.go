@@ -1,0 +1,158 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+)
+
+// Engines that answered a stream with 200 report a later failure inside it: vLLM writes
+// data: {"error": {"message", "type", "param", "code"}} and then [DONE] (older releases, and
+// SGLang's OpenAI routes, the flat {"object": "error", …, "code"} inside "error" or alone);
+// SGLang's /generate ends with a chunk whose meta_info.finish_reason is {"type": "abort",
+// "status_code", "message"}; responses streams send {"type": "error"} or "response.failed", and
+// messages streams {"type": "error", "error": {…}}. Baton relays these bytes as they are — the
+// client's SDK reads them — and counts the request as failed.
+
+// InBandError is an engine's error event inside a stream it had answered 200: the whole stream
+// reached the client as the engine sent it, and the request failed.
+type InBandError struct {
+	Status  int    // the status the event names (500 when it names none)
+	Message string // the event's message, bounded
+}
+
+func (e *InBandError) Error() string {
+	return fmt.Sprintf("the engine reported an error inside its stream (%d): %s", e.Status, e.Message)
+}
+
+// maxErrorLine bounds an unfinished SSE line the watch keeps to read once it ends: error events
+// are short; a longer line is passed over.
+const maxErrorLine = 4 << 10
+
+// watch spots an engine's error event in a stream relayed as it is, line by line across reads.
+type watch struct {
+	partial []byte // the start of an unfinished line (≤ maxErrorLine), allocated when first needed
+	skip    bool   // the unfinished line is too long to be an error event: pass over it
+	err     *InBandError
+}
+
+// see reads one chunk of the stream.
+func (w *watch) see(b []byte) {
+	for len(b) > 0 && w.err == nil {
+		i := bytes.IndexByte(b, '\n')
+		line := b
+		if i >= 0 {
+			line, b = b[:i], b[i+1:]
+		} else {
+			b = nil
+		}
+		if w.skip {
+			w.skip = i < 0
+			continue
+		}
+		if len(w.partial) > 0 {
+			if len(w.partial)+len(line) > maxErrorLine {
+				w.partial, w.skip = w.partial[:0], i < 0
+				continue
+			}
+			w.partial = append(w.partial, line...)
+			line = w.partial
+		}
+		if i < 0 {
+			if len(line) > maxErrorLine {
+				w.partial, w.skip = w.partial[:0], true
+			} else if len(w.partial) == 0 {
+				w.partial = append(w.partial, line...)
+			}
+			continue
+		}
+		w.err = errorEvent(line)
+		w.partial = w.partial[:0]
+	}
+}
+
+// errorPrefixes begin the data of an engine's error event (Python's json.dumps puts a space
+// after the colon, orjson and Go none).
+var errorPrefixes = [][]byte{
+	[]byte(`{"error"`), []byte(`{"object":"error"`), []byte(`{"object": "error"`),
+	[]byte(`{"type":"error"`), []byte(`{"type": "error"`),
+	[]byte(`{"type":"response.failed"`), []byte(`{"type": "response.failed"`),
+}
+
+// errorEvent returns the error one complete SSE line reports, or nil.
+func errorEvent(line []byte) *InBandError {
+	data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r"), []byte("data:"))
+	if !ok {
+		return nil
+	}
+	data = bytes.TrimLeft(data, " ")
+	if len(data) == 0 || data[0] != '{' {
+		return nil
+	}
+	known := false
+	for _, p := range errorPrefixes {
+		if bytes.HasPrefix(data, p) {
+			known = true
+			break
+		}
+	}
+	// "abort" can stand unescaped only as a JSON token of its own: SGLang's finish reason.
+	if !known && !bytes.Contains(data, []byte(`"abort"`)) {
+		return nil
+	}
+	return parseErrorEvent(data)
+}
+
+// parseErrorEvent reads the status and message of an error event's data; nil when it turns out
+// to be none.
+func parseErrorEvent(data []byte) *InBandError {
+	var v struct {
+		Object   string          `json:"object"`
+		Type     string          `json:"type"`
+		Error    json.RawMessage `json:"error"`
+		Code     json.RawMessage `json:"code"`
+		Message  string          `json:"message"`
+		MetaInfo *struct {
+			FinishReason *struct {
+				Type       string          `json:"type"`
+				StatusCode json.RawMessage `json:"status_code"`
+				Message    string          `json:"message"`
+			} `json:"finish_reason"`
+		} `json:"meta_info"`
+	}
+	if json.Unmarshal(data, &v) != nil {
+		return nil
+	}
+	var detail struct {
+		Code    json.RawMessage `json:"code"`
+		Message string          `json:"message"`
+	}
+	switch {
+	case len(v.Error) > 0 && v.Error[0] == '{':
+		_ = json.Unmarshal(v.Error, &detail)
+		return inBand(detail.Code, detail.Message)
+	case len(v.Error) > 0 && v.Error[0] == '"':
+		var msg string
+		_ = json.Unmarshal(v.Error, &msg)
+		return inBand(nil, msg)
+	case v.Object == "error", v.Type == "error", v.Type == "response.failed":
+		return inBand(v.Code, v.Message)
+	case v.MetaInfo != nil && v.MetaInfo.FinishReason != nil && v.MetaInfo.FinishReason.Type == "abort":
+		return inBand(v.MetaInfo.FinishReason.StatusCode, v.MetaInfo.FinishReason.Message)
+	}
+	return nil
+}
+
+// inBand builds the error of an event naming code (an HTTP status, or anything else) and msg.
+func inBand(code json.RawMessage, msg string) *InBandError {
+	status := http.StatusInternalServerError
+	var n int
+	if json.Unmarshal(code, &n) == nil && n >= 400 && n <= 599 {
+		status = n
+	}
+	if len(msg) > 256 {
+		msg = msg[:256] + "…"
+	}
+	return &InBandError{Status: status, Message: msg}
+}
