@@ -261,3 +261,31 @@ func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
 		}
 	})
 }
+
+// Item 3: SGLang runs each of n samples as a request of its own and gives a scalar room r to
+// sample k as r + k; with one routed_dp_rank beside it, the samples whose room fell on another
+// rank failed follow_bootstrap_room. Baton sends one scalar room and pins no rank: every sample
+// meets its decode, and the answer is the aggregated one.
+func TestPDSGLangSamplesOnDataParallelRanks(t *testing.T) {
+	t.Parallel()
+	_, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, func(c *config.Config) {
+		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
+	})
+	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	for _, tc := range []struct{ route, body string }{
+		{"/generate", `{"text":"samples on ranks","sampling_params":{"n":3,"max_new_tokens":3,"sampling_seed":5}}`},
+		{"/generate", `{"text":["two","prompts"],"sampling_params":{"n":2,"max_new_tokens":2}}`},
+		{"/v1/completions", `{"model":"m","prompt":"four samples","n":4,"max_tokens":3,"seed":7}`},
+		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"two choices"}],"n":2,"max_tokens":3}`},
+	} {
+		for i := 0; i < 4; i++ { // rooms are random: several tries meet both parities
+			resp, got := postTimeout(t, gw+tc.route, tc.body)
+			if resp.StatusCode != 200 {
+				t.Fatalf("%s %s: %d %s", tc.route, tc.body, resp.StatusCode, got)
+			}
+			if _, want := postTimeout(t, agg.URL()+tc.route, tc.body); stripIDs(got) != stripIDs(want) {
+				t.Fatalf("%s %s: PD answer\n%s\nwant (aggregated)\n%s", tc.route, tc.body, got, want)
+			}
+		}
+	}
+}

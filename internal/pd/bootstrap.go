@@ -31,11 +31,22 @@ func bootstrapLegs(req *Request, pair worker.Pair) (prefill, decode []byte, pRan
 	}
 	// The prefill's rank is chosen first and every room agrees with it (room % dp_size == rank):
 	// an SGLang prefill that follows the bootstrap room refuses a rank that does not, and a
-	// decode that finds its prefill by room % dp_size would wait on another rank.
+	// decode that finds its prefill by room % dp_size would wait on another rank. Requests with
+	// n > 1 samples are the exception below.
 	pRank, pRanked := pair.Prefill.NextRank()
 	newRoom := func() uint64 { return roomFor(pRank, pair.Prefill.DPSize) }
+	if req.Samples > 1 {
+		// SGLang sends each of n samples as a request of its own and gives a scalar room r to
+		// request k as r + k (GenerateReqInput._normalize_bootstrap_params): consecutive rooms
+		// land on consecutive DP ranks, which no one routed_dp_rank can agree with, and a list of
+		// rooms is refused with n > 1 by some releases (repeated per sample, one room for several
+		// requests, by others). So: one scalar room, and no rank pinned — the prefill follows
+		// each sample's room, and the decode finds it by room % dp_size.
+		pRanked = false
+		newRoom = func() uint64 { return roomFor(0, 1) }
+	}
 	var room []byte
-	if n := req.Batch; n > 0 {
+	if n := req.Batch; n > 0 && req.Samples <= 1 {
 		hosts, ports, rooms := []byte{'['}, []byte{'['}, []byte{'['}
 		for i := 0; i < n; i++ {
 			if i > 0 {

@@ -9,6 +9,7 @@ package pd
 
 import (
 	"net/http"
+	"strconv"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
@@ -40,6 +41,8 @@ type Request struct {
 	Path string // route path, the same on the workers
 	// Batch is BatchSize of the request, counted once when it arrived.
 	Batch int
+	// Samples is SamplesOf the request: its n, counted once when it arrived.
+	Samples int
 	// Consumed is set by a vLLM executor once the decode answered with a handoff: what the
 	// decode's own usage said of it (VerdictReceived, VerdictRecomputed, VerdictUnknown).
 	Consumed string
@@ -81,7 +84,7 @@ func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 // BatchSize returns how many sequences the request holds for bootstrap purposes, or 0 for a
 // single one: a /generate batch (text list or input_ids list of lists), a /v1/completions prompt
 // list (of strings or of token lists; a flat token list is one prompt) and prompt_embeds list
-// (of base64 tensors), or chat n>1. It counts
+// (of base64 tensors). Samples (n) are counted apart: SamplesOf. It counts
 // at most limit, without allocating: a client's list never costs more than its bytes.
 func BatchSize(req *Request, limit int) int {
 	switch req.Path {
@@ -103,12 +106,30 @@ func BatchSize(req *Request, limit int) int {
 			n += listLen(raw, false, limit)
 		}
 		return n
-	case "/v1/chat/completions":
-		if req.N > 1 {
-			return req.N
-		}
 	}
 	return 0
+}
+
+// SamplesOf returns how many samples the request asks for each prompt: "n", or on /generate
+// sampling_params.n; 1 when absent. A value that is not a positive integer counts as 1 (the
+// engine refuses it).
+func SamplesOf(req *Request) int {
+	if req.Path != "/generate" {
+		return max(req.N, 1)
+	}
+	sp, ok := openai.Get(req.Body, "sampling_params")
+	if !ok || len(sp) == 0 || sp[0] != '{' {
+		return 1
+	}
+	raw, ok := openai.Get(sp, "n")
+	if !ok {
+		return 1
+	}
+	n, err := strconv.Atoi(string(raw))
+	if err != nil || n < 1 {
+		return 1
+	}
+	return n
 }
 
 // listLen returns the length of a JSON array of strings or arrays (up to limit), 0 for anything

@@ -31,8 +31,7 @@ func TestBatchSize(t *testing.T) {
 		{"/v1/completions", `{"prompt":["a","b"]}`, 2},
 		{"/v1/completions", `{"prompt":[1,2,3]}`, 0}, // one tokenized prompt, not a batch
 		{"/v1/completions", `{"prompt":[[1,2],[3]]}`, 2},
-		{"/v1/chat/completions", `{"n":4}`, 4},
-		{"/v1/chat/completions", `{"n":1}`, 0},
+		{"/v1/chat/completions", `{"n":4}`, 0}, // samples, not prompts: SamplesOf
 		{"/generate", `{"text":[ "a" , "b" ]}`, 2},
 		{"/generate", `{"text":[]}`, 0},
 		{"/v1/completions", `{"prompt":[["a"],"b"]}`, 2},
@@ -43,6 +42,25 @@ func TestBatchSize(t *testing.T) {
 	} {
 		if got := BatchSize(req(tc.path, tc.body), 1<<20); got != tc.want {
 			t.Errorf("BatchSize(%s %s) = %d, want %d", tc.path, tc.body, got, tc.want)
+		}
+	}
+}
+
+func TestSamplesOf(t *testing.T) {
+	for _, tc := range []struct {
+		path, body string
+		want       int
+	}{
+		{"/v1/chat/completions", `{"n":4}`, 4},
+		{"/v1/completions", `{"prompt":"a"}`, 1},
+		{"/generate", `{"text":"a","sampling_params":{"n":3,"max_new_tokens":2}}`, 3},
+		{"/generate", `{"text":"a","n":5}`, 1}, // /generate reads sampling_params.n only
+		{"/generate", `{"text":"a","sampling_params":{"n":"3"}}`, 1},
+		{"/generate", `{"text":"a","sampling_params":null}`, 1},
+	} {
+		r := req(tc.path, tc.body)
+		if got := SamplesOf(r); got != tc.want {
+			t.Errorf("SamplesOf(%s %s) = %d, want %d", tc.path, tc.body, got, tc.want)
 		}
 	}
 }

@@ -59,7 +59,7 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	conn := ConnectorFor(pair.Prefill, x.DefaultConnector)
 	p := handoffPlan{conn: conn}
 	switch {
-	case req.N > 1:
+	case req.Samples > 1 || req.N > 1:
 		p.outcome = HandoffNoneN // the handoff is single-consumer: skip the prefill, decode computes
 		return p, nil
 	case req.Batch > 0:

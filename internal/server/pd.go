@@ -32,6 +32,11 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", s.opts.MaxBatchSize)})
 		return
 	}
+	if preq.Samples = pd.SamplesOf(preq); preq.Samples > s.opts.MaxBatchSize {
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "sampling_params.n",
+			Message: fmt.Sprintf(`"sampling_params.n" is %d, above the limit of %d (max_batch_size)`, preq.Samples, s.opts.MaxBatchSize)})
+		return
+	}
 	release, ok := s.admit.acquire(w, r)
 	if !ok {
 		return

@@ -30,6 +30,9 @@ func (b *bootstrap) fake() bool { return b != nil && b.host == fakeBootstrapHost
 type item struct {
 	prompt []uint32
 	boot   *bootstrap
+	// samples are the bootstrap fields of each of the item's n samples when n > 1: SGLang sends
+	// every sample as a request of its own, each with its own room.
+	samples []*bootstrap
 }
 
 // job is one parsed inference request.
@@ -41,8 +44,9 @@ type job struct {
 	stream        bool
 	includeUsage  bool
 	kv            *kvParams
-	rank          int // DP rank serving this request
-	prefillRank   int // SGLang decode: the prefill's DP rank (-1: room % prefill dp size)
+	rank          int  // DP rank serving this request
+	routed        bool // the rank was asked for (routed_dp_rank or the rank header)
+	prefillRank   int  // SGLang decode: the prefill's DP rank (-1: room % prefill dp size)
 	returnLogprob bool
 	id            string // response id
 	reqID         string // internal request id
@@ -346,15 +350,46 @@ func (e *Engine) parseBootstrap(j *job, raw *rawRequest) *apiError {
 	if err != nil {
 		return errorf(400, "bootstrap_port: %v", err)
 	}
-	if len(rooms) != n && !(n == 1 && j.n > 1) {
-		return errorf(400, "bootstrap_room has %d entries for a batch of %d", len(rooms), n)
+	if j.n > 1 {
+		return e.parseSampleBootstrap(j, raw)
 	}
-	if n == 1 && j.n > 1 && len(rooms) == j.n {
-		// chat n>1: one room per choice; the simulator pairs on the first.
-		rooms, hosts, ports = rooms[:1], hosts[:1], ports[:1]
+	if len(rooms) != n {
+		return errorf(400, "bootstrap_room has %d entries for a batch of %d", len(rooms), n)
 	}
 	for i := range j.items {
 		j.items[i].boot = &bootstrap{host: pick(hosts, i), port: pick(ports, i), room: rooms[i]}
+	}
+	if raw.DisaggPrefillDPRank != nil {
+		j.prefillRank = *raw.DisaggPrefillDPRank
+	}
+	return nil
+}
+
+// parseSampleBootstrap reads the bootstrap fields of a request with n > 1 samples as SGLang's
+// GenerateReqInput._normalize_bootstrap_params does: the B prompts become B×n requests, sample
+// c of prompt i being number k = c×B + i (the text list repeated n times), and a scalar
+// bootstrap_room r becomes r + k for request k. A list of rooms with n > 1 is refused, as by the
+// releases that require parallel_sample_num == 1 for lists (others repeat the list n times,
+// giving every sample of a prompt the same room).
+func (e *Engine) parseSampleBootstrap(j *job, raw *rawRequest) *apiError {
+	var room uint64
+	if err := json.Unmarshal(raw.BootstrapRoom, &room); err != nil {
+		return errorf(400, "Cannot use list bootstrap_room with parallel_sample_num > 1")
+	}
+	var host string
+	var port *int
+	if err := json.Unmarshal(raw.BootstrapHost, &host); err != nil && len(raw.BootstrapHost) > 0 {
+		return errorf(400, "Cannot use list bootstrap_host with parallel_sample_num > 1")
+	}
+	if err := json.Unmarshal(raw.BootstrapPort, &port); err != nil && len(raw.BootstrapPort) > 0 {
+		return errorf(400, "Cannot use list bootstrap_port with parallel_sample_num > 1")
+	}
+	b := len(j.items)
+	for i := range j.items {
+		for c := 0; c < j.n; c++ {
+			j.items[i].samples = append(j.items[i].samples, &bootstrap{host: host, port: port, room: room + uint64(c*b+i)})
+		}
+		j.items[i].boot = j.items[i].samples[0]
 	}
 	if raw.DisaggPrefillDPRank != nil {
 		j.prefillRank = *raw.DisaggPrefillDPRank
@@ -406,16 +441,23 @@ func (e *Engine) pickRank(j *job, raw *rawRequest, r *http.Request) *apiError {
 	}
 	if e.cfg.Engine == EngineSGLang && raw.RoutedDPRank != nil {
 		// The prefill follows the bootstrap room (load_balance_method follow_bootstrap_room, as
-		// /server_info says): a routed rank that disagrees with the room is a conflict.
-		if r := *raw.RoutedDPRank; e.cfg.Role == RolePrefill && size > 1 && len(j.items) > 0 && j.items[0].boot != nil &&
-			r >= 0 && r < size && uint64(r) != j.items[0].boot.room%uint64(size) {
-			return errorf(400, "follow_bootstrap_room conflict: routed_dp_rank %d, but bootstrap_room %d %% dp_size %d = %d",
-				r, j.items[0].boot.room, size, j.items[0].boot.room%uint64(size))
+		// /server_info says): a routed rank that disagrees with a request's room is a conflict.
+		if r := *raw.RoutedDPRank; e.cfg.Role == RolePrefill && size > 1 && r >= 0 && r < size {
+			for _, it := range j.items {
+				for _, b := range append([]*bootstrap{it.boot}, it.samples...) {
+					if b != nil && uint64(r) != b.room%uint64(size) {
+						return errorf(400, "follow_bootstrap_room conflict: routed_dp_rank %d, but bootstrap_room %d %% dp_size %d = %d",
+							r, b.room, size, b.room%uint64(size))
+					}
+				}
+			}
 		}
+		j.routed = true
 		return check(*raw.RoutedDPRank)
 	}
 	if h := r.Header.Get(HeaderDPRankIn); h != "" {
 		if rank, err := strconv.Atoi(h); err == nil {
+			j.routed = true
 			return check(rank)
 		}
 	}

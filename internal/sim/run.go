@@ -14,9 +14,9 @@ type itemResult struct {
 	promptTokens  int
 	cached        int
 	source        string
-	prefillLeg    bool    // SGLang prefill leg: one token, finish length 0
-	first         *uint32 // SGLang decode leg: the prefill's token, where generation continues
-	inputLogprobs [][]any // the part of the prompt's logprobs this engine reports
+	prefillLeg    bool     // SGLang prefill leg: one token, finish length 0
+	firsts        []uint32 // SGLang decode leg: each sample's prefill token, where generation continues
+	inputLogprobs [][]any  // the part of the prompt's logprobs this engine reports
 	choices       []choice
 	kvParams      map[string]any // vLLM NIXL prefill: handoff params for the decode
 }
@@ -143,8 +143,8 @@ func (e *Engine) run(ctx context.Context, j *job) ([]itemResult, *apiError) {
 				ch = choice{tokens: []uint32{Token(res.digest, s.Seed, 0)}, finish: FinishLength}
 			default:
 				ch.tokens, ch.finish = Generate(res.digest, s)
-				if res.first != nil && len(ch.tokens) > 0 {
-					ch.tokens[0] = *res.first
+				if c < len(res.firsts) && len(ch.tokens) > 0 {
+					ch.tokens[0] = res.firsts[c]
 				}
 			}
 			res.choices = append(res.choices, ch)
@@ -204,6 +204,10 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 		res.inputLogprobs = inputLogprobs(it.prompt, 0, n)
 	}
 	b := it.boot
+	boots := it.samples
+	if boots == nil {
+		boots = []*bootstrap{b}
+	}
 	switch {
 	case e.cfg.Role == RolePrefill && b == nil:
 		return errorf(400, "bootstrap_room is required on a prefill server")
@@ -215,29 +219,42 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 		if j.returnLogprob { // the prefill reports the prompt but its last token; decode has that one
 			res.inputLogprobs = inputLogprobs(it.prompt, 0, n-1)
 		}
-		return e.prefillRendezvous(ctx, j.rank, b.room, func() (roomKV, error) {
-			err := local()
-			return roomKV{Digest: fmt.Sprintf("%016x", res.digest), FirstToken: Token(res.digest, j.s.Seed, 0),
-				PromptTokens: n, CachedTokens: 0, InputLogprobs: inputLogprobs(it.prompt, 0, n-1)}, err
-		})
+		for c, sb := range boots { // each sample is a request of its own, in its own room
+			rank := j.rank
+			if !j.routed && len(boots) > 1 {
+				rank = int(sb.room % uint64(e.cfg.DPSize)) // follow_bootstrap_room
+			}
+			if aerr := e.prefillRendezvous(ctx, rank, sb.room, func() (roomKV, error) {
+				err := local()
+				return roomKV{Digest: fmt.Sprintf("%016x", res.digest), FirstToken: Token(res.digest, j.s.Seed+uint64(c), 0),
+					PromptTokens: n, CachedTokens: 0, InputLogprobs: inputLogprobs(it.prompt, 0, n-1)}, err
+			}); aerr != nil {
+				return aerr
+			}
+		}
+		return nil
 	case e.cfg.Role == RoleDecode && b != nil && !b.fake():
-		port := e.cfg.BootstrapPort
-		if b.port != nil {
-			port = *b.port
+		cached := 0
+		for _, sb := range boots {
+			port := e.cfg.BootstrapPort
+			if sb.port != nil {
+				port = *sb.port
+			}
+			kv, aerr := e.joinRoom(ctx, sb.host, port, sb.room, j.prefillRank)
+			if aerr != nil {
+				return aerr
+			}
+			if kv.Digest != fmt.Sprintf("%016x", res.digest) {
+				e.stats.loadFail.Add(1)
+				return errorf(500, "KV received for room %d is for a different prompt", sb.room)
+			}
+			res.firsts = append(res.firsts, kv.FirstToken)
+			cached = kv.CachedTokens
 		}
-		kv, aerr := e.joinRoom(ctx, b.host, port, b.room, j.prefillRank)
-		if aerr != nil {
-			return aerr
-		}
-		if kv.Digest != fmt.Sprintf("%016x", res.digest) {
-			e.stats.loadFail.Add(1)
-			return errorf(500, "KV received for room %d is for a different prompt", b.room)
-		}
-		res.first = &kv.FirstToken
 		if j.returnLogprob {
 			res.inputLogprobs = inputLogprobs(it.prompt, n-1, n)
 		}
-		return cancelled(remote(kv.CachedTokens))
+		return cancelled(remote(cached))
 	}
 	return cancelled(local())
 }
