@@ -249,7 +249,7 @@ func (k *KVEvents) ListenAddr() string {
 }
 
 // Wait waits for the subscribers to stop.
-func (k *KVEvents) Wait() { k.wg.Wait() }
+func (k *KVEvents) Wait() { k.wg.Wait(); k.tokenizer.Wait() }
 
 // listenAddr turns the configured listen address into one to bind ("*" is every interface).
 func listenAddr(addr string) string {
@@ -375,7 +375,7 @@ func (k *KVEvents) precise() func(ws []*worker.Worker, req *policy.Request) []fl
 		if via == nil {
 			return nil
 		}
-		toks, ok := tok.Tokens(via.URL, via.APIKey, req.Model, req.Path, req.Body)
+		toks, ok := tok.Tokens(req.Ctx, via.URL, via.APIKey, req.Model, req.Path, req.Body)
 		if !ok || len(toks) == 0 {
 			return nil
 		}

@@ -4,6 +4,8 @@ package app
 // that behave as the engines' current source does.
 
 import (
+	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -13,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -286,6 +289,46 @@ func TestPDSGLangSamplesOnDataParallelRanks(t *testing.T) {
 			if _, want := postTimeout(t, agg.URL()+tc.route, tc.body); stripIDs(got) != stripIDs(want) {
 				t.Fatalf("%s %s: PD answer\n%s\nwant (aggregated)\n%s", tc.route, tc.body, got, want)
 			}
+		}
+	}
+}
+
+// Item 9: the tokenize call for a chat sent the messages alone, so an agentic request's tools
+// (and the template's arguments, add_generation_prompt, continue_final_message) were missing from
+// its token ids, and its blocks never matched what the engine had cached.
+func TestCacheAwareChatWithToolsFollowsEngineEvents(t *testing.T) {
+	t.Parallel()
+	var es []*sim.Engine
+	cfg := config.Default()
+	cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
+	for i := 0; i < 2; i++ {
+		e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true})
+		es = append(es, e)
+		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+	}
+	g, gw := startGateway(t, cfg)
+	waitHealthy(t, es, g)
+	tools := `[{"type":"function","function":{"name":"search","description":"` + strings.Repeat("look things up in the corpus ", 12) + `","parameters":{"type":"object"}}}]`
+	for p, h := range []int{0, 0, 1, 1, 1, 0} { // not the turn a fallback would take
+		home := es[h]
+		chat := func(question string) string {
+			return fmt.Sprintf(`{"model":%q,"tools":%s,"chat_template_kwargs":{"thinking":%v},"messages":[{"role":"system","content":"agent %d"},{"role":"user","content":%q}],"max_tokens":2}`,
+				pdModel, tools, p%3 == 0, p, question)
+		}
+		if resp, body := postTimeout(t, home.URL()+"/v1/chat/completions", chat("first")); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		_, tok := postTimeout(t, home.URL()+"/tokenize", chat("first"))
+		var v struct{ Tokens []uint32 }
+		if err := json.Unmarshal([]byte(tok), &v); err != nil || len(v.Tokens) < 64 {
+			t.Fatalf("tokenize: %v %s", err, tok)
+		}
+		keys := kvevents.Keys(pdModel, "", v.Tokens, 16)
+		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", chat("first"))
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() || !strings.Contains(resp.Header.Get("X-Baton-Route"), "reason=cache_match") {
+			t.Fatalf("agent %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
+				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
 		}
 	}
 }

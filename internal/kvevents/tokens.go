@@ -38,7 +38,11 @@ type Tokenizer struct {
 	head     int
 	bytes    int
 	inflight map[uint64]*ask
+	wg       sync.WaitGroup // asks still running
 }
+
+// Wait waits for the asks still running (each ends by its timeout at the latest).
+func (t *Tokenizer) Wait() { t.wg.Wait() }
 
 // ask is one /tokenize request that concurrent callers for the same prompt wait on.
 type ask struct {
@@ -50,48 +54,62 @@ type ask struct {
 // maxTokenizeAnswer bounds an engine's /tokenize answer.
 const maxTokenizeAnswer = 16 << 20
 
+// chatTokenizeFields are the members of a chat request besides messages that shape the prompt
+// the engine computes, and that vLLM's TokenizeChatRequest takes too
+// (vllm/entrypoints/openai/protocol.py, later entrypoints/serve/tokenize): the tools and the
+// template's arguments change the templated text, add_generation_prompt and
+// continue_final_message its end. An engine that does not know a member ignores it.
+var chatTokenizeFields = []string{"tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+	"continue_final_message", "add_special_tokens", "documents", "mm_processor_kwargs"}
+
 // Tokens returns the token ids of the prompt of body (a request to path for model), asking the
-// engine at base (with apiKey as its bearer token, when set) when not cached.
-func (t *Tokenizer) Tokens(base, apiKey, model, path string, body []byte) ([]uint32, bool) {
-	member := "prompt"
-	if path == "/v1/chat/completions" {
-		member = "messages"
-	} else if path != "/v1/completions" {
+// engine at base (with apiKey as its bearer token, when set) when not cached. ctx is the
+// request's: a caller whose client left or whose deadline passed stops waiting at once; the ask
+// itself runs to its own timeout (bounded by ctx's deadline) for whoever else waits on it.
+func (t *Tokenizer) Tokens(ctx context.Context, base, apiKey, model, path string, body []byte) ([]uint32, bool) {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	req, key, ok := tokenizeRequest(model, path, body)
+	if !ok {
 		return nil, false
 	}
-	raw, ok := openai.Get(body, member)
-	if !ok || (member == "prompt" && (len(raw) == 0 || raw[0] != '"')) {
-		return nil, false
-	}
-	d := xxhash.New()
-	for _, part := range []string{path, "\x00", model, "\x00"} {
-		_, _ = d.WriteString(part)
-	}
-	_, _ = d.Write(raw)
-	key := d.Sum64()
 	t.mu.Lock()
 	if toks, hit := t.cache[key]; hit {
 		t.mu.Unlock()
 		t.Hits.Add(1)
 		return toks, true
 	}
-	if a := t.inflight[key]; a != nil {
-		t.mu.Unlock()
+	a := t.inflight[key]
+	if a != nil {
 		t.Hits.Add(1)
-		<-a.done
-		return a.toks, a.ok
+	} else {
+		a = &ask{done: make(chan struct{})}
+		if t.inflight == nil {
+			t.inflight = map[uint64]*ask{}
+		}
+		t.inflight[key] = a
+		timeout := t.Timeout
+		if d, has := ctx.Deadline(); has {
+			timeout = min(timeout, time.Until(d))
+		}
+		t.wg.Go(func() { t.run(context.WithoutCancel(ctx), timeout, a, key, base, apiKey, req) })
 	}
-	a := &ask{done: make(chan struct{})}
-	if t.inflight == nil {
-		t.inflight = map[uint64]*ask{}
-	}
-	t.inflight[key] = a
 	t.mu.Unlock()
+	select {
+	case <-a.done:
+		return a.toks, a.ok
+	case <-ctx.Done():
+		return nil, false
+	}
+}
 
-	m, _ := json.Marshal(model)
-	req := append(append(append(append([]byte(`{"model":`), m...), `,"`+member+`":`...), raw...), '}')
+// run sends one ask and hands its answer to whoever waits on it.
+func (t *Tokenizer) run(ctx context.Context, timeout time.Duration, a *ask, key uint64, base, apiKey string, req []byte) {
 	t.Asks.Add(1)
-	a.toks, a.ok = t.ask(base, apiKey, req)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	a.toks, a.ok = t.ask(ctx, base, apiKey, req)
 	if !a.ok {
 		t.Failures.Add(1)
 	}
@@ -102,12 +120,40 @@ func (t *Tokenizer) Tokens(base, apiKey, model, path string, body []byte) ([]uin
 	}
 	t.mu.Unlock()
 	close(a.done)
-	return a.toks, a.ok
 }
 
-func (t *Tokenizer) ask(base, apiKey string, body []byte) ([]uint32, bool) {
-	ctx, cancel := context.WithTimeout(context.Background(), t.Timeout)
-	defer cancel()
+// tokenizeRequest returns the /tokenize body for a request's prompt and its cache key, or false
+// for a prompt it cannot send (a list of prompts, token ids already, another route).
+func tokenizeRequest(model, path string, body []byte) ([]byte, uint64, bool) {
+	member, extra := "prompt", []string(nil)
+	switch path {
+	case "/v1/chat/completions":
+		member, extra = "messages", chatTokenizeFields
+	case "/v1/completions":
+	default:
+		return nil, 0, false
+	}
+	raw, ok := openai.Get(body, member)
+	if !ok || (member == "prompt" && (len(raw) == 0 || raw[0] != '"')) {
+		return nil, 0, false
+	}
+	m, _ := json.Marshal(model)
+	req := append(append(append([]byte(`{"model":`), m...), `,"`+member+`":`...), raw...)
+	for _, k := range extra {
+		if v, ok := openai.Get(body, k); ok {
+			req = append(append(append(append(req, `,"`...), k...), `":`...), v...)
+		}
+	}
+	req = append(req, '}')
+	d := xxhash.New()
+	for _, part := range []string{path, "\x00"} {
+		_, _ = d.WriteString(part)
+	}
+	_, _ = d.Write(req)
+	return req, d.Sum64(), true
+}
+
+func (t *Tokenizer) ask(ctx context.Context, base, apiKey string, body []byte) ([]uint32, bool) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/tokenize", bytes.NewReader(body))
 	if err != nil {
 		return nil, false

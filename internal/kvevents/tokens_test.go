@@ -1,6 +1,7 @@
 package kvevents
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -48,7 +49,7 @@ func TestTokenizer(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := 0; i < 16; i++ {
 		wg.Go(func() {
-			if toks, ok := tok.Tokens(srv.URL, "sk-worker", "m", "/v1/completions", body(strings.Repeat("w ", 100))); !ok || len(toks) != 100 {
+			if toks, ok := tok.Tokens(t.Context(), srv.URL, "sk-worker", "m", "/v1/completions", body(strings.Repeat("w ", 100))); !ok || len(toks) != 100 {
 				t.Errorf("tokens %d %v", len(toks), ok)
 			}
 		})
@@ -58,23 +59,23 @@ func TestTokenizer(t *testing.T) {
 		t.Fatalf("%d requests for one prompt asked 16 times at once (auth %q)", n.Load(), auth.Load())
 	}
 	// 100 tokens each = 400 bytes: two fit in 1,000 bytes, the third forgets the first.
-	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("x ", 100)))
-	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("y ", 100)))
+	tok.Tokens(t.Context(), srv.URL, "", "m", "/v1/completions", body(strings.Repeat("x ", 100)))
+	tok.Tokens(t.Context(), srv.URL, "", "m", "/v1/completions", body(strings.Repeat("y ", 100)))
 	if e, b := tok.Cached(); e != 2 || b != 800 {
 		t.Fatalf("cached %d answers, %d bytes; want 2, 800", e, b)
 	}
-	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("w ", 100)))
+	tok.Tokens(t.Context(), srv.URL, "", "m", "/v1/completions", body(strings.Repeat("w ", 100)))
 	if n.Load() != 4 {
 		t.Fatalf("%d requests: the oldest answer should have been forgotten", n.Load())
 	}
 	// Larger than the whole bound: answered, not kept.
-	tok.Tokens(srv.URL, "", "m", "/v1/completions", body(strings.Repeat("z ", 300)))
+	tok.Tokens(t.Context(), srv.URL, "", "m", "/v1/completions", body(strings.Repeat("z ", 300)))
 	if _, b := tok.Cached(); b > 1000 {
 		t.Fatalf("%d bytes cached past the 1,000 bound", b)
 	}
 	// What it cannot send says no without asking.
 	for _, b := range []string{`{"model":"m","prompt":["a","b"]}`, `{"model":"m","prompt":[1,2]}`, `{"model":"m"}`} {
-		if _, ok := tok.Tokens(srv.URL, "", "m", "/v1/completions", []byte(b)); ok {
+		if _, ok := tok.Tokens(t.Context(), srv.URL, "", "m", "/v1/completions", []byte(b)); ok {
 			t.Errorf("%s: tokenized", b)
 		}
 	}
@@ -90,10 +91,10 @@ func BenchmarkTokens(b *testing.B) {
 	prompt := body(strings.Repeat("word ", 1000))
 	b.Run("cached", func(b *testing.B) {
 		tok := &Tokenizer{Client: srv.Client(), Timeout: time.Second, MaxEntries: 10}
-		tok.Tokens(srv.URL, "", "m", "/v1/completions", prompt)
+		tok.Tokens(b.Context(), srv.URL, "", "m", "/v1/completions", prompt)
 		b.ReportAllocs()
 		for b.Loop() {
-			tok.Tokens(srv.URL, "", "m", "/v1/completions", prompt)
+			tok.Tokens(b.Context(), srv.URL, "", "m", "/v1/completions", prompt)
 		}
 	})
 	b.Run("asked", func(b *testing.B) {
@@ -102,7 +103,60 @@ func BenchmarkTokens(b *testing.B) {
 		i := 0
 		for b.Loop() {
 			i++
-			tok.Tokens(srv.URL, "", "m", "/v1/completions", body(fmt.Sprint(i, strings.Repeat(" word", 1000))))
+			tok.Tokens(b.Context(), srv.URL, "", "m", "/v1/completions", body(fmt.Sprint(i, strings.Repeat(" word", 1000))))
 		}
 	})
+}
+
+// A caller whose request ended (client gone, deadline passed) stops waiting for the engine's
+// /tokenize at once; the ask itself stays bounded by the timeout and the request's deadline.
+func TestTokenizerTakesTheRequestContext(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release)
+	tok := &Tokenizer{Client: srv.Client(), Timeout: time.Minute, MaxEntries: 10}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan bool)
+	go func() {
+		_, ok := tok.Tokens(ctx, srv.URL, "", "m", "/v1/completions", body("hangs"))
+		done <- ok
+	}()
+	cancel()
+	if ok := <-done; ok {
+		t.Fatal("a cancelled request got token ids")
+	}
+	dctx, dcancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer dcancel()
+	if _, ok := tok.Tokens(dctx, srv.URL, "", "m", "/v1/completions", body("hangs too")); ok {
+		t.Fatal("a request past its deadline got token ids")
+	}
+	waitFor := func(cond func() bool) {
+		for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the ask under the request's deadline never ended")
+			}
+		}
+	}
+	waitFor(func() bool { return tok.Failures.Load() >= 1 }) // the second ask ended with its request's deadline
+}
+
+// A chat's tools and template arguments are part of its prompt: they go to /tokenize and into
+// the cache key.
+func TestTokenizeRequestCarriesTheTemplate(t *testing.T) {
+	chat := []byte(`{"model":"x","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],"chat_template_kwargs":{"a":1},"add_generation_prompt":false,"continue_final_message":true,"temperature":0.5}`)
+	req, key, ok := tokenizeRequest("m", "/v1/chat/completions", chat)
+	want := `{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],"chat_template_kwargs":{"a":1},"add_generation_prompt":false,"continue_final_message":true}`
+	if !ok || string(req) != want {
+		t.Fatalf("got %s, want %s", req, want)
+	}
+	_, other, _ := tokenizeRequest("m", "/v1/chat/completions", []byte(`{"messages":[{"role":"user","content":"hi"}]}`))
+	if other == key {
+		t.Error("a chat without its tools shares the cache key of one with them")
+	}
 }

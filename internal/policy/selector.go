@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -10,6 +11,9 @@ import (
 // Request is what selection sees of one request: its model, its route and the client's raw
 // body, from which a policy may read the prompt (text or tokens). Live load is on the workers.
 type Request struct {
+	// Ctx is the request's context: it bounds work done for a choice (cache_aware's tokenize
+	// call). nil means none.
+	Ctx   context.Context
 	Model string
 	Path  string
 	Body  []byte

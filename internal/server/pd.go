@@ -42,7 +42,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	sreq := &policy.Request{Ctx: r.Context(), Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
 		end := s.selectSpan(r)

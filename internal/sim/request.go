@@ -97,6 +97,7 @@ type rawRequest struct {
 	RoutedDPRank        *int            `json:"routed_dp_rank"`
 	DisaggPrefillDPRank *int            `json:"disagg_prefill_dp_rank"`
 	ReturnLogprob       bool            `json:"return_logprob"`
+	template
 }
 
 // parse reads a request body into a job, validating it the way the engine would.
@@ -220,7 +221,7 @@ func (e *Engine) prompts(rt route, raw *rawRequest) ([][]uint32, *apiError) {
 		if len(raw.Messages) == 0 {
 			return nil, errorf(400, "messages must not be empty")
 		}
-		return [][]uint32{chatPrompt(raw.Messages)}, nil
+		return [][]uint32{chatPrompt(raw.Messages, raw.template)}, nil
 	case routeMessages:
 		if len(raw.Messages) == 0 {
 			return nil, errorf(400, "messages must not be empty")
@@ -283,13 +284,38 @@ func textOrIDs(raw json.RawMessage, field string) ([][]uint32, *apiError) {
 	return nil, errorf(400, "%s must be a string, a list of strings, or token ids", field)
 }
 
-// chatPrompt applies the fake chat template: a role token, then the content's words, per
-// message, then the assistant token.
-func chatPrompt(msgs []message) []uint32 {
+// template is what shapes a chat prompt besides its messages, as vLLM's chat requests and
+// TokenizeChatRequest both take it.
+type template struct {
+	Tools                json.RawMessage `json:"tools"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+	ContinueFinalMessage bool            `json:"continue_final_message"`
+}
+
+// chatPrompt applies the fake chat template: the tools and the template's arguments (their
+// JSON's words), a role token and the content's words per message, then the assistant token
+// unless add_generation_prompt is false or the final message is continued.
+func chatPrompt(msgs []message, tpl ...template) []uint32 {
 	var ids []uint32
+	var t template
+	if len(tpl) > 0 {
+		t = tpl[0]
+	}
+	for _, x := range []struct {
+		mark string
+		raw  json.RawMessage
+	}{{"<|tools|>", t.Tools}, {"<|kwargs|>", t.ChatTemplateKwargs}} {
+		if len(x.raw) > 0 && string(x.raw) != "null" {
+			ids = append(append(ids, wordID(x.mark)), Tokenize(string(x.raw))...)
+		}
+	}
 	for _, m := range msgs {
 		ids = append(ids, wordID("<|"+m.Role+"|>"))
 		ids = append(ids, Tokenize(contentText(m.Content))...)
+	}
+	if t.ContinueFinalMessage || (t.AddGenerationPrompt != nil && !*t.AddGenerationPrompt) {
+		return ids
 	}
 	return append(ids, wordID("<|assistant|>"))
 }
