@@ -332,3 +332,41 @@ func TestCacheAwareChatWithToolsFollowsEngineEvents(t *testing.T) {
 		}
 	}
 }
+
+// Item 8: a hybrid-attention model announces each block once per KV-cache group, and its
+// sliding-window group frees a prompt's early blocks at once; read as removals of the prompt's
+// blocks they erased the full-attention prefix, and routing from events found nothing. Only
+// full-attention groups are indexed.
+func TestCacheAwareOnHybridAttentionEvents(t *testing.T) {
+	t.Parallel()
+	for _, encoding := range []string{sim.KVEventsArray, sim.KVEventsMap} {
+		t.Run(encoding, func(t *testing.T) {
+			t.Parallel()
+			var es []*sim.Engine
+			cfg := config.Default()
+			cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
+			for i := 0; i < 2; i++ {
+				e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true, HybridKV: true, KVEventsEncoding: encoding})
+				es = append(es, e)
+				cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+			}
+			g, gw := startGateway(t, cfg)
+			waitHealthy(t, es, g)
+			for p, h := range []int{1, 1, 0, 0, 1, 0} {
+				home := es[h]
+				prompt := fmt.Sprintf("hybrid %d: %s", p, strings.Repeat("a long shared system prompt for this agent ", 8))
+				if resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt)); resp.StatusCode != 200 {
+					t.Fatalf("%d %s", resp.StatusCode, body)
+				}
+				keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
+				// The sliding-window group's removals arrive in the same batch as the stores.
+				waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+				resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
+				if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() {
+					t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
+						resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
+				}
+			}
+		})
+	}
+}

@@ -5,8 +5,8 @@
 // The payload of one message is a msgpack KVEventBatch: [ts, [event, …], dp_rank?] (msgspec
 // array_like, the trailing rank omitted at its default) or, from some builds, a map {ts, events,
 // data_parallel_rank}. An event is a tagged array ["BlockStored", block_hashes, parent_block_hash,
-// token_ids, block_size, lora_id, medium, lora_name, …] / ["BlockRemoved", block_hashes, medium,
-// …] / ["AllBlocksCleared"], or a map keyed by "type" with the same field names. Positions past
+// token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, …]
+// / ["BlockRemoved", block_hashes, medium, group_idx, …] / ["AllBlocksCleared"], or a map keyed by "type" with the same field names. Positions past
 // the required ones may be missing; unknown trailing fields, unknown keys and unknown event types
 // are ignored (and counted), never fatal. A hash is a 64-bit integer (signed or not) or bytes
 // (folded to their last 8, big-endian), so both of vLLM's hash modes give one key.
@@ -49,6 +49,11 @@ type Event struct {
 	BlockSize int
 	LoRA      string // lora_name, "" for the base model
 	Medium    string // "GPU", "CPU", or "" (unset: GPU)
+	// Group is group_idx, the KV-cache group of a hybrid-attention model (vLLM announces the
+	// same hashes once per group); -1 when absent. SpecKind is kv_cache_spec_kind
+	// ("full_attention", "sliding_window", …), "" when absent.
+	Group    int
+	SpecKind string
 }
 
 // Batch is one message's events.
@@ -215,7 +220,7 @@ func (x *decoder) events(b *Batch) error {
 	}
 	b.Events = make([]Event, 0, min(n, 1024))
 	for i := 0; i < n; i++ {
-		var e Event
+		e := Event{Group: -1}
 		c, err := x.d.PeekCode()
 		if err != nil {
 			return bad("event %d: %v", i, err)
@@ -251,8 +256,9 @@ func kindOf(tag string) Kind {
 
 // The array forms' field positions after the tag.
 var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}
-	removedFields = []string{"block_hashes", "medium"}
+	storedFields = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+		"extra_keys", "group_idx", "kv_cache_spec_kind"}
+	removedFields = []string{"block_hashes", "medium", "group_idx"}
 )
 
 func (x *decoder) eventArray(e *Event) error {
@@ -338,7 +344,16 @@ func (x *decoder) field(e *Event, k string) error {
 			err = fmt.Errorf("%d", v)
 		}
 		e.BlockSize = int(v)
-	case "lora_name", "medium":
+	case "group_idx":
+		if c, _ := x.d.PeekCode(); c == msgpcode.Nil {
+			return x.d.DecodeNil()
+		}
+		var v int64
+		if v, err = x.d.DecodeInt64(); err == nil && (v < 0 || v > 1<<16) {
+			err = fmt.Errorf("%d", v)
+		}
+		e.Group = int(v)
+	case "lora_name", "medium", "kv_cache_spec_kind":
 		var s string
 		if c, _ := x.d.PeekCode(); c == msgpcode.Nil {
 			return x.d.DecodeNil()
@@ -346,10 +361,13 @@ func (x *decoder) field(e *Event, k string) error {
 		if s, err = x.d.DecodeString(); err == nil && len(s) > 256 {
 			err = fmt.Errorf("%d bytes", len(s))
 		}
-		if k == "medium" {
+		switch k {
+		case "medium":
 			e.Medium = s
-		} else {
+		case "lora_name":
 			e.LoRA = s
+		default:
+			e.SpecKind = s
 		}
 	default:
 		return x.skip(0)

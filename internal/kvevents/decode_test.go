@@ -44,11 +44,11 @@ func TestDecodeArrayForm(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Batch{TS: 1.5, DPRank: 3, HasDPRank: true, Ignored: 1, Events: []Event{
-		{Kind: KindStored, Hashes: []uint64{uint64(math.MaxUint64 - 6), big}, Tokens: []uint32{1, 2, 3, 4, 5, 6, 7, 8}, BlockSize: 4, Medium: "GPU"},
-		{Kind: KindStored, Hashes: []uint64{11}, Parent: uint64(math.MaxUint64 - 6), HasParent: true, Tokens: []uint32{9, 10, 11, 12}, BlockSize: 4},
-		{Kind: KindRemoved, Hashes: []uint64{big}, Medium: "GPU"},
-		{Kind: KindRemoved, Hashes: []uint64{11}},
-		{Kind: KindCleared},
+		{Kind: KindStored, Hashes: []uint64{uint64(math.MaxUint64 - 6), big}, Tokens: []uint32{1, 2, 3, 4, 5, 6, 7, 8}, BlockSize: 4, Medium: "GPU", Group: 0, SpecKind: "full"},
+		{Kind: KindStored, Hashes: []uint64{11}, Parent: uint64(math.MaxUint64 - 6), HasParent: true, Tokens: []uint32{9, 10, 11, 12}, BlockSize: 4, Group: -1},
+		{Kind: KindRemoved, Hashes: []uint64{big}, Medium: "GPU", Group: -1},
+		{Kind: KindRemoved, Hashes: []uint64{11}, Group: -1},
+		{Kind: KindCleared, Group: -1},
 	}}
 	if d := cmp.Diff(want, b); d != "" {
 		t.Fatalf("decoded (-want +got):\n%s", d)
@@ -78,9 +78,9 @@ func TestDecodeMapForm(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Batch{TS: 9.25, DPRank: 1, HasDPRank: true, Ignored: 1, Events: []Event{
-		{Kind: KindStored, Hashes: []uint64{0x0102030405060708}, Tokens: []uint32{5, 6}, BlockSize: 2, LoRA: "adapter"},
-		{Kind: KindRemoved, Hashes: []uint64{0x0102030405060708}},
-		{Kind: KindCleared},
+		{Kind: KindStored, Hashes: []uint64{0x0102030405060708}, Tokens: []uint32{5, 6}, BlockSize: 2, LoRA: "adapter", Group: -1},
+		{Kind: KindRemoved, Hashes: []uint64{0x0102030405060708}, Group: -1},
+		{Kind: KindCleared, Group: -1},
 	}}
 	if d := cmp.Diff(want, b); d != "" {
 		t.Fatalf("decoded (-want +got):\n%s", d)

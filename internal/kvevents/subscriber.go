@@ -34,6 +34,7 @@ type Subscriber struct {
 	lastTS                                              atomic.Uint64
 	lastOK                                              atomic.Bool
 	blockSize                                           atomic.Int64
+	groups                                              groups
 }
 
 // BlockSize is the engine's block size, from its last BlockStored event or what the engine
@@ -151,11 +152,17 @@ func (s *Subscriber) apply(b Batch) {
 		s.lastOK.Store(false)
 		return
 	}
+	kept := b.Events[:0]
 	for _, e := range b.Events {
-		if e.Kind == KindStored && e.BlockSize > 0 {
-			s.blockSize.Store(int64(e.BlockSize))
+		if e.Kind != KindCleared && !s.groups.indexed(&e) {
+			continue // a group whose blocks hold no whole prefix (sliding window, …): groups.go
 		}
+		if e.Kind == KindStored && e.BlockSize > 0 {
+			s.blockSize.Store(int64(e.BlockSize)) // the indexed group's block size
+		}
+		kept = append(kept, e)
 	}
+	b.Events = kept
 	if !b.HasDPRank {
 		b.DPRank = s.Rank
 	}

@@ -71,6 +71,10 @@ type Config struct {
 	// publisher that connects out names itself kv@<host>:<port>@<model>.
 	KVEventsTopic string
 
+	// HybridKV publishes KV events as a hybrid-attention model does (vLLM): each block once per
+	// KV-cache group, full attention (group 0) and sliding window (group 1), the sliding window
+	// freeing a chain's blocks but its last at once.
+	HybridKV bool
 	// NoPromptTokensDetails answers prompt_tokens_details null, as vLLM does unless started with
 	// --enable-prompt-tokens-details: the usage then says nothing of cached tokens.
 	NoPromptTokensDetails bool
@@ -188,6 +192,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.StringVar(&c.KVEventsConnect, "kv-events-connect", "", "publish KV events by dialling this endpoint (a gateway's --kv-events-listen, tcp://host:port) instead of binding")
 	fs.StringVar(&c.KVEventsTopic, "kv-events-topic", "", "KV events topic (default: none; kv@<host>:<port>@<model> with --kv-events-connect)")
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 4096, "prefix cache capacity in blocks of 16 tokens (least recently used evicted)")
+	fs.BoolVar(&c.HybridKV, "hybrid-kv", false, "publish KV events as a hybrid-attention model: full-attention and sliding-window groups (vLLM)")
 	fs.BoolVar(&c.NoPromptTokensDetails, "no-prompt-tokens-details", false, "answer prompt_tokens_details null, as vLLM does without --enable-prompt-tokens-details")
 	fs.IntVar(&c.Faults.Status, "fault-status", 0, "fail requests with this status")
 	fs.Float64Var(&c.Faults.Rate, "fault-rate", 0, "probability of the fault status (0 with a status: always)")

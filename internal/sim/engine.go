@@ -142,7 +142,7 @@ func Start(cfg Config) (*Engine, error) {
 			topic = "kv@" + e.ln.Addr().String() + "@" + c.Model
 		}
 		pub, err := startKVPublisher(c.Host, c.KVEventsPort, &kvPublisher{encoding: c.KVEventsEncoding, topic: topic,
-			dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect})
+			dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect, hybrid: c.HybridKV})
 		if err != nil {
 			_ = e.ln.Close()
 			return nil, err

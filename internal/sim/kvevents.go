@@ -36,6 +36,10 @@ type kvPublisher struct {
 	// connect: the PUB socket dials this endpoint (a gateway listening for engines) instead of
 	// binding; "" binds.
 	connect string
+	// hybrid: a hybrid-attention model (vLLM): every block is announced for group 0
+	// (full_attention) and group 1 (sliding_window), and the sliding-window group frees a
+	// chain's blocks but its last as soon as they leave its window.
+	hybrid bool
 	stop    context.CancelFunc
 
 	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
@@ -164,8 +168,27 @@ func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
 		case p.encoding == KVEventsMap:
 			events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
 				"token_ids": b.tokens, "block_size": blockSize, "medium": "GPU", "event_version": 1})
+		case p.hybrid && p.encoding == KVEventsMap:
+			for g, kind := range []string{"full_attention", "sliding_window"} {
+				events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
+					"token_ids": b.tokens, "block_size": blockSize, "medium": "GPU", "group_idx": g, "kv_cache_spec_kind": kind})
+			}
+		case p.hybrid:
+			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 0, "full_attention", nil},
+				[]any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 1, "sliding_window", blockSize})
 		default:
 			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 0})
+		}
+	}
+	if p.hybrid && len(stored) > 1 {
+		slid := make([]uint64, 0, len(stored)-1)
+		for _, b := range stored[:len(stored)-1] {
+			slid = append(slid, b.key)
+		}
+		if p.encoding == KVEventsMap {
+			events = append(events, map[string]any{"type": "BlockRemoved", "block_hashes": slid, "medium": "GPU", "group_idx": 1})
+		} else {
+			events = append(events, []any{"BlockRemoved", slid, "GPU", 1})
 		}
 	}
 	if len(removed) > 0 {
