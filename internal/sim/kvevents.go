@@ -40,7 +40,7 @@ type kvPublisher struct {
 	// (full_attention) and group 1 (sliding_window), and the sliding-window group frees a
 	// chain's blocks but its last as soon as they leave its window.
 	hybrid bool
-	stop    context.CancelFunc
+	stop   context.CancelFunc
 
 	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
 	// missed some, as vLLM's replay_endpoint keeps buffer_steps of them.
