@@ -71,6 +71,10 @@ type Config struct {
 	// publisher that connects out names itself kv@<host>:<port>@<model>.
 	KVEventsTopic string
 
+	// LoRAAdapters are LoRA adapters loaded on the engine, served under their own names (vLLM:
+	// listed in /v1/models with the base model as parent; their KV blocks are keyed apart and
+	// their KV events carry lora_name).
+	LoRAAdapters []string
 	// HybridKV publishes KV events as a hybrid-attention model does (vLLM): each block once per
 	// KV-cache group, full attention (group 0) and sliding window (group 1), the sliding window
 	// freeing a chain's blocks but its last at once.

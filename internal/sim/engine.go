@@ -276,10 +276,29 @@ func (e *Engine) serveHealth(w http.ResponseWriter, r *http.Request) {
 }
 
 func (e *Engine) serveModels(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, 200, map[string]any{"object": "list", "data": []any{map[string]any{
+	data := []any{map[string]any{
 		"id": e.cfg.Model, "object": "model", "created": 1700000000, "owned_by": e.cfg.Engine,
 		"root": e.cfg.Model, "parent": nil, "max_model_len": 32768,
-	}}})
+	}}
+	for _, a := range e.cfg.LoRAAdapters { // vLLM's cards of loaded adapters
+		data = append(data, map[string]any{"id": a, "object": "model", "created": 1700000000, "owned_by": e.cfg.Engine,
+			"root": "/adapters/" + a, "parent": e.cfg.Model, "max_model_len": nil})
+	}
+	writeJSON(w, 200, map[string]any{"object": "list", "data": data})
+}
+
+// served reports whether name is the engine's model or one of its adapters, and which adapter
+// ("" for the base model).
+func (e *Engine) served(name string) (lora string, ok bool) {
+	if name == e.cfg.Model {
+		return "", true
+	}
+	for _, a := range e.cfg.LoRAAdapters {
+		if a == name {
+			return a, true
+		}
+	}
+	return "", false
 }
 
 func (e *Engine) serveServerInfo(w http.ResponseWriter, _ *http.Request) {

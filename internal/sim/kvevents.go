@@ -155,29 +155,41 @@ func (p *kvPublisher) close() {
 func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
 	var events []any
 	for _, b := range stored {
-		var parent any
+		var parent, lora any
 		if b.parent != 0 {
 			parent = b.parent
+		}
+		if b.lora != "" {
+			lora = b.lora
+		}
+		groups := []any{0}
+		kinds := []any{nil}
+		if p.hybrid {
+			groups, kinds = []any{0, 1}, []any{"full_attention", "sliding_window"}
 		}
 		switch {
 		case p.sglang && p.encoding == KVEventsMap:
 			events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
-				"token_ids": b.tokens, "block_size": blockSize, "lora_id": nil})
+				"token_ids": b.tokens, "block_size": blockSize, "lora_id": nil, "lora_name": lora})
 		case p.sglang:
 			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil})
 		case p.encoding == KVEventsMap:
-			events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
-				"token_ids": b.tokens, "block_size": blockSize, "medium": "GPU", "event_version": 1})
-		case p.hybrid && p.encoding == KVEventsMap:
-			for g, kind := range []string{"full_attention", "sliding_window"} {
-				events = append(events, map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
-					"token_ids": b.tokens, "block_size": blockSize, "medium": "GPU", "group_idx": g, "kv_cache_spec_kind": kind})
+			for g := range groups {
+				ev := map[string]any{"type": "BlockStored", "block_hashes": []uint64{b.key}, "parent_block_hash": parent,
+					"token_ids": b.tokens, "block_size": blockSize, "medium": "GPU", "lora_name": lora, "event_version": 1}
+				if p.hybrid {
+					ev["group_idx"], ev["kv_cache_spec_kind"] = groups[g], kinds[g]
+				}
+				events = append(events, ev)
 			}
-		case p.hybrid:
-			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 0, "full_attention", nil},
-				[]any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 1, "sliding_window", blockSize})
 		default:
-			events = append(events, []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", nil, nil, 0})
+			for g := range groups {
+				ev := []any{"BlockStored", []uint64{b.key}, parent, b.tokens, blockSize, nil, "GPU", lora, nil, groups[g]}
+				if p.hybrid {
+					ev = append(ev, kinds[g], nil)
+				}
+				events = append(events, ev)
+			}
 		}
 	}
 	if p.hybrid && len(stored) > 1 {

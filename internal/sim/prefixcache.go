@@ -18,21 +18,26 @@ type prefixCache struct {
 	onChange func(stored []storedBlock, removed []uint64)
 }
 
-// storedBlock is one block newly cached: its key, its parent's (0 for the first block) and its
-// tokens.
+// storedBlock is one block newly cached: its key, its parent's (0 for the first block), its
+// tokens, and the LoRA adapter whose KV it is ("" for the base model).
 type storedBlock struct {
 	key, parent uint64
 	tokens      []uint32
+	lora        string
 }
 
 func newPrefixCache(capacity int) *prefixCache {
 	return &prefixCache{capacity: capacity, lru: list.New(), blocks: map[uint64]*list.Element{}}
 }
 
-// blockKeys returns the chained keys of prompt's full blocks.
-func blockKeys(prompt []uint32) []uint64 {
+// blockKeys returns the chained keys of prompt's full blocks under LoRA adapter lora ("" for
+// the base model): an adapter's KV differs from the base model's for the same tokens.
+func blockKeys(prompt []uint32, lora string) []uint64 {
 	keys := make([]uint64, 0, len(prompt)/blockSize)
 	h := uint64(0x9e3779b97f4a7c15)
+	for i := 0; i < len(lora); i++ {
+		h = mix(h ^ uint64(lora[i]))
+	}
 	for i := 0; i+blockSize <= len(prompt); i += blockSize {
 		for _, t := range prompt[i : i+blockSize] {
 			h = mix(h ^ uint64(t))
@@ -44,8 +49,8 @@ func blockKeys(prompt []uint32) []uint64 {
 
 // compute looks prompt up and stores its blocks: it returns how many leading tokens were
 // cached (full blocks only, and never the last token, which is always computed).
-func (c *prefixCache) compute(prompt []uint32) int {
-	keys := blockKeys(prompt)
+func (c *prefixCache) compute(prompt []uint32, lora string) int {
+	keys := blockKeys(prompt, lora)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	hits := 0
@@ -68,7 +73,7 @@ func (c *prefixCache) compute(prompt []uint32) int {
 			if i > 0 {
 				parent = keys[i-1]
 			}
-			stored = append(stored, storedBlock{key: k, parent: parent, tokens: prompt[i*blockSize : (i+1)*blockSize]})
+			stored = append(stored, storedBlock{key: k, parent: parent, tokens: prompt[i*blockSize : (i+1)*blockSize], lora: lora})
 		}
 		for c.lru.Len() > c.capacity {
 			old := c.lru.Back()

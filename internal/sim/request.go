@@ -44,9 +44,10 @@ type job struct {
 	stream        bool
 	includeUsage  bool
 	kv            *kvParams
-	rank          int  // DP rank serving this request
-	routed        bool // the rank was asked for (routed_dp_rank or the rank header)
-	prefillRank   int  // SGLang decode: the prefill's DP rank (-1: room % prefill dp size)
+	rank          int    // DP rank serving this request
+	routed        bool   // the rank was asked for (routed_dp_rank or the rank header)
+	lora          string // the LoRA adapter asked for, "" for the base model
+	prefillRank   int    // SGLang decode: the prefill's DP rank (-1: room % prefill dp size)
 	returnLogprob bool
 	id            string // response id
 	reqID         string // internal request id
@@ -108,10 +109,14 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 	if err := dec.Decode(&raw); err != nil {
 		return nil, errorf(400, "invalid request body: %v", err)
 	}
-	if raw.Model != nil && *raw.Model != e.cfg.Model && rt != routeGenerate {
-		return nil, errorf(404, "The model `%s` does not exist.", *raw.Model)
+	var lora string
+	if raw.Model != nil && rt != routeGenerate {
+		var ok bool
+		if lora, ok = e.served(*raw.Model); !ok {
+			return nil, errorf(404, "The model `%s` does not exist.", *raw.Model)
+		}
 	}
-	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1}
+	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1, lora: lora}
 	if aerr := e.checkKVParams(rt, j); aerr != nil {
 		return nil, aerr
 	}
