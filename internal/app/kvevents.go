@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net"
@@ -379,11 +380,8 @@ func (k *KVEvents) precise() func(ws []*worker.Worker, req *policy.Request) []fl
 		if !ok || len(toks) == 0 {
 			return nil
 		}
-		model := req.Model
-		if in := via.Info(); in != nil && len(in.Models) > 0 {
-			model = in.Models[0].ID
-		}
-		held := k.Index.Match(kvevents.Keys(model, "", toks, bs))
+		model, lora := chainOf(via, req.Model)
+		held := k.Index.Match(kvevents.Keys(model, lora, toks, bs))
 		out := make([]float64, len(ws))
 		for i, w := range ws {
 			out[i] = -1
@@ -393,6 +391,34 @@ func (k *KVEvents) precise() func(ws []*worker.Worker, req *policy.Request) []fl
 		}
 		return out
 	}
+}
+
+// chainOf returns what the index roots a request for model on at worker w: the model its events
+// are indexed under (its first listed model) and the LoRA adapter ("" for the base model). vLLM
+// lists a loaded adapter in /v1/models under its own name with the base model as "parent", and
+// its KV events name it in lora_name: a request for the adapter is matched against the
+// adapter's blocks, never the base model's.
+func chainOf(w *worker.Worker, model string) (base, lora string) {
+	in := w.Info()
+	if in == nil || len(in.Models) == 0 {
+		return model, ""
+	}
+	base = in.Models[0].ID
+	if model == base {
+		return base, ""
+	}
+	for _, m := range in.Models[1:] {
+		if m.ID != model || len(m.Card) == 0 {
+			continue
+		}
+		var card struct {
+			Parent *string `json:"parent"`
+		}
+		if json.Unmarshal(m.Card, &card) == nil && card.Parent != nil && *card.Parent != "" {
+			return base, model
+		}
+	}
+	return base, ""
 }
 
 // subsView is what stats reports of a worker's subscription besides the counters.

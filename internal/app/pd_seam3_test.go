@@ -370,3 +370,34 @@ func TestCacheAwareOnHybridAttentionEvents(t *testing.T) {
 		})
 	}
 }
+
+// Item 10 (should): a request for a LoRA adapter was matched against the base model's chain,
+// while the engine's events root the adapter's blocks on its lora_name: routing from events
+// never found an adapter's prefix. It is matched against the adapter's chain.
+func TestCacheAwareLoRAFollowsEngineEvents(t *testing.T) {
+	t.Parallel()
+	var es []*sim.Engine
+	cfg := config.Default()
+	cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
+	for i := 0; i < 2; i++ {
+		e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true, LoRAAdapters: []string{"sql-adapter"}})
+		es = append(es, e)
+		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+	}
+	g, gw := startGateway(t, cfg)
+	waitHealthy(t, es, g)
+	for p, h := range []int{0, 0, 1, 1, 1, 0} {
+		home := es[h]
+		prompt := fmt.Sprintf("adapter %d: %s", p, strings.Repeat("a long shared system prompt for this adapter ", 8))
+		if resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":"sql-adapter","prompt":%q,"max_tokens":1}`, prompt)); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		keys := kvevents.Keys(pdModel, "sql-adapter", sim.Tokenize(prompt), 16)
+		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+		resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":"sql-adapter","prompt":%q,"max_tokens":2}`, prompt+" and a question"))
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() {
+			t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
+				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
+		}
+	}
+}
