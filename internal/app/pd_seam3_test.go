@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -399,5 +400,37 @@ func TestCacheAwareLoRAFollowsEngineEvents(t *testing.T) {
 			t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
 				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
 		}
+	}
+}
+
+// Item 16 (should): a retried request reached the engines again under the same X-Request-Id,
+// which engines key requests, aborts and some handoffs by. Each attempt has its own engine id;
+// the client's id stays in the response.
+func TestRetriesUseAFreshEngineRequestID(t *testing.T) {
+	t.Parallel()
+	ids := make(chan string, 8)
+	var n atomic.Int32
+	engine := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return
+		}
+		io.ReadAll(r.Body)
+		ids <- r.Header.Get("X-Request-Id")
+		if n.Add(1) == 1 {
+			w.WriteHeader(503)
+			io.WriteString(w, `{"error":{"message":"busy"}}`)
+			return
+		}
+		io.WriteString(w, `{"choices":[]}`)
+	})
+	cfg := testConfig(engine.URL)
+	cfg.CircuitBreaker.Disable = true
+	_, gw := startGateway(t, cfg)
+	resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Request-Id", "client-id-1")
+	if resp.StatusCode != 200 || resp.Header.Get("X-Request-Id") != "client-id-1" {
+		t.Fatalf("%d, X-Request-Id %q", resp.StatusCode, resp.Header.Get("X-Request-Id"))
+	}
+	if first, second := <-ids, <-ids; first != "client-id-1" || second != "client-id-1-retry-2" {
+		t.Errorf("engine request ids %q then %q", first, second)
 	}
 }

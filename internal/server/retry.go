@@ -7,6 +7,7 @@ import (
 	"errors"
 	"go.opentelemetry.io/otel/attribute"
 	"net/http"
+	"strconv"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -30,8 +31,8 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 	var avoid map[string]bool
 	for n := 1; ; n++ {
 		ar := r
-		if tracing.Enabled() && n > 1 {
-			ar = r.WithContext(tracing.WithAttempt(r.Context(), n))
+		if n > 1 {
+			ar = retryRequest(r, n)
 		}
 		err := attempt(ar, avoid)
 		if err == nil {
@@ -42,6 +43,22 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 			return
 		}
 	}
+}
+
+// retryRequest is r for attempt n > 1: its own copy of the headers, with a fresh engine request
+// id — the client's X-Request-Id suffixed "-retry-<n>" — so that no engine sees one id twice
+// (a leg of an earlier attempt may still be alive there, and engines key requests, aborts and
+// some KV handoffs by it). The client's id stays in logs and in the response.
+func retryRequest(r *http.Request, n int) *http.Request {
+	ctx := r.Context()
+	if tracing.Enabled() {
+		ctx = tracing.WithAttempt(ctx, n)
+	}
+	ar := r.Clone(ctx)
+	if rid := r.Header.Get(openai.HeaderRequestID); rid != "" {
+		ar.Header.Set(openai.HeaderRequestID, rid+"-retry-"+strconv.Itoa(n))
+	}
+	return ar
 }
 
 // afterFailure decides what follows attempt n's failure: another attempt (after the backoff,
