@@ -434,3 +434,22 @@ func TestRetriesUseAFreshEngineRequestID(t *testing.T) {
 		t.Errorf("engine request ids %q then %q", first, second)
 	}
 }
+
+// Item 17 (should): /generate on a fleet with no SGLang worker was a retryable 503 saying no
+// worker was available; it is a clear 501 naming the reason, never retried.
+func TestGenerateWithoutSGLangWorkers(t *testing.T) {
+	t.Parallel()
+	_, _, g, pdURL := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{})
+	regular := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	_, gw := startGateway(t, testConfig(regular.URL()))
+	for _, url := range []string{pdURL, gw.URL} {
+		resp := post(t, url+"/generate", `{"model":"m","text":"native route","sampling_params":{"max_new_tokens":2}}`)
+		e := wantEnvelope(t, resp, 501, "route_not_served")
+		if !strings.Contains(e.Error.Message, "SGLang") || !strings.Contains(e.Error.Message, "/v1/completions") {
+			t.Errorf("%s: message %q", url, e.Error.Message)
+		}
+	}
+	if v := testutil.ToFloat64(g.Metrics.Retries.WithLabelValues("POST /generate", "status_501")); v != 0 {
+		t.Errorf("%v retries", v)
+	}
+}

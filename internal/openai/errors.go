@@ -10,11 +10,13 @@ import (
 
 // Error codes Baton mints. Upstream errors are relayed unchanged and never use these.
 const (
-	CodeInvalidJSON         = "invalid_json"
-	CodePayloadTooLarge     = "payload_too_large"
-	CodeInvalidAPIKey       = "invalid_api_key"
-	CodeModelNotFound       = "model_not_found"
-	CodeNotImplementedInPD  = "not_implemented_in_pd_mode"
+	CodeInvalidJSON        = "invalid_json"
+	CodePayloadTooLarge    = "payload_too_large"
+	CodeInvalidAPIKey      = "invalid_api_key"
+	CodeModelNotFound      = "model_not_found"
+	CodeNotImplementedInPD = "not_implemented_in_pd_mode"
+	// CodeRouteNotServed: no worker of the model serves the route (SGLang's /generate on vLLM).
+	CodeRouteNotServed      = "route_not_served"
 	CodeNoAvailableWorkers  = "no_available_workers"
 	CodeUpstreamUnreachable = "upstream_unreachable"
 	CodeUpstreamTimeout     = "upstream_timeout"

@@ -36,10 +36,15 @@ type NoWorkerError struct {
 	// Route, when set, is a route no available prefill can serve disaggregated, whatever its
 	// load: a failure no retry mends.
 	Route string
+	// Unrouted, when set, is an SGLang-only route asked of workers that are all vLLM: a failure
+	// no retry mends.
+	Unrouted string
 }
 
 func (e *NoWorkerError) Error() string {
 	switch {
+	case e.Unrouted != "":
+		return fmt.Sprintf("%s is SGLang's native route, and every worker serving model %q is vLLM, which answers it 404; send /v1/completions or /v1/chat/completions, or add SGLang workers", e.Unrouted, e.Model)
 	case e.Route != "":
 		return fmt.Sprintf("%s cannot be served through SGLang prefill/decode pairs: SGLang's %s request carries no bootstrap fields, so its legs would never meet; send /v1/chat/completions, or add vLLM pairs or regular workers", e.Route, e.Route)
 	case e.Unserved:
@@ -102,7 +107,11 @@ func (s *Selector) Worker(role string, req *Request, avoid map[string]bool) (*wo
 	if len(cands) == 0 && !pending && req.Model != "" {
 		return nil, &NoWorkerError{Role: role, Model: req.Model, Unserved: true}
 	}
-	avail := preferOthers(worker.Available(serving(cands, req.Path)), avoid)
+	served := serving(cands, req.Path)
+	if len(served) == 0 && len(cands) > 0 {
+		return nil, &NoWorkerError{Role: role, Model: req.Model, Unrouted: req.Path}
+	}
+	avail := preferOthers(worker.Available(served), avoid)
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
@@ -117,6 +126,9 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 	dc, dPending := snap.Candidates(config.RoleDecode, req.Model)
 	if req.Model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unserved: true}
+	}
+	if served := serving(pc, req.Path); len(served) == 0 && len(pc) > 0 {
+		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unrouted: req.Path}
 	}
 	prefills := preferOthers(worker.Available(serving(pc, req.Path)), avoid)
 	if len(prefills) == 0 {

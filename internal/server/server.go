@@ -579,6 +579,9 @@ func selectionError(err error) *openai.Error {
 	if errors.As(err, &nw) && nw.Unserved {
 		return &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()}
 	}
+	if errors.As(err, &nw) && nw.Unrouted != "" {
+		return &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeRouteNotServed, NoRetry: true, Message: err.Error()}
+	}
 	if errors.As(err, &nw) && nw.Route != "" {
 		return &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD, NoRetry: true, Message: err.Error()}
 	}
