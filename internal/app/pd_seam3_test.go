@@ -453,3 +453,41 @@ func TestGenerateWithoutSGLangWorkers(t *testing.T) {
 		t.Errorf("%v retries", v)
 	}
 }
+
+// Item 14 (should): vLLM's messages request has no ignore_eos, so a one-token prefill whose
+// token is the end of sequence ends by stop and hands nothing off. What Baton does about it is
+// visible: none-missing-params (header, counter, log), the answer still right; strict mode
+// refuses it.
+func TestPDMessagesFirstTokenEOS(t *testing.T) {
+	t.Parallel()
+	agg := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	var prompt string
+	for i := 0; i < 400 && prompt == ""; i++ {
+		p := fmt.Sprintf("ends at once %d", i)
+		_, b := postTimeout(t, agg.URL()+"/v1/messages", fmt.Sprintf(`{"model":"m","max_tokens":1,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, p))
+		if strings.Contains(b, `"stop_reason":"end_turn"`) {
+			prompt = p
+		}
+	}
+	if prompt == "" {
+		t.Fatal("no prompt whose first token ends the sequence")
+	}
+	body := fmt.Sprintf(`{"model":"m","max_tokens":8,"messages":[{"role":"user","content":%q}]}`, prompt)
+	_, want := postTimeout(t, agg.URL()+"/v1/messages", body)
+	for _, strict := range []bool{false, true} {
+		_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) { c.PDRequireHandoff = strict })
+		resp, got := postTimeout(t, gw+"/v1/messages", body)
+		if strict {
+			if resp.StatusCode != 502 || !strings.Contains(got, "kv_handoff_unavailable") {
+				t.Errorf("strict: %d %s", resp.StatusCode, got)
+			}
+			continue
+		}
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" || stripIDs(got) != stripIDs(want) {
+			t.Errorf("%d, handoff %q:\n%s\nwant\n%s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got, want)
+		}
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-missing-params", "nixl")); v != 1 {
+			t.Errorf("none-missing-params counted %v", v)
+		}
+	}
+}

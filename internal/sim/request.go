@@ -147,6 +147,8 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		}
 		s.MaxTokens = *raw.MaxTokens
 		stop = raw.StopSequences
+		// vLLM's Anthropic messages request has no ignore_eos, nor stop_token_ids: dropped unread.
+		s.IgnoreEOS, s.StopTokenIDs = false, nil
 	case routeGenerate:
 		if sp := raw.SamplingParams; sp != nil {
 			s.MaxTokens = firstInt(sp.MaxNewTokens)
