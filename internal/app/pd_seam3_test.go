@@ -491,3 +491,26 @@ func TestPDMessagesFirstTokenEOS(t *testing.T) {
 		}
 	}
 }
+
+// Item 18 (should): one vLLM release answers the Mooncake bootstrap server's /query keyed by
+// engine id, and 503 until every worker registered; Baton learned nothing from it until a later
+// health probe, and every request recomputed. Both shapes are read, and a 503 is asked again
+// soon.
+func TestMooncakeEngineIDsFromBothQueryShapes(t *testing.T) {
+	t.Parallel()
+	for _, dp := range []int{1, 2} {
+		p, _, _, gw := vllmPD(t, "MooncakeConnector",
+			sim.Config{EngineID: "by-engine", DPSize: dp, MooncakeQueryByEngineID: true, MooncakeRegistering: 600 * time.Millisecond}, sim.Config{},
+			func(c *config.Config) { c.Workers[0].KVEngineID = "" },
+			func(tm *timing) { tm.healthInterval = time.Hour }) // no probe to learn it later
+		for i := 0; i < 4; i++ {
+			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"by engine id `+strings.Repeat("q", i)+`","max_tokens":2}`)
+			if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "mooncake" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
+				t.Fatalf("dp %d request %d: %d, handoff %q, KV %q: %s", dp, i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
+			}
+		}
+		if s := p.Stats(); s.HandoffsPinned != 4 {
+			t.Errorf("dp %d: %d handoffs pinned, want 4", dp, s.HandoffsPinned)
+		}
+	}
+}

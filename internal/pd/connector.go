@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -234,40 +235,88 @@ func harvest(body []byte) (params []byte, valid bool) {
 var handoffRoutes = map[string]bool{"/v1/completions": true, "/v1/chat/completions": true, "/v1/messages": true}
 
 // LearnEngineIDs asks a Mooncake prefill's bootstrap server which engine id each of its DP ranks
-// registered (GET /query: {"<dp_rank>": {"engine_id": …}}, as vLLM's own proxy does) and
-// records them on w. It reports how many it learned; an engine that restarted under a new id is
-// learned anew by the next call.
+// registered (GET /query, as vLLM's own proxy does) and records them on w. It reports how many
+// it learned; an engine that restarted under a new id is learned anew by the next call. It reads
+// both shapes vLLM releases answer: keyed by DP rank, {"<dp_rank>": {"engine_id", "worker_addr"}},
+// and keyed by engine id, {"<engine_id>": {"<dp_rank>": {tp: {pp: addr}}}}
+// (vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_utils.py). That release
+// answers 503 until every worker registered: asked again soon (every queryRetry, for up to
+// queryPatience), not at the next health probe.
 func LearnEngineIDs(ctx context.Context, client *http.Client, w *worker.Worker, def string) (int, error) {
 	c := ConnectorFor(w, def)
 	if c.Mode != ModeMooncake || c.EngineID != "" {
 		return 0, nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, queryPatience)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.BootstrapAddr+"/query", nil)
+	for {
+		ids, err := queryEngineIDs(ctx, client, c.BootstrapAddr)
+		if errors.Is(err, errRegistering) {
+			select {
+			case <-time.After(queryRetry):
+				continue
+			case <-ctx.Done():
+				return 0, err
+			}
+		}
+		if err != nil {
+			return 0, err
+		}
+		w.SetEngineIDs(ids)
+		return len(ids), nil
+	}
+}
+
+// How long and how often a bootstrap server whose workers are still registering is asked again.
+const (
+	queryPatience = 10 * time.Second
+	queryRetry    = 250 * time.Millisecond
+)
+
+// errRegistering is a bootstrap server's 503: its workers are still registering.
+var errRegistering = errors.New("the bootstrap server's workers are still registering (503)")
+
+// queryEngineIDs reads one answer of GET addr/query into engine ids by DP rank.
+func queryEngineIDs(ctx context.Context, client *http.Client, addr string) (map[int]string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, addr+"/query", nil)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return 0, fmt.Errorf("GET %s/query answered %d", c.BootstrapAddr, resp.StatusCode)
+	switch {
+	case resp.StatusCode == http.StatusServiceUnavailable:
+		return nil, errRegistering
+	case resp.StatusCode != http.StatusOK:
+		return nil, fmt.Errorf("GET %s/query answered %d", addr, resp.StatusCode)
 	}
-	var ranks map[string]struct {
-		EngineID string `json:"engine_id"`
-	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&ranks); err != nil {
-		return 0, fmt.Errorf("GET %s/query: %v", c.BootstrapAddr, err)
+	var top map[string]json.RawMessage
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&top); err != nil {
+		return nil, fmt.Errorf("GET %s/query: %v", addr, err)
 	}
 	ids := map[int]string{}
-	for r, v := range ranks {
-		if rank, err := strconv.Atoi(r); err == nil && rank >= 0 && v.EngineID != "" {
-			ids[rank] = v.EngineID
+	for k, v := range top {
+		var byRank struct {
+			EngineID string `json:"engine_id"`
+		}
+		if json.Unmarshal(v, &byRank) == nil && byRank.EngineID != "" {
+			if rank, err := strconv.Atoi(k); err == nil && rank >= 0 {
+				ids[rank] = byRank.EngineID
+			}
+			continue
+		}
+		var ranks map[string]json.RawMessage // keyed by engine id: its DP ranks
+		if json.Unmarshal(v, &ranks) != nil || k == "" {
+			continue
+		}
+		for r := range ranks {
+			if rank, err := strconv.Atoi(r); err == nil && rank >= 0 {
+				ids[rank] = k
+			}
 		}
 	}
-	w.SetEngineIDs(ids)
-	return len(ids), nil
+	return ids, nil
 }

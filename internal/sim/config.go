@@ -75,6 +75,13 @@ type Config struct {
 	// listed in /v1/models with the base model as parent; their KV blocks are keyed apart and
 	// their KV events carry lora_name).
 	LoRAAdapters []string
+	// MooncakeQueryByEngineID answers the bootstrap server's GET /query keyed by engine id
+	// ({engine_id: {dp_rank: {tp_rank: {pp_rank: addr}}}}), as one vLLM release does, instead
+	// of by DP rank.
+	MooncakeQueryByEngineID bool
+	// MooncakeRegistering makes GET /query answer 503 "Workers still registering" for this long
+	// after start, as vLLM's does until every worker registered.
+	MooncakeRegistering time.Duration
 	// HybridKV publishes KV events as a hybrid-attention model does (vLLM): each block once per
 	// KV-cache group, full attention (group 0) and sliding window (group 1), the sliding window
 	// freeing a chain's blocks but its last at once.

@@ -57,8 +57,9 @@ type Engine struct {
 	prefix *prefixCache // nil without PrefixCache
 	kvpub  *kvPublisher // nil without KVEvents
 
-	stats stats
-	wg    sync.WaitGroup
+	stats   stats
+	wg      sync.WaitGroup
+	started time.Time
 }
 
 // Stats are the engine's counters, as exported on /metrics.
@@ -112,10 +113,11 @@ func Start(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{
-		cfg:    c,
-		client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}},
-		slots:  make(chan struct{}, c.MaxConcurrency),
-		rooms:  newRoomTable(),
+		cfg:     c,
+		client:  &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}},
+		slots:   make(chan struct{}, c.MaxConcurrency),
+		rooms:   newRoomTable(),
+		started: time.Now(),
 	}
 	e.kv = newKVStore(e)
 	if c.PrefixCache {

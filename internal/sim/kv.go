@@ -219,9 +219,23 @@ func (e *Engine) bootstrapRoutes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(200) })
 	mux.HandleFunc("GET /query", func(w http.ResponseWriter, _ *http.Request) {
+		if time.Since(e.started) < e.cfg.MooncakeRegistering {
+			writeJSON(w, 503, map[string]any{"detail": fmt.Sprintf("Workers still registering: 0/%d", len(e.engineIDs))})
+			return
+		}
 		out := map[string]any{}
 		for r, id := range e.engineIDs {
-			out[strconv.Itoa(r)] = map[string]any{"engine_id": id, "worker_addr": map[string]any{"0": map[string]any{"0": e.Addr()}}}
+			addr := map[string]any{"0": map[string]any{"0": e.Addr()}}
+			if e.cfg.MooncakeQueryByEngineID {
+				ranks, _ := out[id].(map[string]any)
+				if ranks == nil {
+					ranks = map[string]any{}
+					out[id] = ranks
+				}
+				ranks[strconv.Itoa(r)] = addr
+				continue
+			}
+			out[strconv.Itoa(r)] = map[string]any{"engine_id": id, "worker_addr": addr}
 		}
 		writeJSON(w, 200, out)
 	})
