@@ -514,3 +514,28 @@ func TestMooncakeEngineIDsFromBothQueryShapes(t *testing.T) {
 		}
 	}
 }
+
+// Item 15 (should): NIXL's pull and push connectors are accepted and never paired with each
+// other (their handshake fails); a MultiConnector prefill hands off through the connector its
+// --kv-transfer-config wraps.
+func TestPDConnectorVariantsAndMultiConnector(t *testing.T) {
+	t.Parallel()
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	pull := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	push := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	multi := `{"kv_connector":"MultiConnector","kv_role":"kv_both","kv_connector_extra_config":{"connectors":[{"kv_connector":"NixlConnector","kv_role":"kv_both"},{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}]}}`
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: multi},
+		{URL: pull.URL(), Role: config.RoleDecode, KVConnector: "NixlPullConnector"}, {URL: push.URL(), Role: config.RoleDecode, KVConnector: "NixlPushConnector"}}
+	_, gw := startGateway(t, cfg)
+	for i := 0; i < 6; i++ {
+		resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"variants `+strings.Repeat("x", i)+`","max_tokens":2}`)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" || resp.Header.Get("X-Baton-Decode-Worker") != pull.URL() {
+			t.Fatalf("request %d: %d, handoff %q, decode %s: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get("X-Baton-Decode-Worker"), body)
+		}
+	}
+	if n := push.Stats().RequestsReceived; n != 0 {
+		t.Errorf("the push decode got %d requests of a pull prefill", n)
+	}
+}

@@ -5,6 +5,7 @@ package config
 import (
 	"cmp"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -411,8 +412,8 @@ func (c *Config) Validate() error {
 			bad("%s %q is unknown (want one of %s)", p.key, p.val, strings.Join(Policies, ", "))
 		}
 	}
-	if _, ok := KVConnectorMode(c.KVConnector); !ok {
-		bad("kv_connector %q is unknown (want %s)", c.KVConnector, knownConnectors)
+	if _, _, err := ResolveKVConnector(c.KVConnector); err != nil {
+		bad("%v", err)
 	}
 	if c.HTTPServer != "baton" && c.HTTPServer != "net" {
 		bad("http_server %q is unknown (want baton or net)", c.HTTPServer)
@@ -532,8 +533,8 @@ func (c *Config) CheckWorker(w Worker) error {
 		bad("dp_size %d is out of range 0-%d", w.DPSize, MaxDPSize)
 	}
 	for _, name := range []string{w.KVConnector, w.Labels["kv_connector"]} {
-		if _, ok := KVConnectorMode(name); !ok {
-			bad("kv_connector %q is unknown (want %s)", name, knownConnectors)
+		if _, _, err := ResolveKVConnector(name); err != nil {
+			bad("%v", err)
 		}
 	}
 	for _, ep := range []string{w.KVEventsEndpoint, w.Labels["kv_events_endpoint"], w.KVEventsReplayEndpoint, w.Labels["kv_events_replay_endpoint"]} {
@@ -678,28 +679,99 @@ const (
 
 // kvConnectors are the connector names Baton accepts, lower-cased, with the mode each means:
 // vLLM's registered connector names (vllm/distributed/kv_transfer/kv_connector/factory.py) and
-// the short forms.
+// the short forms. NixlConnector is NixlPullConnector (the decode READs the prefill's blocks);
+// NixlPushConnector has the prefill WRITE into blocks the decode registers — both relay the
+// kv_transfer_params the prefill returns. MultiConnector is resolved from its inner connectors
+// (ResolveKVConnector).
 var kvConnectors = map[string]string{
-	"nixlconnector": ConnectorNixl, "nixl": ConnectorNixl,
+	"nixlconnector": ConnectorNixl, "nixl": ConnectorNixl, "nixlpullconnector": ConnectorNixl, "nixlpushconnector": ConnectorNixl,
 	"mooncakeconnector": ConnectorMooncake, "mooncake": ConnectorMooncake,
 	"p2pncclconnector": ConnectorPassthrough, "lmcacheconnectorv1": ConnectorPassthrough,
-	"lmcachempconnector": ConnectorPassthrough, "multiconnector": ConnectorPassthrough,
+	"lmcachempconnector":  ConnectorPassthrough,
 	"offloadingconnector": ConnectorPassthrough, "sharedstorageconnector": ConnectorPassthrough,
 	"exampleconnector": ConnectorPassthrough, "passthrough": ConnectorPassthrough,
 }
 
-// KVConnectorMode returns the mode a connector name means (case-insensitively), and false for
-// a name Baton does not know. The empty name is passthrough.
-func KVConnectorMode(name string) (string, bool) {
-	if name == "" {
-		return ConnectorPassthrough, true
+// kvConnectorVariants name connectors of one mode that cannot meet: a NIXL pull engine and a
+// NIXL push engine fail their handshake (the push mode is in NIXL's compatibility hash).
+var kvConnectorVariants = map[string]string{
+	"nixlconnector": "nixl-pull", "nixl": "nixl-pull", "nixlpullconnector": "nixl-pull", "nixlpushconnector": "nixl-push",
+}
+
+// KVConnectorMode returns the mode a connector setting means, and false for one Baton cannot
+// use (ResolveKVConnector says why). The empty setting is passthrough.
+func KVConnectorMode(setting string) (string, bool) {
+	mode, _, err := ResolveKVConnector(setting)
+	return mode, err == nil
+}
+
+// ResolveKVConnector reads a worker's connector setting: a connector name (vLLM's or the short
+// form, any case), or the JSON of the engine's --kv-transfer-config. A MultiConnector hands
+// off through its inner connectors (kv_connector_extra_config.connectors; the one that hands
+// off owns the load, vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py): exactly
+// one of them must be NIXL or Mooncake, and its mode is the connector's. variant distinguishes
+// connectors of one mode that cannot pair (NIXL pull and push).
+func ResolveKVConnector(setting string) (mode, variant string, err error) {
+	name := strings.TrimSpace(setting)
+	var inner []string
+	if strings.HasPrefix(name, "{") {
+		var tc struct {
+			Connector string `json:"kv_connector"`
+			Extra     struct {
+				Connectors []struct {
+					Connector string `json:"kv_connector"`
+				} `json:"connectors"`
+			} `json:"kv_connector_extra_config"`
+		}
+		if err := json.Unmarshal([]byte(name), &tc); err != nil {
+			return "", "", fmt.Errorf("kv_connector: not a --kv-transfer-config JSON: %v", err)
+		}
+		name = tc.Connector
+		for _, c := range tc.Extra.Connectors {
+			inner = append(inner, c.Connector)
+		}
 	}
-	mode, ok := kvConnectors[strings.ToLower(name)]
-	return mode, ok
+	lower := strings.ToLower(name)
+	switch {
+	case name == "":
+		return ConnectorPassthrough, "", nil
+	case lower == "multiconnector":
+		return multiConnector(inner)
+	}
+	mode, ok := kvConnectors[lower]
+	if !ok {
+		return "", "", fmt.Errorf("kv_connector %q is unknown (want %s)", name, knownConnectors)
+	}
+	return mode, cmp.Or(kvConnectorVariants[lower], mode), nil
+}
+
+// multiConnector resolves a MultiConnector from its inner connectors' names.
+func multiConnector(inner []string) (mode, variant string, err error) {
+	if len(inner) == 0 {
+		return "", "", errors.New(`kv_connector MultiConnector: give the engine's --kv-transfer-config JSON as the worker's kv_connector, so that its inner connectors (kv_connector_extra_config.connectors) say how it hands off`)
+	}
+	var handing []string
+	for _, n := range inner {
+		m, v, err := ResolveKVConnector(n)
+		if err != nil {
+			return "", "", fmt.Errorf("MultiConnector: %w", err)
+		}
+		if m != ConnectorPassthrough {
+			handing = append(handing, n)
+			mode, variant = m, v
+		}
+	}
+	switch {
+	case len(handing) == 0:
+		return "", "", fmt.Errorf("kv_connector MultiConnector of %s hands off no KV (none is NIXL or Mooncake): its decodes would always recompute", strings.Join(inner, ", "))
+	case len(handing) > 1:
+		return "", "", fmt.Errorf("kv_connector MultiConnector of %s is ambiguous: more than one inner connector hands off KV", strings.Join(handing, ", "))
+	}
+	return mode, variant, nil
 }
 
 // knownConnectors lists the accepted names for an error message.
-const knownConnectors = "NixlConnector (nixl), MooncakeConnector (mooncake), P2pNcclConnector, LMCacheConnectorV1, LMCacheMPConnector, MultiConnector, OffloadingConnector, SharedStorageConnector, ExampleConnector, passthrough; any case"
+const knownConnectors = "NixlConnector (nixl), NixlPullConnector, NixlPushConnector, MooncakeConnector (mooncake), P2pNcclConnector, LMCacheConnectorV1, LMCacheMPConnector, OffloadingConnector, SharedStorageConnector, ExampleConnector, passthrough; any case; or the engine's --kv-transfer-config JSON (needed for MultiConnector)"
 
 // Warnings returns what in a valid configuration will make Baton fail every request, or every
 // request of a kind, so that it is said loudly at startup.

@@ -161,3 +161,44 @@ workers:
 		t.Errorf("error names Go types: %s", msg)
 	}
 }
+
+// Connector settings: vLLM's names in any case, NIXL's pull and push variants, and a
+// MultiConnector read from the engine's --kv-transfer-config; what cannot hand off, or cannot be
+// told, is refused with the reason.
+func TestResolveKVConnector(t *testing.T) {
+	multi := func(inner ...string) string {
+		var cs []string
+		for _, c := range inner {
+			cs = append(cs, `{"kv_connector":"`+c+`","kv_role":"kv_both"}`)
+		}
+		return `{"kv_connector":"MultiConnector","kv_role":"kv_both","kv_connector_extra_config":{"connectors":[` + strings.Join(cs, ",") + `]}}`
+	}
+	for _, tc := range []struct {
+		setting, mode, variant, err string
+	}{
+		{"NixlConnector", ConnectorNixl, "nixl-pull", ""},
+		{"nixlpullconnector", ConnectorNixl, "nixl-pull", ""},
+		{"NixlPushConnector", ConnectorNixl, "nixl-push", ""},
+		{"MooncakeConnector", ConnectorMooncake, ConnectorMooncake, ""},
+		{"LMCacheConnectorV1", ConnectorPassthrough, ConnectorPassthrough, ""},
+		{`{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`, ConnectorNixl, "nixl-pull", ""},
+		{multi("NixlConnector", "OffloadingConnector"), ConnectorNixl, "nixl-pull", ""},
+		{multi("OffloadingConnector", "MooncakeConnector"), ConnectorMooncake, ConnectorMooncake, ""},
+		{"MultiConnector", "", "", "kv-transfer-config JSON"},
+		{multi("OffloadingConnector", "LMCacheConnectorV1"), "", "", "hands off no KV"},
+		{multi("NixlConnector", "MooncakeConnector"), "", "", "ambiguous"},
+		{multi("Nope"), "", "", "unknown"},
+		{"{not json", "", "", "not a --kv-transfer-config JSON"},
+	} {
+		mode, variant, err := ResolveKVConnector(tc.setting)
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("%s: err %v, want one saying %q", tc.setting, err, tc.err)
+			}
+			continue
+		}
+		if err != nil || mode != tc.mode || variant != tc.variant {
+			t.Errorf("%s: %q %q %v, want %q %q", tc.setting, mode, variant, err, tc.mode, tc.variant)
+		}
+	}
+}

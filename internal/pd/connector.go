@@ -97,8 +97,8 @@ func ConnectorFor(w *worker.Worker, def string) Connector {
 
 // Compatible reports whether decode can take prefill's KV: vLLM pairs with vLLM and every other
 // runtime with any but vLLM; a vLLM prefill with a NIXL or Mooncake connector pairs only with
-// decodes of the same connector, or of none configured (unknown: the engine may well have it);
-// def is the default connector name.
+// decodes of the same connector (NIXL pull with pull, push with push), or of none configured
+// (unknown: the engine may well have it); def is the default connector name.
 func Compatible(prefill, decode *worker.Worker, def string) bool {
 	if (prefill.Runtime() == config.RuntimeVLLM) != (decode.Runtime() == config.RuntimeVLLM) {
 		return false // a vLLM handoff and an SGLang rendezvous never meet
@@ -106,16 +106,17 @@ func Compatible(prefill, decode *worker.Worker, def string) bool {
 	if prefill.Runtime() != config.RuntimeVLLM {
 		return true
 	}
-	p := ConnectorFor(prefill, def).Mode
-	if p == ModePassthrough {
+	p := ConnectorFor(prefill, def)
+	if p.Mode == ModePassthrough {
 		return true
 	}
 	name := cmp.Or(decode.KVConnector, def)
 	if name == "" {
 		return true
 	}
-	d, _ := config.KVConnectorMode(name)
-	return d == p
+	_, d, _ := config.ResolveKVConnector(name)
+	_, pv, _ := config.ResolveKVConnector(p.Name)
+	return d == pv // NIXL pull and push engines fail their handshake
 }
 
 // engineID returns the engine id to name in a Mooncake handoff for the given DP rank: the
