@@ -127,9 +127,22 @@ func (s *Subscriber) deliver(seq int64, b Batch) {
 			s.Resets.Add(1)
 			s.Log.Info("kv events: sequence went back, the engine restarted: forgetting its blocks", "worker", s.Worker, "seq", seq, "last", last)
 			s.Index.ClearWorker(s.Worker)
-		case s.ReplayEndpoint != "" && s.replay(last+1, seq):
-			s.Gaps.Add(1)
-			s.Replays.Add(1)
+		case s.ReplayEndpoint != "":
+			switch s.replay(last, seq) {
+			case replayed:
+				s.Gaps.Add(1)
+				s.Replays.Add(1)
+			case replayRestarted:
+				// The replay comes from a new process whose own sequence has passed the old one's:
+				// its batch at the last seq applied is not the one applied.
+				s.Resets.Add(1)
+				s.Log.Info("kv events: the engine restarted (its replay is another process's): forgetting its blocks", "worker", s.Worker, "seq", seq, "last", last)
+				s.Index.ClearWorker(s.Worker)
+			default:
+				s.Gaps.Add(1)
+				s.Log.Warn("kv events: gap, events were lost and cannot be replayed: forgetting the worker's blocks", "worker", s.Worker, "seq", seq, "last", last)
+				s.Index.ClearWorker(s.Worker)
+			}
 		default:
 			s.Gaps.Add(1)
 			s.Log.Warn("kv events: gap, events were lost: forgetting the worker's blocks", "worker", s.Worker, "seq", seq, "last", last)
@@ -170,27 +183,38 @@ func (s *Subscriber) apply(b Batch) {
 	s.lastOK.Store(true)
 }
 
-// replay asks the engine's replay endpoint for the batches from..upto-1 and applies them in
-// order; false when it cannot have them all (the engine keeps only its last buffer_steps).
-func (s *Subscriber) replay(from, upto int64) bool {
+// What a replay found.
+type replayResult int
+
+const (
+	replayFailed    replayResult = iota // the engine no longer has them all, or did not answer
+	replayed                            // every missing batch was applied
+	replayRestarted                     // the engine's batch at last is not the one applied: a new process
+)
+
+// replay asks the engine's replay endpoint for the batches last..upto-1 and, when its batch at
+// last is the one applied last (the same engine timestamp), applies the rest in order. A
+// different batch at last means the endpoint answers for a new process (the engine restarted
+// and its sequence passed the old one's): nothing is applied.
+func (s *Subscriber) replay(last, upto int64) replayResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	sock := zmq4.NewDealer(ctx)
 	defer sock.Close()
 	if err := sock.Dial(dialAddr(s.ReplayEndpoint)); err != nil {
-		return false
+		return replayFailed
 	}
 	var start [8]byte
-	binary.BigEndian.PutUint64(start[:], uint64(from))
+	binary.BigEndian.PutUint64(start[:], uint64(last))
 	if err := sock.Send(zmq4.NewMsgFrom(nil, start[:])); err != nil {
-		return false
+		return replayFailed
 	}
-	want := from
+	want := last
 	var batches []Batch
 	for {
 		msg, err := sock.Recv()
 		if err != nil {
-			return false
+			return replayFailed
 		}
 		// ["", seq, payload] (older vLLM) or ["", topic, seq, payload].
 		f := msg.Frames
@@ -199,10 +223,10 @@ func (s *Subscriber) replay(from, upto int64) bool {
 		} else if len(f) == 3 {
 			f = f[1:]
 		} else {
-			return false
+			return replayFailed
 		}
 		if len(f[0]) != 8 {
-			return false
+			return replayFailed
 		}
 		seq := int64(binary.BigEndian.Uint64(f[0]))
 		if seq == -1 {
@@ -212,20 +236,23 @@ func (s *Subscriber) replay(from, upto int64) bool {
 			continue
 		}
 		if seq != want {
-			return false // the engine no longer has some of them
+			return replayFailed // the engine no longer has some of them
 		}
 		b, err := Decode(f[1])
 		if err != nil {
-			return false
+			return replayFailed
+		}
+		if seq == last && math.Float64bits(b.TS) != s.lastTS.Load() {
+			return replayRestarted
 		}
 		batches = append(batches, b)
 		want++
 	}
-	if want != upto {
-		return false
+	if want != upto || len(batches) == 0 {
+		return replayFailed
 	}
-	for _, b := range batches {
+	for _, b := range batches[1:] { // the first is the one applied last
 		s.apply(b)
 	}
-	return true
+	return replayed
 }

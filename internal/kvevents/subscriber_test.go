@@ -176,3 +176,69 @@ func TestSubscriberReplaysGaps(t *testing.T) {
 		})
 	}
 }
+
+// Item 13 (should): an engine that restarted and is first heard again at a sequence past the
+// old one's looks like a gap; its replay comes from the new process, and applying it on top of
+// the old view kept blocks the engine lost. The batch at the last sequence applied is checked:
+// another process's means a restart, and the worker's blocks are forgotten.
+func TestSubscriberSeesARestartPastTheOldSequence(t *testing.T) {
+	ports := func(e *sim.Engine) (int, int) {
+		return atoi(t, e.KVEventsEndpoint()[strings.LastIndexByte(e.KVEventsEndpoint(), ':')+1:]),
+			atoi(t, e.KVEventsReplayEndpoint()[strings.LastIndexByte(e.KVEventsReplayEndpoint(), ':')+1:])
+	}
+	cfg := sim.Config{Model: "m", PrefixCache: true, KVEvents: true}
+	e, err := sim.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx := kvevents.NewIndex(1 << 20)
+	s := &kvevents.Subscriber{Worker: "w", Model: "m", Endpoint: e.KVEventsEndpoint(), ReplayEndpoint: e.KVEventsReplayEndpoint(),
+		Index: idx, Log: slog.New(slog.DiscardHandler)}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx) }()
+	for i := 0; ; i++ {
+		complete(t, e, fmt.Sprintf("warm up %d %s", i, strings.Repeat("x ", 40)))
+		time.Sleep(20 * time.Millisecond)
+		if n, _ := idx.Size(); n > 0 {
+			break
+		}
+		if i > 200 {
+			t.Fatal("no KV event reached the subscriber")
+		}
+	}
+	prompt := strings.Repeat("blocks the old process held ", 12)
+	keys := kvevents.Keys("m", "", sim.Tokenize(prompt), 16)
+	complete(t, e, prompt)
+	waitFor(t, "the prompt's blocks", func() bool { return idx.Match(keys)["w"] == len(keys) })
+	last := s.Stats().LastSeq
+	// The subscriber is away while the engine restarts on the same endpoints and publishes
+	// past the old sequence.
+	cancel()
+	<-done
+	cfg.KVEventsPort, cfg.KVEventsReplayPort = ports(e)
+	e.Close()
+	if e, err = sim.Start(cfg); err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	for i := int64(0); i <= last+3; i++ {
+		complete(t, e, fmt.Sprintf("new process %d %s", i, strings.Repeat("n ", 40)))
+	}
+	ctx, cancel = context.WithCancel(t.Context())
+	defer cancel()
+	go s.Run(ctx)
+	for i := 0; s.Stats().LastSeq <= last+3; i++ {
+		complete(t, e, fmt.Sprintf("after %d %s", i, strings.Repeat("a ", 40)))
+		time.Sleep(20 * time.Millisecond)
+		if i > 300 {
+			t.Fatalf("the new process was never heard: %+v", s.Stats())
+		}
+	}
+	if got := idx.Match(keys)["w"]; got != 0 {
+		t.Fatalf("after a restart heard past the old sequence, the index still believes %d blocks the engine lost (%+v)", got, s.Stats())
+	}
+	if st := s.Stats(); st.Resets == 0 {
+		t.Errorf("no reset counted: %+v", st)
+	}
+}

@@ -62,6 +62,8 @@ type Config struct {
 	KVEvents         bool
 	KVEventsPort     int
 	KVEventsEncoding string
+	// KVEventsReplayPort is the replay endpoint's port; 0 picks a free one.
+	KVEventsReplayPort int
 	// KVEventsDropEvery loses every Nth batch on the PUB socket (kept for replay): a fault.
 	KVEventsDropEvery int
 	// KVEventsConnect makes the publisher dial this endpoint (a gateway listening for engines,

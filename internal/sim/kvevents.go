@@ -40,7 +40,9 @@ type kvPublisher struct {
 	// (full_attention) and group 1 (sliding_window), and the sliding-window group frees a
 	// chain's blocks but its last as soon as they leave its window.
 	hybrid bool
-	stop   context.CancelFunc
+	// replayPort is the replay ROUTER's port; 0 picks a free one.
+	replayPort int
+	stop       context.CancelFunc
 
 	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
 	// missed some, as vLLM's replay_endpoint keeps buffer_steps of them.
@@ -75,7 +77,7 @@ func startKVPublisher(host string, port int, p *kvPublisher) (*kvPublisher, erro
 		return nil, fmt.Errorf("sim kv events: %w", err)
 	}
 	router := zmq4.NewRouter(context.Background())
-	if err := router.Listen(fmt.Sprintf("tcp://%s", net.JoinHostPort(host, "0"))); err != nil {
+	if err := router.Listen(fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(p.replayPort)))); err != nil {
 		_ = sock.Close()
 		return nil, fmt.Errorf("sim kv events replay: %w", err)
 	}
