@@ -270,17 +270,20 @@ type KVEventsView struct {
 	Endpoint string `json:"endpoint"` // rank 0's (rank r is at its port + r); "listen" when the engine connects to Baton
 	// Source says where the endpoint came from: configured, server_info (the engine reported
 	// it), default (--kv-events: the worker's host:5557) or listen.
-	Source    string  `json:"source"`
-	Ranks     int     `json:"ranks"`
-	Healthy   bool    `json:"healthy"`
-	Received  uint64  `json:"received"`
-	Malformed uint64  `json:"malformed"`
-	Ignored   uint64  `json:"ignored"`
-	Gaps      uint64  `json:"gaps"`
-	Resets    uint64  `json:"resets"`
-	Replays   uint64  `json:"replays"` // gaps filled from the replay endpoint
-	LastSeq   int64   `json:"last_seq"`
-	LagMs     float64 `json:"lag_ms,omitempty"` // now minus the last batch's engine timestamp
+	Source  string `json:"source"`
+	Ranks   int    `json:"ranks"`
+	Healthy bool   `json:"healthy"`
+	// Unindexable: the engine's block hashes cannot be chained (older SGLang); routing for the
+	// worker uses the approximate index.
+	Unindexable bool    `json:"unindexable,omitempty"`
+	Received    uint64  `json:"received"`
+	Malformed   uint64  `json:"malformed"`
+	Ignored     uint64  `json:"ignored"`
+	Gaps        uint64  `json:"gaps"`
+	Resets      uint64  `json:"resets"`
+	Replays     uint64  `json:"replays"` // gaps filled from the replay endpoint
+	LastSeq     int64   `json:"last_seq"`
+	LagMs       float64 `json:"lag_ms,omitempty"` // now minus the last batch's engine timestamp
 }
 
 // View returns w's subscription state, or nil when Baton does not subscribe to it.
@@ -289,7 +292,7 @@ func (k *KVEvents) View(w *worker.Worker) any {
 	if ws == nil {
 		return nil
 	}
-	v := &KVEventsView{Endpoint: ws.endpoint, Source: ws.source, Ranks: ws.n, Healthy: st.Healthy, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
+	v := &KVEventsView{Endpoint: ws.endpoint, Source: ws.source, Ranks: ws.n, Healthy: st.Healthy, Unindexable: st.Unindexable, Received: st.Received, Malformed: st.Malformed, Ignored: st.Ignored,
 		Gaps: st.Gaps, Resets: st.Resets, Replays: st.Replays, LastSeq: st.LastSeq}
 	if st.LastTS > 0 {
 		v.LagMs = float64(time.Now().UnixNano())/1e6 - st.LastTS*1e3
@@ -456,6 +459,7 @@ func (k *KVEvents) stats(url string) (kvevents.Stats, int, *subsView) {
 		out.Gaps, out.Resets, out.Replays = out.Gaps+st.Gaps, out.Resets+st.Resets, out.Replays+st.Replays
 		out.LastSeq, out.LastTS = max(out.LastSeq, st.LastSeq), max(out.LastTS, st.LastTS)
 		out.Healthy = out.Healthy && st.Healthy
+		out.Unindexable = out.Unindexable || st.Unindexable
 		bs = max(bs, s.BlockSize())
 	}
 	out.Healthy = out.Healthy && view.n > 0

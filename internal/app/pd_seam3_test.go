@@ -17,6 +17,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -537,5 +538,47 @@ func TestPDConnectorVariantsAndMultiConnector(t *testing.T) {
 	}
 	if n := push.Stats().RequestsReceived; n != 0 {
 		t.Errorf("the push decode got %d requests of a pull prefill", n)
+	}
+}
+
+// Item 12 (should): older SGLang hashes each block's tokens alone and names a parent even for a
+// prompt's first block, so nothing it announces can be chained from a prompt's start; its
+// subscription looked healthy, every precise match was 0, and routing ignored the cache. Such a
+// worker is said unindexable (once, in the log and GET /workers) and routed from the
+// approximate index.
+func TestCacheAwareOlderSGLangHashesFallBack(t *testing.T) {
+	t.Parallel()
+	var es []*sim.Engine
+	cfg := config.Default()
+	cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
+	for i := 0; i < 2; i++ {
+		e := simEngine(t, sim.Config{Engine: sim.EngineSGLang, PrefixCache: true, KVEvents: true, SGLangLegacyHashes: true})
+		es = append(es, e)
+		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+	}
+	g, gw := startGateway(t, cfg)
+	// What this gateway routed a moment ago counts beside the events for 5 s: shortened, so
+	// that the second request of each prompt is routed on what the events (or the approximate
+	// index standing in for them) say, not on the first request's routing.
+	g.Selector.Policies[config.RoleRegular].(*policy.CacheAware).Speculative = time.Nanosecond
+	for i, e := range es {
+		w := g.Registry.Snapshot().Workers[i]
+		warmUntil(t, e, func() bool {
+			v, _ := g.KVEvents.View(w).(*KVEventsView)
+			return v != nil && v.Unindexable && !v.Healthy
+		})
+	}
+	for p := 0; p < 6; p++ {
+		prompt := fmt.Sprintf("legacy %d: %s", p, strings.Repeat("a long shared system prompt for this tenant ", 8))
+		first, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		if first.StatusCode != 200 {
+			t.Fatalf("%d %s", first.StatusCode, body)
+		}
+		again, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
+		if again.StatusCode != 200 || again.Header.Get("X-Baton-Worker") != first.Header.Get("X-Baton-Worker") ||
+			!strings.Contains(again.Header.Get("X-Baton-Route"), "reason=cache_match") {
+			t.Fatalf("prompt %d: sent to %s, then to %s (route %s): %s", p, first.Header.Get("X-Baton-Worker"),
+				again.Header.Get("X-Baton-Worker"), again.Header.Get("X-Baton-Route"), body)
+		}
 	}
 }

@@ -1,6 +1,9 @@
 package kvevents
 
-import "testing"
+import (
+	"log/slog"
+	"testing"
+)
 
 // Only full-attention groups are indexed: a sliding-window group's removals never erase the
 // prefix; without announced kinds, group 0 alone; events of no group always.
@@ -30,5 +33,29 @@ func TestHybridGroups(t *testing.T) {
 		if tc.want > 0 && s.BlockSize() != 4 {
 			t.Errorf("%s: block size %d", tc.name, s.BlockSize())
 		}
+	}
+}
+
+// An engine whose every stored block names an unknown parent (older SGLang's content-only
+// hashes) is unindexable — not healthy, so routing uses the approximate index — until blocks
+// chain from the root again.
+func TestUnindexableEngine(t *testing.T) {
+	s := &Subscriber{Worker: "w", Model: "m", Index: NewIndex(1000), Log: slog.New(slog.DiscardHandler)}
+	orphan := func(h uint64) Event {
+		return Event{Kind: KindStored, Hashes: []uint64{h}, Parent: 7, HasParent: true, Tokens: []uint32{1, 2}, BlockSize: 2, Group: -1}
+	}
+	for i := 0; i < unindexableAfter-1; i++ {
+		s.apply(Batch{Events: []Event{orphan(uint64(100 + i))}})
+	}
+	if st := s.Stats(); st.Unindexable || !st.Healthy {
+		t.Fatalf("after %d orphans: %+v", unindexableAfter-1, st)
+	}
+	s.apply(Batch{Events: []Event{orphan(99)}})
+	if st := s.Stats(); !st.Unindexable || st.Healthy {
+		t.Fatalf("after %d orphans: %+v", unindexableAfter, st)
+	}
+	s.apply(Batch{Events: []Event{{Kind: KindStored, Hashes: []uint64{1}, Tokens: []uint32{1, 2}, BlockSize: 2, Group: -1}}})
+	if st := s.Stats(); st.Unindexable || !st.Healthy {
+		t.Fatalf("after a root block: %+v", st)
 	}
 }

@@ -35,7 +35,17 @@ type Subscriber struct {
 	lastOK                                              atomic.Bool
 	blockSize                                           atomic.Int64
 	groups                                              groups
+	// stored and orphans count what the engine's events did to the index since the last
+	// reset; unindexable is set once they say its hashes cannot be chained (unindexableAfter).
+	stored, orphans atomic.Int64
+	unindexable     atomic.Bool
 }
+
+// unindexableAfter is how many stored blocks whose parent is unknown, with none stored from the
+// root, make an engine's events unindexable: an engine that chains its hashes from the root
+// stores root blocks at once, while older SGLang hashes each block's content alone and names a
+// parent even for the first block, so nothing it sends can be chained from a prompt's start.
+const unindexableAfter = 32
 
 // BlockSize is the engine's block size, from its last BlockStored event or what the engine
 // reported (0 before either).
@@ -53,14 +63,19 @@ type Stats struct {
 	Received, Malformed, Ignored, Gaps, Resets, Replays uint64
 	LastSeq                                             int64   // -1: none yet
 	LastTS                                              float64 // the last batch's engine timestamp (Unix seconds)
-	// Healthy: a batch arrived and the last one decoded and applied.
+	// Healthy: a batch arrived and the last one decoded and applied, and the engine's hashes can
+	// be indexed.
 	Healthy bool
+	// Unindexable: the engine's hashes cannot be chained from a prompt's start (older SGLang);
+	// routing for it uses the approximate index.
+	Unindexable bool
 }
 
 // Stats returns the subscriber's counters.
 func (s *Subscriber) Stats() Stats {
 	return Stats{Received: s.Received.Load(), Malformed: s.Malformed.Load(), Ignored: s.Ignored.Load(), Gaps: s.Gaps.Load(),
-		Resets: s.Resets.Load(), Replays: s.Replays.Load(), LastSeq: s.nextSeq.Load() - 1, LastTS: math.Float64frombits(s.lastTS.Load()), Healthy: s.lastOK.Load()}
+		Resets: s.Resets.Load(), Replays: s.Replays.Load(), LastSeq: s.nextSeq.Load() - 1, LastTS: math.Float64frombits(s.lastTS.Load()),
+		Healthy: s.lastOK.Load() && !s.unindexable.Load(), Unindexable: s.unindexable.Load()}
 }
 
 // Run subscribes until ctx ends, redialling a lost engine.
@@ -126,7 +141,7 @@ func (s *Subscriber) deliver(seq int64, b Batch) {
 		case seq <= last:
 			s.Resets.Add(1)
 			s.Log.Info("kv events: sequence went back, the engine restarted: forgetting its blocks", "worker", s.Worker, "seq", seq, "last", last)
-			s.Index.ClearWorker(s.Worker)
+			s.forget()
 		case s.ReplayEndpoint != "":
 			switch s.replay(last, seq) {
 			case replayed:
@@ -137,16 +152,16 @@ func (s *Subscriber) deliver(seq int64, b Batch) {
 				// its batch at the last seq applied is not the one applied.
 				s.Resets.Add(1)
 				s.Log.Info("kv events: the engine restarted (its replay is another process's): forgetting its blocks", "worker", s.Worker, "seq", seq, "last", last)
-				s.Index.ClearWorker(s.Worker)
+				s.forget()
 			default:
 				s.Gaps.Add(1)
 				s.Log.Warn("kv events: gap, events were lost and cannot be replayed: forgetting the worker's blocks", "worker", s.Worker, "seq", seq, "last", last)
-				s.Index.ClearWorker(s.Worker)
+				s.forget()
 			}
 		default:
 			s.Gaps.Add(1)
 			s.Log.Warn("kv events: gap, events were lost: forgetting the worker's blocks", "worker", s.Worker, "seq", seq, "last", last)
-			s.Index.ClearWorker(s.Worker)
+			s.forget()
 		}
 	}
 	s.nextSeq.Store(seq + 1)
@@ -179,8 +194,26 @@ func (s *Subscriber) apply(b Batch) {
 	if !b.HasDPRank {
 		b.DPRank = s.Rank
 	}
-	s.Index.Apply(s.Worker, model, b)
+	a := s.Index.Apply(s.Worker, model, b)
 	s.lastOK.Store(true)
+	s.judge(a)
+}
+
+// judge counts what a batch did and, the first time the engine's events turn out unindexable,
+// says so once.
+func (s *Subscriber) judge(a Applied) {
+	if a.Cleared > 0 {
+		s.stored.Store(0)
+		s.orphans.Store(0)
+	}
+	stored, orphans := s.stored.Add(int64(a.Stored)), s.orphans.Add(int64(a.Orphans))
+	if stored == 0 && orphans >= unindexableAfter && s.unindexable.CompareAndSwap(false, true) {
+		s.Log.Warn("kv events: the engine's block hashes cannot be indexed (each block hashed alone, a parent named even for a prompt's first block: older SGLang); routing for this worker uses the approximate index — upgrade the engine to route from its events",
+			"worker", s.Worker, "orphaned_blocks", orphans)
+	}
+	if stored > 0 && s.unindexable.CompareAndSwap(true, false) {
+		s.Log.Info("kv events: the engine's block hashes can be indexed again", "worker", s.Worker)
+	}
 }
 
 // What a replay found.
@@ -255,4 +288,13 @@ func (s *Subscriber) replay(last, upto int64) replayResult {
 		s.apply(b)
 	}
 	return replayed
+}
+
+// forget clears what the index believes of the worker, and what was judged of its hashes (a
+// restarted engine may run another version).
+func (s *Subscriber) forget() {
+	s.Index.ClearWorker(s.Worker)
+	s.stored.Store(0)
+	s.orphans.Store(0)
+	s.unindexable.Store(false)
 }

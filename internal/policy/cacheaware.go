@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"cmp"
 	"container/list"
 	"math/rand/v2"
 	"sync"
@@ -37,6 +38,9 @@ type CacheAware struct {
 	// KV events (0..1), or -1 for a worker it knows nothing of (those, and every worker when it
 	// returns nil, use the approximate index).
 	Precise func(ws []*worker.Worker, req *Request) []float64
+	// Speculative is how long what this gateway routed counts beside the engines' events; zero
+	// means SpeculativeTTL.
+	Speculative time.Duration
 
 	mu    sync.Mutex
 	index map[uint64]*entry      // block key -> the workers that had it
@@ -121,7 +125,7 @@ func (p *CacheAware) shares(keys []uint64, ws []*worker.Worker, req *Request) []
 		// What the engines confirmed, or what this gateway routed there in the last moments
 		// (the engine's events for it may not have arrived yet): a burst of one prefix stays
 		// together instead of scattering while its first request is still in prefill.
-		recent := p.matches(keys, ws, now, SpeculativeTTL)
+		recent := p.matches(keys, ws, now, cmp.Or(p.Speculative, SpeculativeTTL))
 		for i, s := range precise {
 			if s >= 0 {
 				out[i] = min(max(s, float64(recent[i])/float64(len(keys))), 1)

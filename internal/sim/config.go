@@ -84,6 +84,9 @@ type Config struct {
 	// MooncakeRegistering makes GET /query answer 503 "Workers still registering" for this long
 	// after start, as vLLM's does until every worker registered.
 	MooncakeRegistering time.Duration
+	// SGLangLegacyHashes publishes KV events as older SGLang did: each block's hash of its own
+	// tokens alone, and a parent named even for a prompt's first block.
+	SGLangLegacyHashes bool
 	// HybridKV publishes KV events as a hybrid-attention model does (vLLM): each block once per
 	// KV-cache group, full attention (group 0) and sliding window (group 1), the sliding window
 	// freeing a chain's blocks but its last at once.

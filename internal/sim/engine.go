@@ -144,7 +144,7 @@ func Start(cfg Config) (*Engine, error) {
 			topic = "kv@" + e.ln.Addr().String() + "@" + c.Model
 		}
 		pub, err := startKVPublisher(c.Host, c.KVEventsPort, &kvPublisher{encoding: c.KVEventsEncoding, topic: topic,
-			dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect, hybrid: c.HybridKV, replayPort: c.KVEventsReplayPort})
+			dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect, hybrid: c.HybridKV, replayPort: c.KVEventsReplayPort, legacy: c.SGLangLegacyHashes})
 		if err != nil {
 			_ = e.ln.Close()
 			return nil, err

@@ -42,7 +42,9 @@ type kvPublisher struct {
 	hybrid bool
 	// replayPort is the replay ROUTER's port; 0 picks a free one.
 	replayPort int
-	stop       context.CancelFunc
+	// legacy: older SGLang's hashes — a block's own tokens alone, a parent even for the first.
+	legacy bool
+	stop   context.CancelFunc
 
 	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
 	// missed some, as vLLM's replay_endpoint keeps buffer_steps of them.
@@ -155,6 +157,10 @@ func (p *kvPublisher) close() {
 // publish sends one batch: a BlockStored per stored block (with its parent, 0 for none → nil),
 // then one BlockRemoved for the evicted blocks.
 func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
+	if p.legacy {
+		stored = legacyHashes(stored)
+		removed = nil // their content-only hashes are not kept: older SGLang's removals say as little
+	}
 	var events []any
 	for _, b := range stored {
 		var parent, lora any
@@ -241,4 +247,20 @@ func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
 		return // lost on the way, as a PUB drops for a slow subscriber
 	}
 	_ = p.sock.SendMulti(zmq4.NewMsgFrom([]byte(p.topic), seq[:], buf.Bytes()))
+}
+
+// legacyHashes rewrites stored blocks as older SGLang announced them: each block's hash of its own
+// tokens, its parent the previous block's such hash, and the first block's parent a hash too.
+func legacyHashes(stored []storedBlock) []storedBlock {
+	out := make([]storedBlock, len(stored))
+	parent := uint64(0x51a9)
+	for i, b := range stored {
+		h := uint64(0xcbf29ce484222325)
+		for _, t := range b.tokens {
+			h = mix(h ^ uint64(t))
+		}
+		out[i] = storedBlock{key: h, parent: parent, tokens: b.tokens, lora: b.lora}
+		parent = h
+	}
+	return out
 }
