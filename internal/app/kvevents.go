@@ -384,7 +384,16 @@ func (k *KVEvents) precise() func(ws []*worker.Worker, req *policy.Request) []fl
 			return nil
 		}
 		model, lora := chainOf(via, req.Model)
-		held := k.Index.Match(kvevents.Keys(model, lora, toks, bs))
+		held := map[string]int{}
+		for h, n := range k.Index.MatchHolders(kvevents.Keys(model, lora, toks, bs)) {
+			if n > held[h.Worker] {
+				held[h.Worker] = n
+				if req.Ranks == nil {
+					req.Ranks = map[string]int{}
+				}
+				req.Ranks[h.Worker] = h.Rank // the rank holding the longest prefix
+			}
+		}
 		out := make([]float64, len(ws))
 		for i, w := range ws {
 			out[i] = -1

@@ -582,3 +582,40 @@ func TestCacheAwareOlderSGLangHashesFallBack(t *testing.T) {
 		}
 	}
 }
+
+// Item 11 (should): the prefill's DP rank was chosen by turn and load alone, while the index
+// knows which rank holds the prompt's prefix; the prefill leg goes to that rank.
+func TestPDPrefillRankFollowsTheCachedPrefix(t *testing.T) {
+	t.Parallel()
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, DPSize: 2,
+		PrefixCache: true, KVEvents: true, KVEventsPerRank: true})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.PrefillPolicy = config.PolicyCacheAware
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector", DPSize: 2, KVEventsEndpoint: p.KVEventsEndpoint()},
+		{URL: d.URL(), Role: config.RoleDecode}}
+	g, gw := startGateway(t, cfg)
+	waitHealthy(t, []*sim.Engine{p}, g) // every rank's subscription hears its events
+	for i, home := range []int{1, 1, 0, 1, 0, 0} {
+		prompt := fmt.Sprintf("rank %d: %s", i, strings.Repeat("a long shared system prompt for this rank ", 8))
+		req, _ := http.NewRequest(http.MethodPost, p.URL()+"/v1/completions", strings.NewReader(fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt)))
+		req.Header.Set("X-Data-Parallel-Rank", fmt.Sprint(home))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("warming rank %d: %v %v", home, err, resp)
+		}
+		resp.Body.Close()
+		keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
+		holder := kvevents.Holder{Worker: p.URL(), Rank: home}
+		waitFor(t, func() bool { return g.KVEvents.Index.MatchHolders(keys)[holder] == len(keys) })
+		before := p.Stats().PrefixCacheHits
+		resp2, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
+		if resp2.StatusCode != 200 {
+			t.Fatalf("%d %s", resp2.StatusCode, body)
+		}
+		if hits := p.Stats().PrefixCacheHits - before; hits < int64(16*len(keys)) {
+			t.Fatalf("prompt %d: the prefill leg found %d of its tokens cached: it ran on another rank than %d, which holds its prefix", i, hits, home)
+		}
+	}
+}

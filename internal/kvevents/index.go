@@ -197,6 +197,16 @@ func (x *Index) ClearWorker(worker string) {
 // (the longest run from block 0 over its ranks). Workers with none are absent.
 func (x *Index) Match(keys []uint64) map[string]int {
 	out := map[string]int{}
+	for h, n := range x.MatchHolders(keys) {
+		out[h.Worker] = max(out[h.Worker], n)
+	}
+	return out
+}
+
+// MatchHolders returns, per holder (a worker's DP rank), how many leading blocks of keys it has
+// resident. Holders with none are absent.
+func (x *Index) MatchHolders(keys []uint64) map[Holder]int {
+	out := map[Holder]int{}
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	var alive []Holder // the holders of every block so far
@@ -211,7 +221,7 @@ func (x *Index) Match(keys []uint64) map[string]int {
 			break
 		}
 		for _, h := range alive {
-			out[h.Worker] = i + 1
+			out[h] = i + 1
 		}
 	}
 	return out

@@ -33,7 +33,7 @@ func bootstrapLegs(req *Request, pair worker.Pair) (prefill, decode []byte, pRan
 	// an SGLang prefill that follows the bootstrap room refuses a rank that does not, and a
 	// decode that finds its prefill by room % dp_size would wait on another rank. Requests with
 	// n > 1 samples are the exception below.
-	pRank, pRanked := pair.Prefill.NextRank()
+	pRank, pRanked := prefillRank(pair.Prefill, req, pair.Prefill.DPSize)
 	newRoom := func() uint64 { return roomFor(pRank, pair.Prefill.DPSize) }
 	if req.Samples > 1 {
 		// SGLang sends each of n samples as a request of its own and gives a scalar room r to

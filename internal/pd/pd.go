@@ -43,6 +43,9 @@ type Request struct {
 	Batch int
 	// Samples is SamplesOf the request: its n, counted once when it arrived.
 	Samples int
+	// Ranks names per worker URL the DP rank holding the longest cached prefix of the prompt
+	// (policy.Request.Ranks); the prefill leg goes there (worker.RankFor).
+	Ranks map[string]int
 	// Consumed is set by a vLLM executor once the decode answered with a handoff: what the
 	// decode's own usage said of it (VerdictReceived, VerdictRecomputed, VerdictUnknown).
 	Consumed string
@@ -143,4 +146,14 @@ func listLen(raw []byte, nested bool, limit int) int {
 		return n
 	}
 	return 0
+}
+
+// prefillRank returns the DP rank over n ranks for req's prefill leg on w: where its prefix is
+// cached when that is known and not overloaded, else the least loaded.
+func prefillRank(w *worker.Worker, req *Request, n int) (int, bool) {
+	prefer, ok := req.Ranks[w.URL]
+	if !ok {
+		prefer = -1
+	}
+	return w.RankFor(prefer, n)
 }

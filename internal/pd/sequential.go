@@ -71,7 +71,7 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	}
 	rank, pinned := 0, false
 	if conn.DPSize > 1 && !conn.DPInvalid {
-		rank, pinned = pair.Prefill.NextRankOf(conn.DPSize)
+		rank, pinned = prefillRank(pair.Prefill, req, conn.DPSize)
 		p.prefillHeader = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
 		p.prefillRank = rank + 1
 	}

@@ -21,6 +21,9 @@ type Request struct {
 	// (X-Baton-Route); off, nothing is kept on the request.
 	Explain   bool
 	Decisions []Decision
+	// Ranks, set by a choice that knows (cache_aware from the engines' events), names per worker
+	// URL the DP rank holding the longest cached prefix of the prompt.
+	Ranks map[string]int
 }
 
 // NoWorkerError says why no worker could be chosen.

@@ -44,7 +44,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	defer release()
 	sreq := &policy.Request{Ctx: r.Context(), Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		sreq.Decisions = sreq.Decisions[:0]
+		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
 		pair, err := s.sel.Pair(sreq, avoid)
 		end(sreq, err)
@@ -52,6 +52,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			return selectionError(err)
 		}
 		s.routeHeader(w, sreq)
+		preq.Ranks = sreq.Ranks
 		if pair.Prefill.Runtime() == config.RuntimeSGLang {
 			setMode(w, "pd_sglang")
 		} else {

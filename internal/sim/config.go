@@ -64,6 +64,9 @@ type Config struct {
 	KVEventsEncoding string
 	// KVEventsReplayPort is the replay endpoint's port; 0 picks a free one.
 	KVEventsReplayPort int
+	// KVEventsPerRank gives each DP rank its own prefix cache and KV events publisher (vLLM's DP
+	// engine cores): rank r publishes at the KV events port + r, its batches naming the rank.
+	KVEventsPerRank bool
 	// KVEventsDropEvery loses every Nth batch on the PUB socket (kept for replay): a fault.
 	KVEventsDropEvery int
 	// KVEventsConnect makes the publisher dial this endpoint (a gateway listening for engines,

@@ -56,6 +56,10 @@ type Engine struct {
 	rooms  *roomTable
 	prefix *prefixCache // nil without PrefixCache
 	kvpub  *kvPublisher // nil without KVEvents
+	// prefixes and kvpubs are each DP rank's cache and publisher with KVEventsPerRank (rank 0's
+	// are prefix and kvpub).
+	prefixes []*prefixCache
+	kvpubs   []*kvPublisher
 
 	stats   stats
 	wg      sync.WaitGroup
@@ -122,6 +126,10 @@ func Start(cfg Config) (*Engine, error) {
 	e.kv = newKVStore(e)
 	if c.PrefixCache {
 		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
+		e.prefixes = []*prefixCache{e.prefix}
+		for r := 1; c.KVEventsPerRank && r < c.DPSize; r++ {
+			e.prefixes = append(e.prefixes, newPrefixCache(c.PrefixCacheBlocks))
+		}
 	}
 	base := c.EngineID
 	if base == "" {
@@ -139,18 +147,10 @@ func Start(cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("sim listen: %w", err)
 	}
 	if c.PrefixCache && c.KVEvents {
-		topic := c.KVEventsTopic
-		if topic == "" && c.KVEventsConnect != "" {
-			topic = "kv@" + e.ln.Addr().String() + "@" + c.Model
-		}
-		pub, err := startKVPublisher(c.Host, c.KVEventsPort, &kvPublisher{encoding: c.KVEventsEncoding, topic: topic,
-			dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect, hybrid: c.HybridKV, replayPort: c.KVEventsReplayPort, legacy: c.SGLangLegacyHashes})
-		if err != nil {
+		if err := e.startPublishers(); err != nil {
 			_ = e.ln.Close()
 			return nil, err
 		}
-		e.kvpub = pub
-		e.prefix.onChange = pub.publish
 	}
 	e.srv = &http.Server{Handler: e.routes(), ReadHeaderTimeout: 10 * time.Second}
 	if err := e.startSide(); err != nil {
@@ -206,11 +206,62 @@ func (e *Engine) Close() {
 		}
 	}
 	e.kv.close()
-	if e.kvpub != nil {
-		e.kvpub.close()
+	for _, p := range e.kvpubs {
+		p.close()
 	}
 	e.wg.Wait()
 	e.client.CloseIdleConnections()
+}
+
+// startPublishers starts the KV event publisher, or with KVEventsPerRank one per DP rank on
+// consecutive ports (rank r at the first's port + r, its replay endpoint likewise), as vLLM's DP
+// engine cores publish.
+func (e *Engine) startPublishers() error {
+	c := e.cfg
+	topic := c.KVEventsTopic
+	if topic == "" && c.KVEventsConnect != "" {
+		topic = "kv@" + e.ln.Addr().String() + "@" + c.Model
+	}
+	n := len(e.prefixes)
+	for try := 0; ; try++ {
+		port, replay := c.KVEventsPort, c.KVEventsReplayPort
+		var pubs []*kvPublisher
+		var err error
+		for r := 0; r < n && err == nil; r++ {
+			var pub *kvPublisher
+			pub, err = startKVPublisher(c.Host, port, &kvPublisher{encoding: c.KVEventsEncoding, topic: topic,
+				dropEvery: c.KVEventsDropEvery, sglang: c.Engine == EngineSGLang, connect: c.KVEventsConnect, hybrid: c.HybridKV,
+				replayPort: replay, legacy: c.SGLangLegacyHashes, ranked: n > 1, rank: r})
+			if err == nil {
+				pubs = append(pubs, pub)
+				if r == 0 {
+					port, replay = pub.port(), pub.boundReplayPort()
+				}
+				port, replay = port+1, replay+1
+			}
+		}
+		if err == nil {
+			e.kvpubs, e.kvpub = pubs, pubs[0]
+			for r, p := range pubs {
+				e.prefixes[r].onChange = p.publish
+			}
+			return nil
+		}
+		for _, p := range pubs {
+			p.close()
+		}
+		if n == 1 || c.KVEventsPort != 0 || try == 20 {
+			return err
+		}
+	}
+}
+
+// prefixOf is the prefix cache of DP rank r.
+func (e *Engine) prefixOf(r int) *prefixCache {
+	if r >= 0 && r < len(e.prefixes) {
+		return e.prefixes[r]
+	}
+	return e.prefix
 }
 
 // KVEventsEndpoint is where the engine publishes its KV events, "" when it does not.

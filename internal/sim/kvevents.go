@@ -44,6 +44,9 @@ type kvPublisher struct {
 	replayPort int
 	// legacy: older SGLang's hashes — a block's own tokens alone, a parent even for the first.
 	legacy bool
+	// ranked: the publisher of one DP rank's cache; its batches name rank.
+	ranked bool
+	rank   int
 	stop   context.CancelFunc
 
 	// The replay endpoint (a ROUTER): the last replayBuffer batches, for a subscriber that
@@ -138,6 +141,14 @@ func (p *kvPublisher) endpoint() string {
 }
 
 // port is the PUB socket's bound port (0 when it dials out).
+// replayPort is the replay ROUTER's bound port.
+func (p *kvPublisher) boundReplayPort() int {
+	if a, ok := p.replay.Addr().(*net.TCPAddr); ok {
+		return a.Port
+	}
+	return 0
+}
+
 func (p *kvPublisher) port() int {
 	if p.connect != "" {
 		return 0
@@ -225,8 +236,13 @@ func (p *kvPublisher) publish(stored []storedBlock, removed []uint64) {
 	}
 	ts := float64(time.Now().UnixNano()) / 1e9
 	var batch any = []any{ts, events}
-	if p.encoding == KVEventsMap {
+	switch {
+	case p.encoding == KVEventsMap && p.ranked:
+		batch = map[string]any{"ts": ts, "events": events, "data_parallel_rank": p.rank}
+	case p.encoding == KVEventsMap:
 		batch = map[string]any{"ts": ts, "events": events}
+	case p.ranked:
+		batch = []any{ts, events, p.rank}
 	}
 	var buf bytes.Buffer
 	enc := msgpack.NewEncoder(&buf)

@@ -160,7 +160,7 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 	local := func() error {
 		cached := 0
 		if e.prefix != nil {
-			cached = e.prefix.compute(it.prompt, j.lora)
+			cached = e.prefixOf(j.rank).compute(it.prompt, j.lora)
 			e.stats.cacheQueries.Add(int64(n))
 			e.stats.cacheHits.Add(int64(cached))
 		}

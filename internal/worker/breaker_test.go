@@ -182,3 +182,24 @@ func TestPairHealthForget(t *testing.T) {
 		t.Fatalf("%d pairs after forgetting b, want 1 (a, c)", p.Len())
 	}
 }
+
+// The rank holding a prompt's prefix takes its leg unless it already carries rankSlack more legs
+// than the least loaded rank.
+func TestRankFor(t *testing.T) {
+	w := New(config.Worker{URL: "http://w", DPSize: 4})
+	if r, ok := w.RankFor(2, 4); !ok || r != 2 {
+		t.Fatalf("RankFor(2) = %d, %v", r, ok)
+	}
+	for i := 0; i < rankSlack+1; i++ {
+		w.EnterRank(2)
+	}
+	if r, _ := w.RankFor(2, 4); r == 2 {
+		t.Error("an overloaded rank still took the leg")
+	}
+	if r, ok := w.RankFor(-1, 4); !ok || r == 2 {
+		t.Errorf("no preference: rank %d", r)
+	}
+	if _, ok := w.RankFor(0, 1); ok {
+		t.Error("a worker without DP ranks got one")
+	}
+}

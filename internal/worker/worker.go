@@ -271,6 +271,28 @@ func (w *Worker) NextRankOf(n int) (int, bool) {
 	return best, true
 }
 
+// RankFor returns the DP rank over n ranks to send a leg to when rank prefer holds the longest
+// cached prefix of its prompt: prefer, unless its legs in flight exceed the least loaded rank's
+// by more than rankSlack (a hot prefix must not bury one rank), else NextRankOf. prefer < 0 (none
+// known) is NextRankOf.
+func (w *Worker) RankFor(prefer, n int) (int, bool) {
+	if prefer < 0 || prefer >= n || n <= 1 || n > MaxTrackedRanks {
+		return w.NextRankOf(n)
+	}
+	least := w.rankLoad[prefer].Load()
+	for r := 0; r < n; r++ {
+		least = min(least, w.rankLoad[r].Load())
+	}
+	if w.rankLoad[prefer].Load() > least+rankSlack {
+		return w.NextRankOf(n)
+	}
+	return prefer, true
+}
+
+// rankSlack is how many more legs in flight than the least loaded rank a rank holding the
+// prompt's prefix may carry and still be chosen for it.
+const rankSlack = 4
+
 // EnterRank counts a leg in flight on DP rank r; LeaveRank uncounts it.
 func (w *Worker) EnterRank(r int) {
 	if r >= 0 && r < MaxTrackedRanks {
