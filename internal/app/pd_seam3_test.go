@@ -300,15 +300,7 @@ func TestPDSGLangSamplesOnDataParallelRanks(t *testing.T) {
 // its token ids, and its blocks never matched what the engine had cached.
 func TestCacheAwareChatWithToolsFollowsEngineEvents(t *testing.T) {
 	t.Parallel()
-	var es []*sim.Engine
-	cfg := config.Default()
-	cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
-	for i := 0; i < 2; i++ {
-		e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true})
-		es = append(es, e)
-		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
-	}
-	g, gw := startGateway(t, cfg)
+	es, g, gw := eventsFleet(t, sim.Config{Engine: sim.EngineVLLM})
 	waitHealthy(t, es, g)
 	tools := `[{"type":"function","function":{"name":"search","description":"` + strings.Repeat("look things up in the corpus ", 12) + `","parameters":{"type":"object"}}}]`
 	for p, h := range []int{0, 0, 1, 1, 1, 0} { // not the turn a fallback would take
@@ -327,7 +319,7 @@ func TestCacheAwareChatWithToolsFollowsEngineEvents(t *testing.T) {
 		}
 		keys := kvevents.Keys(pdModel, "", v.Tokens, 16)
 		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", chat("first"))
+		resp, body := postTimeout(t, gw+"/v1/chat/completions", chat("first"))
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() || !strings.Contains(resp.Header.Get("X-Baton-Route"), "reason=cache_match") {
 			t.Fatalf("agent %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
 				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
@@ -344,31 +336,9 @@ func TestCacheAwareOnHybridAttentionEvents(t *testing.T) {
 	for _, encoding := range []string{sim.KVEventsArray, sim.KVEventsMap} {
 		t.Run(encoding, func(t *testing.T) {
 			t.Parallel()
-			var es []*sim.Engine
-			cfg := config.Default()
-			cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
-			for i := 0; i < 2; i++ {
-				e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true, HybridKV: true, KVEventsEncoding: encoding})
-				es = append(es, e)
-				cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
-			}
-			g, gw := startGateway(t, cfg)
+			es, g, gw := eventsFleet(t, sim.Config{Engine: sim.EngineVLLM, HybridKV: true, KVEventsEncoding: encoding})
 			waitHealthy(t, es, g)
-			for p, h := range []int{1, 1, 0, 0, 1, 0} {
-				home := es[h]
-				prompt := fmt.Sprintf("hybrid %d: %s", p, strings.Repeat("a long shared system prompt for this agent ", 8))
-				if resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt)); resp.StatusCode != 200 {
-					t.Fatalf("%d %s", resp.StatusCode, body)
-				}
-				keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
-				// The sliding-window group's removals arrive in the same batch as the stores.
-				waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-				resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
-				if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() {
-					t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
-						resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
-				}
-			}
+			routesHome(t, g, gw, es, pdModel, "")
 		})
 	}
 }
@@ -378,25 +348,42 @@ func TestCacheAwareOnHybridAttentionEvents(t *testing.T) {
 // never found an adapter's prefix. It is matched against the adapter's chain.
 func TestCacheAwareLoRAFollowsEngineEvents(t *testing.T) {
 	t.Parallel()
+	es, g, gw := eventsFleet(t, sim.Config{Engine: sim.EngineVLLM, LoRAAdapters: []string{"sql-adapter"}})
+	waitHealthy(t, es, g)
+	routesHome(t, g, gw, es, "sql-adapter", "sql-adapter")
+}
+
+// eventsFleet starts two engines of c publishing KV events (their prefix caches on), and a
+// cache_aware gateway subscribed to them, with the route header.
+func eventsFleet(t *testing.T, c sim.Config) ([]*sim.Engine, *Gateway, string) {
+	t.Helper()
 	var es []*sim.Engine
 	cfg := config.Default()
 	cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
+	c.PrefixCache, c.KVEvents = true, true
 	for i := 0; i < 2; i++ {
-		e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true, LoRAAdapters: []string{"sql-adapter"}})
+		e := simEngine(t, c)
 		es = append(es, e)
 		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
 	}
 	g, gw := startGateway(t, cfg)
-	waitHealthy(t, es, g)
-	for p, h := range []int{0, 0, 1, 1, 1, 0} {
+	return es, g, gw.URL
+}
+
+// routesHome caches a prompt for model on one engine ("home", in an order no fallback's turn
+// follows), waits until the index knows it from the events (under adapter lora), and checks that
+// the gateway sends the prompt's continuation there.
+func routesHome(t *testing.T, g *Gateway, gw string, es []*sim.Engine, model, lora string) {
+	t.Helper()
+	for p, h := range []int{1, 1, 0, 0, 1, 0} {
 		home := es[h]
-		prompt := fmt.Sprintf("adapter %d: %s", p, strings.Repeat("a long shared system prompt for this adapter ", 8))
-		if resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":"sql-adapter","prompt":%q,"max_tokens":1}`, prompt)); resp.StatusCode != 200 {
+		prompt := fmt.Sprintf("home %d: %s", p, strings.Repeat("a long shared system prompt for this agent ", 8))
+		if resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, model, prompt)); resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
-		keys := kvevents.Keys(pdModel, "sql-adapter", sim.Tokenize(prompt), 16)
+		keys := kvevents.Keys(pdModel, lora, sim.Tokenize(prompt), 16)
 		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":"sql-adapter","prompt":%q,"max_tokens":2}`, prompt+" and a question"))
+		resp, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, model, prompt+" and a question"))
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() {
 			t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
 				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
@@ -548,15 +535,7 @@ func TestPDConnectorVariantsAndMultiConnector(t *testing.T) {
 // approximate index.
 func TestCacheAwareOlderSGLangHashesFallBack(t *testing.T) {
 	t.Parallel()
-	var es []*sim.Engine
-	cfg := config.Default()
-	cfg.Policy, cfg.RouteHeader = config.PolicyCacheAware, true
-	for i := 0; i < 2; i++ {
-		e := simEngine(t, sim.Config{Engine: sim.EngineSGLang, PrefixCache: true, KVEvents: true, SGLangLegacyHashes: true})
-		es = append(es, e)
-		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
-	}
-	g, gw := startGateway(t, cfg)
+	es, g, gw := eventsFleet(t, sim.Config{Engine: sim.EngineSGLang, SGLangLegacyHashes: true})
 	// What this gateway routed a moment ago counts beside the events for 5 s: shortened, so
 	// that the second request of each prompt is routed on what the events (or the approximate
 	// index standing in for them) say, not on the first request's routing.
@@ -570,11 +549,11 @@ func TestCacheAwareOlderSGLangHashesFallBack(t *testing.T) {
 	}
 	for p := 0; p < 6; p++ {
 		prompt := fmt.Sprintf("legacy %d: %s", p, strings.Repeat("a long shared system prompt for this tenant ", 8))
-		first, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		first, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 		if first.StatusCode != 200 {
 			t.Fatalf("%d %s", first.StatusCode, body)
 		}
-		again, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
+		again, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
 		if again.StatusCode != 200 || again.Header.Get("X-Baton-Worker") != first.Header.Get("X-Baton-Worker") ||
 			!strings.Contains(again.Header.Get("X-Baton-Route"), "reason=cache_match") {
 			t.Fatalf("prompt %d: sent to %s, then to %s (route %s): %s", p, first.Header.Get("X-Baton-Worker"),

@@ -56,3 +56,22 @@ func TestWatchBoundsWhatItKeeps(t *testing.T) {
 		t.Fatalf("after a long line: %v", w.err)
 	}
 }
+
+// What watching a relayed stream costs: one chat stream of 256 token events, read event by event.
+func BenchmarkWatch(b *testing.B) {
+	var events [][]byte
+	for i := 0; i < 256; i++ {
+		events = append(events, []byte(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,"finish_reason":null}]}`+"\n\n"))
+	}
+	b.SetBytes(int64(256 * len(events[0])))
+	b.ReportAllocs()
+	for b.Loop() {
+		var w watch
+		for _, ev := range events {
+			w.see(ev)
+		}
+		if w.err != nil {
+			b.Fatal(w.err)
+		}
+	}
+}
