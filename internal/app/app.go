@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	stdlog "log"
 	"log/slog"
 	"maps"
 	"net"
@@ -16,6 +17,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -196,7 +198,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 					Help: "cache_aware: prompt blocks forgotten to keep its prefix index within max_tree_size."}, func() float64 { return float64(ca.Evictions()) }))
 		}
 	}
-	transport := proxy.NewTransport()
+	transport := proxy.NewTransport(cfg.UpstreamClient)
 	px := &proxy.Proxy{Transport: transport, Timeout: tm.request, Metrics: m, Log: log}
 	if cfg.ForwardSimFaults {
 		px.ExtraHeaders = []string{"X-Sim-Fault"}
@@ -331,6 +333,8 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	if err != nil {
 		return err
 	}
+	stdlog.SetFlags(0)
+	stdlog.SetOutput(stdLogBridge{log: log, unsolicited: g.Metrics.UpstreamUnsolicited})
 	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
@@ -438,7 +442,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		}
 	}
 	log.Info("baton started", "version", Version(), "addr", ln.Addr().String(), "workers", len(g.Registry.Snapshot().Workers),
-		"policy", cfg.Policy, "http_server", server)
+		"policy", cfg.Policy, "http_server", server, "upstream_client", cfg.UpstreamClient)
 	for _, w := range cfg.Warnings() {
 		log.Warn(w)
 	}
@@ -559,4 +563,24 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 			"worker", w.URL, "bootstrap", c.BootstrapAddr)
 	}
 	log.Info("vLLM prefill worker KV connector", "worker", w.URL, "mode", c.Mode, "detail", c.String())
+}
+
+// stdLogBridge carries what the standard library logs (net/http's transport and servers) into
+// Baton's log. net/http's "Unsolicited response received on idle HTTP channel" quotes the bytes
+// an engine sent unasked — possibly another request's completion — so it is counted and said
+// without them.
+type stdLogBridge struct {
+	log         *slog.Logger
+	unsolicited prometheus.Counter
+}
+
+func (b stdLogBridge) Write(p []byte) (int, error) {
+	line := strings.TrimSpace(string(p))
+	if strings.HasPrefix(line, "Unsolicited response received on idle HTTP channel") {
+		b.unsolicited.Inc()
+		b.log.Warn("an engine sent bytes nobody asked for on an idle connection; the connection was dropped (the bytes are not logged: they may be another request's)")
+		return len(p), nil
+	}
+	b.log.Warn("net/http: " + line)
+	return len(p), nil
 }

@@ -186,6 +186,12 @@ type Config struct {
 	// CPU per request and memory per open stream; Linux only, elsewhere net is used) or net
 	// (Go's net/http server). Default baton.
 	HTTPServer string `json:"http_server"`
+	// UpstreamClient is the HTTP client to the engines: net (Go's net/http transport, which
+	// watches idle connections and drops one an engine writes to unasked) or baton (Baton's own
+	// HTTP/1.1 client, less memory per open stream; it reuses a connection without watching it,
+	// so stray bytes from a misbehaving engine or proxy could become another request's answer).
+	// Default net.
+	UpstreamClient string `json:"upstream_client"`
 	// ShutdownGracePeriodSecs bounds how long in-flight requests may drain after SIGTERM.
 	// Default 180.
 	ShutdownGracePeriodSecs int `json:"shutdown_grace_period_secs"`
@@ -323,6 +329,7 @@ func Default() Config {
 		IdleTimeoutSecs:          120,
 		PDMooncakeDispatch:       "concurrent",
 		HTTPServer:               "baton",
+		UpstreamClient:           "net",
 		Retry:                    Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
 		CircuitBreaker:           CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
 		HealthCheck:              HealthCheck{IntervalSecs: 60, TimeoutSecs: 5, FailureThreshold: 3, SuccessThreshold: 2, Endpoint: "/health"},
@@ -414,6 +421,9 @@ func (c *Config) Validate() error {
 	}
 	if _, _, err := ResolveKVConnector(c.KVConnector); err != nil {
 		bad("%v", err)
+	}
+	if c.UpstreamClient != "baton" && c.UpstreamClient != "net" {
+		bad("upstream_client %q is unknown (want net or baton)", c.UpstreamClient)
 	}
 	if c.HTTPServer != "baton" && c.HTTPServer != "net" {
 		bad("http_server %q is unknown (want baton or net)", c.HTTPServer)

@@ -167,6 +167,7 @@ var serveFlags = []flag{
 	boolFlag("forward-sim-faults", "forward a client's X-Sim-Fault header to the workers (tests and demos against simulated engines)", func(c *Config) *bool { return &c.ForwardSimFaults }),
 	boolFlag("enable-pprof", "serve /debug/pprof/ on the metrics port", func(c *Config) *bool { return &c.EnablePprof }),
 	intFlag("read-header-timeout-secs", "a client must send its request headers within this", func(c *Config) *int { return &c.ReadHeaderTimeoutSecs }),
+	strFlag("upstream-client", "HTTP client to the engines: net (Go's net/http transport; drops a connection an engine writes to unasked) or baton (Baton's own, less memory per stream)", func(c *Config) *string { return &c.UpstreamClient }),
 	strFlag("http-server", "server of the API listener: baton (Baton's own HTTP/1.1 server; Linux) or net (Go's net/http)", func(c *Config) *string { return &c.HTTPServer }),
 	intFlag("idle-timeout-secs", "idle keep-alive client connections are closed after this; streams are never cut", func(c *Config) *int { return &c.IdleTimeoutSecs }),
 	intFlag("shutdown-grace-period-secs", "how long in-flight requests may drain on SIGTERM", func(c *Config) *int { return &c.ShutdownGracePeriodSecs }),

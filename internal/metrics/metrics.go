@@ -68,6 +68,9 @@ type Metrics struct {
 	BreakerTransitions *prometheus.CounterVec // worker, from, to
 	HealthChecks       *prometheus.CounterVec // worker, result
 	Panics             *prometheus.CounterVec // where
+	// UpstreamUnsolicited counts idle upstream connections dropped because the engine wrote to
+	// them unasked.
+	UpstreamUnsolicited prometheus.Counter
 
 	RouteDecisions *prometheus.CounterVec   // role, policy, reason
 	RouteMatch     *prometheus.HistogramVec // role
@@ -163,6 +166,10 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_worker_health_checks_total",
 			Help: "Active health probes by worker and result (ok, failed).",
 		}, []string{"worker", "result"}),
+		UpstreamUnsolicited: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_upstream_unsolicited_total",
+			Help: "Idle upstream connections dropped because the engine (or a proxy before it) sent bytes nobody asked for.",
+		}),
 		Panics: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_panics_total",
 			Help: "Panics recovered while serving a request, by where (handler, prefill_leg, health_generate); each failed its request with 500.",
@@ -199,7 +206,7 @@ func New(reg *worker.Registry) *Metrics {
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
-		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics,
+		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

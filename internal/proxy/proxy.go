@@ -124,16 +124,22 @@ type ReadError struct {
 func (e *ReadError) Error() string { return "reading upstream response: " + e.Err.Error() }
 func (e *ReadError) Unwrap() error { return e.Err }
 
-// NewTransport returns the pooled upstream transport Baton uses for every worker: its own
-// HTTP/1.1 client (package upstream: no goroutines per connection, one write per request),
-// with net/http's transport behind it for https workers. Compression is left to the engines and
-// clients: Baton never asks for it, so bodies pass through untouched.
-func NewTransport() http.RoundTripper {
-	return upstream.New(StdTransport(), MaxResponseHeaderBytes)
+// NewTransport returns the pooled upstream transport Baton uses for every worker: client "net"
+// (the default) is net/http's transport (StdTransport), which reads every idle connection in
+// the background and drops one an engine writes to unasked — bytes sent after an answer (a
+// duplicate answer, a body after a 204, bytes past its Content-Length) can never become the next
+// request's answer; "baton" is Baton's own HTTP/1.1 client (package upstream: no goroutines per
+// connection, one write per request, less memory per open stream), with net/http's transport
+// behind it for https workers. Compression is left to the engines and clients: Baton never asks
+// for it, so bodies pass through untouched.
+func NewTransport(client string) http.RoundTripper {
+	if client == "baton" {
+		return upstream.New(StdTransport(), MaxResponseHeaderBytes)
+	}
+	return StdTransport()
 }
 
-// StdTransport is net/http's transport as Baton configures it (https workers, and the
-// baseline the upstream client is measured against).
+// StdTransport is net/http's transport as Baton configures it.
 func StdTransport() *http.Transport {
 	return &http.Transport{
 		DialContext: (&net.Dialer{
@@ -141,13 +147,17 @@ func StdTransport() *http.Transport {
 			KeepAlive: 30 * time.Second,
 		}).DialContext,
 		MaxIdleConnsPerHost: 512,
-		IdleConnTimeout:     90 * time.Second,
-		DisableCompression:  true,
+		// Under uvicorn's 5 s keep-alive (vLLM's and SGLang's server): a POST is not sent on a
+		// connection the engine is closing (net/http resends only what it never wrote).
+		IdleConnTimeout:    upstream.DefaultIdleTimeout,
+		DisableCompression: true,
 		// Engines answer with a few short headers; a worker that sends megabytes of them is
 		// broken, and its answer is a transport failure rather than memory spent relaying it.
 		MaxResponseHeaderBytes: MaxResponseHeaderBytes,
-		WriteBufferSize:        16 << 10, // held per upstream connection: small keeps open streams cheap
-		ReadBufferSize:         16 << 10, // answers are small or streamed; this is held per open stream
+		// Held per upstream connection, so per open stream: 4 KiB each measured 25.5 KiB per
+		// open stream against 50.6 KiB at 16 KiB (docs/BENCHMARKS.md).
+		WriteBufferSize: 4 << 10,
+		ReadBufferSize:  4 << 10,
 	}
 }
 
@@ -443,7 +453,26 @@ func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *o
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
 	}
 	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable, Worker: w.URL, Reason: v.Reason,
-		Message: fmt.Sprintf("%sworker %s: %v", legWord(leg), w.URL, unwrapURLError(err))}
+		Message: fmt.Sprintf("%sworker %s: %s", legWord(leg), w.URL, safeCause(err))}
+}
+
+// safeCause says what kept a worker from answering without quoting anything the worker sent:
+// the HTTP clients' parse errors quote the bytes of a malformed answer, which may be another
+// request's (a stray answer on a reused connection). Connection errors are the system's own
+// words; anything else is named by its kind, and logged whole by the caller.
+func safeCause(err error) string {
+	var op *net.OpError
+	switch {
+	case errors.As(err, &op):
+		return op.Op + ": " + op.Err.Error()
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "the connection closed before a whole answer"
+	case errors.Is(err, ErrBodyTooLarge), errors.Is(err, upstream.ErrHeaderTooLarge):
+		return err.Error()
+	case strings.Contains(err.Error(), "server response headers exceeded"): // net/http's, unexported
+		return fmt.Sprintf("its answer's headers exceed %d bytes", MaxResponseHeaderBytes)
+	}
+	return "its answer is not valid HTTP/1.1 (details in Baton's log)"
 }
 
 func legWord(leg string) string {
@@ -478,13 +507,6 @@ func (p *Proxy) countError(w *worker.Worker, kind string) {
 	}
 }
 
-func unwrapURLError(err error) error {
-	var ue interface{ Unwrap() error }
-	if errors.As(err, &ue) && ue.Unwrap() != nil {
-		return ue.Unwrap()
-	}
-	return err
-}
 
 // CopyRequestHeaders copies the allowlisted client headers to an upstream request. The worker's
 // own API key, when it has one, replaces the client's authorization. (Baton's own key never

@@ -29,3 +29,13 @@ func peek(fd uintptr) bool {
 	_, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
 	return errno != syscall.EAGAIN && errno != syscall.EINTR
 }
+
+// pending asks the kernel, without waiting, whether c has a byte to read or an end or error to
+// report; ok false when it could not ask.
+func (c *conn) pending() (pending, ok bool) {
+	err := c.raw.Read(func(fd uintptr) bool {
+		pending = peek(fd)
+		return true // one look, never a wait
+	})
+	return pending, err == nil
+}

@@ -297,13 +297,20 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 	for len(list) > 0 {
 		c := list[len(list)-1]
 		list = list[:len(list)-1]
-		if time.Since(c.idleAt) < t.IdleTimeout {
-			t.idle[host] = list
-			t.mu.Unlock()
-			c.takeReader()
+		if time.Since(c.idleAt) >= t.IdleTimeout {
+			c.c.Close()
+			continue
+		}
+		t.idle[host] = list
+		t.mu.Unlock()
+		c.takeReader()
+		if !c.stray() {
 			return c, true, nil
 		}
+		c.dropReader()
 		c.c.Close()
+		t.mu.Lock()
+		list = t.idle[host]
 	}
 	t.idle[host] = list
 	t.mu.Unlock()
@@ -317,6 +324,27 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 	}
 	c.takeReader()
 	return c, false, nil
+}
+
+// stray reports whether an idle connection has something to read: bytes its engine sent after
+// the last answer (a duplicate answer, a body after a 204, bytes past a Content-Length), or its
+// close. Either way it must not carry another request: the stray bytes would be read as that
+// request's answer. A read that must return at once tells, without waiting.
+func (c *conn) stray() bool {
+	if c.br.Buffered() > 0 {
+		return true
+	}
+	if c.raw != nil {
+		if pending, ok := c.pending(); ok {
+			return pending
+		}
+	}
+	// A deadline a moment ahead makes the read try once (a deadline already past would not).
+	_ = c.c.SetReadDeadline(time.Now().Add(50 * time.Microsecond))
+	_, err := c.br.Peek(1)
+	_ = c.c.SetReadDeadline(time.Time{})
+	var ne net.Error
+	return !errors.As(err, &ne) || !ne.Timeout()
 }
 
 // readers are the connections' read buffers: an idle connection (nothing buffered) holds none.
