@@ -318,10 +318,9 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: tm.queue}
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
-	o.Admin.Open = config.IsLoopback(cfg.Host)
-	if o.Admin.Separate {
-		o.Admin.Open = config.IsLoopback(cfg.AdminHost)
-	}
+	// Keyless only on a loopback listener of its own: a proxy on the same host in front of the
+	// API listener makes every client look local.
+	o.Admin.Open = o.Admin.Separate && config.IsLoopback(cfg.AdminHost)
 	return o
 }
 
@@ -497,10 +496,10 @@ func logAdmin(log *slog.Logger, cfg config.Config) {
 	switch {
 	case cfg.AdminAPIKey != "":
 		log.Info("admin API (worker routes) on "+where+", behind the admin API key", "host", host)
-	case config.IsLoopback(host):
-		log.Info("admin API (worker routes) on "+where+", loopback only, no key", "host", host)
+	case cfg.AdminPort >= 0 && config.IsLoopback(host):
+		log.Info("admin API (worker routes) on its own loopback listener, no key", "host", host)
 	default:
-		log.Warn("admin API (worker routes) refused (403): the listener is not loopback and no --admin-api-key is set; GET /workers still answers", "host", host)
+		log.Warn("admin API (worker routes) refused (403): without --admin-api-key it answers only on a loopback listener of its own (--admin-host 127.0.0.1 --admin-port N); GET /workers still answers", "host", host)
 	}
 }
 

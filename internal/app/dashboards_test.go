@@ -81,7 +81,7 @@ func exported(t *testing.T) map[string]bool {
 	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "engine-p", PrefixCache: true, KVEvents: true})
 	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, DecodePerToken: time.Millisecond})
 	cfg := config.Default()
-	cfg.PDDisaggregation, cfg.ForwardSimFaults, cfg.Policy, cfg.Host = true, true, config.PolicyCacheAware, "127.0.0.1"
+	cfg.PDDisaggregation, cfg.ForwardSimFaults, cfg.Policy, cfg.Host, cfg.AdminAPIKey = true, true, config.PolicyCacheAware, "127.0.0.1", "sk-admin"
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector", KVEventsEndpoint: p.KVEventsEndpoint()}, {URL: d.URL(), Role: config.RoleDecode}}
 	g, gw := startGateway(t, cfg)
 	waitHealthy(t, []*sim.Engine{p}, g)
@@ -93,7 +93,7 @@ func exported(t *testing.T) map[string]bool {
 	if resp, err := http.DefaultClient.Do(req); err == nil {
 		resp.Body.Close()
 	}
-	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "", `{"url":"http://127.0.0.1:9","role":"decode"}`); status != 202 {
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:9","role":"decode"}`); status != 202 {
 		t.Fatalf("admin add: %d %s", status, body)
 	}
 	scrapeNames(g)

@@ -29,6 +29,9 @@ func admin(t *testing.T, method, url, key, body string) (int, string) {
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
 	return do(t, req)
 }
 
@@ -232,10 +235,12 @@ func TestAdminAPIWhereAllowed(t *testing.T) {
 	}
 	listWorkers(t, gw.URL, "")
 
+	// The API listener on loopback is no admin listener: a proxy on the same host would make
+	// every client look local.
 	cfg.Host = "127.0.0.1"
 	_, gw = startGateway(t, cfg)
-	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "", add); status != 202 {
-		t.Errorf("loopback without a key: %d %s", status, body)
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "", add); status != 403 {
+		t.Errorf("API listener on loopback without a key: %d %s", status, body)
 	}
 
 	cfg.Host, cfg.AdminPort, cfg.AdminHost = "0.0.0.0", 0, "127.0.0.1"
@@ -272,7 +277,7 @@ func TestReload(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	write(fmt.Sprintf("host: 127.0.0.1\nwatch_config: true\nworkers:\n  - url: %s\n", a.URL()))
+	write(fmt.Sprintf("host: 127.0.0.1\nadmin_api_key: sk-admin\nwatch_config: true\nworkers:\n  - url: %s\n", a.URL()))
 	cfg, err := config.Parse([]string{"--config", file}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
@@ -280,12 +285,12 @@ func TestReload(t *testing.T) {
 	g, gw := startGateway(t, cfg)
 	ctx := t.Context()
 	go g.watchReload(ctx, 20*time.Millisecond)
-	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "", fmt.Sprintf(`{"url":%q}`, c.URL())); status != 202 {
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", fmt.Sprintf(`{"url":%q}`, c.URL())); status != 202 {
 		t.Fatalf("admin add: %d %s", status, body)
 	}
 
 	// The file changes: a gets a label, b joins. The watch picks it up.
-	write(fmt.Sprintf("host: 127.0.0.1\nwatch_config: true\nworkers:\n  - url: %s\n    labels: {zone: a}\n  - url: %s\n", a.URL(), b.URL()))
+	write(fmt.Sprintf("host: 127.0.0.1\nadmin_api_key: sk-admin\nwatch_config: true\nworkers:\n  - url: %s\n    labels: {zone: a}\n  - url: %s\n", a.URL(), b.URL()))
 	waitFor(t, func() bool {
 		ws := listWorkers(t, gw.URL, "")
 		wa, wb := findWorker(ws, a.URL()), findWorker(ws, b.URL())

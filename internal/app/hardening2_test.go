@@ -10,12 +10,17 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/baton-llm/baton/internal/bench"
+	"github.com/baton-llm/baton/internal/sim"
 )
 
 // strayEngine is a raw-socket engine serving model m that sends bytes nobody asked for after
@@ -174,5 +179,64 @@ func TestStdLogBridgeDropsUnsolicitedBytes(t *testing.T) {
 	fmt.Fprintf(b, "Unsolicited response received on idle HTTP channel starting with %q; err=<nil>\n", "HTTP/1.1 200 OK\r\n\r\nSECRET")
 	if strings.Contains(out.String(), "SECRET") || testutil.ToFloat64(c) != 1 {
 		t.Errorf("logged %q, counted %v", out.String(), testutil.ToFloat64(c))
+	}
+}
+
+// High 2: keyless admin access was decided by the listener being loopback, so behind nginx on
+// the same host (what the README advises) anyone could add an engine that then receives users'
+// prompts; and a web page could POST text/plain with a foreign Origin. Keyless admin is only on
+// a loopback listener of its own, never through a proxy or from a page, and takes JSON only.
+func TestAdminNeverOpenByAccident(t *testing.T) {
+	t.Parallel()
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	add := fmt.Sprintf(`{"url":%q}`, "http://127.0.0.1:1")
+
+	// The API listener on loopback, a same-host nginx in front, no admin key.
+	cfg := testConfig(e.URL())
+	cfg.Host, cfg.APIKey = "127.0.0.1", "sk-inference"
+	_, gw := startGateway(t, cfg)
+	ng, err := bench.StartNginx(gw.URL)
+	switch {
+	case err != nil:
+		t.Fatal(err)
+	case ng == nil && os.Getenv("BATON_REQUIRE_TOOLS") != "":
+		t.Fatal("BATON_REQUIRE_TOOLS is set but nginx is not installed (Debian's nginx package; CI installs it)")
+	case ng == nil:
+		t.Log("SKIPPED the nginx part: nginx is not installed (Debian's nginx package; CI installs it)")
+	default:
+		t.Cleanup(ng.Stop)
+		if status, body := admin(t, http.MethodPost, ng.URL+"/workers", "", add); status != 403 {
+			t.Errorf("POST /workers through a same-host nginx without a key: %d %s", status, body)
+		}
+	}
+
+	// A loopback admin listener of its own: keyless for the local operator, but not for a web
+	// page (Origin), a proxied request, a foreign Host, or a body that is not JSON.
+	cfg.AdminPort, cfg.AdminHost = 0, "127.0.0.1"
+	g, _ := startGateway(t, cfg)
+	own := httptest.NewServer(g.Server.AdminHandler())
+	t.Cleanup(own.Close)
+	for _, tc := range []struct {
+		name   string
+		header http.Header
+		host   string
+		want   int
+	}{
+		{"from a web page", http.Header{"Origin": {"http://evil.example"}, "Content-Type": {"application/json"}}, "", 403},
+		{"through a proxy", http.Header{"X-Forwarded-For": {"203.0.113.9"}, "Content-Type": {"application/json"}}, "", 403},
+		{"forwarded", http.Header{"Forwarded": {"for=203.0.113.9"}, "Content-Type": {"application/json"}}, "", 403},
+		{"via", http.Header{"Via": {"1.1 proxy"}, "Content-Type": {"application/json"}}, "", 403},
+		{"a rebound host name", http.Header{"Content-Type": {"application/json"}}, "evil.example", 403},
+		{"text/plain", http.Header{"Content-Type": {"text/plain"}}, "", 415},
+		{"the local operator", http.Header{"Content-Type": {"application/json"}}, "", 202},
+	} {
+		req, _ := http.NewRequest(http.MethodPost, own.URL+"/workers", strings.NewReader(add))
+		req.Header = tc.header
+		if tc.host != "" {
+			req.Host = tc.host
+		}
+		if status, body := do(t, req); status != tc.want {
+			t.Errorf("%s: %d, want %d: %s", tc.name, status, tc.want, body)
+		}
 	}
 }

@@ -31,7 +31,7 @@ type proc struct {
 // pinned prefixes argv with taskset pinning it to cpu, when taskset exists and the machine has
 // more than one core.
 func pinned(cpu int, argv ...string) []string {
-	if path, err := exec.LookPath("taskset"); err == nil && numCPU() > 1 {
+	if path, err := exec.LookPath("taskset"); err == nil && numCPU() > 1 && cpu >= 0 {
 		return append([]string{path, "-c", strconv.Itoa(cpu)}, argv...)
 	}
 	return argv
@@ -121,8 +121,28 @@ func allRegistered(url string) bool {
 	return !strings.Contains(string(b), `"registered":false`)
 }
 
-// startNginx starts nginx on its own core as a plain reverse proxy to upstream, or returns nil
-// when nginx is not installed.
+// Nginx is an nginx process run as a plain reverse proxy, as the README advises in front of
+// Baton (tests use it for what a same-host proxy does to requests).
+type Nginx struct {
+	p   *proc
+	URL string // http://127.0.0.1:port
+}
+
+// StartNginx starts nginx, on no particular core, as a plain reverse proxy to upstream
+// (http://host:port); nil and no error when nginx is not installed.
+func StartNginx(upstream string) (*Nginx, error) {
+	p, err := startNginx(-1, upstream)
+	if p == nil || err != nil {
+		return nil, err
+	}
+	return &Nginx{p: p, URL: p.URL}, nil
+}
+
+// Stop stops nginx.
+func (n *Nginx) Stop() { n.p.stop() }
+
+// startNginx starts nginx on core cpu (-1: any) as a plain reverse proxy to upstream, or returns
+// nil when nginx is not installed.
 func startNginx(cpu int, upstream string) (*proc, error) {
 	bin, err := exec.LookPath("nginx")
 	if err != nil {

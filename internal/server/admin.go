@@ -7,8 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
+	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -28,8 +31,11 @@ type Admin struct {
 	// Key, when set, is required as "Authorization: Bearer <key>" on the admin routes (it is
 	// not the inference key).
 	Key string
-	// Open allows the admin routes without a key: the listener serving them is loopback only.
-	// With neither, they answer 403.
+	// Open allows the admin routes without a key: they have a listener of their own, on
+	// loopback only — never the API listener, which a proxy on the same host makes look local
+	// for everyone. Even then a keyless request that came through a proxy or from a web page
+	// (Origin, Forwarded, X-Forwarded-*, Via) or names a host that is not loopback (DNS
+	// rebinding) is refused. With neither key nor Open, they answer 403.
 	Open bool
 	// Separate: the admin routes have their own listener (AdminHandler); the API listener keeps
 	// GET /workers only.
@@ -48,6 +54,8 @@ const (
 	codeWorkerNotFound = "worker_not_found"
 	codeBadRequest     = "bad_request"
 	codeAdminDisabled  = "admin_disabled"
+	// codeUnsupportedMedia: an admin write whose body is not declared JSON.
+	codeUnsupportedMedia = "unsupported_media_type"
 )
 
 // AdminHandler returns the admin API alone (for its own listener): the worker routes and a 404
@@ -116,12 +124,51 @@ func (s *Server) adminAuthed(next http.Handler) http.Handler {
 			return
 		case a.Key == "" && !a.Open:
 			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: codeAdminDisabled,
-				Message: "the admin API needs --admin-api-key, or a listener on loopback only (--admin-host 127.0.0.1 --admin-port N)"})
+				Message: "the admin API needs --admin-api-key, or a listener of its own on loopback only (--admin-host 127.0.0.1 --admin-port N)"})
+			return
+		case a.Key == "" && (proxied(r.Header) || !loopbackHost(r.Host)):
+			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: codeAdminDisabled,
+				Message: "a keyless admin request must come straight from this host: this one came through a proxy or from a web page (Origin, Forwarded, X-Forwarded-*, Via) or names another host; send the admin API key"})
+			return
+		case (r.Method == http.MethodPost || r.Method == http.MethodPatch) && !jsonBody(r.Header):
+			openai.WriteError(w, &openai.Error{Status: http.StatusUnsupportedMediaType, Code: codeUnsupportedMedia,
+				Message: "the admin API takes Content-Type: application/json"})
 			return
 		}
 		r.Header.Del("Authorization")
 		next.ServeHTTP(w, r)
 	})
+}
+
+// proxied reports whether a request carries what a proxy or a browser adds: such a request is
+// not the local operator's, whatever address it came from.
+func proxied(h http.Header) bool {
+	for k := range h {
+		if k == "Origin" || k == "Forwarded" || k == "Via" || strings.HasPrefix(k, "X-Forwarded-") {
+			return true
+		}
+	}
+	return false
+}
+
+// loopbackHost reports whether a request's Host names this host's loopback.
+func loopbackHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.Trim(host, "[]")
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// jsonBody reports whether the request's body is declared JSON: a web page cannot send that
+// cross-origin without the browser asking first.
+func jsonBody(h http.Header) bool {
+	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
+	return err == nil && mt == "application/json"
 }
 
 // addRequest is POST /workers' body: the YAML worker fields, plus smg's names for two of them.
