@@ -507,7 +507,6 @@ func (p *Proxy) countError(w *worker.Worker, kind string) {
 	}
 }
 
-
 // CopyRequestHeaders copies the allowlisted client headers to an upstream request. The worker's
 // own API key, when it has one, replaces the client's authorization. (Baton's own key never
 // gets here: the server removes it once checked.)
