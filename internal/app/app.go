@@ -151,7 +151,7 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 // timing is every duration the gateway runs by, converted once from the configuration's
 // seconds (tests shorten them to milliseconds).
 type timing struct {
-	request, stalled, queue       time.Duration
+	request, stalled, queue, body time.Duration
 	breakerOpen, quarantine       time.Duration
 	healthInterval, healthTimeout time.Duration
 	detect, loadPoll              time.Duration
@@ -161,6 +161,7 @@ func timingOf(cfg config.Config) timing {
 	secs := func(n int) time.Duration { return time.Duration(n) * time.Second }
 	return timing{
 		request: secs(cfg.RequestTimeoutSecs), stalled: secs(cfg.StalledClientTimeoutSecs), queue: secs(cfg.Admission.QueueTimeoutSecs),
+		body:        secs(cfg.BodyTimeoutSecs),
 		breakerOpen: secs(cfg.CircuitBreaker.TimeoutSecs), quarantine: secs(cfg.PairHealth.QuarantineSecs),
 		healthInterval: secs(cfg.HealthCheck.IntervalSecs), healthTimeout: secs(cfg.HealthCheck.TimeoutSecs),
 		detect: secs(cfg.DetectIntervalSecs), loadPoll: time.Duration(cfg.LoadPollIntervalMs) * time.Millisecond,
@@ -310,6 +311,7 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 	o := parts
 	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.APIKey, cfg.KVConnector
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
+	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, tm.body
 	o.RouteHeader = cfg.RouteHeader
 	o.RequestTimeout, o.StalledClientTimeout = tm.request, tm.stalled
 	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{

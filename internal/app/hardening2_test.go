@@ -5,6 +5,7 @@ package app
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"log/slog"
@@ -238,5 +239,58 @@ func TestAdminNeverOpenByAccident(t *testing.T) {
 		if status, body := do(t, req); status != tc.want {
 			t.Errorf("%s: %d, want %d: %s", tc.name, status, tc.want, body)
 		}
+	}
+}
+
+// High 3: request bodies had no total bound — each could be max_payload_size (then 512 MiB),
+// admission came after the body, and a trickle kept a buffer for the whole request deadline:
+// six clients holding 200 MB bodies took 1.8 GB. Bodies held at once are bounded (503 before
+// more is read), and a body must arrive whole within the body timeout.
+func TestRequestBodiesAreBoundedInTotal(t *testing.T) {
+	t.Parallel()
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+	cfg := testConfig(up.URL)
+	cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 8<<20, 20<<20
+	g, gw := startGateway(t, cfg, stalledTimeout(5*time.Second), func(tm *timing) { tm.body = 5 * time.Second })
+	addr := strings.TrimPrefix(gw.URL, "http://")
+	head := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8388000\r\n\r\n"
+	part := append([]byte(`{"model":"m","pad":"`), bytes.Repeat([]byte("x"), 7<<20)...) // the rest never comes
+	var conns []net.Conn
+	a := allocated(func() {
+		for i := 0; i < 6; i++ {
+			conns = append(conns, rawRequest(t, addr, head, part))
+		}
+		// Two bodies fit in 20 MiB; the others are refused once their buffers would pass it.
+		waitFor(t, func() bool { return testutil.ToFloat64(g.Metrics.Rejections.WithLabelValues("body_budget")) == 4 })
+	})
+	if a > 40<<20 {
+		t.Errorf("six 8 MB bodies under a 20 MiB budget allocated %d MiB", a>>20)
+	}
+	refused := 0
+	for _, c := range conns[2:] {
+		c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		if line, _ := bufio.NewReader(c).ReadString('\n'); strings.Contains(line, "503") {
+			refused++
+		}
+	}
+	if refused < 3 {
+		t.Errorf("%d of the bodies past the budget were answered 503", refused)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	// A trickle, each byte inside the stalled-client timeout, is cut at the body timeout.
+	_, gw = startGateway(t, testConfig(up.URL), stalledTimeout(time.Second), func(tm *timing) { tm.body = 300 * time.Millisecond })
+	c := rawRequest(t, strings.TrimPrefix(gw.URL, "http://"), strings.Replace(head, "8388000", "100", 1), []byte("{"))
+	go func() {
+		for i := 0; i < 40; i++ {
+			time.Sleep(50 * time.Millisecond)
+			if _, err := c.Write([]byte(" ")); err != nil {
+				return
+			}
+		}
+	}()
+	if got := readStatus(t, c); !strings.Contains(got, "408") {
+		t.Errorf("a trickled body answered %q, want 408 at the body timeout", got)
 	}
 }

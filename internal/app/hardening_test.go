@@ -204,7 +204,9 @@ func readStatus(t *testing.T, c net.Conn) string {
 // claiming 512 MB each reached 3.4 GB), and those requests held the drain forever.
 func TestContentLengthIsNotAnAllocation(t *testing.T) {
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
-	g, gw := startGateway(t, testConfig(up.URL), stalledTimeout(300*time.Millisecond))
+	cfg := testConfig(up.URL)
+	cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 512<<20, 8<<30 // the claims are within the limit
+	g, gw := startGateway(t, cfg, stalledTimeout(300*time.Millisecond))
 	addr := strings.TrimPrefix(gw.URL, "http://")
 	var conns []net.Conn
 	a := allocated(func() {
@@ -230,7 +232,8 @@ func TestContentLengthIsNotAnAllocation(t *testing.T) {
 func TestDrainCutsUnfinishedUploads(t *testing.T) {
 	t.Parallel()
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
-	api, _, stop, result := runBaton(t, "--worker-urls", up.URL, "--shutdown-grace-period-secs", "600", "--stalled-client-timeout-secs", "600")
+	api, _, stop, result := runBaton(t, "--worker-urls", up.URL, "--shutdown-grace-period-secs", "600", "--stalled-client-timeout-secs", "600",
+		"--max-payload-size", "536870912", "--max-buffered-body-bytes", "8589934592")
 	addr := strings.TrimPrefix(api, "http://")
 	var conns []net.Conn
 	for i := 0; i < 4; i++ {

@@ -120,8 +120,17 @@ type Config struct {
 	// and writes to the client included; past it the client gets 504 (or, mid-stream, a broken
 	// connection). Default 1800.
 	RequestTimeoutSecs int `json:"request_timeout_secs"`
-	// MaxPayloadSize is the largest request body accepted, in bytes. Default 512 MiB.
+	// MaxPayloadSize is the largest request body accepted, in bytes. Default 32 MiB: a
+	// million-token context is about 4 MB of text, and a few base64 images fit beside it;
+	// prompt_embeds tensors or larger batches need it raised.
 	MaxPayloadSize int64 `json:"max_payload_size"`
+	// MaxBufferedBodyBytes bounds the request body bytes Baton holds at once, over every
+	// request: past it a body still arriving is refused with 503 before more of it is read.
+	// Default 256 MiB.
+	MaxBufferedBodyBytes int64 `json:"max_buffered_body_bytes"`
+	// BodyTimeoutSecs bounds how long a request body may take to arrive in all (a trickle of
+	// bytes each inside the stalled-client timeout keeps no buffer longer). Default 120.
+	BodyTimeoutSecs int `json:"body_timeout_secs"`
 	// MaxBatchSize bounds "n" and the number of prompts in one request (a /generate or
 	// /v1/completions list); past it the request is refused with 400. Default 1024.
 	MaxBatchSize int `json:"max_batch_size"`
@@ -320,7 +329,9 @@ func Default() Config {
 		MaxTreeSize:              16 << 20,
 		PrefixHashLoadFactor:     1.25,
 		RequestTimeoutSecs:       1800,
-		MaxPayloadSize:           512 << 20,
+		MaxPayloadSize:           32 << 20,
+		MaxBufferedBodyBytes:     256 << 20,
+		BodyTimeoutSecs:          120,
 		MaxBatchSize:             1024,
 		StalledClientTimeoutSecs: 60,
 		LogLevel:                 "info",
@@ -433,6 +444,12 @@ func (c *Config) Validate() error {
 	}
 	if c.RequestTimeoutSecs <= 0 {
 		bad("request_timeout_secs must be positive, got %d", c.RequestTimeoutSecs)
+	}
+	if c.MaxBufferedBodyBytes < c.MaxPayloadSize {
+		bad("max_buffered_body_bytes %d is below max_payload_size %d: no largest body could arrive", c.MaxBufferedBodyBytes, c.MaxPayloadSize)
+	}
+	if c.BodyTimeoutSecs <= 0 {
+		bad("body_timeout_secs must be positive, got %d", c.BodyTimeoutSecs)
 	}
 	if c.MaxPayloadSize <= 0 {
 		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)

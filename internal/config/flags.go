@@ -65,6 +65,17 @@ func intFlag(name, help string, field func(*Config) *int) flag {
 	}}
 }
 
+func bytesFlag(name, help string, field func(*Config) *int64) flag {
+	return flag{name: name, arg: "BYTES", help: help, def: func(c *Config) string { return strconv.FormatInt(*field(c), 10) }, apply: func(c *Config, v []string) error {
+		n, err := strconv.ParseInt(v[0], 10, 64)
+		if err != nil {
+			return fmt.Errorf("--%s: %q is not an integer", name, v[0])
+		}
+		*field(c) = n
+		return nil
+	}}
+}
+
 func floatFlag(name, help string, field func(*Config) *float64) flag {
 	return flag{name: name, arg: "X", help: help, def: func(c *Config) string { return strconv.FormatFloat(*field(c), 'g', -1, 64) }, apply: func(c *Config, v []string) error {
 		f, err := strconv.ParseFloat(v[0], 64)
@@ -137,15 +148,10 @@ var serveFlags = []flag{
 	strFlag("prefill-policy", "policy for the prefill worker of a pair (default: --policy)", func(c *Config) *string { return &c.PrefillPolicy }),
 	strFlag("decode-policy", "policy for the decode worker of a pair (default: --policy)", func(c *Config) *string { return &c.DecodePolicy }),
 	intFlag("request-timeout-secs", "bound on one request from arrival to the end of its response, streams included", func(c *Config) *int { return &c.RequestTimeoutSecs }),
-	{name: "max-payload-size", arg: "BYTES", help: "largest request body accepted", def: func(c *Config) string { return strconv.FormatInt(c.MaxPayloadSize, 10) }, apply: func(c *Config, v []string) error {
-		n, err := strconv.ParseInt(v[0], 10, 64)
-		if err != nil {
-			return fmt.Errorf("--max-payload-size: %q is not an integer", v[0])
-		}
-		c.MaxPayloadSize = n
-		return nil
-	}},
+	bytesFlag("max-payload-size", "largest request body accepted", func(c *Config) *int64 { return &c.MaxPayloadSize }),
 	intFlag("max-batch-size", "largest n, and most prompts in one request; 400 past it", func(c *Config) *int { return &c.MaxBatchSize }),
+	intFlag("body-timeout-secs", "a request body must arrive whole within this", func(c *Config) *int { return &c.BodyTimeoutSecs }),
+	bytesFlag("max-buffered-body-bytes", "request body bytes held at once over every request (503 past it)", func(c *Config) *int64 { return &c.MaxBufferedBodyBytes }),
 	intFlag("stalled-client-timeout-secs", "drop a client that sends no body bytes or accepts no response bytes for this long", func(c *Config) *int { return &c.StalledClientTimeoutSecs }),
 	strFlag("api-key", "require 'Authorization: Bearer KEY' on inference routes", func(c *Config) *string { return &c.APIKey }),
 	boolFlag("service-discovery", "find workers among Kubernetes pods (see --selector)", func(c *Config) *bool { return &c.ServiceDiscovery }),

@@ -23,6 +23,7 @@ const (
 	// CodeUpstreamStreamError: the engine reported an error inside a stream it answered 200.
 	CodeUpstreamStreamError = "upstream_stream_error"
 	CodeDraining            = "server_draining"
+	CodeOverloaded          = "overloaded"
 	CodeNotFound            = "not_found"
 	CodeInternalError       = "internal_error"
 	CodeDuplicateHeader     = "duplicate_header"

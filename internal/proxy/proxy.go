@@ -199,10 +199,11 @@ type Call struct {
 
 // Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
 func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*http.Response, error) {
-	out, err := http.NewRequestWithContext(ctx, http.MethodPost, leg.W.URL+c.Path, bytes.NewReader(c.Body))
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, leg.W.URL+c.Path, newPayload(c.Body))
 	if err != nil {
 		return nil, err
 	}
+	out.GetBody = func() (io.ReadCloser, error) { return newPayload(c.Body), nil }
 	// The client's query string is not forwarded: the engines' routes take none.
 	CopyRequestHeaders(out.Header, in.Header, leg.W)
 	for _, k := range p.ExtraHeaders {
@@ -237,6 +238,22 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	}
 	return resp, err
 }
+
+// payload is an upstream request's body: the bytes Baton holds, readable as a stream by
+// net/http's transport and lent whole (Bytes) to Baton's own client, so that they are never
+// copied again on the way out.
+type payload struct {
+	*bytes.Reader
+	b []byte
+}
+
+func newPayload(b []byte) payload { return payload{Reader: bytes.NewReader(b), b: b} }
+
+// Bytes returns the whole body.
+func (p payload) Bytes() []byte { return p.b }
+
+// Close implements io.Closer.
+func (p payload) Close() error { return nil }
 
 // Forward POSTs body to path on w and relays the response to rw (regular mode). It returns nil
 // when the whole response reached the client, ErrClientGone, ErrAbort (the caller must abort the

@@ -17,36 +17,77 @@ import (
 // client's claim, not memory to hand out.
 const initialBodyBuffer = 128 << 10
 
-// readBody reads the whole body once, bounded in size by the configured limit and in time by
-// the stalled-client timeout (between reads) and the request deadline (in all). A drain cuts
-// bodies still arriving: those requests were not admitted yet and are answered 503.
-func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *openai.Error) {
+// bodyBudget bounds the request body bytes the process holds at once, over every request: a
+// body reserves its buffer's growth before it is allocated, and gives it back when its request
+// ends. Past the limit the body is refused before more of it is read.
+type bodyBudget struct {
+	limit int64 // 0: no bound
+	used  atomic.Int64
+}
+
+// take reserves n bytes, or reports false when they do not fit.
+func (b *bodyBudget) take(n int64) bool {
+	if b.limit <= 0 {
+		return true
+	}
+	if b.used.Add(n) > b.limit {
+		b.used.Add(-n)
+		return false
+	}
+	return true
+}
+
+func (b *bodyBudget) give(n int64) { b.used.Add(-n) }
+
+// errBodyBudget is a body refused because the bodies held at once would pass their bound.
+var errBodyBudget = errors.New("request bodies held at once would exceed max_buffered_body_bytes")
+
+// readBody reads the whole body once, bounded in size by the configured limit, in time by the
+// stalled-client timeout (between reads), the body timeout and the request deadline (in all),
+// and in memory by the process-wide budget (its bytes are held until release is called, once
+// the request ended). A drain cuts bodies still arriving: those requests were not admitted yet
+// and are answered 503.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (body []byte, release func(), oerr *openai.Error) {
+	release = func() {}
 	if r.ContentLength > s.opts.MaxPayloadSize {
-		return nil, tooLarge(s.opts.MaxPayloadSize)
+		return nil, release, tooLarge(s.opts.MaxPayloadSize)
 	}
-	var body *stallReader
+	var sr *stallReader
 	if sw := observed(w); sw != nil {
-		body = &sw.body
-		body.rc = sw.rc
+		sr = &sw.body
+		sr.rc = sw.rc
 	} else {
-		body = &stallReader{rc: http.NewResponseController(w)}
+		sr = &stallReader{rc: http.NewResponseController(w)}
 	}
-	body.r, body.stall = http.MaxBytesReader(w, r.Body, s.opts.MaxPayloadSize), s.opts.StalledClientTimeout
-	if deadline, ok := r.Context().Deadline(); ok {
-		body.deadline = deadline
+	sr.r, sr.stall = http.MaxBytesReader(w, r.Body, s.opts.MaxPayloadSize), s.opts.StalledClientTimeout
+	sr.deadline = time.Now().Add(s.opts.BodyTimeout)
+	if deadline, ok := r.Context().Deadline(); ok && (s.opts.BodyTimeout <= 0 || deadline.Before(sr.deadline)) {
+		sr.deadline = deadline
 	}
 	if r.ContentLength != 0 { // a body-less request already has net/http reading its connection
-		body.progress.Store(time.Now().UnixNano())
-		if !s.uploads.add(body) {
-			return nil, drainingError()
+		sr.progress.Store(time.Now().UnixNano())
+		if !s.uploads.add(sr) {
+			return nil, release, drainingError()
 		}
-		defer s.uploads.remove(body)
+		defer s.uploads.remove(sr)
 	}
-	buf, err := readAll(body, r.ContentLength)
+	var held int64
+	release = func() { s.bodies.give(held) }
+	buf, err := readAll(sr, r.ContentLength, func(n int) bool {
+		if !s.bodies.take(int64(n)) {
+			return false
+		}
+		held += int64(n)
+		return true
+	})
 	if err != nil {
-		return nil, bodyError(err, body.cut.Load(), s.opts.MaxPayloadSize)
+		release()
+		if errors.Is(err, errBodyBudget) {
+			s.metrics.Rejections.WithLabelValues("body_budget").Inc()
+		}
+		return nil, func() {}, bodyError(err, sr.cut.Load(), s.opts.MaxPayloadSize)
 	}
-	return buf, nil
+	return buf, release, nil
 }
 
 // scratchPool holds the first buffers of large bodies.
@@ -55,17 +96,27 @@ var scratchPool = sync.Pool{New: func() any { b := make([]byte, initialBodyBuffe
 // readAll reads r to its end. A Content-Length is a client's claim, not memory to hand out: a
 // claim up to initialBodyBuffer is allocated at once; a larger one starts in a pooled buffer and
 // grows at most to twice what arrived, up to the claim, so memory follows the bytes received.
-func readAll(r io.Reader, claimed int64) ([]byte, error) {
+// reserve is asked for the bytes each buffer adds before it is taken (false: errBodyBudget).
+func readAll(r io.Reader, claimed int64, reserve func(n int) bool) ([]byte, error) {
 	var buf []byte
 	pooled := false // buf is the pooled buffer
 	switch {
 	case claimed > initialBodyBuffer:
+		if !reserve(initialBodyBuffer) {
+			return nil, errBodyBudget
+		}
 		scratch := scratchPool.Get().(*[]byte)
 		defer scratchPool.Put(scratch)
 		buf, pooled = (*scratch)[:0], true
 	case claimed > 0:
+		if !reserve(int(claimed + 1)) {
+			return nil, errBodyBudget
+		}
 		buf = make([]byte, 0, claimed+1) // +1 so the final Read sees EOF without growing
 	default:
+		if !reserve(512) {
+			return nil, errBodyBudget
+		}
 		buf = make([]byte, 0, 512)
 	}
 	for {
@@ -74,7 +125,11 @@ func readAll(r io.Reader, claimed int64) ([]byte, error) {
 			if claimed > 0 {
 				next = int(min(int64(next), claimed+1))
 			}
-			buf, pooled = append(make([]byte, 0, max(next, len(buf)+1)), buf...), false
+			next = max(next, len(buf)+1)
+			if !reserve(next - cap(buf)) { // the buffer grows by this much (the old one goes)
+				return nil, errBodyBudget
+			}
+			buf, pooled = append(make([]byte, 0, next), buf...), false
 		}
 		n, err := r.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
@@ -93,13 +148,16 @@ func readAll(r io.Reader, claimed int64) ([]byte, error) {
 func bodyError(err error, cut bool, limit int64) *openai.Error {
 	var mbe *http.MaxBytesError
 	switch {
+	case errors.Is(err, errBodyBudget):
+		return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
+			Message: "Baton holds as many request bodies as max_buffered_body_bytes allows: send the request again shortly"}
 	case errors.As(err, &mbe):
 		return tooLarge(limit)
 	case cut:
 		return drainingError()
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return &openai.Error{Status: http.StatusRequestTimeout, Code: openai.CodeClientTimeout,
-			Message: "the request body did not arrive in time (stalled_client_timeout_secs between bytes, request_timeout_secs in all)"}
+			Message: "the request body did not arrive in time (stalled_client_timeout_secs between bytes, body_timeout_secs in all)"}
 	}
 	return &openai.Error{Status: http.StatusBadRequest, Code: "body_read_failed", Message: "reading request body: " + err.Error()}
 }

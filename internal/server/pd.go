@@ -22,7 +22,8 @@ import (
 
 // servePD runs a generation request through a prefill/decode pair.
 func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
-	req := s.readRequest(w, r)
+	req, done := s.readRequest(w, r)
+	defer done()
 	if req == nil {
 		return
 	}

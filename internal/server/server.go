@@ -56,6 +56,10 @@ type Options struct {
 	APIKey string
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
+	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
+	// bound); BodyTimeout bounds how long a body may take to arrive (0: the request deadline).
+	MaxBufferedBodyBytes int64
+	BodyTimeout          time.Duration
 	// MaxBatchSize bounds "n" and the prompts of one request.
 	MaxBatchSize int
 	// RequestTimeout bounds one request from its arrival to its last byte.
@@ -115,6 +119,7 @@ type Server struct {
 	status   *recorder    // recent traffic, for the status page
 	inflight atomic.Int64 // client requests being served (streams included)
 	uploads  uploads      // request bodies being read
+	bodies   bodyBudget   // request body bytes held
 	bg       sync.WaitGroup
 }
 
@@ -122,7 +127,7 @@ type Server struct {
 func New(o Options) *Server {
 	a := o.Admission
 	return &Server{opts: o, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
-		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: &recorder{}}
+		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: &recorder{}, bodies: bodyBudget{limit: o.MaxBufferedBodyBytes}}
 }
 
 // Handler returns the API handler with its middleware.
@@ -491,29 +496,32 @@ func tooLarge(limit int64) *openai.Error {
 }
 
 // readRequest reads and parses the body of an inference request, answering bad input itself.
-func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) *openai.Request {
-	body, oerr := s.readBody(w, r)
+// The body's bytes stay held (the process-wide body budget) until release is called, once the
+// request ended.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) (req *openai.Request, release func()) {
+	body, release, oerr := s.readBody(w, r)
 	if oerr != nil {
 		openai.WriteError(w, oerr)
-		return nil
+		return nil, release
 	}
 	req, err := openai.ParseRequest(body)
 	if err != nil {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
-		return nil
+		return nil, release
 	}
 	setModel(w, req.Model)
 	if req.N > s.opts.MaxBatchSize {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
 			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.opts.MaxBatchSize)})
-		return nil
+		return nil, release
 	}
-	return req
+	return req, release
 }
 
 // serveInference forwards an inference request to one regular worker serving its model.
 func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
-	req := s.readRequest(w, r)
+	req, done := s.readRequest(w, r)
+	defer done()
 	if req == nil {
 		return
 	}

@@ -72,7 +72,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return t.Fallback.RoundTrip(req)
 	}
 	var body []byte
-	if req.Body != nil && req.Body != http.NoBody {
+	if p, ok := req.Body.(interface{ Bytes() []byte }); ok && int64(len(p.Bytes())) == req.ContentLength {
+		body = p.Bytes() // lent whole: not copied again
+	} else if req.Body != nil && req.Body != http.NoBody {
 		b, err := io.ReadAll(io.LimitReader(req.Body, req.ContentLength+1))
 		req.Body.Close()
 		if err != nil {
