@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -95,5 +96,98 @@ func TestListenerRefusesHugeFrames(t *testing.T) {
 	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := io.Copy(io.Discard, conn); err != nil {
 		t.Fatalf("the connection was not closed: %v", err)
+	}
+}
+
+// zmtpPeer connects to addr and says what a ZMQ PUB says before its first message (a ZMTP 3.0
+// NULL greeting and a READY command), then the bytes of rest.
+func zmtpPeer(t *testing.T, addr string, rest []byte) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(addr, "tcp://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	greeting := make([]byte, 64)
+	greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
+	copy(greeting[12:], "NULL")
+	ready := append([]byte("\x05READY\x0bSocket-Type"), 0, 0, 0, 3)
+	ready = append(ready, "PUB"...)
+	out := append(greeting, 0x04, byte(len(ready)))
+	out = append(append(out, ready...), rest...)
+	if _, err := c.Write(out); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// High 4: the ZMQ library allocates the size a frame header claims before a byte of it arrives:
+// a 9-byte claim cost 64 MiB per peer, sixteen peers a gigabyte. Claims are bounded per message
+// (MaxMessage) and over every connection at once (MaxInFlight).
+func TestListenerBoundsClaimedMemory(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(string, int) *Subscriber { return nil }}
+	ready := make(chan error, 1)
+	go l.Run(ctx, ready)
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	claim := func(n uint64) []byte {
+		h := make([]byte, 9)
+		h[0] = 0x02 // a long frame, no body sent
+		binary.BigEndian.PutUint64(h[1:], n)
+		return h
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	zmtpPeer(t, l.BoundAddr(), claim(64<<20)) // the old bound: refused outright
+	for i := 0; i < 48; i++ {
+		zmtpPeer(t, l.BoundAddr(), claim(MaxMessage))
+	}
+	time.Sleep(500 * time.Millisecond) // let the library read every claim it will
+	runtime.ReadMemStats(&after)
+	if got := after.TotalAlloc - before.TotalAlloc; got > MaxInFlight+32<<20 {
+		t.Errorf("48 peers claiming %d MiB each made Baton allocate %d MiB (bound %d MiB in flight)", MaxMessage>>20, got>>20, MaxInFlight>>20)
+	}
+}
+
+// Medium 6: the library's handshake runs inline in its accept loop, with no deadline: one peer
+// that connected and said nothing kept every other engine out. It is bounded.
+func TestListenerSilentPeerDoesNotStallOthers(t *testing.T) {
+	handshakeTimeout = 200 * time.Millisecond
+	defer func() { handshakeTimeout = HandshakeTimeout }()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	idx := NewIndex(1000)
+	known := &Subscriber{Worker: "w1", Model: "m", Index: idx, Log: slog.New(slog.DiscardHandler)}
+	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(string, int) *Subscriber { return known }}
+	ready := make(chan error, 1)
+	go l.Run(ctx, ready)
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	silent, err := net.Dial("tcp", strings.TrimPrefix(l.BoundAddr(), "tcp://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	time.Sleep(50 * time.Millisecond) // it is accepted first
+	pub := zmq4.NewPub(ctx)
+	defer pub.Close()
+	if err := pub.Dial(l.BoundAddr()); err != nil {
+		t.Fatal(err)
+	}
+	batch := pack(t, []any{1.0, []any{[]any{"BlockStored", []any{7}, nil, []any{1, 2, 3, 4}, 4}}})
+	deadline := time.Now().Add(10 * time.Second)
+	for seq := uint64(0); known.Stats().Received == 0; seq++ {
+		if time.Now().After(deadline) {
+			t.Fatal("a silent peer kept an engine's events out")
+		}
+		var s [8]byte
+		binary.BigEndian.PutUint64(s[:], seq)
+		_ = pub.SendMulti(zmq4.NewMsgFrom([]byte("kv@w1@m"), s[:], batch))
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
@@ -14,8 +16,46 @@ import (
 
 // MaxMessage bounds one ZMQ message from an engine (all its frames): the ZMQ library allocates
 // whatever size a frame header claims, so Baton checks the claims on the wire before the library
-// reads them.
-const MaxMessage = 64 << 20
+// reads them. Engines send KiB-sized batches: a BlockStored carries its blocks' token ids (about
+// 3 bytes each in msgpack) and hashes, so even a 100,000-token prompt stored at once is well under
+// 1 MB; 4 MiB leaves room and no more.
+const MaxMessage = 4 << 20
+
+// MaxInFlight bounds the bytes claimed by frames still arriving, over every engine connection
+// at once: the library allocates a frame's claimed size when its header arrives, so sixteen
+// peers each claiming a maximal message would otherwise cost sixteen buffers before sending a
+// byte. A claim past it closes the connection.
+const MaxInFlight = 64 << 20
+
+// HandshakeTimeout bounds a connecting engine's ZMTP greeting and handshake (the library runs
+// it inline in its accept loop: a silent peer would stall every other); FrameTimeout bounds how
+// long a frame's body may take to arrive once its header did.
+const (
+	HandshakeTimeout = 5 * time.Second
+	FrameTimeout     = 30 * time.Second
+)
+
+// handshakeTimeout is HandshakeTimeout (tests shorten it).
+var handshakeTimeout = HandshakeTimeout
+
+// inflight is the budget of MaxInFlight, shared by every connection.
+var inflight = &claims{limit: MaxInFlight}
+
+// claims counts bytes claimed by frame headers whose bodies have not all arrived.
+type claims struct {
+	limit int64
+	used  atomic.Int64
+}
+
+func (c *claims) take(n int64) bool {
+	if c.used.Add(n) > c.limit {
+		c.used.Add(-n)
+		return false
+	}
+	return true
+}
+
+func (c *claims) give(n int64) { c.used.Add(-n) }
 
 // cappedScheme is the ZMQ transport Baton dials engines with (and listens on for engines that
 // connect out): TCP, with every frame header checked against MaxMessage.
@@ -42,7 +82,7 @@ func (c capped) Dial(ctx context.Context, d transport.Dialer, addr string) (net.
 	if err != nil {
 		return nil, err
 	}
-	return &frameCap{Conn: conn, max: MaxMessage}, nil
+	return &frameCap{Conn: conn, max: MaxMessage, budget: inflight, deadlines: true}, nil
 }
 
 // MaxConns bounds the engine connections a listening gateway holds at once; more are closed
@@ -71,7 +111,10 @@ func (l *cappedListener) Accept() (net.Conn, error) {
 		}
 		select {
 		case l.slots <- struct{}{}:
-			return &frameCap{Conn: conn, max: MaxMessage, release: func() { <-l.slots }}, nil
+			// The library's handshake runs inline in its accept loop: bounded, so that a peer
+			// that connects and says nothing cannot keep other engines out.
+			_ = conn.SetDeadline(time.Now().Add(handshakeTimeout))
+			return &frameCap{Conn: conn, max: MaxMessage, release: func() { <-l.slots }, budget: inflight, deadlines: true, handshaking: true}, nil
 		default:
 			_ = conn.Close()
 		}
@@ -80,8 +123,12 @@ func (l *cappedListener) Accept() (net.Conn, error) {
 
 func (c capped) Addr(ep string) (string, error) { return c.tcp.Addr(ep) }
 
-// errTooLarge ends a connection whose peer announced a message above the bound.
-var errTooLarge = errors.New("kv events: a ZMQ frame or message above the size bound")
+// errTooLarge ends a connection whose peer announced a message above the bound; errBusy one
+// whose claim would pass the budget of claims in flight.
+var (
+	errTooLarge = errors.New("kv events: a ZMQ frame or message above the size bound")
+	errBusy     = errors.New("kv events: frames claimed over every connection would pass their bound")
+)
 
 // frameCap follows the ZMTP 3 stream as it is read (a 64-byte greeting, then frames: a flags
 // byte, a 1- or 8-byte size, the body) and fails the read that would deliver a frame header
@@ -98,6 +145,12 @@ type frameCap struct {
 	started  bool
 	release  func() // frees the listener's slot; nil for dialled connections
 	closed   sync.Once
+
+	budget      *claims // the claims of frames in flight (nil: none)
+	claimed     int64   // this connection's part of it
+	deadlines   bool    // manage the connection's deadlines (handshake, frame bodies)
+	handshaking bool    // until the peer's first command (READY) has arrived
+	command     bool    // the current frame is a command
 }
 
 func (f *frameCap) Close() error {
@@ -105,6 +158,9 @@ func (f *frameCap) Close() error {
 	f.closed.Do(func() {
 		if f.release != nil {
 			f.release()
+		}
+		if f.budget != nil {
+			f.budget.give(f.claimed)
 		}
 	})
 	return err
@@ -133,6 +189,9 @@ func (f *frameCap) scan(b []byte) error {
 			k := int(min(f.body, int64(len(b))))
 			f.body -= int64(k)
 			b = b[k:]
+			if f.body == 0 {
+				f.frameDone()
+			}
 		default:
 			f.hdr = append(f.hdr, b[0])
 			b = b[1:]
@@ -158,9 +217,48 @@ func (f *frameCap) scan(b []byte) error {
 			if f.message > f.max {
 				return errTooLarge
 			}
-			f.more = f.hdr[0]&0x01 != 0
+			f.more, f.command = f.hdr[0]&0x01 != 0, f.hdr[0]&0x04 != 0
 			f.body, f.hdr = size, f.hdr[:0]
+			if err := f.frameStart(size); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
+}
+
+// frameStart claims a frame's size from the budget and gives its body FrameTimeout to arrive.
+func (f *frameCap) frameStart(size int64) error {
+	if f.budget != nil {
+		if !f.budget.take(size) {
+			return errBusy
+		}
+		f.claimed += size
+	}
+	if size == 0 {
+		f.frameDone()
+	} else if f.deadlines && !f.handshaking {
+		_ = f.Conn.SetReadDeadline(time.Now().Add(FrameTimeout))
+	}
+	return nil
+}
+
+// frameDone gives a frame's claim back once its body has passed; the peer's first command
+// (READY) ends the handshake and its deadline.
+func (f *frameCap) frameDone() {
+	if f.budget != nil {
+		f.budget.give(f.claimed)
+		f.claimed = 0
+	}
+	if !f.deadlines {
+		return
+	}
+	if f.handshaking && f.command {
+		f.handshaking = false
+		_ = f.Conn.SetDeadline(time.Time{})
+		return
+	}
+	if !f.handshaking {
+		_ = f.Conn.SetReadDeadline(time.Time{}) // an engine may be quiet for long between batches
+	}
 }
