@@ -296,3 +296,24 @@ func TestRequestBodiesAreBoundedInTotal(t *testing.T) {
 		t.Errorf("a trickled body answered %q, want 408 at the body timeout", got)
 	}
 }
+
+// Low 13: --max-batch-size bounded prompt lists and samples on PD routes only; on regular routes
+// a prompt list, best_of or /generate's sampling_params.n of any size reached the engine.
+func TestBatchBoundOnRegularRoutes(t *testing.T) {
+	t.Parallel()
+	e := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	cfg := testConfig(e.URL())
+	cfg.MaxBatchSize = 4
+	_, gw := startGateway(t, cfg)
+	for _, tc := range []struct{ route, body string }{
+		{"/v1/completions", `{"model":"m","prompt":["a","b","c","d","e"],"max_tokens":1}`},
+		{"/v1/completions", `{"model":"m","prompt":"a","best_of":9,"max_tokens":1}`},
+		{"/generate", `{"text":"a","sampling_params":{"n":9,"max_new_tokens":1}}`},
+		{"/generate", `{"text":["a","b","c","d","e"],"sampling_params":{"max_new_tokens":1}}`},
+	} {
+		wantEnvelope(t, post(t, gw.URL+tc.route, tc.body), 400, "batch_too_large")
+	}
+	if resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":["a","b"],"max_tokens":1}`); resp.StatusCode != 200 {
+		t.Errorf("a list within the bound: %d %s", resp.StatusCode, body)
+	}
+}

@@ -113,12 +113,18 @@ func BatchSize(req *Request, limit int) int {
 	return 0
 }
 
-// SamplesOf returns how many samples the request asks for each prompt: "n", or on /generate
-// sampling_params.n; 1 when absent. A value that is not a positive integer counts as 1 (the
+// SamplesOf returns how many samples the request asks for each prompt: "n" (or "best_of" when
+// larger), or on /generate sampling_params.n; 1 when absent. A value that is not a positive integer counts as 1 (the
 // engine refuses it).
 func SamplesOf(req *Request) int {
 	if req.Path != "/generate" {
-		return max(req.N, 1)
+		n := max(req.N, 1)
+		if raw, ok := openai.Get(req.Body, "best_of"); ok { // vLLM completions: best_of runs this many
+			if b, err := strconv.Atoi(string(raw)); err == nil && b > n {
+				n = b
+			}
+		}
+		return n
 	}
 	sp, ok := openai.Get(req.Body, "sampling_params")
 	if !ok || len(sp) == 0 || sp[0] != '{' {

@@ -28,14 +28,8 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
-	if preq.Batch = pd.BatchSize(preq, s.opts.MaxBatchSize+1); preq.Batch > s.opts.MaxBatchSize {
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge,
-			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", s.opts.MaxBatchSize)})
-		return
-	}
-	if preq.Samples = pd.SamplesOf(preq); preq.Samples > s.opts.MaxBatchSize {
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "sampling_params.n",
-			Message: fmt.Sprintf(`"sampling_params.n" is %d, above the limit of %d (max_batch_size)`, preq.Samples, s.opts.MaxBatchSize)})
+	if e := s.countBatch(preq); e != nil {
+		openai.WriteError(w, e)
 		return
 	}
 	release, ok := s.admit.acquire(w, r)
@@ -65,6 +59,20 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		h.Set(openai.HeaderWorker, pair.Decode.URL)
 		return s.pd.Execute(w, r, preq, pair)
 	})
+}
+
+// countBatch counts the request's prompts and samples into req, and refuses a request past
+// max_batch_size (on every route: the engine would run them all).
+func (s *Server) countBatch(req *pd.Request) *openai.Error {
+	if req.Batch = pd.BatchSize(req, s.opts.MaxBatchSize+1); req.Batch > s.opts.MaxBatchSize {
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge,
+			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", s.opts.MaxBatchSize)}
+	}
+	if req.Samples = pd.SamplesOf(req); req.Samples > s.opts.MaxBatchSize {
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge,
+			Message: fmt.Sprintf("the request asks %d samples per prompt (n, best_of or sampling_params.n), above the limit of %d (max_batch_size)", req.Samples, s.opts.MaxBatchSize)}
+	}
+	return nil
 }
 
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.

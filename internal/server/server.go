@@ -525,6 +525,10 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
+	if e := s.countBatch(&pd.Request{Request: req, Path: r.URL.Path}); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
 	release, ok := s.admit.acquire(w, r)
 	if !ok {
 		return
