@@ -9,6 +9,7 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
+	"syscall"
 )
 
 // ErrRequestTimeout is the cause of a request whose total deadline (request_timeout_secs)
@@ -57,16 +58,29 @@ func Status(status int) Verdict {
 // Err is the verdict on an error instead of (or in the middle of) an answer:
 //
 //	cancellation (the client left, or Baton ended the leg)   no sample, not retryable
+//	Baton out of descriptors, ports or buffers (Local)       no sample, not retryable: local
 //	a deadline passing (the request's or a leg's)            retryable, failure, seam: timeout
 //	any other transport or read failure                      retryable, failure, seam: transport
 func Err(err error) Verdict {
 	switch {
 	case errors.Is(err, context.Canceled):
 		return Verdict{Client: true}
+	case Local(err):
+		// Baton's own descriptors or ports ran out: no worker is at fault, and another is no
+		// better placed.
+		return Verdict{Reason: "local"}
 	case IsTimeout(err):
 		return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: "timeout"}
 	}
 	return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: "transport"}
+}
+
+// Local reports whether err is Baton running out of its own resources to open a connection —
+// descriptors (EMFILE, ENFILE), local ports (EADDRNOTAVAIL) or socket buffers (ENOBUFS) — which
+// says nothing of the worker it was opening one to.
+func Local(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.EADDRNOTAVAIL) || errors.Is(err, syscall.ENOBUFS)
 }
 
 // IsTimeout reports whether err is a deadline passing: the request's own (ErrRequestTimeout)

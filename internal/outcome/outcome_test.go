@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"os"
+	"syscall"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -36,5 +39,21 @@ func TestTable(t *testing.T) {
 		if diff := cmp.Diff(tc.want, Of(tc.status, tc.err)); diff != "" {
 			t.Errorf("Of(%d, %v) (-want +got):\n%s", tc.status, tc.err, diff)
 		}
+	}
+}
+
+// Medium 9: Baton's own descriptor exhaustion was counted against the worker it was dialling
+// (and opened its circuit for a minute after the attack ended). Local resource errors are
+// Baton's: no sample, no retry.
+func TestLocalErrorsAreNotTheWorkers(t *testing.T) {
+	for _, errno := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.EADDRNOTAVAIL, syscall.ENOBUFS} {
+		err := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("socket", errno)}
+		if v := Err(fmt.Errorf("upstream: %w", err)); v.Sample || v.Failure || v.Retryable || v.Reason != "local" {
+			t.Errorf("%v: %+v", errno, v)
+		}
+	}
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+	if v := Err(refused); !v.Failure || !v.Retryable {
+		t.Errorf("connection refused is the worker's: %+v", v)
 	}
 }

@@ -465,6 +465,10 @@ func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *o
 		return InternalError()
 	}
 	v := outcome.Err(err)
+	if v.Reason == "local" {
+		return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, NoRetry: true, RetryAfter: "1", Reason: v.Reason,
+			Message: "Baton ran out of its own connections (file descriptors or local ports): send the request again shortly"}
+	}
 	if v.Reason == "timeout" {
 		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, Worker: w.URL, Reason: v.Reason,
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
