@@ -317,3 +317,48 @@ func TestBatchBoundOnRegularRoutes(t *testing.T) {
 		t.Errorf("a list within the bound: %d %s", resp.StatusCode, body)
 	}
 }
+
+// Medium 10: an engine's unasked 101 Switching Protocols was relayed and the connection kept as
+// HTTP; behind an nginx that passes Upgrade, the client's next bytes would tunnel past its
+// rules. Any final status below 200 from an engine is a 502.
+func TestEngineSwitchingProtocolsIsRefused(t *testing.T) {
+	t.Parallel()
+	for _, client := range []string{"net", "baton"} {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				go func() {
+					defer c.Close()
+					br := bufio.NewReader(c)
+					for {
+						req, err := http.ReadRequest(br)
+						if err != nil {
+							return
+						}
+						io.Copy(io.Discard, req.Body)
+						if req.Method == http.MethodPost {
+							io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+							io.Copy(io.Discard, c)
+							return
+						}
+						body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
+						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+					}
+				}()
+			}
+		}()
+		cfg := testConfig("http://" + ln.Addr().String())
+		cfg.UpstreamClient = client
+		cfg.Retry.Disable = true
+		_, gw := startGateway(t, cfg)
+		wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`), 502, "upstream_unreachable")
+	}
+}

@@ -88,7 +88,9 @@ func (w *response) WriteHeader(code int) {
 			delete(w.header, "Content-Length")
 		}
 	}
-	if hasToken(w.header["Connection"], "close") {
+	if hasToken(w.header["Connection"], "close") || code == http.StatusSwitchingProtocols {
+		// After a 101 the bytes on the connection are another protocol's: never another
+		// request's head.
 		w.closeAfter = true
 	}
 }

@@ -721,3 +721,15 @@ func TestOneGoroutinePerOpenStream(t *testing.T) {
 		t.Errorf("%.2f goroutines per open stream, want 1", per)
 	}
 }
+
+// After a 101 it writes, the server closes the connection: the bytes that follow are another
+// protocol's, never another request's head (a second, pipelined request gets no answer).
+func TestCloseAfterSwitchingProtocols(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusSwitchingProtocols)
+	}))
+	got := exchange(t, addr, "GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n", 2*time.Second)
+	if n := strings.Count(got, "HTTP/1.1 101"); n != 1 || strings.Count(got, "HTTP/1.1") != 1 {
+		t.Errorf("after a 101 the connection answered more: %q", got)
+	}
+}

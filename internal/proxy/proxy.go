@@ -217,7 +217,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	out.Header.Set("Content-Type", "application/json")
 	out.ContentLength = int64(len(c.Body))
 	if !tracing.Enabled() {
-		return p.Transport.RoundTrip(out)
+		return informational(p.Transport.RoundTrip(out))
 	}
 	name := "upstream"
 	if leg.Name != "" {
@@ -230,7 +230,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	if leg.W.KVConnector != "" {
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
-	resp, err := p.Transport.RoundTrip(out)
+	resp, err := informational(p.Transport.RoundTrip(out))
 	if err != nil {
 		leg.span.SetStatus(codes.Error, err.Error())
 	} else {
@@ -254,6 +254,20 @@ func (p payload) Bytes() []byte { return p.b }
 
 // Close implements io.Closer.
 func (p payload) Close() error { return nil }
+
+// ErrInformational is a worker's answer with a final status below 200 (a 101 Switching
+// Protocols nobody asked for): relayed, it would turn the client's connection into a tunnel
+// past every proxy rule in front of Baton. It is a failure of the worker's (502).
+var ErrInformational = errors.New("the worker answered with an informational status as its final answer")
+
+// informational turns an answer with a status below 200 into ErrInformational.
+func informational(resp *http.Response, err error) (*http.Response, error) {
+	if err == nil && resp.StatusCode < 200 {
+		resp.Body.Close()
+		return nil, fmt.Errorf("%w (%d)", ErrInformational, resp.StatusCode)
+	}
+	return resp, err
+}
 
 // Forward POSTs body to path on w and relays the response to rw (regular mode). It returns nil
 // when the whole response reached the client, ErrClientGone, ErrAbort (the caller must abort the
@@ -488,7 +502,7 @@ func safeCause(err error) string {
 		return op.Op + ": " + op.Err.Error()
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return "the connection closed before a whole answer"
-	case errors.Is(err, ErrBodyTooLarge), errors.Is(err, upstream.ErrHeaderTooLarge):
+	case errors.Is(err, ErrBodyTooLarge), errors.Is(err, upstream.ErrHeaderTooLarge), errors.Is(err, ErrInformational):
 		return err.Error()
 	case strings.Contains(err.Error(), "server response headers exceeded"): // net/http's, unexported
 		return fmt.Sprintf("its answer's headers exceed %d bytes", MaxResponseHeaderBytes)
