@@ -14,6 +14,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -360,5 +361,59 @@ func TestEngineSwitchingProtocolsIsRefused(t *testing.T) {
 		cfg.Retry.Disable = true
 		_, gw := startGateway(t, cfg)
 		wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`), 502, "upstream_unreachable")
+	}
+}
+
+// Medium 5: a POST whose reused connection closed after the engine read it was sent to the
+// engine again, unlogged, even with retries off. It is sent once; the failure is the retry
+// policy's.
+func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
+	t.Parallel()
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) {
+			t.Parallel()
+			var posts atomic.Int32
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { ln.Close() })
+			go func() {
+				for {
+					c, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go func() {
+						defer c.Close()
+						br := bufio.NewReader(c)
+						for {
+							req, err := http.ReadRequest(br)
+							if err != nil {
+								return
+							}
+							io.Copy(io.Discard, req.Body)
+							if req.Method == http.MethodPost && posts.Add(1) == 2 {
+								return // read, and closed without an answer
+							}
+							body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
+							fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+						}
+					}()
+				}
+			}()
+			cfg := testConfig("http://" + ln.Addr().String())
+			cfg.UpstreamClient = client
+			cfg.Retry.Disable = true
+			cfg.LoadPollIntervalMs = 60000
+			_, gw := startGateway(t, cfg)
+			if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"one"}`); resp.StatusCode != 200 {
+				t.Fatalf("first: %d", resp.StatusCode)
+			}
+			resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"two"}`) // on the reused connection
+			if resp.StatusCode != 502 || posts.Load() != 2 {
+				t.Errorf("status %d, the engine got %d POSTs for 2 requests with retries off", resp.StatusCode, posts.Load())
+			}
+		})
 	}
 }

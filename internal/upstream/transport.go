@@ -90,22 +90,14 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		host = net.JoinHostPort(req.URL.Hostname(), "80")
 	}
 	ctx := req.Context()
-	for attempt := 0; ; attempt++ {
-		c, reused, err := t.get(ctx, host)
-		if err != nil {
-			return nil, err
-		}
-		resp, err := t.exchange(ctx, c, req, body)
-		if err == nil {
-			return resp, nil
-		}
-		// A reused connection the engine had closed fails before any answer: send again on a
-		// fresh one (the request had no effect). Anything else is the answer's failure.
-		if reused && attempt == 0 && errors.Is(err, errStale) && ctx.Err() == nil {
-			continue
-		}
+	// A request is sent once: an engine that read it may have acted on it, so a failure after
+	// the write is Baton's retry policy's to judge, never resent here. A connection the engine
+	// closed while idle is found before use (stray).
+	c, _, err := t.get(ctx, host)
+	if err != nil {
 		return nil, err
 	}
+	return t.exchange(ctx, c, req, body)
 }
 
 var errStale = errors.New("upstream: connection closed before an answer")
