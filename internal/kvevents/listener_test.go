@@ -156,8 +156,8 @@ func TestListenerBoundsClaimedMemory(t *testing.T) {
 // Medium 6: the library's handshake runs inline in its accept loop, with no deadline: one peer
 // that connected and said nothing kept every other engine out. It is bounded.
 func TestListenerSilentPeerDoesNotStallOthers(t *testing.T) {
-	handshakeTimeout = 200 * time.Millisecond
-	defer func() { handshakeTimeout = HandshakeTimeout }()
+	handshakeTimeout.Store(int64(200 * time.Millisecond))
+	defer handshakeTimeout.Store(int64(HandshakeTimeout))
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	idx := NewIndex(1000)

@@ -35,8 +35,11 @@ const (
 	FrameTimeout     = 30 * time.Second
 )
 
-// handshakeTimeout is HandshakeTimeout (tests shorten it).
-var handshakeTimeout = HandshakeTimeout
+// handshakeTimeout is HandshakeTimeout in nanoseconds (tests shorten it; listeners of earlier
+// tests may still be reading it).
+var handshakeTimeout atomic.Int64
+
+func init() { handshakeTimeout.Store(int64(HandshakeTimeout)) }
 
 // inflight is the budget of MaxInFlight, shared by every connection.
 var inflight = &claims{limit: MaxInFlight}
@@ -113,7 +116,7 @@ func (l *cappedListener) Accept() (net.Conn, error) {
 		case l.slots <- struct{}{}:
 			// The library's handshake runs inline in its accept loop: bounded, so that a peer
 			// that connects and says nothing cannot keep other engines out.
-			_ = conn.SetDeadline(time.Now().Add(handshakeTimeout))
+			_ = conn.SetDeadline(time.Now().Add(time.Duration(handshakeTimeout.Load())))
 			return &frameCap{Conn: conn, max: MaxMessage, release: func() { <-l.slots }, budget: inflight, deadlines: true, handshaking: true}, nil
 		default:
 			_ = conn.Close()
