@@ -355,10 +355,10 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		for _, p := range []string{"GET /{$}", "GET /status", "GET /status.json"} {
 			mux.Handle(p, status)
 		}
-		if cfg.EnablePprof {
-			mux.HandleFunc("/debug/pprof/", pprof.Index)
-			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		if cfg.EnablePprof { // behind the admin key when one is set: profiles show memory contents
+			mux.Handle("/debug/pprof/", g.Server.AdminOnly(http.HandlerFunc(pprof.Index)))
+			mux.Handle("/debug/pprof/profile", g.Server.AdminOnly(http.HandlerFunc(pprof.Profile)))
+			mux.Handle("/debug/pprof/trace", g.Server.AdminOnly(http.HandlerFunc(pprof.Trace)))
 		}
 		msrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	}

@@ -417,3 +417,18 @@ func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
 		})
 	}
 }
+
+// Also: with an admin key set, the metrics listener's pprof needed none (its heap profiles show
+// memory contents); it takes the admin key like the status page.
+func TestPprofNeedsTheAdminKey(t *testing.T) {
+	t.Parallel()
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	_, m, stop, _ := runBaton(t, "--worker-urls", e.URL(), "--enable-pprof", "--admin-api-key", "sk-admin-pprof")
+	defer stop()
+	if status, _ := admin(t, http.MethodGet, m+"/debug/pprof/", "", ""); status != 401 {
+		t.Errorf("pprof without the admin key: %d", status)
+	}
+	if status, _ := admin(t, http.MethodGet, m+"/debug/pprof/", "sk-admin-pprof", ""); status != 200 {
+		t.Errorf("pprof with the admin key: %d", status)
+	}
+}

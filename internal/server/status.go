@@ -181,6 +181,10 @@ func (s *Server) StatusHandler() http.Handler {
 	return s.statusAuth(mux)
 }
 
+// AdminOnly guards next as the status page is: with an admin key set, only a request carrying
+// it passes (pprof on the metrics listener).
+func (s *Server) AdminOnly(next http.Handler) http.Handler { return s.statusAuth(next) }
+
 func (s *Server) statusAuth(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := s.opts.Admin.Key
