@@ -233,6 +233,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	fleet := newFleet(cfg, reg, breaker, kv, m, log, tm.request+5*time.Second)
+	fleet.closeIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
 		Admin: server.Admin{Fleet: fleet, SourceOf: fleet.SourceOf}}
 	m.Registry.MustRegister(kvCollector{kv})

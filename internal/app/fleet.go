@@ -53,6 +53,9 @@ type Fleet struct {
 	onRegistered func(*worker.Worker)
 	// drainTimeout bounds a removal's wait for requests in flight.
 	drainTimeout time.Duration
+	// closeIdle closes the idle upstream connections to a worker that left (nil: none kept):
+	// a pod that leaves must not strand descriptors.
+	closeIdle func(url string)
 
 	mu      sync.Mutex // serialises changes
 	smu     sync.Mutex // guards sources (read by GET /workers while a change is in progress)
@@ -171,6 +174,9 @@ func (f *Fleet) drain(w *worker.Worker, source string) {
 			f.setSource(w.URL, "")
 			f.kv.Remove(w)
 			f.metrics.ForgetWorker(w.URL)
+			if f.closeIdle != nil {
+				f.closeIdle(w.URL)
+			}
 		}
 		f.changed("remove", source, w)
 	})

@@ -432,3 +432,49 @@ func TestPprofNeedsTheAdminKey(t *testing.T) {
 		t.Errorf("pprof with the admin key: %d", status)
 	}
 }
+
+// Also: a removed worker's idle upstream connections stayed open, so pods that left stranded
+// descriptors. They are closed once its drain ends.
+func TestRemovedWorkerConnectionsAreClosed(t *testing.T) {
+	t.Parallel()
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) {
+			t.Parallel()
+			var open atomic.Int32
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/v1/models" {
+					io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
+					return
+				}
+				io.Copy(io.Discard, r.Body)
+				io.WriteString(w, "{}")
+			}))
+			srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+				switch s {
+				case http.StateNew:
+					open.Add(1)
+				case http.StateClosed, http.StateHijacked:
+					open.Add(-1)
+				}
+			}
+			srv.Start()
+			t.Cleanup(srv.Close)
+			cfg := testConfig(srv.URL)
+			cfg.UpstreamClient, cfg.AdminAPIKey = client, "sk-admin"
+			g, gw := startGateway(t, cfg)
+			for i := 0; i < 4; i++ {
+				if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+					t.Fatalf("%d", resp.StatusCode)
+				}
+			}
+			if open.Load() == 0 {
+				t.Fatal("no connection to the worker is kept")
+			}
+			id := g.Registry.Snapshot().Workers[0].ID
+			if status, body := admin(t, http.MethodDelete, gw.URL+"/workers/"+id, "sk-admin", ""); status != 202 {
+				t.Fatalf("DELETE: %d %s", status, body)
+			}
+			waitFor(t, func() bool { return open.Load() == 0 })
+		})
+	}
+}

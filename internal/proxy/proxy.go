@@ -139,6 +139,18 @@ func NewTransport(client string) http.RoundTripper {
 	return StdTransport()
 }
 
+// CloseIdle closes the idle connections t keeps to the worker at url: Baton's own client those
+// to its host alone; net/http's transport, which cannot single one host out, every idle
+// connection (a worker leaving is rare; the others reconnect once).
+func CloseIdle(t http.RoundTripper, url string) {
+	switch t := t.(type) {
+	case *upstream.Transport:
+		t.CloseIdleTo(url)
+	case interface{ CloseIdleConnections() }:
+		t.CloseIdleConnections()
+	}
+}
+
 // StdTransport is net/http's transport as Baton configures it.
 func StdTransport() *http.Transport {
 	return &http.Transport{

@@ -15,6 +15,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -369,6 +370,24 @@ func (t *Transport) put(c *conn) {
 	}
 	c.dropReader()
 	t.idle[c.host] = append(t.idle[c.host], c)
+}
+
+// CloseIdleTo closes the connections kept for reuse to the host of rawURL (a worker that left).
+func (t *Transport) CloseIdleTo(rawURL string) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host = net.JoinHostPort(u.Hostname(), "80")
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, c := range t.idle[host] {
+		c.c.Close()
+	}
+	delete(t.idle, host)
 }
 
 // CloseIdleConnections closes the connections kept for reuse.
