@@ -25,11 +25,10 @@ import (
 	"github.com/baton-llm/baton/internal/sim"
 )
 
-// strayEngine is a raw-socket engine serving model m that sends bytes nobody asked for after
-// each completion's answer, the way a broken engine or a sidecar in front of one can: stray
-// "dup" is a whole second answer, "204" an answer without body followed by one, "past" bytes
-// past the Content-Length. Each answer names the request's X-Request-Id.
-func strayEngine(t *testing.T, stray string) string {
+// rawEngine is a raw-socket engine serving model m: registration probes get plain answers, and
+// each POST goes to post, which writes whatever it likes on the connection and says whether the
+// connection goes on. It returns the engine's URL.
+func rawEngine(t *testing.T, post func(c net.Conn, req *http.Request) bool) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -42,54 +41,61 @@ func strayEngine(t *testing.T, stray string) string {
 			if err != nil {
 				return
 			}
-			go serveStray(c, stray)
+			go func() {
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for {
+					req, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					io.Copy(io.Discard, req.Body)
+					switch {
+					case req.Method == http.MethodPost:
+						if !post(c, req) {
+							return
+						}
+					case req.URL.Path == "/v1/models":
+						body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
+						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+					default:
+						io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+					}
+				}
+			}()
 		}
 	}()
 	return "http://" + ln.Addr().String()
 }
 
-func serveStray(c net.Conn, stray string) {
-	defer c.Close()
-	br := bufio.NewReader(c)
-	for {
-		req, err := http.ReadRequest(br)
-		if err != nil {
-			return
+// strayEngine is a raw engine that sends bytes nobody asked for after each completion's
+// answer, the way a broken engine or a sidecar in front of one can: stray "dup" is a whole
+// second answer, "204" an answer without body followed by one, "past" bytes past the
+// Content-Length. Each answer names the request's X-Request-Id.
+func strayEngine(t *testing.T, stray string) string {
+	return rawEngine(t, func(c net.Conn, req *http.Request) bool {
+		rid := req.Header.Get("X-Request-Id")
+		body := fmt.Sprintf(`{"answer_for":%q}`, rid)
+		leak := fmt.Sprintf(`{"answer_for":"LEAK of %s"}`, rid)
+		answer := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		var later string
+		switch stray {
+		case "dup":
+			later = fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(leak), leak)
+		case "204":
+			answer, later = "HTTP/1.1 204 No Content\r\n\r\n", leak
+		case "past":
+			later = leak
 		}
-		io.Copy(io.Discard, req.Body)
-		var out string
-		switch {
-		case req.URL.Path == "/v1/models":
-			body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
-			out = fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-		case req.Method != http.MethodPost:
-			out = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-		default:
-			rid := req.Header.Get("X-Request-Id")
-			body := fmt.Sprintf(`{"answer_for":%q}`, rid)
-			leak := fmt.Sprintf(`{"answer_for":"LEAK of %s"}`, rid)
-			answer := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-			var later string
-			switch stray {
-			case "dup":
-				later = fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(leak), leak)
-			case "204":
-				answer, later = "HTTP/1.1 204 No Content\r\n\r\n", leak
-			case "past":
-				later = leak
-			}
-			// The stray bytes follow a moment later, once the answer was read and its
-			// connection is idle: a check of what is already buffered does not see them.
-			if _, err := io.WriteString(c, answer); err != nil {
-				return
-			}
-			time.Sleep(5 * time.Millisecond)
-			out = later
+		// The stray bytes follow a moment later, once the answer was read and its connection
+		// is idle: a check of what is already buffered does not see them.
+		if _, err := io.WriteString(c, answer); err != nil {
+			return false
 		}
-		if _, err := io.WriteString(c, out); err != nil {
-			return
-		}
-	}
+		time.Sleep(5 * time.Millisecond)
+		_, err := io.WriteString(c, later)
+		return err == nil
+	})
 }
 
 // High 1: bytes an engine sent after an answer became the next request's answer on the reused
@@ -132,37 +138,11 @@ func TestNoUpstreamBytesInMessages(t *testing.T) {
 	for _, client := range []string{"net", "baton"} {
 		t.Run(client, func(t *testing.T) {
 			t.Parallel()
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { ln.Close() })
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go func() {
-						defer c.Close()
-						br := bufio.NewReader(c)
-						for {
-							req, err := http.ReadRequest(br)
-							if err != nil {
-								return
-							}
-							io.Copy(io.Discard, req.Body)
-							if req.Method == http.MethodPost {
-								io.WriteString(c, "SECRET completion of someone else\r\n\r\n")
-								return
-							}
-							body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
-							fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-						}
-					}()
-				}
-			}()
-			cfg := testConfig("http://" + ln.Addr().String())
+			url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+				io.WriteString(c, "SECRET completion of someone else\r\n\r\n")
+				return false
+			})
+			cfg := testConfig(url)
 			cfg.UpstreamClient = client
 			cfg.Retry.Disable = true
 			_, gw := startGateway(t, cfg)
@@ -325,38 +305,12 @@ func TestBatchBoundOnRegularRoutes(t *testing.T) {
 func TestEngineSwitchingProtocolsIsRefused(t *testing.T) {
 	t.Parallel()
 	for _, client := range []string{"net", "baton"} {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ln.Close() })
-		go func() {
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				go func() {
-					defer c.Close()
-					br := bufio.NewReader(c)
-					for {
-						req, err := http.ReadRequest(br)
-						if err != nil {
-							return
-						}
-						io.Copy(io.Discard, req.Body)
-						if req.Method == http.MethodPost {
-							io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-							io.Copy(io.Discard, c)
-							return
-						}
-						body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
-						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-					}
-				}()
-			}
-		}()
-		cfg := testConfig("http://" + ln.Addr().String())
+		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+			io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+			io.Copy(io.Discard, c)
+			return false
+		})
+		cfg := testConfig(url)
 		cfg.UpstreamClient = client
 		cfg.Retry.Disable = true
 		_, gw := startGateway(t, cfg)
@@ -373,36 +327,14 @@ func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
 		t.Run(client, func(t *testing.T) {
 			t.Parallel()
 			var posts atomic.Int32
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { ln.Close() })
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go func() {
-						defer c.Close()
-						br := bufio.NewReader(c)
-						for {
-							req, err := http.ReadRequest(br)
-							if err != nil {
-								return
-							}
-							io.Copy(io.Discard, req.Body)
-							if req.Method == http.MethodPost && posts.Add(1) == 2 {
-								return // read, and closed without an answer
-							}
-							body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
-							fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-						}
-					}()
+			url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+				if posts.Add(1) == 2 {
+					return false // read, and closed without an answer
 				}
-			}()
-			cfg := testConfig("http://" + ln.Addr().String())
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+				return true
+			})
+			cfg := testConfig(url)
 			cfg.UpstreamClient = client
 			cfg.Retry.Disable = true
 			cfg.LoadPollIntervalMs = 60000
