@@ -220,11 +220,14 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			if len(line) == 0 {
 				break
 			}
-			i := strings.IndexByte(line, ':')
-			if i <= 0 {
-				return nil, fmt.Errorf("upstream: malformed header line %q", truncate(line))
+			if line[0] == ' ' || line[0] == '\t' {
+				return nil, errObsFold // a continued line: obsolete, and a desync vector
 			}
-			k := http.CanonicalHeaderKey(strings.TrimSpace(line[:i]))
+			i := strings.IndexByte(line, ':')
+			if i <= 0 || !token(line[:i]) {
+				return nil, errHeaderLine // whitespace before the colon included
+			}
+			k := http.CanonicalHeaderKey(line[:i])
 			resp.Header[k] = append(resp.Header[k], strings.TrimSpace(line[i+1:]))
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
@@ -232,6 +235,23 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 		}
 		return resp, nil
 	}
+}
+
+// Malformed answer heads: refused whole (502), never guessed at.
+var (
+	errObsFold    = errors.New("upstream: a folded header line (obs-fold) in the answer")
+	errHeaderLine = errors.New("upstream: a malformed header line in the answer (a name that is not a token, or whitespace before its colon)")
+)
+
+// token reports whether s is an HTTP token (RFC 9110 tchar+).
+func token(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // readLine reads one CRLF- or LF-terminated line of at most limit bytes.

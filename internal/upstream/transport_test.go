@@ -177,6 +177,8 @@ func TestTransportBadAnswers(t *testing.T) {
 		{"huge headers", "HTTP/1.1 200 OK\r\nX-Big: " + strings.Repeat("a", 70<<10) + "\r\n\r\n", "too large"},
 		{"bad status", "HTTP/9 OK\r\n\r\n", "malformed status"},
 		{"bad header", "HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "malformed header"},
+		{"space before colon", "HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nok", "malformed header"},
+		{"obs-fold", "HTTP/1.1 200 OK\r\nX-A: b\r\n  folded\r\nContent-Length: 2\r\n\r\nok", "obs-fold"},
 		{"bad chunk", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"},
 		{"short body", "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", "unexpected EOF"},
 		{"two lengths", "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", "bad Content-Length"},
