@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -408,5 +409,31 @@ func TestRemovedWorkerConnectionsAreClosed(t *testing.T) {
 			}
 			waitFor(t, func() bool { return open.Load() == 0 })
 		})
+	}
+}
+
+// Low 14: a worker added with a trailing slash was "already there" to POST, yet 404 to GET and
+// DELETE by its URL: lookups normalise the URL as adding does.
+func TestAdminURLsAreNormalised(t *testing.T) {
+	t.Parallel()
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := testConfig(e.URL())
+	cfg.AdminAPIKey = "sk-admin"
+	_, gw := startGateway(t, cfg)
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:9/"}`); status != 202 {
+		t.Fatalf("POST: %d %s", status, body)
+	}
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:9"}`); status != 409 {
+		t.Errorf("POST again without the slash: %d %s", status, body)
+	}
+	id := url.PathEscape("http://127.0.0.1:9/")
+	if status, body := admin(t, http.MethodGet, gw.URL+"/workers/"+id, "sk-admin", ""); status != 200 {
+		t.Errorf("GET by the URL as added: %d %s", status, body)
+	}
+	if status, body := admin(t, http.MethodDelete, gw.URL+"/workers/"+id, "sk-admin", ""); status != 202 {
+		t.Errorf("DELETE by the URL as added: %d %s", status, body)
+	}
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:70000"}`); status != 400 {
+		t.Errorf("a port out of range: %d %s", status, body)
 	}
 }

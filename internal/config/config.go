@@ -847,7 +847,38 @@ func CheckWorkerURL(raw string) error {
 	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
 		return fmt.Errorf("url must not have a query or fragment")
 	}
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("url port %q is out of range 1-65535", p)
+		}
+	}
+	if h := u.Hostname(); !validHost(h) {
+		return fmt.Errorf("url host is not a host name or an IP address")
+	}
 	return nil
+}
+
+// validHost reports whether h is an IP address or a DNS name (letters, digits, '-', '_' and
+// dots, 253 characters at most, 63 a label).
+func validHost(h string) bool {
+	if net.ParseIP(h) != nil {
+		return true
+	}
+	if h == "" || len(h) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(strings.TrimSuffix(h, "."), ".") {
+		if label == "" || len(label) > 63 {
+			return false
+		}
+		for i := 0; i < len(label); i++ {
+			c := label[i]
+			if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // RedactURL returns raw with any userinfo replaced by "redacted", for messages about a URL

@@ -202,3 +202,17 @@ func TestResolveKVConnector(t *testing.T) {
 		}
 	}
 }
+
+// Low 14: worker URLs with ports outside 1-65535 or hosts that are no host were accepted.
+func TestCheckWorkerURLBounds(t *testing.T) {
+	for _, bad := range []string{"http://h:0", "http://h:65536", "http://h:99999999999", "http://a%20b:80", "http://" + strings.Repeat("a", 64) + ".x", "http://bad_host!:1"} {
+		if err := CheckWorkerURL(bad); err == nil {
+			t.Errorf("%s accepted", bad)
+		}
+	}
+	for _, ok := range []string{"http://h:1", "http://h:65535", "http://10.0.0.1:8000", "http://[::1]:8000", "https://vllm-0.vllm.ns.svc.cluster.local"} {
+		if err := CheckWorkerURL(ok); err != nil {
+			t.Errorf("%s refused: %v", ok, err)
+		}
+	}
+}

@@ -3,6 +3,7 @@ package worker
 import (
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 )
@@ -86,8 +87,9 @@ func (r *Registry) Replace(old, next *Worker) bool {
 
 // Get returns the worker with id (or URL), nil when there is none.
 func (s *Snapshot) Get(id string) *Worker {
+	url := strings.TrimRight(id, "/") // a worker URL is kept without its trailing slashes
 	for _, w := range s.Workers {
-		if w.ID == id || w.URL == id {
+		if w.ID == id || w.URL == url {
 			return w
 		}
 	}
