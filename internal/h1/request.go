@@ -23,6 +23,9 @@ func badRequest(msg string) *openai.Error {
 var errHeadTooLarge = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: "headers_too_large",
 	Message: "the request line and headers exceed the server's bound"}
 
+var errTooManyHeaders = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: "headers_too_large",
+	Message: "the request has more header fields than the server's bound"}
+
 // errClosed is a connection that ended before a whole request head: nothing is answered.
 var errClosed = errors.New("connection closed")
 
@@ -70,13 +73,16 @@ func (c *conn) readRequest() (*http.Request, *body, error) {
 	if herr := parseRequestLine(req, line); herr != nil {
 		return nil, nil, herr
 	}
-	for {
+	for fields := 0; ; fields++ {
 		line, err := readLine(br, &budget)
 		if err != nil {
 			return nil, nil, err
 		}
 		if len(line) == 0 {
 			break
+		}
+		if fields == c.s.maxHeaders() {
+			return nil, nil, errTooManyHeaders
 		}
 		if herr := addHeader(req.Header, line); herr != nil {
 			return nil, nil, herr

@@ -27,7 +27,11 @@ import (
 
 // DefaultMaxHeaderBytes bounds a request's line and headers when Server.MaxHeaderBytes is zero
 // (net/http's default).
-const DefaultMaxHeaderBytes = 1 << 20
+const DefaultMaxHeaderBytes = 64 << 10
+
+// DefaultMaxHeaders bounds a request's header fields when Server.MaxHeaders is zero: clients
+// send a few dozen; a head of thousands of short lines costs memory per field, not per byte.
+const DefaultMaxHeaders = 128
 
 // Server serves HTTP/1.1 on listeners. The zero value of each field is its documented default;
 // a Server must not be copied after first use.
@@ -42,6 +46,14 @@ type Server struct {
 	IdleTimeout time.Duration
 	// MaxHeaderBytes bounds the request line and headers (431 beyond); zero: DefaultMaxHeaderBytes.
 	MaxHeaderBytes int
+	// MaxHeaders bounds a request's header fields (431 beyond); zero: DefaultMaxHeaders.
+	MaxHeaders int
+	// MaxConns bounds the client connections open at once: one more is closed as it arrives.
+	// Zero: half the process's descriptor limit, so that the other half stays for upstream
+	// connections (none where the limit cannot be read); negative: no bound.
+	MaxConns int
+	// Refused counts connections closed at arrival because MaxConns were open.
+	Refused atomic.Uint64
 	// Log receives what cannot be answered to a client (a handler's panic, a failed accept);
 	// nil: discarded.
 	Log *slog.Logger
@@ -103,6 +115,12 @@ func (s *Server) Serve(ln net.Listener) error {
 			s.mu.Unlock()
 			rw.Close()
 			return ErrServerClosed
+		}
+		if max := s.maxConns(); max > 0 && len(s.conns) >= max {
+			s.mu.Unlock()
+			rw.Close() // past the bound: descriptors stay for the engines
+			s.Refused.Add(1)
+			continue
 		}
 		s.conns[c] = struct{}{}
 		s.mu.Unlock()
@@ -179,6 +197,23 @@ func (s *Server) logf(msg string, args ...any) {
 	if s.Log != nil {
 		s.Log.Debug("http server: "+msg, args...)
 	}
+}
+
+func (s *Server) maxHeaders() int {
+	if s.MaxHeaders > 0 {
+		return s.MaxHeaders
+	}
+	return DefaultMaxHeaders
+}
+
+func (s *Server) maxConns() int {
+	switch {
+	case s.MaxConns > 0:
+		return s.MaxConns
+	case s.MaxConns < 0:
+		return 0
+	}
+	return descriptorLimit() / 2
 }
 
 func (s *Server) maxHeaderBytes() int {

@@ -733,3 +733,41 @@ func TestCloseAfterSwitchingProtocols(t *testing.T) {
 		t.Errorf("after a 101 the connection answered more: %q", got)
 	}
 }
+
+// Medium 8: a 1 MiB head of short header lines cost about 13 MB per connection, and nothing
+// bounded the connections: a hundred sockets took 1.39 GB. A head is bounded to 64 KiB and 128
+// fields (431), and connections past the cap are closed at arrival.
+func TestHeadAndConnectionBounds(t *testing.T) {
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}), func(s *Server) { s.MaxConns = 4 })
+	many := "GET / HTTP/1.1\r\nHost: x\r\n" + strings.Repeat("A: b\r\n", DefaultMaxHeaders) + "\r\n"
+	if got := exchange(t, addr, many, time.Second); !strings.HasPrefix(got, "HTTP/1.1 431") {
+		t.Errorf("%d header fields: %.40q", DefaultMaxHeaders+1, got)
+	}
+	big := "GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + strings.Repeat("b", 70<<10) + "\r\n\r\n"
+	if got := exchange(t, addr, big, time.Second); !strings.HasPrefix(got, "HTTP/1.1 431") {
+		t.Errorf("a 70 KiB head: %.40q", got)
+	}
+	if got := exchange(t, addr, "GET / HTTP/1.1\r\nHost: x\r\n"+strings.Repeat("A: b\r\n", 20)+"\r\n", time.Second); !strings.HasPrefix(got, "HTTP/1.1 200") {
+		t.Errorf("an ordinary head: %.40q", got)
+	}
+	var open []net.Conn
+	for i := 0; i < 4; i++ {
+		c := dial(t, addr)
+		io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		br := bufio.NewReader(c)
+		if line, _ := br.ReadString('\n'); !strings.HasPrefix(line, "HTTP/1.1 200") {
+			t.Fatalf("connection %d: %q", i, line)
+		}
+		open = append(open, c)
+	}
+	extra := dial(t, addr)
+	extra.SetReadDeadline(time.Now().Add(2 * time.Second))
+	io.WriteString(extra, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	if n, err := extra.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Errorf("a connection past the cap was served: %d %v", n, err)
+	}
+	if s.Refused.Load() != 1 {
+		t.Errorf("refused %d", s.Refused.Load())
+	}
+	_ = open
+}

@@ -121,3 +121,12 @@ func (w *watcher) remove(c *conn) {
 	w.mu.Unlock()
 	c.watchID = 0
 }
+
+// descriptorLimit is the process's soft limit on open descriptors (0 when it cannot be read).
+func descriptorLimit() int {
+	var l syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &l); err != nil || l.Cur > 1<<30 {
+		return 0
+	}
+	return int(l.Cur)
+}
