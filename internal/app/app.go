@@ -486,7 +486,7 @@ func apiServer(cfg config.Config, h http.Handler, log *slog.Logger) httpServer {
 	if cfg.HTTPServer == "baton" && h1.Supported() {
 		return &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log}
 	}
-	return &http.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle,
+	return &http.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, MaxHeaderBytes: h1.DefaultMaxHeaderBytes,
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 }
 
