@@ -437,3 +437,62 @@ func TestAdminURLsAreNormalised(t *testing.T) {
 		t.Errorf("a port out of range: %d %s", status, body)
 	}
 }
+
+// Medium 11: an engine that answered 413 before reading a large body, then stopped reading,
+// had its answer lost: the write failed, the client got 502, the body was sent again up to the
+// retry limit, and three such requests opened the breaker for everyone. The answer that arrived
+// is relayed: a 4xx is the client's.
+func TestEarlyAnswerIsRelayed(t *testing.T) {
+	t.Parallel()
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) {
+			t.Parallel()
+			var posts atomic.Int32
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { ln.Close() })
+			go func() {
+				for {
+					c, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go func() {
+						defer c.Close()
+						br := bufio.NewReader(c)
+						for {
+							req, err := http.ReadRequest(br)
+							if err != nil {
+								return
+							}
+							if req.Method != http.MethodPost {
+								io.Copy(io.Discard, req.Body)
+								body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
+								fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+								continue
+							}
+							posts.Add(1)
+							body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
+							fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
+							c.(*net.TCPConn).CloseWrite()
+							time.Sleep(300 * time.Millisecond) // then it goes, the body unread
+							return
+						}
+					}()
+				}
+			}()
+			cfg := testConfig("http://" + ln.Addr().String())
+			cfg.UpstreamClient = client
+			cfg.CircuitBreaker.Disable = true
+			cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 64<<20
+			_, gw := startGateway(t, cfg)
+			big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
+			resp, body := postTimeout(t, gw.URL+"/v1/completions", big)
+			if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
+				t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
+			}
+		})
+	}
+}

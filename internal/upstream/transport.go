@@ -121,6 +121,13 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 		wbufPool.Put(bp)
 	}
 	if err != nil {
+		// The engine may have answered before it stopped reading (a 413 for a body too large):
+		// that answer, already arrived, is the request's — relayed, not lost behind a write error.
+		if resp, herr := t.earlyAnswer(c, req); herr == nil && ctx.Err() == nil {
+			resp.Header.Set("Connection", "close") // the request was cut: the connection is done
+			resp.Body = newBody(t, c, resp, stop, ctx)
+			return resp, nil
+		}
 		stop()
 		c.c.Close()
 		return nil, ctxErr(ctx, fmt.Errorf("%w: %v", errStale, err))
@@ -235,6 +242,17 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 		}
 		return resp, nil
 	}
+}
+
+// earlyAnswerWait bounds the look for an answer that arrived before a write failed.
+const earlyAnswerWait = time.Second
+
+// earlyAnswer reads an answer's head that arrived before the request could be written whole.
+func (t *Transport) earlyAnswer(c *conn, req *http.Request) (*http.Response, error) {
+	_ = c.c.SetReadDeadline(time.Now().Add(earlyAnswerWait))
+	resp, err := t.readHead(c, req)
+	_ = c.c.SetReadDeadline(time.Time{})
+	return resp, err
 }
 
 // Malformed answer heads: refused whole (502), never guessed at.
