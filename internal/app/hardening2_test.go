@@ -27,8 +27,8 @@ import (
 )
 
 // rawEngine is a raw-socket engine serving model m: registration probes get plain answers, and
-// each POST goes to post, which writes whatever it likes on the connection and says whether the
-// connection goes on. It returns the engine's URL.
+// each POST goes to post, its body unread, which writes whatever it likes on the connection and
+// says whether the connection goes on. It returns the engine's URL.
 func rawEngine(t *testing.T, post func(c net.Conn, req *http.Request) bool) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -50,12 +50,15 @@ func rawEngine(t *testing.T, post func(c net.Conn, req *http.Request) bool) stri
 					if err != nil {
 						return
 					}
-					io.Copy(io.Discard, req.Body)
-					switch {
-					case req.Method == http.MethodPost:
+					if req.Method == http.MethodPost {
 						if !post(c, req) {
 							return
 						}
+						io.Copy(io.Discard, req.Body) // what post left unread
+						continue
+					}
+					io.Copy(io.Discard, req.Body)
+					switch {
 					case req.URL.Path == "/v1/models":
 						body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
 						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
@@ -448,42 +451,15 @@ func TestEarlyAnswerIsRelayed(t *testing.T) {
 		t.Run(client, func(t *testing.T) {
 			t.Parallel()
 			var posts atomic.Int32
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { ln.Close() })
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go func() {
-						defer c.Close()
-						br := bufio.NewReader(c)
-						for {
-							req, err := http.ReadRequest(br)
-							if err != nil {
-								return
-							}
-							if req.Method != http.MethodPost {
-								io.Copy(io.Discard, req.Body)
-								body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
-								fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-								continue
-							}
-							posts.Add(1)
-							body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
-							fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
-							c.(*net.TCPConn).CloseWrite()
-							time.Sleep(300 * time.Millisecond) // then it goes, the body unread
-							return
-						}
-					}()
-				}
-			}()
-			cfg := testConfig("http://" + ln.Addr().String())
+			url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+				posts.Add(1)
+				body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
+				fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
+				c.(*net.TCPConn).CloseWrite()
+				time.Sleep(300 * time.Millisecond) // then it goes, the body unread
+				return false
+			})
+			cfg := testConfig(url)
 			cfg.UpstreamClient = client
 			cfg.CircuitBreaker.Disable = true
 			cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 64<<20
