@@ -72,6 +72,16 @@ func rawEngine(t *testing.T, post func(c net.Conn, req *http.Request) bool) stri
 	return "http://" + ln.Addr().String()
 }
 
+// eachClient runs f as a parallel subtest for each upstream client, net/http's and Baton's.
+func eachClient(t *testing.T, f func(t *testing.T, client string)) {
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) {
+			t.Parallel()
+			f(t, client)
+		})
+	}
+}
+
 // strayEngine is a raw engine that sends bytes nobody asked for after each completion's
 // answer, the way a broken engine or a sidecar in front of one can: stray "dup" is a whole
 // second answer, "204" an answer without body followed by one, "past" bytes past the
@@ -139,23 +149,20 @@ func TestNoClientGetsAnothersAnswer(t *testing.T) {
 // that quotes unasked bytes is counted and said without them.
 func TestNoUpstreamBytesInMessages(t *testing.T) {
 	t.Parallel()
-	for _, client := range []string{"net", "baton"} {
-		t.Run(client, func(t *testing.T) {
-			t.Parallel()
-			url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-				io.WriteString(c, "SECRET completion of someone else\r\n\r\n")
-				return false
-			})
-			cfg := testConfig(url)
-			cfg.UpstreamClient = client
-			cfg.Retry.Disable = true
-			_, gw := startGateway(t, cfg)
-			e := wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`), 502, "upstream_unreachable")
-			if strings.Contains(e.Error.Message, "SECRET") {
-				t.Errorf("the client's message quotes the engine's bytes: %s", e.Error.Message)
-			}
+	eachClient(t, func(t *testing.T, client string) {
+		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+			io.WriteString(c, "SECRET completion of someone else\r\n\r\n")
+			return false
 		})
-	}
+		cfg := testConfig(url)
+		cfg.UpstreamClient = client
+		cfg.Retry.Disable = true
+		_, gw := startGateway(t, cfg)
+		e := wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`), 502, "upstream_unreachable")
+		if strings.Contains(e.Error.Message, "SECRET") {
+			t.Errorf("the client's message quotes the engine's bytes: %s", e.Error.Message)
+		}
+	})
 }
 
 func TestStdLogBridgeDropsUnsolicitedBytes(t *testing.T) {
@@ -327,31 +334,28 @@ func TestEngineSwitchingProtocolsIsRefused(t *testing.T) {
 // policy's.
 func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
 	t.Parallel()
-	for _, client := range []string{"net", "baton"} {
-		t.Run(client, func(t *testing.T) {
-			t.Parallel()
-			var posts atomic.Int32
-			url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-				if posts.Add(1) == 2 {
-					return false // read, and closed without an answer
-				}
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-				return true
-			})
-			cfg := testConfig(url)
-			cfg.UpstreamClient = client
-			cfg.Retry.Disable = true
-			cfg.LoadPollIntervalMs = 60000
-			_, gw := startGateway(t, cfg)
-			if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"one"}`); resp.StatusCode != 200 {
-				t.Fatalf("first: %d", resp.StatusCode)
+	eachClient(t, func(t *testing.T, client string) {
+		var posts atomic.Int32
+		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+			if posts.Add(1) == 2 {
+				return false // read, and closed without an answer
 			}
-			resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"two"}`) // on the reused connection
-			if resp.StatusCode != 502 || posts.Load() != 2 {
-				t.Errorf("status %d, the engine got %d POSTs for 2 requests with retries off", resp.StatusCode, posts.Load())
-			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+			return true
 		})
-	}
+		cfg := testConfig(url)
+		cfg.UpstreamClient = client
+		cfg.Retry.Disable = true
+		cfg.LoadPollIntervalMs = 60000
+		_, gw := startGateway(t, cfg)
+		if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"one"}`); resp.StatusCode != 200 {
+			t.Fatalf("first: %d", resp.StatusCode)
+		}
+		resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"two"}`) // on the reused connection
+		if resp.StatusCode != 502 || posts.Load() != 2 {
+			t.Errorf("status %d, the engine got %d POSTs for 2 requests with retries off", resp.StatusCode, posts.Load())
+		}
+	})
 }
 
 // Also: with an admin key set, the metrics listener's pprof needed none (its heap profiles show
@@ -373,46 +377,43 @@ func TestPprofNeedsTheAdminKey(t *testing.T) {
 // descriptors. They are closed once its drain ends.
 func TestRemovedWorkerConnectionsAreClosed(t *testing.T) {
 	t.Parallel()
-	for _, client := range []string{"net", "baton"} {
-		t.Run(client, func(t *testing.T) {
-			t.Parallel()
-			var open atomic.Int32
-			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.URL.Path == "/v1/models" {
-					io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
-					return
-				}
-				io.Copy(io.Discard, r.Body)
-				io.WriteString(w, "{}")
-			}))
-			srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-				switch s {
-				case http.StateNew:
-					open.Add(1)
-				case http.StateClosed, http.StateHijacked:
-					open.Add(-1)
-				}
+	eachClient(t, func(t *testing.T, client string) {
+		var open atomic.Int32
+		srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/models" {
+				io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
+				return
 			}
-			srv.Start()
-			t.Cleanup(srv.Close)
-			cfg := testConfig(srv.URL)
-			cfg.UpstreamClient, cfg.AdminAPIKey = client, "sk-admin"
-			g, gw := startGateway(t, cfg)
-			for i := 0; i < 4; i++ {
-				if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
-					t.Fatalf("%d", resp.StatusCode)
-				}
+			io.Copy(io.Discard, r.Body)
+			io.WriteString(w, "{}")
+		}))
+		srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+			switch s {
+			case http.StateNew:
+				open.Add(1)
+			case http.StateClosed, http.StateHijacked:
+				open.Add(-1)
 			}
-			if open.Load() == 0 {
-				t.Fatal("no connection to the worker is kept")
+		}
+		srv.Start()
+		t.Cleanup(srv.Close)
+		cfg := testConfig(srv.URL)
+		cfg.UpstreamClient, cfg.AdminAPIKey = client, "sk-admin"
+		g, gw := startGateway(t, cfg)
+		for i := 0; i < 4; i++ {
+			if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+				t.Fatalf("%d", resp.StatusCode)
 			}
-			id := g.Registry.Snapshot().Workers[0].ID
-			if status, body := admin(t, http.MethodDelete, gw.URL+"/workers/"+id, "sk-admin", ""); status != 202 {
-				t.Fatalf("DELETE: %d %s", status, body)
-			}
-			waitFor(t, func() bool { return open.Load() == 0 })
-		})
-	}
+		}
+		if open.Load() == 0 {
+			t.Fatal("no connection to the worker is kept")
+		}
+		id := g.Registry.Snapshot().Workers[0].ID
+		if status, body := admin(t, http.MethodDelete, gw.URL+"/workers/"+id, "sk-admin", ""); status != 202 {
+			t.Fatalf("DELETE: %d %s", status, body)
+		}
+		waitFor(t, func() bool { return open.Load() == 0 })
+	})
 }
 
 // Low 14: a worker added with a trailing slash was "already there" to POST, yet 404 to GET and
@@ -447,28 +448,25 @@ func TestAdminURLsAreNormalised(t *testing.T) {
 // is relayed: a 4xx is the client's.
 func TestEarlyAnswerIsRelayed(t *testing.T) {
 	t.Parallel()
-	for _, client := range []string{"net", "baton"} {
-		t.Run(client, func(t *testing.T) {
-			t.Parallel()
-			var posts atomic.Int32
-			url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-				posts.Add(1)
-				body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
-				fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
-				c.(*net.TCPConn).CloseWrite()
-				time.Sleep(300 * time.Millisecond) // then it goes, the body unread
-				return false
-			})
-			cfg := testConfig(url)
-			cfg.UpstreamClient = client
-			cfg.CircuitBreaker.Disable = true
-			cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 64<<20
-			_, gw := startGateway(t, cfg)
-			big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
-			resp, body := postTimeout(t, gw.URL+"/v1/completions", big)
-			if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
-				t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
-			}
+	eachClient(t, func(t *testing.T, client string) {
+		var posts atomic.Int32
+		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
+			posts.Add(1)
+			body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
+			fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
+			c.(*net.TCPConn).CloseWrite()
+			time.Sleep(300 * time.Millisecond) // then it goes, the body unread
+			return false
 		})
-	}
+		cfg := testConfig(url)
+		cfg.UpstreamClient = client
+		cfg.CircuitBreaker.Disable = true
+		cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 64<<20
+		_, gw := startGateway(t, cfg)
+		big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
+		resp, body := postTimeout(t, gw.URL+"/v1/completions", big)
+		if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
+			t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
+		}
+	})
 }

@@ -74,12 +74,7 @@ func TestListenerRoutesByTopic(t *testing.T) {
 func TestListenerRefusesHugeFrames(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(string, int) *Subscriber { return nil }}
-	ready := make(chan error, 1)
-	go l.Run(ctx, ready)
-	if err := <-ready; err != nil {
-		t.Fatal(err)
-	}
+	l := startListener(t, ctx, func(string, int) *Subscriber { return nil })
 	conn, err := net.Dial("tcp", strings.TrimPrefix(l.BoundAddr(), "tcp://"))
 	if err != nil {
 		t.Fatal(err)
@@ -127,12 +122,7 @@ func zmtpPeer(t *testing.T, addr string, rest []byte) net.Conn {
 func TestListenerBoundsClaimedMemory(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(string, int) *Subscriber { return nil }}
-	ready := make(chan error, 1)
-	go l.Run(ctx, ready)
-	if err := <-ready; err != nil {
-		t.Fatal(err)
-	}
+	l := startListener(t, ctx, func(string, int) *Subscriber { return nil })
 	claim := func(n uint64) []byte {
 		h := make([]byte, 9)
 		h[0] = 0x02 // a long frame, no body sent
@@ -162,12 +152,7 @@ func TestListenerSilentPeerDoesNotStallOthers(t *testing.T) {
 	defer cancel()
 	idx := NewIndex(1000)
 	known := &Subscriber{Worker: "w1", Model: "m", Index: idx, Log: slog.New(slog.DiscardHandler)}
-	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(string, int) *Subscriber { return known }}
-	ready := make(chan error, 1)
-	go l.Run(ctx, ready)
-	if err := <-ready; err != nil {
-		t.Fatal(err)
-	}
+	l := startListener(t, ctx, func(string, int) *Subscriber { return known })
 	silent, err := net.Dial("tcp", strings.TrimPrefix(l.BoundAddr(), "tcp://"))
 	if err != nil {
 		t.Fatal(err)
@@ -190,4 +175,16 @@ func TestListenerSilentPeerDoesNotStallOthers(t *testing.T) {
 		_ = pub.SendMulti(zmq4.NewMsgFrom([]byte("kv@w1@m"), s[:], batch))
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// startListener runs a listener on a free loopback port with route until ctx ends.
+func startListener(t *testing.T, ctx context.Context, route func(string, int) *Subscriber) *Listener {
+	t.Helper()
+	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: route}
+	ready := make(chan error, 1)
+	go l.Run(ctx, ready)
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	return l
 }
