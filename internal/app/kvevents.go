@@ -5,8 +5,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
+	"net/netip"
 	"net/url"
+	"os"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,8 +28,30 @@ import (
 // kvEventsPort is where vLLM and SGLang publish KV events by default (tcp://*:5557).
 const kvEventsPort = "5557"
 
-// maxKVIndexBlocks bounds the KV event index (about 139 MiB per million blocks).
-const maxKVIndexBlocks = 4 << 20
+// maxKVIndexBlocks bounds the KV event index when Baton knows no memory limit. The index costs
+// about 146 bytes per block held and up to 182 while its maps grow (measured, 4 M blocks over
+// 16 workers); kvIndexBytesPerBlock adds the collector's headroom.
+const (
+	maxKVIndexBlocks     = 4 << 20
+	kvIndexBytesPerBlock = 256
+)
+
+// kvIndexBound sizes the index from the process's memory limit (GOMEMLIMIT, else the cgroup's
+// memory.max): a quarter of it, at kvIndexBytesPerBlock, never more than maxKVIndexBlocks. from
+// names the limit used, "" when none is known.
+func kvIndexBound(cgroupMax string) (blocks int, from string, limit int64) {
+	if l := debug.SetMemoryLimit(-1); l > 0 && l != math.MaxInt64 {
+		limit, from = l, "GOMEMLIMIT"
+	} else if b, err := os.ReadFile(cgroupMax); err == nil {
+		if n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && n > 0 {
+			limit, from = n, "the cgroup memory limit"
+		}
+	}
+	if from == "" {
+		return maxKVIndexBlocks, "", 0
+	}
+	return int(max(1024, min(maxKVIndexBlocks, limit/4/kvIndexBytesPerBlock))), from, limit
+}
 
 // KVEvents is the gateway's subscription to its engines' KV events, all feeding one index: per
 // worker that publishes, one subscriber per DP rank, dialling the engine's publisher (an
@@ -41,6 +67,7 @@ type KVEvents struct {
 	all      bool // --kv-events: every worker, at its host's 5557 unless it says otherwise
 	listener *kvevents.Listener
 	reg      *worker.Registry // names the workers behind listener topics
+	peers    kvPeers          // the addresses a listened-to worker publishes from
 
 	mu   sync.RWMutex
 	subs map[string]*workerSubs // by worker URL
@@ -84,8 +111,15 @@ func (k *KVEvents) Remove(w *worker.Worker) {
 // newKVEvents returns the gateway's KV events subscription, with the workers that name their
 // endpoint subscribed from the start; others join as they register (Registered).
 func newKVEvents(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, log *slog.Logger) *KVEvents {
-	k := &KVEvents{Index: kvevents.NewIndex(maxKVIndexBlocks), subs: map[string]*workerSubs{}, log: log, all: cfg.KVEvents, reg: reg,
-		tokenizer: &kvevents.Tokenizer{Timeout: 2 * time.Second, MaxEntries: 4096, MaxBytes: 64 << 20}}
+	blocks, from, limit := kvIndexBound("/sys/fs/cgroup/memory.max")
+	if from != "" && (cfg.KVEvents || cfg.KVEventsListen != "") {
+		log.Info("kv events: the index holds at most a quarter of the memory limit", "blocks", blocks, "limit_from", from, "limit_mib", limit>>20)
+	}
+	k := &KVEvents{Index: kvevents.NewIndex(blocks), subs: map[string]*workerSubs{}, log: log, all: cfg.KVEvents, reg: reg,
+		tokenizer: &kvevents.Tokenizer{Timeout: 2 * time.Second, MaxEntries: 4096, MaxBytes: 64 << 20},
+		peers: kvPeers{lookup: func(ctx context.Context, host string) ([]netip.Addr, error) {
+			return net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+		}}}
 	if cfg.KVEventsListen != "" {
 		k.listener = &kvevents.Listener{Addr: listenAddr(cfg.KVEventsListen), Route: k.route, Log: log}
 	}
@@ -160,11 +194,13 @@ func (k *KVEvents) newSubscriber(w *worker.Worker, rank int) *kvevents.Subscribe
 
 // route names the subscriber of a listened-to message: the topic kv@<ip>:<port>@<model> (or
 // kv@<ip>@<model>, when one worker has that host) names a worker by its URL's host and port;
-// the rank is bounded by what Baton tracks. A worker that dials its engine keeps that.
-func (k *KVEvents) route(topic string, rank int) *kvevents.Subscriber {
+// the rank is bounded by what Baton tracks. A worker that dials its engine keeps that. The
+// message must come from the worker's own address (its URL's IP, or one its host name resolves
+// to): anyone who reaches the listener could otherwise steer routing or clear a worker's blocks.
+func (k *KVEvents) route(topic string, rank int, peer netip.Addr) (*kvevents.Subscriber, error) {
 	rest, ok := strings.CutPrefix(topic, "kv@")
 	if !ok || rank < 0 || rank >= worker.MaxTrackedRanks {
-		return nil
+		return nil, kvevents.ErrUnknownTopic
 	}
 	addr, _, _ := strings.Cut(rest, "@")
 	var found *worker.Worker
@@ -179,14 +215,27 @@ func (k *KVEvents) route(topic string, rank int) *kvevents.Subscriber {
 		}
 		if u.Hostname() == strings.Trim(addr, "[]") {
 			if found != nil {
-				return nil // several workers on that host: the topic must name the port
+				return nil, kvevents.ErrUnknownTopic // several workers on that host: the topic must name the port
 			}
 			found = w
 		}
 	}
 	if found == nil {
-		return nil
+		return nil, kvevents.ErrUnknownTopic
 	}
+	if !k.peers.is(found.URL, peer) {
+		return nil, kvevents.ErrForeignPeer
+	}
+	s := k.listened(found, rank, topic)
+	if s == nil {
+		return nil, kvevents.ErrUnknownTopic
+	}
+	return s, nil
+}
+
+// listened returns the listening-mode subscriber of w's rank, made on first use; nil when w's
+// engine is dialled instead.
+func (k *KVEvents) listened(found *worker.Worker, rank int, topic string) *kvevents.Subscriber {
 	k.mu.RLock()
 	ws := k.subs[found.URL]
 	var s *kvevents.Subscriber
@@ -312,7 +361,7 @@ var (
 	kvResetsDesc   = prometheus.NewDesc("baton_kv_events_resets_total", "KV event sequences that started again (the engine restarted): each cleared the worker's blocks.", []string{"worker"}, nil)
 	kvHealthyDesc  = prometheus.NewDesc("baton_kv_events_healthy", "1 when the worker's last KV event batch was decoded and applied.", []string{"worker"}, nil)
 	kvBlocksDesc   = prometheus.NewDesc("baton_kv_index_blocks", "Blocks the KV event index holds, per worker and rank summed.", nil, nil)
-	kvListenerDesc = prometheus.NewDesc("baton_kv_events_listener_total", "KV event messages on the --kv-events-listen socket by result (received, malformed, unrouted: the topic named no known worker).", []string{"result"}, nil)
+	kvListenerDesc = prometheus.NewDesc("baton_kv_events_listener_total", "KV event messages on the --kv-events-listen socket by result (received, malformed, unrouted: the topic named no known worker; refused: it named a worker at another address than the connection came from).", []string{"result"}, nil)
 	kvTokenizeDesc = prometheus.NewDesc("baton_kv_tokenize_total", "Prompts cache_aware needed token ids for, by result: cached, asked (an engine's /tokenize answered) or failed (routed by the approximate index instead).", []string{"result"}, nil)
 	kvDroppedDesc  = prometheus.NewDesc("baton_kv_index_dropped_total", "Stored blocks the KV event index refused past its bound.", nil, nil)
 )
@@ -348,6 +397,7 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Received.Load()), "received")
 		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Malformed.Load()), "malformed")
 		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Unrouted.Load()), "unrouted")
+		ch <- prometheus.MustNewConstMetric(kvListenerDesc, prometheus.CounterValue, float64(l.Refused.Load()), "refused")
 	}
 	t := c.k.tokenizer
 	ch <- prometheus.MustNewConstMetric(kvTokenizeDesc, prometheus.CounterValue, float64(t.Hits.Load()), "cached")

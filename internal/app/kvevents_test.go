@@ -1,11 +1,19 @@
 package app
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
+	"net/netip"
+	"net/url"
+	"os"
+	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"testing"
 	"time"
@@ -207,7 +215,11 @@ func TestKVEventsTopicRouting(t *testing.T) {
 		{"kv@10.0.0.2:8000@m", -1, ""},
 	} {
 		got := ""
-		if s := k.route(c.topic, c.rank); s != nil {
+		peer := netip.MustParseAddr("10.0.0.1")
+		if u, err := url.Parse(c.want); err == nil && c.want != "" {
+			peer = netip.MustParseAddr(u.Hostname())
+		}
+		if s, _ := k.route(c.topic, c.rank, peer); s != nil {
 			got = s.Worker
 			if s.Rank != c.rank {
 				t.Errorf("%q rank %d: subscriber for rank %d", c.topic, c.rank, s.Rank)
@@ -219,5 +231,82 @@ func TestKVEventsTopicRouting(t *testing.T) {
 	}
 	if v, _ := k.View(ws[2]).(*KVEventsView); v == nil || v.Ranks != 1 || v.Source != "listen" {
 		t.Errorf("view after rank 2 was heard from: %+v", v)
+	}
+}
+
+// Medium 7: a topic names a worker, but only the worker's own address may publish for it —
+// anyone else who reaches the listener could steer cache_aware to a chosen worker or clear
+// another's blocks. A worker named by host name is checked against what the name resolves to.
+func TestKVEventsTopicFromAnotherAddressIsRefused(t *testing.T) {
+	cfg := config.Default()
+	cfg.KVEventsListen = "tcp://127.0.0.1:0"
+	cfg.Workers = []config.Worker{{URL: "http://10.0.0.1:8000"}, {URL: "http://engine-a.fleet:8000"}}
+	var ws []*worker.Worker
+	for _, c := range cfg.Workers {
+		ws = append(ws, worker.New(c))
+	}
+	k := newKVEvents(cfg, ws, worker.NewRegistry(ws...), slog.New(slog.DiscardHandler))
+	lookups := 0
+	k.peers.lookup = func(_ context.Context, host string) ([]netip.Addr, error) {
+		lookups++
+		if host == "engine-a.fleet" {
+			return []netip.Addr{netip.MustParseAddr("10.0.0.7")}, nil
+		}
+		return nil, errors.New("no such host")
+	}
+	for _, c := range []struct {
+		topic, peer string
+		want        error
+	}{
+		{"kv@10.0.0.1:8000@m", "10.0.0.1", nil},
+		{"kv@10.0.0.1:8000@m", "::ffff:10.0.0.1", nil},
+		{"kv@10.0.0.1:8000@m", "10.0.0.9", kvevents.ErrForeignPeer},
+		{"kv@10.0.0.1:8000@m", "127.0.0.1", kvevents.ErrForeignPeer},
+		{"kv@engine-a.fleet:8000@m", "10.0.0.7", nil},
+		{"kv@engine-a.fleet:8000@m", "10.0.0.1", kvevents.ErrForeignPeer},
+		{"kv@10.0.0.5:8000@m", "10.0.0.5", kvevents.ErrUnknownTopic},
+	} {
+		s, err := k.route(c.topic, 0, netip.MustParseAddr(c.peer).Unmap())
+		if !errors.Is(err, c.want) || (c.want == nil) != (s != nil) {
+			t.Errorf("%q from %s: subscriber %v, error %v; want error %v", c.topic, c.peer, s != nil, err, c.want)
+		}
+	}
+	if lookups != 1 {
+		t.Errorf("the worker's host name was looked up %d times, want once (cached)", lookups)
+	}
+}
+
+// Medium 7: the index bound follows the memory limit: today's fixed 4 M blocks (about 1 GiB
+// at its peak) could not fit the Helm chart's 1 GiB pod. A quarter of GOMEMLIMIT, else of the
+// cgroup's memory.max, else the fixed bound.
+func TestKVIndexBoundFollowsTheMemoryLimit(t *testing.T) {
+	old := debug.SetMemoryLimit(-1)
+	defer debug.SetMemoryLimit(old)
+	dir := t.TempDir()
+	cg := func(v string) string {
+		p := filepath.Join(dir, fmt.Sprint(len(v)))
+		if err := os.WriteFile(p, []byte(v+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	debug.SetMemoryLimit(math.MaxInt64)
+	if b, from, _ := kvIndexBound(filepath.Join(dir, "absent")); b != maxKVIndexBlocks || from != "" {
+		t.Errorf("no limit known: %d blocks from %q, want %d", b, from, maxKVIndexBlocks)
+	}
+	if b, _, _ := kvIndexBound(cg("max")); b != maxKVIndexBlocks {
+		t.Errorf("cgroup without a limit: %d blocks, want %d", b, maxKVIndexBlocks)
+	}
+	b, from, _ := kvIndexBound(cg("1073741824"))
+	if from != "the cgroup memory limit" || b*kvIndexBytesPerBlock > 1<<30/4 || b < 1<<30/4/kvIndexBytesPerBlock-1 {
+		t.Errorf("1 GiB cgroup: %d blocks from %q, want a quarter of it at %d B/block", b, from, kvIndexBytesPerBlock)
+	}
+	debug.SetMemoryLimit(920 << 20) // the chart's GOMEMLIMIT wins over the cgroup
+	if b, from, _ := kvIndexBound(cg("1073741824")); from != "GOMEMLIMIT" || b != 920<<20/4/kvIndexBytesPerBlock {
+		t.Errorf("GOMEMLIMIT 920 MiB: %d blocks from %q", b, from)
+	}
+	debug.SetMemoryLimit(64 << 40)
+	if b, _, _ := kvIndexBound(""); b != maxKVIndexBlocks {
+		t.Errorf("a huge limit: %d blocks, want the fixed bound %d", b, maxKVIndexBlocks)
 	}
 }

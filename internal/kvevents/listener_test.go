@@ -6,12 +6,15 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/transport"
 )
 
 // An engine that connects out to a listening gateway is routed by its topic: its batches reach
@@ -21,11 +24,11 @@ func TestListenerRoutesByTopic(t *testing.T) {
 	defer cancel()
 	idx := NewIndex(1000)
 	known := &Subscriber{Worker: "w1", Model: "m", Index: idx, Log: slog.New(slog.DiscardHandler)}
-	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(topic string, rank int) *Subscriber {
+	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: func(topic string, rank int, _ netip.Addr) (*Subscriber, error) {
 		if topic == "kv@w1@m" && rank == 0 {
-			return known
+			return known, nil
 		}
-		return nil
+		return nil, ErrUnknownTopic
 	}}
 	ready := make(chan error, 1)
 	done := make(chan struct{})
@@ -74,7 +77,7 @@ func TestListenerRoutesByTopic(t *testing.T) {
 func TestListenerRefusesHugeFrames(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	l := startListener(t, ctx, func(string, int) *Subscriber { return nil })
+	l := startListener(t, ctx, nobody)
 	conn, err := net.Dial("tcp", strings.TrimPrefix(l.BoundAddr(), "tcp://"))
 	if err != nil {
 		t.Fatal(err)
@@ -122,7 +125,7 @@ func zmtpPeer(t *testing.T, addr string, rest []byte) net.Conn {
 func TestListenerBoundsClaimedMemory(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	l := startListener(t, ctx, func(string, int) *Subscriber { return nil })
+	l := startListener(t, ctx, nobody)
 	claim := func(n uint64) []byte {
 		h := make([]byte, 9)
 		h[0] = 0x02 // a long frame, no body sent
@@ -152,7 +155,7 @@ func TestListenerSilentPeerDoesNotStallOthers(t *testing.T) {
 	defer cancel()
 	idx := NewIndex(1000)
 	known := &Subscriber{Worker: "w1", Model: "m", Index: idx, Log: slog.New(slog.DiscardHandler)}
-	l := startListener(t, ctx, func(string, int) *Subscriber { return known })
+	l := startListener(t, ctx, always(known))
 	silent, err := net.Dial("tcp", strings.TrimPrefix(l.BoundAddr(), "tcp://"))
 	if err != nil {
 		t.Fatal(err)
@@ -178,7 +181,7 @@ func TestListenerSilentPeerDoesNotStallOthers(t *testing.T) {
 }
 
 // startListener runs a listener on a free loopback port with route until ctx ends.
-func startListener(t *testing.T, ctx context.Context, route func(string, int) *Subscriber) *Listener {
+func startListener(t *testing.T, ctx context.Context, route func(string, int, netip.Addr) (*Subscriber, error)) *Listener {
 	t.Helper()
 	l := &Listener{Addr: "tcp://127.0.0.1:0", Log: slog.New(slog.DiscardHandler), Route: route}
 	ready := make(chan error, 1)
@@ -187,4 +190,78 @@ func startListener(t *testing.T, ctx context.Context, route func(string, int) *S
 		t.Fatal(err)
 	}
 	return l
+}
+
+// nobody routes no topic; always(s) every topic to s.
+func nobody(string, int, netip.Addr) (*Subscriber, error) { return nil, ErrUnknownTopic }
+
+func always(s *Subscriber) func(string, int, netip.Addr) (*Subscriber, error) {
+	return func(string, int, netip.Addr) (*Subscriber, error) { return s, nil }
+}
+
+// fromTransport dials TCP from a chosen loopback source address, so that a test engine can
+// publish from an address other than 127.0.0.1.
+type fromTransport struct{ local string }
+
+func (f fromTransport) Dial(ctx context.Context, _ transport.Dialer, addr string) (net.Conn, error) {
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(f.local)}}
+	return d.DialContext(ctx, "tcp", addr)
+}
+
+func (f fromTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
+	return net.Listen("tcp", addr)
+}
+
+func (f fromTransport) Addr(ep string) (string, error) { return ep, nil }
+
+func init() {
+	if err := zmq4.RegisterTransport("tcp-from-127-0-0-2", fromTransport{"127.0.0.2"}); err != nil {
+		panic(err)
+	}
+}
+
+// Medium 7: the listener hands Route the address each message's connection came from, so that
+// a topic naming a worker is believed only from that worker; a refusal is counted, not applied.
+func TestListenerTellsRouteThePeer(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	idx := NewIndex(1000)
+	known := &Subscriber{Worker: "w1", Model: "m", Index: idx, Log: slog.New(slog.DiscardHandler)}
+	var peers sync.Map
+	l := startListener(t, ctx, func(topic string, _ int, peer netip.Addr) (*Subscriber, error) {
+		peers.Store(peer, true)
+		if peer != netip.MustParseAddr("127.0.0.1") {
+			return nil, ErrForeignPeer
+		}
+		return known, nil
+	})
+	batch := pack(t, []any{1.0, []any{[]any{"BlockStored", []any{7}, nil, []any{1, 2, 3, 4}, 4}}})
+	publish := func(ep string, until func() bool) {
+		pub := zmq4.NewPub(ctx)
+		defer pub.Close()
+		if err := pub.Dial(ep); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for seq := uint64(0); !until(); seq++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("nothing from %s arrived", ep)
+			}
+			var s [8]byte
+			binary.BigEndian.PutUint64(s[:], seq)
+			_ = pub.SendMulti(zmq4.NewMsgFrom([]byte("kv@w1@m"), s[:], batch))
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	publish(strings.Replace(l.BoundAddr(), "tcp://", "tcp-from-127-0-0-2://", 1), func() bool { return l.Refused.Load() > 0 })
+	if known.Stats().Received != 0 || idx.Match(Keys("m", "", []uint32{1, 2, 3, 4}, 4))["w1"] != 0 {
+		t.Fatal("a message from a foreign peer reached the index")
+	}
+	publish(l.BoundAddr(), func() bool { return known.Stats().Received > 0 })
+	if _, ok := peers.Load(netip.MustParseAddr("127.0.0.2")); !ok {
+		t.Fatal("Route never saw the foreign peer's address")
+	}
+	if got := idx.Match(Keys("m", "", []uint32{1, 2, 3, 4}, 4))["w1"]; got != 1 {
+		t.Fatalf("w1 holds %d blocks from its own address, want 1", got)
+	}
 }
