@@ -341,7 +341,10 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	api := apiServer(cfg, g.Server.Handler(), log)
+	api, ln, refused := apiServer(cfg, ln, g.Server.Handler(), log)
+	g.Metrics.Registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "baton_connections_refused_total",
+		Help: "Client connections closed as they arrived because half the descriptor limit were open (the other half is kept for engines)."},
+		func() float64 { return float64(refused()) }))
 	var msrv *http.Server
 	var mln net.Listener
 	if cfg.MetricsPort >= 0 {
@@ -477,17 +480,21 @@ type httpServer interface {
 	Close() error
 }
 
-// apiServer builds the API listener's server. Neither has a read or write timeout: they would
-// cut long uploads and long streams; the request deadline (request_timeout_secs) and the
-// stalled-client timeout bound those instead.
-func apiServer(cfg config.Config, h http.Handler, log *slog.Logger) httpServer {
+// apiServer builds the API listener's server, the listener it serves (net/http's server gets
+// the client connection bound through it) and the count of connections refused past that
+// bound. Neither server has a read or write timeout: they would cut long uploads and long
+// streams; the request deadline (request_timeout_secs) and the stalled-client timeout bound
+// those instead.
+func apiServer(cfg config.Config, ln net.Listener, h http.Handler, log *slog.Logger) (httpServer, net.Listener, func() uint64) {
 	header := time.Duration(cfg.ReadHeaderTimeoutSecs) * time.Second
 	idle := time.Duration(cfg.IdleTimeoutSecs) * time.Second
 	if cfg.HTTPServer == "baton" && h1.Supported() {
-		return &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log}
+		s := &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log}
+		return s, ln, s.Refused.Load
 	}
+	limited := &h1.LimitListener{Listener: ln, Max: h1.DefaultMaxConns()}
 	return &http.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, MaxHeaderBytes: h1.DefaultMaxHeaderBytes,
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}, limited, limited.Refused.Load
 }
 
 // logAdmin says at startup where the admin API answers and how it is protected.

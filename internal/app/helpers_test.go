@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -75,21 +77,19 @@ func startGateway(t *testing.T, cfg config.Config, tune ...func(*timing)) (*Gate
 	return g, serveAPI(t, cfg, g.Server.Handler())
 }
 
-// serveAPI serves h as Serve does: on Baton's own HTTP/1.1 server where it runs (so every
-// gateway test goes through it), else on net/http's. The httptest.Server carries the URL and
-// the listener.
+// serveAPI serves h as Serve does, on the HTTP server cfg names — Baton's own by default, or
+// else the one BATON_TEST_HTTP_SERVER names (baton or net: CI runs this package's whole suite on
+// each). The httptest.Server carries the URL and the listener.
 func serveAPI(t *testing.T, cfg config.Config, h http.Handler) *httptest.Server {
 	t.Helper()
-	srv := httptest.NewUnstartedServer(h)
-	api := apiServer(cfg, h, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if _, ok := api.(*http.Server); ok {
-		srv.Start()
-		t.Cleanup(srv.Close)
-		return srv
+	if v := testHTTPServer(); v != "" && cfg.HTTPServer == config.Default().HTTPServer {
+		cfg.HTTPServer = v // a test that names net/http's server keeps it
 	}
+	srv := httptest.NewUnstartedServer(h)
+	api, ln, _ := apiServer(cfg, srv.Listener, h, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	srv.URL = "http://" + srv.Listener.Addr().String()
 	done := make(chan error, 1)
-	go func() { done <- api.Serve(srv.Listener) }()
+	go func() { done <- api.Serve(ln) }()
 	t.Cleanup(func() {
 		api.Close()
 		if err := <-done; !errors.Is(err, http.ErrServerClosed) {
@@ -97,6 +97,16 @@ func serveAPI(t *testing.T, cfg config.Config, h http.Handler) *httptest.Server 
 		}
 	})
 	return srv
+}
+
+// testHTTPServer is the API server the suite runs on when BATON_TEST_HTTP_SERVER names one.
+func testHTTPServer() string {
+	switch v := os.Getenv("BATON_TEST_HTTP_SERVER"); v {
+	case "", "baton", "net":
+		return v
+	default:
+		panic("BATON_TEST_HTTP_SERVER must be baton or net, not " + strconv.Quote(v))
+	}
 }
 
 func testConfig(urls ...string) config.Config {
