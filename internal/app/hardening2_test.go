@@ -273,19 +273,34 @@ func TestRequestBodiesAreBoundedInTotal(t *testing.T) {
 	for _, c := range conns {
 		c.Close()
 	}
-	// A trickle, each byte inside the stalled-client timeout, is cut at the body timeout.
-	_, gw = startGateway(t, testConfig(up.URL), stalledTimeout(time.Second), func(tm *timing) { tm.body = 300 * time.Millisecond })
-	c := rawRequest(t, strings.TrimPrefix(gw.URL, "http://"), strings.Replace(head, "8388000", "100", 1), []byte("{"))
-	go func() {
-		for i := 0; i < 40; i++ {
-			time.Sleep(50 * time.Millisecond)
-			if _, err := c.Write([]byte(" ")); err != nil {
-				return
+}
+
+// A trickle, each byte inside the stalled-client timeout, is cut at the body timeout, on both
+// API servers. On net/http's, the 408 never came: the server reads what is left of a small body
+// before answering, with no deadline, so the trickle held the connection and its handler.
+func TestTrickledBodyIsCutAtTheBodyTimeout(t *testing.T) {
+	t.Parallel()
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+	for _, server := range []string{"baton", "net"} {
+		t.Run(server, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(up.URL)
+			cfg.HTTPServer = server
+			_, gw := startGateway(t, cfg, stalledTimeout(time.Second), func(tm *timing) { tm.body = 300 * time.Millisecond })
+			head := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+			c := rawRequest(t, strings.TrimPrefix(gw.URL, "http://"), head, []byte("{"))
+			go func() {
+				for i := 0; i < 40; i++ {
+					time.Sleep(50 * time.Millisecond)
+					if _, err := c.Write([]byte(" ")); err != nil {
+						return
+					}
+				}
+			}()
+			if got := readStatus(t, c); !strings.Contains(got, "408") {
+				t.Errorf("a trickled body answered %q, want 408 at the body timeout", got)
 			}
-		}
-	}()
-	if got := readStatus(t, c); !strings.Contains(got, "408") {
-		t.Errorf("a trickled body answered %q, want 408 at the body timeout", got)
+		})
 	}
 }
 

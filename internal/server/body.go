@@ -49,6 +49,14 @@ var errBodyBudget = errors.New("request bodies held at once would exceed max_buf
 // and are answered 503.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (body []byte, release func(), oerr *openai.Error) {
 	release = func() {}
+	defer func() {
+		if oerr != nil {
+			// The rest of the body is unread: the connection ends with the answer. net/http
+			// would otherwise read what is left before answering, with no deadline — a client
+			// that trickles its body would hold the connection and its handler for good.
+			w.Header().Set("Connection", "close")
+		}
+	}()
 	if r.ContentLength > s.opts.MaxPayloadSize {
 		return nil, release, tooLarge(s.opts.MaxPayloadSize)
 	}

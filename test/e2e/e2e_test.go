@@ -44,7 +44,12 @@ var addrLine = regexp.MustCompile(`baton serving on (http://\S+) `)
 // cleanup and must exit 0.
 func startBaton(t *testing.T, args ...string) string {
 	t.Helper()
-	cmd := exec.Command(binary, append([]string{"--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"}, args...)...)
+	base := []string{"--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"}
+	// BATON_TEST_HTTP_SERVER (baton or net) runs the suite on that API server: CI runs it on both.
+	if v := os.Getenv("BATON_TEST_HTTP_SERVER"); v != "" {
+		base = append(base, "--http-server", v)
+	}
+	cmd := exec.Command(binary, append(base, args...)...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
