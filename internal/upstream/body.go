@@ -49,23 +49,27 @@ func newBody(t *Transport, c *conn, resp *http.Response, stop func() bool, ctx c
 		b.reusable = false
 	}
 	resp.ContentLength = -1
+	cl, clErr := contentLength(h["Content-Length"])
+	te := h["Transfer-Encoding"]
 	switch {
+	case clErr != nil:
+		b.mode, b.reusable, b.err = bodyNone, false, clErr
+	case len(te) > 0 && (len(te) != 1 || !strings.EqualFold(te[0], "chunked") || resp.ProtoMinor == 0 || cl >= 0):
+		// chunked alone, as net/http requires: any other coding (gzip, chunked included) is
+		// framing Baton cannot follow. An HTTP/1.0 answer has no Transfer-Encoding: one there is
+		// faulty framing (RFC 9112 6.1). Beside a Content-Length, it is a smuggling attempt or
+		// broken (RFC 9112 6.3 allows treating it as an error; Baton does).
+		b.mode, b.reusable, b.err = bodyNone, false, fmt.Errorf("upstream: unsupported Transfer-Encoding %q", strings.Join(te, ", "))
 	case resp.Request.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
 		b.mode = bodyNone
 		resp.ContentLength = 0
-	case hasToken(h, "Transfer-Encoding", "chunked"):
+	case len(te) > 0:
 		b.mode = bodyChunked
 		resp.TransferEncoding = []string{"chunked"}
 		h.Del("Transfer-Encoding")
-		h.Del("Content-Length")
-	case h.Get("Content-Length") != "":
-		n, err := strconv.ParseInt(strings.TrimSpace(h.Get("Content-Length")), 10, 64)
-		if err != nil || n < 0 || len(h["Content-Length"]) > 1 {
-			b.mode, b.reusable, b.err = bodyNone, false, fmt.Errorf("upstream: bad Content-Length %q", h.Get("Content-Length"))
-			break
-		}
-		b.mode, b.left = bodyLength, n
-		resp.ContentLength = n
+	case cl >= 0:
+		b.mode, b.left = bodyLength, cl
+		resp.ContentLength = cl
 	default:
 		b.mode, b.reusable = bodyClose, false
 	}
@@ -78,6 +82,19 @@ func newBody(t *Transport, c *conn, resp *http.Response, stop func() bool, ctx c
 		return http.NoBody
 	}
 	return b
+}
+
+// contentLength reads an answer's Content-Length: -1 when absent; one value of decimal digits
+// only (no sign, no space, no list — each a framing ambiguity), else an error.
+func contentLength(vs []string) (int64, error) {
+	if len(vs) == 0 {
+		return -1, nil
+	}
+	n, err := strconv.ParseInt(vs[0], 10, 64)
+	if err != nil || len(vs) > 1 || strings.TrimLeft(vs[0], "0123456789") != "" {
+		return 0, fmt.Errorf("upstream: bad Content-Length %q", truncate(strings.Join(vs, ", ")))
+	}
+	return n, nil
 }
 
 func hasToken(h http.Header, key, token string) bool {
@@ -274,30 +291,37 @@ func (b *body) read(p []byte) (int, error) {
 	}
 }
 
+// readChunkLine reads one line of chunked framing, which must end in CRLF: a bare LF there is
+// a desync vector (net/http refuses it too).
+func readChunkLine(br *bufio.Reader, limit int) (string, int, error) {
+	line, n, err := readLine(br, limit)
+	if err == nil && n != len(line)+2 { // the line lost exactly its CRLF
+		err = errors.New("upstream: a chunked framing line ends in a bare LF")
+	}
+	if err == io.EOF {
+		err = io.ErrUnexpectedEOF
+	}
+	return line, n, err
+}
+
 // readChunkSize reads a chunk-size line: hex digits, optional extensions, CRLF.
 func readChunkSize(br *bufio.Reader) (int64, error) {
-	line, _, err := readLine(br, maxChunkLine)
+	line, _, err := readChunkLine(br, maxChunkLine)
 	if err != nil {
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF
-		}
 		return 0, err
 	}
-	if i := strings.IndexByte(line, ';'); i >= 0 {
-		line = line[:i]
-	}
-	line = strings.TrimSpace(line)
-	n, err := strconv.ParseInt(line, 16, 64)
-	if err != nil || n < 0 || len(line) == 0 || len(line) > 15 {
-		return 0, fmt.Errorf("upstream: malformed chunk size %q", truncate(line))
+	size, _, _ := strings.Cut(strings.TrimRight(line, " \t"), ";")
+	n, err := strconv.ParseInt(size, 16, 64)
+	if err != nil || n < 0 || len(size) == 0 || len(size) > 15 || strings.Trim(size, "0123456789abcdefABCDEF") != "" {
+		return 0, fmt.Errorf("upstream: malformed chunk size %q", truncate(size))
 	}
 	return n, nil
 }
 
 func readCRLF(br *bufio.Reader) error {
-	line, _, err := readLine(br, 2)
+	line, _, err := readChunkLine(br, 2)
 	if err != nil || line != "" {
-		if err == nil || err == io.EOF {
+		if err == nil || err == io.ErrUnexpectedEOF {
 			err = errors.New("upstream: malformed chunk end")
 		}
 		return err
@@ -305,13 +329,12 @@ func readCRLF(br *bufio.Reader) error {
 	return nil
 }
 
+// skipTrailers reads the trailer section, each line a well-formed header field, up to the
+// empty line; trailers are not relayed.
 func skipTrailers(br *bufio.Reader) error {
 	for total := 0; ; {
-		line, n, err := readLine(br, maxChunkLine)
+		line, n, err := readChunkLine(br, maxChunkLine)
 		if err != nil {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
 			return err
 		}
 		if total += n; total > 64<<10 {
@@ -319,6 +342,9 @@ func skipTrailers(br *bufio.Reader) error {
 		}
 		if line == "" {
 			return nil
+		}
+		if i := strings.IndexByte(line, ':'); i <= 0 || !token(line[:i]) || !fieldValue(line[i+1:]) {
+			return errHeaderLine
 		}
 	}
 }

@@ -126,6 +126,10 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 		if resp, herr := t.earlyAnswer(c, req); herr == nil && ctx.Err() == nil {
 			resp.Header.Set("Connection", "close") // the request was cut: the connection is done
 			resp.Body = newBody(t, c, resp, stop, ctx)
+			if err := framingError(resp.Body); err != nil {
+				resp.Body.Close()
+				return nil, err
+			}
 			return resp, nil
 		}
 		stop()
@@ -139,7 +143,20 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 		return nil, ctxErr(ctx, err)
 	}
 	resp.Body = newBody(t, c, resp, stop, ctx)
+	if err := framingError(resp.Body); err != nil { // framing Baton cannot follow: a 502, before any byte is relayed
+		resp.Body.Close()
+		return nil, err
+	}
 	return resp, nil
+}
+
+// framingError is the error of an answer whose body cannot be framed (a bad Content-Length, a
+// Transfer-Encoding other than chunked), nil for any other.
+func framingError(rc io.ReadCloser) error {
+	if b, ok := rc.(*body); ok {
+		return b.err
+	}
+	return nil
 }
 
 // ctxErr reports the context's error when it ended the exchange.
@@ -234,8 +251,12 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			if i <= 0 || !token(line[:i]) {
 				return nil, errHeaderLine // whitespace before the colon included
 			}
+			v := strings.Trim(line[i+1:], " \t")
+			if !fieldValue(v) {
+				return nil, errHeaderLine
+			}
 			k := http.CanonicalHeaderKey(line[:i])
-			resp.Header[k] = append(resp.Header[k], strings.TrimSpace(line[i+1:]))
+			resp.Header[k] = append(resp.Header[k], v)
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
 			continue // 100 Continue and friends: the answer follows
@@ -258,8 +279,20 @@ func (t *Transport) earlyAnswer(c *conn, req *http.Request) (*http.Response, err
 // Malformed answer heads: refused whole (502), never guessed at.
 var (
 	errObsFold    = errors.New("upstream: a folded header line (obs-fold) in the answer")
-	errHeaderLine = errors.New("upstream: a malformed header line in the answer (a name that is not a token, or whitespace before its colon)")
+	errHeaderLine = errors.New("upstream: a malformed header line in the answer (a name that is not a token, whitespace before its colon, or a control character in its value)")
 )
+
+// fieldValue reports whether s may be a header field's value: no control character but HTAB
+// (RFC 9110 field-vchar, obs-text allowed), as net/http's own parser requires. A bare CR or a
+// NUL relayed to a client would be a response-splitting vector.
+func fieldValue(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < ' ' && c != '\t' || c == 0x7f {
+			return false
+		}
+	}
+	return true
+}
 
 // token reports whether s is an HTTP token (RFC 9110 tchar+).
 func token(s string) bool {
@@ -297,13 +330,14 @@ func readLine(br *bufio.Reader, limit int) (string, int, error) {
 		} else {
 			s = string(append(sb, frag...))
 		}
-		return strings.TrimRight(s, "\r\n"), n, nil
+		s = strings.TrimSuffix(s, "\n")
+		return strings.TrimSuffix(s, "\r"), n, nil // one line end: any other CR is the line's
 	}
 }
 
 func parseStatus(line string, resp *http.Response) error {
 	proto, rest, ok := strings.Cut(line, " ")
-	if !ok || !strings.HasPrefix(proto, "HTTP/1.") || len(proto) != 8 {
+	if !ok || (proto != "HTTP/1.1" && proto != "HTTP/1.0") {
 		return fmt.Errorf("upstream: malformed status line %q", truncate(line))
 	}
 	code, reason, _ := strings.Cut(rest, " ")

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -398,4 +399,76 @@ func TestTransportIdleTimeout(t *testing.T) {
 	if conns.Load() != 2 {
 		t.Errorf("%d connections: an expired idle connection was reused", conns.Load())
 	}
+}
+
+// FuzzAnswerAgainstReadResponse reads arbitrary bytes as an engine's answer to a POST with
+// Baton's client and with net/http's own parser (http.ReadResponse, passing over 1xx answers
+// but 101 as net/http's Transport does): whatever Baton's client accepts whole, net/http accepts too, with
+// the same status, headers and body bytes. Baton's client may be stricter (it refuses folded
+// lines, a 101 and framing net/http tolerates), never laxer or different.
+func FuzzAnswerAgainstReadResponse(f *testing.F) {
+	for _, s := range []string{
+		"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+		"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+		"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;ext=1\r\nok\r\n0\r\nTrailer: x\r\n\r\n",
+		"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.0 200 OK\r\n\r\nbody",
+		"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n",
+		"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+		"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+		"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\nhello",
+		"HTTP/1.1 200 OK\nX-A:  v \n\nrest",
+		"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n",
+		"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, answer []byte) {
+		req, _ := http.NewRequest(http.MethodPost, "http://x/", nil)
+		c := &conn{c: &fakeConn{r: bytes.NewReader(answer)}, host: "x:80"}
+		c.br = bufio.NewReaderSize(c.c, readBufSize)
+		resp, err := newT().exchange(context.Background(), c, req, []byte("{}"))
+		if err != nil {
+			return
+		}
+		if resp.StatusCode < 200 { // a 101: the proxy refuses it (502), whatever follows
+			resp.Body.Close()
+			return
+		}
+		body, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(answer))+1))
+		resp.Body.Close()
+		if err != nil {
+			return // refused part way: the client sees a broken answer, never a different one
+		}
+		br := bufio.NewReader(bytes.NewReader(answer))
+		var std *http.Response
+		for {
+			std, err = http.ReadResponse(br, req)
+			if err != nil {
+				t.Fatalf("Baton's client accepted an answer net/http refuses (%v): %q", err, answer)
+			}
+			if std.StatusCode >= 200 || std.StatusCode == http.StatusSwitchingProtocols {
+				break // net/http's Transport passes over the other 1xx answers
+			}
+		}
+		stdBody, err := io.ReadAll(std.Body)
+		if err != nil {
+			t.Fatalf("Baton's client read a body net/http refuses (%v): %q", err, answer)
+		}
+		if resp.StatusCode != std.StatusCode || !bytes.Equal(body, stdBody) {
+			t.Fatalf("status %d body %q; net/http: %d %q; answer %q", resp.StatusCode, body, std.StatusCode, stdBody, answer)
+		}
+		for k, v := range std.Header {
+			if k == "Content-Length" || k == "Transfer-Encoding" {
+				continue // framing: net/http moves them into fields
+			}
+			if !slices.Equal(resp.Header[k], v) {
+				t.Fatalf("header %s: %q; net/http: %q; answer %q", k, resp.Header[k], v, answer)
+			}
+		}
+		for k := range resp.Header {
+			if _, ok := std.Header[k]; !ok && k != "Content-Length" && k != "Transfer-Encoding" {
+				t.Fatalf("header %s only in Baton's reading of %q", k, answer)
+			}
+		}
+	})
 }
