@@ -476,7 +476,7 @@ func TestEarlyAnswerIsRelayed(t *testing.T) {
 		cfg := testConfig(url)
 		cfg.UpstreamClient = client
 		cfg.CircuitBreaker.Disable = true
-		cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 64<<20
+		cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 128<<20
 		_, gw := startGateway(t, cfg)
 		big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
 		resp, body := postTimeout(t, gw.URL+"/v1/completions", big)

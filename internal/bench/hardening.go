@@ -21,6 +21,7 @@ type attack struct {
 	fleet func() (args []string, cleanup func(), err error)
 	// run performs the attack on Baton at base and says how it ended.
 	run func(ctx context.Context, c *http.Client, b *proc) string
+	env []string // Baton's extra environment (NAME=value)
 }
 
 // hardening: scenario 7, the memory attacks of the hardening work, each against a fresh Baton
@@ -33,12 +34,12 @@ func (r *runner) hardening(ctx context.Context) error {
 	fmt.Fprintln(r.out)
 	fmt.Fprintln(r.out, "| attack | outcome | peak RSS MiB |")
 	fmt.Fprintln(r.out, "|---|---|---:|")
-	for _, a := range attacks(r.o.Quick) {
+	for _, a := range append(attacks(r.o.Quick), hardening2Attacks(r.o.Quick)...) {
 		args, cleanup, err := a.fleet()
 		if err != nil {
 			return fmt.Errorf("%s: %w", a.name, err)
 		}
-		b, err := startBaton(r.o.Binary, 1, args...)
+		b, err := startBatonEnv(r.o.Binary, 1, a.env, args...)
 		if err != nil {
 			cleanup()
 			return fmt.Errorf("%s: %w", a.name, err)

@@ -41,7 +41,16 @@ var servingLine = regexp.MustCompile(`baton serving on (http://\S+) \(metrics on
 
 // startBaton starts `baton serve` with args on its own core and waits until it is ready.
 func startBaton(binary string, cpu int, args ...string) (*proc, error) {
-	p, m, err := startUntil(pinned(cpu, append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)...), servingLine, "baton")
+	return startBatonEnv(binary, cpu, nil, args...)
+}
+
+// startBatonEnv is startBaton with env (NAME=value) added to Baton's environment.
+func startBatonEnv(binary string, cpu int, env []string, args ...string) (*proc, error) {
+	argv := append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)
+	if len(env) > 0 {
+		argv = append(append([]string{"env"}, env...), argv...)
+	}
+	p, m, err := startUntil(pinned(cpu, argv...), servingLine, "baton")
 	if err != nil {
 		return nil, err
 	}

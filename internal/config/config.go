@@ -445,8 +445,8 @@ func (c *Config) Validate() error {
 	if c.RequestTimeoutSecs <= 0 {
 		bad("request_timeout_secs must be positive, got %d", c.RequestTimeoutSecs)
 	}
-	if c.MaxBufferedBodyBytes < c.MaxPayloadSize {
-		bad("max_buffered_body_bytes %d is below max_payload_size %d: no largest body could arrive", c.MaxBufferedBodyBytes, c.MaxPayloadSize)
+	if c.MaxBufferedBodyBytes/2 < c.MaxPayloadSize {
+		bad("max_buffered_body_bytes %d is below twice max_payload_size %d: a body's buffer grows by doubling, so a body of the largest size holds up to twice its size while it arrives, and none could", c.MaxBufferedBodyBytes, c.MaxPayloadSize)
 	}
 	if c.BodyTimeoutSecs <= 0 {
 		bad("body_timeout_secs must be positive, got %d", c.BodyTimeoutSecs)

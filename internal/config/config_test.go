@@ -18,12 +18,13 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	c.CacheThreshold = 2
 	c.KVEventsListen = "tcp://*:99999"
 	c.HTTPServer = "caddy"
+	c.MaxPayloadSize, c.MaxBufferedBodyBytes = 200<<20, 256<<20 // one body holds twice its size while it grows
 	c.Workers = []Worker{{URL: "http://kv", KVEventsEndpoint: "tcp://*:5557"}, {URL: "ftp://x", Role: "prefill"}, {URL: "http://a", Runtime: "tgi"}, {URL: "http://a"}}
 	err := c.Validate()
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`, `http_server "caddy"`} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`, `http_server "caddy"`, "below twice max_payload_size"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
 		}

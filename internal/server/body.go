@@ -104,7 +104,8 @@ var scratchPool = sync.Pool{New: func() any { b := make([]byte, initialBodyBuffe
 // readAll reads r to its end. A Content-Length is a client's claim, not memory to hand out: a
 // claim up to initialBodyBuffer is allocated at once; a larger one starts in a pooled buffer and
 // grows at most to twice what arrived, up to the claim, so memory follows the bytes received.
-// reserve is asked for the bytes each buffer adds before it is taken (false: errBodyBudget).
+// reserve is asked for each buffer's bytes before it is taken (false: errBodyBudget), and given
+// a buffer's bytes back (a negative count) once it was copied out of.
 func readAll(r io.Reader, claimed int64, reserve func(n int) bool) ([]byte, error) {
 	var buf []byte
 	pooled := false // buf is the pooled buffer
@@ -134,10 +135,14 @@ func readAll(r io.Reader, claimed int64, reserve func(n int) bool) ([]byte, erro
 				next = int(min(int64(next), claimed+1))
 			}
 			next = max(next, len(buf)+1)
-			if !reserve(next - cap(buf)) { // the buffer grows by this much (the old one goes)
+			// Both buffers are live while one is copied into the other: the new one is reserved
+			// whole, the old one given back once copied.
+			if !reserve(next) {
 				return nil, errBodyBudget
 			}
+			old := cap(buf)
 			buf, pooled = append(make([]byte, 0, next), buf...), false
+			reserve(-old)
 		}
 		n, err := r.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]

@@ -49,3 +49,28 @@ func TestReadAllDoesNotTrustTheClaim(t *testing.T) {
 
 // reserveAll reserves whatever is asked.
 func reserveAll(int) bool { return true }
+
+// The body budget counts what is live: while a buffer is copied into the one it grows into,
+// both are held, so the reservation covers both and the old one is given back after. Counting
+// only the growth let six held bodies take about twice the budget.
+func TestReadAllReservesBothBuffersWhileGrowing(t *testing.T) {
+	for _, claimed := range []int64{0, 10 << 20} {
+		var held, peak int
+		body := bytes.Repeat([]byte("x"), 10<<20)
+		got, err := readAll(bytes.NewReader(body), claimed, func(n int) bool {
+			held += n
+			peak = max(peak, held)
+			return true
+		})
+		if err != nil || len(got) != len(body) {
+			t.Fatalf("claim %d: %d bytes, %v", claimed, len(got), err)
+		}
+		if held != cap(got) && claimed == 0 {
+			t.Errorf("claim %d: %d bytes reserved at the end for a %d-byte buffer", claimed, held, cap(got))
+		}
+		// The last growth copied at least half the body into a buffer of at least its size.
+		if peak < len(body)+len(body)/2 {
+			t.Errorf("claim %d: at most %d bytes reserved; the last growth held %d at once", claimed, peak, len(body)+len(body)/2)
+		}
+	}
+}
