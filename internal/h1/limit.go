@@ -30,8 +30,8 @@ func (l *LimitListener) Accept() (net.Conn, error) {
 		}
 		if l.Max > 0 && l.open.Add(1) > int64(l.Max) {
 			l.open.Add(-1)
+			l.Refused.Add(1) // counted before the client can see the close
 			_ = c.Close()
-			l.Refused.Add(1)
 			continue
 		}
 		if l.Max <= 0 {

@@ -149,11 +149,14 @@ type frameCap struct {
 	release  func() // frees the listener's slot; nil for dialled connections
 	closed   sync.Once
 
-	budget      *claims // the claims of frames in flight (nil: none)
-	claimed     int64   // this connection's part of it
-	deadlines   bool    // manage the connection's deadlines (handshake, frame bodies)
-	handshaking bool    // until the peer's first command (READY) has arrived
-	command     bool    // the current frame is a command
+	budget *claims // the claims of frames in flight (nil: none)
+	// claimMu guards claimed and gone: Close may run in another goroutine than Read.
+	claimMu     sync.Mutex
+	claimed     int64 // this connection's part of the budget
+	gone        bool  // Close gave the claims back: no more may be taken
+	deadlines   bool  // manage the connection's deadlines (handshake, frame bodies)
+	handshaking bool  // until the peer's first command (READY) has arrived
+	command     bool  // the current frame is a command
 }
 
 func (f *frameCap) Close() error {
@@ -162,9 +165,12 @@ func (f *frameCap) Close() error {
 		if f.release != nil {
 			f.release()
 		}
+		f.claimMu.Lock()
+		defer f.claimMu.Unlock()
 		if f.budget != nil {
 			f.budget.give(f.claimed)
 		}
+		f.claimed, f.gone = 0, true
 	})
 	return err
 }
@@ -233,10 +239,15 @@ func (f *frameCap) scan(b []byte) error {
 // frameStart claims a frame's size from the budget and gives its body FrameTimeout to arrive.
 func (f *frameCap) frameStart(size int64) error {
 	if f.budget != nil {
-		if !f.budget.take(size) {
+		f.claimMu.Lock()
+		ok := !f.gone && f.budget.take(size)
+		if ok {
+			f.claimed += size
+		}
+		f.claimMu.Unlock()
+		if !ok {
 			return errBusy
 		}
-		f.claimed += size
 	}
 	if size == 0 {
 		f.frameDone()
@@ -250,8 +261,10 @@ func (f *frameCap) frameStart(size int64) error {
 // (READY) ends the handshake and its deadline.
 func (f *frameCap) frameDone() {
 	if f.budget != nil {
+		f.claimMu.Lock()
 		f.budget.give(f.claimed)
 		f.claimed = 0
+		f.claimMu.Unlock()
 	}
 	if !f.deadlines {
 		return
