@@ -17,13 +17,13 @@ import (
 // code and message go to the client in the OpenAI envelope.
 
 func badRequest(msg string) *openai.Error {
-	return &openai.Error{Status: http.StatusBadRequest, Code: "invalid_request", Message: msg}
+	return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Message: msg}
 }
 
-var errHeadTooLarge = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: "headers_too_large",
+var errHeadTooLarge = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
 	Message: "the request line and headers exceed the server's bound"}
 
-var errTooManyHeaders = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: "headers_too_large",
+var errTooManyHeaders = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
 	Message: "the request has more header fields than the server's bound"}
 
 // errClosed is a connection that ended before a whole request head: nothing is answered.
@@ -116,7 +116,7 @@ func parseRequestLine(req *http.Request, line []byte) *openai.Error {
 		req.Proto, req.ProtoMajor, req.ProtoMinor = "HTTP/1.0", 1, 0
 	default:
 		if bytes.HasPrefix(proto, []byte("HTTP/")) {
-			return &openai.Error{Status: http.StatusHTTPVersionNotSupported, Code: "http_version_not_supported",
+			return &openai.Error{Status: http.StatusHTTPVersionNotSupported, Code: openai.CodeHTTPVersionNotSupported,
 				Message: "only HTTP/1.1 and HTTP/1.0 are served here"}
 		}
 		return badRequest("malformed request line")
@@ -199,7 +199,7 @@ func (c *conn) prepare(req *http.Request) (*body, *openai.Error) {
 			return nil, badRequest("both Transfer-Encoding and Content-Length")
 		}
 		if len(te) != 1 || !strings.EqualFold(te[0], "chunked") {
-			return nil, &openai.Error{Status: http.StatusNotImplemented, Code: "unsupported_transfer_encoding",
+			return nil, &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeUnsupportedTransferEncoding,
 				Message: "only the chunked transfer coding is accepted"}
 		}
 		req.TransferEncoding = []string{"chunked"}
@@ -226,7 +226,7 @@ func (c *conn) prepare(req *http.Request) (*body, *openai.Error) {
 	}
 	if ex := h["Expect"]; len(ex) > 0 {
 		if len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue") {
-			return nil, &openai.Error{Status: http.StatusExpectationFailed, Code: "expectation_failed",
+			return nil, &openai.Error{Status: http.StatusExpectationFailed, Code: openai.CodeExpectationFailed,
 				Message: "only Expect: 100-continue is understood"}
 		}
 		b.expect = req.ProtoMinor == 1 && !b.eof

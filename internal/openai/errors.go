@@ -8,29 +8,58 @@ import (
 	"strconv"
 )
 
-// Error codes Baton mints. Upstream errors are relayed unchanged and never use these.
+// Error codes Baton mints, every one of them: a client-visible code is one of these (a test
+// fails on a literal elsewhere, and on a code the README's error list misses). Upstream errors
+// are relayed unchanged and never use these. The PD legs prefix the upstream codes with the leg:
+// prefill_upstream_timeout, decode_upstream_unreachable, decode_upstream_error.
 const (
-	CodeInvalidJSON        = "invalid_json"
+	CodeInvalidJSON = "invalid_json"
+	// CodeDuplicateKey: the body names a top-level member twice.
+	CodeDuplicateKey       = "duplicate_key"
+	CodeDuplicateHeader    = "duplicate_header"
+	CodeBatchTooLarge      = "batch_too_large"
+	CodeBodyReadFailed     = "body_read_failed"
 	CodePayloadTooLarge    = "payload_too_large"
 	CodeInvalidAPIKey      = "invalid_api_key"
 	CodeModelNotFound      = "model_not_found"
+	CodeNotFound           = "not_found"
+	CodeClientTimeout      = "client_timeout"
 	CodeNotImplementedInPD = "not_implemented_in_pd_mode"
 	// CodeRouteNotServed: no worker of the model serves the route (SGLang's /generate on vLLM).
 	CodeRouteNotServed      = "route_not_served"
 	CodeNoAvailableWorkers  = "no_available_workers"
 	CodeUpstreamUnreachable = "upstream_unreachable"
 	CodeUpstreamTimeout     = "upstream_timeout"
+	// CodeUpstreamError: a PD leg's engine answered an error (prefixed with the leg).
+	CodeUpstreamError = "upstream_error"
 	// CodeUpstreamStreamError: the engine reported an error inside a stream it answered 200.
 	CodeUpstreamStreamError = "upstream_stream_error"
-	CodeDraining            = "server_draining"
-	CodeOverloaded          = "overloaded"
-	CodeNotFound            = "not_found"
-	CodeInternalError       = "internal_error"
-	CodeDuplicateHeader     = "duplicate_header"
-	CodeClientTimeout       = "client_timeout"
-	CodeBatchTooLarge       = "batch_too_large"
 	// CodeUpstreamErrorTooLarge keeps a worker's error status whose body was too large to hold.
 	CodeUpstreamErrorTooLarge = "upstream_error_too_large"
+	// CodeKVHandoffUnavailable: a vLLM prefill answered without the KV transfer parameters the
+	// decode needs.
+	CodeKVHandoffUnavailable = "kv_handoff_unavailable"
+	// CodeBootstrapInjectionFailed: Baton could not add SGLang's bootstrap fields to the body.
+	CodeBootstrapInjectionFailed = "bootstrap_injection_failed"
+	CodeHealthGenerateFailed     = "health_generate_failed"
+	CodeDraining                 = "server_draining"
+	CodeOverloaded               = "overloaded"
+	CodeInternalError            = "internal_error"
+
+	// The admin API's.
+	CodeWorkerExists   = "worker_already_exists"
+	CodeWorkerNotFound = "worker_not_found"
+	CodeBadRequest     = "bad_request"
+	CodeAdminDisabled  = "admin_disabled"
+	// CodeUnsupportedMedia: an admin write whose body is not declared JSON.
+	CodeUnsupportedMedia = "unsupported_media_type"
+
+	// Malformed requests Baton's HTTP/1.1 server refuses before any handler.
+	CodeInvalidRequest              = "invalid_request"
+	CodeHeadersTooLarge             = "headers_too_large"
+	CodeHTTPVersionNotSupported     = "http_version_not_supported"
+	CodeUnsupportedTransferEncoding = "unsupported_transfer_encoding"
+	CodeExpectationFailed           = "expectation_failed"
 )
 
 // Error is a gateway-minted error: its status and the fields of the OpenAI error envelope.

@@ -2,6 +2,8 @@ package openai
 
 import (
 	"encoding/json"
+	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -186,10 +188,78 @@ func FuzzParseRequest(f *testing.F) {
 	for _, s := range []string{`{"model":"m","stream":true,"n":2}`, `{"model":null}`, `[1]`, `{"n":-1}`, `{"model":"a\u0062"}`} {
 		f.Add([]byte(s))
 	}
+	f.Add([]byte(`{"a":1,"a":2}`))
+	f.Add([]byte(`{"prompt":"x","pr\u006fmpt":[1,2]}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := ParseRequest(b)
-		if err == nil && (!json.Valid(b) || r == nil || string(r.Body) != string(b)) {
+		if err != nil {
+			return
+		}
+		if !json.Valid(b) || r == nil || (string(r.Body) != string(b) && !hasOwned(b)) {
 			t.Fatalf("ParseRequest(%q) accepted a body it should not", b)
 		}
+		if !utf8.Valid(b) {
+			return // encoding/json reads invalid UTF-8 as U+FFFD; the engines refuse such a body
+		}
+		// What ParseRequest accepts has no repeated key, so encoding/json's reading is the only
+		// one: Get must find every member with its exact bytes, and nothing else.
+		var members map[string]json.RawMessage
+		if err := json.Unmarshal(b, &members); err != nil {
+			t.Fatalf("ParseRequest accepted %q, encoding/json refuses it: %v", b, err)
+		}
+		n := 0
+		_ = eachMember(b, func([]byte, member) bool { n++; return true })
+		if n != len(members) {
+			t.Fatalf("%q: %d members, encoding/json sees %d distinct keys (a duplicate was accepted)", b, n, len(members))
+		}
+		for k, want := range members {
+			got, ok := Get(b, k)
+			if !ok || string(got) != string(want) {
+				t.Fatalf("%q: Get(%q) = %q, %v; encoding/json reads %q", b, k, got, ok, want)
+			}
+		}
+		var model string
+		if raw, ok := members["model"]; ok && json.Unmarshal(raw, &model) == nil && model != r.Model {
+			t.Fatalf("%q: model %q, encoding/json reads %q", b, r.Model, model)
+		}
 	})
+}
+
+// hasOwned reports whether the object b names a member Baton owns (ParseRequest removes those).
+func hasOwned(b []byte) bool {
+	owned := false
+	_ = eachMember(b, func(k []byte, _ member) bool { owned = owned || isOwned(k); return !owned })
+	return owned
+}
+
+// A repeated top-level key is a DuplicateKeyError naming it, among few members or many (the
+// set turns into a map past 16), spelled alike or through escapes; nested objects are not
+// Baton's to judge.
+func TestParseRequestRefusesDuplicateKeys(t *testing.T) {
+	many := func(extra string) string {
+		var b strings.Builder
+		b.WriteString(`{"model":"m"`)
+		for i := 0; i < 40; i++ {
+			fmt.Fprintf(&b, `,"k%d":%d`, i, i)
+		}
+		return b.String() + extra + "}"
+	}
+	for body, key := range map[string]string{
+		`{"a":1,"a":2}`:                  "a",
+		`{"model":"m","mod\u0065l":"n"}`: "model",
+		many(`,"k39":0`):                 "k39",
+		many(`,"k3":0`):                  "k3",
+		`{"` + strings.Repeat("x", 100) + `":1,"` + strings.Repeat("x", 100) + `":2}`: strings.Repeat("x", 64) + "…",
+	} {
+		_, err := ParseRequest([]byte(body))
+		var dk *DuplicateKeyError
+		if !errors.As(err, &dk) || dk.Key != key {
+			t.Errorf("%.60s: %v, want the duplicate %q", body, err, key)
+		}
+	}
+	for _, body := range []string{many(""), `{"a":{"b":1,"b":2},"c":[{"d":1,"d":2}]}`, `{"a":1,"A":2}`} {
+		if _, err := ParseRequest([]byte(body)); err != nil {
+			t.Errorf("%.60s: %v", body, err)
+		}
+	}
 }

@@ -40,7 +40,12 @@ func ParseRequest(body []byte) (*Request, error) {
 	r := &Request{Body: body}
 	var perr error
 	owned := false
+	var seen keySet
 	err := eachMember(body, func(key []byte, m member) bool {
+		if seen.has(key) {
+			perr = &DuplicateKeyError{Key: truncateKey(string(key))}
+			return false
+		}
 		raw := body[m.valStart:m.valEnd]
 		switch string(key) {
 		case "model":
@@ -84,6 +89,59 @@ func ParseRequest(body []byte) (*Request, error) {
 		}
 	}
 	return r, nil
+}
+
+// DuplicateKeyError is a body that names a top-level member twice (Key: the member, at most 64
+// bytes of it). JSON parsers disagree on
+// which one counts (Baton's readers took the first or the last, Python's json — the engines' —
+// the last): a limit Baton checks on one could be bypassed by the other reaching the engine.
+type DuplicateKeyError struct{ Key string }
+
+func (e *DuplicateKeyError) Error() string {
+	return fmt.Sprintf("the request body names the member %q more than once", e.Key)
+}
+
+// truncateKey bounds a key quoted back to the client.
+func truncateKey(k string) string {
+	if len(k) > 64 {
+		return k[:64] + "…"
+	}
+	return k
+}
+
+// keySet records the top-level keys seen so far: a short list for the usual dozen members, a map
+// past that, so that a body of many members costs linear time.
+type keySet struct {
+	few  [16][]byte
+	n    int
+	many map[string]struct{}
+}
+
+// has reports whether key was seen, and records it.
+func (s *keySet) has(key []byte) bool {
+	if s.many != nil {
+		if _, ok := s.many[string(key)]; ok {
+			return true
+		}
+		s.many[string(key)] = struct{}{}
+		return false
+	}
+	for _, k := range s.few[:s.n] {
+		if bytes.Equal(k, key) {
+			return true
+		}
+	}
+	if s.n < len(s.few) {
+		s.few[s.n] = key
+		s.n++
+		return false
+	}
+	s.many = make(map[string]struct{}, 2*len(s.few))
+	for _, k := range s.few {
+		s.many[string(k)] = struct{}{}
+	}
+	s.many[string(key)] = struct{}{}
+	return false
 }
 
 func isOwned(key []byte) bool {

@@ -43,7 +43,7 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 	pBody, dBody, pRank, dRank, err := bootstrapLegs(req, pair)
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
-		return &openai.Error{Status: http.StatusBadRequest, Code: "bootstrap_injection_failed", Message: err.Error()}
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBootstrapInjectionFailed, Message: err.Error()}
 	}
 	return x.run(rw, r, req, pair, concurrentPlan{
 		prefillBody: pBody, decodeBody: dBody, prefillRank: pRank + 1, decodeRank: dRank + 1, dispatch: "parallel", handoff: HandoffBootstrap, connector: HandoffBootstrap,

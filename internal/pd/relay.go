@@ -56,7 +56,7 @@ func (f *firstByte) Read(p []byte) (int, error) {
 // upstreamError builds the client's error for a leg that answered non-2xx: the leg's exact
 // status, its message, and a code naming the leg.
 func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *openai.Error {
-	e := &openai.Error{Status: status, Code: leg + "_upstream_error", Worker: w.URL,
+	e := &openai.Error{Status: status, Code: leg + "_" + openai.CodeUpstreamError, Worker: w.URL,
 		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
 	if header != nil {
 		e.RetryAfter = header.Get("Retry-After")

@@ -385,7 +385,7 @@ func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pa
 	}
 	// A retry may land on a pair that hands off, unless nothing could: n>1, or no engine id.
 	noRetry := handoff == HandoffNoneN || handoff == HandoffNoneNoEngine || handoff == HandoffNoneBatch || handoff == HandoffNoneRoute
-	e := &openai.Error{Status: http.StatusBadGateway, Code: "kv_handoff_unavailable", NoRetry: noRetry,
+	e := &openai.Error{Status: http.StatusBadGateway, Code: openai.CodeKVHandoffUnavailable, NoRetry: noRetry,
 		Message: fmt.Sprintf("no KV handoff for this request (%s, connector %s) and --pd-require-handoff is set", handoff, conn.Mode)}
 	return e
 }

@@ -48,16 +48,6 @@ type Admin struct {
 // maxAdminBody bounds an admin request's body.
 const maxAdminBody = 1 << 20
 
-// Admin error codes.
-const (
-	codeWorkerExists   = "worker_already_exists"
-	codeWorkerNotFound = "worker_not_found"
-	codeBadRequest     = "bad_request"
-	codeAdminDisabled  = "admin_disabled"
-	// codeUnsupportedMedia: an admin write whose body is not declared JSON.
-	codeUnsupportedMedia = "unsupported_media_type"
-)
-
 // AdminHandler returns the admin API alone (for its own listener): the worker routes and a 404
 // for the rest.
 func (s *Server) AdminHandler() http.Handler {
@@ -123,15 +113,15 @@ func (s *Server) adminAuthed(next http.Handler) http.Handler {
 				Message: "missing or invalid admin API key: send 'Authorization: Bearer <admin key>'"})
 			return
 		case a.Key == "" && !a.Open:
-			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: codeAdminDisabled,
+			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminDisabled,
 				Message: "the admin API needs --admin-api-key, or a listener of its own on loopback only (--admin-host 127.0.0.1 --admin-port N)"})
 			return
 		case a.Key == "" && (proxied(r.Header) || !loopbackHost(r.Host)):
-			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: codeAdminDisabled,
+			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminDisabled,
 				Message: "a keyless admin request must come straight from this host: this one came through a proxy or from a web page (Origin, Forwarded, X-Forwarded-*, Via) or names another host; send the admin API key"})
 			return
 		case (r.Method == http.MethodPost || r.Method == http.MethodPatch) && !jsonBody(r.Header):
-			openai.WriteError(w, &openai.Error{Status: http.StatusUnsupportedMediaType, Code: codeUnsupportedMedia,
+			openai.WriteError(w, &openai.Error{Status: http.StatusUnsupportedMediaType, Code: openai.CodeUnsupportedMedia,
 				Message: "the admin API takes Content-Type: application/json"})
 			return
 		}
@@ -186,20 +176,20 @@ func (s *Server) addWorker(w http.ResponseWriter, r *http.Request) {
 	c := req.Worker
 	if req.WorkerType != "" {
 		if c.Role != "" && c.Role != req.WorkerType {
-			adminError(w, http.StatusBadRequest, codeBadRequest, "role and worker_type disagree")
+			adminError(w, http.StatusBadRequest, openai.CodeBadRequest, "role and worker_type disagree")
 			return
 		}
 		c.Role = req.WorkerType
 	}
 	if req.RuntimeType != "" {
 		if c.Runtime != "" && c.Runtime != req.RuntimeType {
-			adminError(w, http.StatusBadRequest, codeBadRequest, "runtime and runtime_type disagree")
+			adminError(w, http.StatusBadRequest, openai.CodeBadRequest, "runtime and runtime_type disagree")
 			return
 		}
 		c.Runtime = req.RuntimeType
 	}
 	if c.URL == "" {
-		adminError(w, http.StatusBadRequest, codeBadRequest, "url is required")
+		adminError(w, http.StatusBadRequest, openai.CodeBadRequest, "url is required")
 		return
 	}
 	wk, err := s.opts.Admin.Fleet.Add(c, "admin")
@@ -251,7 +241,7 @@ func (s *Server) serveWorker(w http.ResponseWriter, r *http.Request) {
 func decodeAdmin(w http.ResponseWriter, r *http.Request, v any) bool {
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxAdminBody+1))
 	if err != nil {
-		adminError(w, http.StatusBadRequest, codeBadRequest, "cannot read the body")
+		adminError(w, http.StatusBadRequest, openai.CodeBadRequest, "cannot read the body")
 		return false
 	}
 	if len(body) > maxAdminBody {
@@ -276,11 +266,11 @@ func fleetError(w http.ResponseWriter, err error, what string) {
 	what = config.RedactURL(what)
 	switch {
 	case errors.Is(err, worker.ErrExists):
-		adminError(w, http.StatusConflict, codeWorkerExists, fmt.Sprintf("a worker at %s already exists: PATCH /workers/%s to change it", what, worker.ID(what)))
+		adminError(w, http.StatusConflict, openai.CodeWorkerExists, fmt.Sprintf("a worker at %s already exists: PATCH /workers/%s to change it", what, worker.ID(what)))
 	case errors.Is(err, worker.ErrNotFound):
-		adminError(w, http.StatusNotFound, codeWorkerNotFound, "no worker "+printableID(what))
+		adminError(w, http.StatusNotFound, openai.CodeWorkerNotFound, "no worker "+printableID(what))
 	case errors.Is(err, config.ErrInvalidWorker):
-		adminError(w, http.StatusBadRequest, codeBadRequest, err.Error())
+		adminError(w, http.StatusBadRequest, openai.CodeBadRequest, err.Error())
 	default:
 		adminError(w, http.StatusInternalServerError, openai.CodeInternalError, "the change failed")
 	}

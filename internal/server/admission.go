@@ -85,6 +85,6 @@ func (a *admission) release() { <-a.slots }
 
 func (a *admission) reject(w http.ResponseWriter, reason, msg string) {
 	a.metrics.Rejections.WithLabelValues(reason).Inc()
-	openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: "overloaded", Message: msg,
+	openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, Message: msg,
 		RetryAfter: strconv.Itoa(max(1, int(a.timeout.Seconds()/10)))})
 }

@@ -172,7 +172,7 @@ func bodyError(err error, cut bool, limit int64) *openai.Error {
 		return &openai.Error{Status: http.StatusRequestTimeout, Code: openai.CodeClientTimeout,
 			Message: "the request body did not arrive in time (stalled_client_timeout_secs between bytes, body_timeout_secs in all)"}
 	}
-	return &openai.Error{Status: http.StatusBadRequest, Code: "body_read_failed", Message: "reading request body: " + err.Error()}
+	return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBodyReadFailed, Message: "reading request body: " + err.Error()}
 }
 
 func drainingError() *openai.Error {

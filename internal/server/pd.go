@@ -119,7 +119,7 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if msg := strings.Trim(strings.Join(errs, "; "), "; "); msg != "" {
-		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: "health_generate_failed", Message: msg})
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeHealthGenerateFailed, Message: msg})
 		return
 	}
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")

@@ -506,7 +506,11 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) (req *opena
 	}
 	req, err := openai.ParseRequest(body)
 	if err != nil {
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
+		e := &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
+		if dk, ok := errors.AsType[*openai.DuplicateKeyError](err); ok {
+			e.Code, e.Param = openai.CodeDuplicateKey, dk.Key
+		}
+		openai.WriteError(w, e)
 		return nil, release
 	}
 	setModel(w, req.Model)

@@ -1,0 +1,104 @@
+package openai
+
+import (
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// codeConstants reads the Code* constants of errors.go: every code Baton mints.
+func codeConstants(t *testing.T) map[string]string {
+	t.Helper()
+	f, err := parser.ParseFile(token.NewFileSet(), "errors.go", nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	codes := map[string]string{}
+	ast.Inspect(f, func(n ast.Node) bool {
+		vs, ok := n.(*ast.ValueSpec)
+		if !ok {
+			return true
+		}
+		for i, name := range vs.Names {
+			if lit, ok := vs.Values[i].(*ast.BasicLit); ok && strings.HasPrefix(name.Name, "Code") {
+				codes[name.Name], _ = strconv.Unquote(lit.Value)
+			}
+		}
+		return true
+	})
+	if len(codes) < 20 {
+		t.Fatalf("read %d codes from errors.go", len(codes))
+	}
+	return codes
+}
+
+// The README lists every code a client can receive from Baton: a code added without its line
+// fails here.
+func TestREADMEListsEveryErrorCode(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, code := range codeConstants(t) {
+		if !strings.Contains(string(readme), "`"+code+"`") {
+			t.Errorf("README.md does not list %s (`%s`)", name, code)
+		}
+	}
+}
+
+// A client-visible code is an openai constant: no error elsewhere is minted with a literal code,
+// and no package keeps a code table of its own.
+func TestNoErrorCodeLiterals(t *testing.T) {
+	err := filepath.WalkDir("../..", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == "testdata" || strings.HasPrefix(d.Name(), ".")) && path != "../.." {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") || strings.Contains(path, "/internal/sim/") {
+			return nil
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), path, nil, 0)
+		if err != nil {
+			return err
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.CompositeLit:
+				if sel, ok := n.Type.(*ast.SelectorExpr); !ok || sel.Sel.Name != "Error" {
+					return true
+				}
+				for _, el := range n.Elts {
+					if kv, ok := el.(*ast.KeyValueExpr); ok && isIdent(kv.Key, "Code") {
+						if _, lit := kv.Value.(*ast.BasicLit); lit {
+							t.Errorf("%s: an error minted with a literal code; add it to internal/openai/errors.go", path)
+						}
+					}
+				}
+			case *ast.ValueSpec:
+				for _, name := range n.Names {
+					if strings.HasPrefix(name.Name, "code") && len(name.Name) > 4 && name.Name[4] >= 'A' && name.Name[4] <= 'Z' {
+						t.Errorf("%s: %s is a code table of its own; codes live in internal/openai/errors.go", path, name.Name)
+					}
+				}
+			}
+			return true
+		})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func isIdent(e ast.Expr, name string) bool {
+	id, ok := e.(*ast.Ident)
+	return ok && id.Name == name
+}
