@@ -116,6 +116,8 @@ func TestGracefulDrainOfOpenStream(t *testing.T) {
 			r := startRun(t, "--worker-urls", up.URL, "--http-server", server)
 			api, stop, result := r.api, r.stop, r.result
 			waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+			// The listener serves before the startup line is written: wait for it.
+			waitFor(t, func() bool { return strings.Contains(r.logs.String(), "baton started") })
 			if !strings.Contains(r.logs.String(), "http_server="+server) {
 				t.Errorf("the startup line does not name the %s server:\n%s", server, r.logs.String())
 			}

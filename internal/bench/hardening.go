@@ -35,13 +35,8 @@ func (r *runner) hardening(ctx context.Context) error {
 	fmt.Fprintln(r.out, "| attack | outcome | peak RSS MiB |")
 	fmt.Fprintln(r.out, "|---|---|---:|")
 	for _, a := range append(attacks(r.o.Quick), hardening2Attacks(r.o.Quick)...) {
-		args, cleanup, err := a.fleet()
+		b, cleanup, err := startAttacked(r.o.Binary, a)
 		if err != nil {
-			return fmt.Errorf("%s: %w", a.name, err)
-		}
-		b, err := startBatonEnv(r.o.Binary, 1, a.env, args...)
-		if err != nil {
-			cleanup()
 			return fmt.Errorf("%s: %w", a.name, err)
 		}
 		actx, cancel := context.WithTimeout(ctx, 2*time.Minute)
@@ -55,6 +50,25 @@ func (r *runner) hardening(ctx context.Context) error {
 	}
 	fmt.Fprintln(r.out)
 	return nil
+}
+
+// startAttacked starts the attack's fleet and a Baton in front of it. A port the fleet chose
+// free can be taken by another process before Baton binds it: that start is tried again.
+func startAttacked(binary string, a attack) (*proc, func(), error) {
+	for try := 0; ; try++ {
+		args, cleanup, err := a.fleet()
+		if err != nil {
+			return nil, nil, err
+		}
+		b, err := startBatonEnv(binary, 1, a.env, args...)
+		if err == nil {
+			return b, cleanup, nil
+		}
+		cleanup()
+		if try == 2 || !strings.Contains(err.Error(), "address already in use") {
+			return nil, nil, err
+		}
+	}
 }
 
 func attacks(quick bool) []attack {
