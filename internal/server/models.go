@@ -3,11 +3,12 @@ package server
 import (
 	"encoding/json"
 
-	"github.com/baton-llm/baton/internal/config"
-	"github.com/baton-llm/baton/internal/pd"
 	"net/http"
 	"strconv"
 	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/pd"
 
 	"github.com/baton-llm/baton/internal/worker"
 )

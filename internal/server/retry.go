@@ -5,9 +5,10 @@ import (
 
 	"context"
 	"errors"
-	"go.opentelemetry.io/otel/attribute"
 	"net/http"
 	"strconv"
+
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
