@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/baton-llm/baton/internal/openai"
 )
@@ -32,21 +34,20 @@ type Tokenizer struct {
 	// sent, Failures those that brought no token ids.
 	Hits, Asks, Failures atomic.Uint64
 
-	mu       sync.Mutex
-	cache    map[uint64][]uint32
-	order    []uint64 // cached keys, oldest first from head
-	head     int
-	bytes    int
-	inflight map[uint64]*ask
-	wg       sync.WaitGroup // asks still running
+	mu    sync.Mutex
+	cache map[uint64][]uint32
+	order []uint64 // cached keys, oldest first from head
+	head  int
+	bytes int
+	asks  singleflight.Group // one /tokenize request per prompt at a time, shared by its callers
+	wg    sync.WaitGroup     // callers' waits on asks still running
 }
 
 // Wait waits for the asks still running (each ends by its timeout at the latest).
 func (t *Tokenizer) Wait() { t.wg.Wait() }
 
-// ask is one /tokenize request that concurrent callers for the same prompt wait on.
-type ask struct {
-	done chan struct{}
+// answer is a /tokenize request's result, shared by the callers that waited on it.
+type answer struct {
 	toks []uint32
 	ok   bool
 }
@@ -75,51 +76,53 @@ func (t *Tokenizer) Tokens(ctx context.Context, base, apiKey, model, path string
 		return nil, false
 	}
 	t.mu.Lock()
-	if toks, hit := t.cache[key]; hit {
-		t.mu.Unlock()
+	toks, hit := t.cache[key]
+	t.mu.Unlock()
+	if hit {
 		t.Hits.Add(1)
 		return toks, true
 	}
-	a := t.inflight[key]
-	if a != nil {
-		t.Hits.Add(1)
-	} else {
-		a = &ask{done: make(chan struct{})}
-		if t.inflight == nil {
-			t.inflight = map[uint64]*ask{}
-		}
-		t.inflight[key] = a
-		timeout := t.Timeout
-		if d, has := ctx.Deadline(); has {
-			timeout = min(timeout, time.Until(d))
-		}
-		t.wg.Go(func() { t.run(context.WithoutCancel(ctx), timeout, a, key, base, apiKey, req) })
+	timeout := t.Timeout
+	if d, has := ctx.Deadline(); has {
+		timeout = min(timeout, time.Until(d))
 	}
-	t.mu.Unlock()
+	ran := false // only the caller whose function runs asks; the others share its answer
+	ask := func() (any, error) {
+		ran = true
+		return t.run(context.WithoutCancel(ctx), timeout, key, base, apiKey, req), nil
+	}
+	done := make(chan answer, 1)
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		v, _, _ := t.asks.Do(strconv.FormatUint(key, 16), ask)
+		if !ran {
+			t.Hits.Add(1)
+		}
+		done <- v.(answer)
+	}()
 	select {
-	case <-a.done:
+	case a := <-done:
 		return a.toks, a.ok
 	case <-ctx.Done():
 		return nil, false
 	}
 }
 
-// run sends one ask and hands its answer to whoever waits on it.
-func (t *Tokenizer) run(ctx context.Context, timeout time.Duration, a *ask, key uint64, base, apiKey string, req []byte) {
+// run sends one ask and caches a good answer.
+func (t *Tokenizer) run(ctx context.Context, timeout time.Duration, key uint64, base, apiKey string, req []byte) answer {
 	t.Asks.Add(1)
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	a.toks, a.ok = t.ask(ctx, base, apiKey, req)
-	if !a.ok {
+	toks, ok := t.ask(ctx, base, apiKey, req)
+	if !ok {
 		t.Failures.Add(1)
+		return answer{}
 	}
 	t.mu.Lock()
-	delete(t.inflight, key)
-	if a.ok {
-		t.remember(key, a.toks)
-	}
+	t.remember(key, toks)
 	t.mu.Unlock()
-	close(a.done)
+	return answer{toks: toks, ok: true}
 }
 
 // tokenizeRequest returns the /tokenize body for a request's prompt and its cache key, or false
