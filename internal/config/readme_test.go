@@ -1,0 +1,78 @@
+package config
+
+import (
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// readmeFlagRows reads the README's configuration tables: per row, the flags its first column
+// names and the values its default column shows in backticks.
+func readmeFlagRows(t *testing.T) (rows [][2][]string) {
+	t.Helper()
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	flagName := regexp.MustCompile("`--([a-z0-9-]+)")
+	literal := regexp.MustCompile("`([^`]*)`")
+	for _, line := range strings.Split(string(b), "\n") {
+		if !strings.HasPrefix(line, "| `--") {
+			continue
+		}
+		cells := strings.Split(line, " | ")
+		if len(cells) < 4 {
+			continue
+		}
+		var names, defs []string
+		for _, m := range flagName.FindAllStringSubmatch(cells[0], -1) {
+			names = append(names, m[1])
+		}
+		// Only a cell of literals alone ("`30`", "`127.0.0.1`, `-1`") is compared; words around
+		// them ("`OTEL_*`, else off") describe a default the flag cannot show.
+		if strings.Trim(literal.ReplaceAllString(cells[2], ""), ", ") == "" {
+			for _, m := range literal.FindAllStringSubmatch(cells[2], -1) {
+				defs = append(defs, m[1])
+			}
+		}
+		rows = append(rows, [2][]string{names, defs})
+	}
+	if len(rows) < 40 {
+		t.Fatalf("read %d flag rows from the README", len(rows))
+	}
+	return rows
+}
+
+// The README's flag tables and the flags agree: every flag has a row, every row names real
+// flags, and a literal default in a row is the flag's default.
+func TestREADMEListsEveryFlagWithItsDefault(t *testing.T) {
+	flags := map[string]*flag{}
+	for i := range serveFlags {
+		flags[serveFlags[i].name] = &serveFlags[i]
+	}
+	documented := map[string]bool{}
+	def := Default()
+	for _, row := range readmeFlagRows(t) {
+		names, defs := row[0], row[1]
+		for i, name := range names {
+			documented[name] = true
+			f := flags[name]
+			if f == nil {
+				t.Errorf("the README documents --%s, which is no flag", name)
+				continue
+			}
+			if f.def == nil || len(defs) != len(names) {
+				continue // no literal default to compare (or not one per flag)
+			}
+			if got := f.def(&def); got != defs[i] && !(got == "" && defs[i] == "") {
+				t.Errorf("--%s: the README says the default is %q, the flag's is %q", name, defs[i], got)
+			}
+		}
+	}
+	for name := range flags {
+		if !documented[name] {
+			t.Errorf("--%s has no row in the README's configuration tables", name)
+		}
+	}
+}
