@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sync/singleflight"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/routes"
 )
 
 // Tokenizer asks an engine for the token ids of a request's prompt (vLLM's and SGLang's
@@ -55,14 +56,6 @@ type answer struct {
 // maxTokenizeAnswer bounds an engine's /tokenize answer.
 const maxTokenizeAnswer = 16 << 20
 
-// chatTokenizeFields are the members of a chat request besides messages that shape the prompt
-// the engine computes, and that vLLM's TokenizeChatRequest takes too
-// (vllm/entrypoints/openai/protocol.py, later entrypoints/serve/tokenize): the tools and the
-// template's arguments change the templated text, add_generation_prompt and
-// continue_final_message its end. An engine that does not know a member ignores it.
-var chatTokenizeFields = []string{"tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-	"continue_final_message", "add_special_tokens", "documents", "mm_processor_kwargs"}
-
 // Tokens returns the token ids of the prompt of body (a request to path for model), asking the
 // engine at base (with apiKey as its bearer token, when set) when not cached. ctx is the
 // request's: a caller whose client left or whose deadline passed stops waiting at once; the ask
@@ -86,8 +79,15 @@ func (t *Tokenizer) Tokens(ctx context.Context, base, apiKey, model, path string
 	if d, has := ctx.Deadline(); has {
 		timeout = min(timeout, time.Until(d))
 	}
-	ran := false // only the caller whose function runs asks; the others share its answer
+	ran := false // only the caller whose function asks sends the request; the others share its answer
 	ask := func() (any, error) {
+		// An ask that ended between this caller's look at the cache and now has filled it.
+		t.mu.Lock()
+		toks, hit := t.cache[key]
+		t.mu.Unlock()
+		if hit {
+			return answer{toks: toks, ok: true}, nil
+		}
 		ran = true
 		return t.run(context.WithoutCancel(ctx), timeout, key, base, apiKey, req), nil
 	}
@@ -128,12 +128,9 @@ func (t *Tokenizer) run(ctx context.Context, timeout time.Duration, key uint64, 
 // tokenizeRequest returns the /tokenize body for a request's prompt and its cache key, or false
 // for a prompt it cannot send (a list of prompts, token ids already, another route).
 func tokenizeRequest(model, path string, body []byte) ([]byte, uint64, bool) {
-	member, extra := "prompt", []string(nil)
-	switch path {
-	case "/v1/chat/completions":
-		member, extra = "messages", chatTokenizeFields
-	case "/v1/completions":
-	default:
+	route := routes.Of(path)
+	member, extra := route.Tokenize, route.TokenizeExtra
+	if member == "" {
 		return nil, 0, false
 	}
 	raw, ok := openai.Get(body, member)
