@@ -16,6 +16,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -169,15 +170,19 @@ func PrefillProbe(path string, body, tag []byte) ([]byte, error) {
 	if _, ok := openai.Get(body, "n"); ok {
 		sets = append(sets, openai.Field{Key: "n", Value: one})
 	}
-	_, hasMCT := openai.Get(body, "max_completion_tokens")
-	switch {
-	case path == "/v1/chat/completions" && hasMCT:
-		sets = append(sets, openai.Field{Key: "max_completion_tokens", Value: one})
-		dels = append(dels, "max_tokens")
-	case path == "/v1/responses":
-		sets = append(sets, openai.Field{Key: "max_output_tokens", Value: one}, openai.Field{Key: "store", Value: []byte("false")})
-	default:
-		sets = append(sets, openai.Field{Key: "max_tokens", Value: one})
+	route := routes.Of(path)
+	capKey := route.Cap
+	if capKey == "" {
+		capKey = "max_tokens"
+	}
+	if _, ok := openai.Get(body, route.CapAlt); ok && route.CapAlt != "" {
+		sets = append(sets, openai.Field{Key: route.CapAlt, Value: one})
+		dels = append(dels, capKey)
+	} else {
+		sets = append(sets, openai.Field{Key: capKey, Value: one})
+	}
+	if route.NoStore {
+		sets = append(sets, openai.Field{Key: "store", Value: []byte("false")})
 	}
 	if tag != nil {
 		sets = append(sets, openai.Field{Key: keyKVTransferParams, Value: tag})
@@ -229,11 +234,6 @@ func harvest(body []byte) (params []byte, valid bool) {
 	}
 	return raw, true
 }
-
-// handoffRoutes are the routes whose requests carry kv_transfer_params in vLLM:
-// CompletionRequest, ChatCompletionRequest and the Anthropic messages request do;
-// ResponsesRequest does not (vllm/entrypoints/openai/responses/protocol.py).
-var handoffRoutes = map[string]bool{"/v1/completions": true, "/v1/chat/completions": true, "/v1/messages": true}
 
 // LearnEngineIDs asks a Mooncake prefill's bootstrap server which engine id each of its DP ranks
 // registered (GET /query, as vLLM's own proxy does) and records them on w. It reports how many

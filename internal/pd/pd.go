@@ -13,6 +13,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -90,15 +91,15 @@ func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 // (of base64 tensors). Samples (n) are counted apart: SamplesOf. It counts
 // at most limit, without allocating: a client's list never costs more than its bytes.
 func BatchSize(req *Request, limit int) int {
-	switch req.Path {
-	case "/generate":
+	switch routes.Of(req.Path).Batch {
+	case routes.BatchGenerate:
 		if raw, ok := openai.Get(req.Body, "input_ids"); ok {
 			return listLen(raw, true, limit)
 		}
 		if raw, ok := openai.Get(req.Body, "text"); ok {
 			return listLen(raw, false, limit)
 		}
-	case "/v1/completions":
+	case routes.BatchCompletions:
 		// vLLM's CompletionRequest takes prompt_embeds as one base64 tensor or a list of them,
 		// beside or instead of prompt: each listed tensor is one more prompt.
 		n := 0
@@ -117,7 +118,7 @@ func BatchSize(req *Request, limit int) int {
 // larger), or on /generate sampling_params.n; 1 when absent. A value that is not a positive integer counts as 1 (the
 // engine refuses it).
 func SamplesOf(req *Request) int {
-	if req.Path != "/generate" {
+	if routes.Of(req.Path).Samples != routes.SamplesSamplingParams {
 		n := max(req.N, 1)
 		if raw, ok := openai.Get(req.Body, "best_of"); ok { // vLLM completions: best_of runs this many
 			if b, err := strconv.Atoi(string(raw)); err == nil && b > n {

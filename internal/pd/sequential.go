@@ -15,6 +15,7 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -65,7 +66,7 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 	case req.Batch > 0:
 		p.outcome = HandoffNoneBatch // params come back for the first prompt only
 		return p, nil
-	case !handoffRoutes[req.Path]:
+	case !routes.Of(req.Path).VLLMHandoff:
 		p.outcome = HandoffNoneRoute // the engine would ignore the tag: a prefill would be wasted
 		return p, nil
 	}

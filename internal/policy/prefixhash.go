@@ -4,6 +4,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -61,22 +62,13 @@ func mix(x uint64) uint64 {
 	return x ^ (x >> 31)
 }
 
-// promptFields are the members that hold a request's prompt, by route.
-var promptFields = map[string][]string{
-	"/v1/chat/completions": {"messages"},
-	"/v1/messages":         {"system", "messages"},
-	"/v1/completions":      {"prompt"},
-	"/v1/responses":        {"instructions", "input"},
-	"/generate":            {"text", "input_ids"},
-}
-
 // promptOf returns the raw bytes of the request's prompt member (the first present), without
 // decoding it: requests whose prompts begin alike have bytes that begin alike. nil when none.
 func promptOf(req *Request) []byte {
 	if req == nil {
 		return nil
 	}
-	for _, k := range promptFields[req.Path] {
+	for _, k := range routes.Of(req.Path).Prompt {
 		if raw, ok := openai.Get(req.Body, k); ok && len(raw) > 0 && string(raw) != "null" {
 			return raw
 		}

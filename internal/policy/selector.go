@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -76,18 +77,15 @@ type Selector struct {
 	Observe func(Decision)
 }
 
-// sglangRoutes are the routes only SGLang (and engines that are neither vLLM nor SGLang, which
-// Baton cannot tell apart) serve; a vLLM worker answers them 404.
-var sglangRoutes = map[string]bool{"/generate": true, "/get_server_info": true, "/get_model_info": true, "/health_generate": true}
-
-// Serves reports whether w serves path: an SGLang-only route is never sent to a vLLM worker.
+// Serves reports whether w serves path: an SGLang-only route (routes.Route.SGLangOnly) is never
+// sent to a vLLM worker.
 func Serves(w *worker.Worker, path string) bool {
-	return !sglangRoutes[path] || w.Runtime() != config.RuntimeVLLM
+	return !routes.Of(path).SGLangOnly || w.Runtime() != config.RuntimeVLLM
 }
 
 // serving returns the workers of ws that serve path. It allocates only when some do not.
 func serving(ws []*worker.Worker, path string) []*worker.Worker {
-	if !sglangRoutes[path] {
+	if !routes.Of(path).SGLangOnly {
 		return ws
 	}
 	for i, w := range ws {
@@ -159,7 +157,7 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 // its bootstrap timeout; only vLLM prefills (the sequential relay) take it. It allocates only
 // when some cannot.
 func handingOff(ws []*worker.Worker, path string) []*worker.Worker {
-	if path != "/v1/responses" {
+	if r := routes.Of(path); !r.PD || r.SGLangPD {
 		return ws
 	}
 	var out []*worker.Worker

@@ -34,20 +34,10 @@ import (
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/retry"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
-
-// Routes forwarded to regular workers, each to the same path on the worker.
-var inferenceRoutes = []string{
-	"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/generate",
-	"/v1/embeddings", "/v1/rerank", "/rerank",
-}
-
-// pdRoutes are the generation routes that go through PD in PD mode.
-var pdRoutes = map[string]bool{
-	"/generate": true, "/v1/chat/completions": true, "/v1/completions": true, "/v1/messages": true, "/v1/responses": true,
-}
 
 // Options are a Server's settings, converted once from the configuration, and the parts it
 // drives.
@@ -135,12 +125,12 @@ func New(o Options) *Server {
 // Handler returns the API handler with its middleware.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	for _, route := range inferenceRoutes {
+	for _, route := range routes.Inference() {
 		h := http.HandlerFunc(s.serveInference)
-		if s.opts.PD && pdRoutes[route] {
+		if s.opts.PD && route.PD {
 			h = s.servePD
 		}
-		mux.Handle("POST "+route, s.authed(h))
+		mux.Handle("POST "+route.Path, s.authed(h))
 	}
 	if s.opts.PD {
 		mux.Handle("GET /health_generate", s.authed(s.admit.wrap(http.HandlerFunc(s.serveHealthGenerate))))
