@@ -16,6 +16,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -130,7 +131,8 @@ func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model stri
 	}
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
+	r := &record.Record{}
+	in := httptest.NewRequestWithContext(record.With(ctx, r), http.MethodPost, "/v1/completions", strings.NewReader(body))
 	req, err := openai.ParseRequest([]byte(body))
 	if err != nil {
 		return 0, err.Error(), ""
@@ -140,10 +142,10 @@ func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model stri
 	err = g.Dispatcher.Execute(rec, in, preq, pair)
 	var oe *openai.Error
 	if errors.As(err, &oe) {
-		return oe.Status, rec.Header().Get(openai.HeaderKVHandoff) + " (" + oe.Code + ")", ""
+		return oe.Status, r.Handoff + " (" + oe.Code + ")", ""
 	}
 	if err != nil {
-		return http.StatusBadGateway, rec.Header().Get(openai.HeaderKVHandoff) + " (" + err.Error() + ")", ""
+		return http.StatusBadGateway, r.Handoff + " (" + err.Error() + ")", ""
 	}
-	return rec.Code, rec.Header().Get(openai.HeaderKVHandoff), preq.Consumed
+	return rec.Code, r.Handoff, preq.Consumed
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -98,11 +99,14 @@ func (p prefillResult) failed() bool {
 func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan concurrentPlan) concurrentResult {
 	l := x.newLegs(rw, r, req, pair, plan)
 	defer l.close()
+	rec := record.From(r.Context())
 	rw.Header().Set(openai.HeaderKVHandoff, plan.handoff) // sent with the decode's first byte
+	rec.Handoff = plan.handoff
 	l.startPrefill()
 	l.res.err = l.decode()
 	if !l.res.decodeStarted {
 		rw.Header().Set(openai.HeaderKVHandoff, HandoffNoneFailed) // the client gets an error
+		rec.Handoff = HandoffNoneFailed
 	}
 	res := l.res
 	l.ended()

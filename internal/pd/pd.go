@@ -79,10 +79,27 @@ var _ Executor = (*Dispatcher)(nil)
 
 // Execute implements Executor.
 func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
-	if pair.Prefill.Runtime() == config.RuntimeVLLM {
+	if Mode(pair) == ModeSequential {
 		return d.Sequential.Execute(rw, r, req, pair)
 	}
 	return d.Parallel.Execute(rw, r, req, pair)
+}
+
+// The PD modes, as metrics label them: the sequential relay (vLLM's prefill first, then the
+// decode with its KV transfer parameters) and the parallel bootstrap (both legs at once,
+// meeting by bootstrap room: SGLang, and engines Baton cannot tell apart from it).
+const (
+	ModeSequential = "pd_vllm"
+	ModeParallel   = "pd_sglang"
+)
+
+// Mode is how pair serves a request: the one rule that chooses both the executor and the
+// label its metrics carry.
+func Mode(pair worker.Pair) string {
+	if pair.Prefill.Runtime() == config.RuntimeVLLM {
+		return ModeSequential
+	}
+	return ModeParallel
 }
 
 // BatchSize returns how many sequences the request holds for bootstrap purposes, or 0 for a

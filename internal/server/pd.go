@@ -16,6 +16,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -48,11 +49,8 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		}
 		s.routeHeader(w, sreq)
 		preq.Ranks = sreq.Ranks
-		if pair.Prefill.Runtime() == config.RuntimeSGLang {
-			setMode(w, "pd_sglang")
-		} else {
-			setMode(w, "pd_vllm")
-		}
+		rec := record.From(r.Context())
+		rec.Mode, rec.Prefill, rec.Decode, rec.Worker = pd.Mode(pair), pair.Prefill.URL, pair.Decode.URL, pair.Decode.URL
 		h := w.Header()
 		h.Set(openai.HeaderPrefillWorker, pair.Prefill.URL)
 		h.Set(openai.HeaderDecodeWorker, pair.Decode.URL)
@@ -146,6 +144,7 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 	}
 	defer resp.Body.Close()
 	w.Header().Set(openai.HeaderWorker, prefill.URL)
+	record.From(r.Context()).Worker = prefill.URL
 	if err := s.proxy.Relay(w, resp, nil); err != nil {
 		var re *proxy.ReadError
 		if errors.As(err, &re) && !re.Written {

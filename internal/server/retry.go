@@ -13,6 +13,7 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/tracing"
 )
@@ -70,13 +71,14 @@ func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, n int, avo
 	if retryable && n < s.opts.Retry.Attempts {
 		s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
 		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
-		setAttempts(w, n+1)
+		record.From(r.Context()).Attempts = n + 1
 		s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
 		if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
 			avoid = failed(avoid, err)
 			for _, h := range openai.AttemptHeaders {
 				w.Header().Del(h)
 			}
+			record.From(r.Context()).NextAttempt()
 			return avoid, true
 		}
 		err, retryable = context.Cause(r.Context()), false // the deadline passed or the client left
@@ -112,7 +114,7 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	case errors.As(err, &ib):
 		// The stream went out whole, the engine's error event in it; the request failed. The
 		// code is for the access log and the status page (the head left long ago).
-		w.Header().Set(openai.HeaderErrorCode, openai.CodeUpstreamStreamError)
+		record.From(r.Context()).Code = openai.CodeUpstreamStreamError
 	case errors.As(err, &oe):
 		openai.WriteError(w, oe)
 	case errors.As(err, &ue):

@@ -33,6 +33,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/tracing"
@@ -170,10 +171,8 @@ func (s *Server) InFlight() int64 { return s.inflight.Load() }
 type statusWriter struct {
 	http.ResponseWriter
 	status int
-	model  string
-	mode   string // regular, pd_parallel or pd_sequential: how the request was served
+	rec    *record.Record // the request's record, for the inter-token histogram's labels
 
-	attempts  int       // tries made (1 unless retried)
 	start     time.Time // arrival
 	firstByte time.Time // the first body byte to the client; zero: none yet
 	lastWrite time.Time
@@ -205,13 +204,6 @@ func (w *statusWriter) arm(now time.Time) {
 	_ = w.rc.SetWriteDeadline(earlier(now.Add(w.stall), w.deadline))
 }
 
-// setModel tells the observing middleware the request's model, through the writer it gave.
-func setModel(w http.ResponseWriter, model string) {
-	if sw := observed(w); sw != nil {
-		sw.model = model
-	}
-}
-
 // observed returns the observing middleware's writer under w, or nil.
 func observed(w http.ResponseWriter) *statusWriter {
 	for {
@@ -229,6 +221,10 @@ func observed(w http.ResponseWriter) *statusWriter {
 func (w *statusWriter) WriteHeader(code int) {
 	if w.status == 0 {
 		w.status = code
+		// The answer's own error code (openai.WriteError sets it), as the head goes out.
+		if c := w.Header().Get(openai.HeaderErrorCode); c != "" && w.rec.Code == "" {
+			w.rec.Code = c
+		}
 	}
 	w.ResponseWriter.WriteHeader(code)
 }
@@ -243,7 +239,7 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 		w.firstByte = now
 		// A stream's gaps between writes are its inter-token latency.
 		if w.status == http.StatusOK && w.metrics != nil && strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream") {
-			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.model), w.mode)
+			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.rec.Model), w.rec.Mode)
 		}
 	} else if w.itl != nil {
 		w.itl.Observe(now.Sub(w.lastWrite).Seconds())
@@ -264,20 +260,6 @@ func (w *statusWriter) keepTail(b []byte) {
 	keep := min(w.tailN, len(w.tail)-len(b))
 	copy(w.tail[:keep], w.tail[w.tailN-keep:w.tailN])
 	w.tailN = keep + copy(w.tail[keep:], b)
-}
-
-// setMode tells the observing middleware how the request was served.
-func setMode(w http.ResponseWriter, mode string) {
-	if sw := observed(w); sw != nil {
-		sw.mode = mode
-	}
-}
-
-// setAttempts tells the observing middleware how many tries the request took.
-func setAttempts(w http.ResponseWriter, n int) {
-	if sw := observed(w); sw != nil {
-		sw.attempts = n
-	}
 }
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
@@ -301,9 +283,10 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		}
 		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
 		defer cancel()
-		r = r.WithContext(ctx)
+		rec := &record.Record{Mode: "regular", Attempts: 1}
+		r = r.WithContext(record.With(ctx, rec))
 		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
-			start: start, attempts: 1, mode: "regular", metrics: s.metrics}
+			start: start, rec: rec, metrics: s.metrics}
 		sw.arm(start)
 		s.inflight.Add(1)
 		defer func() {
@@ -325,7 +308,7 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			if route == "" || route == "/" {
 				route = "other"
 			}
-			model := s.metrics.Model(sw.model)
+			model := s.metrics.Model(rec.Model)
 			s.metrics.ObserveRequest(route, model, status, time.Since(start).Seconds())
 			s.finish(sw, r, route, model, status, rid, span, v == http.ErrAbortHandler)
 			if v == http.ErrAbortHandler {
@@ -336,17 +319,18 @@ func (s *Server) observe(next http.Handler) http.Handler {
 	})
 }
 
-// finish records what a request's answer says once it ended: TTFT, inter-token gaps and tokens
-// of a successful generation, the PD pair's handoff, the access log line and the server span.
+// finish records what a request's answer says once it ended, from its record and what its
+// writer saw: TTFT, inter-token gaps and tokens of a successful generation, the PD pair's
+// handoff, the access log line and the server span.
 func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, status int, rid string, span trace.Span, aborted bool) {
-	h := sw.Header()
+	rec := sw.rec
 	var ttft time.Duration
 	var usage openai.Usage
 	hasUsage := false
 	generation := r.Method == http.MethodPost && route != "other" && !strings.HasPrefix(route, "POST /workers")
 	if generation && status == http.StatusOK && !sw.firstByte.IsZero() {
 		ttft = sw.firstByte.Sub(sw.start)
-		s.metrics.TTFT.WithLabelValues(model, sw.mode).Observe(ttft.Seconds())
+		s.metrics.TTFT.WithLabelValues(model, rec.Mode).Observe(ttft.Seconds())
 		if usage, hasUsage = openai.LastUsage(sw.tail[:sw.tailN]); hasUsage && !aborted {
 			s.metrics.Tokens.WithLabelValues(model, "prompt").Add(float64(usage.Prompt))
 			s.metrics.Tokens.WithLabelValues(model, "completion").Add(float64(usage.Completion))
@@ -355,8 +339,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 			}
 		}
 	}
-	prefill, decode, handoff := h.Get(openai.HeaderPrefillWorker), h.Get(openai.HeaderDecodeWorker), h.Get(openai.HeaderKVHandoff)
-	wk, code := h.Get(openai.HeaderWorker), h.Get(openai.HeaderErrorCode)
+	prefill, decode, handoff, wk, code := rec.Prefill, rec.Decode, rec.Handoff, rec.Worker, rec.Code
 	if prefill != "" && decode != "" && handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
 	}
@@ -367,8 +350,8 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 	if span != nil {
 		span.SetName(route)
 		span.SetAttributes(attribute.String("http.route", route), attribute.Int("http.response.status_code", status),
-			attribute.String("gen_ai.request.model", model), attribute.String("baton.request_id", rid), attribute.Int("baton.attempts", sw.attempts),
-			attribute.String("baton.mode", sw.mode), attribute.Int64("http.response.body.size", sw.written))
+			attribute.String("gen_ai.request.model", model), attribute.String("baton.request_id", rid), attribute.Int("baton.attempts", rec.Attempts),
+			attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", sw.written))
 		if wk != "" && prefill == "" {
 			span.SetAttributes(attribute.String("baton.worker", wk))
 		}
@@ -394,7 +377,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, 
 	}
 	var buf [20]slog.Attr
 	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("model", model), slog.Int("status", status),
-		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", sw.attempts), slog.Int64("bytes", sw.written))
+		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", sw.written))
 	if prefill != "" {
 		attrs = append(attrs, slog.String("prefill", prefill), slog.String("decode", decode))
 	} else if wk != "" {
@@ -505,7 +488,7 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) (req *opena
 		openai.WriteError(w, e)
 		return nil, release
 	}
-	setModel(w, req.Model)
+	record.From(r.Context()).Model = req.Model
 	if req.N > s.opts.MaxBatchSize {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
 			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.opts.MaxBatchSize)})
@@ -545,6 +528,7 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			return selectionError(err)
 		}
 		w.Header().Set(openai.HeaderWorker, wk.URL)
+		record.From(r.Context()).Worker = wk.URL
 		s.routeHeader(w, sreq)
 		return s.proxy.Forward(w, r, wk, r.URL.Path, req.Body)
 	})

@@ -1,0 +1,55 @@
+// Package record is the one record of a request Baton serves: created where the request
+// arrives, carried on its context (From is the typed accessor), written by the stages that learn
+// something (the model, how it was served, the attempts, the worker or pair, the KV handoff, the
+// error code) and read once it ended by what reports it (metrics, status page, span, access
+// log). No stage learns anything from headers it wrote itself or from the bytes it relayed.
+//
+// One goroutine — the request's handler — writes a record; the reporters read it after the
+// handler returned.
+package record
+
+import (
+	"context"
+	"time"
+)
+
+// Record is what Baton knows of one request.
+type Record struct {
+	Model    string // the model the client asked for ("" until the body is read)
+	Mode     string // regular, pd_sglang or pd_vllm: how it was served
+	Attempts int    // tries made, the first included
+
+	// The attempt that answered: a regular worker, or a PD pair and its KV handoff outcome
+	// (pd.Handoff*). Cleared between attempts (NextAttempt).
+	Worker, Prefill, Decode string
+	Handoff                 string
+
+	// Code is the error code of a failure Baton reported without an error answer of its own
+	// (a stream that carried the engine's error event); an answer's own code is in its header.
+	Code string
+
+	// Room for the fleet sharing work: who asked, at what priority, and how long it queued.
+	Tenant, Class string
+	QueueWait     time.Duration
+}
+
+type key struct{}
+
+// With returns ctx carrying rec.
+func With(ctx context.Context, rec *Record) context.Context {
+	return context.WithValue(ctx, key{}, rec)
+}
+
+// From returns the record ctx carries; without one (a handler called outside the server's
+// middleware, as `baton check` does), a fresh record nobody reads.
+func From(ctx context.Context) *Record {
+	if rec, ok := ctx.Value(key{}).(*Record); ok {
+		return rec
+	}
+	return &Record{}
+}
+
+// NextAttempt clears what one attempt learned, as the next starts.
+func (r *Record) NextAttempt() {
+	r.Worker, r.Prefill, r.Decode, r.Handoff = "", "", "", ""
+}
