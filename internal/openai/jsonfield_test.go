@@ -9,6 +9,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 )
 
 func TestGet(t *testing.T) {
@@ -82,7 +83,7 @@ func TestParseRequest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if diff := cmp.Diff(Request{Body: r.Body, Model: "llama", Stream: true}, *r); diff != "" {
+	if diff := cmp.Diff(Request{Body: r.Body, Model: "llama", Stream: true}, *r, cmpopts.IgnoreUnexported(Request{})); diff != "" {
 		t.Errorf("ParseRequest (-want +got):\n%s", diff)
 	}
 	for _, bad := range []string{`{"model":`, `[1,2]`, `"s"`, `{"model":3}`, ``} {
@@ -217,6 +218,12 @@ func FuzzParseRequest(f *testing.F) {
 			if !ok || string(got) != string(want) {
 				t.Fatalf("%q: Get(%q) = %q, %v; encoding/json reads %q", b, k, got, ok, want)
 			}
+			if string(r.Body) != string(b) {
+				continue // the owned members were removed: the index is of the new body
+			}
+			if got, ok := r.Get(k); !ok || string(got) != string(want) {
+				t.Fatalf("%q: the index reads %q as %q, %v; encoding/json %q", b, k, got, ok, want)
+			}
 		}
 		var model string
 		if raw, ok := members["model"]; ok && json.Unmarshal(raw, &model) == nil && model != r.Model {
@@ -260,6 +267,30 @@ func TestParseRequestRefusesDuplicateKeys(t *testing.T) {
 	for _, body := range []string{many(""), `{"a":{"b":1,"b":2},"c":[{"d":1,"d":2}]}`, `{"a":1,"A":2}`} {
 		if _, err := ParseRequest([]byte(body)); err != nil {
 			t.Errorf("%.60s: %v", body, err)
+		}
+	}
+}
+
+// A parsed request reads its members from the index of the scan that parsed it, the same bytes
+// Get finds by scanning, also after the owned members were removed.
+func TestRequestGetUsesTheIndex(t *testing.T) {
+	for _, body := range []string{
+		`{"model":"m","prompt":["a","b"],"n":2,"x":{"prompt":1}}`,
+		`{"kv_transfer_params":{"a":1},"model":"m","prompt":"p","bootstrap_room":7,"best_of":3}`,
+	} {
+		r, err := ParseRequest([]byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(r.members) == 0 {
+			t.Fatalf("%s: no index", body)
+		}
+		for _, k := range []string{"model", "prompt", "n", "x", "best_of", "kv_transfer_params", "bootstrap_room", "absent"} {
+			got, ok := r.Get(k)
+			want, wok := Get(r.Body, k)
+			if ok != wok || string(got) != string(want) {
+				t.Errorf("%s: Get(%q) = %q %v, scanning finds %q %v", body, k, got, ok, want, wok)
+			}
 		}
 	}
 }

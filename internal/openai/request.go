@@ -17,6 +17,33 @@ type Request struct {
 	N      int    // Top-level "n"; 0 when absent.
 	// ReturnLogprob is SGLang /generate's top-level "return_logprob" is true.
 	ReturnLogprob bool
+
+	// members indexes Body's top-level members, from the one scan ParseRequest made: Get reads
+	// a member without scanning the body again. It starts in fixed (a request body has about a
+	// dozen members), so that indexing allocates nothing more for most.
+	members []indexed
+	fixed   [12]indexed
+}
+
+// indexed is one top-level member of a parsed body: its key (the body's own bytes, or its
+// unescaped copy) and where its value lies.
+type indexed struct {
+	key        []byte
+	start, end int
+}
+
+// Get returns the raw bytes of the top-level member key of the parsed body, from the index of
+// the scan that parsed it; a Request not made by ParseRequest is scanned.
+func (r *Request) Get(key string) ([]byte, bool) {
+	if r.members == nil {
+		return Get(r.Body, key)
+	}
+	for _, m := range r.members {
+		if string(m.key) == key {
+			return r.Body[m.start:m.end], true
+		}
+	}
+	return nil, false
 }
 
 // OwnedFields are the top-level request members that steer the engines' KV handoff. Only Baton
@@ -38,6 +65,7 @@ func ParseRequest(body []byte) (*Request, error) {
 		return nil, fmt.Errorf("request body is not valid JSON")
 	}
 	r := &Request{Body: body}
+	r.members = r.fixed[:0]
 	var perr error
 	owned := false
 	var seen keySet
@@ -46,6 +74,7 @@ func ParseRequest(body []byte) (*Request, error) {
 			perr = &DuplicateKeyError{Key: truncateKey(string(key))}
 			return false
 		}
+		r.members = append(r.members, indexed{key: key, start: m.valStart, end: m.valEnd})
 		raw := body[m.valStart:m.valEnd]
 		switch string(key) {
 		case "model":
@@ -87,6 +116,11 @@ func ParseRequest(body []byte) (*Request, error) {
 		if r.Body, err = Edit(body, nil, OwnedFields); err != nil {
 			return nil, err
 		}
+		r.members = r.members[:0] // the edit moved the members: index the new body
+		_ = eachMember(r.Body, func(key []byte, m member) bool {
+			r.members = append(r.members, indexed{key: key, start: m.valStart, end: m.valEnd})
+			return true
+		})
 	}
 	return r, nil
 }

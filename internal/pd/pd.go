@@ -110,20 +110,20 @@ func Mode(pair worker.Pair) string {
 func BatchSize(req *Request, limit int) int {
 	switch routes.Of(req.Path).Batch {
 	case routes.BatchGenerate:
-		if raw, ok := openai.Get(req.Body, "input_ids"); ok {
+		if raw, ok := req.Get("input_ids"); ok {
 			return listLen(raw, true, limit)
 		}
-		if raw, ok := openai.Get(req.Body, "text"); ok {
+		if raw, ok := req.Get("text"); ok {
 			return listLen(raw, false, limit)
 		}
 	case routes.BatchCompletions:
 		// vLLM's CompletionRequest takes prompt_embeds as one base64 tensor or a list of them,
 		// beside or instead of prompt: each listed tensor is one more prompt.
 		n := 0
-		if raw, ok := openai.Get(req.Body, "prompt"); ok {
+		if raw, ok := req.Get("prompt"); ok {
 			n = listLen(raw, true, limit)
 		}
-		if raw, ok := openai.Get(req.Body, "prompt_embeds"); ok && n <= limit {
+		if raw, ok := req.Get("prompt_embeds"); ok && n <= limit {
 			n += listLen(raw, false, limit)
 		}
 		return n
@@ -137,14 +137,14 @@ func BatchSize(req *Request, limit int) int {
 func SamplesOf(req *Request) int {
 	if routes.Of(req.Path).Samples != routes.SamplesSamplingParams {
 		n := max(req.N, 1)
-		if raw, ok := openai.Get(req.Body, "best_of"); ok { // vLLM completions: best_of runs this many
+		if raw, ok := req.Get("best_of"); ok { // vLLM completions: best_of runs this many
 			if b, err := strconv.Atoi(string(raw)); err == nil && b > n {
 				n = b
 			}
 		}
 		return n
 	}
-	sp, ok := openai.Get(req.Body, "sampling_params")
+	sp, ok := req.Get("sampling_params")
 	if !ok || len(sp) == 0 || sp[0] != '{' {
 		return 1
 	}

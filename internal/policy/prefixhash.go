@@ -69,9 +69,18 @@ func promptOf(req *Request) []byte {
 		return nil
 	}
 	for _, k := range routes.Of(req.Path).Prompt {
-		if raw, ok := openai.Get(req.Body, k); ok && len(raw) > 0 && string(raw) != "null" {
+		if raw, ok := req.get(k); ok && len(raw) > 0 && string(raw) != "null" {
 			return raw
 		}
 	}
 	return nil
+}
+
+// get reads a top-level member of the request's body: from the parsed request's index when
+// there is one, else by scanning the body.
+func (r *Request) get(key string) ([]byte, bool) {
+	if r.Parsed != nil {
+		return r.Parsed.Get(key)
+	}
+	return openai.Get(r.Body, key)
 }

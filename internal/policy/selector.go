@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -18,6 +19,9 @@ type Request struct {
 	Model string
 	Path  string
 	Body  []byte
+	// Parsed, when set, is the parsed request whose Body this is: its member index spares a
+	// scan of the body (prompt members for prefix routing).
+	Parsed *openai.Request
 	// Explain asks each choice made for the request to append its Decision to Decisions
 	// (X-Baton-Route); off, nothing is kept on the request.
 	Explain   bool

@@ -38,7 +38,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	sreq := &policy.Request{Ctx: r.Context(), Model: req.Model, Path: r.URL.Path, Body: req.Body, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	sreq := &policy.Request{Ctx: r.Context(), Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
