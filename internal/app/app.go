@@ -337,58 +337,13 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	stdlog.SetFlags(0)
 	stdlog.SetOutput(stdLogBridge{log: log, unsolicited: g.Metrics.UpstreamUnsolicited})
-	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
+	ls, err := g.listen(cfg, log)
 	if err != nil {
-		return fmt.Errorf("listen: %w", err)
+		return err
 	}
-	api, ln, refused := apiServer(cfg, ln, g.Server.Handler(), log)
-	g.Metrics.Registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "baton_connections_refused_total",
-		Help: "Client connections closed as they arrived because half the descriptor limit were open (the other half is kept for engines)."},
-		func() float64 { return float64(refused()) }))
-	var msrv *http.Server
-	var mln net.Listener
-	if cfg.MetricsPort >= 0 {
-		mln, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.MetricsPort)))
-		if err != nil {
-			ln.Close()
-			return fmt.Errorf("listen for metrics: %w", err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("GET /metrics", g.Metrics.Handler())
-		status := g.Server.StatusHandler()
-		for _, p := range []string{"GET /{$}", "GET /status", "GET /status.json"} {
-			mux.Handle(p, status)
-		}
-		if cfg.EnablePprof { // behind the admin key when one is set: profiles show memory contents
-			mux.Handle("/debug/pprof/", g.Server.AdminOnly(http.HandlerFunc(pprof.Index)))
-			mux.Handle("/debug/pprof/profile", g.Server.AdminOnly(http.HandlerFunc(pprof.Profile)))
-			mux.Handle("/debug/pprof/trace", g.Server.AdminOnly(http.HandlerFunc(pprof.Trace)))
-		}
-		msrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	}
-
-	var asrv *http.Server
-	var aln net.Listener
-	if cfg.AdminPort >= 0 {
-		aln, err = net.Listen("tcp", net.JoinHostPort(cfg.AdminHost, strconv.Itoa(cfg.AdminPort)))
-		if err != nil {
-			ln.Close()
-			if mln != nil {
-				mln.Close()
-			}
-			return fmt.Errorf("listen for the admin API: %w", err)
-		}
-		asrv = &http.Server{Handler: g.Server.AdminHandler(), ReadHeaderTimeout: 10 * time.Second,
-			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
-	}
-
 	stopTracing, err := tracing.Setup(ctx, tracing.Config{Endpoint: cfg.OTLPTracesEndpoint, Ratio: cfg.TraceSampleRatio, Version: Version()})
 	if err != nil {
-		for _, l := range []net.Listener{ln, mln, aln} {
-			if l != nil {
-				l.Close()
-			}
-		}
+		ls.close()
 		return err
 	}
 	defer func() {
@@ -401,69 +356,22 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	bg, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
-	// fail undoes the start when something cannot begin.
-	fail := func(err error) error {
+	if err := g.startBackground(bg, cfg, log); err != nil {
 		stopBG()
 		g.Wait()
-		for _, l := range []net.Listener{ln, mln, aln} {
-			if l != nil {
-				l.Close()
-			}
-		}
+		ls.close()
 		return err
 	}
-	if err := g.Start(bg); err != nil {
-		return fail(err)
-	}
-	go g.watchReload(bg, 2*time.Second)
-	if cfg.ServiceDiscovery {
-		d, err := discovery.New(cfg, g.Fleet, log)
-		if err != nil {
-			return fail(err)
-		}
-		go func() {
-			if err := d.Run(bg); err != nil {
-				log.Error("service discovery stopped", "err", err)
-			}
-		}()
-	}
-	errc := make(chan error, 3)
-	go func() { errc <- api.Serve(ln) }()
-	if asrv != nil {
-		go func() { errc <- asrv.Serve(aln) }()
-		fmt.Fprintf(stdout, "baton admin API on http://%s\n", aln.Addr())
-	}
-	if msrv != nil {
-		go func() { errc <- msrv.Serve(mln) }()
-		fmt.Fprintf(stdout, "baton serving on http://%s (metrics on http://%s/metrics)\n", ln.Addr(), mln.Addr())
-	} else {
-		fmt.Fprintf(stdout, "baton serving on http://%s\n", ln.Addr())
-	}
-	server := "baton"
-	if _, ok := api.(*http.Server); ok {
-		server = "net"
-		if cfg.HTTPServer == "baton" {
-			log.Warn("http_server baton needs epoll (Linux); serving the API with net/http's server instead")
-		}
-	}
-	log.Info("baton started", "version", Version(), "addr", ln.Addr().String(), "workers", len(g.Registry.Snapshot().Workers),
-		"policy", cfg.Policy, "http_server", server, "upstream_client", cfg.UpstreamClient)
-	for _, w := range cfg.Warnings() {
-		log.Warn(w)
-	}
-	logAdmin(log, cfg)
+	errc := ls.serve(stdout)
+	ls.logStart(cfg, g, log)
 
 	var serveErr error
 	select {
 	case <-ctx.Done():
 	case serveErr = <-errc:
 	}
-	g.drain(api, time.Duration(cfg.ShutdownGracePeriodSecs)*time.Second)
-	for _, srv := range []*http.Server{msrv, asrv} {
-		if srv != nil {
-			_ = srv.Close()
-		}
-	}
+	g.drain(ls.api, time.Duration(cfg.ShutdownGracePeriodSecs)*time.Second)
+	ls.closeSide()
 	stopBG()
 	g.Wait()
 	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
@@ -471,6 +379,137 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	log.Info("baton stopped")
 	return nil
+}
+
+// startBackground starts what runs beside the listeners until bg ends: the gateway's own loops
+// (health, load, KV events), the configuration watch and service discovery.
+func (g *Gateway) startBackground(bg context.Context, cfg config.Config, log *slog.Logger) error {
+	if err := g.Start(bg); err != nil {
+		return err
+	}
+	go g.watchReload(bg, 2*time.Second)
+	if !cfg.ServiceDiscovery {
+		return nil
+	}
+	d, err := discovery.New(cfg, g.Fleet, log)
+	if err != nil {
+		return err
+	}
+	go func() {
+		if err := d.Run(bg); err != nil {
+			log.Error("service discovery stopped", "err", err)
+		}
+	}()
+	return nil
+}
+
+// listeners are the gateway's listeners and their servers: the API's, and the metrics' and
+// the admin API's when configured. Opened together, closed together.
+type listeners struct {
+	api                httpServer
+	apiLn              net.Listener
+	metrics, admin     *http.Server
+	metricsLn, adminLn net.Listener
+}
+
+// listen opens every listener the configuration asks for, or none: a failure closes those
+// already open.
+func (g *Gateway) listen(cfg config.Config, log *slog.Logger) (*listeners, error) {
+	ls := &listeners{}
+	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
+	if err != nil {
+		return nil, fmt.Errorf("listen: %w", err)
+	}
+	var refused func() uint64
+	ls.api, ls.apiLn, refused = apiServer(cfg, ln, g.Server.Handler(), log)
+	g.Metrics.Registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "baton_connections_refused_total",
+		Help: "Client connections closed as they arrived because half the descriptor limit were open (the other half is kept for engines)."},
+		func() float64 { return float64(refused()) }))
+	if cfg.MetricsPort >= 0 {
+		if ls.metricsLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.MetricsPort))); err != nil {
+			ls.close()
+			return nil, fmt.Errorf("listen for metrics: %w", err)
+		}
+		ls.metrics = &http.Server{Handler: g.metricsMux(cfg), ReadHeaderTimeout: 10 * time.Second}
+	}
+	if cfg.AdminPort >= 0 {
+		if ls.adminLn, err = net.Listen("tcp", net.JoinHostPort(cfg.AdminHost, strconv.Itoa(cfg.AdminPort))); err != nil {
+			ls.close()
+			return nil, fmt.Errorf("listen for the admin API: %w", err)
+		}
+		ls.admin = &http.Server{Handler: g.Server.AdminHandler(), ReadHeaderTimeout: 10 * time.Second,
+			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+	}
+	return ls, nil
+}
+
+// metricsMux serves /metrics, the status page and, when enabled, the profiles.
+func (g *Gateway) metricsMux(cfg config.Config) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", g.Metrics.Handler())
+	status := g.Server.StatusHandler()
+	for _, p := range []string{"GET /{$}", "GET /status", "GET /status.json"} {
+		mux.Handle(p, status)
+	}
+	if cfg.EnablePprof { // behind the admin key when one is set: profiles show memory contents
+		mux.Handle("/debug/pprof/", g.Server.AdminOnly(http.HandlerFunc(pprof.Index)))
+		mux.Handle("/debug/pprof/profile", g.Server.AdminOnly(http.HandlerFunc(pprof.Profile)))
+		mux.Handle("/debug/pprof/trace", g.Server.AdminOnly(http.HandlerFunc(pprof.Trace)))
+	}
+	return mux
+}
+
+// close closes the listeners before they serve.
+func (ls *listeners) close() {
+	for _, l := range []net.Listener{ls.apiLn, ls.metricsLn, ls.adminLn} {
+		if l != nil {
+			l.Close()
+		}
+	}
+}
+
+// serve serves every listener, says where on stdout, and returns the channel of the first
+// server that stops.
+func (ls *listeners) serve(stdout io.Writer) <-chan error {
+	errc := make(chan error, 3)
+	go func() { errc <- ls.api.Serve(ls.apiLn) }()
+	if ls.admin != nil {
+		go func() { errc <- ls.admin.Serve(ls.adminLn) }()
+		fmt.Fprintf(stdout, "baton admin API on http://%s\n", ls.adminLn.Addr())
+	}
+	if ls.metrics != nil {
+		go func() { errc <- ls.metrics.Serve(ls.metricsLn) }()
+		fmt.Fprintf(stdout, "baton serving on http://%s (metrics on http://%s/metrics)\n", ls.apiLn.Addr(), ls.metricsLn.Addr())
+	} else {
+		fmt.Fprintf(stdout, "baton serving on http://%s\n", ls.apiLn.Addr())
+	}
+	return errc
+}
+
+// closeSide closes the metrics and admin servers once the API's drain ended.
+func (ls *listeners) closeSide() {
+	for _, srv := range []*http.Server{ls.metrics, ls.admin} {
+		if srv != nil {
+			_ = srv.Close()
+		}
+	}
+}
+
+// logStart says Baton started, with what, and the configuration's warnings.
+func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
+	server := "baton"
+	if _, ok := ls.api.(*http.Server); ok {
+		server = "net"
+		if cfg.HTTPServer == "baton" {
+			log.Warn("http_server baton needs epoll (Linux); serving the API with net/http's server instead")
+		}
+	}
+	log.Info("baton started", "version", Version(), "addr", ls.apiLn.Addr().String(), "workers", len(g.Registry.Snapshot().Workers),
+		"policy", cfg.Policy, "http_server", server, "upstream_client", cfg.UpstreamClient)
+	for _, w := range cfg.Warnings() {
+		log.Warn(w)
+	}
+	logAdmin(log, cfg)
 }
 
 // httpServer is the API listener's server: Baton's own (internal/h1) or net/http's.
