@@ -27,6 +27,7 @@ import (
 	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/metrics"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
@@ -528,12 +529,28 @@ func apiServer(cfg config.Config, ln net.Listener, h http.Handler, log *slog.Log
 	header := time.Duration(cfg.ReadHeaderTimeoutSecs) * time.Second
 	idle := time.Duration(cfg.IdleTimeoutSecs) * time.Second
 	if cfg.HTTPServer == "baton" && h1.Supported() {
-		s := &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log}
+		s := &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log, Refuse: refusal}
 		return s, ln, s.Refused.Load
 	}
 	limited := &h1.LimitListener{Listener: ln, Max: h1.DefaultMaxConns()}
 	return &http.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, MaxHeaderBytes: h1.DefaultMaxHeaderBytes,
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}, limited, limited.Refused.Load
+}
+
+// refusalCodes are the error codes of the requests Baton's HTTP/1.1 server refuses.
+var refusalCodes = map[h1.RefusalKind]string{
+	h1.RefusedRequest:          openai.CodeInvalidRequest,
+	h1.RefusedHeadersTooLarge:  openai.CodeHeadersTooLarge,
+	h1.RefusedVersion:          openai.CodeHTTPVersionNotSupported,
+	h1.RefusedTransferEncoding: openai.CodeUnsupportedTransferEncoding,
+	h1.RefusedExpectation:      openai.CodeExpectationFailed,
+}
+
+// refusal renders a request Baton's HTTP/1.1 server refuses before any handler in the OpenAI
+// error envelope, its code also in X-Baton-Error-Code.
+func refusal(r *h1.Refusal) (http.Header, []byte) {
+	e := &openai.Error{Status: r.Status, Code: refusalCodes[r.Kind], Message: r.Message}
+	return http.Header{"Content-Type": {"application/json"}, openai.HeaderErrorCode: {e.Code}}, e.Marshal()
 }
 
 // logAdmin says at startup where the admin API answers and how it is protected.

@@ -8,8 +8,6 @@ import (
 	"net"
 	"net/http"
 	"testing"
-
-	"github.com/baton-llm/baton/internal/openai"
 )
 
 // fakeConn reads a fixed input and collects what is written (a 100 Continue).
@@ -46,9 +44,9 @@ func FuzzRequest(f *testing.F) {
 		for range 4 {
 			req, b, err := c.readRequest()
 			if err != nil {
-				var he *openai.Error
+				var he *Refusal
 				if errors.As(err, &he) {
-					if he.Status < 400 || he.Status > 505 || he.Code == "" || he.Message == "" {
+					if he.Status < 400 || he.Status > 505 || he.Message == "" {
 						t.Fatalf("refusal %+v", he)
 					}
 				} else if !errors.Is(err, errClosed) {

@@ -9,21 +9,39 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
-
-	"github.com/baton-llm/baton/internal/openai"
 )
 
-// A request the server refuses before any handler sees it is an *openai.Error: its status,
-// code and message go to the client in the OpenAI envelope.
-
-func badRequest(msg string) *openai.Error {
-	return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Message: msg}
+// Refusal is a request the server refuses before any handler sees it: its status, what is
+// wrong with it (Kind) and a message; Server.Refuse renders it for the client, and the
+// connection closes.
+type Refusal struct {
+	Status  int
+	Kind    RefusalKind
+	Message string
 }
 
-var errHeadTooLarge = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
+func (r *Refusal) Error() string { return r.Message }
+
+// RefusalKind says what is wrong with a refused request.
+type RefusalKind int
+
+// The kinds of refusal.
+const (
+	RefusedRequest          RefusalKind = iota // a malformed request line or header (400)
+	RefusedHeadersTooLarge                     // the head past its bounds (431)
+	RefusedVersion                             // HTTP other than 1.0 and 1.1 (505)
+	RefusedTransferEncoding                    // a body coding other than chunked (501)
+	RefusedExpectation                         // an Expect other than 100-continue (417)
+)
+
+func badRequest(msg string) *Refusal {
+	return &Refusal{Status: http.StatusBadRequest, Kind: RefusedRequest, Message: msg}
+}
+
+var errHeadTooLarge = &Refusal{Status: http.StatusRequestHeaderFieldsTooLarge, Kind: RefusedHeadersTooLarge,
 	Message: "the request line and headers exceed the server's bound"}
 
-var errTooManyHeaders = &openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
+var errTooManyHeaders = &Refusal{Status: http.StatusRequestHeaderFieldsTooLarge, Kind: RefusedHeadersTooLarge,
 	Message: "the request has more header fields than the server's bound"}
 
 // errClosed is a connection that ended before a whole request head: nothing is answered.
@@ -95,7 +113,7 @@ func (c *conn) readRequest() (*http.Request, *body, error) {
 	return req, b, nil
 }
 
-func parseRequestLine(req *http.Request, line []byte) *openai.Error {
+func parseRequestLine(req *http.Request, line []byte) *Refusal {
 	sp1 := bytes.IndexByte(line, ' ')
 	if sp1 <= 0 {
 		return badRequest("malformed request line")
@@ -116,7 +134,7 @@ func parseRequestLine(req *http.Request, line []byte) *openai.Error {
 		req.Proto, req.ProtoMajor, req.ProtoMinor = "HTTP/1.0", 1, 0
 	default:
 		if bytes.HasPrefix(proto, []byte("HTTP/")) {
-			return &openai.Error{Status: http.StatusHTTPVersionNotSupported, Code: openai.CodeHTTPVersionNotSupported,
+			return &Refusal{Status: http.StatusHTTPVersionNotSupported, Kind: RefusedVersion,
 				Message: "only HTTP/1.1 and HTTP/1.0 are served here"}
 		}
 		return badRequest("malformed request line")
@@ -137,7 +155,7 @@ func parseRequestLine(req *http.Request, line []byte) *openai.Error {
 }
 
 // addHeader adds one "Name: value" line; folded lines and bad names or values are refused.
-func addHeader(h http.Header, line []byte) *openai.Error {
+func addHeader(h http.Header, line []byte) *Refusal {
 	name, v, herr := splitHeader(line)
 	if herr != nil {
 		return herr
@@ -149,7 +167,7 @@ func addHeader(h http.Header, line []byte) *openai.Error {
 
 // splitHeader checks a header line and returns its name and its value without surrounding
 // whitespace.
-func splitHeader(line []byte) (name, value []byte, herr *openai.Error) {
+func splitHeader(line []byte) (name, value []byte, herr *Refusal) {
 	if line[0] == ' ' || line[0] == '\t' {
 		return nil, nil, badRequest("folded header lines are not accepted")
 	}
@@ -167,7 +185,7 @@ func splitHeader(line []byte) (name, value []byte, herr *openai.Error) {
 }
 
 // prepare reads the request's framing and connection headers into req and sets up its body.
-func (c *conn) prepare(req *http.Request) (*body, *openai.Error) {
+func (c *conn) prepare(req *http.Request) (*body, *Refusal) {
 	h := req.Header
 	hosts := h["Host"]
 	switch {
@@ -199,7 +217,7 @@ func (c *conn) prepare(req *http.Request) (*body, *openai.Error) {
 			return nil, badRequest("both Transfer-Encoding and Content-Length")
 		}
 		if len(te) != 1 || !strings.EqualFold(te[0], "chunked") {
-			return nil, &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeUnsupportedTransferEncoding,
+			return nil, &Refusal{Status: http.StatusNotImplemented, Kind: RefusedTransferEncoding,
 				Message: "only the chunked transfer coding is accepted"}
 		}
 		req.TransferEncoding = []string{"chunked"}
@@ -226,7 +244,7 @@ func (c *conn) prepare(req *http.Request) (*body, *openai.Error) {
 	}
 	if ex := h["Expect"]; len(ex) > 0 {
 		if len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue") {
-			return nil, &openai.Error{Status: http.StatusExpectationFailed, Code: openai.CodeExpectationFailed,
+			return nil, &Refusal{Status: http.StatusExpectationFailed, Kind: RefusedExpectation,
 				Message: "only Expect: 100-continue is understood"}
 		}
 		b.expect = req.ProtoMinor == 1 && !b.eof

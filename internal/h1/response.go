@@ -9,8 +9,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/baton-llm/baton/internal/openai"
 )
 
 // writeBufSize is the answer buffer: an answer that fits and is not flushed goes out in one
@@ -380,16 +378,21 @@ func appendDate(dst []byte) []byte {
 	return append(dst, e.b...)
 }
 
-// refuse answers a request the server would not pass to its handler, in the OpenAI error
-// envelope, and the connection closes.
+// refuse answers a request the server would not pass to its handler, as Server.Refuse renders
+// it (text/plain when it is nil), and the connection closes.
 func (c *conn) refuse(err error) {
-	e, ok := err.(*openai.Error)
+	r, ok := err.(*Refusal)
 	if !ok {
 		return // the client left before a whole request
 	}
-	body := e.Marshal()
-	b := fmt.Appendf(nil, "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s: %s\r\nConnection: close\r\n\r\n%s",
-		e.Status, http.StatusText(e.Status), len(body), openai.HeaderErrorCode, e.Code, body)
+	h, body := http.Header{"Content-Type": {"text/plain; charset=utf-8"}}, []byte(r.Message+"\n")
+	if c.s.Refuse != nil {
+		h, body = c.s.Refuse(r)
+	}
+	h.Del("Content-Length")
+	b := fmt.Appendf(nil, "HTTP/1.1 %d %s\r\n", r.Status, http.StatusText(r.Status))
+	b = appendHeaders(b, h)
+	b = fmt.Appendf(b, "Content-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
 	_ = c.rwc.SetWriteDeadline(time.Now().Add(time.Second))
 	_ = c.write(b)
 }

@@ -54,6 +54,9 @@ type Server struct {
 	MaxConns int
 	// Refused counts connections closed at arrival because MaxConns were open.
 	Refused atomic.Uint64
+	// Refuse renders a request refused before any handler: the answer's headers (framing
+	// aside) and body. nil: the message as text/plain.
+	Refuse func(*Refusal) (http.Header, []byte)
 	// Log receives what cannot be answered to a client (a handler's panic, a failed accept);
 	// nil: discarded.
 	Log *slog.Logger

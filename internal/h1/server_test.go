@@ -15,7 +15,17 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/baton-llm/baton/internal/openai"
 )
+
+// envelope renders a refusal as Baton does (app's renderer): the OpenAI error envelope, with a
+// code per kind, also in X-Baton-Error-Code; its headers try to add a line, which the server
+// must not let them.
+func envelope(r *Refusal) (http.Header, []byte) {
+	e := &openai.Error{Status: r.Status, Code: fmt.Sprint("kind_", int(r.Kind)), Message: r.Message}
+	return http.Header{"Content-Type": {"application/json"}, "X-Baton-Error-Code": {e.Code}, "X-Evil": {"a\r\nInjected: yes"}}, e.Marshal()
+}
 
 // serve starts a Server for h on a loopback listener and returns its address.
 func serve(t *testing.T, h http.Handler, tune ...func(*Server)) (*Server, string) {
@@ -264,7 +274,7 @@ func TestExpectContinue(t *testing.T) {
 func TestRefusedRequests(t *testing.T) {
 	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		t.Errorf("the handler saw %s %s", r.Method, r.URL)
-	}), func(s *Server) { s.MaxHeaderBytes = 2048 })
+	}), func(s *Server) { s.MaxHeaderBytes, s.Refuse = 2048, envelope })
 	for _, tc := range []struct {
 		name, raw string
 		status    int
@@ -302,7 +312,7 @@ func TestRefusedRequests(t *testing.T) {
 		}
 		err = json.NewDecoder(resp.Body).Decode(&env)
 		if resp.StatusCode != tc.status || err != nil || env.Error.Message == "" || env.Error.Code == "" || !resp.Close ||
-			resp.Header.Get("X-Baton-Error-Code") != env.Error.Code {
+			resp.Header.Get("X-Baton-Error-Code") != env.Error.Code || resp.Header.Get("Injected") != "" {
 			t.Errorf("%s: got %d close=%v %+v (%v), want %d in an OpenAI error envelope and a close", tc.name,
 				resp.StatusCode, resp.Close, env, err, tc.status)
 		}
