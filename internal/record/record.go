@@ -15,6 +15,10 @@ import (
 
 // Record is what Baton knows of one request.
 type Record struct {
+	RequestID string // X-Request-Id: the client's, or Baton's
+	// Route is the route pattern that served it ("POST /v1/completions"), "other" for none;
+	// set when the handler returned.
+	Route    string
 	Model    string // the model the client asked for ("" until the body is read)
 	Mode     string // regular, pd_sglang or pd_vllm: how it was served
 	Attempts int    // tries made, the first included

@@ -283,7 +283,7 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		}
 		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
 		defer cancel()
-		rec := &record.Record{Mode: "regular", Attempts: 1}
+		rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1}
 		r = r.WithContext(record.With(ctx, rec))
 		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
 			start: start, rec: rec, metrics: s.metrics}
@@ -304,13 +304,12 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			if r.Context().Err() != nil && status == 0 {
 				status = 499 // client closed the request
 			}
-			route := r.Pattern
-			if route == "" || route == "/" {
-				route = "other"
+			rec.Route = r.Pattern
+			if rec.Route == "" || rec.Route == "/" {
+				rec.Route = "other"
 			}
-			model := s.metrics.Model(rec.Model)
-			s.metrics.ObserveRequest(route, model, status, time.Since(start).Seconds())
-			s.finish(sw, r, route, model, status, rid, span, v == http.ErrAbortHandler)
+			s.metrics.ObserveRequest(rec.Route, s.metrics.Model(rec.Model), status, time.Since(start).Seconds())
+			s.finish(sw, r, status, span, v == http.ErrAbortHandler)
 			if v == http.ErrAbortHandler {
 				panic(v)
 			}
@@ -322,8 +321,9 @@ func (s *Server) observe(next http.Handler) http.Handler {
 // finish records what a request's answer says once it ended, from its record and what its
 // writer saw: TTFT, inter-token gaps and tokens of a successful generation, the PD pair's
 // handoff, the access log line and the server span.
-func (s *Server) finish(sw *statusWriter, r *http.Request, route, model string, status int, rid string, span trace.Span, aborted bool) {
+func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trace.Span, aborted bool) {
 	rec := sw.rec
+	route, model, rid := rec.Route, s.metrics.Model(rec.Model), rec.RequestID
 	var ttft time.Duration
 	var usage openai.Usage
 	hasUsage := false
