@@ -26,6 +26,7 @@ import (
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/h1"
+	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
@@ -113,7 +114,7 @@ type Gateway struct {
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
 	// KVEvents subscribes to the engines' KV events.
-	KVEvents *KVEvents
+	KVEvents *kvfleet.KVEvents
 	Log      *slog.Logger
 }
 
@@ -224,12 +225,12 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
-	kv := newKVEvents(cfg, ws, reg, log)
-	kv.tokenizer.Client = client
+	kv := kvfleet.New(cfg, ws, reg, log)
+	kv.SetTokenizeClient(client)
 	if cfg.CacheAwareSource != "approx" {
 		for _, p := range policies {
 			if ca, ok := p.(*policy.CacheAware); ok {
-				ca.Precise = kv.precise()
+				ca.Precise = kv.Precise()
 			}
 		}
 	}
@@ -237,7 +238,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 	fleet.closeIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
 		Admin: server.Admin{Fleet: fleet, SourceOf: fleet.SourceOf}}
-	m.Registry.MustRegister(kvCollector{kv})
+	m.Registry.MustRegister(kv.Collector())
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
 	if health != nil {

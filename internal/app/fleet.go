@@ -16,6 +16,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
+	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -45,7 +46,7 @@ type Fleet struct {
 	breaker   *worker.BreakerConfig
 	pairs     *worker.PairHealth
 	registrar *worker.Registrar
-	kv        *KVEvents
+	kv        *kvfleet.KVEvents
 	metrics   *metrics.Metrics
 	log       *slog.Logger
 	// onRegistered is what registration runs for a worker before it is ready (engine ids, KV
@@ -64,7 +65,7 @@ type Fleet struct {
 	changes *prometheus.CounterVec
 }
 
-func newFleet(cfg config.Config, reg *worker.Registry, breaker *worker.BreakerConfig, kv *KVEvents, m *metrics.Metrics, log *slog.Logger, drain time.Duration) *Fleet {
+func newFleet(cfg config.Config, reg *worker.Registry, breaker *worker.BreakerConfig, kv *kvfleet.KVEvents, m *metrics.Metrics, log *slog.Logger, drain time.Duration) *Fleet {
 	f := &Fleet{cfg: cfg, reg: reg, breaker: breaker, kv: kv, metrics: m, log: log, drainTimeout: drain, sources: map[string]string{},
 		changes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_fleet_changes_total",
 			Help: "Workers added, updated and removed while Baton runs, by source (config, admin, kubernetes)."}, []string{"op", "source"})}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -543,7 +544,7 @@ func TestCacheAwareOlderSGLangHashesFallBack(t *testing.T) {
 	for i, e := range es {
 		w := g.Registry.Snapshot().Workers[i]
 		warmUntil(t, e, func() bool {
-			v, _ := g.KVEvents.View(w).(*KVEventsView)
+			v, _ := g.KVEvents.View(w).(*kvfleet.KVEventsView)
 			return v != nil && v.Unindexable && !v.Healthy
 		})
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"strings"
 	"sync"
@@ -15,7 +14,6 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/sim"
-	"github.com/baton-llm/baton/internal/worker"
 )
 
 func chatWith(system, question string) string {
@@ -393,37 +391,5 @@ func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
 	t.Logf("prompt tokens found cached: 1 replica (events) %.2f, 3 replicas (events) %.2f, 3 replicas (approximate) %.2f", one, three, approx)
 	if three < 0.95*one {
 		t.Errorf("3 replicas from events found %.2f cached, 1 replica %.2f: want at least 0.95 of it", three, one)
-	}
-}
-
-// A worker with DP ranks is subscribed on one endpoint per rank (port + r), as vLLM publishes;
-// with --kv-events, a worker that names no endpoint is subscribed at its host's 5557 once it
-// registers.
-func TestKVEventsOneSubscriptionPerRank(t *testing.T) {
-	cfg := config.Default()
-	cfg.Workers = []config.Worker{{URL: "http://dp:8000", DPSize: 3, KVEventsEndpoint: "tcp://dp:5557", KVEventsReplayEndpoint: "tcp://dp:6557"}, {URL: "http://plain:8000"}}
-	ws := []*worker.Worker{worker.New(cfg.Workers[0]), worker.New(cfg.Workers[1])}
-	endpoints := func(k *KVEvents, url string) string {
-		var eps []string
-		if k.subs[url] != nil {
-			for _, s := range k.subs[url].ranks {
-				eps = append(eps, fmt.Sprintf("%s %s rank %d", s.Endpoint, s.ReplayEndpoint, s.Rank))
-			}
-		}
-		return strings.Join(eps, ", ")
-	}
-	k := newKVEvents(cfg, ws, worker.NewRegistry(ws...), slog.New(slog.DiscardHandler))
-	k.Registered(ws[1])
-	if got := endpoints(k, "http://dp:8000"); got != "tcp://dp:5557 tcp://dp:6557 rank 0, tcp://dp:5558 tcp://dp:6558 rank 1, tcp://dp:5559 tcp://dp:6559 rank 2" || k.subs["http://plain:8000"] != nil {
-		t.Fatalf("subscriptions %q", got)
-	}
-	cfg.KVEvents = true // every worker, at its host's 5557
-	k = newKVEvents(cfg, ws, worker.NewRegistry(ws...), slog.New(slog.DiscardHandler))
-	if k.subs["http://plain:8000"] != nil {
-		t.Fatal("subscribed to a worker that names no endpoint before it registered")
-	}
-	k.Registered(ws[1])
-	if got := endpoints(k, "http://plain:8000"); got != "tcp://plain:5557  rank 0" {
-		t.Fatalf("kv_events on: %q", got)
 	}
 }

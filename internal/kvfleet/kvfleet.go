@@ -1,4 +1,9 @@
-package app
+// Package kvfleet is the gateway's subscription to its engines' KV events over the fleet: per
+// worker that publishes, one subscriber per DP rank (dialling the engine's publisher, or fed by
+// the one listener engines that connect out publish to, its topics believed only from the
+// worker's own address), all feeding one index; the tokenizer that turns a request's prompt
+// into the engines' token ids; the collector of their metrics; and cache_aware's precise view.
+package kvfleet
 
 import (
 	"context"
@@ -7,6 +12,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"net/http"
 	"net/netip"
 	"net/url"
 	"os"
@@ -108,9 +114,9 @@ func (k *KVEvents) Remove(w *worker.Worker) {
 	k.Index.ClearWorker(w.URL)
 }
 
-// newKVEvents returns the gateway's KV events subscription, with the workers that name their
+// New returns the gateway's KV events subscription, with the workers that name their
 // endpoint subscribed from the start; others join as they register (Registered).
-func newKVEvents(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, log *slog.Logger) *KVEvents {
+func New(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, log *slog.Logger) *KVEvents {
 	blocks, from, limit := kvIndexBound("/sys/fs/cgroup/memory.max")
 	if from != "" && (cfg.KVEvents || cfg.KVEventsListen != "") {
 		log.Info("kv events: the index holds at most a quarter of the memory limit", "blocks", blocks, "limit_from", from, "limit_mib", limit>>20)
@@ -354,6 +360,29 @@ func (k *KVEvents) View(w *worker.Worker) any {
 // baton_kv_events_healthy{worker}, baton_kv_index_blocks, baton_kv_index_dropped_total.
 type kvCollector struct{ k *KVEvents }
 
+// Collector exports the subscriptions' metrics at scrape time.
+func (k *KVEvents) Collector() prometheus.Collector { return kvCollector{k} }
+
+// SetTokenizeClient sets the HTTP client the tokenizer asks engines' /tokenize with.
+func (k *KVEvents) SetTokenizeClient(c *http.Client) { k.tokenizer.Client = c }
+
+// ListenerCounts returns the listener's message counts: received, malformed, unrouted (the
+// topic named no known worker), refused (from another address than the worker's); zeros
+// without a listener.
+func (k *KVEvents) ListenerCounts() (received, malformed, unrouted, refused uint64) {
+	if k.listener == nil {
+		return 0, 0, 0, 0
+	}
+	l := k.listener
+	return l.Received.Load(), l.Malformed.Load(), l.Unrouted.Load(), l.Refused.Load()
+}
+
+// BlockSize returns the block size of a worker's subscription (0 until known).
+func (k *KVEvents) BlockSize(url string) int {
+	_, bs, _ := k.stats(url)
+	return bs
+}
+
 var (
 	kvEventsDesc   = prometheus.NewDesc("baton_kv_events_total", "KV event messages from each worker's engine by result (received, malformed; ignored counts unknown events).", []string{"worker", "result"}, nil)
 	kvGapsDesc     = prometheus.NewDesc("baton_kv_events_gaps_total", "KV event sequence gaps (events lost): each filled from the replay endpoint or, failing that, cleared the worker's blocks.", []string{"worker"}, nil)
@@ -408,11 +437,11 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(kvDroppedDesc, prometheus.CounterValue, float64(dropped))
 }
 
-// precise returns cache_aware's view from the engines' events: the prompt's token ids (asked of
+// Precise returns cache_aware's view from the engines' events: the prompt's token ids (asked of
 // a subscribed candidate's /tokenize, cached), their blocks at that engine's block size, and
 // each subscribed worker's resident share; -1 for workers without a healthy subscription, nil
 // when none has one or the prompt cannot be tokenized.
-func (k *KVEvents) precise() func(ws []*worker.Worker, req *policy.Request) []float64 {
+func (k *KVEvents) Precise() func(ws []*worker.Worker, req *policy.Request) []float64 {
 	tok := k.tokenizer
 	return func(ws []*worker.Worker, req *policy.Request) []float64 {
 		if k.n.Load() == 0 {
