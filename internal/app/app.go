@@ -220,8 +220,8 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}}
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
-		sequential.Redecode = func(prefill *worker.Worker, req *pd.Request, avoid map[string]bool) (*worker.Worker, error) {
-			return sel.Decode(prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body}, avoid)
+		sequential.Redecode = func(ctx context.Context, prefill *worker.Worker, req *pd.Request, avoid map[string]bool) (*worker.Worker, error) {
+			return sel.Decode(ctx, prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body, Parsed: req.Request}, avoid)
 		}
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}

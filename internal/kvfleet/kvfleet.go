@@ -441,9 +441,9 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 // a subscribed candidate's /tokenize, cached), their blocks at that engine's block size, and
 // each subscribed worker's resident share; -1 for workers without a healthy subscription, nil
 // when none has one or the prompt cannot be tokenized.
-func (k *KVEvents) Precise() func(ws []*worker.Worker, req *policy.Request) []float64 {
+func (k *KVEvents) Precise() func(ctx context.Context, ws []*worker.Worker, req *policy.Request) []float64 {
 	tok := k.tokenizer
-	return func(ws []*worker.Worker, req *policy.Request) []float64 {
+	return func(ctx context.Context, ws []*worker.Worker, req *policy.Request) []float64 {
 		if k.n.Load() == 0 {
 			return nil
 		}
@@ -458,7 +458,7 @@ func (k *KVEvents) Precise() func(ws []*worker.Worker, req *policy.Request) []fl
 		if via == nil {
 			return nil
 		}
-		toks, ok := tok.Tokens(req.Ctx, via.URL, via.APIKey, req.Model, req.Path, req.Body)
+		toks, ok := tok.Tokens(ctx, via.URL, via.APIKey, req.Model, req.Path, req.Body)
 		if !ok || len(toks) == 0 {
 			return nil
 		}

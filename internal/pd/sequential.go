@@ -1,6 +1,7 @@
 package pd
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -40,7 +41,7 @@ type Sequential struct {
 	Pairs *worker.PairHealth
 	// Redecode chooses another decode worker for prefill's handoff, avoiding those in avoid;
 	// nil never retries a decode alone.
-	Redecode func(prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error)
+	Redecode func(ctx context.Context, prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error)
 	// RedecodeAttempts bounds the decode retries of one handoff.
 	RedecodeAttempts int
 }
@@ -245,7 +246,7 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 			avoid = map[string]bool{}
 		}
 		avoid[s.pair.Decode.URL] = true
-		d, serr := s.x.Redecode(s.pair.Prefill, s.req, avoid)
+		d, serr := s.x.Redecode(s.r.Context(), s.pair.Prefill, s.req, avoid)
 		if serr != nil {
 			break
 		}

@@ -3,6 +3,7 @@ package policy
 import (
 	"cmp"
 	"container/list"
+	"context"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -37,7 +38,7 @@ type CacheAware struct {
 	// Precise, when set, gives each worker's cached share of the prompt from the engines' own
 	// KV events (0..1), or -1 for a worker it knows nothing of (those, and every worker when it
 	// returns nil, use the approximate index).
-	Precise func(ws []*worker.Worker, req *Request) []float64
+	Precise func(ctx context.Context, ws []*worker.Worker, req *Request) []float64
 	// Speculative is how long what this gateway routed counts beside the engines' events; zero
 	// means SpeculativeTTL.
 	Speculative time.Duration
@@ -60,18 +61,18 @@ type entry struct {
 var _ Policy = (*CacheAware)(nil)
 
 // Pick implements Policy.
-func (p *CacheAware) Pick(ws []*worker.Worker, req *Request) *worker.Worker {
-	w, _ := p.explain(ws, req)
+func (p *CacheAware) Pick(ctx context.Context, ws []*worker.Worker, req *Request) *worker.Worker {
+	w, _ := p.explain(ctx, ws, req)
 	return w
 }
 
-func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker, Decision) {
+func (p *CacheAware) explain(ctx context.Context, ws []*worker.Worker, req *Request) (*worker.Worker, Decision) {
 	var model string
 	if req != nil {
 		model = req.Model
 	}
 	keys := blocksOf(model, promptOf(req))
-	shares := p.shares(keys, ws, req)
+	shares := p.shares(ctx, keys, ws, req)
 	n := float64(len(keys))
 	best, bestCost, bestShare := 0, 0.0, 0.0
 	ties := 0
@@ -109,7 +110,7 @@ func (p *CacheAware) explain(ws []*worker.Worker, req *Request) (*worker.Worker,
 
 // shares returns each worker's cached share of the prompt: from the engines' events where
 // Precise knows, else from the approximate index.
-func (p *CacheAware) shares(keys []uint64, ws []*worker.Worker, req *Request) []float64 {
+func (p *CacheAware) shares(ctx context.Context, keys []uint64, ws []*worker.Worker, req *Request) []float64 {
 	now := time.Now()
 	matched := p.matches(keys, ws, now, p.TTL)
 	out := make([]float64, len(ws))
@@ -121,7 +122,7 @@ func (p *CacheAware) shares(keys []uint64, ws []*worker.Worker, req *Request) []
 	if p.Precise == nil || len(keys) == 0 {
 		return out
 	}
-	if precise := p.Precise(ws, req); len(precise) == len(ws) {
+	if precise := p.Precise(ctx, ws, req); len(precise) == len(ws) {
 		// What the engines confirmed, or what this gateway routed there in the last moments
 		// (the engine's events for it may not have arrived yet): a burst of one prefix stays
 		// together instead of scattering while its first request is still in prefill.

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"fmt"
 	"runtime"
 	"strings"
@@ -26,7 +27,7 @@ func TestCacheAwareFollowsThePrefix(t *testing.T) {
 	home := map[int]*worker.Worker{}
 	for round := 0; round < 5; round++ {
 		for g := 0; g < 4; g++ {
-			got := p.Pick(ws, chat(fmt.Sprintf("group %d: %s question %d", g, system, round)))
+			got := p.Pick(context.Background(), ws, chat(fmt.Sprintf("group %d: %s question %d", g, system, round)))
 			if round == 0 {
 				home[g] = got
 				continue
@@ -44,17 +45,17 @@ func TestCacheAwareFollowsThePrefix(t *testing.T) {
 func TestCacheAwareSpreadsAHotPrefixUnderLoad(t *testing.T) {
 	p := cacheAware()
 	ws := fleet(3)
-	first := p.Pick(ws, chat(system+"q0"))
+	first := p.Pick(context.Background(), ws, chat(system+"q0"))
 	// The prefix's worker is now busy enough that computing the prompt elsewhere is cheaper
 	// (the prompt is ~20 blocks, each request of load costs 16): the next one goes elsewhere.
 	busy(t, first, 2)
-	second := p.Pick(ws, chat(system+"q1"))
+	second := p.Pick(context.Background(), ws, chat(system+"q1"))
 	if second == first {
 		t.Fatalf("a loaded worker %s kept the hot prefix", first)
 	}
 	// Both now hold the prefix; with the first still busy the second keeps it.
 	for i := 0; i < 10; i++ {
-		if got := p.Pick(ws, chat(fmt.Sprintf("%sq%d", system, i+2))); got != second {
+		if got := p.Pick(context.Background(), ws, chat(fmt.Sprintf("%sq%d", system, i+2))); got != second {
 			t.Fatalf("request %d went to %s, want the idle holder %s", i, got, second)
 		}
 	}
@@ -66,7 +67,7 @@ func TestCacheAwareFallsBackBelowThreshold(t *testing.T) {
 	busy(t, ws[0], 1)
 	// Nothing is cached anywhere: below the threshold the least loaded of two is chosen.
 	for i := 0; i < 20; i++ {
-		if got := p.Pick(ws, chat(fmt.Sprintf("unrelated prompt number %d", i))); got != ws[1] {
+		if got := p.Pick(context.Background(), ws, chat(fmt.Sprintf("unrelated prompt number %d", i))); got != ws[1] {
 			t.Fatalf("with nothing cached, picked the busier %s", got)
 		}
 	}
@@ -76,14 +77,14 @@ func TestCacheAwareFallsBackWhenImbalanced(t *testing.T) {
 	p := cacheAware()
 	p.LoadCost = 0 // cost is the cache alone: only the balance guard moves work
 	ws := fleet(2)
-	home := p.Pick(ws, chat(system))
+	home := p.Pick(context.Background(), ws, chat(system))
 	other := ws[0]
 	if home == ws[0] {
 		other = ws[1]
 	}
 	busy(t, home, 100) // above 64 and 1.5x the idle one
 	for i := 0; i < 20; i++ {
-		if got := p.Pick(ws, chat(fmt.Sprintf("%s%d", system, i))); got != other {
+		if got := p.Pick(context.Background(), ws, chat(fmt.Sprintf("%s%d", system, i))); got != other {
 			t.Fatalf("an imbalanced fleet sent the prefix to its busy home %s", got)
 		}
 	}
@@ -94,7 +95,7 @@ func TestCacheAwareIndexIsBounded(t *testing.T) {
 	p.MaxBlocks = 100
 	ws := fleet(3)
 	for i := 0; i < 1000; i++ {
-		p.Pick(ws, chat(fmt.Sprintf("%d %s", i, system)))
+		p.Pick(context.Background(), ws, chat(fmt.Sprintf("%d %s", i, system)))
 		if n := p.Size(); n > 100 {
 			t.Fatalf("index holds %d blocks, bound 100", n)
 		}
@@ -113,7 +114,7 @@ func TestCacheAwareForgetsAfterTTL(t *testing.T) {
 	p := cacheAware()
 	p.TTL = time.Nanosecond
 	ws := fleet(4)
-	p.Pick(ws, chat(system))
+	p.Pick(context.Background(), ws, chat(system))
 	time.Sleep(time.Millisecond)
 	keys := blocksOf("m", promptOf(chat(system)))
 	for i, n := range p.matches(keys, ws, time.Now(), p.TTL) {
@@ -122,7 +123,7 @@ func TestCacheAwareForgetsAfterTTL(t *testing.T) {
 		}
 	}
 	p.TTL = 0 // no TTL: remembered until evicted
-	p.Pick(ws, chat(system))
+	p.Pick(context.Background(), ws, chat(system))
 	time.Sleep(time.Millisecond)
 	total := 0
 	for _, n := range p.matches(keys, ws, time.Now(), p.TTL) {
@@ -145,7 +146,7 @@ func BenchmarkCacheAware10kPrefixes(b *testing.B) {
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	for _, r := range reqs {
-		p.Pick(ws, r)
+		p.Pick(context.Background(), ws, r)
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
@@ -153,7 +154,7 @@ func BenchmarkCacheAware10kPrefixes(b *testing.B) {
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
-		p.Pick(ws, reqs[i%len(reqs)])
+		p.Pick(context.Background(), ws, reqs[i%len(reqs)])
 		i++
 	}
 	b.ReportMetric(perBlock, "index-B/block")
@@ -168,7 +169,7 @@ func TestCacheAwareSpreadsNewPrefixesOverCaches(t *testing.T) {
 	// chance puts them (an engine's cache holds only so many).
 	count := map[*worker.Worker]int{}
 	for g := 0; g < 8; g++ {
-		count[p.Pick(ws, chat(fmt.Sprintf("group %d %s", g, system)))]++
+		count[p.Pick(context.Background(), ws, chat(fmt.Sprintf("group %d %s", g, system)))]++
 	}
 	for _, w := range ws {
 		if count[w] != 2 {
@@ -177,7 +178,7 @@ func TestCacheAwareSpreadsNewPrefixesOverCaches(t *testing.T) {
 	}
 	// The per-worker tally stays consistent with the index through evictions.
 	for i := 0; i < 500; i++ {
-		p.Pick(ws, chat(fmt.Sprintf("%d %s", i, system)))
+		p.Pick(context.Background(), ws, chat(fmt.Sprintf("%d %s", i, system)))
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -200,27 +201,27 @@ func TestCacheAwareSpreadsNewPrefixesOverCaches(t *testing.T) {
 func TestCacheAwareExplains(t *testing.T) {
 	p := cacheAware()
 	ws := fleet(3)
-	_, d := p.explain(ws, chat(system+"first"))
+	_, d := p.explain(context.Background(), ws, chat(system+"first"))
 	if d.Reason != ReasonCacheMiss || d.Match != 0 {
 		t.Fatalf("first sight: %+v, want cache_miss with match 0", d)
 	}
-	_, d = p.explain(ws, chat(system+"second"))
+	_, d = p.explain(context.Background(), ws, chat(system+"second"))
 	if d.Reason != ReasonCacheMatch || d.Match < 0.9 || d.Match >= 1 {
 		t.Fatalf("second: %+v, want cache_match with most of the prompt", d)
 	}
-	if _, d = p.explain(ws, &Request{Model: "m", Path: "/v1/models"}); d.Reason != ReasonNoPrompt || d.Match != -1 {
+	if _, d = p.explain(context.Background(), ws, &Request{Model: "m", Path: "/v1/models"}); d.Reason != ReasonNoPrompt || d.Match != -1 {
 		t.Fatalf("no prompt: %+v", d)
 	}
 	// The same prompt for another model matches nothing: engines cache per model.
 	other := chat(system + "second")
 	other.Model = "other"
-	if _, d = p.explain(ws, other); d.Reason != ReasonCacheMiss || d.Match != 0 {
+	if _, d = p.explain(context.Background(), ws, other); d.Reason != ReasonCacheMiss || d.Match != 0 {
 		t.Fatalf("another model: %+v, want cache_miss", d)
 	}
 	p.LoadCost = 0
-	home := p.Pick(ws, chat(system))
+	home := p.Pick(context.Background(), ws, chat(system))
 	busy(t, home, 100)
-	if _, d = p.explain(ws, chat(system)); d.Reason != ReasonImbalanced {
+	if _, d = p.explain(context.Background(), ws, chat(system)); d.Reason != ReasonImbalanced {
 		t.Fatalf("imbalanced fleet: %+v", d)
 	}
 }
@@ -232,7 +233,7 @@ func TestSelectorRecordsDecisions(t *testing.T) {
 	sel.Observe = func(d Decision) { seen = append(seen, d) }
 	req := chat(system)
 	req.Explain = true
-	w, err := sel.Worker(config.RoleRegular, req, nil)
+	w, err := sel.Worker(context.Background(), config.RoleRegular, req, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,7 +249,7 @@ func TestSelectorRecordsDecisions(t *testing.T) {
 	}
 	sel.Policies[config.RoleRegular] = &RoundRobin{}
 	req.Decisions = nil
-	sel.Worker(config.RoleRegular, req, nil)
+	sel.Worker(context.Background(), config.RoleRegular, req, nil)
 	if got, want := RouteHeader(req.Decisions), "role=regular; policy=round_robin; reason=turn; load=0"; got != want {
 		t.Errorf("header %q, want %q", got, want)
 	}
@@ -259,18 +260,18 @@ func TestSelectorRecordsDecisions(t *testing.T) {
 func TestCacheAwareReactsToAnEngineThatQueues(t *testing.T) {
 	p := cacheAware()
 	ws := fleet(2)
-	home := p.Pick(ws, chat(system))
+	home := p.Pick(context.Background(), ws, chat(system))
 	other := ws[0]
 	if home == ws[0] {
 		other = ws[1]
 	}
 	now := time.Now()
 	home.SetEngineLoad(worker.EngineLoad{Running: 1, Waiting: 1, HasRunning: true, HasWaiting: true, At: now.Add(-time.Hour), Until: now.Add(-time.Minute)})
-	if got := p.Pick(ws, chat(system+"stale")); got != home {
+	if got := p.Pick(context.Background(), ws, chat(system+"stale")); got != home {
 		t.Fatalf("a stale queue report moved the prefix to %s", got)
 	}
 	home.SetEngineLoad(worker.EngineLoad{Running: 1, Waiting: 1, HasRunning: true, HasWaiting: true, At: now, Until: now.Add(time.Minute)})
-	if got := p.Pick(ws, chat(system+"queued")); got != other {
+	if got := p.Pick(context.Background(), ws, chat(system+"queued")); got != other {
 		t.Fatalf("an engine with one request queued kept the prefix (load %v)", load(home))
 	}
 }

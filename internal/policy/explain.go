@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"strconv"
 	"strings"
 
@@ -51,7 +52,7 @@ func Name(p Policy) string {
 
 // explainer is a policy that says why it chose.
 type explainer interface {
-	explain(ws []*worker.Worker, req *Request) (*worker.Worker, Decision)
+	explain(ctx context.Context, ws []*worker.Worker, req *Request) (*worker.Worker, Decision)
 }
 
 func reasonOf(p Policy) string {
@@ -67,14 +68,14 @@ func reasonOf(p Policy) string {
 }
 
 // pick has role's policy choose among ws, recording the decision on req and with Observe.
-func (s *Selector) pick(role string, ws []*worker.Worker, req *Request) *worker.Worker {
+func (s *Selector) pick(ctx context.Context, role string, ws []*worker.Worker, req *Request) *worker.Worker {
 	p := s.Policies[role]
 	var w *worker.Worker
 	var d Decision
 	if e, ok := p.(explainer); ok {
-		w, d = e.explain(ws, req)
+		w, d = e.explain(ctx, ws, req)
 	} else {
-		w, d = p.Pick(ws, req), Decision{Reason: reasonOf(p), Match: -1}
+		w, d = p.Pick(ctx, ws, req), Decision{Reason: reasonOf(p), Match: -1}
 	}
 	d.Role, d.Policy, d.Worker, d.Load = role, Name(p), w.URL, load(w)
 	if req != nil && req.Explain {

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"math/rand/v2"
 	"time"
 
@@ -30,7 +31,7 @@ type LeastLoad struct{}
 var _ Policy = LeastLoad{}
 
 // Pick implements Policy.
-func (LeastLoad) Pick(ws []*worker.Worker, _ *Request) *worker.Worker {
+func (LeastLoad) Pick(_ context.Context, ws []*worker.Worker, _ *Request) *worker.Worker {
 	best, ties := ws[0], 1
 	for _, w := range ws[1:] {
 		switch l, b := load(w), load(best); {
@@ -53,7 +54,7 @@ type PowerOfTwo struct{}
 var _ Policy = PowerOfTwo{}
 
 // Pick implements Policy.
-func (PowerOfTwo) Pick(ws []*worker.Worker, _ *Request) *worker.Worker {
+func (PowerOfTwo) Pick(_ context.Context, ws []*worker.Worker, _ *Request) *worker.Worker {
 	if len(ws) == 1 {
 		return ws[0]
 	}

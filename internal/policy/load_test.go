@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -22,7 +23,7 @@ func TestLeastLoad(t *testing.T) {
 	busy(t, ws[1], 1)
 	busy(t, ws[2], 2)
 	for i := 0; i < 20; i++ {
-		if got := (LeastLoad{}).Pick(ws, nil); got != ws[1] {
+		if got := (LeastLoad{}).Pick(context.Background(), ws, nil); got != ws[1] {
 			t.Fatalf("picked %s, want the least loaded %s", got, ws[1])
 		}
 	}
@@ -30,7 +31,7 @@ func TestLeastLoad(t *testing.T) {
 	idle := fleet(2)
 	seen := map[*worker.Worker]bool{}
 	for i := 0; i < 200; i++ {
-		seen[(LeastLoad{}).Pick(idle, nil)] = true
+		seen[(LeastLoad{}).Pick(context.Background(), idle, nil)] = true
 	}
 	if len(seen) != 2 {
 		t.Errorf("ties went to %d of 2 idle workers", len(seen))
@@ -41,7 +42,7 @@ func TestPowerOfTwo(t *testing.T) {
 	ws := fleet(2)
 	busy(t, ws[0], 5)
 	for i := 0; i < 20; i++ {
-		if got := (PowerOfTwo{}).Pick(ws, nil); got != ws[1] {
+		if got := (PowerOfTwo{}).Pick(context.Background(), ws, nil); got != ws[1] {
 			t.Fatalf("of two, picked the busier %s", got)
 		}
 	}
@@ -49,11 +50,11 @@ func TestPowerOfTwo(t *testing.T) {
 	many := fleet(5)
 	busy(t, many[3], 9)
 	for i := 0; i < 500; i++ {
-		if got := (PowerOfTwo{}).Pick(many, nil); got == many[3] {
+		if got := (PowerOfTwo{}).Pick(context.Background(), many, nil); got == many[3] {
 			t.Fatal("the busiest worker was picked")
 		}
 	}
-	if got := (PowerOfTwo{}).Pick(many[:1], nil); got != many[0] {
+	if got := (PowerOfTwo{}).Pick(context.Background(), many[:1], nil); got != many[0] {
 		t.Error("one candidate")
 	}
 }
@@ -67,9 +68,9 @@ func TestPrefixHashIsStickyAndStable(t *testing.T) {
 	ws := fleet(5)
 	// The same prefix always goes to the same worker, whatever follows it.
 	long := "a long shared system prompt that every request of this group starts with"
-	first := p.Pick(ws, chat(long+" and then question one"))
+	first := p.Pick(context.Background(), ws, chat(long+" and then question one"))
 	for i := 0; i < 10; i++ {
-		if got := p.Pick(ws, chat(fmt.Sprintf("%s and then question %d", long, i))); got != first {
+		if got := p.Pick(context.Background(), ws, chat(fmt.Sprintf("%s and then question %d", long, i))); got != first {
 			t.Fatalf("same prefix went to %s and %s", first, got)
 		}
 	}
@@ -78,7 +79,7 @@ func TestPrefixHashIsStickyAndStable(t *testing.T) {
 	owner := map[string]*worker.Worker{}
 	for i := 0; i < 200; i++ {
 		pr := fmt.Sprintf("group %d asks", i)
-		owner[pr] = p.Pick(ws, chat(pr))
+		owner[pr] = p.Pick(context.Background(), ws, chat(pr))
 		seen[owner[pr]]++
 	}
 	if len(seen) != 5 {
@@ -88,7 +89,7 @@ func TestPrefixHashIsStickyAndStable(t *testing.T) {
 	gone := ws[2]
 	rest := append(append([]*worker.Worker{}, ws[:2]...), ws[3:]...)
 	for pr, w := range owner {
-		if got := p.Pick(rest, chat(pr)); w != gone && got != w {
+		if got := p.Pick(context.Background(), rest, chat(pr)); w != gone && got != w {
 			t.Fatalf("prefix %q moved from %s to %s when %s left", pr, w, got, gone)
 		}
 	}
@@ -98,13 +99,13 @@ func TestPrefixHashSpillsFromAnOverloadedWorker(t *testing.T) {
 	p := &PrefixHash{PrefixBytes: 64, LoadFactor: 1.25}
 	ws := fleet(4)
 	hot := chat("the hot prefix everyone sends")
-	home := p.Pick(ws, hot)
+	home := p.Pick(context.Background(), ws, hot)
 	busy(t, home, 8) // mean 2: limit 1.25·2+1 = 3.5
-	if got := p.Pick(ws, hot); got == home {
+	if got := p.Pick(context.Background(), ws, hot); got == home {
 		t.Fatalf("the hot prefix stayed on its overloaded worker %s", home)
 	}
 	// Without a prompt: least loaded.
-	if got := p.Pick(ws, &Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}); got == home {
+	if got := p.Pick(context.Background(), ws, &Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}); got == home {
 		t.Error("a request without a prompt went to the busiest worker")
 	}
 }
@@ -118,7 +119,7 @@ func TestLoadTrustsOnlyFreshEngineReports(t *testing.T) {
 	if got := load(ws[0]); got != 10 {
 		t.Errorf("load %v, want running+waiting 7 plus waiting 3", got)
 	}
-	if got := (LeastLoad{}).Pick(ws, nil); got != ws[1] {
+	if got := (LeastLoad{}).Pick(context.Background(), ws, nil); got != ws[1] {
 		t.Errorf("least_load picked %s, busy in its engine's own report", got)
 	}
 	ws[0].SetEngineLoad(worker.EngineLoad{Running: 40, Waiting: 30, At: now.Add(-time.Hour), Until: now.Add(-time.Minute)})
@@ -126,7 +127,7 @@ func TestLoadTrustsOnlyFreshEngineReports(t *testing.T) {
 	if got := load(ws[0]); got != 0 {
 		t.Errorf("a stale report still counts: load %v", got)
 	}
-	if got := (LeastLoad{}).Pick(ws, nil); got != ws[0] {
+	if got := (LeastLoad{}).Pick(context.Background(), ws, nil); got != ws[0] {
 		t.Errorf("least_load believed a stale report")
 	}
 }

@@ -5,6 +5,7 @@
 package policy
 
 import (
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"sync/atomic"
@@ -16,7 +17,7 @@ import (
 
 // Policy picks one of ws for req. ws is never empty, and every worker in it is available.
 type Policy interface {
-	Pick(ws []*worker.Worker, req *Request) *worker.Worker
+	Pick(ctx context.Context, ws []*worker.Worker, req *Request) *worker.Worker
 }
 
 // Options are the settings of the policies that have some.
@@ -55,7 +56,7 @@ type RoundRobin struct{ n atomic.Uint64 }
 var _ Policy = (*RoundRobin)(nil)
 
 // Pick implements Policy.
-func (p *RoundRobin) Pick(ws []*worker.Worker, _ *Request) *worker.Worker {
+func (p *RoundRobin) Pick(_ context.Context, ws []*worker.Worker, _ *Request) *worker.Worker {
 	return ws[(p.n.Add(1)-1)%uint64(len(ws))]
 }
 
@@ -65,4 +66,6 @@ type Random struct{}
 var _ Policy = Random{}
 
 // Pick implements Policy.
-func (Random) Pick(ws []*worker.Worker, _ *Request) *worker.Worker { return ws[rand.IntN(len(ws))] }
+func (Random) Pick(_ context.Context, ws []*worker.Worker, _ *Request) *worker.Worker {
+	return ws[rand.IntN(len(ws))]
+}

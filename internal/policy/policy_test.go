@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -22,7 +23,7 @@ func TestRoundRobinCycles(t *testing.T) {
 	ws := fleet(3)
 	p := &RoundRobin{}
 	for i := 0; i < 7; i++ {
-		if got, want := p.Pick(ws, nil), ws[i%3]; got != want {
+		if got, want := p.Pick(context.Background(), ws, nil), ws[i%3]; got != want {
 			t.Fatalf("pick %d: got %s, want %s", i, got, want)
 		}
 	}
@@ -32,7 +33,7 @@ func TestRandomCoversAll(t *testing.T) {
 	ws := fleet(4)
 	seen := map[*worker.Worker]int{}
 	for i := 0; i < 400; i++ {
-		seen[Random{}.Pick(ws, nil)]++
+		seen[Random{}.Pick(context.Background(), ws, nil)]++
 	}
 	if len(seen) != 4 {
 		t.Fatalf("random picked %d distinct workers of 4 in 400 picks", len(seen))
@@ -58,7 +59,7 @@ func BenchmarkPolicies(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				p.Pick(ws, req)
+				p.Pick(context.Background(), ws, req)
 			}
 		})
 	}
@@ -91,7 +92,7 @@ func TestSelectorWorker(t *testing.T) {
 	req := &Request{Model: "m"}
 	seen := map[*worker.Worker]bool{}
 	for i := 0; i < 4; i++ {
-		w, err := sel.Worker(config.RoleRegular, req, nil)
+		w, err := sel.Worker(context.Background(), config.RoleRegular, req, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -102,21 +103,21 @@ func TestSelectorWorker(t *testing.T) {
 	}
 	// The workers to avoid are avoided while others remain, and chosen when none do.
 	for i := 0; i < 4; i++ {
-		if w, _ := sel.Worker(config.RoleRegular, req, map[string]bool{"http://a": true}); w != ws[1] {
+		if w, _ := sel.Worker(context.Background(), config.RoleRegular, req, map[string]bool{"http://a": true}); w != ws[1] {
 			t.Errorf("avoiding a chose %s", w)
 		}
 	}
-	if w, _ := sel.Worker(config.RoleRegular, req, map[string]bool{"http://a": true, "http://b": true}); w == nil {
+	if w, _ := sel.Worker(context.Background(), config.RoleRegular, req, map[string]bool{"http://a": true, "http://b": true}); w == nil {
 		t.Error("avoiding every candidate chose none")
 	}
 	// Unhealthy workers are filtered; none left is a 503-kind error, an unknown model a 404-kind.
 	ws[0].SetReady(false)
 	ws[1].SetReady(false)
 	var nw *NoWorkerError
-	if _, err := sel.Worker(config.RoleRegular, req, nil); !errors.As(err, &nw) || nw.Unserved {
+	if _, err := sel.Worker(context.Background(), config.RoleRegular, req, nil); !errors.As(err, &nw) || nw.Unserved {
 		t.Errorf("no ready worker: %v", err)
 	}
-	if _, err := sel.Worker(config.RoleRegular, &Request{Model: "nobody"}, nil); !errors.As(err, &nw) || !nw.Unserved {
+	if _, err := sel.Worker(context.Background(), config.RoleRegular, &Request{Model: "nobody"}, nil); !errors.As(err, &nw) || !nw.Unserved {
 		t.Errorf("unknown model: %v", err)
 	}
 }
@@ -129,7 +130,7 @@ func TestSelectorPairAvoidsQuarantine(t *testing.T) {
 	)
 	sel.Pairs.Record(ws[0], ws[1], false) // threshold 1: p+d1 quarantined
 	for i := 0; i < 4; i++ {
-		p, err := sel.Pair(&Request{}, nil)
+		p, err := sel.Pair(context.Background(), &Request{}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -138,12 +139,12 @@ func TestSelectorPairAvoidsQuarantine(t *testing.T) {
 		}
 	}
 	ws[2].SetReady(false) // every other decode gone: the quarantined pair is better than none
-	if p, err := sel.Pair(&Request{}, nil); err != nil || p.Decode != ws[1] {
+	if p, err := sel.Pair(context.Background(), &Request{}, nil); err != nil || p.Decode != ws[1] {
 		t.Fatalf("pair %v, %v", p, err)
 	}
 	ws[1].SetReady(false)
 	var nw *NoWorkerError
-	if _, err := sel.Pair(&Request{}, nil); !errors.As(err, &nw) || nw.Role != config.RoleDecode {
+	if _, err := sel.Pair(context.Background(), &Request{}, nil); !errors.As(err, &nw) || nw.Role != config.RoleDecode {
 		t.Errorf("no decode: %v", err)
 	}
 }

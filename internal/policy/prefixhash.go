@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -23,10 +24,10 @@ type PrefixHash struct {
 var _ Policy = (*PrefixHash)(nil)
 
 // Pick implements Policy.
-func (p *PrefixHash) Pick(ws []*worker.Worker, req *Request) *worker.Worker {
+func (p *PrefixHash) Pick(ctx context.Context, ws []*worker.Worker, req *Request) *worker.Worker {
 	prefix := promptOf(req)
 	if len(ws) == 1 || len(prefix) == 0 {
-		return LeastLoad{}.Pick(ws, req)
+		return LeastLoad{}.Pick(ctx, ws, req)
 	}
 	if len(prefix) > p.PrefixBytes {
 		prefix = prefix[:p.PrefixBytes]
@@ -48,7 +49,7 @@ func (p *PrefixHash) Pick(ws []*worker.Worker, req *Request) *worker.Worker {
 		}
 	}
 	if best == nil {
-		return LeastLoad{}.Pick(ws, req)
+		return LeastLoad{}.Pick(ctx, ws, req)
 	}
 	return best
 }

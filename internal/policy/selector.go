@@ -13,9 +13,6 @@ import (
 // Request is what selection sees of one request: its model, its route and the client's raw
 // body, from which a policy may read the prompt (text or tokens). Live load is on the workers.
 type Request struct {
-	// Ctx is the request's context: it bounds work done for a choice (cache_aware's tokenize
-	// call). nil means none.
-	Ctx   context.Context
 	Model string
 	Path  string
 	Body  []byte
@@ -107,7 +104,7 @@ func serving(ws []*worker.Worker, path string) []*worker.Worker {
 }
 
 // Worker chooses a worker of role for req, or returns a *NoWorkerError.
-func (s *Selector) Worker(role string, req *Request, avoid map[string]bool) (*worker.Worker, error) {
+func (s *Selector) Worker(ctx context.Context, role string, req *Request, avoid map[string]bool) (*worker.Worker, error) {
 	cands, pending := s.Registry.Snapshot().Candidates(role, req.Model)
 	if len(cands) == 0 && !pending && req.Model != "" {
 		return nil, &NoWorkerError{Role: role, Model: req.Model, Unserved: true}
@@ -120,12 +117,12 @@ func (s *Selector) Worker(role string, req *Request, avoid map[string]bool) (*wo
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
-	return s.pick(role, avail, req), nil
+	return s.pick(ctx, role, avail, req), nil
 }
 
 // Pair chooses a prefill and a decode worker for req, each by its role's policy, or returns a
 // *NoWorkerError.
-func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error) {
+func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool) (worker.Pair, error) {
 	snap := s.Registry.Snapshot()
 	pc, pPending := snap.Candidates(config.RolePrefill, req.Model)
 	dc, dPending := snap.Candidates(config.RoleDecode, req.Model)
@@ -150,8 +147,8 @@ func (s *Selector) Pair(req *Request, avoid map[string]bool) (worker.Pair, error
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
-	p.Prefill = s.pick(config.RolePrefill, prefills, req)
-	p.Decode = s.pick(config.RoleDecode, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
+	p.Prefill = s.pick(ctx, config.RolePrefill, prefills, req)
+	p.Decode = s.pick(ctx, config.RoleDecode, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
 	return p, nil
 }
 
@@ -214,7 +211,7 @@ func (s *Selector) partners(prefill *worker.Worker, decodes []*worker.Worker) []
 // Decode chooses another decode worker for prefill's handoff: one serving req's model and
 // route, available, able to take prefill's KV, not in avoid (strictly: none left is a
 // *NoWorkerError), preferring one not quarantined with prefill.
-func (s *Selector) Decode(prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
+func (s *Selector) Decode(ctx context.Context, prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
 	dc, _ := s.Registry.Snapshot().Candidates(config.RoleDecode, req.Model)
 	var ds []*worker.Worker
 	for _, d := range s.partners(prefill, worker.Available(serving(dc, req.Path))) {
@@ -225,7 +222,7 @@ func (s *Selector) Decode(prefill *worker.Worker, req *Request, avoid map[string
 	if len(ds) == 0 {
 		return nil, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
-	return s.pick(config.RoleDecode, s.unquarantined(prefill, ds), req), nil
+	return s.pick(ctx, config.RoleDecode, s.unquarantined(prefill, ds), req), nil
 }
 
 // HasRole reports whether any worker of role is configured.

@@ -38,11 +38,11 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	sreq := &policy.Request{Ctx: r.Context(), Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
-		pair, err := s.sel.Pair(sreq, avoid)
+		pair, err := s.sel.Pair(r.Context(), sreq, avoid)
 		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
@@ -75,7 +75,7 @@ func (s *Server) countBatch(req *pd.Request) *openai.Error {
 
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.
 func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
-	pair, err := s.sel.Pair(&policy.Request{Path: "/health"}, nil)
+	pair, err := s.sel.Pair(r.Context(), &policy.Request{Path: "/health"}, nil)
 	if err != nil {
 		openai.WriteError(w, selectionError(err))
 		return
@@ -127,7 +127,7 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 // servePrefillInfo proxies GET /get_server_info and /get_model_info to a ready prefill worker,
 // relaying its answer unchanged.
 func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
-	prefill, err := s.sel.Worker(config.RolePrefill, &policy.Request{Path: r.URL.Path}, nil)
+	prefill, err := s.sel.Worker(r.Context(), config.RolePrefill, &policy.Request{Path: r.URL.Path}, nil)
 	if err != nil {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
 			Message: "no prefill worker that serves " + r.URL.Path + " is ready (vLLM workers do not)"})

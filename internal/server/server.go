@@ -518,11 +518,11 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
-	sreq := &policy.Request{Ctx: r.Context(), Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
 		end := s.selectSpan(r)
-		wk, err := s.sel.Worker(config.RoleRegular, sreq, avoid)
+		wk, err := s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
 		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
