@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/baton-llm/baton/internal/openai"
