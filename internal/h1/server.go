@@ -66,6 +66,8 @@ type Server struct {
 	conns     map[*conn]struct{}
 	shutdown  atomic.Bool
 	warnOnce  sync.Once
+	watchOnce sync.Once
+	watch     *watcher // notices clients that leave; nil until the first connection
 }
 
 // ErrServerClosed is what Serve returns after Shutdown or Close (net/http's value, so callers
@@ -176,6 +178,9 @@ func (s *Server) closeListeners() {
 	for ln := range s.listeners {
 		ln.Close()
 	}
+	if len(s.conns) == 0 {
+		s.stopWatching()
+	}
 }
 
 // closeIdle closes the connections waiting for a next request and returns how many remain.
@@ -190,9 +195,13 @@ func (s *Server) closeIdle() int {
 	return len(s.conns)
 }
 
+// forget drops a closed connection; the last one of a server that shut down ends its watcher.
 func (s *Server) forget(c *conn) {
 	s.mu.Lock()
 	delete(s.conns, c)
+	if s.shutdown.Load() && len(s.conns) == 0 {
+		s.stopWatching()
+	}
 	s.mu.Unlock()
 }
 

@@ -6,54 +6,81 @@ import (
 	"errors"
 	"sync"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 const watchSupported = true
 
-// epollET is EPOLLET as the event mask's type (the syscall package declares it negative).
-const epollET = 1 << 31
-
-// watcher notices clients that close their side, for every connection of the process, with
-// one epoll set and one goroutine that live as long as the process (started with the first
-// connection): each connection is added once (edge-triggered EPOLLRDHUP, no EPOLLIN, so
-// request bytes wake nothing) and removed before it closes.
+// watcher notices clients that close their side, for every connection of one Server, with one
+// epoll set and one goroutine (started with the server's first connection): each connection is
+// added once (edge-triggered EPOLLRDHUP, no EPOLLIN, so request bytes wake nothing) and removed
+// before it closes. It ends once the server shut down and its last connection went: an eventfd
+// in the set (id 0) wakes it to close its descriptors.
 type watcher struct {
-	epfd int
-	err  error
+	epfd, evfd int
+	err        error
+	stopOnce   sync.Once
+	done       chan struct{} // closed when run returned
 
 	mu    sync.Mutex
 	conns map[uint64]*conn
 	next  uint64
 }
 
-var (
-	theWatcher  *watcher
-	watcherOnce sync.Once
-)
-
+// watcher returns the server's watcher, started on first use.
 func (s *Server) watcher() *watcher {
-	watcherOnce.Do(func() {
-		theWatcher = &watcher{conns: map[uint64]*conn{}}
-		fd, err := syscall.EpollCreate1(syscall.EPOLL_CLOEXEC)
-		if err != nil {
-			theWatcher.err = err
+	s.watchOnce.Do(func() {
+		w := &watcher{conns: map[uint64]*conn{}, done: make(chan struct{})}
+		s.watch = w
+		if w.epfd, w.err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); w.err != nil {
+			close(w.done)
 			return
 		}
-		theWatcher.epfd = fd
-		go theWatcher.run()
+		if w.evfd, w.err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); w.err != nil {
+			unix.Close(w.epfd)
+			close(w.done)
+			return
+		}
+		ev := unix.EpollEvent{Events: unix.EPOLLIN} // id 0: the wake-up
+		if w.err = unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, w.evfd, &ev); w.err != nil {
+			unix.Close(w.evfd)
+			unix.Close(w.epfd)
+			close(w.done)
+			return
+		}
+		go w.run()
 	})
-	if theWatcher.err != nil {
-		s.warnUnwatched(theWatcher.err)
+	if s.watch == nil { // stopped before it started: nothing is watched any more
+		return &watcher{err: ErrServerClosed}
 	}
-	return theWatcher
+	if s.watch.err != nil && !errors.Is(s.watch.err, ErrServerClosed) {
+		s.warnUnwatched(s.watch.err)
+	}
+	return s.watch
+}
+
+// stopWatching ends the server's watcher, if it was started.
+func (s *Server) stopWatching() {
+	s.watchOnce.Do(func() {}) // none started: none will be
+	if w := s.watch; w != nil && w.err == nil {
+		w.stopOnce.Do(func() {
+			var one [8]byte
+			one[0] = 1 // eventfd counters are host-endian; any non-zero value wakes
+			_, _ = unix.Write(w.evfd, one[:])
+		})
+	}
 }
 
 func (w *watcher) run() {
-	events := make([]syscall.EpollEvent, 128)
+	defer close(w.done)
+	defer unix.Close(w.evfd)
+	defer unix.Close(w.epfd)
+	events := make([]unix.EpollEvent, 128)
 	for {
-		n, err := syscall.EpollWait(w.epfd, events, -1)
+		n, err := unix.EpollWait(w.epfd, events, -1)
 		if err != nil {
-			if errors.Is(err, syscall.EINTR) {
+			if errors.Is(err, unix.EINTR) {
 				continue
 			}
 			w.mu.Lock()
@@ -63,6 +90,9 @@ func (w *watcher) run() {
 		}
 		for _, ev := range events[:n] {
 			id := uint64(uint32(ev.Fd)) | uint64(uint32(ev.Pad))<<32
+			if id == 0 {
+				return // the server is done
+			}
 			w.mu.Lock()
 			c := w.conns[id]
 			w.mu.Unlock()
@@ -95,8 +125,8 @@ func (w *watcher) add(c *conn) {
 	w.mu.Unlock()
 	var cerr error
 	err = rc.Control(func(fd uintptr) {
-		ev := syscall.EpollEvent{Events: syscall.EPOLLRDHUP | epollET, Fd: int32(uint32(id)), Pad: int32(uint32(id >> 32))}
-		cerr = syscall.EpollCtl(w.epfd, syscall.EPOLL_CTL_ADD, int(fd), &ev)
+		ev := unix.EpollEvent{Events: unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(uint32(id)), Pad: int32(uint32(id >> 32))}
+		cerr = unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, int(fd), &ev)
 	})
 	if err != nil || cerr != nil {
 		w.mu.Lock()
@@ -114,7 +144,7 @@ func (w *watcher) remove(c *conn) {
 		return
 	}
 	_ = c.raw.Control(func(fd uintptr) {
-		_ = syscall.EpollCtl(w.epfd, syscall.EPOLL_CTL_DEL, int(fd), nil)
+		_ = unix.EpollCtl(w.epfd, unix.EPOLL_CTL_DEL, int(fd), nil)
 	})
 	w.mu.Lock()
 	delete(w.conns, c.watchID)
@@ -124,8 +154,8 @@ func (w *watcher) remove(c *conn) {
 
 // descriptorLimit is the process's soft limit on open descriptors (0 when it cannot be read).
 func descriptorLimit() int {
-	var l syscall.Rlimit
-	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &l); err != nil || l.Cur > 1<<30 {
+	var l unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &l); err != nil || l.Cur > 1<<30 {
 		return 0
 	}
 	return int(l.Cur)

@@ -9,6 +9,7 @@ const watchSupported = false
 type watcher struct{}
 
 func (s *Server) watcher() *watcher { return &watcher{} }
+func (s *Server) stopWatching()     {}
 func (w *watcher) add(c *conn)      {}
 func (w *watcher) remove(c *conn)   {}
 
