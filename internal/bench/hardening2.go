@@ -16,6 +16,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -127,13 +128,7 @@ func zmtpPub(addr string, spoofed bool) (c net.Conn, closed chan struct{}, err e
 	if err != nil {
 		return nil, nil, err
 	}
-	greeting := make([]byte, 64)
-	greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
-	copy(greeting[12:], "NULL")
-	ready := append([]byte("\x05READY\x0bSocket-Type"), 0, 0, 0, 3)
-	ready = append(ready, "PUB"...)
-	out := append(greeting, 0x04, byte(len(ready)))
-	if _, err := c.Write(append(out, ready...)); err != nil {
+	if _, err := c.Write(kvevents.PubHello()); err != nil {
 		c.Close()
 		return nil, nil, err
 	}

@@ -106,14 +106,7 @@ func zmtpPeer(t *testing.T, addr string, rest []byte) net.Conn {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	greeting := make([]byte, 64)
-	greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
-	copy(greeting[12:], "NULL")
-	ready := append([]byte("\x05READY\x0bSocket-Type"), 0, 0, 0, 3)
-	ready = append(ready, "PUB"...)
-	out := append(greeting, 0x04, byte(len(ready)))
-	out = append(append(out, ready...), rest...)
-	if _, err := c.Write(out); err != nil {
+	if _, err := c.Write(append(PubHello(), rest...)); err != nil {
 		t.Fatal(err)
 	}
 	return c

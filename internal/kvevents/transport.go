@@ -278,3 +278,15 @@ func (f *frameCap) frameDone() {
 		_ = f.Conn.SetReadDeadline(time.Time{}) // an engine may be quiet for long between batches
 	}
 }
+
+// PubHello is what a ZMQ PUB says before its first message: a ZMTP 3.0 greeting with the NULL
+// mechanism (as-server 0), then its READY command naming the socket type. The listener's tests
+// and the hardening benchmark speak it to play an engine byte by byte.
+func PubHello() []byte {
+	greeting := make([]byte, 64)
+	greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
+	copy(greeting[12:], "NULL")
+	ready := append([]byte("\x05READY\x0bSocket-Type"), 0, 0, 0, 3)
+	ready = append(ready, "PUB"...)
+	return append(append(greeting, 0x04, byte(len(ready))), ready...)
+}
