@@ -439,6 +439,63 @@ func (r *runner) memory(ctx context.Context) error {
 		(peakHeapInuse-idleHeapInuse)/float64(streams)/1024, (peakStack-idleStack)/float64(streams)/1024)
 	fmt.Fprintf(r.out, "Held per open stream once all were open, after a collection: **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB); the peak adds the garbage of the connection burst, which the collector paces at GOGC.\n\n",
 		heldHeap+heldStacks, heldHeap, heldStacks)
+	if streams > 2000 {
+		fmt.Fprintln(r.out, "PD row: measured up to 2,000 streams (its engines run in this process).")
+		fmt.Fprintln(r.out)
+		return nil
+	}
+	return r.memoryPD(ctx, streams, tokens, per)
+}
+
+// memoryPD is the memory scenario's PD row: the same streams through a vLLM NIXL pair, each a
+// prefill leg and then a streamed decode leg relayed with its usage rewritten.
+func (r *runner) memoryPD(ctx context.Context, streams, tokens int, per time.Duration) error {
+	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	d, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, DecodePerToken: per})
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	b, err := startBaton(r.o.Binary, 1, "--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", p.URL(), "--decode", d.URL())
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, 200)
+	r.verify("memory PD warm-up", warm)
+	time.Sleep(500 * time.Millisecond)
+	idleHeld, idleStacks := b.heldBytes()
+	idle, idleG := b.rssBytes(), b.metric("go_goroutines")
+	var peak int64
+	var peakG float64
+	held := make(chan [2]float64, 1)
+	open := func() int64 { // decode legs streaming now
+		st := d.Stats()
+		return st.RequestsReceived - st.RequestsOK - st.RequestsFailed - st.RequestsCancelled - st.RequestsRejected
+	}
+	go func() {
+		// Until every stream's decode leg is open (its prefill came first), at most most of a
+		// stream's length.
+		deadline := time.Now().Add(time.Duration(tokens) * per * 4 / 5)
+		for open() < int64(streams) && time.Now().Before(deadline) {
+			peak, peakG = max(peak, b.rssBytes()), max(peakG, b.metric("go_goroutines"))
+			time.Sleep(20 * time.Millisecond)
+		}
+		peak, peakG = max(peak, b.rssBytes()), max(peakG, b.metric("go_goroutines"))
+		h, st := b.heldBytes()
+		held <- [2]float64{h, st}
+	}()
+	s := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: tokens, stream: true}), streams, streams)
+	r.verify("memory PD streams", s)
+	r.client.CloseIdleConnections()
+	h := <-held
+	heldHeap, heldStacks := (h[0]-idleHeld)/float64(streams)/1024, (h[1]-idleStacks)/float64(streams)/1024
+	fmt.Fprintf(r.out, "PD (vLLM NIXL pair), %d streams: **%.1f KiB** of RSS and %.1f goroutines per open stream (peak minus idle, sampled while they opened); held after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB).\n\n",
+		streams, float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), heldHeap+heldStacks, heldHeap, heldStacks)
 	return nil
 }
 
