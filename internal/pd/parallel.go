@@ -99,14 +99,13 @@ func (p prefillResult) failed() bool {
 func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan concurrentPlan) concurrentResult {
 	l := x.newLegs(rw, r, req, pair, plan)
 	defer l.close()
-	rec := record.From(r.Context())
 	rw.Header().Set(openai.HeaderKVHandoff, plan.handoff) // sent with the decode's first byte
-	rec.Handoff = plan.handoff
+	noteHandoff(r, plan.handoff)
 	l.startPrefill()
 	l.res.err = l.decode()
 	if !l.res.decodeStarted {
 		rw.Header().Set(openai.HeaderKVHandoff, HandoffNoneFailed) // the client gets an error
-		rec.Handoff = HandoffNoneFailed
+		noteHandoff(r, HandoffNoneFailed)
 	}
 	res := l.res
 	l.ended()
@@ -168,4 +167,19 @@ func cancelled(ctx context.Context, err error) bool {
 	}
 	cause := context.Cause(ctx)
 	return cause != nil && errors.Is(err, cause)
+}
+
+// noteHandoff writes the request's KV handoff outcome on its record. Never inlined: the frames
+// under an open PD stream stay small.
+//
+//go:noinline
+func noteHandoff(r *http.Request, handoff string) { record.From(r.Context()).Handoff = handoff }
+
+// noteDecode writes the decode that serves the request on its record (never inlined, as
+// noteHandoff).
+//
+//go:noinline
+func noteDecode(r *http.Request, url string) {
+	rec := record.From(r.Context())
+	rec.Decode, rec.Worker = url, url
 }

@@ -16,7 +16,6 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
-	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -151,7 +150,7 @@ func (s *sequence) run() error {
 		handoff = HandoffRecomputed
 	}
 	s.rw.Header().Set(openai.HeaderKVHandoff, handoff)
-	record.From(s.r.Context()).Handoff = handoff
+	noteHandoff(s.r, handoff)
 	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, s.plan.conn.Mode).Inc()
 	return err
 }
@@ -256,8 +255,7 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 		s.pair.Decode = d
 		s.rw.Header().Set(openai.HeaderDecodeWorker, d.URL)
 		s.rw.Header().Set(openai.HeaderWorker, d.URL)
-		rec := record.From(s.r.Context())
-		rec.Decode, rec.Worker = d.URL, d.URL
+		noteDecode(s.r, d.URL)
 		started, err = s.decode(body, pu)
 	}
 	return started, err
@@ -436,7 +434,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 	}
 	if check.recomputed() {
 		x.recomputed(req, pair, ModeMooncake, HandoffMooncake)
-		record.From(r.Context()).Handoff = HandoffRecomputed // a stream's head left before its usage said so
+		noteHandoff(r, HandoffRecomputed) // a stream's head left before its usage said so
 	}
 	if !res.decodeStarted && res.outcome != OutcomePrefillFailed && res.outcome != OutcomeSuccess {
 		x.abandoned(plan.conn, pair, res.outcome)

@@ -49,8 +49,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		}
 		s.routeHeader(w, sreq)
 		preq.Ranks = sreq.Ranks
-		rec := record.From(r.Context())
-		rec.Mode, rec.Prefill, rec.Decode, rec.Worker = pd.Mode(pair), pair.Prefill.URL, pair.Decode.URL, pair.Decode.URL
+		notePair(r, pair)
 		h := w.Header()
 		h.Set(openai.HeaderPrefillWorker, pair.Prefill.URL)
 		h.Set(openai.HeaderDecodeWorker, pair.Decode.URL)
@@ -155,4 +154,13 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 			panic(http.ErrAbortHandler)
 		}
 	}
+}
+
+// notePair writes the chosen pair and its mode on the request's record. A function of its own,
+// never inlined, so that the attempt's frame, under every open PD stream, stays small.
+//
+//go:noinline
+func notePair(r *http.Request, pair worker.Pair) {
+	rec := record.From(r.Context())
+	rec.Mode, rec.Prefill, rec.Decode, rec.Worker = pd.Mode(pair), pair.Prefill.URL, pair.Decode.URL, pair.Decode.URL
 }
