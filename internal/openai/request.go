@@ -68,9 +68,9 @@ func ParseRequest(body []byte) (*Request, error) {
 	r.members = r.fixed[:0]
 	var perr error
 	owned := false
-	var seen keySet
+	var seen repeats
 	err := eachMember(body, func(key []byte, m member) bool {
-		if seen.has(key) {
+		if seen.in(r.members, key) {
 			perr = &DuplicateKeyError{Key: truncateKey(string(key))}
 			return false
 		}
@@ -143,39 +143,30 @@ func truncateKey(k string) string {
 	return k
 }
 
-// keySet records the top-level keys seen so far: a short list for the usual dozen members, a map
-// past that, so that a body of many members costs linear time.
-type keySet struct {
-	few  [16][]byte
-	n    int
-	many map[string]struct{}
-}
+// repeats says whether a key is already among the members indexed so far: a look along the
+// index for the usual dozen members, a map of it past 16, so that a body of many members costs
+// linear time.
+type repeats struct{ many map[string]struct{} }
 
-// has reports whether key was seen, and records it.
-func (s *keySet) has(key []byte) bool {
-	if s.many != nil {
-		if _, ok := s.many[string(key)]; ok {
-			return true
+// in reports whether key is among members (the keys before it).
+func (d *repeats) in(members []indexed, key []byte) bool {
+	if len(members) <= 16 {
+		for _, m := range members {
+			if bytes.Equal(m.key, key) {
+				return true
+			}
 		}
-		s.many[string(key)] = struct{}{}
 		return false
 	}
-	for _, k := range s.few[:s.n] {
-		if bytes.Equal(k, key) {
-			return true
+	if d.many == nil {
+		d.many = make(map[string]struct{}, 2*len(members))
+		for _, m := range members[:len(members)-1] {
+			d.many[string(m.key)] = struct{}{}
 		}
 	}
-	if s.n < len(s.few) {
-		s.few[s.n] = key
-		s.n++
-		return false
-	}
-	s.many = make(map[string]struct{}, 2*len(s.few))
-	for _, k := range s.few {
-		s.many[string(k)] = struct{}{}
-	}
-	s.many[string(key)] = struct{}{}
-	return false
+	d.many[string(members[len(members)-1].key)] = struct{}{} // the member added since the last look
+	_, ok := d.many[string(key)]
+	return ok
 }
 
 func isOwned(key []byte) bool {
