@@ -308,7 +308,6 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			if rec.Route == "" || rec.Route == "/" {
 				rec.Route = "other"
 			}
-			s.metrics.ObserveRequest(rec.Route, s.metrics.Model(rec.Model), status, time.Since(start).Seconds())
 			s.finish(sw, r, status, span, v == http.ErrAbortHandler)
 			if v == http.ErrAbortHandler {
 				panic(v)
@@ -319,11 +318,13 @@ func (s *Server) observe(next http.Handler) http.Handler {
 }
 
 // finish records what a request's answer says once it ended, from its record and what its
-// writer saw: TTFT, inter-token gaps and tokens of a successful generation, the PD pair's
+// writer saw: its count and duration, TTFT, inter-token gaps and tokens of a successful generation, the PD pair's
 // handoff, the access log line and the server span.
 func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trace.Span, aborted bool) {
 	rec := sw.rec
 	route, model, rid := rec.Route, s.metrics.Model(rec.Model), rec.RequestID
+	dur := time.Since(sw.start)
+	s.metrics.ObserveRequest(route, model, status, dur.Seconds())
 	var ttft time.Duration
 	var usage openai.Usage
 	hasUsage := false
@@ -343,7 +344,6 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trac
 	if prefill != "" && decode != "" && handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
 	}
-	dur := time.Since(sw.start)
 	if route != "other" {
 		s.status.record(sw.start.Add(dur), route, model, status, code, wk, ttft)
 	}
