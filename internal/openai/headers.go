@@ -27,6 +27,3 @@ const (
 	// HeaderDPRank pins a vLLM leg to a data parallel rank.
 	HeaderDPRank = "X-Data-Parallel-Rank"
 )
-
-// AttemptHeaders are the headers one attempt of a request sets, cleared before a retry.
-var AttemptHeaders = []string{HeaderWorker, HeaderPrefillWorker, HeaderDecodeWorker, HeaderKVHandoff, HeaderRoute}

@@ -120,9 +120,9 @@ func (l *legs) relay(dresp *http.Response, eventT, bodyT func([]byte) []byte) er
 	}}
 	var err error
 	if bodyT != nil && !isStream(dresp) {
-		err = relayBody(l.rw, dresp, bodyT)
+		err = relayBody(l.r, l.rw, dresp, bodyT)
 	} else {
-		err = l.x.Proxy.Relay(l.rw, dresp, eventT)
+		err = l.x.Proxy.Relay(l.r.Context(), l.rw, dresp, eventT)
 	}
 	prefillFailed := context.Cause(l.dCtx) == errPrefillFailed
 	var re *proxy.ReadError

@@ -99,13 +99,11 @@ func (p prefillResult) failed() bool {
 func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan concurrentPlan) concurrentResult {
 	l := x.newLegs(rw, r, req, pair, plan)
 	defer l.close()
-	rw.Header().Set(openai.HeaderKVHandoff, plan.handoff) // sent with the decode's first byte
-	noteHandoff(r, plan.handoff)
+	noteHandoff(r, plan.handoff) // its header leaves with the decode's first byte
 	l.startPrefill()
 	l.res.err = l.decode()
 	if !l.res.decodeStarted {
-		rw.Header().Set(openai.HeaderKVHandoff, HandoffNoneFailed) // the client gets an error
-		noteHandoff(r, HandoffNoneFailed)
+		noteHandoff(r, HandoffNoneFailed) // the client gets an error
 	}
 	res := l.res
 	l.ended()

@@ -10,6 +10,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -20,13 +21,17 @@ func isStream(resp *http.Response) bool {
 	return strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 }
 
-// relayBody answers with the decode's whole non-streamed body passed through transform.
-func relayBody(rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
+// relayBody answers with the decode's whole non-streamed body passed through transform, and
+// notes the answer's usage on r's record.
+func relayBody(r *http.Request, rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
 	body, err := proxy.ReadBody(dresp.Body)
 	if err != nil {
 		return &proxy.ReadError{Err: err}
 	}
 	out := transform(body)
+	if dresp.StatusCode == http.StatusOK {
+		proxy.NoteUsage(record.From(r.Context()), out)
+	}
 	h := rw.Header()
 	proxy.CopyResponseHeaders(h, dresp.Header)
 	h.Set("Content-Length", strconv.Itoa(len(out)))

@@ -149,7 +149,6 @@ func (s *sequence) run() error {
 		s.x.recomputed(s.req, s.pair, s.plan.conn.Mode, handoff)
 		handoff = HandoffRecomputed
 	}
-	s.rw.Header().Set(openai.HeaderKVHandoff, handoff)
 	noteHandoff(s.r, handoff)
 	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, s.plan.conn.Mode).Inc()
 	return err
@@ -179,7 +178,7 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 		pu = readPrefillUsage(body)
 		params, handoff = s.handoff(body, params)
 	}
-	if err := s.x.report(s.rw, s.req, s.pair, s.plan.conn, handoff); err != nil {
+	if err := s.x.report(s.r, s.req, s.pair, s.plan.conn, handoff); err != nil {
 		s.outcome = OutcomeHandoffRequired
 		return handoff, false, err
 	}
@@ -253,8 +252,6 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 		s.x.Log.Info("decode could not be reached; sending the decode alone to another worker with the same handoff",
 			"failed", s.pair.Decode.URL, "decode", d.URL, "prefill", s.pair.Prefill.URL, "err", err)
 		s.pair.Decode = d
-		s.rw.Header().Set(openai.HeaderDecodeWorker, d.URL)
-		s.rw.Header().Set(openai.HeaderWorker, d.URL)
 		noteDecode(s.r, d.URL)
 		started, err = s.decode(body, pu)
 	}
@@ -332,22 +329,22 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 	}
 	switch {
 	case (pu.ok || check != nil) && !isStream(resp):
-		err = relayBody(s.rw, resp, checkedBody(s.rw, check, pu))
+		err = relayBody(s.r, s.rw, resp, checkedBody(s.r, check, pu))
 	case pu.ok || check != nil:
-		err = s.x.Proxy.Relay(s.rw, resp, checkedEvent(check, pu))
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, checkedEvent(check, pu))
 	default:
-		err = s.x.Proxy.Relay(s.rw, resp, nil)
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, nil)
 	}
 	return started, s.x.Proxy.Finish(s.r, leg, resp.StatusCode, err)
 }
 
 // checkedBody returns the transform of a decode's whole answer: the decode's usage checked when
-// check is set (a recompute is named in the handoff header, which leaves with this answer),
+// check is set (a recompute is noted on the record before this answer's head, which names it),
 // then rewritten to the prefill's view when pu is known.
-func checkedBody(rw http.ResponseWriter, check *kvCheck, pu prefillUsage) func([]byte) []byte {
+func checkedBody(r *http.Request, check *kvCheck, pu prefillUsage) func([]byte) []byte {
 	return func(b []byte) []byte {
 		if check != nil && check.observe(b) {
-			rw.Header().Set(openai.HeaderKVHandoff, HandoffRecomputed)
+			noteHandoff(r, HandoffRecomputed)
 		}
 		if !pu.ok {
 			return b
@@ -370,11 +367,11 @@ func checkedEvent(check *kvCheck, pu prefillUsage) func([]byte) []byte {
 	}
 }
 
-// report makes the planned handoff visible: the response header, and a log line when the decode
-// will recompute. In strict mode a recompute is answered with 502 instead. The counter is taken
+// report makes the planned handoff visible: on the record (the response header is rendered from
+// it), and a log line when the decode will recompute. In strict mode a recompute is answered with 502 instead. The counter is taken
 // once the request ended, with what really happened.
-func (x *Sequential) report(rw http.ResponseWriter, req *Request, pair worker.Pair, conn Connector, handoff string) error {
-	rw.Header().Set(openai.HeaderKVHandoff, handoff)
+func (x *Sequential) report(r *http.Request, req *Request, pair worker.Pair, conn Connector, handoff string) error {
+	noteHandoff(r, handoff)
 	if !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		return nil
 	}
@@ -405,7 +402,7 @@ func (x *Sequential) abandoned(conn Connector, pair worker.Pair, outcome Outcome
 // concurrentMooncake sends both Mooncake legs at once: the decode waits for the KV the prefill
 // pushes under the minted transfer id.
 func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan handoffPlan) error {
-	if err := x.report(rw, req, pair, plan.conn, HandoffMooncake); err != nil {
+	if err := x.report(r, req, pair, plan.conn, HandoffMooncake); err != nil {
 		return err
 	}
 	dBody, err := openai.Set(req.Body, keyKVTransferParams, plan.decodeParams)
@@ -426,7 +423,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 		check: check,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pu := readPrefillUsage(p.body)
-			return checkedEvent(check, pu), checkedBody(rw, check, pu)
+			return checkedEvent(check, pu), checkedBody(r, check, pu)
 		},
 	})
 	if res.decodeStarted {

@@ -26,6 +26,7 @@ import (
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/upstream"
 	"github.com/baton-llm/baton/internal/worker"
@@ -302,7 +303,7 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if outcome.Status(resp.StatusCode).Retryable {
 		return p.HoldError(r, &leg, resp)
 	}
-	return p.Finish(r, &leg, resp.StatusCode, p.Relay(rw, resp, nil))
+	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))
 }
 
 // HoldError reads a retryable error answer whole, so that the request can be retried elsewhere,
@@ -364,8 +365,9 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 // body bytes arrived, so a failure before them leaves the client unanswered (ReadError with
 // Written false). SSE bodies are flushed after every read; with transform set, they are split
 // into events and each is passed through transform (which may return it unchanged). A stream
-// relayed whole that carried an engine's error event returns an *InBandError (inband.go).
-func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
+// relayed whole that carried an engine's error event returns an *InBandError (inband.go). A 200
+// answer relayed to its end leaves its usage on the request's record (ctx's).
+func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
 	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
 		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
 	in := source{body: resp.Body}
@@ -383,18 +385,25 @@ func (p *Proxy) Relay(rw http.ResponseWriter, resp *http.Response, transform fun
 		in.buf = *bp
 	}
 	var w watch
+	var tail usageTail
+	ended := false
+	defer func() { tail.done(record.From(ctx), ended) }()
 	for {
 		chunk, flush, err := in.next()
-		if len(chunk) > 0 {
-			if out.stream && resp.StatusCode == http.StatusOK {
+		if len(chunk) > 0 && resp.StatusCode == http.StatusOK {
+			if out.stream {
 				w.see(chunk)
 			}
+			tail.keep(chunk)
+		}
+		if len(chunk) > 0 {
 			if werr := out.emit(chunk, flush); werr != nil {
 				return werr
 			}
 		}
 		if err == io.EOF {
 			out.head()
+			ended = true
 			if w.err != nil {
 				return w.err
 			}

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"errors"
 	"io"
 	"log/slog"
@@ -11,6 +12,8 @@ import (
 	"testing/iotest"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -27,7 +30,7 @@ func TestRelayPassesTheAnswerThrough(t *testing.T) {
 	rec := httptest.NewRecorder()
 	h := http.Header{"Content-Type": {"application/json"}, "X-Engine": {"e"}, "Connection": {"X-Hop"}, "X-Hop": {"1"},
 		"Transfer-Encoding": {"chunked"}, "X-Baton-Worker": {"spoofed"}, "X-Request-Id": {"spoofed"}}
-	err := testProxy().Relay(rec, upstreamAnswer(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil)
+	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +47,7 @@ func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
 	rec := httptest.NewRecorder()
 	h := http.Header{"Content-Type": {"text/event-stream"}, "Content-Length": {"99"}}
 	body := "data: {\"n\":1}\n\n: comment\n\ndata: [DONE]\n\n"
-	err := testProxy().Relay(rec, upstreamAnswer(200, h, iotest.OneByteReader(strings.NewReader(body))), func(ev []byte) []byte {
+	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(200, h, iotest.OneByteReader(strings.NewReader(body))), func(ev []byte) []byte {
 		return []byte(strings.ReplaceAll(string(ev), `"n":1`, `"n":2`))
 	})
 	if err != nil {
@@ -61,13 +64,13 @@ func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
 func TestRelayReportsWhetherAnythingWasWritten(t *testing.T) {
 	broken := errors.New("reset")
 	rec := httptest.NewRecorder()
-	err := testProxy().Relay(rec, upstreamAnswer(200, nil, iotest.ErrReader(broken)), nil)
+	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, iotest.ErrReader(broken)), nil)
 	var re *ReadError
 	if !errors.As(err, &re) || re.Written || !errors.Is(err, broken) || rec.Code != 200 || rec.Body.Len() != 0 {
 		t.Errorf("failure before any byte: %v (written %v), wrote %q", err, re != nil && re.Written, rec.Body.String())
 	}
 	rec = httptest.NewRecorder()
-	err = testProxy().Relay(rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil)
+	err = testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil)
 	if !errors.As(err, &re) || !re.Written {
 		t.Errorf("failure after bytes: %v, want a ReadError with Written", err)
 	}
@@ -110,5 +113,36 @@ func TestLegEndsOnce(t *testing.T) {
 	leg.Done(503, nil)
 	if _, failed := w.Outcomes(); failed != 1 || w.InFlight() != 0 {
 		t.Errorf("an excused leg was recorded: %d failures, in flight %d", failed, w.InFlight())
+	}
+}
+
+// The relay leaves a 200 answer's usage on the request's record once the answer ended — read
+// from the engine's answer as it went out, a byte at a time here — and none for an answer cut
+// short or an error answer.
+func TestRelayNotesUsageOnTheRecord(t *testing.T) {
+	h := http.Header{"Content-Type": {"text/event-stream"}}
+	pad := strings.Repeat(`data: {"choices":[{"text":"xxxxxxxxxxxxxxxx"}]}`+"\n\n", 200) // more than the tail holds
+	body := pad + `data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}}` + "\n\ndata: [DONE]\n\n"
+	for _, c := range []struct {
+		name   string
+		status int
+		body   io.Reader
+		want   bool
+	}{
+		{"ended", 200, iotest.OneByteReader(strings.NewReader(body)), true},
+		{"cut", 200, io.MultiReader(strings.NewReader(body[:len(body)-20]), iotest.ErrReader(errors.New("reset"))), false},
+		{"error answer", 500, strings.NewReader(body), false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rec := &record.Record{}
+			_ = testProxy().Relay(record.With(context.Background(), rec), httptest.NewRecorder(), upstreamAnswer(c.status, h, c.body), nil)
+			want := record.Record{}
+			if c.want {
+				want.Usage, want.UsageKnown = openai.Usage{Prompt: 7, Completion: 3, Cached: 4}, true
+			}
+			if rec.Usage != want.Usage || rec.UsageKnown != want.UsageKnown {
+				t.Errorf("usage %+v known %v, want %+v %v", rec.Usage, rec.UsageKnown, want.Usage, want.UsageKnown)
+			}
+		})
 	}
 }

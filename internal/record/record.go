@@ -11,6 +11,8 @@ package record
 import (
 	"context"
 	"time"
+
+	"github.com/baton-llm/baton/internal/openai"
 )
 
 // Record is what Baton knows of one request.
@@ -27,6 +29,18 @@ type Record struct {
 	// (pd.Handoff*). Cleared between attempts (NextAttempt).
 	Worker, Prefill, Decode string
 	Handoff                 string
+
+	// Decisions is why each worker of the attempt was chosen (X-Baton-Route; only when asked for).
+	Decisions string
+
+	// Usage is what the answer said it cost, read by the relay from the engine's answer as it
+	// reached the client (the PD usage rewrite included); UsageKnown is false when the answer
+	// ended without one, or did not end.
+	Usage      openai.Usage
+	UsageKnown bool
+
+	// Start is the request's arrival; FirstByte the first body byte to the client (zero: none).
+	Start, FirstByte time.Time
 
 	// Code is the error code of a failure Baton reported without an error answer of its own
 	// (a stream that carried the engine's error event); an answer's own code is in its header.
@@ -55,5 +69,5 @@ func From(ctx context.Context) *Record {
 
 // NextAttempt clears what one attempt learned, as the next starts.
 func (r *Record) NextAttempt() {
-	r.Worker, r.Prefill, r.Decode, r.Handoff = "", "", "", ""
+	r.Worker, r.Prefill, r.Decode, r.Handoff, r.Decisions = "", "", "", "", ""
 }

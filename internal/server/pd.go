@@ -47,13 +47,9 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		if err != nil {
 			return selectionError(err)
 		}
-		s.routeHeader(w, sreq)
+		s.noteDecisions(r, sreq)
 		preq.Ranks = sreq.Ranks
 		notePair(r, pair)
-		h := w.Header()
-		h.Set(openai.HeaderPrefillWorker, pair.Prefill.URL)
-		h.Set(openai.HeaderDecodeWorker, pair.Decode.URL)
-		h.Set(openai.HeaderWorker, pair.Decode.URL)
 		return s.pd.Execute(w, r, preq, pair)
 	})
 }
@@ -142,9 +138,8 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer resp.Body.Close()
-	w.Header().Set(openai.HeaderWorker, prefill.URL)
 	record.From(r.Context()).Worker = prefill.URL
-	if err := s.proxy.Relay(w, resp, nil); err != nil {
+	if err := s.proxy.Relay(r.Context(), w, resp, nil); err != nil {
 		var re *proxy.ReadError
 		if errors.As(err, &re) && !re.Written {
 			openai.WriteError(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))

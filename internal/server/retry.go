@@ -75,9 +75,6 @@ func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, n int, avo
 		s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
 		if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
 			avoid = failed(avoid, err)
-			for _, h := range openai.AttemptHeaders {
-				w.Header().Del(h)
-			}
 			record.From(r.Context()).NextAttempt()
 			return avoid, true
 		}

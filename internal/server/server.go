@@ -164,22 +164,19 @@ func (s *Server) SetDraining() {
 // InFlight returns the number of client requests being served.
 func (s *Server) InFlight() int64 { return s.inflight.Load() }
 
-// statusWriter records the status written and what the handler learned (the model) for the
-// middleware, and keeps the connection's write deadline armed: a client that accepts no bytes
-// for the stalled-client timeout, or is still being written to at the request deadline, is
-// dropped instead of pinning its handler. Unwrap keeps http.ResponseController working.
+// statusWriter records the status written and the first byte's time, renders Baton's response
+// headers from the request's record as the head goes out, and keeps the connection's write
+// deadline armed: a client that accepts no bytes for the stalled-client timeout, or is still
+// being written to at the request deadline, is dropped instead of pinning its handler. Unwrap
+// keeps http.ResponseController working.
 type statusWriter struct {
 	http.ResponseWriter
 	status int
-	rec    *record.Record // the request's record, for the inter-token histogram's labels
+	rec    *record.Record // the request's record: the head's headers, the histogram's labels
 
-	start     time.Time // arrival
-	firstByte time.Time // the first body byte to the client; zero: none yet
 	lastWrite time.Time
 	itl       prometheus.Observer // a stream's inter-token histogram, resolved at its first byte
 	metrics   *metrics.Metrics
-	tail      [1024]byte // the answer's last bytes: where its usage is
-	tailN     int
 	written   int64 // body bytes written to the client
 
 	rc       *http.ResponseController
@@ -219,24 +216,48 @@ func observed(w http.ResponseWriter) *statusWriter {
 }
 
 func (w *statusWriter) WriteHeader(code int) {
-	if w.status == 0 {
-		w.status = code
-		// The answer's own error code (openai.WriteError sets it), as the head goes out.
-		if c := w.Header().Get(openai.HeaderErrorCode); c != "" && w.rec.Code == "" {
-			w.rec.Code = c
-		}
+	if w.status == 0 && code >= 200 {
+		w.head(code)
 	}
 	w.ResponseWriter.WriteHeader(code)
 }
 
+// head renders the record's part of the response head, once, as it goes out: which worker or
+// pair answered, the KV handoff and (when asked for) the routing decisions. The answer's own
+// error code (openai.WriteError renders it) goes on the record.
+func (w *statusWriter) head(code int) {
+	w.status = code
+	rec, h := w.rec, w.Header()
+	if c := h.Get(openai.HeaderErrorCode); c != "" && rec.Code == "" {
+		rec.Code = c
+	}
+	renderHead(h, rec)
+}
+
+// renderHead sets Baton's headers on h from rec.
+func renderHead(h http.Header, rec *record.Record) {
+	set := func(k, v string) {
+		if v != "" {
+			h[k] = []string{v}
+		}
+	}
+	if rec.Prefill != "" {
+		set(openai.HeaderPrefillWorker, rec.Prefill)
+		set(openai.HeaderDecodeWorker, rec.Decode)
+	}
+	set(openai.HeaderWorker, rec.Worker)
+	set(openai.HeaderKVHandoff, rec.Handoff)
+	set(openai.HeaderRoute, rec.Decisions)
+}
+
 func (w *statusWriter) Write(b []byte) (int, error) {
 	if w.status == 0 {
-		w.status = http.StatusOK
+		w.head(http.StatusOK)
 	}
 	now := time.Now()
 	w.arm(now)
-	if w.firstByte.IsZero() {
-		w.firstByte = now
+	if w.rec.FirstByte.IsZero() {
+		w.rec.FirstByte = now
 		// A stream's gaps between writes are its inter-token latency.
 		if w.status == http.StatusOK && w.metrics != nil && strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream") {
 			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.rec.Model), w.rec.Mode)
@@ -245,21 +266,9 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 		w.itl.Observe(now.Sub(w.lastWrite).Seconds())
 	}
 	w.lastWrite = now
-	w.keepTail(b)
 	n, err := w.ResponseWriter.Write(b)
 	w.written += int64(n)
 	return n, err
-}
-
-// keepTail keeps the last bytes of the answer, where OpenAI-style answers put their usage.
-func (w *statusWriter) keepTail(b []byte) {
-	if len(b) >= len(w.tail) {
-		w.tailN = copy(w.tail[:], b[len(b)-len(w.tail):])
-		return
-	}
-	keep := min(w.tailN, len(w.tail)-len(b))
-	copy(w.tail[:keep], w.tail[w.tailN-keep:w.tailN])
-	w.tailN = keep + copy(w.tail[keep:], b)
 }
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
@@ -283,10 +292,10 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		}
 		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
 		defer cancel()
-		rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1}
+		rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1, Start: start}
 		r = r.WithContext(record.With(ctx, rec))
 		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
-			start: start, rec: rec, metrics: s.metrics}
+			rec: rec, metrics: s.metrics}
 		sw.arm(start)
 		s.inflight.Add(1)
 		defer func() {
@@ -317,22 +326,21 @@ func (s *Server) observe(next http.Handler) http.Handler {
 	})
 }
 
-// finish records what a request's answer says once it ended, from its record and what its
-// writer saw: its count and duration, TTFT, inter-token gaps and tokens of a successful generation, the PD pair's
-// handoff, the access log line and the server span.
+// finish records what a request's answer says once it ended, from its record and the bytes its
+// writer counted: its count and duration, TTFT and tokens of a successful generation, the PD
+// pair's handoff, the access log line and the server span.
 func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trace.Span, aborted bool) {
 	rec := sw.rec
 	route, model, rid := rec.Route, s.metrics.Model(rec.Model), rec.RequestID
-	dur := time.Since(sw.start)
+	dur := time.Since(rec.Start)
 	s.metrics.ObserveRequest(route, model, status, dur.Seconds())
 	var ttft time.Duration
-	var usage openai.Usage
-	hasUsage := false
+	usage, hasUsage := rec.Usage, false
 	generation := r.Method == http.MethodPost && route != "other" && !strings.HasPrefix(route, "POST /workers")
-	if generation && status == http.StatusOK && !sw.firstByte.IsZero() {
-		ttft = sw.firstByte.Sub(sw.start)
+	if generation && status == http.StatusOK && !rec.FirstByte.IsZero() {
+		ttft = rec.FirstByte.Sub(rec.Start)
 		s.metrics.TTFT.WithLabelValues(model, rec.Mode).Observe(ttft.Seconds())
-		if usage, hasUsage = openai.LastUsage(sw.tail[:sw.tailN]); hasUsage && !aborted {
+		if hasUsage = rec.UsageKnown; hasUsage && !aborted {
 			s.metrics.Tokens.WithLabelValues(model, "prompt").Add(float64(usage.Prompt))
 			s.metrics.Tokens.WithLabelValues(model, "completion").Add(float64(usage.Completion))
 			if usage.Cached > 0 {
@@ -345,7 +353,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trac
 		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
 	}
 	if route != "other" {
-		s.status.record(sw.start.Add(dur), route, model, status, code, wk, ttft)
+		s.status.record(rec.Start.Add(dur), route, model, status, code, wk, ttft)
 	}
 	if span != nil {
 		span.SetName(route)
@@ -527,9 +535,8 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		if err != nil {
 			return selectionError(err)
 		}
-		w.Header().Set(openai.HeaderWorker, wk.URL)
 		record.From(r.Context()).Worker = wk.URL
-		s.routeHeader(w, sreq)
+		s.noteDecisions(r, sreq)
 		return s.proxy.Forward(w, r, wk, r.URL.Path, req.Body)
 	})
 }
@@ -557,10 +564,10 @@ func (s *Server) selectSpan(r *http.Request) func(*policy.Request, error) {
 	}
 }
 
-// routeHeader sets X-Baton-Route from req's decisions when the option is on.
-func (s *Server) routeHeader(w http.ResponseWriter, req *policy.Request) {
+// noteDecisions writes req's decisions on the record, for X-Baton-Route, when the option is on.
+func (s *Server) noteDecisions(r *http.Request, req *policy.Request) {
 	if s.opts.RouteHeader {
-		w.Header().Set(openai.HeaderRoute, policy.RouteHeader(req.Decisions))
+		record.From(r.Context()).Decisions = policy.RouteHeader(req.Decisions)
 	}
 }
 

@@ -1,0 +1,56 @@
+package proxy
+
+import (
+	"sync"
+
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/record"
+)
+
+// usageTailLen is how much of an answer's end the relay keeps: OpenAI-style answers put their
+// usage last, in their last event or at the end of their object.
+const usageTailLen = 1 << 10
+
+var tailPool = sync.Pool{New: func() any { return new([usageTailLen]byte) }}
+
+// usageTail keeps the last bytes an answer carried to the client, for its usage once it ended.
+// The buffer is taken from a pool at the first byte and given back by done.
+type usageTail struct {
+	b *[usageTailLen]byte
+	n int
+}
+
+// keep adds chunk to the tail.
+func (t *usageTail) keep(chunk []byte) {
+	if len(chunk) == 0 {
+		return
+	}
+	if t.b == nil {
+		t.b = tailPool.Get().(*[usageTailLen]byte)
+	}
+	if len(chunk) >= usageTailLen {
+		t.n = copy(t.b[:], chunk[len(chunk)-usageTailLen:])
+		return
+	}
+	keep := min(t.n, usageTailLen-len(chunk))
+	copy(t.b[:keep], t.b[t.n-keep:t.n])
+	t.n = keep + copy(t.b[keep:], chunk)
+}
+
+// done writes the answer's usage on rec when it ended with one, and gives the buffer back.
+func (t *usageTail) done(rec *record.Record, ended bool) {
+	if t.b == nil {
+		return
+	}
+	if ended {
+		rec.Usage, rec.UsageKnown = openai.LastUsage(t.b[:t.n])
+	}
+	tailPool.Put(t.b)
+	t.b, t.n = nil, 0
+}
+
+// NoteUsage writes the usage of a whole answer on rec (the PD path relays non-streamed answers
+// itself, after its usage rewrite).
+func NoteUsage(rec *record.Record, body []byte) {
+	rec.Usage, rec.UsageKnown = openai.LastUsage(body)
+}
