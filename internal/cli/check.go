@@ -15,6 +15,7 @@ import (
 	"github.com/baton-llm/baton/internal/app"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
@@ -140,9 +141,13 @@ func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model stri
 	rec := httptest.NewRecorder()
 	preq := &pd.Request{Request: req, Path: "/v1/completions"}
 	err = g.Dispatcher.Execute(rec, in, preq, pair)
-	var oe *openai.Error
-	if errors.As(err, &oe) {
-		return oe.Status, r.Handoff + " (" + oe.Code + ")", ""
+	var f *outcome.Failure
+	if errors.As(err, &f) {
+		code := openai.CodeUpstreamError
+		if f.Answer != nil {
+			code = f.Answer.Code
+		}
+		return f.ClientStatus(), r.Handoff + " (" + code + ")", ""
 	}
 	if err != nil {
 		return http.StatusBadGateway, r.Handoff + " (" + err.Error() + ")", ""

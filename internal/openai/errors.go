@@ -62,7 +62,9 @@ const (
 	CodeExpectationFailed           = "expectation_failed"
 )
 
-// Error is a gateway-minted error: its status and the fields of the OpenAI error envelope.
+// Error is a gateway-minted error answer: its status and the fields of the OpenAI error
+// envelope. It only renders; what a failure means (retry, the worker at fault) is
+// outcome.Failure's.
 type Error struct {
 	Status  int    // HTTP status sent to the client.
 	Code    string // Machine-readable code, e.g. "model_not_found".
@@ -71,13 +73,6 @@ type Error struct {
 
 	// RetryAfter, when set, is sent as the Retry-After header.
 	RetryAfter string
-	// Worker is the URL of the worker whose failure this is, if any; a retry avoids it.
-	Worker string
-	// NoRetry marks a failure that a retry cannot fix, even with a retryable status.
-	NoRetry bool
-	// Reason is why a retry happens (metrics label) when it is not the status: transport,
-	// timeout.
-	Reason string
 }
 
 // Error implements error.

@@ -1,7 +1,8 @@
 // Package outcome is the one table that says what an upstream result means to Baton: whether a
 // retry on another worker may help, whether it is a sample for the worker's circuit breaker and
 // a failure there, whether a broken prefill/decode pair produces it, and whether the client
-// caused it. Every decision about an upstream result reads it from here.
+// caused it. Every decision about an upstream result reads it from here: a request's failure is
+// one Failure (failure.go), and its Verdict decides.
 package outcome
 
 import (
@@ -58,6 +59,7 @@ func Status(status int) Verdict {
 // Err is the verdict on an error instead of (or in the middle of) an answer:
 //
 //	cancellation (the client left, or Baton ended the leg)   no sample, not retryable
+//	Baton's own fault (ErrInternal: a recovered panic)       no sample, not retryable: internal
 //	Baton out of descriptors, ports or buffers (Local)       no sample, not retryable: local
 //	a deadline passing (the request's or a leg's)            retryable, failure, seam: timeout
 //	any other transport or read failure                      retryable, failure, seam: transport
@@ -65,6 +67,8 @@ func Err(err error) Verdict {
 	switch {
 	case errors.Is(err, context.Canceled):
 		return Verdict{Client: true}
+	case errors.Is(err, ErrInternal):
+		return Verdict{Reason: "internal"}
 	case Local(err):
 		// Baton's own descriptors or ports ran out: no worker is at fault, and another is no
 		// better placed.

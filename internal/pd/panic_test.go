@@ -15,6 +15,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -44,9 +45,10 @@ func TestPanicOnPrefillLegFailsOneRequest(t *testing.T) {
 	in := httptest.NewRequest(http.MethodPost, "/generate", strings.NewReader(`{"text":"hi"}`))
 	err := x.Execute(rw, in, req("/generate", `{"text":"hi"}`), worker.Pair{Prefill: p, Decode: d})
 	x.Wait()
-	var oe *openai.Error
-	if !errors.As(err, &oe) || oe.Status != http.StatusInternalServerError || oe.Code != openai.CodeInternalError {
-		t.Fatalf("Execute = %v, want a 500 internal_error", err)
+	var f *outcome.Failure
+	if !errors.As(err, &f) || f.Answer == nil || f.ClientStatus() != http.StatusInternalServerError || f.Answer.Code != openai.CodeInternalError ||
+		f.Verdict().Retryable || f.Verdict().Seam || f.Worker != "" {
+		t.Fatalf("Execute = %v, want a final 500 internal_error, no worker's and no pair's fault", err)
 	}
 	if n := testutil.ToFloat64(m.Panics.WithLabelValues("prefill_leg")); n != 1 {
 		t.Errorf("panics counted %v, want 1", n)

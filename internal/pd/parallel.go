@@ -44,7 +44,7 @@ func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request
 	pBody, dBody, pRank, dRank, err := bootstrapLegs(req, pair)
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
-		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBootstrapInjectionFailed, Message: err.Error()}
+		return outcome.Answer(&openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBootstrapInjectionFailed, Message: err.Error()})
 	}
 	return x.run(rw, r, req, pair, concurrentPlan{
 		prefillBody: pBody, decodeBody: dBody, prefillRank: pRank + 1, decodeRank: dRank + 1, dispatch: "parallel", handoff: HandoffBootstrap, connector: HandoffBootstrap,
@@ -141,18 +141,18 @@ func (l *legs) ended() {
 	}
 }
 
-// seamFailure reports whether a PD failure is the kind a broken pair produces (package outcome
-// says which statuses), not a client error, a cancellation or Baton's own bug.
+// seamFailure reports whether a PD failure is the kind a broken pair produces (the outcome
+// table's verdict), not a client error, a cancellation, or Baton's own bug or exhaustion.
 func seamFailure(err error) bool {
 	var (
-		e  *openai.Error
+		f  *outcome.Failure
 		ib *proxy.InBandError
 	)
 	if errors.As(err, &ib) {
 		return outcome.Status(ib.Status).Seam
 	}
-	if errors.As(err, &e) {
-		return outcome.Status(e.Status).Seam && e.Code != openai.CodeInternalError
+	if errors.As(err, &f) {
+		return f.Verdict().Seam
 	}
 	return errors.Is(err, proxy.ErrAbort)
 }

@@ -61,8 +61,8 @@ const (
 
 // Executor runs one PD request over a selected pair and writes the response. It returns nil
 // when the whole response reached the client, proxy.ErrClientGone, proxy.ErrAbort (the caller
-// must abort the connection), or, with nothing written yet, an *openai.Error for the caller to
-// retry or write.
+// must abort the connection), or, with nothing written yet, an *outcome.Failure for the caller
+// to retry or write.
 type Executor interface {
 	Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error
 }

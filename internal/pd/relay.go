@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
@@ -58,15 +59,15 @@ func (f *firstByte) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// upstreamError builds the client's error for a leg that answered non-2xx: the leg's exact
-// status, its message, and a code naming the leg.
-func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *openai.Error {
-	e := &openai.Error{Status: status, Code: leg + "_" + openai.CodeUpstreamError, Worker: w.URL,
+// upstreamError is the failure of a leg that answered non-2xx: judged by the leg's status, and
+// answered with that exact status, the engine's message, and a code naming the leg.
+func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *outcome.Failure {
+	e := &openai.Error{Status: status, Code: leg + "_" + openai.CodeUpstreamError,
 		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
 	if header != nil {
 		e.RetryAfter = header.Get("Retry-After")
 	}
-	return e
+	return &outcome.Failure{Leg: leg, Worker: w.URL, Status: status, Answer: e}
 }
 
 // upstreamMessage extracts an engine's error message: error.message, message, or the text.

@@ -103,7 +103,7 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
 	plan, err := x.plan(req, pair)
 	if err != nil {
-		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
+		return outcome.Answer(&openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
 	}
 	x.Metrics.PDConnectorMode.WithLabelValues(plan.conn.Mode).Inc()
 	if plan.probe != nil && plan.conn.Mode == ModeMooncake && x.MooncakeConcurrent {
@@ -267,8 +267,8 @@ func unreached(err error) bool {
 
 // retryableLeg reports whether a leg's failure before its first byte may succeed elsewhere.
 func retryableLeg(err error) bool {
-	var e *openai.Error
-	return errors.As(err, &e) && !e.NoRetry && outcome.Status(e.Status).Retryable
+	var f *outcome.Failure
+	return errors.As(err, &f) && f.Verdict().Retryable
 }
 
 // prefill sends the probe and returns the prefill's body. A failure is returned as the client's
@@ -386,9 +386,8 @@ func (x *Sequential) report(r *http.Request, req *Request, pair worker.Pair, con
 	}
 	// A retry may land on a pair that hands off, unless nothing could: n>1, or no engine id.
 	noRetry := handoff == HandoffNoneN || handoff == HandoffNoneNoEngine || handoff == HandoffNoneBatch || handoff == HandoffNoneRoute
-	e := &openai.Error{Status: http.StatusBadGateway, Code: openai.CodeKVHandoffUnavailable, NoRetry: noRetry,
-		Message: fmt.Sprintf("no KV handoff for this request (%s, connector %s) and --pd-require-handoff is set", handoff, conn.Mode)}
-	return e
+	return &outcome.Failure{Status: http.StatusBadGateway, Final: noRetry, Answer: &openai.Error{Status: http.StatusBadGateway, Code: openai.CodeKVHandoffUnavailable,
+		Message: fmt.Sprintf("no KV handoff for this request (%s, connector %s) and --pd-require-handoff is set", handoff, conn.Mode)}}
 }
 
 // abandoned counts a handoff prepared but never consumed: the prefill frees its KV when the

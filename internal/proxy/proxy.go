@@ -41,27 +41,18 @@ var (
 	ErrAbort = errors.New("upstream failed after the first byte")
 )
 
-// UpstreamError is a worker's answer with a retryable error status (408, 429, 5xx), held back
-// so that the request can be retried elsewhere. If it is the final answer, Write relays it to
-// the client unchanged.
-type UpstreamError struct {
-	Worker string
-	Status int
-	Header http.Header
-	Body   []byte
-}
-
-func (e *UpstreamError) Error() string {
-	return fmt.Sprintf("worker %s answered %d", e.Worker, e.Status)
-}
-
-// Write relays the held answer: status, headers and body as the worker sent them.
-func (e *UpstreamError) Write(rw http.ResponseWriter) {
+// WriteFailure answers the client for a failure: Baton's envelope, or the worker's own error
+// answer held back for a retry — status, headers and body as the worker sent them.
+func WriteFailure(rw http.ResponseWriter, f *outcome.Failure) {
+	if f.Answer != nil {
+		openai.WriteError(rw, f.Answer)
+		return
+	}
 	h := rw.Header()
-	CopyResponseHeaders(h, e.Header)
-	h.Set("Content-Length", strconv.Itoa(len(e.Body)))
-	rw.WriteHeader(e.Status)
-	_, _ = rw.Write(e.Body)
+	CopyResponseHeaders(h, f.Header)
+	h.Set("Content-Length", strconv.Itoa(len(f.Body)))
+	rw.WriteHeader(f.Status)
+	_, _ = rw.Write(f.Body)
 }
 
 // PanicError is a panic recovered while serving a request. It is Baton's fault, never a
@@ -72,6 +63,9 @@ type PanicError struct {
 }
 
 func (e *PanicError) Error() string { return fmt.Sprintf("internal error in %s: %v", e.Where, e.Value) }
+
+// Unwrap makes a panic Baton's own fault in the outcome table.
+func (e *PanicError) Unwrap() error { return outcome.ErrInternal }
 
 // Recovered turns a value recovered from a panic into a *PanicError, logging it with its stack
 // and counting it.
@@ -85,7 +79,7 @@ func (p *Proxy) Recovered(where string, v any) *PanicError {
 
 // InternalError is the client's answer for a panic.
 func InternalError() *openai.Error {
-	return &openai.Error{Status: http.StatusInternalServerError, Code: openai.CodeInternalError, NoRetry: true,
+	return &openai.Error{Status: http.StatusInternalServerError, Code: openai.CodeInternalError,
 		Message: "internal error while serving the request (logged; please report it)"}
 }
 
@@ -284,8 +278,8 @@ func informational(resp *http.Response, err error) (*http.Response, error) {
 
 // Forward POSTs body to path on w and relays the response to rw (regular mode). It returns nil
 // when the whole response reached the client, ErrClientGone, ErrAbort (the caller must abort the
-// connection), or, with nothing written yet, an *openai.Error or an *UpstreamError for the
-// caller to retry or write.
+// connection), or, with nothing written yet, an *outcome.Failure for the caller to retry or
+// write.
 //
 // The request's deadline is r's: the caller sets it once for all attempts.
 func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
@@ -315,10 +309,11 @@ func (p *Proxy) HoldError(r *http.Request, leg *Leg, resp *http.Response) error 
 	}
 	leg.Done(resp.StatusCode, nil)
 	if len(b) > maxErrorBody {
-		return &openai.Error{Status: resp.StatusCode, Code: openai.CodeUpstreamErrorTooLarge, Worker: leg.W.URL, RetryAfter: resp.Header.Get("Retry-After"),
-			Message: fmt.Sprintf("worker %s answered %d with an error body over %d bytes (not relayed)", leg.W.URL, resp.StatusCode, maxErrorBody)}
+		return &outcome.Failure{Worker: leg.W.URL, Status: resp.StatusCode, Answer: &openai.Error{Status: resp.StatusCode, Code: openai.CodeUpstreamErrorTooLarge,
+			RetryAfter: resp.Header.Get("Retry-After"),
+			Message:    fmt.Sprintf("worker %s answered %d with an error body over %d bytes (not relayed)", leg.W.URL, resp.StatusCode, maxErrorBody)}}
 	}
-	return &UpstreamError{Worker: leg.W.URL, Status: resp.StatusCode, Header: resp.Header, Body: b}
+	return &outcome.Failure{Worker: leg.W.URL, Status: resp.StatusCode, Header: resp.Header, Body: b}
 }
 
 // Finish ends a leg whose answer with status was relayed, given Relay's result: success ends
@@ -488,28 +483,29 @@ func (s *source) next() ([]byte, bool, error) {
 	return ev, !s.events.Pending(), err
 }
 
-// Classify maps an error before any response byte to the client's status and error code.
-// leg ("prefill", "decode" or "") prefixes the code.
-func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *openai.Error {
+// Classify makes an error that kept worker w from answering (before any response byte) a
+// failure: the cause decides its verdict, and the client's answer names the leg ("prefill",
+// "decode" or "") in its code.
+func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *outcome.Failure {
+	f := &outcome.Failure{Leg: leg, Worker: w.URL, Cause: err}
 	prefix := ""
 	if leg != "" {
 		prefix = leg + "_"
 	}
-	var pe *PanicError
-	if errors.As(err, &pe) {
-		return InternalError()
-	}
-	v := outcome.Err(err)
-	if v.Reason == "local" {
-		return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, NoRetry: true, RetryAfter: "1", Reason: v.Reason,
+	switch outcome.Err(err).Reason {
+	case "internal":
+		f.Worker, f.Answer = "", InternalError()
+	case "local":
+		f.Worker, f.Answer = "", &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
 			Message: "Baton ran out of its own connections (file descriptors or local ports): send the request again shortly"}
-	}
-	if v.Reason == "timeout" {
-		return &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, Worker: w.URL, Reason: v.Reason,
+	case "timeout":
+		f.Answer = &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout,
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
+	default:
+		f.Answer = &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable,
+			Message: fmt.Sprintf("%sworker %s: %s", legWord(leg), w.URL, safeCause(err))}
 	}
-	return &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable, Worker: w.URL, Reason: v.Reason,
-		Message: fmt.Sprintf("%sworker %s: %s", legWord(leg), w.URL, safeCause(err))}
+	return f
 }
 
 // safeCause says what kept a worker from answering without quoting anything the worker sent:
@@ -546,15 +542,15 @@ func (p *Proxy) Failure(r *http.Request, leg *Leg, err error) error {
 		return ErrClientGone
 	}
 	w := leg.W
-	e := Classify(w, leg.Name, p.Timeout, err)
+	f := Classify(w, leg.Name, p.Timeout, err)
 	leg.Done(0, err)
 	kind := metrics.KindTransport
-	if e.Status == http.StatusGatewayTimeout {
+	if outcome.IsTimeout(err) {
 		kind = metrics.KindTimeout
 	}
 	p.countError(w, kind)
-	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg.Name, "status", e.Status, "err", err)
-	return e
+	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg.Name, "status", f.ClientStatus(), "err", err)
+	return f
 }
 
 func (p *Proxy) countError(w *worker.Worker, kind string) {

@@ -72,7 +72,7 @@ func (s *Server) countBatch(req *pd.Request) *openai.Error {
 func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 	pair, err := s.sel.Pair(r.Context(), &policy.Request{Path: "/health"}, nil)
 	if err != nil {
-		openai.WriteError(w, selectionError(err))
+		proxy.WriteFailure(w, selectionError(err))
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
@@ -134,7 +134,7 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 	proxy.CopyRequestHeaders(req.Header, r.Header, prefill)
 	resp, err := s.proxy.Transport.RoundTrip(req)
 	if err != nil {
-		openai.WriteError(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
+		proxy.WriteFailure(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
 		return
 	}
 	defer resp.Body.Close()
@@ -142,7 +142,7 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 	if err := s.proxy.Relay(r.Context(), w, resp, nil); err != nil {
 		var re *proxy.ReadError
 		if errors.As(err, &re) && !re.Written {
-			openai.WriteError(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
+			proxy.WriteFailure(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
 			return
 		}
 		if !errors.Is(err, proxy.ErrClientGone) {

@@ -1,8 +1,6 @@
 package server
 
 import (
-	"cmp"
-
 	"context"
 	"errors"
 	"net/http"
@@ -20,8 +18,7 @@ import (
 
 // attemptFunc is one try at a request. r carries the request's total deadline; avoid holds the
 // URLs of workers that already failed this request. It returns nil once the response is
-// complete, proxy.ErrClientGone or proxy.ErrAbort, or an unwritten *openai.Error or
-// *proxy.UpstreamError.
+// complete, proxy.ErrClientGone or proxy.ErrAbort, or an unwritten *outcome.Failure.
 type attemptFunc func(r *http.Request, avoid map[string]bool) error
 
 // withRetries runs attempt until it succeeds, fails for good, or runs out of tries or time:
@@ -101,8 +98,7 @@ func failed(avoid map[string]bool, err error) map[string]bool {
 // writeFailure answers the client for the final failure of a request.
 func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error) {
 	var (
-		oe *openai.Error
-		ue *proxy.UpstreamError
+		f  *outcome.Failure
 		ib *proxy.InBandError
 	)
 	switch {
@@ -112,10 +108,8 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 		// The stream went out whole, the engine's error event in it; the request failed. The
 		// code is for the access log and the status page (the head left long ago).
 		record.From(r.Context()).Code = openai.CodeUpstreamStreamError
-	case errors.As(err, &oe):
-		openai.WriteError(w, oe)
-	case errors.As(err, &ue):
-		ue.Write(w)
+	case errors.As(err, &f):
+		proxy.WriteFailure(w, f)
 	case errors.Is(err, proxy.ErrClientGone), proxy.ClientGone(r):
 	case outcome.IsTimeout(err):
 		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
@@ -126,38 +120,22 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	}
 }
 
-// retryReason reports whether err may be retried and why (a metrics label), from the outcome
-// table: the worker's status, or the transport failure or timeout Baton minted an error for.
+// retryReason reports whether err may be retried and why (a metrics label): the outcome
+// table's verdict on the failure.
 func retryReason(err error) (string, bool) {
-	var (
-		oe *openai.Error
-		ue *proxy.UpstreamError
-	)
-	switch {
-	case errors.As(err, &oe):
-		v := outcome.Status(oe.Status)
-		if oe.NoRetry || !v.Retryable {
-			return "", false
-		}
-		return cmp.Or(oe.Reason, v.Reason), true
-	case errors.As(err, &ue):
-		v := outcome.Status(ue.Status)
-		return v.Reason, v.Retryable
+	var f *outcome.Failure
+	if !errors.As(err, &f) {
+		return "", false
 	}
-	return "", false
+	v := f.Verdict()
+	return v.Reason, v.Retryable
 }
 
 // failedWorker returns the URL of the worker a failure belongs to, if known.
 func failedWorker(err error) string {
-	var (
-		oe *openai.Error
-		ue *proxy.UpstreamError
-	)
-	switch {
-	case errors.As(err, &oe):
-		return oe.Worker
-	case errors.As(err, &ue):
-		return ue.Worker
+	var f *outcome.Failure
+	if errors.As(err, &f) {
+		return f.Worker
 	}
 	return ""
 }

@@ -2,39 +2,51 @@ package server
 
 import (
 	"context"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
+// The retry loop decides from the outcome table's verdict on one failure type, whoever minted
+// it: a held worker answer, a transport failure, a deadline, Baton's own exhaustion or panic, a
+// selection that found nothing, a failure marked final.
 func TestRetryReason(t *testing.T) {
+	w := &worker.Worker{URL: "http://w"}
+	dial := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
 	for _, tc := range []struct {
 		err       error
 		reason    string
 		retryable bool
+		worker    string
 	}{
-		{&proxy.UpstreamError{Status: 503}, "status_503", true},
-		{&proxy.UpstreamError{Status: 429}, "status_429", true},
-		{&proxy.UpstreamError{Status: 501}, "", false},
-		{&openai.Error{Status: 502, Reason: "transport"}, "transport", true},
-		{&openai.Error{Status: 504, Reason: "timeout"}, "timeout", true},
-		{&openai.Error{Status: 503, Code: openai.CodeNoAvailableWorkers}, "status_503", true},
-		{&openai.Error{Status: 502, NoRetry: true}, "", false},
-		{&openai.Error{Status: 400}, "", false},
-		{proxy.ErrAbort, "", false},
-		{proxy.ErrClientGone, "", false},
-		{outcome.ErrRequestTimeout, "", false},
+		{&outcome.Failure{Worker: w.URL, Status: 503}, "status_503", true, w.URL},
+		{&outcome.Failure{Worker: w.URL, Status: 429}, "status_429", true, w.URL},
+		{&outcome.Failure{Worker: w.URL, Status: 501}, "", false, w.URL},
+		{proxy.Classify(w, "", time.Second, dial), "transport", true, w.URL},
+		{proxy.Classify(w, "decode", time.Second, context.DeadlineExceeded), "timeout", true, w.URL},
+		{proxy.Classify(w, "", time.Second, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.EMFILE}), "local", false, ""},
+		{proxy.Classify(w, "", time.Second, &proxy.PanicError{Where: "prefill_leg", Value: "boom"}), "internal", false, ""},
+		{selectionError(&policy.NoWorkerError{}), "status_503", true, ""},
+		{selectionError(&policy.NoWorkerError{Unserved: true}), "", false, ""},
+		{&outcome.Failure{Status: 502, Final: true}, "status_502", false, ""},
+		{outcome.Answer(&openai.Error{Status: 400}), "", false, ""},
+		{proxy.ErrAbort, "", false, ""},
+		{proxy.ErrClientGone, "", false, ""},
+		{outcome.ErrRequestTimeout, "", false, ""},
 	} {
 		reason, ok := retryReason(tc.err)
-		if reason != tc.reason || ok != tc.retryable {
-			t.Errorf("retryReason(%v) = %q, %v; want %q, %v", tc.err, reason, ok, tc.reason, tc.retryable)
+		if reason != tc.reason || ok != tc.retryable || failedWorker(tc.err) != tc.worker {
+			t.Errorf("retryReason(%v) = %q, %v, worker %q; want %q, %v, %q", tc.err, reason, ok, failedWorker(tc.err), tc.reason, tc.retryable, tc.worker)
 		}
 	}
 }

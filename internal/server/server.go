@@ -571,20 +571,20 @@ func (s *Server) noteDecisions(r *http.Request, req *policy.Request) {
 	}
 }
 
-// selectionError is the client's error for a failed selection: 404 for a model no worker
-// serves, else 503.
-func selectionError(err error) *openai.Error {
+// selectionError is the failure of a selection: 404 for a model no worker serves, 501 for a
+// route none of its workers serves, else 503 (retried: a worker may come back).
+func selectionError(err error) *outcome.Failure {
 	var nw *policy.NoWorkerError
 	if errors.As(err, &nw) && nw.Unserved {
-		return &openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()}
+		return outcome.Answer(&openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()})
 	}
 	if errors.As(err, &nw) && nw.Unrouted != "" {
-		return &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeRouteNotServed, NoRetry: true, Message: err.Error()}
+		return outcome.FinalAnswer(&openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeRouteNotServed, Message: err.Error()})
 	}
 	if errors.As(err, &nw) && nw.Route != "" {
-		return &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD, NoRetry: true, Message: err.Error()}
+		return outcome.FinalAnswer(&openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD, Message: err.Error()})
 	}
-	return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()}
+	return outcome.Answer(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()})
 }
 
 func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
