@@ -173,9 +173,31 @@ func (c *conn) serveOne() bool {
 		_ = c.rwc.SetWriteDeadline(time.Time{})
 	}
 	if w.closeAfter || c.werr != nil || !b.drain(c) {
+		if !b.eof && b.err == nil && c.werr == nil && !w.aborted {
+			c.linger()
+		}
 		return false
 	}
 	return true
+}
+
+// lingerTime and lingerBytes bound how long and how much of a request body left unread the
+// server reads and discards before it closes the connection.
+const (
+	lingerTime  = 500 * time.Millisecond
+	lingerBytes = 8 << 20
+)
+
+// linger closes the sending side and discards what the client still sends, for a bounded time:
+// closing a socket with unread bytes resets it, and a reset can destroy the answer (a 413 for a
+// body too large) before the client, still sending its body, has read it.
+func (c *conn) linger() {
+	cw, ok := c.rwc.(interface{ CloseWrite() error })
+	if !ok || cw.CloseWrite() != nil {
+		return
+	}
+	_ = c.rwc.SetReadDeadline(time.Now().Add(lingerTime))
+	_, _ = io.CopyN(io.Discard, c.reader(), lingerBytes)
 }
 
 // runHandler runs the handler, turning a panic into a closed connection (and a log line,

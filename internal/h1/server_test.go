@@ -2,6 +2,7 @@ package h1
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -815,5 +816,30 @@ func TestWatcherEndsWithItsServer(t *testing.T) {
 				t.Fatal("the watcher outlived its server")
 			}
 		})
+	}
+}
+
+// An answer given before the request body was read (a 413 for a body too large) reaches a
+// client that goes on sending its body to the end before it reads: the server closes its side
+// and discards what still arrives for a while, instead of resetting the connection — a reset
+// destroys the answer in the client's receive buffer.
+func TestAnswerBeforeTheBodySurvivesTheClose(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Connection", "close")
+		w.WriteHeader(http.StatusRequestEntityTooLarge)
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	body := bytes.Repeat([]byte("x"), 4<<20)
+	fmt.Fprintf(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", len(body))
+	if _, err := c.Write(body); err != nil {
+		t.Fatalf("the server reset the connection while the client sent its body: %v", err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("the answer did not survive: %v", err)
+	}
+	if resp.StatusCode != http.StatusRequestEntityTooLarge {
+		t.Errorf("status %d", resp.StatusCode)
 	}
 }
