@@ -147,47 +147,27 @@ func (g *Gateway) Wait() {
 
 // New wires a gateway from cfg. It does no I/O.
 func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
-	return build(cfg, log, timingOf(cfg))
+	return build(cfg, log)
 }
 
-// timing is every duration the gateway runs by, converted once from the configuration's
-// seconds (tests shorten them to milliseconds).
-type timing struct {
-	request, stalled, queue, body time.Duration
-	breakerOpen, quarantine       time.Duration
-	healthInterval, healthTimeout time.Duration
-	detect, loadPoll              time.Duration
-}
-
-func timingOf(cfg config.Config) timing {
-	secs := func(n int) time.Duration { return time.Duration(n) * time.Second }
-	return timing{
-		request: secs(cfg.RequestTimeoutSecs), stalled: secs(cfg.StalledClientTimeoutSecs), queue: secs(cfg.Admission.QueueTimeoutSecs),
-		body:        secs(cfg.BodyTimeoutSecs),
-		breakerOpen: secs(cfg.CircuitBreaker.TimeoutSecs), quarantine: secs(cfg.PairHealth.QuarantineSecs),
-		healthInterval: secs(cfg.HealthCheck.IntervalSecs), healthTimeout: secs(cfg.HealthCheck.TimeoutSecs),
-		detect: secs(cfg.DetectIntervalSecs), loadPoll: time.Duration(cfg.LoadPollIntervalMs) * time.Millisecond,
-	}
-}
-
-// build wires a gateway from cfg with the durations of tm.
-func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
+// build wires a gateway from cfg.
+func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	var ws []*worker.Worker
 	for _, c := range cfg.AllWorkers() {
 		ws = append(ws, worker.New(c))
 	}
 	reg := worker.NewRegistry(ws...)
 	m := metrics.New(reg)
-	breaker := newBreaker(cfg.CircuitBreaker, tm.breakerOpen, m, log)
+	breaker := newBreaker(cfg.CircuitBreaker, m, log)
 	for _, w := range ws {
 		w.UseBreaker(breaker)
 	}
-	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: tm.quarantine}
+	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: cfg.PairHealth.Quarantine}
 	policies := map[string]policy.Policy{}
 	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
 		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
 			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
-			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: time.Duration(cfg.EvictionIntervalSecs) * time.Second})
+			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: cfg.EvictionInterval})
 		if err != nil {
 			return nil, err
 		}
@@ -202,7 +182,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	transport := proxy.NewTransport(cfg.UpstreamClient)
-	px := &proxy.Proxy{Transport: transport, Timeout: tm.request, Metrics: m, Log: log}
+	px := &proxy.Proxy{Transport: transport, Timeout: cfg.RequestTimeout, Metrics: m, Log: log}
 	if cfg.ForwardSimFaults {
 		px.ExtraHeaders = []string{"X-Sim-Fault"}
 	}
@@ -234,13 +214,13 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 			}
 		}
 	}
-	fleet := newFleet(cfg, reg, breaker, kv, m, log, tm.request+5*time.Second)
+	fleet := newFleet(cfg, reg, breaker, kv, m, log, cfg.RequestTimeout+5*time.Second)
 	fleet.closeIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
 		Admin: server.Admin{Fleet: fleet, SourceOf: fleet.SourceOf}}
 	m.Registry.MustRegister(kv.Collector())
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
-	health := newHealth(cfg.HealthCheck, tm, reg, client, m, log)
+	health := newHealth(cfg.HealthCheck, reg, client, m, log)
 	if health != nil {
 		count := health.OnProbe
 		health.OnProbe = func(w *worker.Worker, ok bool) {
@@ -251,7 +231,7 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		}
 	}
 	onRegistered := func(w *worker.Worker) { learn(w); logConnector(log, cfg, w); kv.Registered(w) }
-	registrar := &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: tm.detect, OnRegistered: onRegistered}
+	registrar := &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: cfg.DetectInterval, OnRegistered: onRegistered}
 	fleet.registrar, fleet.onRegistered, fleet.pairs = registrar, onRegistered, pairs
 	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_config_reloads_total",
 		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused) or invalid (nothing changed)."}, []string{"result"})
@@ -264,20 +244,20 @@ func build(cfg config.Config, log *slog.Logger, tm timing) (*Gateway, error) {
 		Parallel:   parallel,
 		Dispatcher: dispatcher,
 		Selector:   sel,
-		Server:     server.New(serverOptions(cfg, tm, parts)),
+		Server:     server.New(serverOptions(cfg, parts)),
 		Registrar:  registrar,
 		Fleet:      fleet,
 		reloads:    reloads,
-		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: tm.loadPoll},
+		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval},
 		KVEvents:   kv,
 		Log:        log,
 	}, nil
 }
 
 // newBreaker is the circuit breaker every worker shares, its transitions counted and logged.
-func newBreaker(cb config.CircuitBreaker, open time.Duration, m *metrics.Metrics, log *slog.Logger) *worker.BreakerConfig {
+func newBreaker(cb config.CircuitBreaker, m *metrics.Metrics, log *slog.Logger) *worker.BreakerConfig {
 	return &worker.BreakerConfig{
-		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold, Timeout: open, Disabled: cb.Disable,
+		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold, Timeout: cb.TimeoutDuration, Disabled: cb.Disable,
 		OnTransition: func(w *worker.Worker, from, to worker.BreakerState) {
 			f, t := from.String(), to.String()
 			m.BreakerTransitions.WithLabelValues(w.URL, f, t).Inc()
@@ -287,12 +267,12 @@ func newBreaker(cb config.CircuitBreaker, open time.Duration, m *metrics.Metrics
 }
 
 // newHealth is the active health checker, or nil when health checks are disabled.
-func newHealth(hc config.HealthCheck, tm timing, reg *worker.Registry, client *http.Client, m *metrics.Metrics, log *slog.Logger) *worker.HealthChecker {
+func newHealth(hc config.HealthCheck, reg *worker.Registry, client *http.Client, m *metrics.Metrics, log *slog.Logger) *worker.HealthChecker {
 	if hc.Disable {
 		return nil
 	}
 	return &worker.HealthChecker{
-		Registry: reg, Client: client, Log: log, Endpoint: hc.Endpoint, Interval: tm.healthInterval, Timeout: tm.healthTimeout,
+		Registry: reg, Client: client, Log: log, Endpoint: hc.Endpoint, Interval: hc.Interval, Timeout: hc.Timeout,
 		FailureThreshold: hc.FailureThreshold, SuccessThreshold: hc.SuccessThreshold,
 		OnProbe: func(w *worker.Worker, ok bool) {
 			result := "ok"
@@ -305,7 +285,7 @@ func newHealth(hc config.HealthCheck, tm timing, reg *worker.Registry, client *h
 }
 
 // serverOptions fills the server's settings from the configuration into parts.
-func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Options {
+func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	rc := cfg.Retry
 	attempts := rc.MaxRetries
 	if rc.Disable {
@@ -314,13 +294,13 @@ func serverOptions(cfg config.Config, tm timing, parts server.Options) server.Op
 	o := parts
 	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.APIKey, cfg.KVConnector
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
-	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, tm.body
+	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
 	o.RouteHeader = cfg.RouteHeader
-	o.RequestTimeout, o.StalledClientTimeout = tm.request, tm.stalled
+	o.RequestTimeout, o.StalledClientTimeout = cfg.RequestTimeout, cfg.StalledClientTimeout
 	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
-		Initial: time.Duration(rc.InitialBackoffMs) * time.Millisecond, Max: time.Duration(rc.MaxBackoffMs) * time.Millisecond,
+		Initial: rc.InitialBackoff, Max: rc.MaxBackoff,
 		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
-	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: tm.queue}
+	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: cfg.Admission.QueueTimeout}
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
 	// Keyless only on a loopback listener of its own: a proxy on the same host in front of the
@@ -372,7 +352,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	case <-ctx.Done():
 	case serveErr = <-errc:
 	}
-	g.drain(ls.api, time.Duration(cfg.ShutdownGracePeriodSecs)*time.Second)
+	g.drain(ls.api, cfg.ShutdownGracePeriod)
 	ls.closeSide()
 	stopBG()
 	g.Wait()
@@ -524,11 +504,11 @@ type httpServer interface {
 // apiServer builds the API listener's server, the listener it serves (net/http's server gets
 // the client connection bound through it) and the count of connections refused past that
 // bound. Neither server has a read or write timeout: they would cut long uploads and long
-// streams; the request deadline (request_timeout_secs) and the stalled-client timeout bound
+// streams; the request deadline (request_timeout) and the stalled-client timeout bound
 // those instead.
 func apiServer(cfg config.Config, ln net.Listener, h http.Handler, log *slog.Logger) (httpServer, net.Listener, func() uint64) {
-	header := time.Duration(cfg.ReadHeaderTimeoutSecs) * time.Second
-	idle := time.Duration(cfg.IdleTimeoutSecs) * time.Second
+	header := cfg.ReadHeaderTimeout
+	idle := cfg.IdleTimeout
 	if cfg.HTTPServer == "baton" && h1.Supported() {
 		s := &h1.Server{Handler: h, ReadHeaderTimeout: header, IdleTimeout: idle, Log: log, Refuse: refusal}
 		return s, ln, s.Refused.Load

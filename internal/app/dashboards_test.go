@@ -101,7 +101,7 @@ func exported(t *testing.T) map[string]bool {
 	bad := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Status: 503}})
 	slow := simEngine(t, sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 50 * time.Millisecond})
 	rcfg := testConfig(bad.URL(), slow.URL())
-	rcfg.Admission.MaxConcurrentRequests, rcfg.Admission.QueueSize, rcfg.Admission.QueueTimeoutSecs = 1, 1, 1
+	rcfg.Admission.MaxConcurrentRequests, rcfg.Admission.QueueSize, rcfg.Admission.QueueTimeout = 1, 1, time.Second
 	rg, rgw := startGateway(t, rcfg)
 	var wg sync.WaitGroup
 	for i := 0; i < 4; i++ { // one runs, one waits, the rest are refused: queue_full

@@ -35,7 +35,7 @@ func FuzzRequestPath(f *testing.F) {
 
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	gateway := func(cfg config.Config) http.Handler {
-		cfg.RequestTimeoutSecs = 5
+		cfg.RequestTimeout = 5 * time.Second
 		cfg.Retry.Disable = true
 		g, err := New(cfg, quiet)
 		if err != nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/bench"
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -125,7 +126,7 @@ func TestNoClientGetsAnothersAnswer(t *testing.T) {
 				cfg.UpstreamClient = client
 				cfg.Retry.Disable = true
 				cfg.CircuitBreaker.Disable = true
-				cfg.LoadPollIntervalMs = 10 // the load poller shares the connections
+				cfg.LoadPollInterval = 10 * time.Millisecond // the load poller shares the connections
 				_, gw := startGateway(t, cfg)
 				for i := 0; i < 20; i++ {
 					time.Sleep(20 * time.Millisecond) // the stray bytes of the last answer arrive meanwhile
@@ -243,7 +244,7 @@ func TestRequestBodiesAreBoundedInTotal(t *testing.T) {
 	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
 	cfg := testConfig(up.URL)
 	cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 8<<20, 20<<20
-	g, gw := startGateway(t, cfg, stalledTimeout(5*time.Second), func(tm *timing) { tm.body = 5 * time.Second })
+	g, gw := startGateway(t, cfg, stalledTimeout(5*time.Second), func(c *config.Config) { c.BodyTimeout = 5 * time.Second })
 	addr := strings.TrimPrefix(gw.URL, "http://")
 	head := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8388000\r\n\r\n"
 	part := append([]byte(`{"model":"m","pad":"`), bytes.Repeat([]byte("x"), 7<<20)...) // the rest never comes
@@ -286,7 +287,7 @@ func TestTrickledBodyIsCutAtTheBodyTimeout(t *testing.T) {
 			t.Parallel()
 			cfg := testConfig(up.URL)
 			cfg.HTTPServer = server
-			_, gw := startGateway(t, cfg, stalledTimeout(time.Second), func(tm *timing) { tm.body = 300 * time.Millisecond })
+			_, gw := startGateway(t, cfg, stalledTimeout(time.Second), func(c *config.Config) { c.BodyTimeout = 300 * time.Millisecond })
 			head := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
 			c := rawRequest(t, strings.TrimPrefix(gw.URL, "http://"), head, []byte("{"))
 			go func() {
@@ -361,7 +362,7 @@ func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
 		cfg := testConfig(url)
 		cfg.UpstreamClient = client
 		cfg.Retry.Disable = true
-		cfg.LoadPollIntervalMs = 60000
+		cfg.LoadPollInterval = time.Minute
 		_, gw := startGateway(t, cfg)
 		if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"one"}`); resp.StatusCode != 200 {
 			t.Fatalf("first: %d", resp.StatusCode)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -49,14 +48,13 @@ func fakeEngineWith(t *testing.T, ownedBy string, models []string, handle http.H
 }
 
 // startGateway wires a gateway over cfg, waits until every worker registered, and serves its
-// API on an httptest server. tune shortens the durations the configuration gives in seconds.
-func startGateway(t *testing.T, cfg config.Config, tune ...func(*timing)) (*Gateway, *httptest.Server) {
+// API on an httptest server. tune changes the configuration first (shorter durations).
+func startGateway(t *testing.T, cfg config.Config, tune ...func(*config.Config)) (*Gateway, *httptest.Server) {
 	t.Helper()
-	tm := timingOf(cfg)
 	for _, f := range tune {
-		f(&tm)
+		f(&cfg)
 	}
-	g, err := build(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)), tm)
+	g, err := build(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -168,21 +166,10 @@ func wantEnvelope(t *testing.T, resp *http.Response, status int, code string) en
 	return e
 }
 
-// tweaks splits test options into configuration changes and timing changes.
-func tweaks(cfg *config.Config, opts []any) (tune []func(*timing)) {
-	for _, o := range opts {
-		switch f := o.(type) {
-		case func(*config.Config):
-			f(cfg)
-		case func(*timing):
-			tune = append(tune, f)
-		default:
-			panic(fmt.Sprintf("test option of type %T", o))
-		}
-	}
-	return tune
-}
-
 // Sub-second durations for tests that wait for a deadline.
-func requestTimeout(d time.Duration) func(*timing) { return func(tm *timing) { tm.request = d } }
-func stalledTimeout(d time.Duration) func(*timing) { return func(tm *timing) { tm.stalled = d } }
+func requestTimeout(d time.Duration) func(*config.Config) {
+	return func(c *config.Config) { c.RequestTimeout = d }
+}
+func stalledTimeout(d time.Duration) func(*config.Config) {
+	return func(c *config.Config) { c.StalledClientTimeout = d }
+}

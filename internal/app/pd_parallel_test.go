@@ -34,7 +34,7 @@ func simEngine(t *testing.T, c sim.Config) *sim.Engine {
 }
 
 // sglangPD starts an SGLang prefill and decode pair and a PD gateway over them.
-func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...any) (p, d *sim.Engine, g *Gateway, url string) {
+func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...func(*config.Config)) (p, d *sim.Engine, g *Gateway, url string) {
 	t.Helper()
 	pc.Engine, pc.Role = sim.EngineSGLang, sim.RolePrefill
 	dc.Engine, dc.Role = sim.EngineSGLang, sim.RoleDecode
@@ -44,7 +44,7 @@ func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...any) (p, d *sim.Engine, 
 	port := p.BootstrapPort()
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
 	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
-	g, srv := startGateway(t, cfg, tweaks(&cfg, tweak)...)
+	g, srv := startGateway(t, cfg, tweak...)
 	return p, d, g, srv.URL
 }
 

@@ -28,7 +28,7 @@ var connectorModes = map[string]string{"NixlConnector": sim.ConnectorNixl, "Moon
 // decodePairFleet starts one vLLM prefill and the given decodes with connector, and a gateway
 // over them (Mooncake dispatched sequentially, the breaker off so that every decode stays in
 // rotation).
-func decodePairFleet(t *testing.T, connector string, decodes []sim.Config, tune ...func(*timing)) (*sim.Engine, []*sim.Engine, *Gateway, string) {
+func decodePairFleet(t *testing.T, connector string, decodes []sim.Config, tune ...func(*config.Config)) (*sim.Engine, []*sim.Engine, *Gateway, string) {
 	t.Helper()
 	mode := connectorModes[connector]
 	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: mode, EngineID: "p"})
@@ -97,7 +97,7 @@ func TestPDDecodeUnreachableRetriedAlone(t *testing.T) {
 	for connector := range connectorModes {
 		t.Run(connector, func(t *testing.T) {
 			t.Parallel()
-			p, ds, g, gw := decodePairFleet(t, connector, []sim.Config{{}, {}}, func(tm *timing) { tm.healthInterval = time.Hour })
+			p, ds, g, gw := decodePairFleet(t, connector, []sim.Config{{}, {}}, func(c *config.Config) { c.HealthCheck.Interval = time.Hour })
 			ds[0].Close() // registered, then gone: its port refuses connections
 			const n = 6
 			for i := 0; i < n; i++ {
@@ -491,7 +491,7 @@ func TestMooncakeEngineIDsFromBothQueryShapes(t *testing.T) {
 		p, _, _, gw := vllmPD(t, "MooncakeConnector",
 			sim.Config{EngineID: "by-engine", DPSize: dp, MooncakeQueryByEngineID: true, MooncakeRegistering: 600 * time.Millisecond}, sim.Config{},
 			func(c *config.Config) { c.Workers[0].KVEngineID = "" },
-			func(tm *timing) { tm.healthInterval = time.Hour }) // no probe to learn it later
+			func(c *config.Config) { c.HealthCheck.Interval = time.Hour }) // no probe to learn it later
 		for i := 0; i < 4; i++ {
 			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"by engine id `+strings.Repeat("q", i)+`","max_tokens":2}`)
 			if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "mooncake" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {

@@ -344,7 +344,7 @@ func TestMooncakeEngineIDsRelearnedAfterARestart(t *testing.T) {
 	cfg.Retry.Disable = true
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "MooncakeConnector", BootstrapPort: &bp},
 		{URL: d.URL(), Role: config.RoleDecode, KVConnector: "MooncakeConnector"}}
-	_, gw := startGateway(t, cfg, func(tm *timing) { tm.healthInterval = 50 * time.Millisecond })
+	_, gw := startGateway(t, cfg, func(c *config.Config) { c.HealthCheck.Interval = 50 * time.Millisecond })
 	handsOff := func() bool {
 		resp, _ := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"restart","max_tokens":2}`)
 		return resp.StatusCode == 200 && resp.Header.Get(sim.HeaderKVSource) == sim.SourceRemote

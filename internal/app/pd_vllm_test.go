@@ -17,7 +17,7 @@ import (
 )
 
 // vllmPD starts a vLLM prefill and decode pair and a PD gateway over them.
-func vllmPD(t *testing.T, connector string, pc, dc sim.Config, tweak ...any) (p, d *sim.Engine, g *Gateway, url string) {
+func vllmPD(t *testing.T, connector string, pc, dc sim.Config, tweak ...func(*config.Config)) (p, d *sim.Engine, g *Gateway, url string) {
 	t.Helper()
 	pc.Engine, pc.Role = sim.EngineVLLM, sim.RolePrefill
 	dc.Engine, dc.Role = sim.EngineVLLM, sim.RoleDecode
@@ -40,7 +40,7 @@ func vllmPD(t *testing.T, connector string, pc, dc sim.Config, tweak ...any) (p,
 	}
 	cfg.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode}}
 	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
-	g, srv := startGateway(t, cfg, tweaks(&cfg, tweak)...)
+	g, srv := startGateway(t, cfg, tweak...)
 	return p, d, g, srv.URL
 }
 

@@ -21,7 +21,7 @@ import (
 )
 
 // fleet starts simulated vLLM engines and a regular-mode gateway over them.
-func fleet(t *testing.T, engines []sim.Config, tweak ...any) ([]*sim.Engine, *Gateway, string) {
+func fleet(t *testing.T, engines []sim.Config, tweak ...func(*config.Config)) ([]*sim.Engine, *Gateway, string) {
 	t.Helper()
 	var es []*sim.Engine
 	cfg := config.Default()
@@ -33,7 +33,7 @@ func fleet(t *testing.T, engines []sim.Config, tweak ...any) ([]*sim.Engine, *Ga
 		es = append(es, e)
 		cfg.WorkerURLs = append(cfg.WorkerURLs, e.URL())
 	}
-	g, srv := startGateway(t, cfg, tweaks(&cfg, tweak)...)
+	g, srv := startGateway(t, cfg, tweak...)
 	return es, g, srv.URL
 }
 
@@ -87,7 +87,7 @@ func TestWorkerKilledMidStream(t *testing.T) {
 	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 20 * time.Millisecond}, {}}, func(c *config.Config) {
 		c.CircuitBreaker.FailureThreshold = 1
-		c.HealthCheck.IntervalSecs, c.HealthCheck.FailureThreshold = 1, 1
+		c.HealthCheck.Interval, c.HealthCheck.FailureThreshold = time.Second, 1
 	})
 	victim := es[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
@@ -152,8 +152,8 @@ func TestWorkerKilledMidStream(t *testing.T) {
 func TestWorkerRestartRejoins(t *testing.T) {
 	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{}, {}}, func(c *config.Config) {
-		c.HealthCheck.IntervalSecs, c.HealthCheck.FailureThreshold, c.HealthCheck.SuccessThreshold = 1, 1, 1
-		c.CircuitBreaker.TimeoutSecs = 1
+		c.HealthCheck.Interval, c.HealthCheck.FailureThreshold, c.HealthCheck.SuccessThreshold = time.Second, 1, 1
+		c.CircuitBreaker.TimeoutDuration = time.Second
 	})
 	addr := es[0].Addr()
 	es[0].Close()
@@ -217,7 +217,7 @@ func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
 func TestOverload(t *testing.T) {
 	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
-		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeoutSecs: 2}
+		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeout: 2 * time.Second}
 	})
 	slow := `{"model":"m","prompt":"slow","max_tokens":5,"ignore_eos":true}`
 	var wg sync.WaitGroup
@@ -256,7 +256,7 @@ func TestOverload(t *testing.T) {
 	}
 	// A request that waits longer than the queue timeout is refused, not kept forever.
 	es2, _, gw2 := fleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
-		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 5, QueueTimeoutSecs: 1}
+		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 5, QueueTimeout: time.Second}
 	})
 	first := make(chan struct{})
 	go func() {

@@ -82,7 +82,7 @@ func TestPDPrefixHashAndPowerOfTwo(t *testing.T) {
 func TestLeastLoadSeesEngineReportedLoad(t *testing.T) {
 	t.Parallel()
 	es, g, gw := fleet(t, []sim.Config{{MaxConcurrency: 1, DecodePerToken: 20 * time.Millisecond}, {}},
-		func(c *config.Config) { c.Policy = config.PolicyLeastLoad; c.LoadPollIntervalMs = 20 })
+		func(c *config.Config) { c.Policy = config.PolicyLeastLoad; c.LoadPollInterval = 20 * time.Millisecond })
 	busy, idle := es[0], es[1]
 	// Another client: three long requests straight to the first engine (one runs, two queue).
 	ctx, cancel := context.WithCancel(t.Context())
@@ -131,7 +131,7 @@ func TestStaleEngineLoadIsNotTrusted(t *testing.T) {
 		io.WriteString(w, "{}")
 	}, true)
 	cfg := testConfig(up.URL)
-	cfg.LoadPollIntervalMs = 20
+	cfg.LoadPollInterval = 20 * time.Millisecond
 	g, _ := startGateway(t, cfg)
 	wk := g.Registry.Snapshot().Workers[0]
 	waitFor(t, func() bool { return wk.EngineLoad().Fresh(time.Now()) && wk.EngineLoad().Waiting == 5 })

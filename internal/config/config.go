@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"sigs.k8s.io/yaml"
 )
@@ -46,167 +47,106 @@ const (
 // Policies are the selection policies Baton knows.
 var Policies = []string{PolicyRoundRobin, PolicyRandom, PolicyLeastLoad, PolicyPowerOfTwo, PolicyPrefixHash, PolicyCacheAware}
 
-// Config is the whole of Baton's configuration. Every field has a YAML key and most a flag of
-// the same name in kebab case.
+// Config is the whole of Baton's configuration. Each setting is declared once, on its field
+// (settings.go reads the tags): its YAML key (json), its flag (flag), the flag's help (help),
+// its default (default, in flag syntax), its bounds (check) or choices (oneof), and for a
+// duration the unit of smg's integer alias (unit: --<flag>-secs N, <key>_secs: N). Rules that
+// tie settings together are in Validate.
 type Config struct {
-	// Host is the address the API server binds. Default "0.0.0.0".
-	Host string `json:"host"`
-	// Port is the API server's port. Default 30000; 0 picks a free port.
-	Port int `json:"port"`
-	// MetricsPort is the Prometheus /metrics port. Default 29000; 0 picks a free port; -1 disables.
-	MetricsPort int `json:"metrics_port"`
-	// WorkerURLs are regular workers given by URL only (the --worker-urls flag).
-	WorkerURLs []string `json:"worker_urls"`
-	// Workers are workers with full settings.
+	Host        string `json:"host" flag:"host" default:"0.0.0.0" help:"address to bind"`
+	Port        int    `json:"port" flag:"port" default:"30000" check:"0..65535" help:"API port; 0 picks a free port"`
+	MetricsPort int    `json:"metrics_port" flag:"metrics-port" default:"29000" check:"-1..65535" help:"Prometheus /metrics port; 0 picks a free port, -1 disables"`
+	// WorkerURLs are regular workers given by URL only.
+	WorkerURLs []string `json:"worker_urls" flag:"worker-urls" help:"regular workers by URL"`
+	// Workers are workers with full settings (YAML), or --prefill and --decode.
 	Workers []Worker `json:"workers"`
-	// Policy selects a worker among those serving a request's model: round_robin, random,
-	// least_load, power_of_two, prefix_hash or cache_aware. Default "round_robin".
-	Policy string `json:"policy"`
-	// KVEvents subscribes to every worker's KV events (vLLM/SGLang ZMQ publishers), at its
-	// kv_events_endpoint or tcp://<worker host>:5557. Off by default; a worker with an explicit
-	// kv_events_endpoint is subscribed to either way.
-	KVEvents bool `json:"kv_events"`
-	// KVEventsListen is a ZMQ address (tcp://host:port, "*" for every interface) where Baton
-	// listens for engines that publish KV events by connecting out; each names itself by its
-	// topic kv@<ip>:<port>@<model>. Empty: no listener.
-	KVEventsListen string `json:"kv_events_listen"`
-	// CacheAwareSource is where cache_aware learns what engines hold: auto (their KV events,
-	// for the workers Baton subscribes to and prompts it can tokenize, else its approximate
-	// index), events (the same), approx (its approximate index only). Default "auto".
-	CacheAwareSource string `json:"cache_aware_source"`
-	// RouteHeader adds X-Baton-Route to responses: why each worker was chosen (policy, reason,
-	// its load, the share of the prompt found cached). Off by default.
-	RouteHeader bool `json:"route_header"`
-	// CacheThreshold is the share of a prompt cache_aware must find cached on some worker to
-	// follow the cache; below it, the load decides. Default 0.3.
-	CacheThreshold float64 `json:"cache_threshold"`
-	// BalanceAbsThreshold and BalanceRelThreshold: when the busiest worker is above the absolute
-	// and the relative bound of the idlest, cache_aware balances load instead. Defaults 64, 1.5.
-	BalanceAbsThreshold float64 `json:"balance_abs_threshold"`
-	BalanceRelThreshold float64 `json:"balance_rel_threshold"`
-	// CacheLoadCost is how many 64-byte prompt blocks one request of load costs cache_aware: the
-	// higher, the sooner a hot prefix spreads from a busy worker. Default 16.
-	CacheLoadCost float64 `json:"cache_load_cost"`
-	// EvictionIntervalSecs: cache_aware forgets a prefix not routed for this long. Default 120.
-	EvictionIntervalSecs int `json:"eviction_interval_secs"`
-	// MaxTreeSize bounds cache_aware's index, in prompt characters (64 per block). Default
-	// 16777216 (262,144 blocks, about 40 MB).
-	MaxTreeSize int `json:"max_tree_size"`
-	// LoadPollIntervalMs is how often each engine's /metrics is read for its load (running,
-	// waiting, KV usage); a reading older than three intervals is ignored. Default 500.
-	LoadPollIntervalMs int `json:"load_poll_interval_ms"`
-	// PrefixTokenCount is how much of a prompt prefix_hash hashes, in tokens (about four
-	// characters each). Default 256.
-	PrefixTokenCount int `json:"prefix_token_count"`
-	// PrefixHashLoadFactor lets prefix_hash leave a prefix's worker for the next one on its ring
-	// when that worker's load exceeds this many times the mean. Default 1.25.
-	PrefixHashLoadFactor float64 `json:"prefix_hash_load_factor"`
-	// PDDisaggregation turns on prefill/decode disaggregation: generation routes go to a
-	// prefill worker and a decode worker at once.
-	PDDisaggregation bool `json:"pd_disaggregation"`
-	// PrefillPolicy selects the prefill worker of a pair; empty means Policy.
-	PrefillPolicy string `json:"prefill_policy"`
-	// DecodePolicy selects the decode worker of a pair; empty means Policy.
-	DecodePolicy string `json:"decode_policy"`
-	// KVConnector is the KV connector of vLLM prefill workers that configure none.
-	KVConnector string `json:"kv_connector"`
-	// PDRequireHandoff turns a PD request whose decode would recompute the prompt (no KV
-	// handoff) into a 502 instead of a silent fallback.
-	PDRequireHandoff bool `json:"pd_require_handoff"`
-	// PDMooncakeDispatch is how Mooncake legs are sent: concurrent (both at once, the decode
-	// waits for the KV) or sequential (prefill first). Default concurrent.
-	PDMooncakeDispatch string `json:"pd_mooncake_dispatch"`
-	// RequestTimeoutSecs bounds one request from its arrival to the end of its response, streams
-	// and writes to the client included; past it the client gets 504 (or, mid-stream, a broken
-	// connection). Default 1800.
-	RequestTimeoutSecs int `json:"request_timeout_secs"`
-	// MaxPayloadSize is the largest request body accepted, in bytes. Default 32 MiB: a
-	// million-token context is about 4 MB of text, and a few base64 images fit beside it;
-	// prompt_embeds tensors or larger batches need it raised.
-	MaxPayloadSize int64 `json:"max_payload_size"`
-	// MaxBufferedBodyBytes bounds the request body bytes Baton holds at once, over every
-	// request: past it a body still arriving is refused with 503 before more of it is read.
-	// Default 256 MiB.
-	MaxBufferedBodyBytes int64 `json:"max_buffered_body_bytes"`
-	// BodyTimeoutSecs bounds how long a request body may take to arrive in all (a trickle of
-	// bytes each inside the stalled-client timeout keeps no buffer longer). Default 120.
-	BodyTimeoutSecs int `json:"body_timeout_secs"`
-	// MaxBatchSize bounds "n" and the number of prompts in one request (a /generate or
-	// /v1/completions list); past it the request is refused with 400. Default 1024.
-	MaxBatchSize int `json:"max_batch_size"`
-	// StalledClientTimeoutSecs drops a client that sends no request body bytes, or accepts no
-	// response bytes, for this long. Default 60.
-	StalledClientTimeoutSecs int `json:"stalled_client_timeout_secs"`
-	// APIKey, when set, is required as "Authorization: Bearer <key>" on inference routes.
-	APIKey string `json:"api_key"`
+	Policy  string   `json:"policy" flag:"policy" default:"round_robin" help:"worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware"`
+	// A worker with an explicit kv_events_endpoint is subscribed to either way.
+	KVEvents       bool   `json:"kv_events" flag:"kv-events" help:"subscribe to every worker's KV events at its kv_events_endpoint or tcp://<host>:5557 (GET /workers shows their health)"`
+	KVEventsListen string `json:"kv_events_listen" flag:"kv-events-listen" help:"listen for KV events from engines that connect out (tcp://host:port, * for every interface); each publishes on the topic kv@<ip>:<port>@<model>"`
+	// auto and events read the engines' KV events for the workers Baton subscribes to and
+	// prompts it can tokenize, else the approximate index.
+	CacheAwareSource string `json:"cache_aware_source" flag:"cache-aware-source" default:"auto" oneof:"auto|events|approx" help:"where cache_aware learns what engines hold: auto | events (their KV events where subscribed, else approximate) | approx"`
+	RouteHeader      bool   `json:"route_header" flag:"route-header" help:"add X-Baton-Route to responses: why each worker was chosen (policy, reason, load, cached share)"`
+	// cache_aware: below CacheThreshold, or when the busiest worker is above both balance
+	// bounds of the idlest, the load decides.
+	CacheThreshold      float64 `json:"cache_threshold" flag:"cache-threshold" default:"0.3" check:"0..1" help:"cache_aware: share of the prompt that must be cached on a worker to follow the cache"`
+	BalanceAbsThreshold float64 `json:"balance_abs_threshold" flag:"balance-abs-threshold" default:"64" check:">=0" help:"cache_aware: balance load when the busiest worker has this many more requests than the idlest"`
+	BalanceRelThreshold float64 `json:"balance_rel_threshold" flag:"balance-rel-threshold" default:"1.5" check:">=1" help:"cache_aware: … and this many times as many"`
+	// The higher CacheLoadCost, the sooner a hot prefix spreads from a busy worker.
+	CacheLoadCost    float64       `json:"cache_load_cost" flag:"cache-load-cost" default:"16" check:">=0" help:"cache_aware: 64-byte prompt blocks one request of load is worth"`
+	EvictionInterval time.Duration `json:"eviction_interval" flag:"eviction-interval" unit:"secs" default:"2m" check:">0" help:"cache_aware: forget a prefix not routed for this long"`
+	// MaxTreeSize: the default, 16777216, is 262,144 blocks, about 40 MB.
+	MaxTreeSize          int           `json:"max_tree_size" flag:"max-tree-size" default:"16777216" check:">=64" help:"cache_aware: bound of the prefix index, in prompt characters"`
+	LoadPollInterval     time.Duration `json:"load_poll_interval" flag:"load-poll-interval" unit:"ms" default:"500ms" check:"10ms..60s" help:"how often each engine's /metrics is read for its load; older than three intervals is ignored"`
+	PrefixTokenCount     int           `json:"prefix_token_count" flag:"prefix-token-count" default:"256" check:">=1" help:"prefix_hash: how much of the prompt to hash, in tokens (about 4 characters each)"`
+	PrefixHashLoadFactor float64       `json:"prefix_hash_load_factor" flag:"prefix-hash-load-factor" default:"1.25" check:">=1" help:"prefix_hash: move on along the ring when a worker's load exceeds this times the mean"`
+	PDDisaggregation     bool          `json:"pd_disaggregation" flag:"pd-disaggregation" help:"prefill/decode disaggregation: generation goes to a prefill and a decode worker"`
+	// PrefillPolicy and DecodePolicy: empty means Policy.
+	PrefillPolicy string `json:"prefill_policy" flag:"prefill-policy" help:"policy for the prefill worker of a pair (default: --policy)"`
+	DecodePolicy  string `json:"decode_policy" flag:"decode-policy" help:"policy for the decode worker of a pair (default: --policy)"`
+	KVConnector   string `json:"kv_connector" flag:"kv-connector" help:"KV connector of vLLM prefill workers that configure none: NixlConnector | MooncakeConnector"`
+	// PDRequireHandoff: no silent fallback to a decode that recomputes.
+	PDRequireHandoff   bool   `json:"pd_require_handoff" flag:"pd-require-handoff" help:"strict mode: a PD request whose decode would recompute the prompt fails with 502"`
+	PDMooncakeDispatch string `json:"pd_mooncake_dispatch" flag:"pd-mooncake-dispatch" default:"concurrent" oneof:"concurrent|sequential" help:"Mooncake legs: concurrent or sequential"`
+	// RequestTimeout: past it the client gets 504 (or, mid-stream, a broken connection).
+	RequestTimeout time.Duration `json:"request_timeout" flag:"request-timeout" unit:"secs" default:"30m" check:">0" help:"bound on one request from arrival to the end of its response, streams included"`
+	// MaxPayloadSize: 32 MiB holds a million-token context (about 4 MB of text) and a few
+	// base64 images; prompt_embeds tensors or larger batches need it raised.
+	MaxPayloadSize int64 `json:"max_payload_size" flag:"max-payload-size" default:"33554432" check:">0" help:"largest request body accepted, in bytes"`
+	// MaxBufferedBodyBytes: past it a body still arriving is refused with 503 before more of
+	// it is read.
+	MaxBufferedBodyBytes int64 `json:"max_buffered_body_bytes" flag:"max-buffered-body-bytes" default:"268435456" help:"request body bytes held at once over every request (503 past it)"`
+	// BodyTimeout: a trickle of bytes each inside the stalled-client timeout keeps no buffer
+	// longer.
+	BodyTimeout          time.Duration `json:"body_timeout" flag:"body-timeout" unit:"secs" default:"2m" check:">0" help:"a request body must arrive whole within this"`
+	MaxBatchSize         int           `json:"max_batch_size" flag:"max-batch-size" default:"1024" check:">=1" help:"largest n, and most prompts in one request; 400 past it"`
+	StalledClientTimeout time.Duration `json:"stalled_client_timeout" flag:"stalled-client-timeout" unit:"secs" default:"1m" check:">0" help:"drop a client that sends no body bytes or accepts no response bytes for this long"`
+	APIKey               string        `json:"api_key" flag:"api-key" help:"require 'Authorization: Bearer KEY' on inference routes"`
 	// ServiceDiscovery finds workers among the Kubernetes pods of ServiceDiscoveryNamespace
 	// (default: Baton's own namespace) that match Selector (regular workers), PrefillSelector
-	// or DecodeSelector (PD roles), at ServiceDiscoveryPort (default 8000). KubeConfig, when
-	// set, is used instead of the in-cluster service account.
-	ServiceDiscovery          bool              `json:"service_discovery"`
-	Selector                  map[string]string `json:"selector"`
-	PrefillSelector           map[string]string `json:"prefill_selector"`
-	DecodeSelector            map[string]string `json:"decode_selector"`
-	ServiceDiscoveryNamespace string            `json:"service_discovery_namespace"`
-	ServiceDiscoveryPort      int               `json:"service_discovery_port"`
-	KubeConfig                string            `json:"kubeconfig"`
-	// AdminAPIKey, when set, is required as "Authorization: Bearer <key>" on the admin API (the
-	// worker routes); it is not the inference key. Without it the admin API answers only on a
-	// loopback listener.
-	AdminAPIKey string `json:"admin_api_key"`
-	// AdminHost and AdminPort are the admin API's own listener; AdminPort -1 (the default)
-	// serves the admin API on the API listener instead. Default host 127.0.0.1.
-	AdminHost string `json:"admin_host"`
-	AdminPort int    `json:"admin_port"`
-	// WatchConfig re-reads the configuration file when it changes (as on SIGHUP), checking
-	// every 2 s.
-	WatchConfig bool `json:"watch_config"`
-	// OTLPTracesEndpoint sends OpenTelemetry traces to a collector: http(s)://host:port for
-	// OTLP/HTTP, grpc://host:port for OTLP/gRPC. Empty: the OTEL_EXPORTER_OTLP_* variables, or
-	// no tracing. TraceSampleRatio is the share of new traces kept (default 1).
-	OTLPTracesEndpoint string  `json:"otlp_traces_endpoint"`
-	TraceSampleRatio   float64 `json:"trace_sample_ratio"`
-	// AccessLog writes one info line per request (default on).
-	AccessLog bool `json:"access_log"`
+	// or DecodeSelector (PD roles). KubeConfig, when set, is used instead of the in-cluster
+	// service account.
+	ServiceDiscovery          bool              `json:"service_discovery" flag:"service-discovery" help:"find workers among Kubernetes pods (see --selector)"`
+	Selector                  map[string]string `json:"selector" flag:"selector" help:"pods that are regular workers: k=v labels, all must match"`
+	PrefillSelector           map[string]string `json:"prefill_selector" flag:"prefill-selector" help:"pods that are prefill workers: k=v labels"`
+	DecodeSelector            map[string]string `json:"decode_selector" flag:"decode-selector" help:"pods that are decode workers: k=v labels"`
+	ServiceDiscoveryNamespace string            `json:"service_discovery_namespace" flag:"service-discovery-namespace" help:"namespace of the worker pods (default: Baton's own)"`
+	ServiceDiscoveryPort      int               `json:"service_discovery_port" flag:"service-discovery-port" default:"8000" help:"port of the workers' API on their pods (the baton.ai/port annotation overrides it)"`
+	KubeConfig                string            `json:"kubeconfig" flag:"kubeconfig" help:"kubeconfig for discovery outside the cluster (default: the in-cluster service account)"`
+	// AdminAPIKey is not the inference key.
+	AdminAPIKey string `json:"admin_api_key" flag:"admin-api-key" help:"require 'Authorization: Bearer KEY' on the admin API (the worker routes); without it the admin API answers only on loopback"`
+	AdminHost   string `json:"admin_host" flag:"admin-host" default:"127.0.0.1" help:"address of the admin API's own listener"`
+	AdminPort   int    `json:"admin_port" flag:"admin-port" default:"-1" check:"-1..65535" help:"port of the admin API's own listener; -1 serves it on the API port; 0 picks a free one"`
+	// WatchConfig checks the file every 2 s.
+	WatchConfig bool `json:"watch_config" flag:"watch-config" help:"re-read the --config file when it changes (as SIGHUP does): workers added, drained, updated"`
+	// OTLPTracesEndpoint: http(s)://host:port for OTLP/HTTP, grpc://host:port for OTLP/gRPC.
+	OTLPTracesEndpoint string  `json:"otlp_traces_endpoint" flag:"otlp-traces-endpoint" help:"send OpenTelemetry traces: http(s)://host:port (OTLP/HTTP) or grpc://host:port (default: the OTEL_EXPORTER_OTLP_* variables, else off)"`
+	TraceSampleRatio   float64 `json:"trace_sample_ratio" flag:"trace-sample-ratio" default:"1" check:"0..1" help:"share of new traces sampled (a client's sampled traceparent is followed)"`
+	AccessLog          bool    `json:"access_log" flag:"access-log" default:"true" help:"one info line per request (--access-log=false turns it off)"`
 	// Args are the command-line arguments the configuration was parsed from (a reload parses
 	// them again, re-reading the file they name).
 	Args []string `json:"-"`
 	// File is the --config file, "" for none; FileSum the SHA-256 of the content it was read
 	// with.
-	File    string `json:"-"`
-	FileSum []byte `json:"-"`
-	// LogLevel is debug, info, warn or error. Default "info".
-	LogLevel string `json:"log_level"`
-	// LogJSON writes logs as JSON lines instead of text.
-	LogJSON bool `json:"log_json"`
-	// EnablePprof serves Go's /debug/pprof/ on the metrics port, for profiling in place.
-	EnablePprof bool `json:"enable_pprof"`
-	// ForwardSimFaults forwards a client's X-Sim-Fault header to the workers, so that a test or
-	// a demo can inject faults into simulated engines through the gateway. Off by default: a
-	// client's headers are otherwise an allowlist.
-	ForwardSimFaults bool `json:"forward_sim_faults"`
-	// ReadHeaderTimeoutSecs bounds how long a client may take to send request headers; a slow
-	// or stuck client is disconnected. Default 30.
-	ReadHeaderTimeoutSecs int `json:"read_header_timeout_secs"`
-	// IdleTimeoutSecs closes a client's keep-alive connection idle this long between requests.
-	// It never cuts a request or a stream in progress. Default 120.
-	IdleTimeoutSecs int `json:"idle_timeout_secs"`
-	// HTTPServer is the server of the API listener: baton (Baton's own HTTP/1.1 server, less
-	// CPU per request and memory per open stream; Linux only, elsewhere net is used) or net
-	// (Go's net/http server). Default baton.
-	HTTPServer string `json:"http_server"`
-	// UpstreamClient is the HTTP client to the engines: net (Go's net/http transport, which
-	// watches idle connections and drops one an engine writes to unasked) or baton (Baton's own
-	// HTTP/1.1 client, less memory per open stream; it reuses a connection without watching it,
-	// so stray bytes from a misbehaving engine or proxy could become another request's answer).
-	// Default net.
-	UpstreamClient string `json:"upstream_client"`
-	// ShutdownGracePeriodSecs bounds how long in-flight requests may drain after SIGTERM.
-	// Default 180.
-	ShutdownGracePeriodSecs int `json:"shutdown_grace_period_secs"`
-	// DetectIntervalSecs is the longest wait between registration attempts for a worker that
-	// is not reachable yet. Default 10.
-	DetectIntervalSecs int `json:"detect_interval_secs"`
+	File     string `json:"-"`
+	FileSum  []byte `json:"-"`
+	LogLevel string `json:"log_level" flag:"log-level" default:"info" help:"debug | info | warn | error"`
+	LogJSON  bool   `json:"log_json" flag:"log-json" help:"log JSON lines"`
+	// EnablePprof is for profiling in place.
+	EnablePprof bool `json:"enable_pprof" flag:"enable-pprof" help:"serve /debug/pprof/ on the metrics port"`
+	// ForwardSimFaults: a client's headers are otherwise an allowlist.
+	ForwardSimFaults  bool          `json:"forward_sim_faults" flag:"forward-sim-faults" help:"forward a client's X-Sim-Fault header to the workers (tests and demos against simulated engines)"`
+	ReadHeaderTimeout time.Duration `json:"read_header_timeout" flag:"read-header-timeout" unit:"secs" default:"30s" check:">0" help:"a client must send its request headers within this"`
+	IdleTimeout       time.Duration `json:"idle_timeout" flag:"idle-timeout" unit:"secs" default:"2m" check:">0" help:"idle keep-alive client connections are closed after this; streams are never cut"`
+	// HTTPServer baton: less CPU per request and memory per open stream; Linux only, elsewhere
+	// net is used.
+	HTTPServer string `json:"http_server" flag:"http-server" default:"baton" oneof:"baton|net" help:"server of the API listener: baton (Baton's own HTTP/1.1 server; Linux) or net (Go's net/http)"`
+	// UpstreamClient baton reuses a connection without watching it, so stray bytes from a
+	// misbehaving engine or proxy could become another request's answer.
+	UpstreamClient      string        `json:"upstream_client" flag:"upstream-client" default:"net" oneof:"net|baton" help:"HTTP client to the engines: net (Go's net/http transport; drops a connection an engine writes to unasked) or baton (Baton's own, less memory per stream)"`
+	ShutdownGracePeriod time.Duration `json:"shutdown_grace_period" flag:"shutdown-grace-period" unit:"secs" default:"3m" check:">=0" help:"how long in-flight requests may drain on SIGTERM"`
+	DetectInterval      time.Duration `json:"detect_interval" flag:"detect-interval" unit:"secs" default:"10s" check:">0" help:"longest wait between registration attempts for an unreachable worker"`
 
 	Retry          Retry          `json:"retry"`
 	CircuitBreaker CircuitBreaker `json:"circuit_breaker"`
@@ -218,57 +158,47 @@ type Config struct {
 // Retry is how a failed request is retried: on 408/429/500/502/503/504 and transport errors,
 // before any byte reached the client, re-selecting the worker (PD: the pair) each time.
 type Retry struct {
-	// MaxRetries is the number of attempts in total, the first included. Default 5.
-	MaxRetries int `json:"max_retries"`
-	// InitialBackoffMs is the wait before the second attempt. Default 50.
-	InitialBackoffMs int `json:"initial_backoff_ms"`
-	// MaxBackoffMs caps a wait. Default 30000.
-	MaxBackoffMs int `json:"max_backoff_ms"`
-	// BackoffMultiplier grows the wait after each attempt. Default 1.5.
-	BackoffMultiplier float64 `json:"backoff_multiplier"`
-	// JitterFactor randomises each wait by ± this fraction. Default 0.2.
-	JitterFactor float64 `json:"jitter_factor"`
-	// Disable turns retries off (one attempt).
-	Disable bool `json:"disable"`
+	MaxRetries        int           `json:"max_retries" flag:"retry-max-retries" default:"5" check:">=1" help:"attempts in total, the first included"`
+	InitialBackoff    time.Duration `json:"initial_backoff" flag:"retry-initial-backoff" unit:"ms" default:"50ms" check:">0" help:"wait before the second attempt"`
+	MaxBackoff        time.Duration `json:"max_backoff" flag:"retry-max-backoff" unit:"ms" default:"30s" check:">0" help:"longest wait between attempts"`
+	BackoffMultiplier float64       `json:"backoff_multiplier" flag:"retry-backoff-multiplier" default:"1.5" check:">=1" help:"growth of the wait per attempt"`
+	JitterFactor      float64       `json:"jitter_factor" flag:"retry-jitter-factor" default:"0.2" check:"0..1" help:"± fraction of randomness in each wait"`
+	Disable           bool          `json:"disable" flag:"disable-retries" help:"one attempt per request"`
 }
 
 // CircuitBreaker takes a failing worker out of rotation: open after FailureThreshold
-// consecutive failures, half-open after TimeoutSecs (a few probe requests), closed after
+// consecutive failures, half-open after TimeoutDuration (a few probe requests), closed after
 // SuccessThreshold successes. 429 is no failure; client cancellations never count.
 type CircuitBreaker struct {
-	FailureThreshold int  `json:"failure_threshold"`     // default 10
-	SuccessThreshold int  `json:"success_threshold"`     // default 3
-	TimeoutSecs      int  `json:"timeout_duration_secs"` // default 60
-	Disable          bool `json:"disable"`
+	FailureThreshold int           `json:"failure_threshold" flag:"cb-failure-threshold" default:"10" check:">=1" help:"consecutive failures that open a worker's circuit"`
+	SuccessThreshold int           `json:"success_threshold" flag:"cb-success-threshold" default:"3" check:">=1" help:"successes in half-open that close it"`
+	TimeoutDuration  time.Duration `json:"timeout_duration" flag:"cb-timeout-duration" unit:"secs" default:"1m" check:">0" help:"time open before half-open probes"`
+	Disable          bool          `json:"disable" flag:"disable-circuit-breaker" help:"never open circuits"`
 }
 
 // HealthCheck probes every worker periodically; workers leave and rejoin rotation on their own.
 type HealthCheck struct {
-	IntervalSecs     int    `json:"interval_secs"`     // default 60
-	TimeoutSecs      int    `json:"timeout_secs"`      // default 5
-	FailureThreshold int    `json:"failure_threshold"` // consecutive failures to leave rotation; default 3
-	SuccessThreshold int    `json:"success_threshold"` // consecutive successes to rejoin; default 2
-	Endpoint         string `json:"endpoint"`          // default /health
-	Disable          bool   `json:"disable"`
+	Interval         time.Duration `json:"interval" flag:"health-check-interval" unit:"secs" default:"1m" check:">0" help:"time between health probes of a worker"`
+	Timeout          time.Duration `json:"timeout" flag:"health-check-timeout" unit:"secs" default:"5s" check:">0" help:"timeout of one health probe"`
+	FailureThreshold int           `json:"failure_threshold" flag:"health-failure-threshold" default:"3" check:">=1" help:"failed probes that take a worker out of rotation"`
+	SuccessThreshold int           `json:"success_threshold" flag:"health-success-threshold" default:"2" check:">=1" help:"good probes that bring it back"`
+	Endpoint         string        `json:"endpoint" flag:"health-check-endpoint" default:"/health" help:"path probed"`
+	Disable          bool          `json:"disable" flag:"disable-health-check" help:"no active health checks"`
 }
 
 // Admission bounds the requests Baton serves at once; beyond the queue it answers 503 with
 // Retry-After.
 type Admission struct {
-	// MaxConcurrentRequests is the number of inference requests served at once; -1 or 0 means
-	// no limit. Default -1.
-	MaxConcurrentRequests int `json:"max_concurrent_requests"`
-	// QueueSize is how many more may wait for a slot. Default 100.
-	QueueSize int `json:"queue_size"`
-	// QueueTimeoutSecs is how long one may wait. Default 60.
-	QueueTimeoutSecs int `json:"queue_timeout_secs"`
+	MaxConcurrentRequests int           `json:"max_concurrent_requests" flag:"max-concurrent-requests" default:"-1" help:"inference requests served at once; -1 = no limit"`
+	QueueSize             int           `json:"queue_size" flag:"queue-size" default:"100" check:">=0" help:"requests that may wait for a slot"`
+	QueueTimeout          time.Duration `json:"queue_timeout" flag:"queue-timeout" unit:"secs" default:"1m" check:">0" help:"how long a request may wait for a slot"`
 }
 
 // PairHealth quarantines a prefill/decode pair whose requests keep failing at the seam while
 // each worker looks healthy on its own; other pairs are preferred meanwhile.
 type PairHealth struct {
-	FailureThreshold int `json:"failure_threshold"` // consecutive failures; default 3
-	QuarantineSecs   int `json:"quarantine_secs"`   // default 30
+	FailureThreshold int           `json:"failure_threshold" default:"3" check:">=1"` // consecutive failures
+	Quarantine       time.Duration `json:"quarantine" unit:"secs" default:"30s" check:">=0"`
 }
 
 // Worker is one inference engine Baton routes to.
@@ -306,49 +236,8 @@ type Worker struct {
 	KVEventsReplayEndpoint string `json:"kv_events_replay_endpoint,omitempty"`
 }
 
-// Default returns the configuration with every default filled in.
-func Default() Config {
-	return Config{
-		Host:                     "0.0.0.0",
-		Port:                     30000,
-		MetricsPort:              29000,
-		Policy:                   PolicyRoundRobin,
-		PrefixTokenCount:         256,
-		LoadPollIntervalMs:       500,
-		CacheThreshold:           0.3,
-		CacheAwareSource:         "auto",
-		AdminHost:                "127.0.0.1",
-		ServiceDiscoveryPort:     8000,
-		TraceSampleRatio:         1,
-		AccessLog:                true,
-		AdminPort:                -1,
-		BalanceAbsThreshold:      64,
-		BalanceRelThreshold:      1.5,
-		CacheLoadCost:            16,
-		EvictionIntervalSecs:     120,
-		MaxTreeSize:              16 << 20,
-		PrefixHashLoadFactor:     1.25,
-		RequestTimeoutSecs:       1800,
-		MaxPayloadSize:           32 << 20,
-		MaxBufferedBodyBytes:     256 << 20,
-		BodyTimeoutSecs:          120,
-		MaxBatchSize:             1024,
-		StalledClientTimeoutSecs: 60,
-		LogLevel:                 "info",
-		ShutdownGracePeriodSecs:  180,
-		ReadHeaderTimeoutSecs:    30,
-		IdleTimeoutSecs:          120,
-		PDMooncakeDispatch:       "concurrent",
-		HTTPServer:               "baton",
-		UpstreamClient:           "net",
-		Retry:                    Retry{MaxRetries: 5, InitialBackoffMs: 50, MaxBackoffMs: 30000, BackoffMultiplier: 1.5, JitterFactor: 0.2},
-		CircuitBreaker:           CircuitBreaker{FailureThreshold: 10, SuccessThreshold: 3, TimeoutSecs: 60},
-		HealthCheck:              HealthCheck{IntervalSecs: 60, TimeoutSecs: 5, FailureThreshold: 3, SuccessThreshold: 2, Endpoint: "/health"},
-		Admission:                Admission{MaxConcurrentRequests: -1, QueueSize: 100, QueueTimeoutSecs: 60},
-		PairHealth:               PairHealth{FailureThreshold: 3, QuarantineSecs: 30},
-		DetectIntervalSecs:       10,
-	}
-}
+// Default returns the configuration with every default filled in (the fields' default tags).
+func Default() Config { return defaults }
 
 // LoadFile reads a YAML (or JSON) file into c, strictly: every unknown key and every value of
 // the wrong kind is reported at once, with its path and line. Keys absent from the file keep
@@ -360,10 +249,11 @@ func (c *Config) LoadFile(path string) error {
 	}
 	sum := sha256.Sum256(data)
 	c.FileSum = sum[:]
-	if problems := yamlProblems(data, c); len(problems) > 0 {
+	norm, problems := yamlProblems(data, c)
+	if len(problems) > 0 {
 		return fmt.Errorf("config %s: %s", path, strings.Join(problems, "; "))
 	}
-	if err := yaml.UnmarshalStrict(data, c); err != nil {
+	if err := yaml.UnmarshalStrict(norm, c); err != nil {
 		return fmt.Errorf("config %s: %w", path, err)
 	}
 	return nil
@@ -393,11 +283,10 @@ func (c *Config) AllWorkers() []Worker {
 func (c *Config) Validate() error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	if c.Port < 0 || c.Port > 65535 {
-		bad("port %d is out of range 0-65535", c.Port)
-	}
-	if c.MetricsPort < -1 || c.MetricsPort > 65535 {
-		bad("metrics_port %d is out of range -1-65535", c.MetricsPort)
+	for i := range settings {
+		if err := settings[i].validate(c); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if c.ServiceDiscovery {
 		if len(c.Selector)+len(c.PrefillSelector)+len(c.DecodeSelector) == 0 {
@@ -409,12 +298,6 @@ func (c *Config) Validate() error {
 		if c.ServiceDiscoveryPort < 1 || c.ServiceDiscoveryPort > 65535 {
 			bad("service_discovery_port %d is out of range 1-65535", c.ServiceDiscoveryPort)
 		}
-	}
-	if c.TraceSampleRatio < 0 || c.TraceSampleRatio > 1 {
-		bad("trace_sample_ratio %v is out of range 0-1", c.TraceSampleRatio)
-	}
-	if c.AdminPort < -1 || c.AdminPort > 65535 {
-		bad("admin_port %d is out of range -1-65535", c.AdminPort)
 	}
 	if c.AdminPort > 0 && (c.AdminPort == c.Port || c.AdminPort == c.MetricsPort) {
 		bad("admin_port %d must differ from port and metrics_port", c.AdminPort)
@@ -433,77 +316,22 @@ func (c *Config) Validate() error {
 	if _, _, err := ResolveKVConnector(c.KVConnector); err != nil {
 		bad("%v", err)
 	}
-	if c.UpstreamClient != "baton" && c.UpstreamClient != "net" {
-		bad("upstream_client %q is unknown (want net or baton)", c.UpstreamClient)
-	}
-	if c.HTTPServer != "baton" && c.HTTPServer != "net" {
-		bad("http_server %q is unknown (want baton or net)", c.HTTPServer)
-	}
-	if c.PDMooncakeDispatch != "concurrent" && c.PDMooncakeDispatch != "sequential" {
-		bad("pd_mooncake_dispatch %q is unknown (want concurrent or sequential)", c.PDMooncakeDispatch)
-	}
-	if c.RequestTimeoutSecs <= 0 {
-		bad("request_timeout_secs must be positive, got %d", c.RequestTimeoutSecs)
-	}
 	if c.MaxBufferedBodyBytes/2 < c.MaxPayloadSize {
 		bad("max_buffered_body_bytes %d is below twice max_payload_size %d: a body's buffer grows by doubling, so a body of the largest size holds up to twice its size while it arrives, and none could", c.MaxBufferedBodyBytes, c.MaxPayloadSize)
-	}
-	if c.BodyTimeoutSecs <= 0 {
-		bad("body_timeout_secs must be positive, got %d", c.BodyTimeoutSecs)
-	}
-	if c.MaxPayloadSize <= 0 {
-		bad("max_payload_size must be positive, got %d", c.MaxPayloadSize)
-	}
-	if c.CacheThreshold < 0 || c.CacheThreshold > 1 || c.BalanceAbsThreshold < 0 || c.BalanceRelThreshold < 1 || c.CacheLoadCost < 0 ||
-		c.EvictionIntervalSecs <= 0 || c.MaxTreeSize < 64 {
-		bad("cache_aware: want cache_threshold in [0,1], balance_abs_threshold >= 0, balance_rel_threshold >= 1, cache_load_cost >= 0, eviction_interval_secs > 0, max_tree_size >= 64")
 	}
 	if c.KVEventsListen != "" {
 		if err := CheckKVEventsListen(c.KVEventsListen); err != nil {
 			bad("kv_events_listen: %v", err)
 		}
 	}
-	if !slices.Contains([]string{"auto", "events", "approx"}, c.CacheAwareSource) {
-		bad("cache_aware_source %q is unknown (want auto, events or approx)", c.CacheAwareSource)
-	}
-	if c.LoadPollIntervalMs < 10 || c.LoadPollIntervalMs > 60000 {
-		bad("load_poll_interval_ms must be within 10-60000, got %d", c.LoadPollIntervalMs)
-	}
-	if c.PrefixTokenCount < 1 || c.PrefixHashLoadFactor < 1 {
-		bad("prefix_token_count must be at least 1 and prefix_hash_load_factor at least 1, got %d and %v", c.PrefixTokenCount, c.PrefixHashLoadFactor)
-	}
-	if c.MaxBatchSize < 1 {
-		bad("max_batch_size must be at least 1, got %d", c.MaxBatchSize)
-	}
-	if c.StalledClientTimeoutSecs <= 0 {
-		bad("stalled_client_timeout_secs must be positive, got %d", c.StalledClientTimeoutSecs)
-	}
 	if !slices.Contains([]string{"debug", "info", "warn", "error"}, strings.ToLower(c.LogLevel)) {
 		bad("log_level %q is unknown (want debug, info, warn or error)", c.LogLevel)
 	}
-	if c.ReadHeaderTimeoutSecs <= 0 || c.IdleTimeoutSecs <= 0 {
-		bad("read_header_timeout_secs and idle_timeout_secs must be positive, got %d and %d", c.ReadHeaderTimeoutSecs, c.IdleTimeoutSecs)
+	if r := c.Retry; r.MaxBackoff < r.InitialBackoff {
+		bad("retry.max_backoff %s is below retry.initial_backoff %s", formatDuration(r.MaxBackoff), formatDuration(r.InitialBackoff))
 	}
-	if c.ShutdownGracePeriodSecs < 0 {
-		bad("shutdown_grace_period_secs must not be negative, got %d", c.ShutdownGracePeriodSecs)
-	}
-	if c.DetectIntervalSecs <= 0 {
-		bad("detect_interval_secs must be positive, got %d", c.DetectIntervalSecs)
-	}
-	if r := c.Retry; r.MaxRetries < 1 || r.InitialBackoffMs <= 0 || r.MaxBackoffMs < r.InitialBackoffMs || r.BackoffMultiplier < 1 || r.JitterFactor < 0 || r.JitterFactor > 1 {
-		bad("retry: want max_retries >= 1, initial_backoff_ms > 0, max_backoff_ms >= initial_backoff_ms, backoff_multiplier >= 1, jitter_factor in [0,1]; got %+v", r)
-	}
-	if b := c.CircuitBreaker; b.FailureThreshold < 1 || b.SuccessThreshold < 1 || b.TimeoutSecs <= 0 {
-		bad("circuit_breaker: want failure_threshold >= 1, success_threshold >= 1, timeout_duration_secs > 0; got %+v", b)
-	}
-	if h := c.HealthCheck; h.IntervalSecs <= 0 || h.TimeoutSecs <= 0 || h.FailureThreshold < 1 || h.SuccessThreshold < 1 || !strings.HasPrefix(h.Endpoint, "/") {
-		bad("health_check: want interval_secs > 0, timeout_secs > 0, thresholds >= 1, endpoint starting with /; got %+v", h)
-	}
-	if a := c.Admission; a.QueueSize < 0 || a.QueueTimeoutSecs <= 0 {
-		bad("admission: want queue_size >= 0 and queue_timeout_secs > 0; got %+v", a)
-	}
-	if p := c.PairHealth; p.FailureThreshold < 1 || p.QuarantineSecs < 0 {
-		bad("pair_health: want failure_threshold >= 1 and quarantine_secs >= 0; got %+v", p)
+	if !strings.HasPrefix(c.HealthCheck.Endpoint, "/") {
+		bad("health_check.endpoint %q must start with /", c.HealthCheck.Endpoint)
 	}
 	seen := map[string]bool{}
 	for i, w := range c.AllWorkers() {

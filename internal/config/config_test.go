@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestValidateReportsEveryProblem(t *testing.T) {
@@ -24,7 +25,7 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	if err == nil {
 		t.Fatal("want errors")
 	}
-	for _, want := range []string{"port -1", `policy "nope"`, "retry:", "circuit_breaker:", "health_check:", "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_aware:", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`, `http_server "caddy"`, "below twice max_payload_size"} {
+	for _, want := range []string{"port -1", `policy "nope"`, "retry.max_retries must be at least 1, got 0", "circuit_breaker.success_threshold", `health_check.endpoint "health"`, "scheme must be http", "needs pd_disaggregation", `runtime "tgi"`, "listed twice", "cache_threshold 2 is out of range 0-1", "kv events endpoint: \"tcp://*:5557\"", `kv_events_listen: "tcp://*:99999"`, `http_server "caddy"`, "below twice max_payload_size"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("errors lack %q:\n%v", want, err)
 		}
@@ -214,6 +215,50 @@ func TestCheckWorkerURLBounds(t *testing.T) {
 	for _, ok := range []string{"http://h:1", "http://h:65535", "http://10.0.0.1:8000", "http://[::1]:8000", "https://vllm-0.vllm.ns.svc.cluster.local"} {
 		if err := CheckWorkerURL(ok); err != nil {
 			t.Errorf("%s refused: %v", ok, err)
+		}
+	}
+}
+
+// Durations are durations — in flags and in YAML — and smg's integer spellings (the _secs and
+// _ms flags and keys) are the same settings; a duration without its unit, a fraction in an
+// integer spelling, and one setting named twice in a file are refused.
+func TestDurationsAndTheirIntegerAliases(t *testing.T) {
+	c, err := Parse([]string{"--request-timeout", "90s", "--stalled-client-timeout-secs", "7", "--retry-initial-backoff-ms", "20", "--load-poll-interval=250ms"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.RequestTimeout != 90*time.Second || c.StalledClientTimeout != 7*time.Second || c.Retry.InitialBackoff != 20*time.Millisecond || c.LoadPollInterval != 250*time.Millisecond {
+		t.Errorf("flags: %v %v %v %v", c.RequestTimeout, c.StalledClientTimeout, c.Retry.InitialBackoff, c.LoadPollInterval)
+	}
+	if d := Default(); d.RequestTimeout != 30*time.Minute || d.Retry.MaxBackoff != 30*time.Second || d.PairHealth.Quarantine != 30*time.Second {
+		t.Errorf("defaults: %v %v %v", d.RequestTimeout, d.Retry.MaxBackoff, d.PairHealth.Quarantine)
+	}
+	for _, bad := range [][]string{{"--request-timeout", "90"}, {"--request-timeout-secs", "1.5"}, {"--queue-timeout", "-1s"}, {"--load-poll-interval", "1ms"}} {
+		if _, err := Parse(bad, io.Discard); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+
+	path := filepath.Join(t.TempDir(), "baton.yaml")
+	os.WriteFile(path, []byte("request_timeout: 2m\nbody_timeout_secs: 9\nhealth_check:\n  interval_secs: 3\n  timeout: 1500ms\npair_health:\n  quarantine_secs: 4\nretry:\n  max_backoff_ms: 700\n"), 0o600)
+	c, err = Parse([]string{"--config", path, "--body-timeout", "11s"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.RequestTimeout != 2*time.Minute || c.BodyTimeout != 11*time.Second || c.HealthCheck.Interval != 3*time.Second || c.HealthCheck.Timeout != 1500*time.Millisecond ||
+		c.PairHealth.Quarantine != 4*time.Second || c.Retry.MaxBackoff != 700*time.Millisecond {
+		t.Errorf("YAML: %v %v %v %v %v %v", c.RequestTimeout, c.BodyTimeout, c.HealthCheck.Interval, c.HealthCheck.Timeout, c.PairHealth.Quarantine, c.Retry.MaxBackoff)
+	}
+	os.WriteFile(path, []byte("request_timeout: 120\nidle_timeout: soon\nbody_timeout: 5s\nbody_timeout_secs: 5\nqueue_size: 1\n"), 0o600)
+	_, err = Parse([]string{"--config", path}, io.Discard)
+	for _, want := range []string{
+		`request_timeout (line 1): want a duration (like 30s, 500ms, 2m), got "120"`,
+		`idle_timeout (line 2): want a duration`,
+		`body_timeout_secs (line 4): body_timeout names the same setting again`,
+		`queue_size (line 5): unknown key`,
+	} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("error lacks %q: %v", want, err)
 		}
 	}
 }

@@ -45,7 +45,8 @@ func readmeFlagRows(t *testing.T) (rows [][2][]string) {
 }
 
 // The README's flag tables and the flags agree: every flag has a row, every row names real
-// flags, and a literal default in a row is the flag's default.
+// flags, a duration's integer alias sits in its flag's row, and a literal default in a row is
+// the flag's default.
 func TestREADMEListsEveryFlagWithItsDefault(t *testing.T) {
 	flags := map[string]*flag{}
 	for i := range serveFlags {
@@ -54,19 +55,30 @@ func TestREADMEListsEveryFlagWithItsDefault(t *testing.T) {
 	documented := map[string]bool{}
 	def := Default()
 	for _, row := range readmeFlagRows(t) {
-		names, defs := row[0], row[1]
-		for i, name := range names {
+		var main []string
+		for _, name := range row[0] {
 			documented[name] = true
 			f := flags[name]
-			if f == nil {
+			switch {
+			case f == nil:
 				t.Errorf("the README documents --%s, which is no flag", name)
-				continue
+			case f.alias:
+				if len(main) == 0 || !strings.HasPrefix(name, main[len(main)-1]+"-") {
+					t.Errorf("--%s, an alias, is not in the row of the flag it spells", name)
+				}
+			default:
+				main = append(main, name)
 			}
-			if f.def == nil || len(defs) != len(names) {
-				continue // no literal default to compare (or not one per flag)
-			}
-			if got := f.def(&def); got != defs[i] && !(got == "" && defs[i] == "") {
-				t.Errorf("--%s: the README says the default is %q, the flag's is %q", name, defs[i], got)
+		}
+		defs := row[1]
+		if len(defs) != len(main) {
+			continue // no literal default to compare (or not one per flag)
+		}
+		for i, name := range main {
+			if f := flags[name]; f.def != nil {
+				if got := f.def(&def); got != defs[i] {
+					t.Errorf("--%s: the README says the default is %q, the flag's is %q", name, defs[i], got)
+				}
 			}
 		}
 	}

@@ -2,9 +2,11 @@ package config
 
 import (
 	"fmt"
+	"math"
 	"reflect"
 	"strconv"
 	"strings"
+	"time"
 
 	yaml "go.yaml.in/yaml/v3"
 )
@@ -14,17 +16,49 @@ import (
 // ("workers[0].rol (line 5): unknown key; known keys: url, role, …") and values of the wrong
 // kind ("workers[0].dp_size (line 9): want a whole number, got \"two\""). The decoder's own
 // messages name Go types and stop at the first problem.
-func yamlProblems(data []byte, v any) []string {
+//
+// It also spells durations for the decoder: a duration ("30s") becomes its nanoseconds, and
+// smg's integer alias of a duration key (request_timeout_secs: 60) becomes the key itself. The
+// document returned is what to decode.
+func yamlProblems(data []byte, v any) ([]byte, []string) {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return []string{"not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}
+		return nil, []string{"not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}
 	}
 	if len(doc.Content) == 0 {
-		return nil
+		return data, nil
 	}
 	var out []string
 	checkNode(doc.Content[0], reflect.TypeOf(v).Elem(), "", &out)
-	return out
+	if len(out) > 0 {
+		return nil, out
+	}
+	norm, err := yaml.Marshal(&doc)
+	if err != nil {
+		return nil, []string{err.Error()}
+	}
+	return norm, nil
+}
+
+// durationAlias turns k: n, the integer alias of a duration key of t (its field's unit tag),
+// into the duration key with the duration in nanoseconds; it reports false when k is none.
+func durationAlias(t reflect.Type, fields map[string]reflect.StructField, k, val *yaml.Node, path string, out *[]string) bool {
+	for name, f := range fields {
+		unit := f.Tag.Get("unit")
+		if unit == "" || k.Value != name+"_"+unit {
+			continue
+		}
+		n, err := strconv.ParseInt(val.Value, 10, 64)
+		per := int64(unitOf(unit))
+		if val.Kind != yaml.ScalarNode || err != nil || n > math.MaxInt64/per || n < math.MinInt64/per {
+			*out = append(*out, fmt.Sprintf("%s (line %d): want a whole number (of %s), got %s", where(join(path, k.Value)), val.Line, unit, describe(val)))
+			return true
+		}
+		k.Value = name
+		val.Value, val.Tag, val.Style = strconv.FormatInt(n*per, 10), "!!int", 0
+		return true
+	}
+	return false
 }
 
 func checkNode(n *yaml.Node, t reflect.Type, path string, out *[]string) {
@@ -40,6 +74,15 @@ func checkNode(n *yaml.Node, t reflect.Type, path string, out *[]string) {
 	bad := func(want string) {
 		*out = append(*out, fmt.Sprintf("%s (line %d): want %s, got %s", where(path), n.Line, want, describe(n)))
 	}
+	if t == durationType {
+		d, err := time.ParseDuration(n.Value)
+		if n.Kind != yaml.ScalarNode || err != nil {
+			bad("a duration (like 30s, 500ms, 2m)")
+			return
+		}
+		n.Value, n.Tag, n.Style = strconv.FormatInt(int64(d), 10), "!!int", 0
+		return
+	}
 	switch t.Kind() {
 	case reflect.Struct:
 		if n.Kind != yaml.MappingNode {
@@ -47,8 +90,21 @@ func checkNode(n *yaml.Node, t reflect.Type, path string, out *[]string) {
 			return
 		}
 		fields := jsonFields(t)
+		seen := map[string]bool{}
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k, val := n.Content[i], n.Content[i+1]
+			alias := k.Value
+			if durationAlias(t, fields, k, val, path, out) {
+				if seen[k.Value] {
+					*out = append(*out, fmt.Sprintf("%s (line %d): %s names the same setting again", where(join(path, alias)), k.Line, k.Value))
+				}
+				seen[k.Value] = true
+				continue
+			}
+			if seen[k.Value] {
+				*out = append(*out, fmt.Sprintf("%s (line %d): the setting is named twice", where(join(path, k.Value)), k.Line))
+			}
+			seen[k.Value] = true
 			f, ok := fields[k.Value]
 			if !ok {
 				*out = append(*out, fmt.Sprintf("%s (line %d): unknown key; known keys: %s", where(join(path, k.Value)), k.Line, knownKeys(t)))
