@@ -25,6 +25,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/enginestate"
+	"github.com/baton-llm/baton/internal/fleet"
 	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/metrics"
@@ -108,7 +109,7 @@ type Gateway struct {
 	Selector  *policy.Selector
 	Registrar *worker.Registrar
 	// Fleet adds, updates and removes workers while Baton runs.
-	Fleet   *Fleet
+	Fleet   *fleet.Fleet
 	reloads *prometheus.CounterVec
 	Health  *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
@@ -214,10 +215,10 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 			}
 		}
 	}
-	fleet := newFleet(cfg, reg, breaker, kv, m, log, cfg.RequestTimeout+5*time.Second)
-	fleet.closeIdle = func(url string) { proxy.CloseIdle(transport, url) }
+	fl := fleet.New(cfg, reg, breaker, kv, m, log, cfg.RequestTimeout+5*time.Second)
+	fl.CloseIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
-		Admin: server.Admin{Fleet: fleet, SourceOf: fleet.SourceOf}}
+		Admin: server.Admin{Fleet: fl, SourceOf: fl.SourceOf}}
 	m.Registry.MustRegister(kv.Collector())
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)
@@ -232,7 +233,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	onRegistered := func(w *worker.Worker) { learn(w); logConnector(log, cfg, w); kv.Registered(w) }
 	registrar := &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: cfg.DetectInterval, OnRegistered: onRegistered}
-	fleet.registrar, fleet.onRegistered, fleet.pairs = registrar, onRegistered, pairs
+	fl.Registrar, fl.OnRegistered, fl.Pairs = registrar, onRegistered, pairs
 	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_config_reloads_total",
 		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused) or invalid (nothing changed)."}, []string{"result"})
 	m.Registry.MustRegister(reloads)
@@ -246,7 +247,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Selector:   sel,
 		Server:     server.New(serverOptions(cfg, parts)),
 		Registrar:  registrar,
-		Fleet:      fleet,
+		Fleet:      fl,
 		reloads:    reloads,
 		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval},
 		KVEvents:   kv,

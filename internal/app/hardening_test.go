@@ -458,7 +458,7 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 	noRetries := func(c *config.Config) { c.Retry.Disable = true }
 	t.Run("regular, retries off", func(t *testing.T) {
 		t.Parallel()
-		_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, shortDeadline, noRetries)
+		_, g, gw := simFleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, shortDeadline, noRetries)
 		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
 		if resp.StatusCode != 504 || !strings.Contains(body, `"upstream_timeout"`) {
 			t.Fatalf("%d %s", resp.StatusCode, body)
@@ -469,7 +469,7 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 	})
 	t.Run("regular, retries on", func(t *testing.T) {
 		t.Parallel()
-		_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, shortDeadline)
+		_, g, gw := simFleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, shortDeadline)
 		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
 		if resp.StatusCode != 504 {
 			t.Fatalf("%d %s", resp.StatusCode, body)

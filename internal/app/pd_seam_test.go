@@ -364,7 +364,7 @@ func TestMooncakeEngineIDsRelearnedAfterARestart(t *testing.T) {
 func TestSimFaultsThroughTheGateway(t *testing.T) {
 	t.Parallel()
 	for _, forward := range []bool{false, true} {
-		_, _, gw := fleet(t, []sim.Config{{}}, func(c *config.Config) { c.ForwardSimFaults = forward; c.Retry.Disable = true })
+		_, _, gw := simFleet(t, []sim.Config{{}}, func(c *config.Config) { c.ForwardSimFaults = forward; c.Retry.Disable = true })
 		req, _ := http.NewRequest(http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"fault","max_tokens":2}`))
 		req.Header.Set("X-Sim-Fault", "status=503")
 		resp, err := http.DefaultClient.Do(req)

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/baton-llm/baton/internal/fleet"
+
 	"github.com/baton-llm/baton/internal/config"
 )
 
@@ -24,7 +26,7 @@ func (g *Gateway) Reload() error {
 		g.reloads.WithLabelValues("invalid").Inc()
 		return err
 	}
-	if err := g.Fleet.Sync(cfg.AllWorkers(), SourceConfig); err != nil {
+	if err := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig); err != nil {
 		g.Log.Error("reload: some workers could not be applied", "err", err)
 		g.reloads.WithLabelValues("partial").Inc()
 		return err

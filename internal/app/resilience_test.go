@@ -21,7 +21,7 @@ import (
 )
 
 // fleet starts simulated vLLM engines and a regular-mode gateway over them.
-func fleet(t *testing.T, engines []sim.Config, tweak ...func(*config.Config)) ([]*sim.Engine, *Gateway, string) {
+func simFleet(t *testing.T, engines []sim.Config, tweak ...func(*config.Config)) ([]*sim.Engine, *Gateway, string) {
 	t.Helper()
 	var es []*sim.Engine
 	cfg := config.Default()
@@ -45,7 +45,7 @@ func expectedCompletion(prompt string, maxTokens int) string {
 
 func TestRetriesOverAFailingWorker(t *testing.T) {
 	t.Parallel()
-	_, g, gw := fleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
+	_, g, gw := simFleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
 	for i := 0; i < 100; i++ {
 		prompt := fmt.Sprintf("retry me %d", i)
 		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`)
@@ -85,7 +85,7 @@ func TestRetryReplaysTheBody(t *testing.T) {
 
 func TestWorkerKilledMidStream(t *testing.T) {
 	t.Parallel()
-	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 20 * time.Millisecond}, {}}, func(c *config.Config) {
+	es, g, gw := simFleet(t, []sim.Config{{DecodePerToken: 20 * time.Millisecond}, {}}, func(c *config.Config) {
 		c.CircuitBreaker.FailureThreshold = 1
 		c.HealthCheck.Interval, c.HealthCheck.FailureThreshold = time.Second, 1
 	})
@@ -151,7 +151,7 @@ func TestWorkerKilledMidStream(t *testing.T) {
 
 func TestWorkerRestartRejoins(t *testing.T) {
 	t.Parallel()
-	es, g, gw := fleet(t, []sim.Config{{}, {}}, func(c *config.Config) {
+	es, g, gw := simFleet(t, []sim.Config{{}, {}}, func(c *config.Config) {
 		c.HealthCheck.Interval, c.HealthCheck.FailureThreshold, c.HealthCheck.SuccessThreshold = time.Second, 1, 1
 		c.CircuitBreaker.TimeoutDuration = time.Second
 	})
@@ -175,7 +175,7 @@ func TestWorkerRestartRejoins(t *testing.T) {
 
 func TestHangingWorkerTimesOut(t *testing.T) {
 	noLeaks(t)
-	_, g, gw := fleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, requestTimeout(200*time.Millisecond))
+	_, g, gw := simFleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, requestTimeout(200*time.Millisecond))
 	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?","max_tokens":2}`)
 	var e envelope
 	json.Unmarshal([]byte(body), &e)
@@ -216,7 +216,7 @@ func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
 
 func TestOverload(t *testing.T) {
 	t.Parallel()
-	es, g, gw := fleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
+	es, g, gw := simFleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
 		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeout: 2 * time.Second}
 	})
 	slow := `{"model":"m","prompt":"slow","max_tokens":5,"ignore_eos":true}`
@@ -255,7 +255,7 @@ func TestOverload(t *testing.T) {
 		t.Errorf("rejections %v", v)
 	}
 	// A request that waits longer than the queue timeout is refused, not kept forever.
-	es2, _, gw2 := fleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
+	es2, _, gw2 := simFleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
 		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 5, QueueTimeout: time.Second}
 	})
 	first := make(chan struct{})
@@ -305,7 +305,7 @@ func TestPairQuarantine(t *testing.T) {
 // in-flight counts return to zero and no goroutine is left behind.
 func TestLoadWithFaults(t *testing.T) {
 	noLeaks(t)
-	_, g, gw := fleet(t, []sim.Config{
+	_, g, gw := simFleet(t, []sim.Config{
 		{},
 		{Faults: sim.Faults{Status: 503, Rate: 0.3}},
 		{Faults: sim.Faults{DropAfter: 3, Rate: 0.2}},

@@ -27,7 +27,7 @@ var longPrompt = strings.Repeat("you are the anchor leg of a relay team; ", 30)
 // prefix_hash keeps a shared prefix on one worker and spreads different ones.
 func TestPrefixHashRouting(t *testing.T) {
 	t.Parallel()
-	_, _, gw := fleet(t, []sim.Config{{}, {}, {}}, func(c *config.Config) { c.Policy = config.PolicyPrefixHash })
+	_, _, gw := simFleet(t, []sim.Config{{}, {}, {}}, func(c *config.Config) { c.Policy = config.PolicyPrefixHash })
 	home := ""
 	for i := 0; i < 10; i++ {
 		resp, body := postTimeout(t, gw+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("question %d", i)))
@@ -81,7 +81,7 @@ func TestPDPrefixHashAndPowerOfTwo(t *testing.T) {
 // engine busy, its /metrics says so, and Baton routes around it; GET /workers shows the signal.
 func TestLeastLoadSeesEngineReportedLoad(t *testing.T) {
 	t.Parallel()
-	es, g, gw := fleet(t, []sim.Config{{MaxConcurrency: 1, DecodePerToken: 20 * time.Millisecond}, {}},
+	es, g, gw := simFleet(t, []sim.Config{{MaxConcurrency: 1, DecodePerToken: 20 * time.Millisecond}, {}},
 		func(c *config.Config) { c.Policy = config.PolicyLeastLoad; c.LoadPollInterval = 20 * time.Millisecond })
 	busy, idle := es[0], es[1]
 	// Another client: three long requests straight to the first engine (one runs, two queue).
@@ -150,7 +150,7 @@ func TestCacheAwareRaisesEngineCacheHits(t *testing.T) {
 			// Room for about four of the seven groups' prompts (each ~75 blocks of 16 tokens).
 			engines[i] = sim.Config{PrefixCache: true, PrefixCacheBlocks: 320}
 		}
-		es, _, gw := fleet(t, engines, func(c *config.Config) { c.Policy = policy })
+		es, _, gw := simFleet(t, engines, func(c *config.Config) { c.Policy = policy })
 		for round := 0; round < 6; round++ {
 			for g := 0; g < 7; g++ { // seven: round_robin over four is not sticky by accident
 				system := fmt.Sprintf("group %d. %s", g, strings.Repeat(longPrompt, 4))
@@ -241,7 +241,7 @@ func TestCacheAwareSpreadsAHotPrefix(t *testing.T) {
 	for i := range engines {
 		engines[i] = sim.Config{PrefixCache: true, MaxConcurrency: 2, DecodePerToken: 5 * time.Millisecond}
 	}
-	_, _, gw := fleet(t, engines, func(c *config.Config) { c.Policy = config.PolicyCacheAware })
+	_, _, gw := simFleet(t, engines, func(c *config.Config) { c.Policy = config.PolicyCacheAware })
 	hot := strings.Repeat(longPrompt, 4)
 	var mu sync.Mutex
 	count := map[string]int{}

@@ -1,4 +1,6 @@
-package app
+// Package fleet changes the set of workers while Baton runs — from the configuration file, the
+// admin API and Kubernetes discovery — each source owning its own workers.
+package fleet
 
 import (
 	"cmp"
@@ -41,22 +43,23 @@ var (
 // no new requests, the ones in flight (streams included) finish — then leave. Every change is
 // logged and counted in baton_fleet_changes_total{op,source}.
 type Fleet struct {
-	cfg       config.Config
-	reg       *worker.Registry
-	breaker   *worker.BreakerConfig
-	pairs     *worker.PairHealth
-	registrar *worker.Registrar
+	cfg     config.Config
+	reg     *worker.Registry
+	breaker *worker.BreakerConfig
+	// Pairs forgets the pairs of a worker that left; Registrar registers added workers.
+	Pairs     *worker.PairHealth
+	Registrar *worker.Registrar
 	kv        *kvfleet.KVEvents
 	metrics   *metrics.Metrics
 	log       *slog.Logger
-	// onRegistered is what registration runs for a worker before it is ready (engine ids, KV
+	// OnRegistered is what registration runs for a worker before it is ready (engine ids, KV
 	// event subscription); an updated worker that was registered runs it again.
-	onRegistered func(*worker.Worker)
+	OnRegistered func(*worker.Worker)
 	// drainTimeout bounds a removal's wait for requests in flight.
 	drainTimeout time.Duration
-	// closeIdle closes the idle upstream connections to a worker that left (nil: none kept):
+	// CloseIdle closes the idle upstream connections to a worker that left (nil: none kept):
 	// a pod that leaves must not strand descriptors.
-	closeIdle func(url string)
+	CloseIdle func(url string)
 
 	mu      sync.Mutex // serialises changes
 	smu     sync.Mutex // guards sources (read by GET /workers while a change is in progress)
@@ -65,7 +68,9 @@ type Fleet struct {
 	changes *prometheus.CounterVec
 }
 
-func newFleet(cfg config.Config, reg *worker.Registry, breaker *worker.BreakerConfig, kv *kvfleet.KVEvents, m *metrics.Metrics, log *slog.Logger, drain time.Duration) *Fleet {
+// New is the fleet over reg; Registrar, OnRegistered, Pairs and CloseIdle are set once the
+// gateway built them.
+func New(cfg config.Config, reg *worker.Registry, breaker *worker.BreakerConfig, kv *kvfleet.KVEvents, m *metrics.Metrics, log *slog.Logger, drain time.Duration) *Fleet {
 	f := &Fleet{cfg: cfg, reg: reg, breaker: breaker, kv: kv, metrics: m, log: log, drainTimeout: drain, sources: map[string]string{},
 		changes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_fleet_changes_total",
 			Help: "Workers added, updated and removed while Baton runs, by source (config, admin, kubernetes)."}, []string{"op", "source"})}
@@ -90,7 +95,7 @@ func (f *Fleet) Add(c config.Worker, source string) (*worker.Worker, error) {
 	}
 	f.setSource(w.URL, source)
 	f.kv.Configured(w)
-	f.registrar.Register(w)
+	f.Registrar.Register(w)
 	f.changed("add", source, w)
 	return w, nil
 }
@@ -117,8 +122,8 @@ func (f *Fleet) replace(old *worker.Worker, c config.Worker, source string) (*wo
 	next.UseBreaker(f.breaker)
 	if in := old.Info(); in != nil {
 		next.SetInfo(in)
-		if f.onRegistered != nil {
-			f.onRegistered(next)
+		if f.OnRegistered != nil {
+			f.OnRegistered(next)
 		}
 		next.SetReady(old.Ready())
 	}
@@ -126,7 +131,7 @@ func (f *Fleet) replace(old *worker.Worker, c config.Worker, source string) (*wo
 	if !f.reg.Replace(old, next) {
 		return nil, ErrWorkerNotFound
 	}
-	f.pairs.Forget(old)
+	f.Pairs.Forget(old)
 	f.setSource(next.URL, source)
 	if next.KVEventsEndpoint != old.KVEventsEndpoint || next.KVEventsReplayEndpoint != old.KVEventsReplayEndpoint || next.DPSize != old.DPSize {
 		f.kv.Remove(old)
@@ -136,7 +141,7 @@ func (f *Fleet) replace(old *worker.Worker, c config.Worker, source string) (*wo
 		}
 	}
 	if !next.Registered() {
-		f.registrar.Register(next)
+		f.Registrar.Register(next)
 	}
 	f.changed("update", source, next)
 	return next, nil
@@ -170,13 +175,13 @@ func (f *Fleet) drain(w *worker.Worker, source string) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
 		f.reg.Remove(w)
-		f.pairs.Forget(w)
+		f.Pairs.Forget(w)
 		if cur := f.reg.Snapshot().Get(w.URL); cur == nil {
 			f.setSource(w.URL, "")
 			f.kv.Remove(w)
 			f.metrics.ForgetWorker(w.URL)
-			if f.closeIdle != nil {
-				f.closeIdle(w.URL)
+			if f.CloseIdle != nil {
+				f.CloseIdle(w.URL)
 			}
 		}
 		f.changed("remove", source, w)
