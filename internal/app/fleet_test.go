@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -114,7 +115,7 @@ func TestAdminAPIAddPatchDrain(t *testing.T) {
 	if status != 202 || !strings.Contains(body, `"worker_id":"`+worker.ID(b.URL())+`"`) {
 		t.Fatalf("add: %d %s", status, body)
 	}
-	waitFor(t, func() bool { w := findWorker(listWorkers(t, gw.URL, "sk-admin"), b.URL()); return w != nil && w.Ready })
+	poll.Until(t, "the condition", func() bool { w := findWorker(listWorkers(t, gw.URL, "sk-admin"), b.URL()); return w != nil && w.Ready })
 	if w := findWorker(listWorkers(t, gw.URL, "sk-admin"), b.URL()); w.Source != "admin" || w.Labels["zone"] != "a" {
 		t.Errorf("added worker: %+v", w)
 	}
@@ -185,7 +186,7 @@ func TestAdminAPIAddPatchDrain(t *testing.T) {
 			return
 		}
 	}()
-	waitFor(t, func() bool { return g.Registry.Snapshot().Get(a.URL()).InFlight() > 0 })
+	poll.Until(t, "the condition", func() bool { return g.Registry.Snapshot().Get(a.URL()).InFlight() > 0 })
 	status, body = admin(t, http.MethodDelete, gw.URL+"/workers/"+worker.ID(a.URL()), "sk-admin", "")
 	if status != 202 || !strings.Contains(body, `"in_flight":1`) {
 		t.Fatalf("delete: %d %s", status, body)
@@ -209,7 +210,7 @@ func TestAdminAPIAddPatchDrain(t *testing.T) {
 	if got := <-streamDone; got != want || !strings.Contains(got, "[DONE]") {
 		t.Errorf("the stream on the drained worker: %s, want %s", got, want)
 	}
-	waitFor(t, func() bool { return findWorker(listWorkers(t, gw.URL, "sk-admin"), a.URL()) == nil })
+	poll.Until(t, "the condition", func() bool { return findWorker(listWorkers(t, gw.URL, "sk-admin"), a.URL()) == nil })
 	m := scrape(t, g)
 	for _, want := range []string{`baton_fleet_changes_total{op="add",source="admin"} 1`, `baton_fleet_changes_total{op="update",source="admin"} 1`, `baton_fleet_changes_total{op="remove",source="admin"} 1`} {
 		if !strings.Contains(m, want) {
@@ -291,7 +292,7 @@ func TestReload(t *testing.T) {
 
 	// The file changes: a gets a label, b joins. The watch picks it up.
 	write(fmt.Sprintf("host: 127.0.0.1\nadmin_api_key: sk-admin\nwatch_config: true\nworkers:\n  - url: %s\n    labels: {zone: a}\n  - url: %s\n", a.URL(), b.URL()))
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		ws := listWorkers(t, gw.URL, "")
 		wa, wb := findWorker(ws, a.URL()), findWorker(ws, b.URL())
 		return wa != nil && wa.Labels["zone"] == "a" && wb != nil && wb.Ready && wb.Source == "config"
@@ -311,7 +312,7 @@ func TestReload(t *testing.T) {
 	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, func() bool { return findWorker(listWorkers(t, gw.URL, ""), a.URL()) == nil })
+	poll.Until(t, "the condition", func() bool { return findWorker(listWorkers(t, gw.URL, ""), a.URL()) == nil })
 	ws := listWorkers(t, gw.URL, "")
 	if len(ws) != 2 || findWorker(ws, b.URL()) == nil || findWorker(ws, c.URL()) == nil || findWorker(ws, c.URL()).Source != "admin" {
 		t.Errorf("after the reload: %+v", ws)

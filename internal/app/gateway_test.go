@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 )
 
 func TestPassthroughIsByteExact(t *testing.T) {
@@ -88,7 +89,7 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 		t.Fatal("upstream request was not cancelled after the client left")
 	}
 	<-done
-	waitFor(t, func() bool { return g.Registry.Snapshot().Workers[0].InFlight() == 0 })
+	poll.Until(t, "the condition", func() bool { return g.Registry.Snapshot().Workers[0].InFlight() == 0 })
 }
 
 func TestUpstreamErrorsPassThrough(t *testing.T) {
@@ -306,16 +307,5 @@ func TestModelAwareRouting(t *testing.T) {
 		if !strings.Contains(body, m) {
 			t.Errorf("/v1/models %s lacks %s", body, m)
 		}
-	}
-}
-
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }

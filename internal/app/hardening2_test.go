@@ -24,6 +24,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/bench"
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -254,7 +255,7 @@ func TestRequestBodiesAreBoundedInTotal(t *testing.T) {
 			conns = append(conns, rawRequest(t, addr, head, part))
 		}
 		// Two bodies fit in 20 MiB; the others are refused once their buffers would pass it.
-		waitFor(t, func() bool { return testutil.ToFloat64(g.Metrics.Rejections.WithLabelValues("body_budget")) == 4 })
+		poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.Rejections.WithLabelValues("body_budget")) == 4 })
 	})
 	// Two bodies grown by doubling allocate ≈ 16 MiB each (what they outgrew included); six
 	// unbounded ones ≈ 96 MiB.
@@ -428,7 +429,7 @@ func TestRemovedWorkerConnectionsAreClosed(t *testing.T) {
 		if status, body := admin(t, http.MethodDelete, gw.URL+"/workers/"+id, "sk-admin", ""); status != 202 {
 			t.Fatalf("DELETE: %d %s", status, body)
 		}
-		waitFor(t, func() bool { return open.Load() == 0 })
+		poll.Until(t, "the condition", func() bool { return open.Load() == 0 })
 	})
 }
 

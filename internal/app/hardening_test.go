@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -213,7 +214,7 @@ func TestContentLengthIsNotAnAllocation(t *testing.T) {
 		for i := 0; i < 16; i++ {
 			conns = append(conns, rawRequest(t, addr, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 536870000\r\n\r\n", []byte(`{"m`)))
 		}
-		waitFor(t, func() bool { return g.Server.InFlight() == 16 })
+		poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 16 })
 	})
 	if a > 64<<20 {
 		t.Errorf("16 requests claiming 512 MB each allocated %d MB before sending it", a>>20)
@@ -224,7 +225,7 @@ func TestContentLengthIsNotAnAllocation(t *testing.T) {
 			t.Errorf("stalled upload answered %q, want 408", got)
 		}
 	}
-	waitFor(t, func() bool { return g.Server.InFlight() == 0 })
+	poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 0 })
 }
 
 // Item 3: a SIGTERM drain waited on requests whose bodies never came. Bodies still arriving
@@ -300,10 +301,10 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 			for i := 0; i < 2; i++ { // they send a request and never read a byte of the answer
 				rawRequest(t, addr, fmt.Sprintf("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(body), body), nil)
 			}
-			waitFor(t, func() bool { return g.Server.InFlight() == 2 })
+			poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 2 })
 			resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`)
 			wantEnvelope(t, resp, 503, "overloaded") // the slots are taken, for now
-			waitFor(t, func() bool { return g.Server.InFlight() == 0 && g.Registry.Snapshot().Workers[0].InFlight() == 0 })
+			poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 0 && g.Registry.Snapshot().Workers[0].InFlight() == 0 })
 			if resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`); resp.StatusCode != 200 {
 				t.Fatalf("after the stalled clients were dropped: %d", resp.StatusCode)
 			}
@@ -329,7 +330,7 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 				}
 			})
 		}
-		waitFor(t, func() bool { return g.Server.InFlight() == 2 })
+		poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 2 })
 		resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`)
 		close(stop)
 		wg.Wait()
@@ -703,7 +704,7 @@ func TestStartupWarnings(t *testing.T) {
 	go func() {
 		res <- Run(ctx, []string{"--port", "0", "--metrics-port", "-1", "--host", "127.0.0.1"}, io.Discard, logs)
 	}()
-	waitFor(t, func() bool { return strings.Contains(logs.String(), "baton started") })
+	poll.Until(t, "the condition", func() bool { return strings.Contains(logs.String(), "baton started") })
 	cancel()
 	if err := <-res; err != nil {
 		t.Fatal(err)

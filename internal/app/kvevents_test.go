@@ -12,6 +12,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/kvfleet"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -31,7 +32,7 @@ func freeAddr(t *testing.T) string {
 // subscriber joins).
 func warmUntil(t *testing.T, e *sim.Engine, cond func() bool) {
 	t.Helper()
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
 		return resp.StatusCode == 200 && cond()
 	})
@@ -67,7 +68,7 @@ func homeHits(t *testing.T, g *Gateway, url string, es []*sim.Engine, n int, hea
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 		keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
-		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
 		resp, body = postTimeout(t, url+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4}`, pdModel, prompt+" and a question"))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
@@ -151,7 +152,7 @@ func TestKVEventsFromSGLangServerInfo(t *testing.T) {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
 	keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
-	waitFor(t, func() bool { return len(keys) > 0 && g.KVEvents.Index.Match(keys)[e.URL()] == len(keys) })
+	poll.Until(t, "the condition", func() bool { return len(keys) > 0 && g.KVEvents.Index.Match(keys)[e.URL()] == len(keys) })
 	if v, _ := g.KVEvents.View(w).(*kvfleet.KVEventsView); v.Malformed != 0 || v.Ignored != 0 {
 		t.Errorf("SGLang's events: %+v", v)
 	}

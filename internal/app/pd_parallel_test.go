@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -158,7 +159,7 @@ func TestPDParallelSameTextAsAggregated(t *testing.T) {
 		})
 	}
 	// The last prefill leg may still be finishing after its decode answered.
-	waitFor(t, func() bool { return p.Stats().RequestsOK == int64(len(pdCases)) })
+	poll.Until(t, "the condition", func() bool { return p.Stats().RequestsOK == int64(len(pdCases)) })
 	if s := p.Stats(); s.RequestsCancelled != 0 {
 		t.Errorf("prefill stats %+v", s)
 	}
@@ -203,7 +204,7 @@ func TestPDParallelDPRanks(t *testing.T) {
 	if len(ranks) != 2 {
 		t.Errorf("decode ranks used %v, want both", ranks)
 	}
-	waitFor(t, func() bool { return p.Stats().RequestsOK == 4 })
+	poll.Until(t, "the condition", func() bool { return p.Stats().RequestsOK == 4 })
 }
 
 func TestPDParallelLogprobMerge(t *testing.T) {
@@ -273,7 +274,7 @@ func TestPDParallelFailures(t *testing.T) {
 			// The other leg was cancelled: every request it received ended cancelled (a leg
 			// cancelled before it was sent never reaches the engine).
 			other := map[string]*sim.Engine{"prefill": p, "decode": d}[tc.cancelledOther]
-			waitFor(t, func() bool { s := other.Stats(); return s.RequestsCancelled == s.RequestsReceived })
+			poll.Until(t, "the condition", func() bool { s := other.Stats(); return s.RequestsCancelled == s.RequestsReceived })
 			if s := other.Stats(); s.RequestsOK != 0 || s.RequestsFailed != 0 {
 				t.Errorf("%s leg not cancelled: %+v", tc.cancelledOther, s)
 			}
@@ -284,7 +285,7 @@ func TestPDParallelFailures(t *testing.T) {
 			if pf != want[0] || df != want[1] {
 				t.Errorf("failures prefill=%d decode=%d, want %v", pf, df, want)
 			}
-			waitFor(t, func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
+			poll.Until(t, "the condition", func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
 		})
 	}
 }
@@ -301,7 +302,7 @@ func TestPDParallelPrefillDown(t *testing.T) {
 	}
 	// The decode either was cancelled by Baton or failed on its own to reach the dead bootstrap
 	// server; it never answered with a result.
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		s := d.Stats()
 		return s.RequestsCancelled+s.RequestsFailed == s.RequestsReceived && s.RequestsOK == 0
 	})
@@ -327,9 +328,9 @@ func TestPDParallelClientDisconnectCancelsBoth(t *testing.T) {
 	resp.Body.Read(buf) // the stream is flowing
 	cancel()
 	resp.Body.Close()
-	waitFor(t, func() bool { return d.Stats().RequestsCancelled == 1 })
+	poll.Until(t, "the condition", func() bool { return d.Stats().RequestsCancelled == 1 })
 	ws := g.Registry.Snapshot().Workers
-	waitFor(t, func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
+	poll.Until(t, "the condition", func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
 	if _, f := ws[1].Outcomes(); f != 0 {
 		t.Errorf("client cancel counted against decode: %d", f)
 	}
@@ -433,18 +434,18 @@ func TestPDParallelMetrics(t *testing.T) {
 	// The outcome is counted as the handler returns, which may be just after the client has
 	// read the whole answer.
 	postTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")) == 1
 	})
 	_, _, g2, gw2 := sglangPD(t, sim.Config{}, sim.Config{})
 	postTimeout(t, gw2+"/generate", `{"text":"x","model":"m"}`)
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		return testutil.ToFloat64(g2.Metrics.PDRequests.WithLabelValues("m", "parallel", "success")) == 1
 	})
 	if n := testutil.CollectAndCount(g2.Metrics.PDTTFT); n != 1 {
 		t.Errorf("ttft series %d", n)
 	}
-	waitFor(t, func() bool { return testutil.CollectAndCount(g2.Metrics.PDPrefillDuration) == 1 })
+	poll.Until(t, "the condition", func() bool { return testutil.CollectAndCount(g2.Metrics.PDPrefillDuration) == 1 })
 }
 
 // Baton counts its legs per DP rank and sends new work to the idle rank: while a long stream
@@ -472,7 +473,7 @@ func TestPDDPRankFollowsLoad(t *testing.T) {
 	}
 	cancel()
 	resp.Body.Close()
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		r, err := http.Get(gw + "/workers")
 		if err != nil {
 			return false

@@ -19,6 +19,7 @@ import (
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/policy"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -204,7 +205,7 @@ func TestPDDecodeThatComputedThePromptIsARecompute(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") {
 		t.Fatalf("stream: %d %s", resp.StatusCode, body)
 	}
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("recomputed", "nixl")) == 2
 	})
 	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", "nixl")); v != 0 {
@@ -237,7 +238,7 @@ func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
 		if resp.StatusCode != 200 || body != stream {
 			t.Fatalf("%d, the client got\n%q\nwant the engine's bytes\n%q", resp.StatusCode, body, stream)
 		}
-		waitFor(t, func() bool {
+		poll.Until(t, "the condition", func() bool {
 			return testutil.ToFloat64(g.Metrics.UpstreamErrors.WithLabelValues(engine.URL, "in_band")) == 1
 		})
 		if _, failures := g.Registry.Snapshot().Workers[0].Outcomes(); failures != 1 {
@@ -256,7 +257,7 @@ func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
 		if resp.StatusCode != 200 || body != stream {
 			t.Fatalf("%d, the client got\n%q\nwant the engine's bytes\n%q", resp.StatusCode, body, stream)
 		}
-		waitFor(t, func() bool {
+		poll.Until(t, "the condition", func() bool {
 			return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "sequential", "decode_failed")) == 1
 		})
 		if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "sequential", "success")); v != 0 {
@@ -319,7 +320,7 @@ func TestCacheAwareChatWithToolsFollowsEngineEvents(t *testing.T) {
 			t.Fatalf("tokenize: %v %s", err, tok)
 		}
 		keys := kvevents.Keys(pdModel, "", v.Tokens, 16)
-		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
 		resp, body := postTimeout(t, gw+"/v1/chat/completions", chat("first"))
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() || !strings.Contains(resp.Header.Get("X-Baton-Route"), "reason=cache_match") {
 			t.Fatalf("agent %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
@@ -383,7 +384,7 @@ func routesHome(t *testing.T, g *Gateway, gw string, es []*sim.Engine, model, lo
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 		keys := kvevents.Keys(pdModel, lora, sim.Tokenize(prompt), 16)
-		waitFor(t, func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
+		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
 		resp, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, model, prompt+" and a question"))
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() {
 			t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
@@ -588,7 +589,7 @@ func TestPDPrefillRankFollowsTheCachedPrefix(t *testing.T) {
 		resp.Body.Close()
 		keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
 		holder := kvevents.Holder{Worker: p.URL(), Rank: home}
-		waitFor(t, func() bool { return g.KVEvents.Index.MatchHolders(keys)[holder] == len(keys) })
+		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.MatchHolders(keys)[holder] == len(keys) })
 		before := p.Stats().PrefixCacheHits
 		resp2, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
 		if resp2.StatusCode != 200 {

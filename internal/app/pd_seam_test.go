@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -90,7 +91,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
 			t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
 		}
-		waitFor(t, func() bool {
+		poll.Until(t, "the condition", func() bool {
 			return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "bootstrap")) == 1
 		})
 		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("bootstrap", "bootstrap")); v != 0 {
@@ -120,7 +121,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 		if resp.StatusCode != 200 {
 			t.Fatalf("status %d", resp.StatusCode)
 		}
-		waitFor(t, func() bool {
+		poll.Until(t, "the condition", func() bool {
 			return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("none", "parallel", "prefill_failed")) == 1
 		})
 		if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("none", "parallel", "success")); v != 0 {
@@ -172,7 +173,7 @@ func TestConnectorNamesAndLoudMisconfiguration(t *testing.T) {
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: mooncake.URL(), Role: config.RolePrefill, KVConnector: "mooncake"}, {URL: generic, Role: config.RoleDecode}}
 	logs := startLogged(t, cfg)
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		return strings.Contains(logs.String(), "Mooncake prefill worker has no engine id") && strings.Contains(logs.String(), "registered as generic with no model list")
 	})
 	if !strings.Contains(logs.String(), "level=WARN") {
@@ -298,7 +299,7 @@ func TestDPSizeCheckedAtRegistration(t *testing.T) {
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, DPSize: 2}, {URL: d.URL(), Role: config.RoleDecode}}
 	logs := startLogged(t, cfg)
-	waitFor(t, func() bool { return strings.Contains(logs.String(), "configured dp_size differs") })
+	poll.Until(t, "the condition", func() bool { return strings.Contains(logs.String(), "configured dp_size differs") })
 	if !strings.Contains(logs.String(), "engine_dp_size=1") {
 		t.Errorf("the warning does not name the engine's size:\n%s", logs.String())
 	}
@@ -357,7 +358,7 @@ func TestMooncakeEngineIDsRelearnedAfterARestart(t *testing.T) {
 	p.Close()
 	p = start("after-restart", port, bp)
 	t.Cleanup(p.Close)
-	waitFor(t, handsOff) // the old id would make every handoff fail: the new one was learned
+	poll.Until(t, "a handoff with the new engine id", handsOff) // the old id would make every handoff fail: the new one was learned
 }
 
 // X-Sim-Fault reaches simulated engines through the gateway only when asked for.

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -151,7 +152,7 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 			if s := d.Stats(); s.PromptTokensRecompute != int64(recompute) {
 				t.Errorf("decode recomputed %d prompt tokens, want %d (KV loaded remotely where handed off)", s.PromptTokensRecompute, recompute)
 			}
-			waitFor(t, func() bool { s := p.Stats(); return s.HandoffsPulled == int64(handed) })
+			poll.Until(t, "the condition", func() bool { s := p.Stats(); return s.HandoffsPulled == int64(handed) })
 			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector], map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector])); v != float64(handed) {
 				t.Errorf("handoff counter %v", v)
 			}
@@ -190,7 +191,7 @@ func TestPDSequentialDPRankPinning(t *testing.T) {
 				t.Fatalf("%s request %d: %d %q %s", dispatch, i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), got)
 			}
 		}
-		waitFor(t, func() bool { return p.Stats().HandoffsPulled == 4 })
+		poll.Until(t, "the condition", func() bool { return p.Stats().HandoffsPulled == 4 })
 		if d.Stats().KVLoadFailures != 0 {
 			t.Errorf("%s: decode %+v", dispatch, d.Stats())
 		}
@@ -392,12 +393,12 @@ func TestPDSequentialClientDisconnect(t *testing.T) {
 	t.Run("during prefill", func(t *testing.T) {
 		p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Latency: 5 * time.Second}}, sim.Config{})
 		cancelAfter(t, gw+"/v1/completions", `{"model":"m","prompt":"leaving early","max_tokens":3}`, func() bool { return p.Stats().RequestsReceived == 1 })
-		waitFor(t, func() bool { return p.Stats().RequestsCancelled == 1 })
+		poll.Until(t, "the condition", func() bool { return p.Stats().RequestsCancelled == 1 })
 		if d.Stats().RequestsReceived != 0 {
 			t.Error("decode contacted after the client left")
 		}
 		ws := g.Registry.Snapshot().Workers
-		waitFor(t, func() bool { return ws[0].InFlight() == 0 })
+		poll.Until(t, "the condition", func() bool { return ws[0].InFlight() == 0 })
 		if _, f := ws[0].Outcomes(); f != 0 {
 			t.Error("client cancel counted against the prefill")
 		}
@@ -405,10 +406,10 @@ func TestPDSequentialClientDisconnect(t *testing.T) {
 	t.Run("during decode", func(t *testing.T) {
 		_, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Latency: 5 * time.Second}})
 		cancelAfter(t, gw+"/v1/completions", `{"model":"m","prompt":"leaving early","max_tokens":3}`, func() bool { return d.Stats().RequestsReceived == 1 })
-		waitFor(t, func() bool { return d.Stats().RequestsCancelled == 1 })
-		waitFor(t, func() bool { return testutil.ToFloat64(g.Metrics.PDHandoffsAbandoned.WithLabelValues("nixl")) == 1 })
+		poll.Until(t, "the condition", func() bool { return d.Stats().RequestsCancelled == 1 })
+		poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.PDHandoffsAbandoned.WithLabelValues("nixl")) == 1 })
 		ws := g.Registry.Snapshot().Workers
-		waitFor(t, func() bool { return ws[1].InFlight() == 0 })
+		poll.Until(t, "the condition", func() bool { return ws[1].InFlight() == 0 })
 	})
 }
 
@@ -424,7 +425,7 @@ func cancelAfter(t *testing.T, url, body string, ready func() bool) {
 			resp.Body.Close()
 		}
 	}()
-	waitFor(t, ready)
+	poll.Until(t, "the workers registered", ready)
 	cancel()
 	<-done
 }
@@ -460,7 +461,7 @@ func TestConnectorLoggedAtRegistration(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	g.Start(ctx)
 	defer func() { cancel(); g.Wait() }()
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		return strings.Contains(logs.String(), "no KV connector configured") && strings.Contains(logs.String(), "mode=nixl")
 	})
 	out := logs.String()

@@ -11,6 +11,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -111,7 +112,7 @@ func TestStreamedRecomputeReachesThePairCounter(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") {
 		t.Fatalf("stream: %d %s", resp.StatusCode, body)
 	}
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		return testutil.ToFloat64(g.Metrics.PairHandoffs.WithLabelValues(p.URL(), d.URL(), "recomputed")) == 1
 	})
 	if v := testutil.ToFloat64(g.Metrics.PairHandoffs.WithLabelValues(p.URL(), d.URL(), "mooncake")); v != 0 {

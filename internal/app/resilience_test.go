@@ -17,6 +17,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -120,11 +121,11 @@ func TestWorkerKilledMidStream(t *testing.T) {
 		t.Fatal("a broken stream carried [DONE]")
 	}
 	ws := g.Registry.Snapshot().Workers
-	waitFor(t, func() bool { return ws[0].InFlight() == 0 })
+	poll.Until(t, "the condition", func() bool { return ws[0].InFlight() == 0 })
 	if ws[0].Available() {
 		t.Error("victim still available after a mid-stream failure (breaker threshold 1)")
 	}
-	waitFor(t, func() bool { return !ws[0].Ready() }) // the health check sees it too
+	poll.Until(t, "the condition", func() bool { return !ws[0].Ready() }) // the health check sees it too
 	var scrape strings.Builder
 	mfs, _ := g.Metrics.Registry.Gather()
 	for _, mf := range mfs {
@@ -158,7 +159,7 @@ func TestWorkerRestartRejoins(t *testing.T) {
 	addr := es[0].Addr()
 	es[0].Close()
 	ws := g.Registry.Snapshot().Workers
-	waitFor(t, func() bool { return !ws[0].Ready() })
+	poll.Until(t, "the condition", func() bool { return !ws[0].Ready() })
 	var port int
 	fmt.Sscanf(addr[strings.LastIndexByte(addr, ':')+1:], "%d", &port)
 	back, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: pdModel, Port: port})
@@ -166,8 +167,8 @@ func TestWorkerRestartRejoins(t *testing.T) {
 		t.Fatalf("restarting on %s: %v", addr, err)
 	}
 	t.Cleanup(back.Close)
-	waitFor(t, func() bool { return ws[0].Ready() })
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool { return ws[0].Ready() })
+	poll.Until(t, "the condition", func() bool {
 		r, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"welcome back","max_tokens":2}`)
 		return r.Header.Get("X-Baton-Worker") == back.URL()
 	})
@@ -182,7 +183,7 @@ func TestHangingWorkerTimesOut(t *testing.T) {
 	if resp.StatusCode != 504 || !strings.Contains(e.Error.Code, "timeout") {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
-	waitFor(t, func() bool { return g.Registry.Snapshot().Workers[0].InFlight() == 0 })
+	poll.Until(t, "the condition", func() bool { return g.Registry.Snapshot().Workers[0].InFlight() == 0 })
 }
 
 func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
@@ -234,9 +235,9 @@ func TestOverload(t *testing.T) {
 			statuses <- resp.StatusCode
 		})
 		if i == 0 {
-			waitFor(t, func() bool { return es[0].Stats().RequestsReceived == 1 }) // running
+			poll.Until(t, "the condition", func() bool { return es[0].Stats().RequestsReceived == 1 }) // running
 		} else {
-			waitFor(t, func() bool { return testutil.ToFloat64(g.Metrics.QueueDepth) == 1 }) // queued
+			poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.QueueDepth) == 1 }) // queued
 		}
 	}
 	resp := post(t, gw+"/v1/completions", slow) // the queue is full
@@ -267,7 +268,7 @@ func TestOverload(t *testing.T) {
 		}
 	}()
 	defer func() { <-first }()
-	waitFor(t, func() bool { return es2[0].Stats().RequestsReceived == 1 })
+	poll.Until(t, "the condition", func() bool { return es2[0].Stats().RequestsReceived == 1 })
 	r2, body := postTimeout(t, gw2+"/v1/completions", slow)
 	if r2.StatusCode != 503 || !strings.Contains(body, "waited") {
 		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
@@ -365,7 +366,7 @@ func TestLoadWithFaults(t *testing.T) {
 	t.Logf("ok %d, failed %d, aborted mid-stream %d, retries %v", ok.Load(), failed.Load(), aborted.Load(),
 		testutil.ToFloat64(g.Metrics.Retries.WithLabelValues("POST /v1/completions", "status_503")))
 	for _, w := range g.Registry.Snapshot().Workers {
-		waitFor(t, func() bool { return w.InFlight() == 0 })
+		poll.Until(t, "the condition", func() bool { return w.InFlight() == 0 })
 	}
 }
 

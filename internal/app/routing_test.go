@@ -13,6 +13,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -97,7 +98,7 @@ func TestLeastLoadSeesEngineReportedLoad(t *testing.T) {
 			}
 		}()
 	}
-	waitFor(t, func() bool { l := g.Registry.Snapshot().Workers[0].EngineLoad(); return l.Waiting >= 2 })
+	poll.Until(t, "the condition", func() bool { l := g.Registry.Snapshot().Workers[0].EngineLoad(); return l.Waiting >= 2 })
 	for i := 0; i < 10; i++ {
 		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"route me","max_tokens":2}`)
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != idle.URL() {
@@ -134,9 +135,9 @@ func TestStaleEngineLoadIsNotTrusted(t *testing.T) {
 	cfg.LoadPollInterval = 20 * time.Millisecond
 	g, _ := startGateway(t, cfg)
 	wk := g.Registry.Snapshot().Workers[0]
-	waitFor(t, func() bool { return wk.EngineLoad().Fresh(time.Now()) && wk.EngineLoad().Waiting == 5 })
+	poll.Until(t, "the condition", func() bool { return wk.EngineLoad().Fresh(time.Now()) && wk.EngineLoad().Waiting == 5 })
 	broken.Store(true)
-	waitFor(t, func() bool { return !wk.EngineLoad().Fresh(time.Now()) })
+	poll.Until(t, "the condition", func() bool { return !wk.EngineLoad().Fresh(time.Now()) })
 }
 
 // cache_aware keeps each group of requests sharing a system prompt on a worker that has it
@@ -289,7 +290,7 @@ func TestKVEventsSubscription(t *testing.T) {
 		t.Fatal("no subscription for a worker with kv_events_endpoint")
 	}
 	// ZMQ drops what is published before the subscriber joins: send until the index sees blocks.
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
 		n, _ := g.KVEvents.Index.Size()
 		return resp.StatusCode == 200 && n > 0
@@ -302,7 +303,7 @@ func TestKVEventsSubscription(t *testing.T) {
 		}
 	}
 	keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
-	waitFor(t, func() bool { return len(keys) > 0 && g.KVEvents.Index.Match(keys)[e.URL()] == len(keys) })
+	poll.Until(t, "the condition", func() bool { return len(keys) > 0 && g.KVEvents.Index.Match(keys)[e.URL()] == len(keys) })
 	wresp, err := http.Get(gw.URL + "/workers")
 	if err != nil {
 		t.Fatal(err)

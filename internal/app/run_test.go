@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 )
 
 // syncBuffer is a goroutine-safe bytes.Buffer for a running server's output.
@@ -115,9 +116,9 @@ func TestGracefulDrainOfOpenStream(t *testing.T) {
 			})
 			r := startRun(t, "--worker-urls", up.URL, "--http-server", server)
 			api, stop, result := r.api, r.stop, r.result
-			waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+			poll.Until(t, "the condition", func() bool { return getStatus(t, api+"/readiness") == 200 })
 			// The listener serves before the startup line is written: wait for it.
-			waitFor(t, func() bool { return strings.Contains(r.logs.String(), "baton started") })
+			poll.Until(t, "the condition", func() bool { return strings.Contains(r.logs.String(), "baton started") })
 			if !strings.Contains(r.logs.String(), "http_server="+server) {
 				t.Errorf("the startup line does not name the %s server:\n%s", server, r.logs.String())
 			}
@@ -128,7 +129,7 @@ func TestGracefulDrainOfOpenStream(t *testing.T) {
 				t.Fatalf("first event %q", line)
 			}
 			stop() // SIGTERM
-			waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 503 })
+			poll.Until(t, "the condition", func() bool { return getStatus(t, api+"/readiness") == 503 })
 			select {
 			case err := <-result:
 				t.Fatalf("Run returned (%v) while a stream was open", err)
@@ -195,7 +196,7 @@ func TestReadinessWaitsForAWorkerAndMetricsServe(t *testing.T) {
 	mu.Lock()
 	up = true
 	mu.Unlock()
-	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+	poll.Until(t, "the condition", func() bool { return getStatus(t, api+"/readiness") == 200 })
 	if resp := post(t, api+"/v1/chat/completions", `{"model":"m"}`); resp.StatusCode != 200 {
 		t.Fatalf("status %d after registration", resp.StatusCode)
 	}
@@ -276,7 +277,7 @@ func TestSlowClientTimeoutsSpareStreams(t *testing.T) {
 		io.WriteString(w, "data: [DONE]\n\n")
 	})
 	api, _, _, _ := runBaton(t, "--worker-urls", up.URL, "--read-header-timeout-secs", "1", "--idle-timeout-secs", "1")
-	waitFor(t, func() bool { return getStatus(t, api+"/readiness") == 200 })
+	poll.Until(t, "the condition", func() bool { return getStatus(t, api+"/readiness") == 200 })
 
 	conn, err := net.Dial("tcp", strings.TrimPrefix(api, "http://"))
 	if err != nil {
@@ -331,7 +332,7 @@ func TestServeListenersAndAccessLog(t *testing.T) {
 	if code := getStatus(t, r.metrics+"/status.json"); code != 200 {
 		t.Errorf("status.json: %d", code)
 	}
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		w := findWorker(listWorkers(t, r.api, "sk-inference-secret"), up.URL)
 		return w != nil && w.Ready
 	})
@@ -341,7 +342,7 @@ func TestServeListenersAndAccessLog(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
 	var line string
-	waitFor(t, func() bool {
+	poll.Until(t, "the condition", func() bool {
 		for _, l := range strings.Split(r.logs.String(), "\n") {
 			if strings.Contains(l, "msg=request") && strings.Contains(l, "/v1/completions") {
 				line = l

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -32,16 +33,6 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
-}
-
-// eventually polls cond for up to ten seconds.
-func eventually(t *testing.T, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
-	}
 }
 
 // runUntil runs Run with args in the background until the output matches re, and returns the
@@ -93,7 +84,7 @@ func TestDemoCommand(t *testing.T) {
 	for _, model := range []string{"demo-nixl", "demo-mooncake", "demo-sglang"} {
 		var status int
 		var body, source string
-		eventually(t, func() bool { // each pair registers on its own
+		poll.Until(t, "the condition", func() bool { // each pair registers on its own
 			resp, err := http.Post(api+"/v1/chat/completions", "application/json",
 				strings.NewReader(`{"model":"`+model+`","messages":[{"role":"user","content":"hello baton"}],"max_tokens":4}`))
 			if err != nil {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/kvevents"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -25,17 +26,6 @@ func complete(t *testing.T, e *sim.Engine, prompt string) {
 	resp.Body.Close()
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d", resp.StatusCode)
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -71,15 +61,15 @@ func TestSubscriberFollowsTheEngine(t *testing.T) {
 			tokens := sim.Tokenize(prompt)
 			keys := kvevents.Keys("m", "", tokens, 16)
 			complete(t, e, prompt)
-			waitFor(t, "the prompt's blocks", func() bool { return idx.Match(keys)["w"] == len(keys) })
+			poll.Until(t, "the prompt's blocks", func() bool { return idx.Match(keys)["w"] == len(keys) })
 			// Other prompts fill the 64-block cache and evict it.
 			for i := 0; i < 40; i++ {
 				complete(t, e, fmt.Sprintf("filler %d %s", i, strings.Repeat("y ", 60)))
 			}
-			waitFor(t, "the eviction", func() bool { return idx.Match(keys)["w"] == 0 })
+			poll.Until(t, "the eviction", func() bool { return idx.Match(keys)["w"] == 0 })
 			// A restart on the same endpoints: the new engine's first event clears the old view.
 			complete(t, e, prompt)
-			waitFor(t, "the prompt again", func() bool { return idx.Match(keys)["w"] == len(keys) })
+			poll.Until(t, "the prompt again", func() bool { return idx.Match(keys)["w"] == len(keys) })
 			port := strings.TrimPrefix(e.KVEventsEndpoint(), "tcp://127.0.0.1:")
 			e.Close()
 			cfg.KVEventsPort = atoi(t, port)
@@ -145,10 +135,10 @@ func TestSubscriberReplaysGaps(t *testing.T) {
 			}
 			complete(t, e, "flush "+strings.Repeat("f ", 40)) // a last batch after the prompts
 			complete(t, e, "flush again "+strings.Repeat("g ", 40))
-			waitFor(t, "the gaps", func() bool { return s.Stats().Gaps >= 2 })
+			poll.Until(t, "the gaps", func() bool { return s.Stats().Gaps >= 2 })
 			st := s.Stats()
 			if withReplay {
-				waitFor(t, "every prompt", func() bool {
+				poll.Until(t, "every prompt", func() bool {
 					for _, keys := range all {
 						if idx.Match(keys)["w"] != len(keys) {
 							return false
@@ -210,7 +200,7 @@ func TestSubscriberSeesARestartPastTheOldSequence(t *testing.T) {
 	prompt := strings.Repeat("blocks the old process held ", 12)
 	keys := kvevents.Keys("m", "", sim.Tokenize(prompt), 16)
 	complete(t, e, prompt)
-	waitFor(t, "the prompt's blocks", func() bool { return idx.Match(keys)["w"] == len(keys) })
+	poll.Until(t, "the prompt's blocks", func() bool { return idx.Match(keys)["w"] == len(keys) })
 	last := s.Stats().LastSeq
 	// The subscriber is away while the engine restarts on the same endpoints and publishes
 	// past the old sequence.

@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 )
 
 func start(t testing.TB, c Config) *Engine {
@@ -103,17 +102,6 @@ func sseData(t testing.TB, body string) []string {
 		}
 	}
 	return out
-}
-
-func waitUntil(t testing.TB, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // expected is the fake model's answer to a chat with one user message.

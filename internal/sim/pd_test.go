@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/baton-llm/baton/internal/poll"
 )
 
 const chatBody = `{"model":"m","messages":[{"role":"user","content":"tell me about relays"}],"max_tokens":6}`
@@ -104,7 +106,7 @@ func TestNixlExpiredOrUnknownHandoff(t *testing.T) {
 	p, failing := nixlPair(t, Config{KVTimeout: 50 * time.Millisecond}, Config{})
 	recomputing := start(t, Config{Engine: EngineVLLM, Role: RoleDecode, Model: "m", KVLoadFailure: PolicyRecompute})
 	kv := path(post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`)).json, "kv_transfer_params")
-	waitUntil(t, func() bool { return p.Stats().HandoffsExpired == 1 })
+	poll.Until(t, "the condition", func() bool { return p.Stats().HandoffsExpired == 1 })
 	if r := post(t, failing.URL()+"/v1/chat/completions", withKV(chatBody, kv)); r.status != 500 || !strings.Contains(r.raw, "KV load failed") {
 		t.Errorf("expired handoff with policy fail: %d %s", r.status, r.raw)
 	}
@@ -285,7 +287,7 @@ func TestSGLangPartnerNeverArrives(t *testing.T) {
 	if resp, err := http.DefaultClient.Do(req); err == nil {
 		resp.Body.Close()
 	}
-	waitUntil(t, func() bool { return d.Stats().RequestsCancelled == 1 })
+	poll.Until(t, "the condition", func() bool { return d.Stats().RequestsCancelled == 1 })
 }
 
 func TestSGLangDPRooms(t *testing.T) {
@@ -345,7 +347,7 @@ func TestFaultsAndQueue(t *testing.T) {
 			post(t, q.URL()+"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_tokens":3}`)
 		})
 	}
-	waitUntil(t, func() bool { return q.running.Load() == 1 && q.waiting.Load() == 1 })
+	poll.Until(t, "the condition", func() bool { return q.running.Load() == 1 && q.waiting.Load() == 1 })
 	if r := post(t, q.URL()+"/v1/chat/completions", chatBody); r.status != 503 || !strings.Contains(r.raw, "queue is full") {
 		t.Errorf("queue full: %d %s", r.status, r.raw)
 	}
@@ -405,7 +407,7 @@ func TestProbeWithoutIgnoreEOSLosesTheHandoff(t *testing.T) {
 func TestNixlStreamedLoadFailureIsInBand(t *testing.T) {
 	p, d := nixlPair(t, Config{KVTimeout: 50 * time.Millisecond}, Config{})
 	kv := path(post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`)).json, "kv_transfer_params")
-	waitUntil(t, func() bool { return p.Stats().HandoffsExpired == 1 })
+	poll.Until(t, "the condition", func() bool { return p.Stats().HandoffsExpired == 1 })
 	streamed := strings.Replace(withKV(chatBody, kv), `{`, `{"stream":true,`, 1)
 	r := post(t, d.URL()+"/v1/chat/completions", streamed)
 	if r.status != 200 || !strings.HasPrefix(r.raw, `data: {"error":{`) || !strings.Contains(r.raw, `"code":500`) || !strings.HasSuffix(r.raw, "data: [DONE]\n\n") {

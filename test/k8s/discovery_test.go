@@ -28,6 +28,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/k8stest"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -117,17 +118,6 @@ func deletePod(t *testing.T, cs kubernetes.Interface, ns, name string) {
 	}
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within 15 s: %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 func workerAt(g *app.Gateway, url string) *worker.Worker {
 	return g.Registry.Snapshot().Get(url)
 }
@@ -175,7 +165,7 @@ func TestDiscoveryLifecycle(t *testing.T) {
 	for _, p := range []string{"p1", "p2", "other", "bad"} {
 		setStatus(t, cs, ns, p, true)
 	}
-	waitFor(t, "p1 and p2 join and register", func() bool {
+	poll.Until(t, "p1 and p2 join and register", func() bool {
 		w1, w2 := workerAt(g, e1.URL()), workerAt(g, e2.URL())
 		return w1 != nil && w1.Ready() && w2 != nil && w2.Ready()
 	})
@@ -192,7 +182,7 @@ func TestDiscoveryLifecycle(t *testing.T) {
 	// p1 unready: cordoned, traffic to p2 only; ready again: back, same worker (no churn).
 	before := workerAt(g, e1.URL())
 	setStatus(t, cs, ns, "p1", false)
-	waitFor(t, "p1 cordoned", func() bool { w := workerAt(g, e1.URL()); return w != nil && w.Cordoned() && !w.Ready() })
+	poll.Until(t, "p1 cordoned", func() bool { w := workerAt(g, e1.URL()); return w != nil && w.Cordoned() && !w.Ready() })
 	for i := 0; i < 4; i++ {
 		if status, on := complete(t, url); status != 200 || on != e2.URL() {
 			t.Errorf("while p1 is unready: %d on %s", status, on)
@@ -203,16 +193,16 @@ func TestDiscoveryLifecycle(t *testing.T) {
 	for i := 0; i <= 10; i++ { // ends ready
 		setStatus(t, cs, ns, "p1", i%2 == 0)
 	}
-	waitFor(t, "p1 back", func() bool { w := workerAt(g, e1.URL()); return w != nil && !w.Cordoned() && w.Ready() })
+	poll.Until(t, "p1 back", func() bool { w := workerAt(g, e1.URL()); return w != nil && !w.Cordoned() && w.Ready() })
 	if workerAt(g, e1.URL()) != before || changes(t, g, "add") != adds || changes(t, g, "remove") != removes {
 		t.Errorf("flapping churned the fleet: adds %d→%d, removes %d→%d", adds, changes(t, g, "add"), removes, changes(t, g, "remove"))
 	}
 
 	// Unready for longer than allowed: p1 leaves. Deleted: p2 leaves.
 	setStatus(t, cs, ns, "p1", false)
-	waitFor(t, "p1 leaves after staying unready", func() bool { return workerAt(g, e1.URL()) == nil })
+	poll.Until(t, "p1 leaves after staying unready", func() bool { return workerAt(g, e1.URL()) == nil })
 	deletePod(t, cs, ns, "p2")
-	waitFor(t, "p2 leaves when deleted", func() bool { return workerAt(g, e2.URL()) == nil })
+	poll.Until(t, "p2 leaves when deleted", func() bool { return workerAt(g, e2.URL()) == nil })
 	if status, _ := complete(t, url); status != 503 && status != 404 {
 		t.Errorf("with no workers left: %d", status)
 	}
@@ -225,20 +215,20 @@ func TestDiscoveryDrainOnDelete(t *testing.T) {
 	g, url := gateway(t, cs, ns, config.Default(), map[string]map[string]string{config.RoleRegular: {"app": "engine"}})
 	pod(t, cs, ns, "p", map[string]string{"app": "engine"}, map[string]string{discovery.AnnotationPort: port(e)})
 	setStatus(t, cs, ns, "p", true)
-	waitFor(t, "p joins", func() bool { w := workerAt(g, e.URL()); return w != nil && w.Ready() })
+	poll.Until(t, "p joins", func() bool { w := workerAt(g, e.URL()); return w != nil && w.Ready() })
 	resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"long","max_tokens":30,"stream":true}`))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	waitFor(t, "stream in flight", func() bool { return workerAt(g, e.URL()).InFlight() > 0 })
+	poll.Until(t, "stream in flight", func() bool { return workerAt(g, e.URL()).InFlight() > 0 })
 	deletePod(t, cs, ns, "p")
-	waitFor(t, "p draining", func() bool { w := workerAt(g, e.URL()); return w == nil || w.Draining() })
+	poll.Until(t, "p draining", func() bool { w := workerAt(g, e.URL()); return w == nil || w.Draining() })
 	body, err := io.ReadAll(resp.Body)
 	if err != nil || !strings.Contains(string(body), "data: [DONE]") {
 		t.Fatalf("the stream on the deleted pod did not finish: %v %q", err, body)
 	}
-	waitFor(t, "p leaves", func() bool { return workerAt(g, e.URL()) == nil })
+	poll.Until(t, "p leaves", func() bool { return workerAt(g, e.URL()) == nil })
 }
 
 // Annotations set the PD worker's settings: role from the selectors, bootstrap port, runtime,
@@ -255,7 +245,7 @@ func TestDiscoveryAnnotations(t *testing.T) {
 	pod(t, cs, ns, "dec", map[string]string{"role": "decode"}, map[string]string{discovery.AnnotationPort: "18002", discovery.AnnotationRuntime: "vllm"})
 	setStatus(t, cs, ns, "pre", true)
 	setStatus(t, cs, ns, "dec", true)
-	waitFor(t, "both join", func() bool { return len(g.Registry.Snapshot().Workers) == 2 })
+	poll.Until(t, "both join", func() bool { return len(g.Registry.Snapshot().Workers) == 2 })
 	pre, dec := workerAt(g, "http://127.0.0.1:18001"), workerAt(g, "http://127.0.0.1:18002")
 	if pre == nil || dec == nil {
 		t.Fatalf("workers %v", g.Registry.Snapshot().Workers)
@@ -274,7 +264,7 @@ func TestDiscoveryAnnotations(t *testing.T) {
 	if _, err := cs.CoreV1().Pods(ns).Patch(context.Background(), "pre", types.MergePatchType, []byte(`{"metadata":{"annotations":{"baton.ai/kv-engine-id":"engine-8"}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the annotation change applied", func() bool { w := workerAt(g, "http://127.0.0.1:18001"); return w != nil && w.KVEngineID == "engine-8" })
+	poll.Until(t, "the annotation change applied", func() bool { w := workerAt(g, "http://127.0.0.1:18001"); return w != nil && w.KVEngineID == "engine-8" })
 }
 
 // The API server stops and comes back: the discovered workers stay meanwhile, and changes made
@@ -285,7 +275,7 @@ func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 	g, url := gateway(t, cs, ns, config.Default(), map[string]map[string]string{config.RoleRegular: {"app": "engine"}})
 	pod(t, cs, ns, "p1", map[string]string{"app": "engine"}, map[string]string{discovery.AnnotationPort: port(e1)})
 	setStatus(t, cs, ns, "p1", true)
-	waitFor(t, "p1 joins", func() bool { w := workerAt(g, e1.URL()); return w != nil && w.Ready() })
+	poll.Until(t, "p1 joins", func() bool { w := workerAt(g, e1.URL()); return w != nil && w.Ready() })
 
 	server.StopAPIServer()
 	time.Sleep(500 * time.Millisecond)
@@ -298,7 +288,7 @@ func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 	cs = kubernetes.NewForConfigOrDie(server.Config)
 	pod(t, cs, ns, "p2", map[string]string{"app": "engine"}, map[string]string{discovery.AnnotationPort: port(e2)})
 	setStatus(t, cs, ns, "p2", true)
-	waitFor(t, "p2 joins after the restart", func() bool { w := workerAt(g, e2.URL()); return w != nil && w.Ready() })
+	poll.Until(t, "p2 joins after the restart", func() bool { w := workerAt(g, e2.URL()); return w != nil && w.Ready() })
 	if workerAt(g, e1.URL()) == nil {
 		t.Error("p1 left over the restart")
 	}
