@@ -42,6 +42,8 @@ type CacheAware struct {
 	// Speculative is how long what this gateway routed counts beside the engines' events; zero
 	// means SpeculativeTTL.
 	Speculative time.Duration
+	// Now is the clock the TTLs read (nil: time.Now).
+	Now func() time.Time
 
 	mu    sync.Mutex
 	index map[uint64]*entry      // block key -> the workers that had it
@@ -111,7 +113,7 @@ func (p *CacheAware) explain(ctx context.Context, ws []*worker.Worker, req *Requ
 // shares returns each worker's cached share of the prompt: from the engines' events where
 // Precise knows, else from the approximate index.
 func (p *CacheAware) shares(ctx context.Context, keys []uint64, ws []*worker.Worker, req *Request) []float64 {
-	now := time.Now()
+	now := p.now()
 	matched := p.matches(keys, ws, now, p.TTL)
 	out := make([]float64, len(ws))
 	for i := range out {
@@ -226,12 +228,19 @@ const SpeculativeTTL = 5 * time.Second
 // everywhere as far as routing goes.
 const maxHolders = 8
 
+func (p *CacheAware) now() time.Time {
+	if p.Now != nil {
+		return p.Now()
+	}
+	return time.Now()
+}
+
 // record remembers that keys were routed to w.
 func (p *CacheAware) record(keys []uint64, w *worker.Worker) {
 	if len(keys) == 0 {
 		return
 	}
-	now := time.Now()
+	now := p.now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.index == nil {

@@ -111,26 +111,33 @@ func TestCacheAwareIndexIsBounded(t *testing.T) {
 }
 
 func TestCacheAwareForgetsAfterTTL(t *testing.T) {
+	now := time.Unix(1000, 0)
 	p := cacheAware()
-	p.TTL = time.Nanosecond
+	p.TTL, p.Now = time.Minute, func() time.Time { return now }
 	ws := fleet(4)
 	p.Pick(context.Background(), ws, chat(system))
-	time.Sleep(time.Millisecond)
 	keys := blocksOf("m", promptOf(chat(system)))
-	for i, n := range p.matches(keys, ws, time.Now(), p.TTL) {
+	total := func() (n int) {
+		for _, m := range p.matches(keys, ws, now, p.TTL) {
+			n += m
+		}
+		return n
+	}
+	now = now.Add(time.Minute - time.Second)
+	if got := total(); got != len(keys) {
+		t.Fatalf("within the TTL matched %d of %d blocks", got, len(keys))
+	}
+	now = now.Add(2 * time.Second)
+	for i, n := range p.matches(keys, ws, now, p.TTL) {
 		if n != 0 {
 			t.Fatalf("worker %d still matches %d blocks after the TTL", i, n)
 		}
 	}
 	p.TTL = 0 // no TTL: remembered until evicted
 	p.Pick(context.Background(), ws, chat(system))
-	time.Sleep(time.Millisecond)
-	total := 0
-	for _, n := range p.matches(keys, ws, time.Now(), p.TTL) {
-		total += n
-	}
-	if total != len(keys) {
-		t.Fatalf("without a TTL matched %d of %d blocks", total, len(keys))
+	now = now.Add(24 * time.Hour)
+	if got := total(); got != len(keys) {
+		t.Fatalf("without a TTL matched %d of %d blocks", got, len(keys))
 	}
 }
 
