@@ -55,6 +55,10 @@ func TestREADMEListsEveryErrorCode(t *testing.T) {
 // A client-visible code is an openai constant: no error elsewhere is minted with a literal code,
 // and no package keeps a code table of its own.
 func TestNoErrorCodeLiterals(t *testing.T) {
+	values := map[string]bool{}
+	for _, v := range codeConstants(t) {
+		values[v] = true
+	}
 	err := filepath.WalkDir("../..", func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -71,6 +75,15 @@ func TestNoErrorCodeLiterals(t *testing.T) {
 		}
 		ast.Inspect(f, func(n ast.Node) bool {
 			switch n := n.(type) {
+			case *ast.CallExpr:
+				// A code's text passed to a function (an admin error, a refusal) is a literal code too.
+				for _, arg := range n.Args {
+					if lit, ok := arg.(*ast.BasicLit); ok && lit.Kind == token.STRING {
+						if v, _ := strconv.Unquote(lit.Value); values[v] {
+							t.Errorf("%s: the code %q passed as a literal; use its constant in internal/openai/errors.go", path, v)
+						}
+					}
+				}
 			case *ast.CompositeLit:
 				if sel, ok := n.Type.(*ast.SelectorExpr); !ok || sel.Sel.Name != "Error" {
 					return true

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/baton-llm/baton/internal/openai"
 )
 
 // The status window: the last statusBuckets buckets of statusBucket each (5 minutes).
@@ -192,7 +194,7 @@ func (s *Server) statusAuth(next http.Handler) http.Handler {
 			_, pass, basic := r.BasicAuth()
 			if !(basic && subtle.ConstantTimeCompare([]byte(pass), []byte(key)) == 1) && !s.adminKeyOK(r) {
 				w.Header().Set("WWW-Authenticate", `Basic realm="baton status", charset="UTF-8"`)
-				adminError(w, http.StatusUnauthorized, "invalid_api_key", "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')")
+				adminError(w, http.StatusUnauthorized, openai.CodeInvalidAPIKey, "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')")
 				return
 			}
 		}
