@@ -49,7 +49,7 @@ func gateway(t *testing.T, urls []string, tune ...func(*Options)) (*Server, stri
 	o := Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, MaxPayloadSize: 1 << 20, MaxBatchSize: 8,
 		Retry:    Retry{Attempts: 3, Backoff: retry.Backoff{Initial: time.Millisecond, Max: time.Millisecond, Multiplier: 1}},
 		Registry: reg, Selector: &policy.Selector{Registry: reg, Policies: map[string]policy.Policy{config.RoleRegular: rr}},
-		Proxy:    &proxy.Proxy{Transport: tr, Timeout: time.Minute, Metrics: m, Log: log}, Metrics: m, Log: log, AccessLog: true}
+		Proxy: &proxy.Proxy{Transport: tr, Timeout: time.Minute, Metrics: m, Log: log}, Metrics: m, Log: log, AccessLog: true}
 	for _, f := range tune {
 		f(&o)
 	}
