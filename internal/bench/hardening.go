@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/baton-llm/baton/internal/sim"
@@ -34,22 +35,50 @@ func (r *runner) hardening(ctx context.Context) error {
 	fmt.Fprintln(r.out)
 	fmt.Fprintln(r.out, "| attack | outcome | peak RSS MiB |")
 	fmt.Fprintln(r.out, "|---|---|---:|")
-	for _, a := range append(attacks(r.o.Quick), hardening2Attacks(r.o.Quick)...) {
-		b, cleanup, err := startAttacked(r.o.Binary, a)
-		if err != nil {
-			return fmt.Errorf("%s: %w", a.name, err)
+	all := append(attacks(r.o.Quick), hardening2Attacks(r.o.Quick)...)
+	rows := make([]string, len(all))
+	errs := make([]error, len(all))
+	// Each attack has a Baton of its own, so a quick run (the harness check) runs them at once;
+	// a full run one at a time, each process alone on the machine.
+	par := 1
+	if r.o.Quick {
+		par = len(all)
+	}
+	sem := make(chan struct{}, par)
+	var wg sync.WaitGroup
+	for i, a := range all {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			rows[i], errs[i] = r.attack(ctx, a)
+		}()
+	}
+	wg.Wait()
+	r.client.CloseIdleConnections()
+	for i := range all {
+		if errs[i] != nil {
+			return errs[i]
 		}
-		actx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-		outcome := a.run(actx, r.client, b)
-		cancel()
-		peak := b.peakRSSBytes()
-		b.stop()
-		cleanup()
-		r.client.CloseIdleConnections()
-		fmt.Fprintf(r.out, "| %s | %s | %.0f |\n", a.name, outcome, mib(peak))
+		fmt.Fprintln(r.out, rows[i])
 	}
 	fmt.Fprintln(r.out)
 	return nil
+}
+
+// attack runs one attack against a fresh Baton and returns its report row.
+func (r *runner) attack(ctx context.Context, a attack) (string, error) {
+	b, cleanup, err := startAttacked(r.o.Binary, a)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", a.name, err)
+	}
+	defer cleanup()
+	actx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	outcome := a.run(actx, r.client, b)
+	cancel()
+	peak := b.peakRSSBytes()
+	b.stop()
+	return fmt.Sprintf("| %s | %s | %.0f |", a.name, outcome, mib(peak)), nil
 }
 
 // startAttacked starts the attack's fleet and a Baton in front of it. A port the fleet chose

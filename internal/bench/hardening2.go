@@ -232,9 +232,9 @@ func floodBlocks(ctx context.Context, b *proc, addr, engineURL string, blocks in
 
 // hardening2Attacks are the attacks of the second hardening pass.
 func hardening2Attacks(quick bool) []attack {
-	scale := 1
+	scale, blocks := 1, 4_200_000
 	if quick {
-		scale = 16
+		scale, blocks = 16, 65_536
 	}
 	var listen, engineURL string
 	return []attack{
@@ -248,14 +248,14 @@ func hardening2Attacks(quick bool) []attack {
 			}},
 		{name: "32 KV event peers each claiming a 64 MiB frame (9 bytes sent)", fleet: kvListenFleet(&listen, &engineURL),
 			run: func(ctx context.Context, c *http.Client, b *proc) string { return zmtpClaims(b, listen, 32, 64<<20) }},
-		{name: fmt.Sprintf("%.1f M KV blocks on a topic naming the engine, from another address", 4.2/float64(scale)), fleet: kvListenFleet(&listen, &engineURL),
+		{name: fmt.Sprintf("%.2f M KV blocks on a topic naming the engine, from another address", float64(blocks)/1e6), fleet: kvListenFleet(&listen, &engineURL),
 			run: func(ctx context.Context, c *http.Client, b *proc) string {
-				return floodBlocks(ctx, b, listen, engineURL, 4_200_000/scale, true)
+				return floodBlocks(ctx, b, listen, engineURL, blocks, true)
 			}},
-		{name: fmt.Sprintf("%.1f M KV blocks from the engine's own address, `GOMEMLIMIT=920MiB` (the chart's)", 4.2/float64(scale)), fleet: kvListenFleet(&listen, &engineURL),
+		{name: fmt.Sprintf("%.2f M KV blocks from the engine's own address, `GOMEMLIMIT=920MiB` (the chart's)", float64(blocks)/1e6), fleet: kvListenFleet(&listen, &engineURL),
 			env: []string{"GOMEMLIMIT=920MiB"},
 			run: func(ctx context.Context, c *http.Client, b *proc) string {
-				return floodBlocks(ctx, b, listen, engineURL, 4_200_000/scale, false)
+				return floodBlocks(ctx, b, listen, engineURL, blocks, false)
 			}},
 		{name: fmt.Sprintf("100 sockets each sending a %d KiB request head of short lines", 1024/scale), fleet: regularFleet,
 			run: func(ctx context.Context, c *http.Client, b *proc) string {

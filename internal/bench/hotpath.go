@@ -14,7 +14,7 @@ import (
 func (r *runner) hotpath(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 10. Hot path: CPU per request")
 	fmt.Fprintln(r.out)
-	n := r.n(20000, 1000)
+	n := r.n(20000, 300)
 	fmt.Fprintf(r.out, "Closed loop, %d non-streamed requests per row (512-byte prompt, 16 tokens); CPU is the proxy process's user+system time per request. Pass-through: 64 clients, one engine. PD: vLLM NIXL, 16 clients, one prefill and one decode engine.\n\n", n)
 	fmt.Fprintln(r.out, "| row | proxy | req/s | CPU µs / request | vs nginx | vs baseline |")
 	fmt.Fprintln(r.out, "|---|---|---:|---:|---:|---:|")

@@ -20,7 +20,7 @@ import (
 func (r *runner) replicas(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 9. Replicas: cache_aware across gateway replicas from the engines' KV events")
 	fmt.Fprintln(r.out)
-	n, concurrency := r.n(1200, 240), 12
+	n, concurrency := r.n(1200, 96), 12
 	w := workload{maxTokens: 8, stream: true}
 	prompts := routingPrompts(n)
 	fmt.Fprintf(r.out, "%d streamed completions of the routing workload (scenario 8), %d clients back to back, each request sent to the next replica in turn, over 4 simulated vLLM engines (prefix cache of %d blocks, prefill 50 µs per uncached token, decode 1 ms per token) publishing KV events. Replicas share nothing; with events, each subscribes to every engine. Hit share: prompt tokens the engines found cached over prompt tokens.\n\n",

@@ -65,7 +65,7 @@ func routingPrompts(n int) []string {
 func (r *runner) routing(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 8. Routing: cache- and load-aware policies")
 	fmt.Fprintln(r.out)
-	n, concurrency := r.n(1600, 160), 16
+	n, concurrency := r.n(1600, 64), 16
 	w := workload{maxTokens: 8, stream: true}
 	prompts := routingPrompts(n)
 	fmt.Fprintf(r.out, "%d streamed completions, %d clients back to back, over 4 simulated vLLM engines, each with a prefix cache of %d blocks of 16 tokens (LRU), prefill 50 µs per uncached token, decode 1 ms per token, 8 requests running at once. Workload: 20%% one hot group, 60%% %d groups sharing a ~1,000-token system prompt, 20%% %d conversations that grow each turn. Hit share: prompt tokens the engines found cached over prompt tokens. Busiest: requests on the busiest engine over the mean.\n\n",

@@ -20,7 +20,7 @@ type Options struct {
 	Binary    string   // the baton binary to measure; it runs as its own process
 	Baseline  string   // an earlier baton binary the hotpath scenario measures in the same run; "" none
 	Quick     bool     // small runs: checks the harness works, not for publishing
-	Streams   int      // open streams in the memory scenario; 0: 1,500 (100 with Quick)
+	Streams   int      // open streams in the memory scenario; 0: 1,500 (50 with Quick)
 	Scenarios []string // names to run; empty runs all
 	Out       io.Writer
 }
@@ -285,7 +285,7 @@ func (r *runner) threeWay(ctx context.Context, e *sim.Engine, w workload, concur
 func (r *runner) throughput(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 2. Throughput at saturation and CPU cost")
 	fmt.Fprintln(r.out)
-	n := r.n(20000, 400)
+	n := r.n(20000, 150)
 	w := workload{promptBytes: 512, maxTokens: 16}
 	fmt.Fprintf(r.out, "Closed loop, 64 concurrent clients, %d non-streamed requests per row (512-byte prompt, 16 tokens). CPU is the proxy process's user+system time from /proc, per 1,000 requests.\n\n", n)
 	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
@@ -309,7 +309,7 @@ func (r *runner) throughput(ctx context.Context) error {
 	}
 	fmt.Fprintln(r.out)
 	rate := float64(r.n(1000, 200))
-	on := r.n(10000, 200)
+	on := r.n(10000, 40)
 	fmt.Fprintf(r.out, "Open loop at %.0f requests/s (%d requests), below saturation:\n\n", rate, on)
 	direct := OpenLoop(ctx, completion(r.client, e.URL(), w), rate, on)
 	r.verify("open loop direct", direct)
@@ -350,8 +350,12 @@ func (r *runner) streaming(ctx context.Context) error {
 func (r *runner) memory(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 4. Memory per open stream")
 	fmt.Fprintln(r.out)
-	streams := r.n(1500, 100)
+	streams := r.n(1500, 50)
 	tokens, per := 100, 30*time.Millisecond
+	settle := 2 * time.Second // after a round, before memory is read again
+	if r.o.Quick {
+		tokens, settle = 20, 300*time.Millisecond
+	}
 	if r.o.Streams > 0 {
 		streams = r.o.Streams
 	}
@@ -373,9 +377,9 @@ func (r *runner) memory(ctx context.Context) error {
 	}
 	defer b.stop()
 	w := workload{promptBytes: 256, maxTokens: tokens, stream: true}
-	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, 200)
+	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, r.n(200, 16))
 	r.verify("memory warm-up", warm)
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(time.Duration(r.n(500, 100)) * time.Millisecond)
 	idleHeap := b.liveHeapBytes()
 	idle, idleG := b.rssBytes(), b.metric("go_goroutines")
 	idleHeapInuse, idleStack := b.metric("go_memstats_heap_inuse_bytes"), b.metric("go_memstats_stack_inuse_bytes")
@@ -414,13 +418,13 @@ func (r *runner) memory(ctx context.Context) error {
 		h, st := b.heldBytes()
 		held <- [2]float64{h, st}
 	}()
-	var afterRSS [2]int64
-	var afterG, afterHeap [2]float64
-	for round := 0; round < 2; round++ { // the same load twice: memory after the second must not grow
+	rounds := r.n(2, 1) // the same load twice: memory after the second must not grow
+	afterRSS, afterG, afterHeap := make([]int64, rounds), make([]float64, rounds), make([]float64, rounds)
+	for round := range rounds {
 		s := ClosedLoop(ctx, completion(r.client, b.URL, w), streams, streams)
 		r.verify("memory streams", s)
 		r.client.CloseIdleConnections()
-		time.Sleep(2 * time.Second)
+		time.Sleep(settle)
 		afterRSS[round], afterG[round], afterHeap[round] = b.rssBytes(), b.metric("go_goroutines"), b.liveHeapBytes()
 	}
 	close(stop)
@@ -430,7 +434,7 @@ func (r *runner) memory(ctx context.Context) error {
 	fmt.Fprintf(r.out, "| idle, before the load | %.1f | %.0f | %.1f |\n", mib(idle), idleG, idleHeap/(1<<20))
 	fmt.Fprintf(r.out, "| peak, %d streams open | %.1f | %.0f | |\n", streams, mib(peak), peakG)
 	for i := range afterRSS {
-		fmt.Fprintf(r.out, "| 2 s after load round %d | %.1f | %.0f | %.1f |\n", i+1, mib(afterRSS[i]), afterG[i], afterHeap[i]/(1<<20))
+		fmt.Fprintf(r.out, "| %s after load round %d | %.1f | %.0f | %.1f |\n", settle, i+1, mib(afterRSS[i]), afterG[i], afterHeap[i]/(1<<20))
 	}
 	h := <-held
 	heldHeap, heldStacks := (h[0]-idleHeld)/float64(streams)/1024, (h[1]-idleStacks)/float64(streams)/1024
@@ -465,9 +469,9 @@ func (r *runner) memoryPD(ctx context.Context, streams, tokens int, per time.Dur
 		return err
 	}
 	defer b.stop()
-	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, 200)
+	warm := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: 4}), 8, r.n(200, 16))
 	r.verify("memory PD warm-up", warm)
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(time.Duration(r.n(500, 100)) * time.Millisecond)
 	idleHeld, idleStacks := b.heldBytes()
 	idle, idleG := b.rssBytes(), b.metric("go_goroutines")
 	var peak int64
@@ -504,8 +508,10 @@ func mib(b int64) float64 { return float64(b) / (1 << 20) }
 // streamEngine starts the simulated engine of the memory scenario: in this process for up to
 // 2,000 streams, else as a process of its own (this one then holds only the clients' ends, so
 // that its file descriptors suffice).
+//
+// A quick run always takes the separate process, so that the smoke test covers that path.
 func (r *runner) streamEngine(streams int, per time.Duration) (string, func(), error) {
-	if streams <= 2000 {
+	if streams <= 2000 && !r.o.Quick {
 		e, err := engine(sim.Config{Engine: sim.EngineVLLM, DecodePerToken: per})
 		if err != nil {
 			return "", nil, err

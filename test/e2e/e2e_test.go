@@ -3,6 +3,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -14,6 +15,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -177,29 +179,35 @@ func TestBinaryStartupErrorExitsNonZero(t *testing.T) {
 }
 
 // A short run of the benchmark harness: every scenario runs end to end and every answer is
-// checked against the simulator's model (the harness exits non-zero on a wrong answer). It
-// checks that the harness works; it asserts no timing.
+// checked against the simulator's model (the harness exits non-zero on a wrong answer); the
+// quick memory scenario runs its engine as a process of its own, as past 2,000 streams. It
+// checks that the harness works; it asserts no timing. Two groups of scenarios run at once,
+// the waiting ones beside the busy ones.
 func TestBenchSmoke(t *testing.T) {
-	if testing.Short() {
-		t.Skip("SKIPPED under -short: the bench smoke run takes about 10 s; CI runs it (no -short)")
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, binary, "bench", "--quick").CombinedOutput()
-	if err != nil {
-		t.Fatalf("baton bench --quick: %v\n%s", err, out)
+	groups := []string{"memory,hardening", "latency,throughput,streaming,bodysize,workers,routing,replicas,hotpath"}
+	outs := make([][]byte, len(groups))
+	errs := make([]error, len(groups))
+	var wg sync.WaitGroup
+	for i, g := range groups {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[i], errs[i] = exec.CommandContext(ctx, binary, "bench", "--quick", "--scenarios", g).CombinedOutput()
+		}()
 	}
-	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count", "## 8. Routing", "## 9. Replicas", "PD SGLang: Baton", "PD vLLM NIXL: Baton"} {
-		if !strings.Contains(string(out), h) {
-			t.Errorf("report lacks %q:\n%s", h, out)
+	wg.Wait()
+	for i := range groups {
+		if errs[i] != nil {
+			t.Fatalf("baton bench --quick --scenarios %s: %v\n%s", groups[i], errs[i], outs[i])
 		}
 	}
-	// Past 2,000 streams the memory scenario runs its engine as a process of its own.
-	out, err = exec.CommandContext(ctx, binary, "bench", "--quick", "--scenarios", "memory", "--streams", "2100").CombinedOutput()
-	if err != nil {
-		t.Fatalf("baton bench --scenarios memory --streams 2100: %v\n%s", err, out)
-	}
-	if !strings.Contains(string(out), "2100 concurrent streams") || !strings.Contains(string(out), "Held per open stream") {
-		t.Errorf("memory report:\n%s", out)
+	out := string(bytes.Join(outs, nil))
+	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count",
+		"## 7. Attacks", "## 8. Routing", "## 9. Replicas", "## 10. Hot path", "PD SGLang: Baton", "PD vLLM NIXL: Baton", "Held per open stream", "PD (vLLM NIXL pair)"} {
+		if !strings.Contains(out, h) {
+			t.Errorf("report lacks %q:\n%s", h, out)
+		}
 	}
 }
