@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // Connection states, for Shutdown: only an idle connection (waiting for its next request) is
@@ -308,7 +310,7 @@ func (b *body) Read(p []byte) (int, error) {
 	if b.chunked != nil {
 		n, err = b.chunked.Read(p)
 		if err == io.EOF {
-			err = skipTrailers(br, b.c.s.maxHeaderBytes())
+			err = httpwire.SkipTrailers(br, b.c.s.maxHeaderBytes())
 			if err == nil {
 				err = io.EOF
 			}

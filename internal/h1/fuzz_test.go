@@ -8,6 +8,8 @@ import (
 	"net"
 	"net/http"
 	"testing"
+
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // fakeConn reads a fixed input and collects what is written (a 100 Continue).
@@ -58,7 +60,7 @@ func FuzzRequest(f *testing.F) {
 			if len(body) > len(data) {
 				t.Fatalf("read %d body bytes from %d input bytes", len(body), len(data))
 			}
-			if !isToken(req.Method) || req.URL == nil {
+			if !httpwire.IsToken(req.Method) || req.URL == nil {
 				t.Fatalf("accepted a malformed request: %q %v host %q", req.Method, req.URL, req.Host)
 			}
 			want, rerr := http.ReadRequest(ref)

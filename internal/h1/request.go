@@ -7,8 +7,9 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
-	"strconv"
 	"strings"
+
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // Refusal is a request the server refuses before any handler sees it: its status, what is
@@ -47,35 +48,17 @@ var errTooManyHeaders = &Refusal{Status: http.StatusRequestHeaderFieldsTooLarge,
 // errClosed is a connection that ended before a whole request head: nothing is answered.
 var errClosed = errors.New("connection closed")
 
-// readLine returns the next line without its CRLF (or LF), charging it to *budget; the slice is
-// valid until the next read.
+// readLine returns the next line of a request head without its CRLF (or LF), charging it to
+// *budget; the slice is valid until the next read.
 func readLine(br *bufio.Reader, budget *int) ([]byte, error) {
-	line, err := br.ReadSlice('\n')
-	if err == bufio.ErrBufferFull { // longer than the buffer: gather it, within the budget
-		long := append([]byte(nil), line...)
-		for err == bufio.ErrBufferFull {
-			if len(long) > *budget {
-				return nil, errHeadTooLarge
-			}
-			line, err = br.ReadSlice('\n')
-			long = append(long, line...)
-		}
-		line = long
-	}
-	if err != nil {
-		if len(line) > *budget {
-			return nil, errHeadTooLarge
-		}
-		return nil, errClosed
-	}
-	if *budget -= len(line); *budget < 0 {
+	line, err := httpwire.ReadLine(br, budget, false)
+	switch {
+	case err == nil:
+		return line, nil
+	case err == httpwire.ErrTooLong:
 		return nil, errHeadTooLarge
 	}
-	line = line[:len(line)-1]
-	if n := len(line); n > 0 && line[n-1] == '\r' {
-		line = line[:n-1]
-	}
-	return line, nil
+	return nil, errClosed
 }
 
 // readRequest parses the next request's head and sets up its body. An error that is not
@@ -124,7 +107,7 @@ func parseRequestLine(req *http.Request, line []byte) *Refusal {
 		return badRequest("malformed request line")
 	}
 	method, target, proto := line[:sp1], rest[:sp2], rest[sp2+1:]
-	if !isToken(method) {
+	if !httpwire.IsToken(method) {
 		return badRequest("malformed request method")
 	}
 	switch string(proto) {
@@ -166,22 +149,13 @@ func addHeader(h http.Header, line []byte) *Refusal {
 }
 
 // splitHeader checks a header line and returns its name and its value without surrounding
-// whitespace.
+// whitespace (httpwire's rules), refusing a bad one with 400.
 func splitHeader(line []byte) (name, value []byte, herr *Refusal) {
-	if line[0] == ' ' || line[0] == '\t' {
-		return nil, nil, badRequest("folded header lines are not accepted")
+	name, value, err := httpwire.SplitField(line)
+	if err != nil {
+		return nil, nil, badRequest(err.Error())
 	}
-	i := bytes.IndexByte(line, ':')
-	if i <= 0 || !isToken(line[:i]) {
-		return nil, nil, badRequest("malformed header line")
-	}
-	v := bytes.Trim(line[i+1:], " \t")
-	for _, b := range v {
-		if b < ' ' && b != '\t' || b == 0x7f {
-			return nil, nil, badRequest("invalid byte in a header value")
-		}
-	}
-	return line[:i], v, nil
+	return name, value, nil
 }
 
 // prepare reads the request's framing and connection headers into req and sets up its body.
@@ -204,7 +178,7 @@ func (c *conn) prepare(req *http.Request) (*body, *Refusal) {
 	}
 	delete(h, "Host")
 	req.RemoteAddr = c.remoteAddr
-	req.Close = req.ProtoMinor == 0 || hasToken(h["Connection"], "close")
+	req.Close = req.ProtoMinor == 0 || httpwire.HasToken(h["Connection"], "close")
 
 	b := &body{c: c}
 	te, cls := h["Transfer-Encoding"], h["Content-Length"]
@@ -225,7 +199,7 @@ func (c *conn) prepare(req *http.Request) (*body, *Refusal) {
 		req.ContentLength = -1
 		b.chunked = httputil.NewChunkedReader(c.reader())
 	case len(cls) > 0:
-		n, ok := parseLength(cls[0])
+		n, ok := httpwire.ParseLength(cls[0])
 		for _, v := range cls[1:] {
 			if v != cls[0] {
 				ok = false
@@ -252,48 +226,6 @@ func (c *conn) prepare(req *http.Request) (*body, *Refusal) {
 	return b, nil
 }
 
-// skipTrailers reads and drops a chunked body's trailer section, bounded by budget. Its lines
-// must end in CRLF (net/http's parser wants the section's CRLF CRLF end too).
-func skipTrailers(br *bufio.Reader, budget int) error {
-	for {
-		line, err := br.ReadSlice('\n')
-		if budget -= len(line); err != nil || budget < 0 || !bytes.HasSuffix(line, crlf) {
-			return errors.New("malformed chunked trailer")
-		}
-		if len(line) == 2 {
-			return nil
-		}
-		if _, _, herr := splitHeader(line[:len(line)-2]); herr != nil {
-			return errors.New("malformed chunked trailer")
-		}
-	}
-}
-
-func parseLength(s string) (int64, bool) {
-	if s == "" || len(s) > 18 {
-		return 0, false
-	}
-	for i := 0; i < len(s); i++ {
-		if s[i] < '0' || s[i] > '9' {
-			return 0, false
-		}
-	}
-	n, err := strconv.ParseInt(s, 10, 64)
-	return n, err == nil
-}
-
-// hasToken reports whether a comma-separated header's values name tok (case-insensitive).
-func hasToken(values []string, tok string) bool {
-	for _, v := range values {
-		for part := range strings.SplitSeq(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(part), tok) {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 func validHost(h string) bool {
 	for i := 0; i < len(h); i++ {
 		switch b := h[i]; {
@@ -303,32 +235,6 @@ func validHost(h string) bool {
 	}
 	return true
 }
-
-// isToken reports whether b is an RFC 9110 token (a method or a header name).
-func isToken[T string | []byte](b T) bool {
-	if len(b) == 0 {
-		return false
-	}
-	for i := 0; i < len(b); i++ {
-		if c := b[i]; c >= 0x80 || !tokenChars[c] {
-			return false
-		}
-	}
-	return true
-}
-
-var tokenChars = func() (t [128]bool) {
-	for c := '0'; c <= '9'; c++ {
-		t[c] = true
-	}
-	for c := 'a'; c <= 'z'; c++ {
-		t[c], t[c-'a'+'A'] = true, true
-	}
-	for _, c := range "!#$%&'*+-.^_`|~" {
-		t[c] = true
-	}
-	return t
-}()
 
 // commonKeys are header names clients send on almost every request: matched without
 // allocating.

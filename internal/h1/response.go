@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // writeBufSize is the answer buffer: an answer that fits and is not flushed goes out in one
@@ -80,13 +82,13 @@ func (w *response) WriteHeader(code int) {
 	}
 	w.wroteHeader, w.status = true, code
 	if cl := w.header["Content-Length"]; len(cl) > 0 {
-		if n, ok := parseLength(cl[0]); ok && bodyAllowed(code) {
+		if n, ok := httpwire.ParseLength(cl[0]); ok && bodyAllowed(code) {
 			w.declared = n
 		} else {
 			delete(w.header, "Content-Length")
 		}
 	}
-	if hasToken(w.header["Connection"], "close") || code == http.StatusSwitchingProtocols {
+	if httpwire.HasToken(w.header["Connection"], "close") || code == http.StatusSwitchingProtocols {
 		// After a 101 the bytes on the connection are another protocol's: never another
 		// request's head.
 		w.closeAfter = true
@@ -337,7 +339,7 @@ func appendHeaders(dst []byte, h http.Header) []byte {
 	}
 	slices.Sort(keys)
 	for _, k := range keys {
-		if !isToken(k) {
+		if !httpwire.IsToken(k) {
 			continue
 		}
 		for _, v := range h[k] {

@@ -1,16 +1,16 @@
 package upstream
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // body is an answer's body, read from its connection: Content-Length, chunked, or until the
@@ -39,13 +39,13 @@ const (
 	bodyClose
 )
 
-// maxChunkLine bounds a chunk-size line (and each trailer line).
-const maxChunkLine = 4 << 10
+// maxTrailers bounds a chunked answer's trailer section (read and dropped).
+const maxTrailers = 64 << 10
 
 func newBody(t *Transport, c *conn, resp *http.Response, stop func() bool, ctx context.Context) io.ReadCloser {
 	b := &body{t: t, c: c, ctx: ctx, stop: stop, reusable: true}
 	h := resp.Header
-	if resp.ProtoMinor == 0 && !strings.EqualFold(h.Get("Connection"), "keep-alive") || hasToken(h, "Connection", "close") || resp.Request.Close {
+	if resp.ProtoMinor == 0 && !strings.EqualFold(h.Get("Connection"), "keep-alive") || httpwire.HasToken(h["Connection"], "close") || resp.Request.Close {
 		b.reusable = false
 	}
 	resp.ContentLength = -1
@@ -90,22 +90,11 @@ func contentLength(vs []string) (int64, error) {
 	if len(vs) == 0 {
 		return -1, nil
 	}
-	n, err := strconv.ParseInt(vs[0], 10, 64)
-	if err != nil || len(vs) > 1 || strings.TrimLeft(vs[0], "0123456789") != "" {
+	n, ok := httpwire.ParseLength(vs[0])
+	if !ok || len(vs) > 1 {
 		return 0, fmt.Errorf("upstream: bad Content-Length %q", truncate(strings.Join(vs, ", ")))
 	}
 	return n, nil
-}
-
-func hasToken(h http.Header, key, token string) bool {
-	for _, v := range h[key] {
-		for _, part := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(part), token) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // Read reads the body; one reader at a time (Close may come from any goroutine).
@@ -166,7 +155,7 @@ func (b *body) next() ([]byte, error) {
 		return nil, io.EOF
 	}
 	if b.crlfOwed { // the end of the chunk whose last bytes went out
-		if err := readCRLF(b.c.br); err != nil {
+		if err := httpwire.ReadChunkEnd(b.c.br); err != nil {
 			return nil, err
 		}
 		b.crlfOwed = false
@@ -182,12 +171,12 @@ func (b *body) next() ([]byte, error) {
 		return v, err
 	case bodyChunked:
 		if b.left == 0 {
-			size, err := readChunkSize(br)
+			size, err := httpwire.ReadChunkSize(br)
 			if err != nil {
 				return nil, err
 			}
 			if size == 0 {
-				if err := skipTrailers(br); err != nil {
+				if err := httpwire.SkipTrailers(br, maxTrailers); err != nil {
 					return nil, err
 				}
 				return nil, io.EOF
@@ -256,18 +245,18 @@ func (b *body) read(p []byte) (int, error) {
 		return n, err
 	case bodyChunked:
 		if b.crlfOwed {
-			if err := readCRLF(br); err != nil {
+			if err := httpwire.ReadChunkEnd(br); err != nil {
 				return 0, err
 			}
 			b.crlfOwed = false
 		}
 		if b.left == 0 {
-			size, err := readChunkSize(br)
+			size, err := httpwire.ReadChunkSize(br)
 			if err != nil {
 				return 0, err
 			}
 			if size == 0 {
-				if err := skipTrailers(br); err != nil {
+				if err := httpwire.SkipTrailers(br, maxTrailers); err != nil {
 					return 0, err
 				}
 				return 0, io.EOF
@@ -283,69 +272,11 @@ func (b *body) read(p []byte) (int, error) {
 			return n, io.ErrUnexpectedEOF
 		}
 		if err == nil && b.left == 0 {
-			err = readCRLF(br)
+			err = httpwire.ReadChunkEnd(br)
 		}
 		return n, err
 	default: // until the engine closes
 		return br.Read(p)
-	}
-}
-
-// readChunkLine reads one line of chunked framing, which must end in CRLF: a bare LF there is
-// a desync vector (net/http refuses it too).
-func readChunkLine(br *bufio.Reader, limit int) (string, int, error) {
-	line, n, err := readLine(br, limit)
-	if err == nil && n != len(line)+2 { // the line lost exactly its CRLF
-		err = errors.New("upstream: a chunked framing line ends in a bare LF")
-	}
-	if err == io.EOF {
-		err = io.ErrUnexpectedEOF
-	}
-	return line, n, err
-}
-
-// readChunkSize reads a chunk-size line: hex digits, optional extensions, CRLF.
-func readChunkSize(br *bufio.Reader) (int64, error) {
-	line, _, err := readChunkLine(br, maxChunkLine)
-	if err != nil {
-		return 0, err
-	}
-	size, _, _ := strings.Cut(strings.TrimRight(line, " \t"), ";")
-	n, err := strconv.ParseInt(size, 16, 64)
-	if err != nil || n < 0 || len(size) == 0 || len(size) > 15 || strings.Trim(size, "0123456789abcdefABCDEF") != "" {
-		return 0, fmt.Errorf("upstream: malformed chunk size %q", truncate(size))
-	}
-	return n, nil
-}
-
-func readCRLF(br *bufio.Reader) error {
-	line, _, err := readChunkLine(br, 2)
-	if err != nil || line != "" {
-		if err == nil || err == io.ErrUnexpectedEOF {
-			err = errors.New("upstream: malformed chunk end")
-		}
-		return err
-	}
-	return nil
-}
-
-// skipTrailers reads the trailer section, each line a well-formed header field, up to the
-// empty line; trailers are not relayed.
-func skipTrailers(br *bufio.Reader) error {
-	for total := 0; ; {
-		line, n, err := readChunkLine(br, maxChunkLine)
-		if err != nil {
-			return err
-		}
-		if total += n; total > 64<<10 {
-			return ErrHeaderTooLarge
-		}
-		if line == "" {
-			return nil
-		}
-		if i := strings.IndexByte(line, ':'); i <= 0 || !token(line[:i]) || !fieldValue(line[i+1:]) {
-			return errHeaderLine
-		}
 	}
 }
 

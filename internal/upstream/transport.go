@@ -21,6 +21,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // Transport is the engines' client. The zero value is not ready: use New.
@@ -218,51 +220,50 @@ func appendClean(b []byte, v string) []byte {
 
 // readHead reads the status line and headers (skipping 1xx answers).
 func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error) {
-	limit := t.MaxResponseHeaderBytes
+	budget := t.MaxResponseHeaderBytes
 	for {
-		line, n, err := readLine(c.br, limit)
+		line, err := httpwire.ReadLine(c.br, &budget, false)
 		if err != nil {
 			if err == io.EOF { // closed before a single byte of an answer: the request had no effect
 				return nil, fmt.Errorf("%w: %v", errStale, err)
 			}
-			return nil, err
+			return nil, headErr(err)
 		}
-		limit -= n
 		resp := &http.Response{Request: req, Header: make(http.Header, 8)}
-		if err := parseStatus(line, resp); err != nil {
+		if err := parseStatus(string(line), resp); err != nil {
 			return nil, err
 		}
 		for {
-			line, n, err := readLine(c.br, limit)
+			line, err := httpwire.ReadLine(c.br, &budget, false)
 			if err != nil {
-				if errors.Is(err, io.EOF) {
+				if err == io.EOF {
 					err = io.ErrUnexpectedEOF
 				}
-				return nil, err
+				return nil, headErr(err)
 			}
-			limit -= n
 			if len(line) == 0 {
 				break
 			}
-			if line[0] == ' ' || line[0] == '\t' {
-				return nil, errObsFold // a continued line: obsolete, and a desync vector
+			name, v, err := httpwire.SplitField(line)
+			if err != nil {
+				return nil, fmt.Errorf("upstream: %w", err) // a folded line, whitespace before the colon, a control byte
 			}
-			i := strings.IndexByte(line, ':')
-			if i <= 0 || !token(line[:i]) {
-				return nil, errHeaderLine // whitespace before the colon included
-			}
-			v := strings.Trim(line[i+1:], " \t")
-			if !fieldValue(v) {
-				return nil, errHeaderLine
-			}
-			k := http.CanonicalHeaderKey(line[:i])
-			resp.Header[k] = append(resp.Header[k], v)
+			k := http.CanonicalHeaderKey(string(name))
+			resp.Header[k] = append(resp.Header[k], string(v))
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
 			continue // 100 Continue and friends: the answer follows
 		}
 		return resp, nil
 	}
+}
+
+// headErr names a head past its bound as ErrHeaderTooLarge.
+func headErr(err error) error {
+	if err == httpwire.ErrTooLong {
+		return ErrHeaderTooLarge
+	}
+	return err
 }
 
 // earlyAnswerWait bounds the look for an answer that arrived before a write failed.
@@ -274,65 +275,6 @@ func (t *Transport) earlyAnswer(c *conn, req *http.Request) (*http.Response, err
 	resp, err := t.readHead(c, req)
 	_ = c.c.SetReadDeadline(time.Time{})
 	return resp, err
-}
-
-// Malformed answer heads: refused whole (502), never guessed at.
-var (
-	errObsFold    = errors.New("upstream: a folded header line (obs-fold) in the answer")
-	errHeaderLine = errors.New("upstream: a malformed header line in the answer (a name that is not a token, whitespace before its colon, or a control character in its value)")
-)
-
-// fieldValue reports whether s may be a header field's value: no control character but HTAB
-// (RFC 9110 field-vchar, obs-text allowed), as net/http's own parser requires. A bare CR or a
-// NUL relayed to a client would be a response-splitting vector.
-func fieldValue(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; c < ' ' && c != '\t' || c == 0x7f {
-			return false
-		}
-	}
-	return true
-}
-
-// token reports whether s is an HTTP token (RFC 9110 tchar+).
-func token(s string) bool {
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
-			return false
-		}
-	}
-	return s != ""
-}
-
-// readLine reads one CRLF- or LF-terminated line of at most limit bytes.
-func readLine(br *bufio.Reader, limit int) (string, int, error) {
-	var sb []byte
-	for {
-		frag, err := br.ReadSlice('\n')
-		if len(sb)+len(frag) > limit {
-			return "", 0, ErrHeaderTooLarge
-		}
-		if err == bufio.ErrBufferFull {
-			sb = append(sb, frag...)
-			continue
-		}
-		if err == io.EOF && len(sb)+len(frag) > 0 {
-			return "", 0, io.ErrUnexpectedEOF // a line cut short
-		}
-		if err != nil {
-			return "", 0, err
-		}
-		n := len(sb) + len(frag)
-		var s string
-		if sb == nil {
-			s = string(frag)
-		} else {
-			s = string(append(sb, frag...))
-		}
-		s = strings.TrimSuffix(s, "\n")
-		return strings.TrimSuffix(s, "\r"), n, nil // one line end: any other CR is the line's
-	}
 }
 
 func parseStatus(line string, resp *http.Response) error {
