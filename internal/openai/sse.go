@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"sync"
 )
 
 // MaxEventSize bounds one SSE event an EventReader holds: a stream that sends more without a
@@ -15,20 +16,44 @@ var ErrEventTooLarge = errors.New("SSE event exceeds 16 MiB without a terminatin
 
 // EventReader splits an SSE stream into events. Each event is returned with its terminating
 // blank line, exactly as read, so an event that is not changed is relayed byte for byte.
+//
+// Over a reader that lends views of its own buffer (Baton's upstream client: Next), events that
+// lie whole in a view are returned from it without a copy, and only an event cut across views
+// is gathered in a buffer of its own, taken from a pool and given back once it is emptied: a
+// stream waiting for its next event holds no buffer. Over any other reader it reads into an
+// 8 KiB buffer that grows up to MaxEventSize.
 type EventReader struct {
 	r   io.Reader
 	buf []byte
 	off int // start of unread bytes in buf
 	err error
+
+	v    viewer
+	view []byte // the unread rest of the last view
 }
 
+// viewer lends views of its own read buffer, each valid until the next call.
+type viewer interface {
+	Next() ([]byte, error)
+}
+
+var eventBufs = sync.Pool{New: func() any { b := make([]byte, 0, 8<<10); return &b }}
+
 // NewEventReader returns an EventReader over r.
-func NewEventReader(r io.Reader) *EventReader { return &EventReader{r: r, buf: make([]byte, 0, 8<<10)} }
+func NewEventReader(r io.Reader) *EventReader {
+	if v, ok := r.(viewer); ok {
+		return &EventReader{r: r, v: v}
+	}
+	return &EventReader{r: r, buf: make([]byte, 0, 8<<10)}
+}
 
 // Next returns the next event. At the end of the stream it returns any unterminated remainder
 // and then io.EOF; other read errors are returned as they happen. The returned slice is valid
 // until the next call.
 func (e *EventReader) Next() ([]byte, error) {
+	if e.v != nil {
+		return e.nextView()
+	}
 	for {
 		if end := eventEnd(e.buf[e.off:]); end > 0 {
 			ev := e.buf[e.off : e.off+end]
@@ -43,11 +68,7 @@ func (e *EventReader) Next() ([]byte, error) {
 			}
 			return nil, e.err
 		}
-		// Compact, grow, read.
-		if e.off > 0 {
-			n := copy(e.buf, e.buf[e.off:])
-			e.buf, e.off = e.buf[:n], 0
-		}
+		e.compact()
 		if len(e.buf) >= MaxEventSize {
 			e.err = ErrEventTooLarge
 			e.off = len(e.buf) // the partial event is dropped, never relayed as if whole
@@ -64,10 +85,88 @@ func (e *EventReader) Next() ([]byte, error) {
 	}
 }
 
+// compact moves the unread bytes to the front of buf.
+func (e *EventReader) compact() {
+	if e.off > 0 {
+		n := copy(e.buf, e.buf[e.off:])
+		e.buf, e.off = e.buf[:n], 0
+	}
+}
+
+// nextView is Next over a viewer: whole events straight from the view, an event cut across
+// views gathered in a pooled buffer, given back once it is emptied.
+func (e *EventReader) nextView() ([]byte, error) {
+	for {
+		if e.buf == nil || e.off == len(e.buf) { // nothing gathered
+			e.release()
+			if end := eventEnd(e.view); end > 0 {
+				ev := e.view[:end]
+				e.view = e.view[end:]
+				return ev, nil
+			}
+			if len(e.view) > 0 { // the start of an event the next view continues
+				e.gather(e.view)
+				e.view = nil
+				continue
+			}
+		} else if end := eventEnd(e.buf[e.off:]); end > 0 {
+			ev := e.buf[e.off : e.off+end]
+			e.off += end
+			return ev, nil
+		}
+		if e.err != nil {
+			if e.buf != nil && e.off < len(e.buf) {
+				ev := e.buf[e.off:]
+				e.off = len(e.buf)
+				return ev, nil
+			}
+			return nil, e.err
+		}
+		if e.buf != nil && len(e.buf)-e.off >= MaxEventSize {
+			e.err = ErrEventTooLarge
+			e.off = len(e.buf) // the partial event is dropped, never relayed as if whole
+			return nil, e.err
+		}
+		v, err := e.v.Next()
+		if err != nil {
+			e.err = err
+		}
+		if e.buf != nil && e.off < len(e.buf) {
+			e.gather(v) // the cut event goes on
+		} else {
+			e.view = v
+		}
+	}
+}
+
+// gather appends b to the buffer of a cut event, taking one from the pool when there is none.
+func (e *EventReader) gather(b []byte) {
+	if e.buf == nil {
+		e.buf = (*eventBufs.Get().(*[]byte))[:0]
+		e.off = 0
+	}
+	e.compact()
+	e.buf = append(e.buf, b...)
+}
+
+// release gives an emptied buffer back to the pool.
+func (e *EventReader) release() {
+	if e.buf != nil && cap(e.buf) <= 64<<10 {
+		b := e.buf[:0]
+		eventBufs.Put(&b)
+	}
+	e.buf, e.off = nil, 0
+}
+
 // Pending reports whether another complete event is already buffered, so that Next will return
 // it without reading. A relay flushes only when nothing is pending: events that arrived together
 // leave together, and no event ever waits for a later one.
-func (e *EventReader) Pending() bool { return eventEnd(e.buf[e.off:]) > 0 }
+func (e *EventReader) Pending() bool {
+	if e.buf != nil && e.off < len(e.buf) {
+		return eventEnd(e.buf[e.off:]) > 0
+	}
+	return eventEnd(e.view) > 0
+}
 
 // eventEnd returns the length of the first complete event in b (through its blank line), or 0.
 func eventEnd(b []byte) int {

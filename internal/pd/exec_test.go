@@ -52,6 +52,12 @@ func engine(t *testing.T, c sim.Config) *sim.Engine {
 // newPD starts the pair: engine "vllm" with connector (nixl, mooncake) or "sglang".
 func newPD(t *testing.T, eng, connector string, pc, dc sim.Config) *pdFixture {
 	t.Helper()
+	return newPDOver(t, "net", eng, connector, pc, dc)
+}
+
+// newPDOver is newPD with the upstream client named (net or baton).
+func newPDOver(t *testing.T, client, eng, connector string, pc, dc sim.Config) *pdFixture {
+	t.Helper()
 	pc.Engine, pc.Role, pc.KVConnector, pc.EngineID = eng, sim.RolePrefill, connector, "p"
 	dc.Engine, dc.Role, dc.EngineID = eng, sim.RoleDecode, "d"
 	if dc.KVConnector == "" {
@@ -68,7 +74,7 @@ func newPD(t *testing.T, eng, connector string, pc, dc sim.Config) *pdFixture {
 	f.pair = worker.Pair{Prefill: worker.New(pw),
 		Decode: worker.New(config.Worker{URL: f.d.URL(), Role: config.RoleDecode, Runtime: eng, Models: []string{model}, KVEngineID: "d"})}
 	f.m = metrics.New(worker.NewRegistry(f.pair.Prefill, f.pair.Decode))
-	tr := proxy.NewTransport("net")
+	tr := proxy.NewTransport(client)
 	t.Cleanup(func() { proxy.CloseIdle(tr, "") })
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	px := &proxy.Proxy{Transport: tr, Timeout: 20 * time.Second, Metrics: f.m, Log: log, ExtraHeaders: []string{sim.HeaderFault}}
@@ -97,10 +103,17 @@ func (f *pdFixture) run(t *testing.T, path, body, fault string) (*httptest.Respo
 	return rw, rec, preq, err
 }
 
-// Every strategy, whole and streamed: the answer is the decode's, the handoff it names is the
-// one that happened (the decode received the KV), the usage on the record is the client's —
+// Every strategy, whole and streamed, over both upstream clients (Baton's lends its buffer's
+// views to the relay and the event reader): the answer is the decode's, the handoff it names is
+// the one that happened (the decode received the KV), the usage on the record is the client's —
 // prompt and cached tokens as the prefill saw them — and each leg counts on its own worker.
 func TestEveryStrategyHandsOff(t *testing.T) {
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) { everyStrategy(t, client) })
+	}
+}
+
+func everyStrategy(t *testing.T, client string) {
 	for _, c := range []struct {
 		eng, connector, handoff, path, body string
 	}{
@@ -112,10 +125,13 @@ func TestEveryStrategyHandsOff(t *testing.T) {
 		{config.RuntimeSGLang, "", HandoffBootstrap, "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`},
 	} {
 		t.Run(c.eng+"/"+c.connector+c.path, func(t *testing.T) {
-			f := newPD(t, c.eng, c.connector, sim.Config{}, sim.Config{})
+			f := newPDOver(t, client, c.eng, c.connector, sim.Config{}, sim.Config{})
 			rw, rec, preq, err := f.run(t, c.path, c.body, "")
 			if err != nil {
 				t.Fatalf("Execute: %v", err)
+			}
+			if strings.Contains(c.body, `"stream":true`) && (!strings.HasSuffix(rw.Body.String(), "data: [DONE]\n\n") || strings.Count(rw.Body.String(), "data: ") < 3) {
+				t.Errorf("the stream was not relayed whole: %q", rw.Body.String())
 			}
 			if rw.Code != 200 || rec.Handoff != c.handoff {
 				t.Fatalf("%d, handoff %q (want %q): %s", rw.Code, rec.Handoff, c.handoff, rw.Body.String())

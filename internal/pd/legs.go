@@ -114,10 +114,11 @@ func (l *legs) decode() error {
 
 // relay relays the decode's answer, through the transforms when set.
 func (l *legs) relay(dresp *http.Response, eventT, bodyT func([]byte) []byte) error {
-	dresp.Body = &firstByte{ReadCloser: dresp.Body, at: func() {
+	dresp.Body = onFirstByte(dresp.Body, func() {
 		l.res.decodeStarted = true
 		l.x.Metrics.PDTTFT.WithLabelValues(l.model, l.runtime).Observe(time.Since(l.start).Seconds())
-	}}
+	})
+
 	var err error
 	if bodyT != nil && !isStream(dresp) {
 		err = relayBody(l.r, l.rw, dresp, bodyT)

@@ -52,11 +52,37 @@ type firstByte struct {
 
 func (f *firstByte) Read(p []byte) (int, error) {
 	n, err := f.ReadCloser.Read(p)
+	f.saw(n)
+	return n, err
+}
+
+func (f *firstByte) saw(n int) {
 	if n > 0 && !f.done {
 		f.done = true
 		f.at()
 	}
-	return n, err
+}
+
+// firstByteView is firstByte over a body that lends views of its buffer (Baton's upstream
+// client): it lends them on, so that the relay's per-stream fast path — no buffer held while
+// a stream waits for its next event — reaches PD streams too.
+type firstByteView struct {
+	firstByte
+	v interface{ Next() ([]byte, error) }
+}
+
+func (f *firstByteView) Next() ([]byte, error) {
+	b, err := f.v.Next()
+	f.saw(len(b))
+	return b, err
+}
+
+// onFirstByte wraps body so that at is called once, at its first bytes.
+func onFirstByte(body io.ReadCloser, at func()) io.ReadCloser {
+	if v, ok := body.(interface{ Next() ([]byte, error) }); ok {
+		return &firstByteView{firstByte: firstByte{ReadCloser: body, at: at}, v: v}
+	}
+	return &firstByte{ReadCloser: body, at: at}
 }
 
 // upstreamError is the failure of a leg that answered non-2xx: judged by the leg's status, and

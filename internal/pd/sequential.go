@@ -319,10 +319,11 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 		s.x.Log.Warn("decode leg failed", "decode", s.pair.Decode.URL, "prefill", s.pair.Prefill.URL, "status", resp.StatusCode)
 		return false, upstreamError(LegDecode, s.pair.Decode, resp.StatusCode, resp.Header, b)
 	}
-	resp.Body = &firstByte{ReadCloser: resp.Body, at: func() {
+	resp.Body = onFirstByte(resp.Body, func() {
 		started = true
 		s.x.Metrics.PDTTFT.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
-	}}
+	})
+
 	check := &s.check
 	if !s.handed {
 		check = nil
