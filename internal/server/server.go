@@ -328,82 +328,101 @@ func (s *Server) observe(next http.Handler) http.Handler {
 
 // finish records what a request's answer says once it ended, from its record and the bytes its
 // writer counted: its count and duration, TTFT and tokens of a successful generation, the PD
-// pair's handoff, the access log line and the server span.
+// pair's handoff, the status page, the server span and the access log line.
 func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trace.Span, aborted bool) {
 	rec := sw.rec
-	route, model, rid := rec.Route, s.metrics.Model(rec.Model), rec.RequestID
-	dur := time.Since(rec.Start)
-	s.metrics.ObserveRequest(route, model, status, dur.Seconds())
-	var ttft time.Duration
-	usage, hasUsage := rec.Usage, false
-	generation := r.Method == http.MethodPost && route != "other" && !strings.HasPrefix(route, "POST /workers")
+	e := ended{rec: rec, model: s.metrics.Model(rec.Model), status: status, dur: time.Since(rec.Start), bytes: sw.written, aborted: aborted}
+	s.metrics.ObserveRequest(rec.Route, e.model, status, e.dur.Seconds())
+	generation := r.Method == http.MethodPost && rec.Route != "other" && !strings.HasPrefix(rec.Route, "POST /workers")
 	if generation && status == http.StatusOK && !rec.FirstByte.IsZero() {
-		ttft = rec.FirstByte.Sub(rec.Start)
-		s.metrics.TTFT.WithLabelValues(model, rec.Mode).Observe(ttft.Seconds())
-		if hasUsage = rec.UsageKnown; hasUsage && !aborted {
-			s.metrics.Tokens.WithLabelValues(model, "prompt").Add(float64(usage.Prompt))
-			s.metrics.Tokens.WithLabelValues(model, "completion").Add(float64(usage.Completion))
-			if usage.Cached > 0 {
-				s.metrics.Tokens.WithLabelValues(model, "cached").Add(float64(usage.Cached))
+		e.ttft = rec.FirstByte.Sub(rec.Start)
+		s.metrics.TTFT.WithLabelValues(e.model, rec.Mode).Observe(e.ttft.Seconds())
+		if e.usage = rec.UsageKnown; e.usage && !aborted {
+			s.metrics.Tokens.WithLabelValues(e.model, "prompt").Add(float64(rec.Usage.Prompt))
+			s.metrics.Tokens.WithLabelValues(e.model, "completion").Add(float64(rec.Usage.Completion))
+			if rec.Usage.Cached > 0 {
+				s.metrics.Tokens.WithLabelValues(e.model, "cached").Add(float64(rec.Usage.Cached))
 			}
 		}
 	}
-	prefill, decode, handoff, wk, code := rec.Prefill, rec.Decode, rec.Handoff, rec.Worker, rec.Code
-	if prefill != "" && decode != "" && handoff != "" {
-		s.metrics.PairHandoffs.WithLabelValues(prefill, decode, handoff).Inc()
+	if rec.Prefill != "" && rec.Decode != "" && rec.Handoff != "" {
+		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, rec.Handoff).Inc()
 	}
-	if route != "other" {
-		s.status.record(rec.Start.Add(dur), route, model, status, code, wk, ttft)
+	if rec.Route != "other" {
+		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, rec.Worker, e.ttft)
 	}
 	if span != nil {
-		span.SetName(route)
-		span.SetAttributes(attribute.String("http.route", route), attribute.Int("http.response.status_code", status),
-			attribute.String("gen_ai.request.model", model), attribute.String("baton.request_id", rid), attribute.Int("baton.attempts", rec.Attempts),
-			attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", sw.written))
-		if wk != "" && prefill == "" {
-			span.SetAttributes(attribute.String("baton.worker", wk))
-		}
-		if prefill != "" {
-			span.SetAttributes(attribute.String("baton.prefill_worker", prefill), attribute.String("baton.decode_worker", decode))
-		}
-		if handoff != "" {
-			span.SetAttributes(attribute.String("baton.pd.handoff", handoff))
-		}
-		if ttft > 0 {
-			span.SetAttributes(attribute.Float64("baton.ttft_ms", float64(ttft)/1e6))
-		}
-		if hasUsage {
-			span.SetAttributes(attribute.Int("gen_ai.usage.input_tokens", usage.Prompt), attribute.Int("gen_ai.usage.output_tokens", usage.Completion))
-		}
-		if status >= 500 || aborted {
-			span.SetStatus(codes.Error, code)
-		}
-		span.End()
+		endSpan(span, e)
 	}
-	if !s.opts.AccessLog || !s.log.Enabled(r.Context(), slog.LevelInfo) {
-		return
+	if s.opts.AccessLog && s.log.Enabled(r.Context(), slog.LevelInfo) {
+		s.accessLog(r, e)
 	}
+}
+
+// ended is what finish reports of a request: its record and what the writer and the clock saw.
+type ended struct {
+	rec     *record.Record
+	model   string // the model's metric label
+	status  int
+	dur     time.Duration
+	ttft    time.Duration // zero: not a successful generation
+	bytes   int64         // body bytes written to the client
+	usage   bool          // the record's usage is known and reported
+	aborted bool
+}
+
+// endSpan names the server span after the route and ends it with what the request did.
+func endSpan(span trace.Span, e ended) {
+	rec := e.rec
+	span.SetName(rec.Route)
+	span.SetAttributes(attribute.String("http.route", rec.Route), attribute.Int("http.response.status_code", e.status),
+		attribute.String("gen_ai.request.model", e.model), attribute.String("baton.request_id", rec.RequestID), attribute.Int("baton.attempts", rec.Attempts),
+		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes))
+	if rec.Worker != "" && rec.Prefill == "" {
+		span.SetAttributes(attribute.String("baton.worker", rec.Worker))
+	}
+	if rec.Prefill != "" {
+		span.SetAttributes(attribute.String("baton.prefill_worker", rec.Prefill), attribute.String("baton.decode_worker", rec.Decode))
+	}
+	if rec.Handoff != "" {
+		span.SetAttributes(attribute.String("baton.pd.handoff", rec.Handoff))
+	}
+	if e.ttft > 0 {
+		span.SetAttributes(attribute.Float64("baton.ttft_ms", float64(e.ttft)/1e6))
+	}
+	if e.usage {
+		span.SetAttributes(attribute.Int("gen_ai.usage.input_tokens", rec.Usage.Prompt), attribute.Int("gen_ai.usage.output_tokens", rec.Usage.Completion))
+	}
+	if e.status >= 500 || e.aborted {
+		span.SetStatus(codes.Error, rec.Code)
+	}
+	span.End()
+}
+
+// accessLog writes the request's access log line (never a body or a key).
+func (s *Server) accessLog(r *http.Request, e ended) {
+	rec := e.rec
 	var buf [20]slog.Attr
-	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("model", model), slog.Int("status", status),
-		slog.String("request_id", rid), slog.Float64("duration_ms", float64(dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", sw.written))
-	if prefill != "" {
-		attrs = append(attrs, slog.String("prefill", prefill), slog.String("decode", decode))
-	} else if wk != "" {
-		attrs = append(attrs, slog.String("worker", wk))
+	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", rec.Route), slog.String("model", e.model), slog.Int("status", e.status),
+		slog.String("request_id", rec.RequestID), slog.Float64("duration_ms", float64(e.dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", e.bytes))
+	if rec.Prefill != "" {
+		attrs = append(attrs, slog.String("prefill", rec.Prefill), slog.String("decode", rec.Decode))
+	} else if rec.Worker != "" {
+		attrs = append(attrs, slog.String("worker", rec.Worker))
 	}
-	if handoff != "" {
-		attrs = append(attrs, slog.String("handoff", handoff))
+	if rec.Handoff != "" {
+		attrs = append(attrs, slog.String("handoff", rec.Handoff))
 	}
-	if ttft > 0 {
-		attrs = append(attrs, slog.Float64("ttft_ms", float64(ttft)/1e6))
+	if e.ttft > 0 {
+		attrs = append(attrs, slog.Float64("ttft_ms", float64(e.ttft)/1e6))
 	}
-	if hasUsage {
-		attrs = append(attrs, slog.Int("prompt_tokens", usage.Prompt), slog.Int("completion_tokens", usage.Completion), slog.Int("cached_tokens", usage.Cached))
+	if e.usage {
+		attrs = append(attrs, slog.Int("prompt_tokens", rec.Usage.Prompt), slog.Int("completion_tokens", rec.Usage.Completion), slog.Int("cached_tokens", rec.Usage.Cached))
 	}
-	if code != "" {
-		attrs = append(attrs, slog.String("error", code))
+	if rec.Code != "" {
+		attrs = append(attrs, slog.String("error", rec.Code))
 	}
-	if aborted {
+	if e.aborted {
 		attrs = append(attrs, slog.Bool("aborted", true))
 	}
 	if tid := tracing.TraceID(r.Context()); tid != "" {
