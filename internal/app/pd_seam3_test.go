@@ -100,6 +100,10 @@ func TestPDDecodeUnreachableRetriedAlone(t *testing.T) {
 			t.Parallel()
 			p, ds, g, gw := decodePairFleet(t, connector, []sim.Config{{}, {}}, func(c *config.Config) { c.HealthCheck.Interval = time.Hour })
 			ds[0].Close() // registered, then gone: its port refuses connections
+			// A connection the registration left in the pool would fail with a reset rather
+			// than a refusal (the engine might have read the request: no decode-alone retry),
+			// and only by a race; as when a worker leaves the fleet, it is closed.
+			g.Fleet.CloseIdle(ds[0].URL())
 			const n = 6
 			for i := 0; i < n; i++ {
 				resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"unreachable `+strings.Repeat("u", i)+`","max_tokens":2}`)
