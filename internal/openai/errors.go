@@ -120,8 +120,16 @@ func (e *Error) Marshal() []byte {
 	return out
 }
 
+// CodeNoter is a response writer that keeps the error code of an answer written through it:
+// Baton's server notes it on the request's record, for the metrics, the status page and the
+// access log, instead of reading it back from the header.
+type CodeNoter interface{ NoteErrorCode(code string) }
+
 // WriteError writes e as an OpenAI error envelope with its status.
 func WriteError(w http.ResponseWriter, e *Error) {
+	if n, ok := w.(CodeNoter); ok {
+		n.NoteErrorCode(e.Code)
+	}
 	body := e.Marshal()
 	h := w.Header()
 	h.Set("Content-Type", "application/json")

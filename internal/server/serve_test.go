@@ -184,10 +184,16 @@ func TestServeRetries(t *testing.T) {
 
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	ln.Close()
-	_, gw, _ = gateway(t, []string{"http://" + ln.Addr().String()})
+	s, gw, _ = gateway(t, []string{"http://" + ln.Addr().String()})
 	resp, body = post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	if resp.StatusCode != 502 || errorCode(t, body) != openai.CodeUpstreamUnreachable {
 		t.Errorf("unreachable: %d %s", resp.StatusCode, body)
+	}
+	// The answer's code reached the request's record: the status page lists the failure by it.
+	rec := httptest.NewRecorder()
+	s.StatusHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/status.json", nil))
+	if !strings.Contains(rec.Body.String(), `"code":"`+openai.CodeUpstreamUnreachable+`"`) {
+		t.Errorf("the status page's recent errors: %s", rec.Body.String())
 	}
 }
 

@@ -223,15 +223,17 @@ func (w *statusWriter) WriteHeader(code int) {
 }
 
 // head renders the record's part of the response head, once, as it goes out: which worker or
-// pair answered, the KV handoff and (when asked for) the routing decisions. The answer's own
-// error code (openai.WriteError renders it) goes on the record.
+// pair answered, the KV handoff and (when asked for) the routing decisions.
 func (w *statusWriter) head(code int) {
 	w.status = code
-	rec, h := w.rec, w.Header()
-	if c := h.Get(openai.HeaderErrorCode); c != "" && rec.Code == "" {
-		rec.Code = c
+	renderHead(w.Header(), w.rec)
+}
+
+// NoteErrorCode keeps the code of an error answer Baton writes (openai.WriteError) on the record.
+func (w *statusWriter) NoteErrorCode(code string) {
+	if w.rec.Code == "" {
+		w.rec.Code = code
 	}
-	renderHead(h, rec)
 }
 
 // renderHead sets Baton's headers on h from rec.
