@@ -280,3 +280,63 @@ func TestServePD(t *testing.T) {
 		t.Errorf("pair handoffs counted %v", n)
 	}
 }
+
+// Readiness tells the truth: ready only when every model the workers name can be served — a
+// ready worker, or in PD a ready prefill and decode that can hand KV to each other — and a 503
+// that names, per model, what is missing.
+func TestReadinessPerModel(t *testing.T) {
+	get := func(gw string) (int, string) {
+		resp, err := http.Get(gw + "/readiness")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	add := func(o *Options, url, role, runtime string, models []string, ready bool) *worker.Worker {
+		w := worker.New(config.Worker{URL: url, Role: role, Runtime: runtime, Models: models})
+		var ms []worker.Model
+		for _, m := range models {
+			ms = append(ms, worker.Model{ID: m})
+		}
+		w.SetInfo(&worker.Info{Runtime: runtime, Models: ms})
+		w.SetReady(ready)
+		if err := o.Registry.Add(w); err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+	// Regular: model "m" is served, model "n"'s only worker is down.
+	_, gw, _ := gateway(t, []string{"http://a:1"}, func(o *Options) {
+		add(o, "http://b:1", config.RoleRegular, config.RuntimeVLLM, []string{"n"}, false)
+	})
+	if code, body := get(gw); code != 503 || !strings.Contains(body, `model \"n\": no ready worker`) || strings.Contains(body, `model \"m\"`) {
+		t.Errorf("a model without a ready worker: %d %s", code, body)
+	}
+
+	pdFleet := func(decodeRuntime string) string {
+		_, gw, _ := gateway(t, nil, func(o *Options) {
+			o.PD = true
+			o.Selector.Compatible = func(p, d *worker.Worker) bool { return pd.Compatible(p, d, "") }
+			add(o, "http://p:1", config.RolePrefill, config.RuntimeVLLM, []string{"m"}, true)
+			add(o, "http://d:1", config.RoleDecode, decodeRuntime, []string{"m"}, true)
+		})
+		return gw
+	}
+	// A vLLM prefill facing an SGLang decode: every request would be 503, so is readiness.
+	if code, body := get(pdFleet(config.RuntimeSGLang)); code != 503 || !strings.Contains(body, "can hand KV to each other") {
+		t.Errorf("an incompatible pair: %d %s", code, body)
+	}
+	if code, body := get(pdFleet(config.RuntimeVLLM)); code != 200 || !strings.Contains(body, `"models":["m"]`) {
+		t.Errorf("a compatible pair: %d %s", code, body)
+	}
+	// No decode at all.
+	_, gw, _ = gateway(t, nil, func(o *Options) {
+		o.PD = true
+		add(o, "http://p:1", config.RolePrefill, config.RuntimeVLLM, []string{"m"}, true)
+	})
+	if code, body := get(gw); code != 503 || !strings.Contains(body, "no ready decode worker") {
+		t.Errorf("no decode: %d %s", code, body)
+	}
+}

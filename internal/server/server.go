@@ -5,6 +5,7 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 
 	"crypto/rand"
 	"crypto/subtle"
@@ -614,18 +615,79 @@ func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
 }
 
 // serveReadiness answers 200 while a routable worker exists and the server is not draining.
+// serveReadiness answers 200 when every model the workers name can be served — a ready worker
+// of it, or in PD a ready prefill and a ready decode of it that can hand KV to each other —
+// and 503 naming, per model, what is missing (or that the server is draining).
 func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
-	switch {
-	case s.draining.Load():
+	if s.draining.Load() {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining, Message: "shutting down"})
-	case s.opts.PD && !(s.reg.Snapshot().HasReady(config.RolePrefill) && s.reg.Snapshot().HasReady(config.RoleDecode)):
-		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable prefill and decode worker yet"})
-	case !s.opts.PD && !s.reg.Snapshot().HasReady(config.RoleRegular):
-		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: "no routable worker yet"})
-	default:
-		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-		_, _ = io.WriteString(w, "ready\n")
+		return
 	}
+	models, missing := s.readiness()
+	if len(missing) > 0 {
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
+			Message: "not ready: " + strings.Join(missing, "; ")})
+		return
+	}
+	body, _ := json.Marshal(map[string]any{"status": "ready", "models": models})
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = w.Write(body)
+}
+
+// readiness returns the models the fleet serves and, per model it cannot serve, why.
+func (s *Server) readiness() (models []string, missing []string) {
+	snap := s.reg.Snapshot()
+	models = snap.Models()
+	if len(models) == 0 {
+		models = []string{""} // workers that take any model, or none registered yet
+	}
+	for _, m := range models {
+		if why := s.unservable(snap, m); why != "" {
+			if m != "" {
+				why = fmt.Sprintf("model %q: %s", m, why)
+			}
+			missing = append(missing, why)
+		}
+	}
+	if models[0] == "" {
+		models = []string{}
+	}
+	return models, missing
+}
+
+// unservable says why no request for model could be served now ("" when one can).
+func (s *Server) unservable(snap *worker.Snapshot, model string) string {
+	ready := func(role string) []*worker.Worker {
+		ws, _ := snap.Candidates(role, model)
+		var out []*worker.Worker
+		for _, w := range ws {
+			if w.Ready() {
+				out = append(out, w)
+			}
+		}
+		return out
+	}
+	if !s.opts.PD {
+		if len(ready(config.RoleRegular)) == 0 {
+			return "no ready worker (unreachable, still registering, unhealthy or drained)"
+		}
+		return ""
+	}
+	prefills, decodes := ready(config.RolePrefill), ready(config.RoleDecode)
+	switch {
+	case len(prefills) == 0:
+		return "no ready prefill worker (unreachable, still registering, unhealthy or drained)"
+	case len(decodes) == 0:
+		return "no ready decode worker (unreachable, still registering, unhealthy or drained)"
+	}
+	for _, p := range prefills {
+		for _, d := range decodes {
+			if s.sel == nil || s.sel.Compatible == nil || s.sel.Compatible(p, d) {
+				return ""
+			}
+		}
+	}
+	return "no ready prefill and decode can hand KV to each other (their runtimes or KV connectors differ)"
 }
 
 func newRequestID() string {

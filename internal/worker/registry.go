@@ -2,6 +2,7 @@ package worker
 
 import (
 	"errors"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -148,6 +149,21 @@ func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bo
 func (s *Snapshot) Lists(model string) bool {
 	_, ok := s.byModel[model]
 	return ok
+}
+
+// Models returns, sorted, the models the workers name: those their configuration lists and
+// those their engines reported at registration.
+func (s *Snapshot) Models() []string {
+	seen := map[string]bool{}
+	for m := range s.byModel {
+		seen[m] = true
+	}
+	for _, w := range s.Workers {
+		for _, m := range w.Configured().Models {
+			seen[m] = true
+		}
+	}
+	return slices.Sorted(maps.Keys(seen))
 }
 
 // HasReady reports whether some worker of role is ready.
