@@ -105,6 +105,8 @@ type Gateway struct {
 	Parallel *pd.Parallel
 	// Dispatcher runs PD requests over a given pair (baton check sends each pair one).
 	Dispatcher pd.Executor
+	// Proxy sends requests to a given worker (baton check sends each regular worker one).
+	Proxy *proxy.Proxy
 	// Selector chooses workers; its Compatible rule says which pairs can meet.
 	Selector  *policy.Selector
 	Registrar *worker.Registrar
@@ -244,6 +246,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Metrics:    m,
 		Parallel:   parallel,
 		Dispatcher: dispatcher,
+		Proxy:      px,
 		Selector:   sel,
 		Server:     server.New(serverOptions(cfg, parts)),
 		Registrar:  registrar,

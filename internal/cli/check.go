@@ -1,7 +1,9 @@
 package cli
 
 import (
+	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,21 +23,48 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// checkWait bounds how long `baton check` waits for the workers to register.
+// checkWait is how long `baton check` waits for the workers to register, unless --wait says.
 const checkWait = 30 * time.Second
+
+// checkFlags takes check's own flags out of args: --json (the report as JSON) and --wait
+// DURATION (how long to wait for the workers to register).
+func checkFlags(args []string) (asJSON bool, wait time.Duration, rest []string, err error) {
+	wait = checkWait
+	for i := 0; i < len(args); i++ {
+		switch a := args[i]; {
+		case a == "--json":
+			asJSON = true
+		case a == "--wait" && i+1 < len(args):
+			i++
+			if wait, err = time.ParseDuration(args[i]); err != nil || wait < 0 {
+				return false, 0, nil, fmt.Errorf("check: --wait %q is not a duration (like 30s)", args[i])
+			}
+		case strings.HasPrefix(a, "--wait="):
+			if wait, err = time.ParseDuration(a[len("--wait="):]); err != nil || wait < 0 {
+				return false, 0, nil, fmt.Errorf("check: %q is not a duration (like 30s)", a)
+			}
+		default:
+			rest = append(rest, a)
+		}
+	}
+	return asJSON, wait, rest, nil
+}
 
 // runCheck is `baton check`: with the serve configuration (flags or --config), it registers
 // the workers, sends every prefill/decode pair that can meet one small generation through the
-// PD path, and reports what each pair's KV handoff really was. It fails when a pair fails or
-// its decode would recompute (none-*), so that a fleet whose every request would silently
-// recompute is caught before it serves.
+// PD path and every regular worker one small completion, and reports what each answered — for
+// a pair, what its KV handoff really was. It fails when nothing could be checked, when a pair
+// fails or its decode would recompute (none-*), when a regular worker fails, and when a worker
+// took part in no check (with the reason: unreachable, no compatible partner, no model in
+// common). --json writes the report as one JSON object, for CI pipelines.
 func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	cfg, err := config.Parse(args, stdout)
+	asJSON, wait, args, err := checkFlags(args)
 	if err != nil {
 		return err
 	}
-	if !cfg.PDDisaggregation {
-		return errors.New("check: nothing to check without --pd-disaggregation (it tests prefill/decode handoffs)")
+	cfg, err := config.Parse(args, stdout)
+	if err != nil {
+		return err
 	}
 	g, err := app.New(cfg, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 	if err != nil {
@@ -44,41 +73,194 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	bg, stop := context.WithCancel(ctx)
 	defer func() { stop(); g.Wait() }()
 	g.Start(bg)
-	registered(ctx, g.Registry)
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "PREFILL\tDECODE\tRUNTIME\tMODEL\tSTATUS\tHANDOFF")
+	registered(ctx, g.Registry, wait)
+	rep := check(ctx, g, cfg.PDDisaggregation)
+	if asJSON {
+		b, _ := json.MarshalIndent(rep, "", "  ")
+		fmt.Fprintln(stdout, string(b))
+	} else {
+		rep.write(stdout)
+	}
+	if !rep.OK {
+		return fmt.Errorf("check: %s", rep.Verdict)
+	}
+	return nil
+}
+
+// checkReport is what `baton check` found.
+type checkReport struct {
+	OK      bool           `json:"ok"`
+	Verdict string         `json:"verdict"`
+	Pairs   []pairResult   `json:"pairs"`
+	Workers []workerResult `json:"workers"`
+}
+
+type pairResult struct {
+	Prefill string `json:"prefill"`
+	Decode  string `json:"decode"`
+	Runtime string `json:"runtime"`
+	Model   string `json:"model"`
+	Status  int    `json:"status"`
+	Handoff string `json:"handoff"`
+	OK      bool   `json:"ok"`
+}
+
+type workerResult struct {
+	URL    string `json:"url"`
+	Role   string `json:"role"`
+	Status int    `json:"status,omitempty"` // a regular worker's answer
+	OK     bool   `json:"ok"`
+	Reason string `json:"reason,omitempty"` // why it is not OK
+}
+
+// check sends every pair that can meet (pd) and every regular worker one request, and says of
+// every worker whether it took part in a check that passed.
+func check(ctx context.Context, g *app.Gateway, pd bool) checkReport {
+	var rep checkReport
+	snap := g.Registry.Snapshot()
+	partners := map[*worker.Worker]string{} // why a PD worker took part in no good pair
+	good := map[*worker.Worker]bool{}
+	if pd {
+		rep.Pairs = checkPairs(ctx, g, partners, good)
+	}
 	bad := 0
-	for _, p := range roleWorkers(g.Registry, config.RolePrefill) {
-		for _, d := range roleWorkers(g.Registry, config.RoleDecode) {
+	for _, p := range rep.Pairs {
+		if !p.OK {
+			bad++
+		}
+	}
+	for _, w := range snap.Workers {
+		r := workerResult{URL: config.RedactURL(w.URL), Role: w.Role}
+		switch {
+		case !w.Registered():
+			r.Reason = "unreachable, or never registered (its engine did not answer /v1/models or its info route)"
+		case w.Role == config.RoleRegular:
+			r.Status, r.Reason = checkWorker(ctx, g, w)
+			r.OK = r.Reason == ""
+		case !pd:
+			r.Reason = "a " + w.Role + " worker without --pd-disaggregation: nothing routes to it"
+		case good[w]:
+			r.OK = true
+		default:
+			r.Reason = cmp.Or(partners[w], "its pairs fail (see the pairs)")
+		}
+		rep.Workers = append(rep.Workers, r)
+	}
+	checked, failed := len(rep.Pairs), bad
+	for _, r := range rep.Workers {
+		if r.Role == config.RoleRegular && r.Status != 0 {
+			checked++
+		}
+		if !r.OK {
+			failed++
+		}
+	}
+	switch {
+	case checked == 0:
+		rep.Verdict = "nothing could be checked: no pair of a prefill and a decode that can meet, and no regular worker answered (see each worker's reason)"
+	case bad > 0:
+		rep.Verdict = fmt.Sprintf("%d pair(s) do not hand off their KV", bad)
+	case failed > 0:
+		rep.Verdict = fmt.Sprintf("%d worker(s) took part in no passing check (see each worker's reason)", failed)
+	default:
+		rep.OK, rep.Verdict = true, fmt.Sprintf("%d check(s) passed", checked)
+	}
+	return rep
+}
+
+// checkPairs sends every prefill/decode pair that can meet one request; partners records, for
+// a worker that meets nobody, why.
+func checkPairs(ctx context.Context, g *app.Gateway, partners map[*worker.Worker]string, good map[*worker.Worker]bool) []pairResult {
+	var out []pairResult
+	prefills, decodes := roleWorkers(g.Registry, config.RolePrefill), roleWorkers(g.Registry, config.RoleDecode)
+	met := map[*worker.Worker]bool{}
+	for _, p := range prefills {
+		for _, d := range decodes {
 			if !g.Selector.Compatible(p, d) {
 				continue
 			}
 			model, ok := sharedModel(p, d)
 			if !ok {
+				partners[p] = cmp.Or(partners[p], "no model in common with a compatible decode")
+				partners[d] = cmp.Or(partners[d], "no model in common with a compatible prefill")
 				continue
 			}
+			met[p], met[d] = true, true
 			status, handoff, consumed := checkPair(ctx, g, worker.Pair{Prefill: p, Decode: d}, model)
+			r := pairResult{Prefill: config.RedactURL(p.URL), Decode: config.RedactURL(d.URL), Runtime: p.Runtime(), Model: model, Status: status, Handoff: handoff}
 			switch {
 			case status != http.StatusOK || handoff == "" || strings.HasPrefix(handoff, pd.HandoffNonePrefix) || handoff == pd.HandoffRecomputed:
-				bad++
 			case consumed == pd.VerdictUnknown:
 				// Relayed, but nothing says the decode used it: not a green light.
-				handoff += " (unverified: the decode's usage has no prompt_tokens_details.cached_tokens; start vLLM with --enable-prompt-tokens-details)"
-				bad++
+				r.Handoff += " (unverified: the decode's usage has no prompt_tokens_details.cached_tokens; start vLLM with --enable-prompt-tokens-details)"
+			default:
+				r.OK, good[p], good[d] = true, true, true
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\n", p.URL, d.URL, p.Runtime(), model, status, handoff)
+			out = append(out, r)
 		}
 	}
-	_ = tw.Flush()
-	if bad > 0 {
-		return fmt.Errorf("check: %d pair(s) do not hand off their KV", bad)
+	for _, w := range append(prefills, decodes...) {
+		if !met[w] && partners[w] == "" {
+			other := "decode"
+			if w.Role == config.RoleDecode {
+				other = "prefill"
+			}
+			partners[w] = fmt.Sprintf("no registered %s it can hand KV to or from (runtimes and KV connectors must agree)", other)
+		}
 	}
-	return nil
+	return out
 }
 
-// registered waits until every worker registered and took traffic, or checkWait passed.
-func registered(ctx context.Context, reg *worker.Registry) {
-	deadline := time.Now().Add(checkWait)
+// checkWorker sends a regular worker one small completion; it returns the status and, when it
+// failed, why.
+func checkWorker(ctx context.Context, g *app.Gateway, w *worker.Worker) (int, string) {
+	model := ""
+	if ms := w.Info().Models; len(ms) > 0 {
+		model = ms[0].ID
+	}
+	body := fmt.Sprintf(`{"model":%q,"prompt":"baton check","max_tokens":2}`, model)
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
+	rec := httptest.NewRecorder()
+	err := g.Proxy.Forward(rec, in, w, "/v1/completions", []byte(body))
+	var f *outcome.Failure
+	switch {
+	case errors.As(err, &f):
+		return f.ClientStatus(), fmt.Sprintf("answered %d", f.ClientStatus())
+	case err != nil:
+		return http.StatusBadGateway, "failed: " + err.Error()
+	case rec.Code != http.StatusOK:
+		return rec.Code, fmt.Sprintf("answered %d", rec.Code)
+	}
+	return rec.Code, ""
+}
+
+// write prints the report as tables.
+func (rep checkReport) write(out io.Writer) {
+	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+	if len(rep.Pairs) > 0 {
+		fmt.Fprintln(tw, "PREFILL\tDECODE\tRUNTIME\tMODEL\tSTATUS\tHANDOFF")
+		for _, p := range rep.Pairs {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\n", p.Prefill, p.Decode, p.Runtime, p.Model, p.Status, p.Handoff)
+		}
+		fmt.Fprintln(tw)
+	}
+	fmt.Fprintln(tw, "WORKER\tROLE\tOK\tWHY NOT")
+	for _, w := range rep.Workers {
+		ok := "yes"
+		if !w.OK {
+			ok = "no"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", w.URL, w.Role, ok, w.Reason)
+	}
+	_ = tw.Flush()
+	fmt.Fprintln(out, rep.Verdict)
+}
+
+// registered waits until every worker registered and took traffic, or wait passed.
+func registered(ctx context.Context, reg *worker.Registry, wait time.Duration) {
+	deadline := time.Now().Add(wait)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
 		all := true
 		for _, w := range reg.Snapshot().Workers {

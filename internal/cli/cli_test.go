@@ -3,9 +3,11 @@ package cli
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -173,5 +175,70 @@ func TestCheckReportsEveryPair(t *testing.T) {
 		if err == nil || !strings.Contains(out.String(), tc.want) {
 			t.Errorf("want %s: %v\n%s", tc.want, err, out.String())
 		}
+	}
+}
+
+// `baton check` never passes having checked nothing: a fleet without a decode, a vLLM prefill
+// facing an SGLang decode, and a decode that is down each fail with the reason per worker;
+// regular workers are checked by one request each; --json is one object a pipeline can read.
+func TestCheckFailsOnBrokenFleets(t *testing.T) {
+	t.Parallel()
+	start := func(c sim.Config) *sim.Engine {
+		c.Model = "m"
+		e, err := sim.Start(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close)
+		return e
+	}
+	np := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	sd := start(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+	gone := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	gone.Close()
+	base := []string{"check", "--wait", "2s", "--pd-disaggregation", "--disable-health-check", "--kv-connector", "nixl", "--prefill", np.URL()}
+	for _, c := range []struct {
+		name string
+		args []string
+		want []string
+	}{
+		{"no decode", nil, []string{"has no decode worker"}}, // refused with the configuration already
+		{"vLLM prefill, SGLang decode", []string{"--decode", sd.URL()}, []string{"nothing could be checked", "no registered prefill it can hand KV to or from"}},
+		{"decode down", []string{"--decode", gone.URL()}, []string{"nothing could be checked", "unreachable, or never registered"}},
+	} {
+		var out bytes.Buffer
+		err := Run(t.Context(), append(slices.Clone(base), c.args...), &out, io.Discard)
+		if err == nil {
+			t.Errorf("%s: check passed:\n%s", c.name, out.String())
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(out.String()+err.Error(), w) {
+				t.Errorf("%s: the report lacks %q:\n%s\n%v", c.name, w, out.String(), err)
+			}
+		}
+	}
+
+	// Regular workers, one answering and one down; then the answering one alone, as JSON.
+	ok := start(sim.Config{Engine: sim.EngineVLLM})
+	var out bytes.Buffer
+	err := Run(t.Context(), []string{"check", "--wait", "2s", "--disable-health-check", "--worker-urls", ok.URL(), gone.URL()}, &out, io.Discard)
+	if err == nil || !strings.Contains(out.String(), "took part in no passing check") {
+		t.Errorf("a regular fleet with a worker down: %v\n%s", err, out.String())
+	}
+	out.Reset()
+	if err := Run(t.Context(), []string{"check", "--json", "--wait", "2s", "--disable-health-check", "--worker-urls", ok.URL()}, &out, io.Discard); err != nil {
+		t.Fatalf("a healthy regular fleet: %v\n%s", err, out.String())
+	}
+	var rep struct {
+		OK      bool
+		Workers []struct {
+			URL    string
+			Status int
+			OK     bool
+		}
+	}
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil || !rep.OK || len(rep.Workers) != 1 || rep.Workers[0].Status != 200 || !rep.Workers[0].OK {
+		t.Errorf("--json: %v %+v\n%s", err, rep, out.String())
 	}
 }
