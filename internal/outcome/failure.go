@@ -24,6 +24,9 @@ type Failure struct {
 	Status int
 	Cause  error // what kept the worker from answering (a transport failure, a deadline, a panic)
 	Final  bool  // no retry can help (n>1 without a handoff, a route no worker serves)
+	// NoWorker marks a selection that found no worker to try (after retries avoided those that
+	// failed): a worker's earlier answer, if there was one, is the client's answer instead.
+	NoWorker bool
 
 	// The client's answer: Baton's envelope, or — Answer nil — the worker's own error answer
 	// as it sent it (Header, Body), held so that a retry could replace it.

@@ -26,8 +26,13 @@ type attemptFunc func(r *http.Request, avoid map[string]bool) error
 // reached the client, after a jittered exponential wait, each retry re-selecting the worker and
 // avoiding those that failed, all within the request deadline r carries. The final failure is
 // written here.
+//
+// When the tries end because no worker is left to try, the client gets the last worker's
+// answer (or failure) instead of "no available workers": the final failure is the last
+// worker's answer, unchanged.
 func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt attemptFunc) {
 	var avoid map[string]bool
+	var last *outcome.Failure // the last failure a worker answered or caused
 	for n := 1; ; n++ {
 		ar := r
 		if n > 1 {
@@ -37,12 +42,32 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 		if err == nil {
 			return
 		}
+		var f *outcome.Failure
+		answer := err
+		if errors.As(err, &f) {
+			switch {
+			case f.Worker != "":
+				last = f
+			case f.NoWorker && last != nil:
+				answer = lastAnswer{err: err, last: last}
+			}
+		}
 		var again bool
-		if avoid, again = s.afterFailure(w, r, n, avoid, err); !again {
+		if avoid, again = s.afterFailure(w, r, n, avoid, answer); !again {
 			return
 		}
 	}
 }
+
+// lastAnswer is a selection that found no worker, after a worker's failure: it is retried as
+// the selection's failure, and answered as the worker's.
+type lastAnswer struct {
+	err  error
+	last *outcome.Failure
+}
+
+func (e lastAnswer) Error() string { return e.err.Error() }
+func (e lastAnswer) Unwrap() error { return e.err }
 
 // retryRequest is r for attempt n > 1: its own copy of the headers, with a fresh engine request
 // id — the client's X-Request-Id suffixed "-retry-<n>" — so that no engine sees one id twice
@@ -79,6 +104,13 @@ func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, n int, avo
 	}
 	if retryable {
 		s.metrics.RetriesExhausted.WithLabelValues(r.Pattern).Inc()
+	}
+	if la, ok := err.(lastAnswer); ok {
+		err = la.last
+		rec := record.From(r.Context())
+		if rec.Worker == "" {
+			rec.Worker = la.last.Worker // the answer's head names the worker that gave it
+		}
 	}
 	s.writeFailure(w, r, err)
 	return avoid, false

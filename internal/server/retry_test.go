@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -90,5 +91,39 @@ func TestAdmission(t *testing.T) {
 	}
 	if release, ok := (*admission)(nil).acquire(httptest.NewRecorder(), r); !ok || release == nil {
 		t.Error("no admission limit refused a request")
+	}
+}
+
+// The tries ending because no worker is left to try (the ones that failed are avoided) answer
+// with the last worker's answer, unchanged, and name that worker — not with "no available
+// workers", which would hide a 429 behind a 503.
+func TestLastWorkersAnswerWins(t *testing.T) {
+	s, _, _ := gateway(t, nil)
+	tries := 0
+	busy := &outcome.Failure{Worker: "http://w:1", Status: 429, Header: http.Header{"Retry-After": {"7"}}, Body: []byte(`{"error":{"message":"rate limited"}}`)}
+	rec := httptest.NewRecorder()
+	r := httptest.NewRequest(http.MethodPost, "/v1/completions", nil)
+	s.observe(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
+			tries++
+			if tries == 1 {
+				return busy
+			}
+			return selectionError(&policy.NoWorkerError{Role: "decode"})
+		})
+	})).ServeHTTP(rec, r)
+	if rec.Code != 429 || !strings.Contains(rec.Body.String(), "rate limited") || rec.Header().Get("Retry-After") != "7" || rec.Header().Get(openai.HeaderWorker) != "http://w:1" {
+		t.Errorf("after %d tries: %d %v %s", tries, rec.Code, rec.Header(), rec.Body.String())
+	}
+	if tries != 3 {
+		t.Errorf("%d tries, want 3 (the selection may find a worker back)", tries)
+	}
+	// With no worker's answer at all, "no available workers" is the answer.
+	rec = httptest.NewRecorder()
+	s.observe(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.withRetries(w, r, func(*http.Request, map[string]bool) error { return selectionError(&policy.NoWorkerError{}) })
+	})).ServeHTTP(rec, r)
+	if rec.Code != 503 || !strings.Contains(rec.Body.String(), openai.CodeNoAvailableWorkers) {
+		t.Errorf("no worker ever: %d %s", rec.Code, rec.Body.String())
 	}
 }

@@ -606,7 +606,9 @@ func selectionError(err error) *outcome.Failure {
 	if errors.As(err, &nw) && nw.Route != "" {
 		return outcome.FinalAnswer(&openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD, Message: err.Error()})
 	}
-	return outcome.Answer(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()})
+	f := outcome.Answer(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()})
+	f.NoWorker = true
+	return f
 }
 
 func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
