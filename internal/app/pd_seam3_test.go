@@ -18,6 +18,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/kvfleet"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -210,9 +211,9 @@ func TestPDDecodeThatComputedThePromptIsARecompute(t *testing.T) {
 		t.Fatalf("stream: %d %s", resp.StatusCode, body)
 	}
 	poll.Until(t, "the condition", func() bool {
-		return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("recomputed", "nixl")) == 2
+		return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("recomputed", pd.HandoffClass("recomputed"), "nixl")) == 2
 	})
-	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", "nixl")); v != 0 {
+	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", pd.HandoffClass("nixl"), "nixl")); v != 0 {
 		t.Errorf("%v recomputes counted as NIXL handoffs", v)
 	}
 }
@@ -267,7 +268,7 @@ func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
 		if v := testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "sequential", "success")); v != 0 {
 			t.Errorf("counted as %v successes", v)
 		}
-		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "nixl")); v != 1 {
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", pd.HandoffClass("none-failed"), "nixl")); v != 1 {
 			t.Errorf("none-failed counted %v times", v)
 		}
 	})
@@ -480,7 +481,7 @@ func TestPDMessagesFirstTokenEOS(t *testing.T) {
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" || stripIDs(got) != stripIDs(want) {
 			t.Errorf("%d, handoff %q:\n%s\nwant\n%s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got, want)
 		}
-		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-missing-params", "nixl")); v != 1 {
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-missing-params", pd.HandoffClass("none-missing-params"), "nixl")); v != 1 {
 			t.Errorf("none-missing-params counted %v", v)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -47,7 +48,7 @@ func TestPDSequentialPromptListIsNotHandedOff(t *testing.T) {
 			if s := d.Stats(); s.KVLoadFailures != 0 {
 				t.Errorf("%d decode KV loads failed", s.KVLoadFailures)
 			}
-			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-batch", map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[connector])); v != 2 {
+			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-batch", pd.HandoffClass("none-batch"), map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[connector])); v != 2 {
 				t.Errorf("none-batch counted %v, want 2", v)
 			}
 		})
@@ -92,9 +93,9 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 			t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
 		}
 		poll.Until(t, "the condition", func() bool {
-			return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "bootstrap")) == 1
+			return testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", pd.HandoffClass("none-failed"), "bootstrap")) == 1
 		})
-		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("bootstrap", "bootstrap")); v != 0 {
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("bootstrap", pd.HandoffClass("bootstrap"), "bootstrap")); v != 0 {
 			t.Errorf("a failed request counted as %v bootstrap handoffs", v)
 		}
 	})
@@ -135,7 +136,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
 			t.Fatalf("%d, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"))
 		}
-		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", "nixl")); v != 1 {
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-failed", pd.HandoffClass("none-failed"), "nixl")); v != 1 {
 			t.Errorf("none-failed counted %v", v)
 		}
 	})
@@ -146,7 +147,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
 			t.Fatalf("%d, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"))
 		}
-		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", "nixl")); v != 0 {
+		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("nixl", pd.HandoffClass("nixl"), "nixl")); v != 0 {
 			t.Errorf("a handoff the decode never consumed counted %v times as nixl", v)
 		}
 	})

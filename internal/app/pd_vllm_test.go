@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -153,7 +154,7 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 				t.Errorf("decode recomputed %d prompt tokens, want %d (KV loaded remotely where handed off)", s.PromptTokensRecompute, recompute)
 			}
 			poll.Until(t, "the condition", func() bool { s := p.Stats(); return s.HandoffsPulled == int64(handed) })
-			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector], map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector])); v != float64(handed) {
+			if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector], pd.HandoffClass(map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector]), map[string]string{"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}[conn.connector])); v != float64(handed) {
 				t.Errorf("handoff counter %v", v)
 			}
 		})
@@ -170,7 +171,7 @@ func TestPDSequentialNGreaterThanOne(t *testing.T) {
 	if p.Stats().RequestsReceived != 0 || d.Stats().RequestsOK != 1 {
 		t.Errorf("prefill contacted (%d) or decode not (%+v)", p.Stats().RequestsReceived, d.Stats())
 	}
-	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-n>1", "nixl")); v != 1 {
+	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-n>1", pd.HandoffClass("none-n>1"), "nixl")); v != 1 {
 		t.Errorf("counter %v", v)
 	}
 }
@@ -229,7 +230,7 @@ func TestPDSequentialPassthroughAndStrict(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRecompute {
 		t.Fatalf("%d %q %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got)
 	}
-	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-missing-params", "passthrough")); v != 1 {
+	if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-missing-params", pd.HandoffClass("none-missing-params"), "passthrough")); v != 1 {
 		t.Errorf("counter %v", v)
 	}
 	_ = d

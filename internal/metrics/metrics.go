@@ -56,7 +56,7 @@ type Metrics struct {
 	PDPrefillDuration   *prometheus.HistogramVec // model, runtime
 	PDBootstrapFailures prometheus.Counter
 	PDConnectorMode     *prometheus.CounterVec // mode
-	PDHandoffs          *prometheus.CounterVec // outcome, connector
+	PDHandoffs          *prometheus.CounterVec // outcome, class, connector
 	PDHandoffsAbandoned *prometheus.CounterVec // connector
 	PDDecodeRetries     prometheus.Counter
 
@@ -127,8 +127,8 @@ func New(reg *worker.Registry) *Metrics {
 		}, []string{"mode"}),
 		PDHandoffs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_kv_handoffs_total",
-			Help: "vLLM PD requests by KV handoff outcome (nixl, mooncake, passthrough, or none-*: the decode recomputes) and connector.",
-		}, []string{"outcome", "connector"}),
+			Help: "vLLM PD requests by KV handoff outcome (nixl, mooncake, passthrough, recomputed, none-*), its class (handed_off; recomputed: a handoff was expected and the decode computed the prompt; by_design: n>1, a batch, a route without handoff; failed) and connector.",
+		}, []string{"outcome", "class", "connector"}),
 		PDHandoffsAbandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_kv_handoffs_abandoned_total",
 			Help: "KV handoffs prepared on a prefill but never consumed by a decode (decode failed or client left); the KV stays pinned until the engine's timeout.",

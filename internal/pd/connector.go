@@ -28,7 +28,8 @@ const (
 )
 
 // Handoff outcomes, reported per request in openai.HeaderKVHandoff and baton_pd_kv_handoffs_total.
-// The none-* outcomes mean the decode recomputes the prompt.
+// The none-* outcomes mean the decode computes the prompt itself; HandoffClass says whether
+// that was a handoff that should have happened, one that could not by design, or a failure.
 const (
 	HandoffNixl         = "nixl"
 	HandoffMooncake     = "mooncake"
@@ -320,4 +321,29 @@ func queryEngineIDs(ctx context.Context, client *http.Client, addr string) (map[
 		}
 	}
 	return ids, nil
+}
+
+// Classes of handoff outcomes (the class label of baton_pd_kv_handoffs_total, the status page).
+const (
+	ClassHandedOff  = "handed_off" // the decode received the KV (nixl, mooncake, bootstrap, passthrough)
+	ClassRecomputed = "recomputed" // a handoff was expected and the decode computed the prompt anyway
+	ClassByDesign   = "by_design"  // no single handoff can serve the request (n>1, a batch, a route)
+	ClassFailed     = "failed"     // the request failed before its decode answered
+)
+
+// HandoffClass is the class of a handoff outcome: the recompute alert and the status page count
+// ClassRecomputed only — not the requests that never meant to hand off, nor the failures.
+func HandoffClass(outcome string) string {
+	switch outcome {
+	case HandoffNoneN, HandoffNoneBatch, HandoffNoneRoute:
+		return ClassByDesign
+	case HandoffNoneFailed:
+		return ClassFailed
+	case HandoffRecomputed, HandoffNoneMissing, HandoffNoneNoEngine, HandoffNoneInvalid:
+		return ClassRecomputed
+	}
+	if strings.HasPrefix(outcome, HandoffNonePrefix) {
+		return ClassRecomputed
+	}
+	return ClassHandedOff
 }

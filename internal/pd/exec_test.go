@@ -151,7 +151,7 @@ func everyStrategy(t *testing.T, client string) {
 					t.Errorf("%s: outcomes %d/%d, in flight %d", w, ok, failed, w.InFlight())
 				}
 			}
-			if n := testutil.ToFloat64(f.m.PDHandoffs.WithLabelValues(c.handoff, ConnectorFor(f.pair.Prefill, "").Mode)); c.eng == config.RuntimeVLLM && n != 1 {
+			if n := testutil.ToFloat64(f.m.PDHandoffs.WithLabelValues(c.handoff, HandoffClass(c.handoff), ConnectorFor(f.pair.Prefill, "").Mode)); c.eng == config.RuntimeVLLM && n != 1 {
 				t.Errorf("handoffs counted %v", n)
 			}
 		})
@@ -223,7 +223,7 @@ func TestRecomputeIsNeverSilent(t *testing.T) {
 	if err != nil || rec.Handoff != HandoffRecomputed {
 		t.Fatalf("stream: %v, handoff %q", err, rec.Handoff)
 	}
-	if n := testutil.ToFloat64(f.m.PDHandoffs.WithLabelValues(HandoffRecomputed, ModeNixl)); n != 2 {
+	if n := testutil.ToFloat64(f.m.PDHandoffs.WithLabelValues(HandoffRecomputed, HandoffClass(HandoffRecomputed), ModeNixl)); n != 2 {
 		t.Errorf("recomputes counted %v, want 2", n)
 	}
 

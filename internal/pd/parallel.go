@@ -127,7 +127,7 @@ func (l *legs) ended() {
 	}
 	x := l.x
 	x.Metrics.PDRequests.WithLabelValues(l.model, l.plan.dispatch, string(o)).Inc()
-	x.Metrics.PDHandoffs.WithLabelValues(handoff, l.plan.connector).Inc()
+	x.Metrics.PDHandoffs.WithLabelValues(handoff, HandoffClass(handoff), l.plan.connector).Inc()
 	switch {
 	case o == OutcomeSuccess:
 		x.Pairs.Record(l.pair.Prefill, l.pair.Decode, true)

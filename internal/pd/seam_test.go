@@ -40,3 +40,18 @@ func TestSeamFailureIsTheTablesVerdict(t *testing.T) {
 		}
 	}
 }
+
+// Each handoff outcome has one class: what the recompute alert counts is only a handoff that
+// should have happened and did not.
+func TestHandoffClass(t *testing.T) {
+	for outcome, class := range map[string]string{
+		HandoffNixl: ClassHandedOff, HandoffMooncake: ClassHandedOff, HandoffBootstrap: ClassHandedOff, HandoffPassthrough: ClassHandedOff,
+		HandoffRecomputed: ClassRecomputed, HandoffNoneMissing: ClassRecomputed, HandoffNoneInvalid: ClassRecomputed, HandoffNoneNoEngine: ClassRecomputed,
+		HandoffNoneN: ClassByDesign, HandoffNoneBatch: ClassByDesign, HandoffNoneRoute: ClassByDesign,
+		HandoffNoneFailed: ClassFailed,
+	} {
+		if got := HandoffClass(outcome); got != class {
+			t.Errorf("%s: class %s, want %s", outcome, got, class)
+		}
+	}
+}

@@ -150,7 +150,7 @@ func (s *sequence) run() error {
 		handoff = HandoffRecomputed
 	}
 	noteHandoff(s.r, handoff)
-	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, s.plan.conn.Mode).Inc()
+	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, HandoffClass(handoff), s.plan.conn.Mode).Inc()
 	return err
 }
 

@@ -279,6 +279,19 @@ func TestServePD(t *testing.T) {
 	if n := testutil.ToFloat64(s.metrics.PairHandoffs.WithLabelValues(p.URL(), d.URL(), pd.HandoffNixl)); n != 2 {
 		t.Errorf("pair handoffs counted %v", n)
 	}
+	// n>1 cannot be handed off by design: counted apart from recomputes, on the page and in
+	// the metric's class.
+	if resp, out := post(t, gw+"/v1/completions", `{"model":"m","prompt":"two","max_tokens":2,"n":2}`); resp.StatusCode != 200 || resp.Header.Get(openai.HeaderKVHandoff) != pd.HandoffNoneN {
+		t.Fatalf("n=2: %d %q %s", resp.StatusCode, resp.Header.Get(openai.HeaderKVHandoff), out)
+	}
+	rec := httptest.NewRecorder()
+	s.StatusHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/status.json", nil))
+	if body := rec.Body.String(); !strings.Contains(body, `"recomputed":0,"by_design":1,"failed":0`) {
+		t.Errorf("the page's pair row: %s", body)
+	}
+	if n := testutil.ToFloat64(s.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneN, pd.ClassByDesign, pd.ModeNixl)); n != 1 {
+		t.Errorf("n>1 counted %v in class by_design", n)
+	}
 }
 
 // Readiness tells the truth: ready only when every model the workers name can be served — a

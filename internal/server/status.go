@@ -8,11 +8,11 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
 )
 
 // The status window: the last statusBuckets buckets of statusBucket each (5 minutes).
@@ -135,8 +135,13 @@ func pairsOf(counts map[[2]string]map[string]float64) []pairStatus {
 		for o, n := range m {
 			p.Handoffs[o] = int64(n)
 			p.Total += int64(n)
-			if strings.HasPrefix(o, "none-") {
+			switch pd.HandoffClass(o) {
+			case pd.ClassRecomputed:
 				p.Recomputed += int64(n)
+			case pd.ClassByDesign:
+				p.ByDesign += int64(n)
+			case pd.ClassFailed:
+				p.Failed += int64(n)
 			}
 		}
 		pairs = append(pairs, p)
@@ -160,7 +165,9 @@ type pairStatus struct {
 	Decode     string           `json:"decode"`
 	Handoffs   map[string]int64 `json:"handoffs"`
 	Total      int64            `json:"total"`
-	Recomputed int64            `json:"recomputed"` // handoffs none-*: the decode computed the prompt again
+	Recomputed int64            `json:"recomputed"` // a handoff was expected and the decode computed the prompt
+	ByDesign   int64            `json:"by_design"`  // no handoff could serve the request (n>1, a batch, a route)
+	Failed     int64            `json:"failed"`     // the request failed before its decode answered
 }
 
 //go:embed status.html
