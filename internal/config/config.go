@@ -299,6 +299,9 @@ func (c *Config) Validate() error {
 			bad("service_discovery_port %d is out of range 1-65535", c.ServiceDiscoveryPort)
 		}
 	}
+	if !c.ServiceDiscovery && len(c.Selector)+len(c.PrefillSelector)+len(c.DecodeSelector) > 0 {
+		bad("selector, prefill_selector and decode_selector find workers only with service_discovery: add --service-discovery")
+	}
 	if c.AdminPort > 0 && (c.AdminPort == c.Port || c.AdminPort == c.MetricsPort) {
 		bad("admin_port %d must differ from port and metrics_port", c.AdminPort)
 	}

@@ -262,3 +262,11 @@ func TestDurationsAndTheirIntegerAliases(t *testing.T) {
 		}
 	}
 }
+
+// A selector flag without --service-discovery would find nothing: refused, naming the flag.
+func TestSelectorNeedsServiceDiscovery(t *testing.T) {
+	_, err := Parse([]string{"--worker-urls", "http://a:1", "--selector", "app=vllm"}, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "add --service-discovery") {
+		t.Errorf("err = %v", err)
+	}
+}

@@ -17,6 +17,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -74,10 +76,20 @@ type Discovery struct {
 }
 
 // New returns discovery for cfg, with the in-cluster service account or cfg.KubeConfig.
+//
+// Startup fails, naming the fix, on what would otherwise leave the gateway without workers: a
+// selector that is no valid Kubernetes label selector, and an API server that does not answer,
+// or does not let Baton list the pods of its namespace.
 func New(cfg config.Config, fleet Fleet, log *slog.Logger) (*Discovery, error) {
+	selectors := map[string]map[string]string{config.RoleRegular: cfg.Selector, config.RolePrefill: cfg.PrefillSelector, config.RoleDecode: cfg.DecodeSelector}
+	for role, set := range selectors {
+		if _, err := labels.ValidatedSelectorFromSet(set); err != nil {
+			return nil, fmt.Errorf("service discovery: the %s selector is no valid label selector (%v): give label keys and values as Kubernetes allows them, k=v", role, err)
+		}
+	}
 	rc, err := restConfig(cfg.KubeConfig)
 	if err != nil {
-		return nil, fmt.Errorf("service discovery: %w", err)
+		return nil, fmt.Errorf("service discovery: no Kubernetes API server to ask (%w): run Baton in a pod with a service account, or give --kubeconfig", err)
 	}
 	cs, err := kubernetes.NewForConfig(rc)
 	if err != nil {
@@ -90,8 +102,27 @@ func New(cfg config.Config, fleet Fleet, log *slog.Logger) (*Discovery, error) {
 			ns = strings.TrimSpace(string(b))
 		}
 	}
-	return &Discovery{Client: cs, Namespace: ns, Port: cfg.ServiceDiscoveryPort, Fleet: fleet, Log: log,
-		Selectors: map[string]map[string]string{config.RoleRegular: cfg.Selector, config.RolePrefill: cfg.PrefillSelector, config.RoleDecode: cfg.DecodeSelector}}, nil
+	if err := preflight(cs, rc.Host, ns); err != nil {
+		return nil, err
+	}
+	return &Discovery{Client: cs, Namespace: ns, Port: cfg.ServiceDiscoveryPort, Fleet: fleet, Log: log, Selectors: selectors}, nil
+}
+
+// preflightTimeout bounds the startup check that the API server answers.
+const preflightTimeout = 10 * time.Second
+
+// preflight lists one pod of ns: the API server answers, and lets Baton list pods there.
+func preflight(cs kubernetes.Interface, host, ns string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), preflightTimeout)
+	defer cancel()
+	_, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{Limit: 1})
+	switch {
+	case err == nil:
+		return nil
+	case apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err):
+		return fmt.Errorf("service discovery: the API server at %s does not let Baton list the pods of namespace %q (%v): grant its service account get, list and watch on pods there (the chart's Role does)", host, ns, err)
+	}
+	return fmt.Errorf("service discovery: the API server at %s does not answer (%v): check --kubeconfig, or that the pod can reach the in-cluster API server", host, err)
 }
 
 func restConfig(kubeconfig string) (*rest.Config, error) {
