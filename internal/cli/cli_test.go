@@ -153,6 +153,15 @@ func TestCheckReportsEveryPair(t *testing.T) {
 	}
 	mp := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorMooncake})
 	md := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorMooncake})
+	// A mixed vLLM fleet given by flags alone: each worker names its connector, NIXL pairs
+	// with NIXL and Mooncake with Mooncake (the engine id learned from the bootstrap server).
+	out.Reset()
+	mixed := []string{"check", "--pd-disaggregation", "--disable-health-check",
+		"--prefill", np.URL(), "none", "nixl", "--decode", nd.URL(), "nixl",
+		"--prefill", mp.URL(), strconv.Itoa(mp.BootstrapPort()), "mooncake", "--decode", md.URL(), "mooncake"}
+	if err := Run(t.Context(), mixed, &out, io.Discard); err != nil || !strings.Contains(out.String(), " nixl") || !strings.Contains(out.String(), " mooncake") {
+		t.Errorf("a mixed fleet by flags: %v\n%s", err, out.String())
+	}
 	out.Reset()
 	err := Run(t.Context(), []string{"check", "--pd-disaggregation", "--disable-health-check",
 		"--prefill", mp.URL(), "1", "--decode", md.URL(), "--kv-connector", "MooncakeConnector"}, &out, io.Discard)

@@ -4,6 +4,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -268,5 +269,28 @@ func TestSelectorNeedsServiceDiscovery(t *testing.T) {
 	_, err := Parse([]string{"--worker-urls", "http://a:1", "--selector", "app=vllm"}, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "add --service-discovery") {
 		t.Errorf("err = %v", err)
+	}
+}
+
+// Flags alone can pair a mixed fleet: each vLLM worker may name its connector after its URL
+// (and the prefill's bootstrap port).
+func TestWorkerConnectorsByFlag(t *testing.T) {
+	c, err := Parse([]string{"--pd-disaggregation",
+		"--prefill", "http://p1:1", "none", "nixl", "--decode", "http://d1:1", "NixlConnector",
+		"--prefill", "http://p2:1", "8999", "mooncake", "--decode", "http://d2:1", "mooncake",
+		"--prefill", "http://p3:1", "--decode", "http://d3:1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := ""
+	for _, w := range c.Workers {
+		port := "-"
+		if w.BootstrapPort != nil {
+			port = strconv.Itoa(*w.BootstrapPort)
+		}
+		got += w.Role + ":" + port + ":" + w.KVConnector + " "
+	}
+	if want := "prefill:-:nixl decode:-:NixlConnector prefill:8999:mooncake decode:-:mooncake prefill:-: decode:-: "; got != want {
+		t.Errorf("workers %q, want %q", got, want)
 	}
 }

@@ -23,6 +23,9 @@ type flag struct {
 	// optPort: one value, then an optional second one when it is an integer or "none"
 	// (--prefill URL [BOOTSTRAP_PORT|none]).
 	optPort bool
+	// optConnector: then an optional KV connector name (nixl, MooncakeConnector, …), passed
+	// on as "connector=NAME".
+	optConnector bool
 	help    string
 	alias   bool // smg's integer spelling of a duration flag
 	apply   func(c *Config, vals []string) error
@@ -56,23 +59,47 @@ func buildFlags() []flag {
 	return fs
 }
 
-var prefillFlag = flag{name: "prefill", arg: "URL [BOOTSTRAP_PORT|none]", optPort: true, help: "a prefill worker (repeatable); the bootstrap port SGLang legs name", apply: func(c *Config, v []string) error {
-	w := Worker{URL: v[0], Role: RolePrefill}
-	if len(v) > 1 && v[1] != "none" {
-		n, err := strconv.Atoi(v[1])
-		if err != nil {
-			return fmt.Errorf("--prefill %s: bootstrap port %q is not an integer", v[0], v[1])
+var prefillFlag = flag{name: "prefill", arg: "URL [BOOTSTRAP_PORT|none] [CONNECTOR]", optPort: true, optConnector: true,
+	help: "a prefill worker (repeatable); the bootstrap port SGLang legs name (Mooncake's, else 8998); its KV connector (nixl, mooncake, or vLLM's name; default --kv-connector)",
+	apply: func(c *Config, v []string) error {
+		w := Worker{URL: v[0], Role: RolePrefill}
+		for _, extra := range v[1:] {
+			if name, ok := strings.CutPrefix(extra, "connector="); ok {
+				w.KVConnector = name
+				continue
+			}
+			if extra == "none" {
+				continue
+			}
+			n, err := strconv.Atoi(extra)
+			if err != nil {
+				return fmt.Errorf("--prefill %s: bootstrap port %q is not an integer", v[0], extra)
+			}
+			w.BootstrapPort = &n
 		}
-		w.BootstrapPort = &n
-	}
-	c.Workers = append(c.Workers, w)
-	return nil
-}}
+		c.Workers = append(c.Workers, w)
+		return nil
+	}}
 
-var decodeFlag = flag{name: "decode", arg: "URL", help: "a decode worker (repeatable)", apply: func(c *Config, v []string) error {
-	c.Workers = append(c.Workers, Worker{URL: v[0], Role: RoleDecode})
-	return nil
-}}
+var decodeFlag = flag{name: "decode", arg: "URL [CONNECTOR]", optConnector: true,
+	help: "a decode worker (repeatable); its KV connector (nixl, mooncake, or vLLM's name; default --kv-connector), so that flags alone can pair a mixed fleet",
+	apply: func(c *Config, v []string) error {
+		w := Worker{URL: v[0], Role: RoleDecode}
+		if len(v) > 1 {
+			w.KVConnector, _ = strings.CutPrefix(v[1], "connector=")
+		}
+		c.Workers = append(c.Workers, w)
+		return nil
+	}}
+
+// isConnectorArg reports whether s, after a worker's URL, names a KV connector.
+func isConnectorArg(s string) bool {
+	if strings.HasPrefix(s, "-") {
+		return false
+	}
+	_, ok := KVConnectorMode(s)
+	return ok && !strings.HasPrefix(strings.TrimSpace(s), "{")
+}
 
 // Parse builds the serve configuration from defaults, then the --config file if given, then
 // the other flags, and validates it. Every flag and validation problem is reported at once.
@@ -130,6 +157,10 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 			if f.optPort && i+1 < len(args) && isPortArg(args[i+1]) {
 				i++
 				vals = append(vals, args[i])
+			}
+			if f.optConnector && i+1 < len(args) && isConnectorArg(args[i+1]) {
+				i++
+				vals = append(vals, "connector="+args[i])
 			}
 		}
 		if name == "config" {

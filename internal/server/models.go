@@ -1,6 +1,7 @@
 package server
 
 import (
+	"cmp"
 	"encoding/json"
 
 	"net/http"
@@ -142,10 +143,16 @@ func (s *Server) view(wk *worker.Worker, now time.Time) workerView {
 		}
 	}
 	dp := wk.DPSize
-	if wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM {
+	switch {
+	case wk.Role == config.RolePrefill && wk.Runtime() == config.RuntimeVLLM:
 		c := pd.ConnectorFor(wk, s.opts.KVConnector)
 		v.KVConnector, v.KVDetail = c.Mode, c.String()
 		dp = max(dp, c.DPSize)
+	case wk.Role == config.RoleDecode && wk.Runtime() == config.RuntimeVLLM:
+		// The connector a decode's pairing reads (pd.Compatible): its own, else the default.
+		if name := cmp.Or(wk.KVConnector, s.opts.KVConnector); name != "" {
+			v.KVConnector, _ = config.KVConnectorMode(name)
+		}
 	}
 	v.DPInFlight = wk.RankInFlight(dp)
 	if s.opts.KVEventsView != nil {

@@ -254,7 +254,7 @@ func TestServePD(t *testing.T) {
 	p, d := start(sim.RolePrefill), start(sim.RoleDecode)
 	s, gw, _ := gateway(t, nil, func(o *Options) {
 		pw := worker.New(config.Worker{URL: p.URL(), Role: config.RolePrefill, Runtime: config.RuntimeVLLM, KVConnector: "NixlConnector", Models: []string{"m"}})
-		dw := worker.New(config.Worker{URL: d.URL(), Role: config.RoleDecode, Runtime: config.RuntimeVLLM, Models: []string{"m"}})
+		dw := worker.New(config.Worker{URL: d.URL(), Role: config.RoleDecode, Runtime: config.RuntimeVLLM, KVConnector: "nixl", Models: []string{"m"}})
 		for _, w := range []*worker.Worker{pw, dw} {
 			w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "m"}}})
 			w.SetReady(true)
@@ -278,6 +278,16 @@ func TestServePD(t *testing.T) {
 	}
 	if n := testutil.ToFloat64(s.metrics.PairHandoffs.WithLabelValues(p.URL(), d.URL(), pd.HandoffNixl)); n != 2 {
 		t.Errorf("pair handoffs counted %v", n)
+	}
+	// GET /workers shows both workers' connectors, the decode's too.
+	if resp, err := http.Get(gw + "/workers"); err != nil {
+		t.Fatal(err)
+	} else {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if n := strings.Count(string(b), `"kv_connector":"nixl"`); n != 2 {
+			t.Errorf("connectors shown %d times, want 2: %s", n, b)
+		}
 	}
 	// n>1 cannot be handed off by design: counted apart from recomputes, on the page and in
 	// the metric's class.
