@@ -26,9 +26,9 @@ type flag struct {
 	// optConnector: then an optional KV connector name (nixl, MooncakeConnector, …), passed
 	// on as "connector=NAME".
 	optConnector bool
-	help    string
-	alias   bool // smg's integer spelling of a duration flag
-	apply   func(c *Config, vals []string) error
+	help         string
+	alias        bool // smg's integer spelling of a duration flag
+	apply        func(c *Config, vals []string) error
 	// def reads the flag's value from a Config, for the usage's "(default ...)"; nil: none shown.
 	def func(c *Config) string
 }
