@@ -321,4 +321,31 @@ func TestReload(t *testing.T) {
 	if !strings.Contains(m, `baton_config_reloads_total{result="invalid"}`) || !strings.Contains(m, `baton_config_reloads_total{result="ok"}`) {
 		t.Errorf("reloads not counted")
 	}
+	// The last file also dropped admin_api_key and watch_config, which need a restart: the
+	// reload applied the workers and counts as partial, naming them.
+	if !strings.Contains(m, `baton_config_reloads_total{result="partial"} 1`) {
+		t.Errorf("a reload that changed settings needing a restart was not partial:\n%s", grepLines(m, "reloads"))
+	}
+	if got := config.Changed(g.Config, cfgOf(t, file)); strings.Join(got, ",") != "admin_api_key,watch_config" {
+		t.Errorf("changed settings %v", got)
+	}
+}
+
+func cfgOf(t *testing.T, file string) config.Config {
+	t.Helper()
+	c, err := config.Parse([]string{"--config", file}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -17,8 +18,9 @@ import (
 
 // Reload parses the configuration again (the same flags, the --config file re-read) and makes
 // the fleet's configured workers what it lists: new ones are added, changed ones updated,
-// removed ones drained. Workers the admin API or discovery added are left alone, and so is
-// every other setting (those need a restart). An invalid configuration changes nothing.
+// removed ones drained. Workers the admin API or discovery added are left alone. Every other
+// setting needs a restart: a reload that changes one applies the workers, names each such
+// setting in its log line, and counts as partial. An invalid configuration changes nothing.
 func (g *Gateway) Reload() error {
 	cfg, err := config.Parse(g.Config.Args, io.Discard)
 	if err != nil {
@@ -30,6 +32,12 @@ func (g *Gateway) Reload() error {
 		g.Log.Error("reload: some workers could not be applied", "err", err)
 		g.reloads.WithLabelValues("partial").Inc()
 		return err
+	}
+	if restart := config.Changed(g.Config, cfg); len(restart) > 0 {
+		g.reloads.WithLabelValues("partial").Inc()
+		g.Log.Warn("reload: workers applied; these changed settings take effect only after a restart", "workers", len(cfg.AllWorkers()),
+			"need_restart", strings.Join(restart, ", "))
+		return nil
 	}
 	g.reloads.WithLabelValues("ok").Inc()
 	g.Log.Info("reload: configuration applied", "workers", len(cfg.AllWorkers()))

@@ -283,3 +283,16 @@ func (s *setting) bounds(c *Config) (got, lo, hi float64, err error) {
 	}
 	return got, lo, hi, err
 }
+
+// Changed returns the YAML keys of the settings whose values differ between a and b (the
+// workers aside: they are no setting of their own).
+func Changed(a, b Config) []string {
+	var out []string
+	for i := range settings {
+		s := &settings[i]
+		if !reflect.DeepEqual(s.field(&a).Interface(), s.field(&b).Interface()) {
+			out = append(out, s.key)
+		}
+	}
+	return out
+}
