@@ -580,6 +580,9 @@ func learnEngineIDs(log *slog.Logger, cfg config.Config, client *http.Client, w 
 	before := w.EngineIDs()
 	n, err := pd.LearnEngineIDs(context.Background(), client, w, cfg.KVConnector)
 	switch {
+	case errors.Is(err, pd.ErrNotMooncake):
+		log.Error("the Mooncake prefill's bootstrap address answers as another server: no engine id is learned from it, and its decodes recompute (none-no-engine-id); set bootstrap_port to the engine's VLLM_MOONCAKE_BOOTSTRAP_PORT (8998 may be an SGLang prefill's) or kv_engine_id",
+			"worker", w.URL, "err", err)
 	case err != nil:
 		log.Warn("could not learn the Mooncake engine ids from the prefill's bootstrap server", "worker", w.URL, "err", err)
 	case n > 0 && !maps.Equal(before, w.EngineIDs()):

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -292,35 +293,102 @@ func queryEngineIDs(ctx context.Context, client *http.Client, addr string) (map[
 	switch {
 	case resp.StatusCode == http.StatusServiceUnavailable:
 		return nil, errRegistering
+	case resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed:
+		return nil, fmt.Errorf("GET %s/query answered %d: %w", addr, resp.StatusCode, ErrNotMooncake)
 	case resp.StatusCode != http.StatusOK:
 		return nil, fmt.Errorf("GET %s/query answered %d", addr, resp.StatusCode)
 	}
 	var top map[string]json.RawMessage
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&top); err != nil {
-		return nil, fmt.Errorf("GET %s/query: %v", addr, err)
+		return nil, fmt.Errorf("GET %s/query: %w: %v", addr, ErrNotMooncake, err)
+	}
+	ids, err := parseQuery(top)
+	if err != nil {
+		return nil, fmt.Errorf("GET %s/query: %w: %v", addr, ErrNotMooncake, err)
+	}
+	return ids, nil
+}
+
+// ErrNotMooncake is a bootstrap address whose answer is not a vLLM Mooncake bootstrap server's:
+// another engine's server on the port (SGLang's default is Mooncake's 8998 too), or none.
+var ErrNotMooncake = errors.New("not a vLLM Mooncake bootstrap server")
+
+// parseQuery reads a /query answer strictly, in either shape vLLM releases give: keyed by DP
+// rank, {"<rank>": {"engine_id": id, "worker_addr": {tp: {pp: "host:port"}}}}, or keyed by
+// engine id, {"<id>": {"<rank>": {tp: {pp: "host:port"}}}}. Every entry must be of one shape,
+// every rank a number, every address host:port, and the ranks 0..n-1 each once: anything else
+// is another server's answer, whose ids must not be trusted.
+func parseQuery(top map[string]json.RawMessage) (map[int]string, error) {
+	if len(top) == 0 {
+		return nil, errors.New("no engine registered")
 	}
 	ids := map[int]string{}
+	add := func(rank, id string) error {
+		r, err := strconv.Atoi(rank)
+		if err != nil || r < 0 || r > 4095 || strconv.Itoa(r) != rank {
+			return fmt.Errorf("%q is no DP rank", rank)
+		}
+		if _, dup := ids[r]; dup {
+			return fmt.Errorf("DP rank %d is registered twice", r)
+		}
+		ids[r] = id
+		return nil
+	}
 	for k, v := range top {
 		var byRank struct {
-			EngineID string `json:"engine_id"`
+			EngineID   *string         `json:"engine_id"`
+			WorkerAddr json.RawMessage `json:"worker_addr"`
 		}
-		if json.Unmarshal(v, &byRank) == nil && byRank.EngineID != "" {
-			if rank, err := strconv.Atoi(k); err == nil && rank >= 0 {
-				ids[rank] = byRank.EngineID
+		if json.Unmarshal(v, &byRank) == nil && byRank.EngineID != nil {
+			if *byRank.EngineID == "" || !validAddrs(byRank.WorkerAddr) {
+				return nil, fmt.Errorf("rank %q: no engine id, or worker_addr is not {tp: {pp: host:port}}", k)
+			}
+			if err := add(k, *byRank.EngineID); err != nil {
+				return nil, err
 			}
 			continue
 		}
 		var ranks map[string]json.RawMessage // keyed by engine id: its DP ranks
-		if json.Unmarshal(v, &ranks) != nil || k == "" {
-			continue
+		if k == "" || json.Unmarshal(v, &ranks) != nil || len(ranks) == 0 {
+			return nil, fmt.Errorf("entry %q is neither a rank's nor an engine's", k)
 		}
-		for r := range ranks {
-			if rank, err := strconv.Atoi(r); err == nil && rank >= 0 {
-				ids[rank] = k
+		for r, addrs := range ranks {
+			if !validAddrs(addrs) {
+				return nil, fmt.Errorf("engine %q rank %q: not {tp: {pp: host:port}}", k, r)
+			}
+			if err := add(r, k); err != nil {
+				return nil, err
 			}
 		}
 	}
+	for r := range len(ids) {
+		if _, ok := ids[r]; !ok {
+			return nil, fmt.Errorf("DP ranks are not 0..%d", len(ids)-1)
+		}
+	}
 	return ids, nil
+}
+
+// validAddrs reports whether raw is {tp: {pp: "host:port"}}, at least one address.
+func validAddrs(raw json.RawMessage) bool {
+	var tps map[string]map[string]string
+	if json.Unmarshal(raw, &tps) != nil || len(tps) == 0 {
+		return false
+	}
+	for tp, pps := range tps {
+		if _, err := strconv.Atoi(tp); err != nil || len(pps) == 0 {
+			return false
+		}
+		for pp, addr := range pps {
+			if _, err := strconv.Atoi(pp); err != nil {
+				return false
+			}
+			if _, _, err := net.SplitHostPort(addr); err != nil {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // Classes of handoff outcomes (the class label of baton_pd_kv_handoffs_total, the status page).

@@ -2,7 +2,10 @@ package pd
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"net"
+	"net/http"
 	"syscall"
 	"testing"
 	"time"
@@ -10,6 +13,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -53,5 +57,50 @@ func TestHandoffClass(t *testing.T) {
 		if got := HandoffClass(outcome); got != class {
 			t.Errorf("%s: class %s, want %s", outcome, got, class)
 		}
+	}
+}
+
+// A /query answer is trusted only in the shapes vLLM's Mooncake bootstrap server gives.
+func TestParseQuery(t *testing.T) {
+	addr := `{"0":{"0":"10.0.0.1:7000"}}`
+	for _, c := range []struct {
+		body string
+		ok   bool
+	}{
+		{`{"0":{"engine_id":"e0","worker_addr":` + addr + `},"1":{"engine_id":"e1","worker_addr":` + addr + `}}`, true},
+		{`{"eng":{"0":` + addr + `,"1":` + addr + `}}`, true},
+		{`{}`, false},
+		{`{"0":{"engine_id":"e0"}}`, false}, // no worker_addr
+		{`{"0":{"engine_id":"e0","worker_addr":{"0":{"0":"nohost"}}}}`, false}, // not host:port
+		{`{"1":{"engine_id":"e1","worker_addr":` + addr + `}}`, false},         // ranks not from 0
+		{`{"x":{"engine_id":"e","worker_addr":` + addr + `}}`, false},          // no rank
+		{`{"prefill_dp_size":1,"prefill_tp_size":1}`, false},                   // SGLang's /route
+		{`{"eng":{"0":` + addr + `},"eng2":{"0":` + addr + `}}`, false},        // rank 0 twice
+	} {
+		var top map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(c.body), &top); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := parseQuery(top); (err == nil) != c.ok {
+			t.Errorf("%s: %v", c.body, err)
+		}
+	}
+}
+
+// A Mooncake prefill whose bootstrap port is an SGLang prefill's learns no engine id from it:
+// the answer is not a vLLM Mooncake bootstrap server's (ErrNotMooncake).
+func TestMooncakeBootstrapOfAnotherEngine(t *testing.T) {
+	sg := engine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+	port := sg.BootstrapPort()
+	w := worker.New(config.Worker{URL: "http://127.0.0.1:1", Role: config.RolePrefill, Runtime: config.RuntimeVLLM, KVConnector: "mooncake", BootstrapPort: &port})
+	n, err := LearnEngineIDs(context.Background(), http.DefaultClient, w, "")
+	if n != 0 || len(w.EngineIDs()) != 0 || !errors.Is(err, ErrNotMooncake) {
+		t.Errorf("learned %d ids %v, err %v", n, w.EngineIDs(), err)
+	}
+	mc := engine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorMooncake, EngineID: "mc"})
+	port = mc.BootstrapPort()
+	w = worker.New(config.Worker{URL: "http://127.0.0.1:1", Role: config.RolePrefill, Runtime: config.RuntimeVLLM, KVConnector: "mooncake", BootstrapPort: &port})
+	if n, err := LearnEngineIDs(context.Background(), http.DefaultClient, w, ""); n != 1 || err != nil || w.EngineIDs()[0] != "mc" {
+		t.Errorf("a Mooncake bootstrap server: %d %v %v", n, err, w.EngineIDs())
 	}
 }

@@ -213,11 +213,19 @@ func (e *Engine) serveRelease(key string) http.HandlerFunc {
 	}
 }
 
-// bootstrapRoutes is the bootstrap server of a prefill engine: Mooncake's query/register and
-// KV fetch, SGLang's rendezvous by room.
+// bootstrapRoutes is the bootstrap server of a prefill engine: a vLLM engine's Mooncake
+// query/register and KV fetch, an SGLang engine's rendezvous by room — each engine only its
+// own, as the real servers (another engine's route is a 404).
 func (e *Engine) bootstrapRoutes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(200) })
+	if e.cfg.Engine == EngineSGLang {
+		mux.HandleFunc("GET /route", func(w http.ResponseWriter, _ *http.Request) {
+			writeJSON(w, 200, map[string]any{"prefill_dp_size": e.cfg.DPSize, "prefill_tp_size": 1})
+		})
+		mux.HandleFunc("POST /bootstrap/join", e.serveJoin)
+		return mux
+	}
 	mux.HandleFunc("GET /query", func(w http.ResponseWriter, _ *http.Request) {
 		if time.Since(e.started) < e.cfg.MooncakeRegistering {
 			writeJSON(w, 503, map[string]any{"detail": fmt.Sprintf("Workers still registering: 0/%d", len(e.engineIDs))})
@@ -254,10 +262,6 @@ func (e *Engine) bootstrapRoutes() http.Handler {
 		writeJSON(w, 200, p)
 	})
 	mux.HandleFunc("POST /mooncake/release", e.serveRelease("transfer_id"))
-	mux.HandleFunc("GET /route", func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, 200, map[string]any{"prefill_dp_size": e.cfg.DPSize, "prefill_tp_size": 1})
-	})
-	mux.HandleFunc("POST /bootstrap/join", e.serveJoin)
 	return mux
 }
 
