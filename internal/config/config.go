@@ -57,7 +57,7 @@ type Config struct {
 	Port        int    `json:"port" flag:"port" default:"30000" check:"0..65535" help:"API port; 0 picks a free port"`
 	MetricsPort int    `json:"metrics_port" flag:"metrics-port" default:"29000" check:"-1..65535" help:"Prometheus /metrics port; 0 picks a free port, -1 disables"`
 	// WorkerURLs are regular workers given by URL only.
-	WorkerURLs []string `json:"worker_urls" flag:"worker-urls" help:"regular workers by URL"`
+	WorkerURLs []string `json:"worker_urls" flag:"worker-urls" help:"regular workers by URL (space- or comma-separated)"`
 	// Workers are workers with full settings (YAML), or --prefill and --decode.
 	Workers []Worker `json:"workers"`
 	Policy  string   `json:"policy" flag:"policy" default:"round_robin" help:"worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware"`
@@ -75,7 +75,7 @@ type Config struct {
 	BalanceRelThreshold float64 `json:"balance_rel_threshold" flag:"balance-rel-threshold" default:"1.5" check:">=1" help:"cache_aware: … and this many times as many"`
 	// The higher CacheLoadCost, the sooner a hot prefix spreads from a busy worker.
 	CacheLoadCost    float64       `json:"cache_load_cost" flag:"cache-load-cost" default:"16" check:">=0" help:"cache_aware: 64-byte prompt blocks one request of load is worth"`
-	EvictionInterval time.Duration `json:"eviction_interval" flag:"eviction-interval" unit:"secs" default:"2m" check:">0" help:"cache_aware: forget a prefix not routed for this long"`
+	EvictionInterval time.Duration `json:"eviction_interval" flag:"eviction-interval" unit:"secs" int:"secs" default:"2m" check:">0" help:"cache_aware: forget a prefix not routed for this long (a bare number is seconds, as smg's)"`
 	// MaxTreeSize: the default, 16777216, is 262,144 blocks, about 40 MB.
 	MaxTreeSize          int           `json:"max_tree_size" flag:"max-tree-size" default:"16777216" check:">=64" help:"cache_aware: bound of the prefix index, in prompt characters"`
 	LoadPollInterval     time.Duration `json:"load_poll_interval" flag:"load-poll-interval" unit:"ms" default:"500ms" check:"10ms..60s" help:"how often each engine's /metrics is read for its load; older than three intervals is ignored"`
@@ -313,7 +313,11 @@ func (c *Config) Validate() error {
 	}
 	for _, p := range []struct{ key, val string }{{"policy", c.Policy}, {"prefill_policy", c.PrefillPolicy}, {"decode_policy", c.DecodePolicy}} {
 		if (p.val != "" || p.key == "policy") && !slices.Contains(Policies, p.val) {
-			bad("%s %q is unknown (want one of %s)", p.key, p.val, strings.Join(Policies, ", "))
+			hint := ""
+			if h, ok := smgPolicyHints[p.val]; ok {
+				hint = " — smg's " + p.val + ": " + h
+			}
+			bad("%s %q is unknown (want one of %s)%s", p.key, p.val, strings.Join(Policies, ", "), hint)
 		}
 	}
 	if _, _, err := ResolveKVConnector(c.KVConnector); err != nil {

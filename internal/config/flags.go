@@ -124,13 +124,20 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 			return Config{}, ErrHelp
 		}
 		if !strings.HasPrefix(a, "--") {
+			if n, _, _ := strings.Cut(strings.TrimLeft(a, "-"), "="); strings.HasPrefix(a, "-") && byName[n] != nil {
+				errs = append(errs, fmt.Errorf("unknown flag %s: did you mean --%s?", a, n))
+				continue
+			}
 			errs = append(errs, fmt.Errorf("unexpected argument %q", a))
 			continue
 		}
 		name, val, hasVal := strings.Cut(a[2:], "=")
+		if alias, ok := smgAliases[name]; ok {
+			name = alias
+		}
 		f, ok := byName[name]
 		if !ok {
-			errs = append(errs, fmt.Errorf("unknown flag --%s", name))
+			errs = append(errs, errors.New(unknownFlag(name, byName)))
 			continue
 		}
 		var vals []string

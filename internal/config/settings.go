@@ -20,6 +20,8 @@ import (
 //	oneof    its choices: "a|b|c"
 //	unit     a duration's integer alias, smg's spelling: "secs" or "ms" — the flag
 //	         --<flag>-<unit> N and the YAML key <key>_<unit>: N
+//	int      the unit of a bare integer the duration flag takes too, where smg's flag of the
+//	         same name is a number ("secs": --eviction-interval 120)
 //
 // The flag set, --help, the defaults, the simple validation and the YAML aliases all come from
 // this table; Validate adds the rules that tie settings together.
@@ -33,6 +35,9 @@ type setting struct {
 	oneof []string     // choices
 	unit  string       // "secs" or "ms": a duration's alias
 	typ   reflect.Type // the field's type
+	// bareInt is the unit of a bare integer given to a duration flag that smg spells the same
+	// and takes as a number (tag int: "secs"); 0: a bare integer is refused.
+	bareInt time.Duration
 }
 
 var durationType = reflect.TypeOf(time.Duration(0))
@@ -69,6 +74,7 @@ func collectSettings(t reflect.Type, index []int, prefix string) []setting {
 		}
 		s := setting{index: idx, key: prefix + key, flag: f.Tag.Get("flag"), help: f.Tag.Get("help"), def: f.Tag.Get("default"),
 			check: f.Tag.Get("check"), unit: f.Tag.Get("unit"), typ: f.Type}
+		s.bareInt = unitOf(f.Tag.Get("int"))
 		if o := f.Tag.Get("oneof"); o != "" {
 			s.oneof = strings.Split(o, "|")
 		}
@@ -130,6 +136,9 @@ func (s *setting) set(c *Config, vals []string) error {
 	switch {
 	case s.typ == durationType:
 		d, err := time.ParseDuration(vals[0])
+		if n, ierr := strconv.ParseInt(vals[0], 10, 32); err != nil && ierr == nil && s.bareInt != 0 {
+			d, err = time.Duration(n)*s.bareInt, nil // smg's spelling of this flag: whole seconds
+		}
 		if err != nil {
 			return fmt.Errorf("%s: %q is not a duration (like 30s, 500ms, 2m)", name, vals[0])
 		}
@@ -170,7 +179,7 @@ func (s *setting) set(c *Config, vals []string) error {
 			v.SetMapIndex(reflect.ValueOf(k), reflect.ValueOf(val))
 		}
 	case s.typ.Kind() == reflect.Slice:
-		v.Set(reflect.AppendSlice(v, reflect.ValueOf(vals)))
+		v.Set(reflect.AppendSlice(v, reflect.ValueOf(splitURLs(vals))))
 	default:
 		return fmt.Errorf("%s: no flag syntax for %s", name, s.typ)
 	}

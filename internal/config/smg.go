@@ -1,0 +1,138 @@
+package config
+
+import (
+	"sort"
+	"strings"
+)
+
+// smg's command line, for users who replace smg with Baton: each of its flags either works in
+// Baton with the same meaning (a Baton flag of the same name, or an alias below), or is refused
+// with one line naming Baton's way (smgHints). TestEverySmgFlagWorksOrHints runs the whole list.
+
+// smgAliases are smg's names for Baton's flags of the same meaning.
+var smgAliases = map[string]string{
+	"prometheus-port":       "metrics-port",
+	"cache-match-threshold": "cache-threshold",
+}
+
+// smgHints are smg's flags Baton has no flag for, each with Baton's way.
+var smgHints = map[string]string{
+	"prometheus-host":                   "the metrics listener binds --host (keep it off the internet with a NetworkPolicy, or --metrics-port -1 to turn it off)",
+	"health-check-port":                 "the probes (/liveness, /readiness, /health) are on the API port; --admin-port gives the admin API a listener of its own",
+	"log-dir":                           "Baton logs to stderr (--log-json for JSON lines): collect it with the cluster's log agent",
+	"cors-allowed-origins":              "Baton answers no browser directly: set CORS on the ingress in front of it",
+	"request-id-headers":                "Baton reads X-Request-Id (one, at most 128 visible characters) and passes it to the engines; others are minted",
+	"cb-window-duration-secs":           "Baton's breaker opens after --cb-failure-threshold consecutive failures: it has no window",
+	"remove-unhealthy-workers":          "an unhealthy worker leaves rotation until it recovers; remove one with DELETE /workers/{id} on the admin API",
+	"bootstrap-port-annotation":         "discovery reads the sglang.ai/bootstrap-port annotation, and baton.ai/* for the rest",
+	"dp-aware":                          "Baton reads each engine's data parallel size (SGLang /server_info, or the worker's dp_size) and picks a rank per leg itself",
+	"dp-minimum-tokens-scheduler":       "Baton picks each leg's DP rank by the cached prefix and the rank's load itself",
+	"worker-startup-timeout-secs":       "workers register in the background and are retried (--detect-interval) until they answer; /readiness says which are missing",
+	"worker-startup-check-interval":     "use --detect-interval (a duration, e.g. 10s)",
+	"worker-startup-delay":              "workers register in the background from the start; nothing waits for them",
+	"enable-trace":                      "use --otlp-traces-endpoint (http(s)://host:4318 or grpc://host:4317), or the OTEL_EXPORTER_OTLP_* variables",
+	"rate-limit-tokens-per-second":      "no token rate limit yet: bound load with --max-concurrent-requests and --queue-size",
+	"backend":                           "Baton detects each engine's runtime at registration (set runtime on a worker to pin it)",
+	"enable-igw":                        "one Baton serves every model of its fleet; there is no separate mode",
+	"model-id-from":                     "discovered pods serve the models their engine lists (or the baton.ai/models annotation)",
+	"drain-settle-secs":                 "a drained worker leaves once its requests finished; --shutdown-grace-period bounds Baton's own drain",
+	"upstream-pool-idle-timeout-secs":   "Baton keeps idle engine connections 4 s, under uvicorn's 5 s keep-alive",
+	"upstream-http2":                    "Baton speaks HTTP/1.1 to the engines (their servers do)",
+	"prometheus-duration-buckets":       "Baton's histograms have fixed buckets suited to LLM latencies",
+	"routing-key-override":              "no sticky routing keys: prefix_hash or cache_aware keep a conversation on the worker that holds its prefix",
+	"sticky-sessions":                   "no sticky routing keys: prefix_hash or cache_aware keep a conversation on the worker that holds its prefix",
+	"routing-key-headers":               "no sticky routing keys: prefix_hash or cache_aware keep a conversation on the worker that holds its prefix",
+	"assignment-mode":                   "smg's manual policy is not Baton's: use prefix_hash",
+	"max-idle-secs":                     "smg's manual policy is not Baton's: use prefix_hash",
+	"sticky-key-idle-secs":              "smg's manual policy is not Baton's: use prefix_hash",
+	"block-size":                        "cache_aware indexes 64-byte prompt blocks, or the engines' own blocks with --kv-events",
+	"cache-index":                       "cache_aware's index is a block index; --kv-events reads the engines' own",
+	"cache-ttl-secs":                    "use --eviction-interval (a duration, e.g. 3m)",
+	"cache-boundaries":                  "cache_aware splits prompts into fixed blocks",
+	"overlap-decay":                     "cache_aware weighs cache and load by --cache-load-cost",
+	"selection-temperature":             "cache_aware picks the cheapest worker, ties by load",
+	"balance-token-usage-threshold":     "cache_aware balances by --balance-abs-threshold and --balance-rel-threshold",
+	"overload-token-usage-threshold":    "cache_aware balances by --balance-abs-threshold and --balance-rel-threshold",
+	"least-load-kv-pressure-weight":     "least_load reads each engine's running and waiting requests (--load-poll-interval)",
+	"least-load-mean-prefill-tokens":    "least_load reads each engine's running and waiting requests (--load-poll-interval)",
+	"least-load-default-throughput":     "least_load reads each engine's running and waiting requests (--load-poll-interval)",
+	"least-load-max-waiting-requests":   "least_load reads each engine's running and waiting requests (--load-poll-interval)",
+	"prefix-hash-balance-abs-threshold": "prefix_hash moves on along its ring past --prefix-hash-load-factor times the mean load",
+	"worker-overload-protection":        "bound load with --max-concurrent-requests and --queue-size; unhealthy workers leave rotation",
+	"worker-overload-token-usage":       "bound load with --max-concurrent-requests and --queue-size; unhealthy workers leave rotation",
+	"worker-overload-waiting-requests":  "bound load with --max-concurrent-requests and --queue-size; unhealthy workers leave rotation",
+	"grpc-mode":                         "Baton speaks HTTP to the engines",
+	"load-monitor-interval":             "use --load-poll-interval (a duration, e.g. 10s)",
+}
+
+// smgPolicyHints name Baton's policy for smg's policies Baton has not.
+var smgPolicyHints = map[string]string{
+	"manual":             "use prefix_hash (a prompt's prefix keeps its worker)",
+	"consistent_hashing": "use prefix_hash (a consistent hash ring over the prompt's prefix)",
+	"bucket":             "use cache_aware or least_load",
+	"passthrough":        "use round_robin",
+}
+
+// unknownFlag explains a flag Baton does not know: smg's with Baton's way, or the nearest
+// Baton flag's name.
+func unknownFlag(name string, known map[string]*flag) string {
+	if hint, ok := smgHints[name]; ok {
+		return "unknown flag --" + name + " (smg's): " + hint
+	}
+	if near := nearest(name, known); near != "" {
+		return "unknown flag --" + name + ": did you mean --" + near + "?"
+	}
+	return "unknown flag --" + name
+}
+
+// nearest returns the known flag closest to name (within two edits), "" when none is.
+func nearest(name string, known map[string]*flag) string {
+	best, bestD := "", 3
+	names := make([]string, 0, len(known))
+	for k := range known {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		if d := editDistance(name, k); d < bestD {
+			best, bestD = k, d
+		}
+	}
+	return best
+}
+
+func editDistance(a, b string) int {
+	if len(a) > 64 || len(b) > 64 {
+		return 99
+	}
+	prev := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur := make([]int, len(b)+1)
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev = cur
+	}
+	return prev[len(b)]
+}
+
+// splitURLs splits smg's comma-separated --worker-urls a,b into its URLs.
+func splitURLs(vals []string) []string {
+	var out []string
+	for _, v := range vals {
+		for part := range strings.SplitSeq(v, ",") {
+			if part = strings.TrimSpace(part); part != "" {
+				out = append(out, part)
+			}
+		}
+	}
+	return out
+}
