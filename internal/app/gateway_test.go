@@ -3,6 +3,7 @@ package app
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -306,6 +307,39 @@ func TestModelAwareRouting(t *testing.T) {
 	for _, m := range []string{`"id":"llama"`, `"id":"qwen"`, `"id":"shared"`} {
 		if !strings.Contains(body, m) {
 			t.Errorf("/v1/models %s lacks %s", body, m)
+		}
+	}
+}
+
+// The fleet's engine key (--worker-api-key) reaches every engine without a key of its own, the
+// admin API's additions included; the clients' key (--api-key) never reaches one.
+func TestFleetEngineKey(t *testing.T) {
+	t.Parallel()
+	got := make(chan string, 4)
+	handle := func(w http.ResponseWriter, r *http.Request) {
+		got <- r.Header.Get("Authorization")
+		io.WriteString(w, "{}")
+	}
+	a := fakeEngine(t, "vllm", []string{"m"}, handle)
+	b := fakeEngine(t, "vllm", []string{"n"}, handle)
+	cfg := config.Default()
+	cfg.WorkerURLs, cfg.APIKey, cfg.WorkerAPIKey, cfg.AdminAPIKey = []string{a.URL}, "sk-client", "sk-engine", "sk-admin"
+	_, gw := startGateway(t, cfg)
+	post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`, "Authorization", "Bearer sk-client")
+	if k := <-got; k != "Bearer sk-engine" {
+		t.Errorf("the configured engine got %q", k)
+	}
+	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", fmt.Sprintf(`{"url":%q}`, b.URL)); status != 202 || strings.Contains(body, "sk-engine") {
+		t.Fatalf("admin add: %d %s", status, body)
+	}
+	poll.Until(t, "the added worker serves n", func() bool {
+		resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"n"}`, "Authorization", "Bearer sk-client")
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
+	for len(got) > 0 {
+		if k := <-got; k != "Bearer sk-engine" {
+			t.Errorf("an engine got %q", k)
 		}
 	}
 }

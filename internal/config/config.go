@@ -102,7 +102,10 @@ type Config struct {
 	BodyTimeout          time.Duration `json:"body_timeout" flag:"body-timeout" unit:"secs" default:"2m" check:">0" help:"a request body must arrive whole within this"`
 	MaxBatchSize         int           `json:"max_batch_size" flag:"max-batch-size" default:"1024" check:">=1" help:"largest n, and most prompts in one request; 400 past it"`
 	StalledClientTimeout time.Duration `json:"stalled_client_timeout" flag:"stalled-client-timeout" unit:"secs" default:"1m" check:">0" help:"drop a client that sends no body bytes or accepts no response bytes for this long"`
-	APIKey               string        `json:"api_key" flag:"api-key" help:"require 'Authorization: Bearer KEY' on inference routes"`
+	APIKey               string        `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"require 'Authorization: Bearer KEY' on inference routes"`
+	// WorkerAPIKey is what Baton sends the engines; a worker's own api_key wins. The clients'
+	// key (APIKey) is Baton's and never reaches an engine.
+	WorkerAPIKey string `json:"worker_api_key" flag:"worker-api-key" secret:"BATON_WORKER_API_KEY" help:"send 'Authorization: Bearer KEY' to every engine (a worker's own api_key wins; discovered pods too)"`
 	// ServiceDiscovery finds workers among the Kubernetes pods of ServiceDiscoveryNamespace
 	// (default: Baton's own namespace) that match Selector (regular workers), PrefillSelector
 	// or DecodeSelector (PD roles). KubeConfig, when set, is used instead of the in-cluster
@@ -115,7 +118,7 @@ type Config struct {
 	ServiceDiscoveryPort      int               `json:"service_discovery_port" flag:"service-discovery-port" default:"8000" help:"port of the workers' API on their pods (the baton.ai/port annotation overrides it)"`
 	KubeConfig                string            `json:"kubeconfig" flag:"kubeconfig" help:"kubeconfig for discovery outside the cluster (default: the in-cluster service account)"`
 	// AdminAPIKey is not the inference key.
-	AdminAPIKey string `json:"admin_api_key" flag:"admin-api-key" help:"require 'Authorization: Bearer KEY' on the admin API (the worker routes); without it the admin API answers only on loopback"`
+	AdminAPIKey string `json:"admin_api_key" flag:"admin-api-key" secret:"BATON_ADMIN_API_KEY" help:"require 'Authorization: Bearer KEY' on the admin API (the worker routes); without it the admin API answers only on loopback"`
 	AdminHost   string `json:"admin_host" flag:"admin-host" default:"127.0.0.1" help:"address of the admin API's own listener"`
 	AdminPort   int    `json:"admin_port" flag:"admin-port" default:"-1" check:"-1..65535" help:"port of the admin API's own listener; -1 serves it on the API port; 0 picks a free one"`
 	// WatchConfig checks the file every 2 s.
@@ -276,7 +279,18 @@ func (c *Config) AllWorkers() []Worker {
 	for _, u := range c.WorkerURLs {
 		out = append(out, Worker{URL: u, Role: RoleRegular})
 	}
+	for i := range out {
+		out[i] = c.WithEngineKey(out[i])
+	}
 	return out
+}
+
+// WithEngineKey gives w the fleet's engine key (worker_api_key) when it has none of its own.
+func (c *Config) WithEngineKey(w Worker) Worker {
+	if w.APIKey == "" {
+		w.APIKey = c.WorkerAPIKey
+	}
+	return w
 }
 
 // Validate reports every problem in c at once, joined.

@@ -294,3 +294,32 @@ func TestWorkerConnectorsByFlag(t *testing.T) {
 		t.Errorf("workers %q, want %q", got, want)
 	}
 }
+
+// Keys need not sit on the command line: each is read from a file (--<flag>-file, a mounted
+// Secret) or from its environment variable; the flag wins over both.
+func TestKeysFromFilesAndTheEnvironment(t *testing.T) {
+	dir := t.TempDir()
+	key := filepath.Join(dir, "key")
+	os.WriteFile(key, []byte("sk-from-file\n"), 0o600)
+	t.Setenv("BATON_WORKER_API_KEY", "sk-engine-from-env")
+	t.Setenv("BATON_ADMIN_API_KEY", "sk-admin-from-env")
+	c, err := Parse([]string{"--api-key-file", key, "--admin-api-key", "sk-admin-flag", "--worker-urls", "http://a:1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.APIKey != "sk-from-file" || c.WorkerAPIKey != "sk-engine-from-env" || c.AdminAPIKey != "sk-admin-flag" {
+		t.Errorf("keys %q %q %q", c.APIKey, c.WorkerAPIKey, c.AdminAPIKey)
+	}
+	// The fleet's engine key goes to every worker without one of its own.
+	c.Workers = []Worker{{URL: "http://b:1", APIKey: "sk-own"}}
+	for _, w := range c.AllWorkers() {
+		if want := map[string]string{"http://a:1": "sk-engine-from-env", "http://b:1": "sk-own"}[w.URL]; w.APIKey != want {
+			t.Errorf("%s: key %q, want %q", w.URL, w.APIKey, want)
+		}
+	}
+	two := filepath.Join(dir, "two")
+	os.WriteFile(two, []byte("a\nb\n"), 0o600)
+	if _, err := Parse([]string{"--api-key-file", two}, io.Discard); err == nil || strings.Contains(err.Error(), "a\nb") {
+		t.Errorf("a file of two lines: %v", err)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"reflect"
 	"slices"
 	"strconv"
@@ -51,6 +52,22 @@ func buildFlags() []flag {
 				help:  fmt.Sprintf("--%s as a whole number of %s (smg's spelling)", s.flag, map[string]string{"secs": "seconds", "ms": "milliseconds"}[s.unit]),
 				apply: func(c *Config, v []string) error { return s.setAlias(c, v[0]) },
 				def:   func(c *Config) string { return strconv.FormatInt(s.field(c).Int()/int64(unitOf(s.unit)), 10) }})
+		}
+		if s.secret != "" {
+			fs = append(fs, flag{name: s.flag + "-file", arg: "FILE", alias: true,
+				help: fmt.Sprintf("--%s read from a file (a mounted Secret); or the %s variable", s.flag, s.secret),
+				apply: func(c *Config, v []string) error {
+					b, err := os.ReadFile(v[0])
+					if err != nil {
+						return fmt.Errorf("--%s-file: %w", s.flag, err)
+					}
+					key := strings.TrimRight(string(b), "\r\n")
+					if key == "" || strings.ContainsAny(key, "\r\n") {
+						return fmt.Errorf("--%s-file %s: want one line holding the key", s.flag, v[0])
+					}
+					s.field(c).SetString(key)
+					return nil
+				}})
 		}
 		if s.flag == "pd-disaggregation" {
 			fs = append(fs, prefillFlag, decodeFlag)
@@ -178,6 +195,7 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 	}
 	cfg := Default()
 	cfg.Args, cfg.File = slices.Clone(args), path
+	fromEnvironment(&cfg, os.Getenv)
 	if path != "" {
 		if err := cfg.LoadFile(path); err != nil {
 			errs = append(errs, err)

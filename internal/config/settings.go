@@ -20,6 +20,8 @@ import (
 //	oneof    its choices: "a|b|c"
 //	unit     a duration's integer alias, smg's spelling: "secs" or "ms" — the flag
 //	         --<flag>-<unit> N and the YAML key <key>_<unit>: N
+//	secret   the environment variable a key is read from too; a --<flag>-file flag reads it
+//	         from a file
 //	int      the unit of a bare integer the duration flag takes too, where smg's flag of the
 //	         same name is a number ("secs": --eviction-interval 120)
 //
@@ -35,6 +37,10 @@ type setting struct {
 	oneof []string     // choices
 	unit  string       // "secs" or "ms": a duration's alias
 	typ   reflect.Type // the field's type
+	// secret is the environment variable a secret setting is read from too (tag secret); it
+	// also gets a --<flag>-file flag reading it from a file (a mounted Secret), so that keys
+	// need not sit on the command line, where ps shows them.
+	secret string
 	// bareInt is the unit of a bare integer given to a duration flag that smg spells the same
 	// and takes as a number (tag int: "secs"); 0: a bare integer is refused.
 	bareInt time.Duration
@@ -74,7 +80,7 @@ func collectSettings(t reflect.Type, index []int, prefix string) []setting {
 		}
 		s := setting{index: idx, key: prefix + key, flag: f.Tag.Get("flag"), help: f.Tag.Get("help"), def: f.Tag.Get("default"),
 			check: f.Tag.Get("check"), unit: f.Tag.Get("unit"), typ: f.Type}
-		s.bareInt = unitOf(f.Tag.Get("int"))
+		s.bareInt, s.secret = unitOf(f.Tag.Get("int")), f.Tag.Get("secret")
 		if o := f.Tag.Get("oneof"); o != "" {
 			s.oneof = strings.Split(o, "|")
 		}
@@ -304,4 +310,17 @@ func Changed(a, b Config) []string {
 		}
 	}
 	return out
+}
+
+// fromEnvironment sets every secret setting whose environment variable is set.
+func fromEnvironment(c *Config, getenv func(string) string) {
+	for i := range settings {
+		s := &settings[i]
+		if s.secret == "" {
+			continue
+		}
+		if v := getenv(s.secret); v != "" {
+			s.field(c).SetString(v)
+		}
+	}
 }

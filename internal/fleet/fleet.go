@@ -83,6 +83,7 @@ func New(cfg config.Config, reg *worker.Registry, breaker *worker.BreakerConfig,
 
 // Add adds a worker with settings c from source and starts its registration.
 func (f *Fleet) Add(c config.Worker, source string) (*worker.Worker, error) {
+	c = f.cfg.WithEngineKey(c)
 	if err := f.cfg.CheckWorker(c); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrWorkerInvalid, err)
 	}
@@ -230,7 +231,7 @@ func (f *Fleet) Sync(want []config.Worker, source string) error {
 	wanted := map[string]config.Worker{}
 	for _, c := range want {
 		c.URL = strings.TrimRight(c.URL, "/")
-		wanted[c.URL] = c
+		wanted[c.URL] = f.cfg.WithEngineKey(c)
 	}
 	f.mu.Lock()
 	have := map[string]*worker.Worker{}
