@@ -305,7 +305,16 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 			resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`)
 			wantEnvelope(t, resp, 503, "overloaded") // the slots are taken, for now
 			poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 0 && g.Registry.Snapshot().Workers[0].InFlight() == 0 })
-			if resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`); resp.StatusCode != 200 {
+			// A connection of its own: the check is about the slots. (Once, on a loaded CI
+			// machine under net/http's server, the refused request's pooled connection answered
+			// EOF here; not reproduced since — noted in the issue's closing note.)
+			fresh := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+			resp, err := fresh.Post(gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
 				t.Fatalf("after the stalled clients were dropped: %d", resp.StatusCode)
 			}
 		})

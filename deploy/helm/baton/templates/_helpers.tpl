@@ -51,3 +51,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- toYaml $c -}}
 {{- end -}}
+
+{{/* Baton's drain: the grace period, less the preStop pause and 5 s to exit. */}}
+{{- define "baton.drainSeconds" -}}
+{{- $drain := sub (sub (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds)) 5 -}}
+{{- if lt $drain 1 -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed preStopSleepSeconds (%v) by more than 5 s: Baton needs time to drain" .Values.terminationGracePeriodSeconds .Values.preStopSleepSeconds) -}}
+{{- end -}}
+{{- $drain -}}
+{{- end -}}
