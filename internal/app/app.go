@@ -490,8 +490,11 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 			log.Warn("http_server baton needs epoll (Linux); serving the API with net/http's server instead")
 		}
 	}
-	log.Info("baton started", "version", Version(), "addr", ls.apiLn.Addr().String(), "workers", len(g.Registry.Snapshot().Workers),
-		"policy", cfg.Policy, "http_server", server, "upstream_client", cfg.UpstreamClient)
+	attrs := []any{"version", Version(), "addr", ls.apiLn.Addr().String(), "workers", len(g.Registry.Snapshot().Workers), "policy", cfg.Policy}
+	if cfg.PDDisaggregation {
+		attrs = append(attrs, "prefill_policy", cfg.PolicyFor(config.RolePrefill), "decode_policy", cfg.PolicyFor(config.RoleDecode))
+	}
+	log.Info("baton started", append(attrs, "http_server", server, "upstream_client", cfg.UpstreamClient)...)
 	for _, w := range cfg.Warnings() {
 		log.Warn(w)
 	}

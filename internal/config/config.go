@@ -161,7 +161,7 @@ type Config struct {
 // Retry is how a failed request is retried: on 408/429/500/502/503/504 and transport errors,
 // before any byte reached the client, re-selecting the worker (PD: the pair) each time.
 type Retry struct {
-	MaxRetries        int           `json:"max_retries" flag:"retry-max-retries" default:"5" check:">=1" help:"attempts in total, the first included"`
+	MaxRetries        int           `json:"max_retries" flag:"retry-max-retries" default:"5" check:">=1" hint:"for one attempt and no retry, --disable-retries" help:"attempts in total, the first included"`
 	InitialBackoff    time.Duration `json:"initial_backoff" flag:"retry-initial-backoff" unit:"ms" default:"50ms" check:">0" help:"wait before the second attempt"`
 	MaxBackoff        time.Duration `json:"max_backoff" flag:"retry-max-backoff" unit:"ms" default:"30s" check:">0" help:"longest wait between attempts"`
 	BackoffMultiplier float64       `json:"backoff_multiplier" flag:"retry-backoff-multiplier" default:"1.5" check:">=1" help:"growth of the wait per attempt"`
@@ -676,6 +676,9 @@ func (c *Config) Warnings() []string {
 func CheckWorkerURL(raw string) error {
 	if raw == "" {
 		return errors.New("url is required")
+	}
+	if !strings.Contains(raw, "://") {
+		return fmt.Errorf("url has no scheme: add http:// (or https://) in front of it")
 	}
 	u, err := url.Parse(raw)
 	if err != nil {

@@ -323,3 +323,19 @@ func TestKeysFromFilesAndTheEnvironment(t *testing.T) {
 		t.Errorf("a file of two lines: %v", err)
 	}
 }
+
+// Mistakes a new user makes are answered with the fix.
+func TestErrorsNameTheFix(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--retry-max-retries", "0"}, "--disable-retries"},
+		{[]string{"--worker-urls", "localhost:8000"}, "add http://"},
+		{[]string{"--worker-urls", "10.0.0.1:8000"}, "add http://"},
+	} {
+		if _, err := Parse(c.args, io.Discard); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v, want %q", c.args, err, c.want)
+		}
+	}
+}

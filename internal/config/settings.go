@@ -22,6 +22,7 @@ import (
 //	         --<flag>-<unit> N and the YAML key <key>_<unit>: N
 //	secret   the environment variable a key is read from too; a --<flag>-file flag reads it
 //	         from a file
+//	hint     what a value out of bounds is said with ("for one attempt, --disable-retries")
 //	int      the unit of a bare integer the duration flag takes too, where smg's flag of the
 //	         same name is a number ("secs": --eviction-interval 120)
 //
@@ -35,6 +36,7 @@ type setting struct {
 	def   string       // the default, in flag syntax
 	check string       // bounds
 	oneof []string     // choices
+	hint  string       // said after a value out of bounds (tag hint)
 	unit  string       // "secs" or "ms": a duration's alias
 	typ   reflect.Type // the field's type
 	// secret is the environment variable a secret setting is read from too (tag secret); it
@@ -80,7 +82,7 @@ func collectSettings(t reflect.Type, index []int, prefix string) []setting {
 		}
 		s := setting{index: idx, key: prefix + key, flag: f.Tag.Get("flag"), help: f.Tag.Get("help"), def: f.Tag.Get("default"),
 			check: f.Tag.Get("check"), unit: f.Tag.Get("unit"), typ: f.Type}
-		s.bareInt, s.secret = unitOf(f.Tag.Get("int")), f.Tag.Get("secret")
+		s.bareInt, s.secret, s.hint = unitOf(f.Tag.Get("int")), f.Tag.Get("secret"), f.Tag.Get("hint")
 		if o := f.Tag.Get("oneof"); o != "" {
 			s.oneof = strings.Split(o, "|")
 		}
@@ -235,8 +237,16 @@ func formatDuration(d time.Duration) string {
 	return d.String()
 }
 
-// validate checks the setting's value in c against its bounds and choices.
+// validate checks the setting's value in c against its bounds and choices, with its hint.
 func (s *setting) validate(c *Config) error {
+	err := s.check1(c)
+	if err != nil && s.hint != "" {
+		err = fmt.Errorf("%w (%s)", err, s.hint)
+	}
+	return err
+}
+
+func (s *setting) check1(c *Config) error {
 	if len(s.oneof) > 0 {
 		if v := s.field(c).String(); !slices.Contains(s.oneof, v) {
 			return fmt.Errorf("%s %q is unknown (want %s)", s.key, v, strings.Join(s.oneof, " or "))
