@@ -605,6 +605,10 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 		log.Warn("configured dp_size differs from the engine's: Baton addresses ranks the engine may not have (400s) or leaves ranks idle; set dp_size to the engine's",
 			"worker", w.URL, "dp_size", w.DPSize, "engine_dp_size", in.DPSize)
 	}
+	if w.Role == config.RolePrefill && w.Runtime() == config.RuntimeSGLang && w.BootstrapPort == nil {
+		log.Warn("SGLang prefill worker without a bootstrap port: Baton sends bootstrap_port null and the engines use their default (8998); give it (--prefill URL PORT, bootstrap_port, or the sglang.ai/bootstrap-port annotation) if the engine's --disaggregation-bootstrap-port differs",
+			"worker", w.URL)
+	}
 	if w.Role != config.RolePrefill || w.Runtime() != config.RuntimeVLLM {
 		return
 	}

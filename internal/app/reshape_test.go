@@ -1,7 +1,9 @@
 package app
 
 import (
+	"bytes"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -13,6 +15,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Issue 24, item 3: Baton's readers disagreed on a repeated top-level key (the request parser
@@ -117,5 +120,25 @@ func TestStreamedRecomputeReachesThePairCounter(t *testing.T) {
 	})
 	if v := testutil.ToFloat64(g.Metrics.PairHandoffs.WithLabelValues(p.URL(), d.URL(), "mooncake")); v != 0 {
 		t.Errorf("a recompute counted as a Mooncake handoff for the pair (%v)", v)
+	}
+}
+
+// An SGLang prefill without a bootstrap port is a registration warning naming where to give it.
+func TestSGLangPrefillWithoutBootstrapPortWarns(t *testing.T) {
+	var out bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&out, nil))
+	w := worker.New(config.Worker{URL: "http://p:1", Role: config.RolePrefill})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeSGLang})
+	logConnector(log, config.Default(), w)
+	if !strings.Contains(out.String(), "without a bootstrap port") {
+		t.Errorf("logged %q", out.String())
+	}
+	port := 8998
+	w = worker.New(config.Worker{URL: "http://p:1", Role: config.RolePrefill, BootstrapPort: &port})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeSGLang})
+	out.Reset()
+	logConnector(log, config.Default(), w)
+	if strings.Contains(out.String(), "bootstrap port") {
+		t.Errorf("warned with a port given: %q", out.String())
 	}
 }
