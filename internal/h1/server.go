@@ -123,8 +123,8 @@ func (s *Server) Serve(ln net.Listener) error {
 		}
 		if max := s.maxConns(); max > 0 && len(s.conns) >= max {
 			s.mu.Unlock()
-			rw.Close() // past the bound: descriptors stay for the engines
-			s.Refused.Add(1)
+			s.Refused.Add(1) // counted before the close that a watcher may see first
+			rw.Close()       // past the bound: descriptors stay for the engines
 			continue
 		}
 		s.conns[c] = struct{}{}
