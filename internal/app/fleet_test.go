@@ -341,13 +341,3 @@ func cfgOf(t *testing.T, file string) config.Config {
 	}
 	return c
 }
-
-func grepLines(s, sub string) string {
-	var out []string
-	for _, l := range strings.Split(s, "\n") {
-		if strings.Contains(l, sub) {
-			out = append(out, l)
-		}
-	}
-	return strings.Join(out, "\n")
-}
