@@ -21,6 +21,9 @@ import (
 // ErrUnreachable means the engine did not answer; registration is retried.
 var ErrUnreachable = errors.New("engine not reachable")
 
+// ErrNeedsKey is an engine that refuses Baton's requests (401, 403): it wants a key Baton does not send.
+var ErrNeedsKey = errors.New("engine wants a key")
+
 // probeTimeout bounds each registration probe.
 const probeTimeout = 5 * time.Second
 
@@ -84,6 +87,13 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 	}
 	if status >= 500 {
 		return nil, fmt.Errorf("%w: GET /v1/models answered %d", ErrUnreachable, status)
+	}
+	if status == http.StatusUnauthorized || status == http.StatusForbidden {
+		hint := "give the engines their key with --worker-api-key (or the worker's api_key): Baton's --api-key is the clients' key and, unlike smg's, is never sent to an engine"
+		if w.APIKey != "" {
+			hint = "the key Baton sends it (--worker-api-key or its api_key) is not the engine's"
+		}
+		return nil, fmt.Errorf("%w: GET /v1/models answered %d: %s", ErrNeedsKey, status, hint)
 	}
 	var list struct {
 		Data []json.RawMessage `json:"data"`
@@ -236,9 +246,12 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
 			return
 		}
-		if attempt == 1 {
+		switch {
+		case attempt == 1 && errors.Is(err, ErrNeedsKey):
+			r.Log.Error("worker refuses Baton's requests; it takes no traffic until it answers", "worker", w.URL, "err", err)
+		case attempt == 1:
 			r.Log.Warn("worker not reachable yet; registering it in the background", "worker", w.URL, "err", err)
-		} else {
+		default:
 			r.Log.Debug("worker still not reachable", "worker", w.URL, "attempt", attempt, "err", err)
 		}
 		if !retry.Sleep(ctx, wait.Delay(attempt)) {

@@ -2,12 +2,14 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -226,5 +228,26 @@ func TestDetectSGLangKVEvents(t *testing.T) {
 		if got != c.want {
 			t.Errorf("%s: %q, want %q", c.info, got, c.want)
 		}
+	}
+}
+
+// An engine that wants a key is not registered on a guess: its 401 names the fix — the engine
+// key, which is not Baton's client key (smg sends that one on; Baton never does).
+func TestDetectNamesTheEngineKey(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer sk-engine" {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		io.WriteString(w, `{"data":[{"id":"m","owned_by":"vllm"}]}`)
+	}))
+	defer srv.Close()
+	_, err := Detect(context.Background(), srv.Client(), New(config.Worker{URL: srv.URL}))
+	if !errors.Is(err, ErrNeedsKey) || !strings.Contains(err.Error(), "--worker-api-key") {
+		t.Errorf("without a key: %v", err)
+	}
+	in, err := Detect(context.Background(), srv.Client(), New(config.Worker{URL: srv.URL, APIKey: "sk-engine"}))
+	if err != nil || in.Runtime != config.RuntimeVLLM {
+		t.Errorf("with the key: %+v %v", in, err)
 	}
 }
