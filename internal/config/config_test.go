@@ -151,9 +151,9 @@ workers:
 	}
 	msg := err.Error()
 	for _, want := range []string{
-		"polcy (line 2): unknown key",
+		"polcy (line 2): unknown key (did you mean policy?)",
 		"retry.max_retries (line 4): want a whole number, got \"lots\"",
-		"workers[0].rol (line 7): unknown key; known keys: url, role,",
+		"workers[0].rol (line 7): unknown key (did you mean role?); known keys: url, role,",
 		"workers[1].dp_size (line 9): want a whole number, got a list",
 	} {
 		if !strings.Contains(msg, want) {
