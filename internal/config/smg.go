@@ -1,7 +1,8 @@
 package config
 
 import (
-	"sort"
+	"maps"
+	"slices"
 	"strings"
 )
 
@@ -85,15 +86,11 @@ func unknownFlag(name string, known map[string]*flag) string {
 	return "unknown flag --" + name
 }
 
-// nearest returns the known flag closest to name (within two edits), "" when none is.
-func nearest(name string, known map[string]*flag) string {
+// nearest returns the name among known's keys closest to name (within two edits), "" when
+// none is: the suggestion for an unknown flag or YAML key.
+func nearest[V any](name string, known map[string]V) string {
 	best, bestD := "", 3
-	names := make([]string, 0, len(known))
-	for k := range known {
-		names = append(names, k)
-	}
-	sort.Strings(names)
-	for _, k := range names {
+	for _, k := range slices.Sorted(maps.Keys(known)) {
 		if d := editDistance(name, k); d < bestD {
 			best, bestD = k, d
 		}

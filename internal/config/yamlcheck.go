@@ -2,10 +2,8 @@ package config
 
 import (
 	"fmt"
-	"maps"
 	"math"
 	"reflect"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -109,7 +107,7 @@ func checkNode(n *yaml.Node, t reflect.Type, path string, out *[]string) {
 			seen[k.Value] = true
 			f, ok := fields[k.Value]
 			if !ok {
-				*out = append(*out, fmt.Sprintf("%s (line %d): unknown key%s; known keys: %s", where(join(path, k.Value)), k.Line, nearestKey(k.Value, fields), knownKeys(t)))
+				*out = append(*out, fmt.Sprintf("%s (line %d): unknown key%s; known keys: %s", where(join(path, k.Value)), k.Line, didYouMean(nearest(k.Value, fields)), knownKeys(t)))
 				continue
 			}
 			checkNode(val, f.Type, join(path, k.Value), out)
@@ -196,16 +194,10 @@ func describe(n *yaml.Node) string {
 	return strconv.Quote(n.Value)
 }
 
-// nearestKey names the known key closest to key (within two edits) as a suggestion, or "".
-func nearestKey(key string, fields map[string]reflect.StructField) string {
-	best, bestD := "", 3
-	for _, k := range slices.Sorted(maps.Keys(fields)) {
-		if d := editDistance(key, k); d < bestD {
-			best, bestD = k, d
-		}
-	}
-	if best == "" {
+// didYouMean words a suggestion ("" for none).
+func didYouMean(name string) string {
+	if name == "" {
 		return ""
 	}
-	return " (did you mean " + best + "?)"
+	return " (did you mean " + name + "?)"
 }
