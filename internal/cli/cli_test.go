@@ -131,15 +131,7 @@ func TestHelpVersionAndBenchScenarios(t *testing.T) {
 // recompute instead of handing off its KV.
 func TestCheckReportsEveryPair(t *testing.T) {
 	t.Parallel()
-	start := func(c sim.Config) *sim.Engine {
-		c.Model = "m"
-		e, err := sim.Start(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Close)
-		return e
-	}
+	start := func(c sim.Config) *sim.Engine { return simEngine(t, c) }
 	np := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	nd := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
 	sp := start(sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
@@ -192,15 +184,7 @@ func TestCheckReportsEveryPair(t *testing.T) {
 // regular workers are checked by one request each; --json is one object a pipeline can read.
 func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	t.Parallel()
-	start := func(c sim.Config) *sim.Engine {
-		c.Model = "m"
-		e, err := sim.Start(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Close)
-		return e
-	}
+	start := func(c sim.Config) *sim.Engine { return simEngine(t, c) }
 	np := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	sd := start(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
 	gone := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
@@ -250,4 +234,16 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	if err := json.Unmarshal(out.Bytes(), &rep); err != nil || !rep.OK || len(rep.Workers) != 1 || rep.Workers[0].Status != 200 || !rep.Workers[0].OK {
 		t.Errorf("--json: %v %+v\n%s", err, rep, out.String())
 	}
+}
+
+// simEngine starts a simulated engine serving model "m", closed with the test.
+func simEngine(t *testing.T, c sim.Config) *sim.Engine {
+	t.Helper()
+	c.Model = "m"
+	e, err := sim.Start(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
 }
