@@ -18,6 +18,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -113,7 +114,11 @@ type Gateway struct {
 	// Fleet adds, updates and removes workers while Baton runs.
 	Fleet   *fleet.Fleet
 	reloads *prometheus.CounterVec
-	Health  *worker.HealthChecker // nil when health checks are disabled
+	// reloadMu serialises reloads; applied is the configuration they compare with: Config with
+	// the settings reloads applied since.
+	reloadMu sync.Mutex
+	applied  config.Config
+	Health   *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
 	// KVEvents subscribes to the engines' KV events.
@@ -153,6 +158,50 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	return build(cfg, log)
 }
 
+// newPolicies builds the routing policy of each role from cfg: at start and on a reload that
+// changes one of them or their parameters.
+func newPolicies(cfg config.Config, kv *kvfleet.KVEvents) (map[string]policy.Policy, error) {
+	policies := map[string]policy.Policy{}
+	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
+		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
+			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
+			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: cfg.EvictionInterval})
+		if err != nil {
+			return nil, err
+		}
+		if ca, ok := p.(*policy.CacheAware); ok && cfg.CacheAwareSource != "approx" {
+			ca.Precise = kv.Precise()
+		}
+		policies[role] = p
+	}
+	return policies, nil
+}
+
+var (
+	cacheIndexBlocks = prometheus.NewDesc("baton_route_cache_index_blocks",
+		"cache_aware: prompt blocks its prefix index holds (bounded by max_tree_size / 64).", []string{"role"}, nil)
+	cacheIndexEvictions = prometheus.NewDesc("baton_route_cache_index_evictions_total",
+		"cache_aware: prompt blocks forgotten to keep its prefix index within max_tree_size.", []string{"role"}, nil)
+)
+
+// cacheIndexCollector reports the prefix index of each role whose policy is cache_aware now (a
+// reload may change which are).
+type cacheIndexCollector struct{ sel *policy.Selector }
+
+func (c cacheIndexCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- cacheIndexBlocks
+	ch <- cacheIndexEvictions
+}
+
+func (c cacheIndexCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
+		if ca, ok := c.sel.Policy(role).(*policy.CacheAware); ok {
+			ch <- prometheus.MustNewConstMetric(cacheIndexBlocks, prometheus.GaugeValue, float64(ca.Size()), role)
+			ch <- prometheus.MustNewConstMetric(cacheIndexEvictions, prometheus.CounterValue, float64(ca.Evictions()), role)
+		}
+	}
+}
+
 // build wires a gateway from cfg.
 func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	var ws []*worker.Worker
@@ -166,23 +215,10 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		w.UseBreaker(breaker)
 	}
 	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: cfg.PairHealth.Quarantine}
-	policies := map[string]policy.Policy{}
-	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
-		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
-			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
-			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: cfg.EvictionInterval})
-		if err != nil {
-			return nil, err
-		}
-		policies[role] = p
-		if ca, ok := p.(*policy.CacheAware); ok {
-			role := prometheus.Labels{"role": role}
-			m.Registry.MustRegister(
-				prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "baton_route_cache_index_blocks", ConstLabels: role,
-					Help: "cache_aware: prompt blocks its prefix index holds (bounded by max_tree_size / 64)."}, func() float64 { return float64(ca.Size()) }),
-				prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "baton_route_cache_index_evictions_total", ConstLabels: role,
-					Help: "cache_aware: prompt blocks forgotten to keep its prefix index within max_tree_size."}, func() float64 { return float64(ca.Evictions()) }))
-		}
+	kv := kvfleet.New(cfg, ws, reg, log)
+	policies, err := newPolicies(cfg, kv)
+	if err != nil {
+		return nil, err
 	}
 	transport := proxy.NewTransport(cfg.UpstreamClient)
 	px := &proxy.Proxy{Transport: transport, Timeout: cfg.RequestTimeout, Metrics: m, Log: log}
@@ -208,15 +244,8 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		}
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
-	kv := kvfleet.New(cfg, ws, reg, log)
 	kv.SetTokenizeClient(client)
-	if cfg.CacheAwareSource != "approx" {
-		for _, p := range policies {
-			if ca, ok := p.(*policy.CacheAware); ok {
-				ca.Precise = kv.Precise()
-			}
-		}
-	}
+	m.Registry.MustRegister(cacheIndexCollector{sel})
 	fl := fleet.New(cfg, reg, breaker, kv, m, log, cfg.RequestTimeout+5*time.Second)
 	fl.CloseIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
@@ -242,6 +271,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	return &Gateway{
 		Health:     health,
 		Config:     cfg,
+		applied:    cfg,
 		Registry:   reg,
 		Metrics:    m,
 		Parallel:   parallel,

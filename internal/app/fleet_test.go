@@ -328,8 +328,63 @@ func TestReload(t *testing.T) {
 	// a reload counts itself once its workers were applied, after the fleet shows them.)
 	partial := regexp.MustCompile(`baton_config_reloads_total\{result="partial"\} [12]\n`)
 	poll.Until(t, "the reload counted as partial", func() bool { m = scrape(t, g); return partial.MatchString(m) })
-	if got := config.Changed(g.Config, cfgOf(t, file)); strings.Join(got, ",") != "admin_api_key,watch_config" {
-		t.Errorf("changed settings %v", got)
+	if live, restart := config.Changed(g.Config, cfgOf(t, file)); len(live) != 0 || strings.Join(restart, ",") != "admin_api_key,watch_config" {
+		t.Errorf("changed settings: live %v, restart %v", live, restart)
+	}
+}
+
+// A reload applies the routing policies and their parameters live: the next selection uses the
+// new policy, the reload counts as ok (nothing needs a restart), the prefix index metrics follow
+// the policy, and a second reload of the same file changes nothing more.
+func TestReloadAppliesPoliciesLive(t *testing.T) {
+	a := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	b := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	file := filepath.Join(t.TempDir(), "baton.yaml")
+	base := fmt.Sprintf("host: 127.0.0.1\nroute_header: true\nworkers:\n  - url: %s\n  - url: %s\n", a.URL(), b.URL())
+	if err := os.WriteFile(file, []byte(base), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g, gw := startGateway(t, cfgOf(t, file))
+	policyOf := func() string {
+		t.Helper()
+		resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":2}`)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		route := resp.Header.Get("X-Baton-Route")
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+		_, p, _ := strings.Cut(route, "policy=")
+		p, _, _ = strings.Cut(p, ";")
+		return p
+	}
+	if p := policyOf(); p != "round_robin" {
+		t.Fatalf("policy %q before the reload", p)
+	}
+	if strings.Contains(scrape(t, g), "baton_route_cache_index_blocks") {
+		t.Error("a prefix index reported without cache_aware")
+	}
+	if err := os.WriteFile(file, []byte(base+"policy: cache_aware\ncache_threshold: 0.5\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if p := policyOf(); p != "cache_aware" {
+		t.Fatalf("policy %q after the reload, want cache_aware", p)
+	}
+	m := scrape(t, g)
+	if !strings.Contains(m, `baton_config_reloads_total{result="ok"} 1`) || strings.Contains(m, `result="partial"`) {
+		t.Errorf("a live reload not counted as ok:\n%s", m)
+	}
+	if !strings.Contains(m, `baton_route_cache_index_blocks{role="regular"}`) {
+		t.Error("the new cache_aware policy's index is not reported")
+	}
+	p := g.Selector.Policy(config.RoleRegular)
+	if err := g.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if g.Selector.Policy(config.RoleRegular) != p {
+		t.Error("a reload of an unchanged file rebuilt the policy (and dropped its prefix index)")
 	}
 }
 

@@ -11,36 +11,60 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/baton-llm/baton/internal/fleet"
-
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/fleet"
+	"github.com/baton-llm/baton/internal/policy"
 )
 
-// Reload parses the configuration again (the same flags, the --config file re-read) and makes
-// the fleet's configured workers what it lists: new ones are added, changed ones updated,
-// removed ones drained. Workers the admin API or discovery added are left alone. Every other
-// setting needs a restart: a reload that changes one applies the workers, names each such
-// setting in its log line, and counts as partial. An invalid configuration changes nothing.
+// Reload parses the configuration again (the same flags, the --config file re-read) and applies
+// it: the fleet's configured workers become what it lists (new ones added, changed ones updated,
+// removed ones drained; workers the admin API or discovery added are left alone), and the
+// routing policies and their parameters take effect for the next selection (a policy whose
+// parameters changed starts with an empty prefix index). Every other setting needs a restart: a
+// reload that changes one names each such setting in its log line and counts as partial, as
+// does one where some worker was refused. An invalid configuration changes nothing.
 func (g *Gateway) Reload() error {
+	g.reloadMu.Lock()
+	defer g.reloadMu.Unlock()
 	cfg, err := config.Parse(g.Config.Args, io.Discard)
 	if err != nil {
 		g.Log.Error("reload: the configuration is invalid; nothing changed", "err", err)
 		g.reloads.WithLabelValues("invalid").Inc()
 		return err
 	}
-	if err := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig); err != nil {
-		g.Log.Error("reload: some workers could not be applied", "err", err)
-		g.reloads.WithLabelValues("partial").Inc()
-		return err
+	live, restart := config.Changed(g.applied, cfg)
+	var policies map[string]policy.Policy
+	if len(live) > 0 {
+		if policies, err = newPolicies(cfg, g.KVEvents); err != nil {
+			g.Log.Error("reload: the configuration is invalid; nothing changed", "err", err)
+			g.reloads.WithLabelValues("invalid").Inc()
+			return err
+		}
 	}
-	if restart := config.Changed(g.Config, cfg); len(restart) > 0 {
+	werr := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig)
+	if policies != nil {
+		g.Selector.SetPolicies(policies)
+		g.applied = config.WithLive(g.applied, cfg)
+	}
+	attrs := []any{"workers", len(cfg.AllWorkers())}
+	if len(live) > 0 {
+		attrs = append(attrs, "applied", strings.Join(live, ", "), "policy", cfg.Policy)
+		if cfg.PDDisaggregation {
+			attrs = append(attrs, "prefill_policy", cfg.PolicyFor(config.RolePrefill), "decode_policy", cfg.PolicyFor(config.RoleDecode))
+		}
+	}
+	switch {
+	case werr != nil:
 		g.reloads.WithLabelValues("partial").Inc()
-		g.Log.Warn("reload: workers applied; these changed settings take effect only after a restart", "workers", len(cfg.AllWorkers()),
-			"need_restart", strings.Join(restart, ", "))
+		g.Log.Error("reload: some workers could not be applied", append(attrs, "err", werr, "need_restart", strings.Join(restart, ", "))...)
+		return werr
+	case len(restart) > 0:
+		g.reloads.WithLabelValues("partial").Inc()
+		g.Log.Warn("reload: applied; these changed settings take effect only after a restart", append(attrs, "need_restart", strings.Join(restart, ", "))...)
 		return nil
 	}
 	g.reloads.WithLabelValues("ok").Inc()
-	g.Log.Info("reload: configuration applied", "workers", len(cfg.AllWorkers()))
+	g.Log.Info("reload: configuration applied", attrs...)
 	return nil
 }
 

@@ -60,7 +60,7 @@ type Config struct {
 	WorkerURLs []string `json:"worker_urls" flag:"worker-urls" help:"regular workers by URL (space- or comma-separated)"`
 	// Workers are workers with full settings (YAML), or --prefill and --decode.
 	Workers []Worker `json:"workers"`
-	Policy  string   `json:"policy" flag:"policy" default:"round_robin" help:"worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware"`
+	Policy  string   `json:"policy" reload:"live" flag:"policy" default:"round_robin" help:"worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware"`
 	// A worker with an explicit kv_events_endpoint is subscribed to either way.
 	KVEvents       bool   `json:"kv_events" flag:"kv-events" help:"subscribe to every worker's KV events at its kv_events_endpoint or tcp://<host>:5557 (GET /workers shows their health)"`
 	KVEventsListen string `json:"kv_events_listen" flag:"kv-events-listen" help:"listen for KV events from engines that connect out (tcp://host:port, * for every interface); each publishes on the topic kv@<ip>:<port>@<model>"`
@@ -70,21 +70,21 @@ type Config struct {
 	RouteHeader      bool   `json:"route_header" flag:"route-header" help:"add X-Baton-Route to responses: why each worker was chosen (policy, reason, load, cached share)"`
 	// cache_aware: below CacheThreshold, or when the busiest worker is above both balance
 	// bounds of the idlest, the load decides.
-	CacheThreshold      float64 `json:"cache_threshold" flag:"cache-threshold" default:"0.3" check:"0..1" help:"cache_aware: share of the prompt that must be cached on a worker to follow the cache"`
-	BalanceAbsThreshold float64 `json:"balance_abs_threshold" flag:"balance-abs-threshold" default:"64" check:">=0" help:"cache_aware: balance load when the busiest worker has this many more requests than the idlest"`
-	BalanceRelThreshold float64 `json:"balance_rel_threshold" flag:"balance-rel-threshold" default:"1.5" check:">=1" help:"cache_aware: … and this many times as many"`
+	CacheThreshold      float64 `json:"cache_threshold" reload:"live" flag:"cache-threshold" default:"0.3" check:"0..1" help:"cache_aware: share of the prompt that must be cached on a worker to follow the cache"`
+	BalanceAbsThreshold float64 `json:"balance_abs_threshold" reload:"live" flag:"balance-abs-threshold" default:"64" check:">=0" help:"cache_aware: balance load when the busiest worker has this many more requests than the idlest"`
+	BalanceRelThreshold float64 `json:"balance_rel_threshold" reload:"live" flag:"balance-rel-threshold" default:"1.5" check:">=1" help:"cache_aware: … and this many times as many"`
 	// The higher CacheLoadCost, the sooner a hot prefix spreads from a busy worker.
-	CacheLoadCost    float64       `json:"cache_load_cost" flag:"cache-load-cost" default:"16" check:">=0" help:"cache_aware: 64-byte prompt blocks one request of load is worth"`
-	EvictionInterval time.Duration `json:"eviction_interval" flag:"eviction-interval" unit:"secs" int:"secs" default:"2m" check:">0" help:"cache_aware: forget a prefix not routed for this long (a bare number is seconds, as smg's)"`
+	CacheLoadCost    float64       `json:"cache_load_cost" reload:"live" flag:"cache-load-cost" default:"16" check:">=0" help:"cache_aware: 64-byte prompt blocks one request of load is worth"`
+	EvictionInterval time.Duration `json:"eviction_interval" reload:"live" flag:"eviction-interval" unit:"secs" int:"secs" default:"2m" check:">0" help:"cache_aware: forget a prefix not routed for this long (a bare number is seconds, as smg's)"`
 	// MaxTreeSize: the default, 16777216, is 262,144 blocks, about 40 MB.
-	MaxTreeSize          int           `json:"max_tree_size" flag:"max-tree-size" default:"16777216" check:">=64" help:"cache_aware: bound of the prefix index, in prompt characters"`
+	MaxTreeSize          int           `json:"max_tree_size" reload:"live" flag:"max-tree-size" default:"16777216" check:">=64" help:"cache_aware: bound of the prefix index, in prompt characters"`
 	LoadPollInterval     time.Duration `json:"load_poll_interval" flag:"load-poll-interval" unit:"ms" default:"500ms" check:"10ms..60s" help:"how often each engine's /metrics is read for its load; older than three intervals is ignored"`
-	PrefixTokenCount     int           `json:"prefix_token_count" flag:"prefix-token-count" default:"256" check:">=1" help:"prefix_hash: how much of the prompt to hash, in tokens (about 4 characters each)"`
-	PrefixHashLoadFactor float64       `json:"prefix_hash_load_factor" flag:"prefix-hash-load-factor" default:"1.25" check:">=1" help:"prefix_hash: move on along the ring when a worker's load exceeds this times the mean"`
+	PrefixTokenCount     int           `json:"prefix_token_count" reload:"live" flag:"prefix-token-count" default:"256" check:">=1" help:"prefix_hash: how much of the prompt to hash, in tokens (about 4 characters each)"`
+	PrefixHashLoadFactor float64       `json:"prefix_hash_load_factor" reload:"live" flag:"prefix-hash-load-factor" default:"1.25" check:">=1" help:"prefix_hash: move on along the ring when a worker's load exceeds this times the mean"`
 	PDDisaggregation     bool          `json:"pd_disaggregation" flag:"pd-disaggregation" help:"prefill/decode disaggregation: generation goes to a prefill and a decode worker"`
 	// PrefillPolicy and DecodePolicy: empty means Policy.
-	PrefillPolicy string `json:"prefill_policy" flag:"prefill-policy" help:"policy for the prefill worker of a pair (default: --policy)"`
-	DecodePolicy  string `json:"decode_policy" flag:"decode-policy" help:"policy for the decode worker of a pair (default: --policy)"`
+	PrefillPolicy string `json:"prefill_policy" reload:"live" flag:"prefill-policy" help:"policy for the prefill worker of a pair (default: --policy)"`
+	DecodePolicy  string `json:"decode_policy" reload:"live" flag:"decode-policy" help:"policy for the decode worker of a pair (default: --policy)"`
 	KVConnector   string `json:"kv_connector" flag:"kv-connector" help:"KV connector of vLLM prefill workers that configure none: NixlConnector | MooncakeConnector"`
 	// PDRequireHandoff: no silent fallback to a decode that recomputes.
 	PDRequireHandoff   bool   `json:"pd_require_handoff" flag:"pd-require-handoff" help:"strict mode: a PD request whose decode would recompute the prompt fails with 502"`

@@ -25,6 +25,8 @@ import (
 //	hint     what a value out of bounds is said with ("for one attempt, --disable-retries")
 //	int      the unit of a bare integer the duration flag takes too, where smg's flag of the
 //	         same name is a number ("secs": --eviction-interval 120)
+//	reload   "live": a reload applies it to the running gateway (the routing policies and
+//	         their parameters); every other setting needs a restart
 //
 // The flag set, --help, the defaults, the simple validation and the YAML aliases all come from
 // this table; Validate adds the rules that tie settings together.
@@ -46,6 +48,7 @@ type setting struct {
 	// bareInt is the unit of a bare integer given to a duration flag that smg spells the same
 	// and takes as a number (tag int: "secs"); 0: a bare integer is refused.
 	bareInt time.Duration
+	live    bool // a reload applies it (tag reload:"live")
 }
 
 var durationType = reflect.TypeOf(time.Duration(0))
@@ -83,6 +86,7 @@ func collectSettings(t reflect.Type, index []int, prefix string) []setting {
 		s := setting{index: idx, key: prefix + key, flag: f.Tag.Get("flag"), help: f.Tag.Get("help"), def: f.Tag.Get("default"),
 			check: f.Tag.Get("check"), unit: f.Tag.Get("unit"), typ: f.Type}
 		s.bareInt, s.secret, s.hint = unitOf(f.Tag.Get("int")), f.Tag.Get("secret"), f.Tag.Get("hint")
+		s.live = f.Tag.Get("reload") == "live"
 		if o := f.Tag.Get("oneof"); o != "" {
 			s.oneof = strings.Split(o, "|")
 		}
@@ -310,16 +314,32 @@ func (s *setting) bounds(c *Config) (got, lo, hi float64, err error) {
 }
 
 // Changed returns the YAML keys of the settings whose values differ between a and b (the
-// workers aside: they are no setting of their own).
-func Changed(a, b Config) []string {
-	var out []string
+// workers aside: they are no setting of their own), split into those a reload applies (live)
+// and those that need a restart.
+func Changed(a, b Config) (live, restart []string) {
 	for i := range settings {
 		s := &settings[i]
-		if !reflect.DeepEqual(s.field(&a).Interface(), s.field(&b).Interface()) {
-			out = append(out, s.key)
+		if reflect.DeepEqual(s.field(&a).Interface(), s.field(&b).Interface()) {
+			continue
+		}
+		if s.live {
+			live = append(live, s.key)
+		} else {
+			restart = append(restart, s.key)
 		}
 	}
-	return out
+	return live, restart
+}
+
+// WithLive returns a with b's values of the settings a reload applies (reload:"live"): the
+// configuration a gateway runs with after a reload that needed no restart for them.
+func WithLive(a, b Config) Config {
+	for i := range settings {
+		if s := &settings[i]; s.live {
+			s.field(&a).Set(s.field(&b))
+		}
+	}
+	return a
 }
 
 // fromEnvironment sets every secret setting whose environment variable is set.

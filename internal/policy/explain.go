@@ -69,7 +69,7 @@ func reasonOf(p Policy) string {
 
 // pick has role's policy choose among ws, recording the decision on req and with Observe.
 func (s *Selector) pick(ctx context.Context, role string, ws []*worker.Worker, req *Request) *worker.Worker {
-	p := s.Policies[role]
+	p := s.Policy(role)
 	var w *worker.Worker
 	var d Decision
 	if e, ok := p.(explainer); ok {

@@ -3,6 +3,7 @@ package policy
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
@@ -69,13 +70,28 @@ func (e *NoWorkerError) Error() string {
 // among what is left.
 type Selector struct {
 	Registry *worker.Registry
-	Policies map[string]Policy  // by role
+	Policies map[string]Policy  // by role, as built; SetPolicies replaces them while serving
 	Pairs    *worker.PairHealth // nil: no pair quarantine
 	// Compatible reports whether a decode can take a prefill's KV (their connectors agree);
 	// nil: any pair.
 	Compatible func(prefill, decode *worker.Worker) bool
 	// Observe, when set, sees every decision (for metrics).
 	Observe func(Decision)
+
+	live atomic.Pointer[map[string]Policy] // set by SetPolicies
+}
+
+// SetPolicies makes ps (by role) the policies of every selection from now on: a reload that
+// changes a policy or its parameters. Selections in progress finish with the policy they began
+// with.
+func (s *Selector) SetPolicies(ps map[string]Policy) { s.live.Store(&ps) }
+
+// Policy is role's policy now.
+func (s *Selector) Policy(role string) Policy {
+	if ps := s.live.Load(); ps != nil {
+		return (*ps)[role]
+	}
+	return s.Policies[role]
 }
 
 // Serves reports whether w serves path: an SGLang-only route (routes.Route.SGLangOnly) is never
