@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -118,7 +119,9 @@ type Gateway struct {
 	// the settings reloads applied since.
 	reloadMu sync.Mutex
 	applied  config.Config
-	Health   *worker.HealthChecker // nil when health checks are disabled
+	// discovery is the service discovery Baton runs, for the status page and the metrics.
+	discovery *discoveryHealth
+	Health    *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
 	// KVEvents subscribes to the engines' KV events.
@@ -251,6 +254,8 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
 		Admin: server.Admin{Fleet: fl, SourceOf: fl.SourceOf}}
 	m.Registry.MustRegister(kv.Collector())
+	disc := &discoveryHealth{}
+	parts.Notices = disc.notices
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)
 	if health != nil {
@@ -272,6 +277,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Health:     health,
 		Config:     cfg,
 		applied:    cfg,
+		discovery:  disc,
 		Registry:   reg,
 		Metrics:    m,
 		Parallel:   parallel,
@@ -411,12 +417,47 @@ func (g *Gateway) startBackground(bg context.Context, cfg config.Config, log *sl
 	if err != nil {
 		return err
 	}
+	g.UseDiscovery(d)
 	go func() {
 		if err := d.Run(bg); err != nil {
 			log.Error("service discovery stopped", "err", err)
 		}
 	}()
 	return nil
+}
+
+// discoveryHealth shows the service discovery's API server on the status page and in
+// baton_service_discovery_connected.
+type discoveryHealth struct {
+	d atomic.Pointer[discovery.Discovery]
+}
+
+// UseDiscovery shows d's API server on the status page and in the metrics.
+func (g *Gateway) UseDiscovery(d *discovery.Discovery) {
+	if g.discovery.d.Swap(d) != nil {
+		return
+	}
+	g.Metrics.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "baton_service_discovery_connected",
+		Help: "1 while service discovery's Kubernetes API server answers; 0 while it does not (the discovered workers stay as they were)."},
+		func() float64 {
+			if g.discovery.d.Load().Health().Connected {
+				return 1
+			}
+			return 0
+		}))
+}
+
+func (h *discoveryHealth) notices() []server.Notice {
+	d := h.d.Load()
+	if d == nil {
+		return nil
+	}
+	hl := d.Health()
+	if hl.Connected {
+		return nil
+	}
+	return []server.Notice{{Level: "bad", Text: fmt.Sprintf("Service discovery: the Kubernetes API server has not answered since %s (%s). The %d discovered workers stay as they were: pods that changed meanwhile are not seen until it answers again.",
+		hl.Since.UTC().Format(time.RFC3339), hl.Err, hl.Workers)}}
 }
 
 // listeners are the gateway's listeners and their servers: the API's, and the metrics' and

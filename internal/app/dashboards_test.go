@@ -16,6 +16,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -96,6 +97,7 @@ func exported(t *testing.T) map[string]bool {
 	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:9","role":"decode"}`); status != 202 {
 		t.Fatalf("admin add: %d %s", status, body)
 	}
+	g.UseDiscovery(&discovery.Discovery{}) // its metric, as a gateway with --service-discovery shows it
 	scrapeNames(g)
 
 	bad := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Status: 503}})

@@ -7,7 +7,9 @@ package discovery
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -70,6 +72,8 @@ type Discovery struct {
 	UnreadyRemoveAfter, Settle, Resync time.Duration
 
 	mu        sync.Mutex
+	lostSince time.Time            // when the API server stopped answering; zero while it answers
+	lostErr   string               // what it answered last, while lost
 	members   map[string]time.Time // pod UID -> when it was last seen ready (joined pods)
 	warned    map[string]string    // pod UID -> resourceVersion whose problem was logged
 	selectors map[string]labels.Selector
@@ -132,15 +136,83 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 	return rest.InClusterConfig()
 }
 
+// Health is what discovery knows of its API server now.
+type Health struct {
+	// Connected: the last list or watch succeeded (or none failed yet).
+	Connected bool
+	// Since is when the API server stopped answering; Err what the last attempt got.
+	Since time.Time
+	Err   string
+	// Workers is the number of discovered workers kept meanwhile.
+	Workers int
+}
+
+// Health reports whether the API server answers. While it does not, the discovered workers stay
+// as they were.
+func (d *Discovery) Health() Health {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return Health{Connected: d.lostSince.IsZero(), Since: d.lostSince, Err: d.lostErr, Workers: len(d.members)}
+}
+
+// maxLostErr bounds the API server's error kept for the status page.
+const maxLostErr = 300
+
+// lost notes that a list or watch failed; the first failure after a success is logged.
+func (d *Discovery) lost(err error) {
+	if errors.Is(err, io.EOF) || apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
+		return // a watch that ended, or a resource version too old: the informer lists again
+	}
+	msg := err.Error()
+	if len(msg) > maxLostErr {
+		msg = msg[:maxLostErr] + "…"
+	}
+	d.mu.Lock()
+	first := d.lostSince.IsZero()
+	if first {
+		d.lostSince = time.Now()
+	}
+	d.lostErr = msg
+	n := len(d.members)
+	d.mu.Unlock()
+	if first {
+		d.Log.Warn("service discovery: the API server does not answer; the discovered workers stay as they are until it does", "namespace", d.Namespace, "workers_kept", n, "err", msg)
+	}
+}
+
+// probeTimeout bounds the check that the API server answers.
+const probeTimeout = 5 * time.Second
+
+// probe asks the API server for one pod of the namespace. The informer alone does not tell: it
+// waits out a refused connection without a word, keeping its last view.
+func (d *Discovery) probe(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	if _, err := d.Client.CoreV1().Pods(d.Namespace).List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+		if ctx.Err() == nil || errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			d.lost(err)
+		}
+		return
+	}
+	d.mu.Lock()
+	since := d.lostSince
+	d.lostSince, d.lostErr = time.Time{}, ""
+	d.mu.Unlock()
+	if !since.IsZero() {
+		d.Log.Info("service discovery: the API server answers again", "namespace", d.Namespace, "lost_for", time.Since(since).Round(time.Second).String())
+	}
+}
+
 // SourceKubernetes names the workers discovery manages.
 const SourceKubernetes = "kubernetes"
 
 // Run watches pods until ctx ends. It returns an error when a selector is invalid; a lost or
 // restarted API server is waited out (the informer lists and watches again, and the workers
-// stay as they were meanwhile).
+// stay as they were meanwhile), and shown by Health.
 func (d *Discovery) Run(ctx context.Context) error {
 	d.mu.Lock()
 	d.members, d.warned, d.selectors = map[string]time.Time{}, map[string]string{}, map[string]labels.Selector{}
+	d.lostSince, d.lostErr = time.Time{}, ""
 	for role, set := range d.Selectors {
 		if len(set) == 0 {
 			continue
@@ -178,6 +250,9 @@ func (d *Discovery) Run(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
+	if err := pods.Informer().SetWatchErrorHandler(func(_ *cache.Reflector, err error) { d.lost(err) }); err != nil {
+		return err
+	}
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
 	d.Log.Info("service discovery: watching pods", "namespace", d.Namespace, "selectors", d.Selectors, "port", d.Port)
@@ -197,6 +272,7 @@ func (d *Discovery) Run(ctx context.Context) error {
 			return nil
 		case <-kick:
 		case <-tick.C:
+			d.probe(ctx)
 		}
 		// Coalesce a burst (a rollout, a flapping probe) into one change.
 		select {

@@ -77,6 +77,9 @@ type Options struct {
 	AccessLog bool
 	// Version is shown on the status page.
 	Version string
+	// Notices, when set, are shown at the top of the status page: conditions an operator must
+	// see (an API server discovery lost).
+	Notices func() []Notice
 
 	Registry   *worker.Registry
 	Selector   *policy.Selector

@@ -159,6 +159,12 @@ func quantileMs(v []float64, q float64) float64 {
 	return s[min(len(s)-1, int(q*float64(len(s))))] * 1000
 }
 
+// A Notice is a condition shown at the top of the status page.
+type Notice struct {
+	Level string `json:"level"` // warn or bad
+	Text  string `json:"text"`
+}
+
 // pairStatus is a PD pair's handoff outcomes on the status page.
 type pairStatus struct {
 	Prefill    string           `json:"prefill"`
@@ -219,10 +225,14 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
 		ws = append(ws, s.view(wk, now))
 	}
 	pairs := pairsOf(s.metrics.PairHandoffCounts())
+	notices := []Notice{}
+	if s.opts.Notices != nil {
+		notices = append(notices, s.opts.Notices()...)
+	}
 	body, _ := json.Marshal(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
-		"pd": s.opts.PD,
+		"pd": s.opts.PD, "notices": notices,
 	})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))

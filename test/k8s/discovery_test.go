@@ -79,6 +79,7 @@ func gateway(t *testing.T, cs kubernetes.Interface, ns string, cfg config.Config
 	}
 	d := &discovery.Discovery{Client: cs, Namespace: ns, Selectors: sel, Port: 8000, Fleet: g.Fleet, Log: slog.New(slog.DiscardHandler),
 		Settle: 20 * time.Millisecond, UnreadyRemoveAfter: 1500 * time.Millisecond}
+	g.UseDiscovery(d)
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
@@ -267,8 +268,9 @@ func TestDiscoveryAnnotations(t *testing.T) {
 	poll.Until(t, "the annotation change applied", func() bool { w := workerAt(g, "http://127.0.0.1:18001"); return w != nil && w.KVEngineID == "engine-8" })
 }
 
-// The API server stops and comes back: the discovered workers stay meanwhile, and changes made
-// after it returns are seen.
+// The API server stops and comes back: the discovered workers stay meanwhile, the status page
+// and baton_service_discovery_connected say it is lost, and changes made after it returns are
+// seen.
 func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 	cs, ns := cluster(t)
 	e1, e2 := engine(t, sim.Config{Engine: sim.EngineVLLM}), engine(t, sim.Config{Engine: sim.EngineVLLM})
@@ -277,14 +279,22 @@ func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 	setStatus(t, cs, ns, "p1", true)
 	poll.Until(t, "p1 joins", func() bool { w := workerAt(g, e1.URL()); return w != nil && w.Ready() })
 
+	if connected(t, g) != 1 || len(notices(t, g)) != 0 {
+		t.Fatalf("discovery not shown connected: %v", notices(t, g))
+	}
+
 	server.StopAPIServer()
-	time.Sleep(500 * time.Millisecond)
+	poll.Until(t, "the lost API server shown", func() bool { return connected(t, g) == 0 })
+	if n := notices(t, g); len(n) != 1 || !strings.Contains(n[0], "API server has not answered") || !strings.Contains(n[0], "The 1 discovered workers stay") {
+		t.Errorf("status page notices: %q", n)
+	}
 	if status, on := complete(t, url); status != 200 || on != e1.URL() {
 		t.Errorf("while the API server is down: %d on %s", status, on)
 	}
 	if err := server.StartAPIServer(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	poll.Until(t, "the API server shown back", func() bool { return connected(t, g) == 1 && len(notices(t, g)) == 0 })
 	cs = kubernetes.NewForConfigOrDie(server.Config)
 	pod(t, cs, ns, "p2", map[string]string{"app": "engine"}, map[string]string{discovery.AnnotationPort: port(e2)})
 	setStatus(t, cs, ns, "p2", true)
@@ -292,4 +302,38 @@ func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 	if workerAt(g, e1.URL()) == nil {
 		t.Error("p1 left over the restart")
 	}
+}
+
+// connected is baton_service_discovery_connected.
+func connected(t *testing.T, g *app.Gateway) float64 {
+	t.Helper()
+	mfs, err := g.Metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "baton_service_discovery_connected" {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("no baton_service_discovery_connected")
+	return -1
+}
+
+// notices are the status page's notices.
+func notices(t *testing.T, g *app.Gateway) []string {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	g.Server.StatusHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/status.json", nil))
+	var s struct {
+		Notices []struct{ Text string } `json:"notices"`
+	}
+	if err := json.Unmarshal(rec.Body.Bytes(), &s); err != nil {
+		t.Fatalf("status.json: %v: %s", err, rec.Body)
+	}
+	var out []string
+	for _, n := range s.Notices {
+		out = append(out, n.Text)
+	}
+	return out
 }
