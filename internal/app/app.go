@@ -566,6 +566,9 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 		attrs = append(attrs, "prefill_policy", cfg.PolicyFor(config.RolePrefill), "decode_policy", cfg.PolicyFor(config.RoleDecode))
 	}
 	log.Info("baton started", append(attrs, "http_server", server, "upstream_client", cfg.UpstreamClient)...)
+	if d := config.SmgDifferences(cfg); len(d) > 0 {
+		log.Info("defaults that differ from smg's are in effect", "settings", strings.Join(d, "; "))
+	}
 	for _, w := range cfg.Warnings() {
 		log.Warn(w)
 	}

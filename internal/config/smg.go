@@ -3,6 +3,7 @@ package config
 import (
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -132,4 +133,32 @@ func splitURLs(vals []string) []string {
 		}
 	}
 	return out
+}
+
+// SmgDifferences names the settings in effect in c whose value is Baton's default where smg's
+// default differs, each as "key=value (smg: …)": said once at startup, so that a command line
+// taken from smg does not change behaviour unseen.
+func SmgDifferences(c Config) []string {
+	var out []string
+	if c.Policy == defaults.Policy {
+		out = append(out, "policy="+c.Policy+" (smg: cache_aware)")
+	}
+	if c.usesPolicy(PolicyCacheAware) && c.MaxTreeSize == defaults.MaxTreeSize {
+		out = append(out, "max_tree_size="+strconv.Itoa(c.MaxTreeSize)+" prompt characters for the whole index (smg: 67108864, per worker)")
+	}
+	if c.ServiceDiscovery && c.ServiceDiscoveryPort == defaults.ServiceDiscoveryPort {
+		out = append(out, "service_discovery_port="+strconv.Itoa(c.ServiceDiscoveryPort)+" (smg: 80)")
+	}
+	if c.ServiceDiscovery && c.ServiceDiscoveryNamespace == "" {
+		out = append(out, "service_discovery_namespace=Baton's own (smg: every namespace)")
+	}
+	if c.APIKey != "" && c.WorkerAPIKey == "" {
+		out = append(out, "api_key is checked on clients and not sent to the engines (smg sends it on: give the engines' key with --worker-api-key)")
+	}
+	return out
+}
+
+// usesPolicy reports whether any role's policy is name.
+func (c *Config) usesPolicy(name string) bool {
+	return c.Policy == name || c.PolicyFor(RolePrefill) == name || c.PolicyFor(RoleDecode) == name
 }

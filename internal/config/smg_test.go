@@ -91,3 +91,37 @@ func TestREADMEHasTheSmgTable(t *testing.T) {
 		}
 	}
 }
+
+// A command line taken from smg is told, at startup, which of Baton's defaults in effect differ
+// from smg's; a setting given its smg value, or unused, is not named.
+func TestSmgDifferences(t *testing.T) {
+	parse := func(args ...string) string {
+		t.Helper()
+		c, err := Parse(args, io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(SmgDifferences(c), "; ")
+	}
+	got := parse("--worker-urls", "http://a:8000", "--api-key", "sk-1")
+	for _, want := range []string{"policy=round_robin (smg: cache_aware)", "api_key is checked on clients", "--worker-api-key"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("%q lacks %q", got, want)
+		}
+	}
+	if strings.Contains(got, "max_tree_size") || strings.Contains(got, "service_discovery") {
+		t.Errorf("names settings not in use: %q", got)
+	}
+	got = parse("--policy", "cache_aware", "--service-discovery", "--selector", "app=engine")
+	for _, want := range []string{"max_tree_size=16777216", "service_discovery_port=8000 (smg: 80)", "service_discovery_namespace=Baton's own"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("%q lacks %q", got, want)
+		}
+	}
+	if strings.Contains(got, "policy=") {
+		t.Errorf("names the policy given: %q", got)
+	}
+	if got := parse("--policy", "cache_aware", "--max-tree-size", "67108864", "--api-key", "k", "--worker-api-key", "w"); got != "" {
+		t.Errorf("differences named with smg's values given: %q", got)
+	}
+}
