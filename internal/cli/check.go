@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -76,8 +77,11 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	registered(ctx, g.Registry, wait)
 	rep := check(ctx, g, cfg.PDDisaggregation)
 	if asJSON {
-		b, _ := json.MarshalIndent(rep, "", "  ")
-		fmt.Fprintln(stdout, string(b))
+		var b bytes.Buffer
+		if err := json.Indent(&b, openai.MarshalJSON(rep), "", "  "); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, b.String())
 	} else {
 		rep.write(stdout)
 	}

@@ -7,6 +7,7 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"sync"
 	"time"
@@ -123,6 +124,9 @@ func Parse(r io.Reader) (worker.EngineLoad, error) {
 				x := m.GetUntyped().GetValue()
 				if m.GetGauge() != nil {
 					x = m.GetGauge().GetValue()
+				}
+				if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 {
+					continue // no load: an engine's NaN must not reach routing or GET /workers
 				}
 				v, found = agg(v, x), true
 			}

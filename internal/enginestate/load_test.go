@@ -32,6 +32,15 @@ sglang:num_queue_reqs{dp_rank="0"} 2
 sglang:token_usage{dp_rank="0"} 0.9
 `, 8, 2, 0.9, true, true},
 		{"neither", "other_metric 1\n", 0, 0, 0, false, false},
+		// An engine's NaN, infinity or negative gauge is no load (it would break routing and
+		// GET /workers' JSON).
+		{"not numbers", `vllm:num_requests_running NaN
+vllm:num_requests_waiting -3
+vllm:kv_cache_usage_perc +Inf
+`, 0, 0, 0, false, false},
+		{"one series of two bad", `sglang:num_running_reqs{dp_rank="0"} NaN
+sglang:num_running_reqs{dp_rank="1"} 4
+`, 4, 0, 0, true, false},
 	} {
 		l, err := Parse(strings.NewReader(tc.text))
 		if err != nil {

@@ -3,6 +3,7 @@
 package openai
 
 import (
+	"bytes"
 	"encoding/json"
 	"net/http"
 	"strconv"
@@ -116,8 +117,21 @@ func (e *Error) Marshal() []byte {
 		p := e.Param
 		b.Param = &p
 	}
-	out, _ := json.Marshal(envelope{Error: b}) // plain strings: cannot fail
-	return out
+	return MarshalJSON(envelope{Error: b})
+}
+
+// MarshalJSON is json.Marshal without its HTML escaping: what Baton writes (error messages, the
+// admin API, the status page's data, baton check --json) reads "Bearer <key>" and "none-n>1", not
+// "\u003ckey\u003e". The values are Baton's own (strings, numbers, maps of them): an error can
+// only be a bug, and panics.
+func MarshalJSON(v any) []byte {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		panic("openai: " + err.Error())
+	}
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n"))
 }
 
 // CodeNoter is a response writer that keeps the error code of an answer written through it:

@@ -289,7 +289,7 @@ func adminError(w http.ResponseWriter, status int, code, msg string) {
 }
 
 func writeAdmin(w http.ResponseWriter, status int, v any) {
-	body, _ := json.Marshal(v)
+	body := openai.MarshalJSON(v)
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(status)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 
 	"github.com/baton-llm/baton/internal/worker"
@@ -31,12 +32,12 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 			seen[m.ID] = true
 			card := m.Card
 			if card == nil {
-				card, _ = json.Marshal(map[string]any{"id": m.ID, "object": "model", "created": 0, "owned_by": in.Runtime})
+				card = openai.MarshalJSON(map[string]any{"id": m.ID, "object": "model", "created": 0, "owned_by": in.Runtime})
 			}
 			data = append(data, card)
 		}
 	}
-	body, _ := json.Marshal(map[string]any{"object": "list", "data": data})
+	body := openai.MarshalJSON(map[string]any{"object": "list", "data": data})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	_, _ = w.Write(body)
@@ -109,7 +110,7 @@ func (s *Server) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 	for _, wk := range s.reg.Snapshot().Workers {
 		out = append(out, s.view(wk, now))
 	}
-	body, _ := json.Marshal(map[string]any{"workers": out, "total": len(out)})
+	body := openai.MarshalJSON(map[string]any{"workers": out, "total": len(out)})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	_, _ = w.Write(body)

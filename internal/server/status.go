@@ -3,7 +3,6 @@ package server
 import (
 	"crypto/subtle"
 	_ "embed"
-	"encoding/json"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -229,7 +228,7 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
 	if s.opts.Notices != nil {
 		notices = append(notices, s.opts.Notices()...)
 	}
-	body, _ := json.Marshal(map[string]any{
+	body := openai.MarshalJSON(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
 		"pd": s.opts.PD, "notices": notices,
