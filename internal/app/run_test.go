@@ -350,10 +350,14 @@ func TestServeListenersAndAccessLog(t *testing.T) {
 		}
 		return line != ""
 	})
-	for _, want := range []string{`route="POST /v1/completions"`, "status=200", "worker=" + up.URL, "prompt_tokens=5", "completion_tokens=2", "attempts=1", "request_id="} {
+	for _, want := range []string{"method=POST route=/v1/completions ", "status=200", "worker=" + up.URL, "prompt_tokens=5", "completion_tokens=2", "attempts=1", "request_id=",
+		"client=127.0.0.1:"} {
 		if !strings.Contains(line, want) {
 			t.Errorf("access log line lacks %s: %s", want, line)
 		}
+	}
+	if strings.Count(line, "POST") != 1 {
+		t.Errorf("the method repeated: %s", line)
 	}
 	if strings.Contains(r.logs.String(), "private prompt") || strings.Contains(r.logs.String(), "sk-inference-secret") {
 		t.Error("the log holds the prompt or the key")

@@ -37,7 +37,7 @@ func statusFleet(t *testing.T, adminKey string) (status *httptest.Server, worker
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 	}
-	// One that fails: the decode answers 503.
+	// One that fails: the prefill answers 503.
 	req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(fmt.Sprintf(`{"model":%q,"prompt":"fail","max_tokens":2}`, pdModel)))
 	req.Header.Set("X-Sim-Fault", "status=503")
 	resp, err := http.DefaultClient.Do(req)
@@ -106,8 +106,10 @@ func TestStatusJSON(t *testing.T) {
 	if s.LastMinute.RPS <= 0 || s.LastMinute.ErrorRate <= 0 || s.LastMinute.P50 <= 0 {
 		t.Errorf("last minute: %+v", s.LastMinute)
 	}
-	if len(s.RecentErrors) != 1 || s.RecentErrors[0].Status != 503 {
-		t.Errorf("recent errors: %+v", s.RecentErrors)
+	// The prefill failed (it is asked first, and the fault is its): the error names it, not the
+	// decode the pair would have used.
+	if len(s.RecentErrors) != 1 || s.RecentErrors[0].Status != 503 || s.RecentErrors[0].Code != "prefill_upstream_error" || s.RecentErrors[0].Worker != workers[0] {
+		t.Errorf("recent errors: %+v, want the prefill %s", s.RecentErrors, workers[0])
 	}
 	if strings.Contains(body, "sk-admin") {
 		t.Error("the key shows in the status")

@@ -5,7 +5,6 @@ package server
 
 import (
 	"context"
-	"encoding/json"
 
 	"crypto/rand"
 	"crypto/subtle"
@@ -355,7 +354,7 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trac
 		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, rec.Handoff).Inc()
 	}
 	if rec.Route != "other" {
-		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, rec.Worker, e.ttft)
+		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft)
 	}
 	if span != nil {
 		endSpan(span, e)
@@ -405,11 +404,30 @@ func endSpan(span trace.Span, e ended) {
 	span.End()
 }
 
+// errorWorker is the worker a request's error names on the status page: a PD leg's error code
+// (prefill_*, decode_*) names that leg's worker, another PD error the pair.
+func errorWorker(rec *record.Record) string {
+	switch {
+	case rec.Prefill == "":
+		return rec.Worker
+	case strings.HasPrefix(rec.Code, pd.LegPrefill+"_"):
+		return rec.Prefill
+	case strings.HasPrefix(rec.Code, pd.LegDecode+"_"):
+		return rec.Decode
+	}
+	return rec.Prefill + " → " + rec.Decode
+}
+
 // accessLog writes the request's access log line (never a body or a key).
 func (s *Server) accessLog(r *http.Request, e ended) {
 	rec := e.rec
 	var buf [20]slog.Attr
-	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", rec.Route), slog.String("model", e.model), slog.Int("status", e.status),
+	route := rec.Route // "POST /v1/completions": the method is its own field
+	if _, path, ok := strings.Cut(route, " "); ok {
+		route = path
+	}
+	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("client", r.RemoteAddr),
+		slog.String("model", e.model), slog.Int("status", e.status),
 		slog.String("request_id", rec.RequestID), slog.Float64("duration_ms", float64(e.dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", e.bytes))
 	if rec.Prefill != "" {
 		attrs = append(attrs, slog.String("prefill", rec.Prefill), slog.String("decode", rec.Decode))
@@ -634,7 +652,7 @@ func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
 			Message: "not ready: " + strings.Join(missing, "; ")})
 		return
 	}
-	body, _ := json.Marshal(map[string]any{"status": "ready", "models": models})
+	body := openai.MarshalJSON(map[string]any{"status": "ready", "models": models})
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(body)
 }
