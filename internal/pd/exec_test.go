@@ -1,13 +1,15 @@
 package pd
 
 import (
+	"bytes"
 	"context"
 	"errors"
-	"io"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -33,6 +35,25 @@ type pdFixture struct {
 	x    *Dispatcher
 	par  *Parallel
 	m    *metrics.Metrics
+	logs *logBuffer
+}
+
+// logBuffer is a log's output, written from the legs' goroutines.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 func engine(t *testing.T, c sim.Config) *sim.Engine {
@@ -76,7 +97,8 @@ func newPDOver(t *testing.T, client, eng, connector string, pc, dc sim.Config) *
 	f.m = metrics.New(worker.NewRegistry(f.pair.Prefill, f.pair.Decode))
 	tr := proxy.NewTransport(client)
 	t.Cleanup(func() { proxy.CloseIdle(tr, "") })
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	f.logs = &logBuffer{}
+	log := slog.New(slog.NewTextHandler(f.logs, nil))
 	px := &proxy.Proxy{Transport: tr, Timeout: 20 * time.Second, Metrics: f.m, Log: log, ExtraHeaders: []string{sim.HeaderFault}}
 	par := &Parallel{Proxy: px, Metrics: f.m, Log: log}
 	f.par, f.x = par, &Dispatcher{Parallel: par, Sequential: &Sequential{Proxy: px, Metrics: f.m, Log: log, MooncakeConcurrent: true, Concurrent: par}}
@@ -194,6 +216,10 @@ func TestLegFailures(t *testing.T) {
 			}
 			if _, failed := other.Outcomes(); failed != 0 {
 				t.Errorf("the %s leg's failure counted against %s", c.blamed, other)
+			}
+			// The log line says what failed, with no empty fields (err=<nil>).
+			if logs := f.logs.String(); !strings.Contains(logs, fmt.Sprintf("status=%d", c.status)) || strings.Contains(logs, "<nil>") {
+				t.Errorf("log:\n%s", logs)
 			}
 		})
 	}

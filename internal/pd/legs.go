@@ -170,7 +170,11 @@ func (l *legs) decodeFailed(status int, err error) error {
 // prefillError is the client's error for a failed prefill leg.
 func (l *legs) prefillError(p prefillResult) error {
 	l.res.outcome = OutcomePrefillFailed
-	l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "status", p.status, "err", p.err)
+	if p.err == nil {
+		l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "status", p.status)
+	} else {
+		l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "err", p.err)
+	}
 	if p.err != nil {
 		return proxy.Classify(l.pair.Prefill, LegPrefill, l.x.Proxy.Timeout, p.err)
 	}
