@@ -39,7 +39,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 		m := r.run(ctx, "hotpath nginx", completion(r.client, ng.URL, w), 64, n, ng)
 		ng.stop()
 		nginxCPU = perReq(m)
-		fmt.Fprintf(r.out, "| pass-through | nginx | %.0f | %.1f | 1.00× | |\n", m.s.Throughput(), nginxCPU)
+		fmt.Fprintf(r.out, "| pass-through | nginx | %.0f | %s | 1.00× | |\n", m.s.Throughput(), r.cpuCell(m, "%.1f", nginxCPU))
 	}
 	results := map[string]float64{}
 	for _, bin := range binaries {
@@ -53,7 +53,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 		m := r.run(ctx, "hotpath "+bin.name, completion(r.client, b.URL, w), 64, n, b)
 		b.stop()
 		results["pt "+bin.name] = perReq(m)
-		fmt.Fprintf(r.out, "| pass-through | %s | %.0f | %.1f | %s | %s |\n", bin.name, m.s.Throughput(), perReq(m), ratioF(perReq(m), nginxCPU), ratioF(perReq(m), results["pt baseline"]))
+		fmt.Fprintf(r.out, "| pass-through | %s | %.0f | %s | %s | %s |\n", bin.name, m.s.Throughput(), r.cpuCell(m, "%.1f", perReq(m)), ratioF(perReq(m), nginxCPU), ratioF(perReq(m), results["pt baseline"]))
 	}
 	// PD vLLM NIXL.
 	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
@@ -78,9 +78,10 @@ func (r *runner) hotpath(ctx context.Context) error {
 		m := r.run(ctx, "hotpath PD "+bin.name, completion(r.client, b.URL, w), 16, n, b)
 		b.stop()
 		results["pd "+bin.name] = perReq(m)
-		fmt.Fprintf(r.out, "| PD vLLM NIXL | %s | %.0f | %.1f | | %s |\n", bin.name, m.s.Throughput(), perReq(m), ratioF(perReq(m), results["pd baseline"]))
+		fmt.Fprintf(r.out, "| PD vLLM NIXL | %s | %.0f | %s | | %s |\n", bin.name, m.s.Throughput(), r.cpuCell(m, "%.1f", perReq(m)), ratioF(perReq(m), results["pd baseline"]))
 	}
 	fmt.Fprintln(r.out)
+	r.cpuNote()
 	return nil
 }
 

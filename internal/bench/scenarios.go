@@ -33,6 +33,7 @@ type runner struct {
 	o      Options
 	out    io.Writer
 	client *http.Client
+	lowCPU bool     // a CPU figure of the table being written is below the measuring resolution
 	failed []string // correctness failures: any fails the run
 }
 
@@ -149,6 +150,29 @@ type measured struct {
 	name string
 	s    Stats
 	cpu  float64 // seconds of the proxy process during the run; 0 for a baseline
+}
+
+// minCPUTicks is the least CPU, in ticks of /proc's clock (10 ms), a figure is measured over
+// to be within ±5 %.
+const minCPUTicks = 20
+
+// cpuCell formats value, a CPU figure derived from m's CPU; one measured over fewer than
+// minCPUTicks ticks (a --quick run, mostly) is marked † and explained under the table (cpuNote).
+func (r *runner) cpuCell(m measured, format string, value float64) string {
+	s := fmt.Sprintf(format, value)
+	if m.cpu*clockTicks < minCPUTicks {
+		r.lowCPU = true
+		s += " †"
+	}
+	return s
+}
+
+// cpuNote ends a table with CPU figures: the note a figure marked by cpuCell refers to.
+func (r *runner) cpuNote() {
+	if r.lowCPU {
+		fmt.Fprintf(r.out, "† below the measuring resolution: the run used fewer than %d ticks of /proc's 10 ms CPU clock, so the figure is off by 5 %% or more (0 is under one tick); run without --quick for figures to compare.\n\n", minCPUTicks)
+		r.lowCPU = false
+	}
 }
 
 // run runs req closed-loop and records the CPU of p (nil for a baseline).
@@ -302,12 +326,13 @@ func (r *runner) throughput(ctx context.Context) error {
 	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|")
 	for _, m := range rows {
 		cpu := "–"
-		if m.cpu > 0 {
-			cpu = fmt.Sprintf("%.3f", m.cpu/float64(m.s.N)*1000)
+		if m.name != rows[0].name { // the engine itself: no proxy
+			cpu = r.cpuCell(m, "%.3f", m.cpu/float64(m.s.N)*1000)
 		}
 		fmt.Fprintf(r.out, "| %s | %.0f | %.2f | %s | %s | %s |\n", m.name, m.s.Throughput(), m.s.Throughput()/rows[0].s.Throughput(), us(m.s.Latency.P50), us(m.s.Latency.P99), cpu)
 	}
 	fmt.Fprintln(r.out)
+	r.cpuNote()
 	rate := float64(r.n(1000, 200))
 	on := r.n(10000, 40)
 	fmt.Fprintf(r.out, "Open loop at %.0f requests/s (%d requests), below saturation:\n\n", rate, on)
@@ -557,10 +582,11 @@ func (r *runner) bodySize(ctx context.Context) error {
 		direct := r.run(ctx, fmt.Sprintf("direct %d", c.size), completion(r.client, e.URL(), w), 1, n, nil)
 		via := r.run(ctx, fmt.Sprintf("Baton %d", c.size), completion(r.client, b.URL, w), 1, n, b)
 		cpu := via.cpu / float64(n) * 1e6
-		fmt.Fprintf(r.out, "| %d KB | %s | %s | %s | %.0f | %.2f |\n", c.size>>10, us(direct.s.Latency.P50), us(via.s.Latency.P50),
-			us(via.s.Latency.P50-direct.s.Latency.P50), cpu, cpu/float64(c.size>>10))
+		fmt.Fprintf(r.out, "| %d KB | %s | %s | %s | %s | %s |\n", c.size>>10, us(direct.s.Latency.P50), us(via.s.Latency.P50),
+			us(via.s.Latency.P50-direct.s.Latency.P50), r.cpuCell(via, "%.0f", cpu), r.cpuCell(via, "%.2f", cpu/float64(c.size>>10)))
 	}
 	fmt.Fprintln(r.out)
+	r.cpuNote()
 	return nil
 }
 
@@ -600,9 +626,10 @@ func (r *runner) workers(ctx context.Context) error {
 			e.Close()
 		}
 		r.client.CloseIdleConnections()
-		fmt.Fprintf(r.out, "| %d | %.0f | %.0f | %.2f | %s | %s | %.3f |\n", count, direct.s.Throughput(), via.s.Throughput(),
-			via.s.Throughput()/direct.s.Throughput(), us(via.s.Latency.P50), us(via.s.Latency.P99), via.cpu/float64(n)*1000)
+		fmt.Fprintf(r.out, "| %d | %.0f | %.0f | %.2f | %s | %s | %s |\n", count, direct.s.Throughput(), via.s.Throughput(),
+			via.s.Throughput()/direct.s.Throughput(), us(via.s.Latency.P50), us(via.s.Latency.P99), r.cpuCell(via, "%.3f", via.cpu/float64(n)*1000))
 	}
 	fmt.Fprintln(r.out)
+	r.cpuNote()
 	return nil
 }

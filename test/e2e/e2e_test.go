@@ -210,4 +210,7 @@ func TestBenchSmoke(t *testing.T) {
 			t.Errorf("report lacks %q:\n%s", h, out)
 		}
 	}
+	if strings.Contains(out, " †") && !strings.Contains(out, "† below the measuring resolution") {
+		t.Errorf("a CPU figure is marked below resolution without the note:\n%s", out)
+	}
 }
