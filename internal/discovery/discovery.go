@@ -33,15 +33,21 @@ import (
 
 // The annotations a worker pod may carry. sglang.ai/bootstrap-port is read as smg reads it.
 const (
-	AnnotationBootstrapPort     = "sglang.ai/bootstrap-port"
-	AnnotationPort              = "baton.ai/port"
-	AnnotationRuntime           = "baton.ai/runtime"
-	AnnotationModels            = "baton.ai/models"
-	AnnotationKVConnector       = "baton.ai/kv-connector"
-	AnnotationKVEngineID        = "baton.ai/kv-engine-id"
-	AnnotationDPSize            = "baton.ai/dp-size"
-	AnnotationKVEvents          = "baton.ai/kv-events-endpoint"
-	AnnotationKVEventsReplay    = "baton.ai/kv-events-replay-endpoint"
+	AnnotationBootstrapPort  = "sglang.ai/bootstrap-port"
+	AnnotationPort           = "baton.ai/port"
+	AnnotationRuntime        = "baton.ai/runtime"
+	AnnotationModels         = "baton.ai/models"
+	AnnotationKVConnector    = "baton.ai/kv-connector"
+	AnnotationKVEngineID     = "baton.ai/kv-engine-id"
+	AnnotationDPSize         = "baton.ai/dp-size"
+	AnnotationKVEvents       = "baton.ai/kv-events-endpoint"
+	AnnotationKVEventsReplay = "baton.ai/kv-events-replay-endpoint"
+	// AnnotationAPIKeyEnv names the environment variable of Baton's that holds the pod's engine
+	// key (a Secret mounted into Baton's pod): never the key itself, which any reader of the pod
+	// would see. Only variables named WorkerKeyEnvPrefix…: a pod cannot have Baton send it
+	// Baton's own keys.
+	AnnotationAPIKeyEnv         = "baton.ai/api-key-env"
+	WorkerKeyEnvPrefix          = "BATON_WORKER_KEY_"
 	LabelPod, LabelNamespace    = "k8s_pod", "k8s_namespace"
 	defaultUnreadyRemoveAfter   = 60 * time.Second
 	defaultSettle               = 250 * time.Millisecond
@@ -70,6 +76,8 @@ type Discovery struct {
 	// leaves; Settle coalesces bursts of pod events into one fleet change; Resync is the
 	// informer's full resync period.
 	UnreadyRemoveAfter, Settle, Resync time.Duration
+	// Getenv reads Baton's environment for baton.ai/api-key-env (nil: os.Getenv).
+	Getenv func(string) string
 
 	mu        sync.Mutex
 	lostSince time.Time            // when the API server stopped answering; zero while it answers
@@ -418,6 +426,18 @@ func (d *Discovery) workerOf(p *corev1.Pod, role string) (config.Worker, error) 
 	}{{AnnotationKVEvents, &w.KVEventsEndpoint}, {AnnotationKVEventsReplay, &w.KVEventsReplayEndpoint}} {
 		if v := a[e.key]; v != "" {
 			*e.dst = strings.Replace(v, "tcp://*:", "tcp://"+host+":", 1)
+		}
+	}
+	if name, ok := a[AnnotationAPIKeyEnv]; ok {
+		if !strings.HasPrefix(name, WorkerKeyEnvPrefix) || len(name) == len(WorkerKeyEnvPrefix) {
+			return config.Worker{}, fmt.Errorf("%s %q: the variable's name must start with %s", AnnotationAPIKeyEnv, name, WorkerKeyEnvPrefix)
+		}
+		getenv := d.Getenv
+		if getenv == nil {
+			getenv = os.Getenv
+		}
+		if w.APIKey = getenv(name); w.APIKey == "" {
+			return config.Worker{}, fmt.Errorf("%s names %s, which Baton's environment does not set", AnnotationAPIKeyEnv, name)
 		}
 	}
 	cfg := config.Config{PDDisaggregation: true}

@@ -11,6 +11,9 @@ import (
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
 	"github.com/baton-llm/baton/internal/config"
 )
 
@@ -51,6 +54,42 @@ func TestNewRefusesWhatWouldFindNoWorker(t *testing.T) {
 	} {
 		if _, err := New(c.cfg, nil, log); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: %v, want an error saying %q", c.name, err, c.want)
+		}
+	}
+}
+
+// A pod's engine key comes from the Baton environment variable its annotation names — only one
+// named BATON_WORKER_KEY_…, so that a pod cannot have Baton send it Baton's own keys — and a
+// variable that is not set skips the pod with the name in the error, never a key.
+func TestPodKeyFromBatonsEnvironment(t *testing.T) {
+	env := map[string]string{"BATON_WORKER_KEY_TEAM_A": "sk-engine-a", "BATON_API_KEY": "sk-clients", "BATON_ADMIN_API_KEY": "sk-admin"}
+	d := &Discovery{Port: 8000, Getenv: func(k string) string { return env[k] }}
+	pod := func(name string) *corev1.Pod {
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "ns"}, Status: corev1.PodStatus{PodIP: "10.0.0.7"}}
+		if name != "" {
+			p.Annotations = map[string]string{AnnotationAPIKeyEnv: name}
+		}
+		return p
+	}
+	w, err := d.workerOf(pod("BATON_WORKER_KEY_TEAM_A"), config.RoleRegular)
+	if err != nil || w.APIKey != "sk-engine-a" {
+		t.Fatalf("key %q, %v", w.APIKey, err)
+	}
+	if w, err := d.workerOf(pod(""), config.RoleRegular); err != nil || w.APIKey != "" {
+		t.Errorf("no annotation: key %q, %v", w.APIKey, err)
+	}
+	for _, name := range []string{"BATON_API_KEY", "BATON_ADMIN_API_KEY", "BATON_WORKER_KEY_", "HOME"} {
+		if _, err := d.workerOf(pod(name), config.RoleRegular); err == nil || !strings.Contains(err.Error(), "must start with BATON_WORKER_KEY_") {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	_, err = d.workerOf(pod("BATON_WORKER_KEY_TEAM_B"), config.RoleRegular)
+	if err == nil || !strings.Contains(err.Error(), "BATON_WORKER_KEY_TEAM_B, which Baton's environment does not set") {
+		t.Errorf("unset variable: %v", err)
+	}
+	for _, k := range env {
+		if err != nil && strings.Contains(err.Error(), k) {
+			t.Errorf("the error shows a key: %v", err)
 		}
 	}
 }

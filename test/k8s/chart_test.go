@@ -107,6 +107,7 @@ func TestChartRendersAndApplies(t *testing.T) {
 			var args []string
 			var memLimit, goMemLimit string
 			var grace, preStop int64
+			keyEnv := map[string]string{} // BATON_* variable -> the Secret it is read from
 			for _, o := range objs {
 				gvk := o.GroupVersionKind()
 				var m, err = mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
@@ -139,8 +140,13 @@ func TestChartRendersAndApplies(t *testing.T) {
 					preStop = number(c, "lifecycle", "preStop", "sleep", "seconds")
 					env, _, _ := unstructured.NestedSlice(c, "env")
 					for _, e := range env {
-						if e := e.(map[string]any); e["name"] == "GOMEMLIMIT" {
+						e := e.(map[string]any)
+						if e["name"] == "GOMEMLIMIT" {
 							goMemLimit, _ = e["value"].(string)
+						}
+						if n, _ := e["name"].(string); strings.HasPrefix(n, "BATON_") {
+							secret, _, _ := unstructured.NestedString(e, "valueFrom", "secretKeyRef", "name")
+							keyEnv[n] = secret
 						}
 					}
 				}
@@ -180,6 +186,16 @@ func TestChartRendersAndApplies(t *testing.T) {
 			cfg, err := config.Parse(args[1:], io.Discard)
 			if err != nil {
 				t.Errorf("Baton refuses the chart's configuration: %v\n%s", err, configYAML)
+			}
+			// Keys come from Secrets, by variable: the example's per-pod engine key under the name
+			// its pods' baton.ai/api-key-env annotation gives.
+			for n, secret := range keyEnv {
+				if secret == "" {
+					t.Errorf("%s is not read from a Secret", n)
+				}
+			}
+			if name == "pd-vllm" && (keyEnv["BATON_WORKER_KEY_TEAM_A"] != "team-a-engine" || keyEnv["BATON_API_KEY"] != "baton-keys") {
+				t.Errorf("key variables %v", keyEnv)
 			}
 			// A rolling update: the preStop pause, then Baton's drain, within the grace period.
 			if pre := preStop; pre <= 0 || grace <= 0 || time.Duration(grace)*time.Second < time.Duration(pre)*time.Second+cfg.ShutdownGracePeriod+5*time.Second {
