@@ -26,6 +26,9 @@ func codeConstants(t *testing.T) map[string]string {
 			return true
 		}
 		for i, name := range vs.Names {
+			if i >= len(vs.Values) {
+				break // var x T: no value
+			}
 			if lit, ok := vs.Values[i].(*ast.BasicLit); ok && strings.HasPrefix(name.Name, "Code") {
 				codes[name.Name], _ = strconv.Unquote(lit.Value)
 			}
