@@ -103,6 +103,18 @@ type Config struct {
 	MaxBatchSize         int           `json:"max_batch_size" flag:"max-batch-size" default:"1024" check:">=1" help:"largest n, and most prompts in one request; 400 past it"`
 	StalledClientTimeout time.Duration `json:"stalled_client_timeout" flag:"stalled-client-timeout" unit:"secs" default:"1m" check:">0" help:"drop a client that sends no body bytes or accepts no response bytes for this long"`
 	APIKey               string        `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"require 'Authorization: Bearer KEY' on inference routes"`
+	// Tenants are the teams sharing the fleet (tenants.go); TenantAPIKeys smg's
+	// --tenant-api-key TENANT:KEY, flag only (a file holds hashes, never keys).
+	Tenants       []Tenant `json:"tenants"`
+	TenantAPIKeys []string `json:"-"`
+	// RateLimitStore is where tenants' counts live: memory (this replica) or a Redis URL shared by
+	// replicas (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; REDIS_PASSWORD when the URL
+	// has none).
+	RateLimitStore        string        `json:"rate_limit_store" flag:"rate-limit-store" default:"memory" secret:"BATON_RATE_LIMIT_STORE" help:"where tenants' limits are counted: memory, or redis://HOST:PORT/DB shared by replicas (rediss:// for TLS; password in the URL or REDIS_PASSWORD)"`
+	RateLimitStoreFailure string        `json:"rate_limit_store_failure" flag:"rate-limit-store-failure" default:"open" oneof:"open|closed" help:"when the Redis store cannot be reached: open (serve, counting in this replica) or closed (503 rate_limit_store_unavailable)"`
+	RateLimitStoreTimeout time.Duration `json:"rate_limit_store_timeout" flag:"rate-limit-store-timeout" unit:"ms" default:"100ms" check:"1ms..10s" help:"deadline of one call to the Redis store"`
+	// TenantMaxTokens is the completion tokens a request without max_tokens is reserved.
+	TenantMaxTokens int `json:"tenant_max_tokens_estimate" flag:"tenant-max-tokens-estimate" default:"1024" check:">=1" help:"completion tokens reserved for a request without max_tokens (and the most reserved for one with it); settled against the engine's usage"`
 	// WorkerAPIKey is what Baton sends the engines; a worker's own api_key wins. The clients'
 	// key (APIKey) is Baton's and never reaches an engine.
 	WorkerAPIKey string `json:"worker_api_key" flag:"worker-api-key" secret:"BATON_WORKER_API_KEY" help:"send 'Authorization: Bearer KEY' to every engine (a worker's own api_key wins; discovered pods too)"`

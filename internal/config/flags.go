@@ -72,6 +72,9 @@ func buildFlags() []flag {
 		if s.flag == "pd-disaggregation" {
 			fs = append(fs, prefillFlag, decodeFlag)
 		}
+		if s.flag == "api-key" {
+			fs = append(fs, tenantKeyFlag)
+		}
 	}
 	return fs
 }
@@ -95,6 +98,13 @@ var prefillFlag = flag{name: "prefill", arg: "URL [BOOTSTRAP_PORT|none] [CONNECT
 			w.BootstrapPort = &n
 		}
 		c.Workers = append(c.Workers, w)
+		return nil
+	}}
+
+var tenantKeyFlag = flag{name: "tenant-api-key", arg: "TENANT:KEY",
+	help: "a key of a tenant (repeatable, smg's form; the tenant is created when the configuration has none of that name); prefer the hashed keys of the tenants: section",
+	apply: func(c *Config, v []string) error {
+		c.TenantAPIKeys = append(c.TenantAPIKeys, v[0])
 		return nil
 	}}
 
@@ -209,12 +219,16 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 	if err := cfg.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	if _, err := cfg.ResolvedTenants(os.Getenv); err != nil {
+		errs = append(errs, err)
+	}
 	return cfg, errors.Join(errs...)
 }
 
 func writeUsage(w io.Writer) {
 	fmt.Fprintln(w, "usage: baton [serve|check] [flags]   (check: send every PD pair one request, report its handoff)")
 	fmt.Fprintln(w, "       baton sim|demo|bench [flags]  (see 'baton sim --help')")
+	fmt.Fprintln(w, "       baton hash-key < key.txt          (a tenant key as the configuration takes it)")
 	fmt.Fprintln(w, "       baton version")
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
