@@ -121,7 +121,9 @@ type Gateway struct {
 	applied  config.Config
 	// discovery is the service discovery Baton runs, for the status page and the metrics.
 	discovery *discoveryHealth
-	Health    *worker.HealthChecker // nil when health checks are disabled
+	// tenants are who may call (swapped by a reload) and the limiter counting their use.
+	tenants *tenancy
+	Health  *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
 	// KVEvents subscribes to the engines' KV events.
@@ -256,6 +258,12 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	m.Registry.MustRegister(kv.Collector())
 	disc := &discoveryHealth{}
 	parts.Notices = disc.notices
+	tenants, err := newTenancy(cfg, m, log)
+	if err != nil {
+		return nil, err
+	}
+	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens}
+	parts.Notices = func() []server.Notice { return append(disc.notices(), tenants.notices()...) }
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)
 	if health != nil {
@@ -278,6 +286,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Config:     cfg,
 		applied:    cfg,
 		discovery:  disc,
+		tenants:    tenants,
 		Registry:   reg,
 		Metrics:    m,
 		Parallel:   parallel,
@@ -573,6 +582,7 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 		log.Warn(w)
 	}
 	logAdmin(log, cfg)
+	logTenants(log, cfg, g.tenants)
 }
 
 // httpServer is the API listener's server: Baton's own (internal/h1) or net/http's.

@@ -18,8 +18,9 @@ import (
 
 // Reload parses the configuration again (the same flags, the --config file re-read) and applies
 // it: the fleet's configured workers become what it lists (new ones added, changed ones updated,
-// removed ones drained; workers the admin API or discovery added are left alone), and the
-// routing policies and their parameters take effect for the next selection (a policy whose
+// removed ones drained; workers the admin API or discovery added are left alone), the tenants
+// and their keys are swapped whole (a rotated key works on the next request), and the routing
+// policies and their parameters take effect for the next selection (a policy whose
 // parameters changed starts with an empty prefix index). Every other setting needs a restart: a
 // reload that changes one names each such setting in its log line and counts as partial, as
 // does one where some worker was refused. An invalid configuration changes nothing.
@@ -40,6 +41,11 @@ func (g *Gateway) Reload() error {
 			g.reloads.WithLabelValues("invalid").Inc()
 			return err
 		}
+	}
+	if err := g.tenants.swap(cfg); err != nil {
+		g.Log.Error("reload: the configuration is invalid; nothing changed", "err", err)
+		g.reloads.WithLabelValues("invalid").Inc()
+		return err
 	}
 	werr := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig)
 	if policies != nil {

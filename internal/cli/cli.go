@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"text/tabwriter"
 
@@ -38,15 +39,41 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		err = runBench(ctx, args, stdout, stderr)
 	case "check":
 		err = runCheck(ctx, args, stdout, stderr)
+	case "hash-key":
+		err = hashKey(Stdin, stdout)
 	case "version":
 		fmt.Fprintln(stdout, app.Version())
 	default:
-		err = fmt.Errorf("unknown command %q (want serve, check, sim, demo, bench or version)", cmd)
+		err = fmt.Errorf("unknown command %q (want serve, check, sim, demo, bench, hash-key or version)", cmd)
 	}
 	if errors.Is(err, flag.ErrHelp) {
 		return config.ErrHelp // the usage was printed: asking for it is no failure
 	}
 	return err
+}
+
+// Stdin is what hash-key reads.
+var Stdin io.Reader = os.Stdin
+
+// maxKey bounds the key hash-key reads.
+const maxKey = 64 << 10
+
+// hashKey prints the form a tenant key takes in the configuration: sha256:<hex>, of the one key
+// (one line) read from in.
+func hashKey(in io.Reader, out io.Writer) error {
+	b, err := io.ReadAll(io.LimitReader(in, maxKey+1))
+	if err != nil {
+		return err
+	}
+	if len(b) > maxKey {
+		return fmt.Errorf("hash-key: the key is longer than %d bytes", maxKey)
+	}
+	key := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+	if key == "" || strings.ContainsAny(key, "\r\n") {
+		return errors.New("hash-key: give one key, on one line, on standard input (baton hash-key < key.txt)")
+	}
+	fmt.Fprintln(out, config.HashKey(key))
+	return nil
 }
 
 // newFlagSet returns a flag set for a tool whose usage lists its flags as --long-names, like

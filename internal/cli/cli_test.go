@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"os"
 	"regexp"
 	"slices"
 	"strconv"
@@ -246,4 +247,23 @@ func simEngine(t *testing.T, c sim.Config) *sim.Engine {
 	}
 	t.Cleanup(e.Close)
 	return e
+}
+
+// baton hash-key prints the configuration's form of the key on standard input, one line only.
+func TestHashKey(t *testing.T) {
+	var out strings.Builder
+	Stdin = strings.NewReader("sk-team-a\n")
+	defer func() { Stdin = os.Stdin }()
+	if err := Run(t.Context(), []string{"hash-key"}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.TrimSpace(out.String()); got != config.HashKey("sk-team-a") || !strings.HasPrefix(got, "sha256:") || len(got) != 7+64 {
+		t.Errorf("hash-key printed %q", got)
+	}
+	for _, in := range []string{"", "\n", "two\nlines\n"} {
+		Stdin = strings.NewReader(in)
+		if err := Run(t.Context(), []string{"hash-key"}, io.Discard, io.Discard); err == nil {
+			t.Errorf("hash-key of %q accepted", in)
+		}
+	}
 }

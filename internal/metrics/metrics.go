@@ -80,6 +80,12 @@ type Metrics struct {
 	Tokens       *prometheus.CounterVec   // model, kind
 	PairHandoffs *prometheus.CounterVec   // prefill, decode, outcome
 
+	// Tenants: the label values are the configuration's tenant names only (a request without a
+	// known key is refused before it is anyone's).
+	TenantRequests   *prometheus.CounterVec // tenant, model, code
+	TenantTokens     *prometheus.CounterVec // tenant, model, kind
+	TenantRejections *prometheus.CounterVec // tenant, reason
+
 	reg    *worker.Registry
 	mu     sync.Mutex
 	models map[string]struct{}
@@ -201,6 +207,18 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_pd_pair_handoffs_total",
 			Help: "PD requests by prefill and decode worker and KV handoff outcome (nixl, mooncake, bootstrap, passthrough, none-*).",
 		}, []string{"prefill", "decode", "outcome"}),
+		TenantRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_tenant_requests_total",
+			Help: "Requests by tenant, model and final HTTP status.",
+		}, []string{"tenant", "model", "code"}),
+		TenantTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_tenant_tokens_total",
+			Help: "Tokens charged to tenants, by tenant, model and kind (prompt, completion, cached), from the engines' usage.",
+		}, []string{"tenant", "model", "kind"}),
+		TenantRejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_tenant_rejections_total",
+			Help: "Requests refused for a tenant's limits, by tenant and reason (requests, tokens, concurrency, store_unavailable).",
+		}, []string{"tenant", "reason"}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
@@ -208,6 +226,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
+		m.TenantRequests, m.TenantTokens, m.TenantRejections,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

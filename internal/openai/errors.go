@@ -45,7 +45,12 @@ const (
 	CodeHealthGenerateFailed     = "health_generate_failed"
 	CodeDraining                 = "server_draining"
 	CodeOverloaded               = "overloaded"
-	CodeInternalError            = "internal_error"
+	// A tenant's limits: requests or tokens per minute, requests at once; the shared store that
+	// counts them cannot be reached (failing closed).
+	CodeTenantRateLimit           = "tenant_rate_limit_exceeded"
+	CodeTenantConcurrency         = "tenant_concurrency_exceeded"
+	CodeRateLimitStoreUnavailable = "rate_limit_store_unavailable"
+	CodeInternalError             = "internal_error"
 
 	// The admin API's.
 	CodeWorkerExists   = "worker_already_exists"

@@ -34,33 +34,53 @@ func scanUsage(b []byte) (Usage, bool) {
 	if len(b) == 0 || b[0] != '{' {
 		return Usage{}, false
 	}
-	depth, end := 0, -1
-	inString := false
-	for i := 0; i < len(b) && end < 0; i++ {
-		switch c := b[i]; {
-		case inString && c == '\\':
-			i++
-		case c == '"':
-			inString = !inString
-		case inString:
-		case c == '{':
-			depth++
-		case c == '}':
-			if depth--; depth == 0 {
-				end = i
-			}
-		}
-	}
+	end := closingBrace(b)
 	if end < 0 {
 		return Usage{}, false // cut off
 	}
-	obj := b[:end+1]
-	var u Usage
-	var okP, okC bool
-	u.Prompt, okP = intAfter(obj, `"prompt_tokens":`)
-	u.Completion, okC = intAfter(obj, `"completion_tokens":`)
-	u.Cached, _ = intAfter(obj, `"cached_tokens":`)
+	u, okP, okC := usageFields(b[:end+1])
 	return u, okP && okC
+}
+
+// usageFields reads the counts of one usage object: OpenAI's (prompt_tokens,
+// completion_tokens, prompt_tokens_details.cached_tokens), or the Responses and Anthropic APIs'
+// (input_tokens, output_tokens, input_tokens_details.cached_tokens or cache_read_input_tokens);
+// okP and okC say which it holds.
+func usageFields(obj []byte) (u Usage, okP, okC bool) {
+	if u.Prompt, okP = intAfter(obj, `"prompt_tokens":`); !okP {
+		u.Prompt, okP = intAfter(obj, `"input_tokens":`)
+	}
+	if u.Completion, okC = intAfter(obj, `"completion_tokens":`); !okC {
+		u.Completion, okC = intAfter(obj, `"output_tokens":`)
+	}
+	var ok bool
+	if u.Cached, ok = intAfter(obj, `"cached_tokens":`); !ok {
+		u.Cached, _ = intAfter(obj, `"cache_read_input_tokens":`)
+	}
+	return u, okP, okC
+}
+
+// EventUsage reads the usage one stream event carries, whole or in part: an Anthropic stream
+// gives the prompt's count in message_start and the completion's in message_delta.
+func EventUsage(ev []byte) (u Usage, okP, okC bool) {
+	for _, key := range [][]byte{[]byte(`"usage":`), []byte(`"meta_info":`)} {
+		i := bytes.LastIndex(ev, key)
+		if i < 0 {
+			continue
+		}
+		b := bytes.TrimLeft(ev[i+len(key):], " \t\r\n")
+		if len(b) == 0 || b[0] != '{' {
+			continue
+		}
+		end := closingBrace(b)
+		if end < 0 {
+			continue
+		}
+		if u, okP, okC = usageFields(b[:end+1]); okP || okC {
+			return u, okP, okC
+		}
+	}
+	return Usage{}, false, false
 }
 
 // intAfter parses the non-negative integer that follows key in b.
@@ -78,4 +98,64 @@ func intAfter(b []byte, key string) (int, bool) {
 		n, digits = n*10+int(c-'0'), digits+1
 	}
 	return n, digits > 0
+}
+
+// IsUsageOnlyEvent reports whether a stream event is the usage-only chunk that
+// stream_options.include_usage adds before [DONE]: empty choices and a usage object.
+func IsUsageOnlyEvent(ev []byte) bool {
+	i := bytes.Index(ev, []byte(`"choices":`))
+	if i < 0 {
+		return false
+	}
+	rest := bytes.TrimLeft(ev[i+len(`"choices":`):], " ")
+	if len(rest) == 0 || rest[0] != '[' {
+		return false
+	}
+	if rest = bytes.TrimLeft(rest[1:], " "); len(rest) == 0 || rest[0] != ']' {
+		return false
+	}
+	_, ok := LastUsage(ev)
+	return ok
+}
+
+// CarriesTokens reports whether a stream event carries generated text: a non-empty "content",
+// "text" or "delta" string (chat, completions and /generate, Anthropic's and the Responses API's
+// deltas). It counts the tokens of a stream that ended without usage, one per event — exact for
+// engines that send each token as it is made, as vLLM and SGLang do unless a reader lags.
+func CarriesTokens(ev []byte) bool {
+	for _, key := range [][]byte{[]byte(`"content":"`), []byte(`"text":"`), []byte(`"delta":"`)} {
+		b := ev
+		for {
+			i := bytes.Index(b, key)
+			if i < 0 {
+				break
+			}
+			b = b[i+len(key):]
+			if len(b) > 0 && b[0] != '"' {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// closingBrace is the index of the brace closing the object b starts with, -1 when cut off.
+func closingBrace(b []byte) int {
+	depth, inString := 0, false
+	for i := 0; i < len(b); i++ {
+		switch c := b[i]; {
+		case inString && c == '\\':
+			i++
+		case c == '"':
+			inString = !inString
+		case inString:
+		case c == '{':
+			depth++
+		case c == '}':
+			if depth--; depth == 0 {
+				return i
+			}
+		}
+	}
+	return -1
 }

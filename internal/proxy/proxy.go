@@ -365,6 +365,12 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
 	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
 		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
+	rec := record.From(ctx)
+	var seen *streamUsage
+	if out.stream && resp.StatusCode == http.StatusOK && (rec.CountEvents || rec.StripUsage) {
+		transform, seen = accounting(rec, transform)
+		out.rewrites = true
+	}
 	in := source{body: resp.Body}
 	if transform != nil && out.stream {
 		in.events, in.transform = openai.NewEventReader(resp.Body), transform
@@ -382,7 +388,12 @@ func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Re
 	var w watch
 	var tail usageTail
 	ended := false
-	defer func() { tail.done(record.From(ctx), ended) }()
+	defer func() {
+		tail.done(rec, ended)
+		if seen != nil && seen.p && seen.c && ended {
+			rec.Usage, rec.UsageKnown = seen.u, true
+		}
+	}()
 	for {
 		chunk, flush, err := in.next()
 		if len(chunk) > 0 && resp.StatusCode == http.StatusOK {

@@ -54,3 +54,38 @@ func (t *usageTail) done(rec *record.Record, ended bool) {
 func NoteUsage(rec *record.Record, body []byte) {
 	rec.Usage, rec.UsageKnown = openai.LastUsage(body)
 }
+
+// accounting wraps a stream's event transform for a tenant's accounting: it reads the usage
+// the events carry (whole, or a part per event as Anthropic's stream gives it), counts the events
+// that carry tokens into rec.Events, and, when Baton asked the engine for usage the client did
+// not (rec.StripUsage), takes the usage-only event out of the stream. The usage seen is returned
+// through the pointer, complete when both counts were seen.
+func accounting(rec *record.Record, inner func([]byte) []byte) (func([]byte) []byte, *streamUsage) {
+	seen := &streamUsage{}
+	return func(ev []byte) []byte {
+		if inner != nil {
+			ev = inner(ev)
+		}
+		if u, okP, okC := openai.EventUsage(ev); okP || okC {
+			if okP {
+				seen.u.Prompt, seen.u.Cached, seen.p = u.Prompt, u.Cached, true
+			}
+			if okC {
+				seen.u.Completion, seen.c = u.Completion, true
+			}
+		}
+		if rec.StripUsage && openai.IsUsageOnlyEvent(ev) {
+			return nil
+		}
+		if openai.CarriesTokens(ev) {
+			rec.Events++
+		}
+		return ev
+	}, seen
+}
+
+// streamUsage is the usage a stream's events carried.
+type streamUsage struct {
+	u    openai.Usage
+	p, c bool
+}

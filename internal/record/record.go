@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/tenant"
 )
 
 // Record is what Baton knows of one request.
@@ -49,6 +50,15 @@ type Record struct {
 	// Room for the fleet sharing work: who asked, at what priority, and how long it queued.
 	Tenant, Class string
 	QueueWait     time.Duration
+
+	// CountEvents asks the relay to count the token events of a stream into Events (a tenant's
+	// stream that ends without usage is charged by them). StripUsage: Baton asked the engine for
+	// the stream's usage, which the client did not: the relay reads it from the usage-only event
+	// and keeps that event from the client, whose bytes stay as the engine would have sent them.
+	CountEvents, StripUsage bool
+	Events                  int
+	// Who is the tenant Baton identified (Tenant is its name).
+	Who *tenant.Tenant
 }
 
 type key struct{}

@@ -22,6 +22,9 @@ type Route struct {
 	// SGLangOnly routes are served by SGLang (and engines Baton cannot tell apart from it);
 	// a vLLM worker answers them 404.
 	SGLangOnly bool
+	// StreamOptions: a stream ends with its usage only when the request asks for it
+	// (stream_options.include_usage, OpenAI's chat and completions).
+	StreamOptions bool
 	// Prompt are the members that hold the prompt, in the order they are read (the first
 	// present is the prompt for prefix routing).
 	Prompt []string
@@ -72,10 +75,10 @@ var chatTokenizeExtra = []string{"tools", "chat_template", "chat_template_kwargs
 	"continue_final_message", "add_special_tokens", "documents", "mm_processor_kwargs"}
 
 var table = []Route{
-	{Path: "/v1/chat/completions", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true,
+	{Path: "/v1/chat/completions", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true, StreamOptions: true,
 		Prompt: []string{"messages"}, Cap: "max_tokens", CapAlt: "max_completion_tokens",
 		Tokenize: "messages", TokenizeExtra: chatTokenizeExtra},
-	{Path: "/v1/completions", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true,
+	{Path: "/v1/completions", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true, StreamOptions: true,
 		Prompt: []string{"prompt"}, Batch: BatchCompletions, Cap: "max_tokens", Tokenize: "prompt"},
 	{Path: "/v1/responses", Inference: true, PD: true,
 		Prompt: []string{"instructions", "input"}, Cap: "max_output_tokens", NoStore: true},

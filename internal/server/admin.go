@@ -68,6 +68,7 @@ func (s *Server) adminRoutes(mux *http.ServeMux, own bool) {
 		list = s.adminOr(s.authed(http.HandlerFunc(s.serveWorkers)), http.HandlerFunc(s.serveWorkers))
 	}
 	mux.Handle("GET /workers", list)
+	mux.Handle("GET /tenants", s.adminAuthed(http.HandlerFunc(s.serveTenants)))
 	if s.opts.Admin.Fleet == nil {
 		return
 	}

@@ -11,13 +11,15 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/record"
 
 	"github.com/baton-llm/baton/internal/worker"
 )
 
 // serveModels answers GET /v1/models with the union of the models of every ready worker, each
 // as the card its first worker reported.
-func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
+func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
+	who := record.From(r.Context()).Who // a tenant sees only the models it may use
 	seen := map[string]bool{}
 	data := []json.RawMessage{}
 	for _, wk := range s.reg.Snapshot().Workers {
@@ -26,7 +28,7 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 			continue
 		}
 		for _, m := range in.Models {
-			if seen[m.ID] {
+			if seen[m.ID] || who != nil && !who.Allows(m.ID) {
 				continue
 			}
 			seen[m.ID] = true

@@ -33,6 +33,13 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
+	ls, ok := s.admitTenant(w, r, req, r.URL.Path, preq.Batch, preq.Samples)
+	if !ok {
+		return
+	}
+	if ls != nil {
+		defer s.settleTenant(r, ls)
+	}
 	release, ok := s.admit.acquire(w, r)
 	if !ok {
 		return

@@ -7,7 +7,6 @@ import (
 	"context"
 
 	"crypto/rand"
-	"crypto/subtle"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -19,6 +18,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -36,6 +36,7 @@ import (
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/routes"
+	"github.com/baton-llm/baton/internal/tenant"
 	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -45,8 +46,11 @@ import (
 type Options struct {
 	// PD sends the generation routes through a prefill/decode pair (Dispatcher).
 	PD bool
-	// APIKey, when set, is required as "Authorization: Bearer <key>" on API routes.
+	// APIKey, when set, is required as "Authorization: Bearer <key>" on API routes: tenant
+	// default's key, when Tenancy is not given.
 	APIKey string
+	// Tenancy is who may call and how much; zero: APIKey's tenant alone, unlimited.
+	Tenancy Tenancy
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
 	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
@@ -121,6 +125,12 @@ type Server struct {
 
 // New returns a server with o.
 func New(o Options) *Server {
+	if o.Tenancy.Set == nil {
+		o.Tenancy = defaultTenancy(o.APIKey)
+	}
+	if o.Tenancy.Limiter == nil {
+		o.Tenancy.Limiter = tenant.NewLimiter(o.Log)
+	}
 	a := o.Admission
 	return &Server{opts: o, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
 		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: &recorder{}, bodies: bodyBudget{limit: o.MaxBufferedBodyBytes}}
@@ -350,6 +360,16 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trac
 			}
 		}
 	}
+	if rec.Tenant != "" && generation {
+		s.metrics.TenantRequests.WithLabelValues(rec.Tenant, e.model, strconv.Itoa(status)).Inc()
+		if rec.UsageKnown {
+			s.metrics.TenantTokens.WithLabelValues(rec.Tenant, e.model, "prompt").Add(float64(rec.Usage.Prompt))
+			s.metrics.TenantTokens.WithLabelValues(rec.Tenant, e.model, "completion").Add(float64(rec.Usage.Completion))
+			if rec.Usage.Cached > 0 {
+				s.metrics.TenantTokens.WithLabelValues(rec.Tenant, e.model, "cached").Add(float64(rec.Usage.Cached))
+			}
+		}
+	}
 	if rec.Prefill != "" && rec.Decode != "" && rec.Handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, rec.Handoff).Inc()
 	}
@@ -382,7 +402,7 @@ func endSpan(span trace.Span, e ended) {
 	span.SetName(rec.Route)
 	span.SetAttributes(attribute.String("http.route", rec.Route), attribute.Int("http.response.status_code", e.status),
 		attribute.String("gen_ai.request.model", e.model), attribute.String("baton.request_id", rec.RequestID), attribute.Int("baton.attempts", rec.Attempts),
-		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes))
+		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.Tenant))
 	if rec.Worker != "" && rec.Prefill == "" {
 		span.SetAttributes(attribute.String("baton.worker", rec.Worker))
 	}
@@ -429,6 +449,9 @@ func (s *Server) accessLog(r *http.Request, e ended) {
 	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("client", r.RemoteAddr),
 		slog.String("model", e.model), slog.Int("status", e.status),
 		slog.String("request_id", rec.RequestID), slog.Float64("duration_ms", float64(e.dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", e.bytes))
+	if rec.Tenant != "" {
+		attrs = append(attrs, slog.String("tenant", rec.Tenant))
+	}
 	if rec.Prefill != "" {
 		attrs = append(attrs, slog.String("prefill", rec.Prefill), slog.String("decode", rec.Decode))
 	} else if rec.Worker != "" {
@@ -482,38 +505,13 @@ func validRequestID(s string) bool {
 	return true
 }
 
-// authed checks the client's Authorization header: more than one is refused (which one would
-// count is ambiguous), and with an API key configured it must be that key as a bearer token.
-// Baton's key is Baton's: it is removed from the request, so it never reaches a worker.
+// authed names the request's tenant from its key (identify), or answers it.
 func (s *Server) authed(next http.Handler) http.Handler {
-	want := []byte("Bearer " + s.opts.APIKey)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if (s.opts.APIKey != "" || len(r.Header["Authorization"]) > 1) && !s.checkKey(w, r, want) {
-			return
+		if s.identify(w, r) {
+			next.ServeHTTP(w, r)
 		}
-		next.ServeHTTP(w, r)
 	})
-}
-
-// checkKey answers a request with more than one Authorization header, or without Baton's key
-// when one is set, and removes the key from a request that has it. Apart from authed, so that
-// the middleware under every open stream keeps a small stack frame.
-func (s *Server) checkKey(w http.ResponseWriter, r *http.Request, want []byte) bool {
-	got := r.Header["Authorization"]
-	if len(got) > 1 {
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeDuplicateHeader,
-			Message: "the request has more than one Authorization header"})
-		return false
-	}
-	if s.opts.APIKey != "" {
-		if len(got) == 0 || subtle.ConstantTimeCompare([]byte(got[0]), want) != 1 {
-			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
-				Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"})
-			return false
-		}
-		r.Header.Del("Authorization")
-	}
-	return true
 }
 
 func tooLarge(limit int64) *openai.Error {
@@ -555,9 +553,17 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
-	if e := s.countBatch(&pd.Request{Request: req, Path: r.URL.Path}); e != nil {
+	preq := &pd.Request{Request: req, Path: r.URL.Path}
+	if e := s.countBatch(preq); e != nil {
 		openai.WriteError(w, e)
 		return
+	}
+	ls, ok := s.admitTenant(w, r, req, r.URL.Path, preq.Batch, preq.Samples)
+	if !ok {
+		return
+	}
+	if ls != nil {
+		defer s.settleTenant(r, ls)
 	}
 	release, ok := s.admit.acquire(w, r)
 	if !ok {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -167,7 +168,17 @@ func TestChartRendersAndApplies(t *testing.T) {
 					t.Errorf("GOMEMLIMIT %q for a memory limit of %s: want a valid value between half of it and it", goMemLimit, memLimit)
 				}
 			}
-			// Baton takes the rendered configuration with the Deployment's arguments.
+			// Baton takes the rendered configuration with the Deployment's arguments (the tenants'
+			// key files, which the Secret would mount, stand in a temporary directory).
+			if strings.Contains(configYAML, "/etc/baton-keys/") {
+				keys := t.TempDir()
+				for i, name := range []string{"search", "batch"} {
+					if err := os.WriteFile(filepath.Join(keys, name), []byte(fmt.Sprintf("sk-%d\n", i)), 0o600); err != nil {
+						t.Fatal(err)
+					}
+				}
+				configYAML = strings.ReplaceAll(configYAML, "/etc/baton-keys/", keys+"/")
+			}
 			file := filepath.Join(t.TempDir(), "baton.yaml")
 			if err := os.WriteFile(file, []byte(configYAML), 0o600); err != nil {
 				t.Fatal(err)
@@ -196,6 +207,9 @@ func TestChartRendersAndApplies(t *testing.T) {
 			}
 			if name == "pd-vllm" && (keyEnv["BATON_WORKER_KEY_TEAM_A"] != "team-a-engine" || keyEnv["BATON_API_KEY"] != "baton-keys") {
 				t.Errorf("key variables %v", keyEnv)
+			}
+			if name == "tenants" && keyEnv["BATON_RATE_LIMIT_STORE"] != "baton-redis" {
+				t.Errorf("the Redis URL is not read from its Secret: %v", keyEnv)
 			}
 			// A rolling update: the preStop pause, then Baton's drain, within the grace period.
 			if pre := preStop; pre <= 0 || grace <= 0 || time.Duration(grace)*time.Second < time.Duration(pre)*time.Second+cfg.ShutdownGracePeriod+5*time.Second {
