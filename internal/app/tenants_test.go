@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -314,5 +316,137 @@ func TestTenantStreamLeftMidwayIsSettled(t *testing.T) {
 	}
 	if resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-team", `{"model":"m","prompt":"x","max_tokens":1}`); resp.StatusCode != 200 {
 		t.Errorf("the slot was not freed: %d %s", resp.StatusCode, b)
+	}
+}
+
+// Hostile keys: 10,000 distinct wrong keys are each a 401 and add no metric series; a key of
+// 1 MiB is refused by the server's header bound; two Authorization headers are a 400.
+func TestTenantHostileKeys(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := testConfig(e.URL())
+	cfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{RequestsPerMinute: intp(1000)}}}
+	g, gw := startGateway(t, cfg)
+	body := `{"model":"m","prompt":"x","max_tokens":1}`
+	tenantReq(t, gw.URL+"/v1/completions", "sk-wrong", body)
+	series := func() map[string]bool {
+		out := map[string]bool{}
+		for _, l := range strings.Split(scrape(t, g), "\n") {
+			// The series a request's labels can reach (the engine load poller's come with time).
+			if name, _, ok := strings.Cut(l, " "); ok && !strings.HasPrefix(l, "#") && (strings.Contains(name, "tenant") || strings.Contains(name, "model=")) {
+				out[name] = true
+			}
+		}
+		return out
+	}
+	before := series()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 16}}
+	var wg sync.WaitGroup
+	var not401 atomic.Int64
+	for w := 0; w < 8; w++ {
+		wg.Go(func() {
+			for i := w; i < 10_000; i += 8 {
+				req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(body))
+				req.Header.Set("Authorization", fmt.Sprintf("Bearer sk-guess-%d", i))
+				resp, err := client.Do(req)
+				if err != nil {
+					not401.Add(1)
+					continue
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != 401 {
+					not401.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if n := not401.Load(); n != 0 {
+		t.Errorf("%d of 10,000 wrong keys not answered 401", n)
+	}
+	for name := range series() {
+		if !before[name] {
+			t.Errorf("10,000 wrong keys added the series %s", name)
+		}
+	}
+	req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+strings.Repeat("k", 1<<20))
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		if resp.StatusCode != 431 && resp.StatusCode != 400 {
+			t.Errorf("a 1 MiB key: %d", resp.StatusCode)
+		}
+	}
+	req, _ = http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(body))
+	req.Header.Add("Authorization", "Bearer sk-team")
+	req.Header.Add("Authorization", "Bearer sk-other")
+	_, b := do(t, req)
+	if !strings.Contains(b, "duplicate_header") {
+		t.Errorf("two Authorization headers: %s", b)
+	}
+}
+
+// A reload storm while serving: the key rotates back and forth a hundred times under load;
+// no request fails for any other reason than the key it carried, and the last file wins.
+func TestTenantReloadStorm(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	dir := t.TempDir()
+	file := filepath.Join(dir, "baton.yaml")
+	write := func(key string) {
+		t.Helper()
+		y := fmt.Sprintf("host: 127.0.0.1\nworker_urls: [%s]\ntenants:\n  - name: team\n    keys: [%s]\n    limits: {requests_per_minute: 100000}\n", e.URL(), config.HashKey(key))
+		if err := os.WriteFile(file+".new", []byte(y), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(file+".new", file); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("sk-old")
+	cfg, err := config.Parse([]string{"--config", file}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, gw := startGateway(t, cfg)
+	stop := make(chan struct{})
+	var bad atomic.Int64
+	var wg sync.WaitGroup
+	for c := 0; c < 4; c++ {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-old", `{"model":"m","prompt":"x","max_tokens":1}`)
+				if resp.StatusCode != 200 && resp.StatusCode != 401 {
+					bad.Add(1)
+					t.Errorf("%d %s", resp.StatusCode, b)
+				}
+			}
+		})
+	}
+	for i := 0; i < 100; i++ {
+		if i%2 == 0 {
+			write("sk-new")
+		} else {
+			write("sk-old")
+		}
+		if err := g.Reload(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("sk-new")
+	if err := g.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	close(stop)
+	wg.Wait()
+	if r, _ := tenantReq(t, gw.URL+"/v1/completions", "sk-new", `{"model":"m","prompt":"x","max_tokens":1}`); r.StatusCode != 200 {
+		t.Errorf("the rotated key: %d", r.StatusCode)
+	}
+	if r, _ := tenantReq(t, gw.URL+"/v1/completions", "sk-old", `{"model":"m","prompt":"x","max_tokens":1}`); r.StatusCode != 401 {
+		t.Errorf("the removed key: %d", r.StatusCode)
 	}
 }

@@ -164,6 +164,14 @@ type Notice struct {
 	Text  string `json:"text"`
 }
 
+// Notices are the conditions the status page shows at its top now.
+func (s *Server) Notices() []Notice {
+	if s.opts.Notices == nil {
+		return nil
+	}
+	return s.opts.Notices()
+}
+
 // pairStatus is a PD pair's handoff outcomes on the status page.
 type pairStatus struct {
 	Prefill    string           `json:"prefill"`
@@ -224,10 +232,7 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
 		ws = append(ws, s.view(wk, now))
 	}
 	pairs := pairsOf(s.metrics.PairHandoffCounts())
-	notices := []Notice{}
-	if s.opts.Notices != nil {
-		notices = append(notices, s.opts.Notices()...)
-	}
+	notices := append([]Notice{}, s.Notices()...)
 	body := openai.MarshalJSON(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,

@@ -1,0 +1,131 @@
+package app
+
+import (
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/redistest"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// Three replicas sharing one real Redis hold a tenant to its tokens per minute: over a sustained
+// run the tokens admitted (the engines' usage of the answers) are the bucket's first minute's
+// worth plus its refill, within 5 %. The bench scenario tenants reports the ratio itself.
+func TestReplicasShareTokenLimitsThroughRedis(t *testing.T) {
+	rs := redistest.Start(t)
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	const tpm = 30_000
+	var urls []string
+	for i := 0; i < 3; i++ {
+		cfg := testConfig(e.URL())
+		cfg.RateLimitStore = rs.URL()
+		cfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{TokensPerMinute: intp(tpm)}}}
+		_, gw := startGateway(t, cfg)
+		urls = append(urls, gw.URL)
+	}
+	body := `{"model":"m","prompt":"a steady load","max_tokens":300,"ignore_eos":true}`
+	var admitted, refused atomic.Int64
+	start := time.Now()
+	run := 4 * time.Second
+	var last atomic.Int64 // when the last admitted request started, ns after start
+	var wg sync.WaitGroup
+	for c := 0; c < 6; c++ {
+		wg.Go(func() {
+			for time.Since(start) < run {
+				began := time.Since(start)
+				resp, b := tenantReq(t, urls[c%3]+"/v1/completions", "sk-team", body)
+				switch resp.StatusCode {
+				case 200:
+					n, ok := clientUsage(t, b)
+					if !ok {
+						t.Errorf("no usage: %s", b)
+						return
+					}
+					admitted.Add(int64(n))
+					if int64(began) > last.Load() {
+						last.Store(int64(began))
+					}
+				case 429:
+					refused.Add(1)
+					time.Sleep(20 * time.Millisecond)
+				default:
+					t.Errorf("%d %s", resp.StatusCode, b)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	want := tpm * (1 + time.Duration(last.Load()).Minutes())
+	ratio := float64(admitted.Load()) / want
+	t.Logf("admitted %d tokens over %s (%d refusals): %.3f of the limit's", admitted.Load(), time.Duration(last.Load()), refused.Load(), ratio)
+	if ratio < 0.95 || ratio > 1.05 || refused.Load() == 0 {
+		t.Errorf("admitted %d tokens, %.3f of the %0.f the limit allows", admitted.Load(), ratio, want)
+	}
+}
+
+// Redis killed mid-run: a replica failing open serves (counting alone, and says so), one
+// failing closed answers 503 rate_limit_store_unavailable; Redis back, both count in it again.
+func TestRedisLostAndBack(t *testing.T) {
+	rs := redistest.Start(t)
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	gateway := func(mode string) (*Gateway, string) {
+		cfg := testConfig(e.URL())
+		cfg.RateLimitStore, cfg.RateLimitStoreFailure = rs.URL(), mode
+		cfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{RequestsPerMinute: intp(10_000)}}}
+		g, gw := startGateway(t, cfg)
+		return g, gw.URL
+	}
+	open, openURL := gateway("open")
+	_, closedURL := gateway("closed")
+	body := `{"model":"m","prompt":"x","max_tokens":1}`
+	for _, u := range []string{openURL, closedURL} {
+		if resp, b := tenantReq(t, u+"/v1/completions", "sk-team", body); resp.StatusCode != 200 {
+			t.Fatalf("with Redis: %d %s", resp.StatusCode, b)
+		}
+	}
+	rs.Stop()
+	if resp, b := tenantReq(t, openURL+"/v1/completions", "sk-team", body); resp.StatusCode != 200 {
+		t.Errorf("failing open without Redis: %d %s", resp.StatusCode, b)
+	}
+	if !strings.Contains(scrape(t, open), "baton_rate_limit_store_up 0") {
+		t.Error("baton_rate_limit_store_up does not say the store is down")
+	}
+	if n := open.Server.Notices(); len(n) == 0 || !strings.Contains(n[0].Text, "cannot be reached") {
+		t.Errorf("status page notices: %v", n)
+	}
+	resp, b := tenantReq(t, closedURL+"/v1/completions", "sk-team", body)
+	if resp.StatusCode != 503 || !strings.Contains(b, "rate_limit_store_unavailable") || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("failing closed without Redis: %d %s", resp.StatusCode, b)
+	}
+	if err := rs.StartAgain(); err != nil {
+		t.Fatal(err)
+	}
+	poll.Until(t, "both replicas count in Redis again", func() bool {
+		r1, _ := tenantReq(t, openURL+"/v1/completions", "sk-team", body)
+		r2, _ := tenantReq(t, closedURL+"/v1/completions", "sk-team", body)
+		return r1.StatusCode == 200 && r2.StatusCode == 200 && strings.Contains(scrape(t, open), "baton_rate_limit_store_up 1")
+	})
+	// The count is shared again: a request through one replica shows in the other's view.
+	before := remainingRequests(t, open)
+	if resp, _ := tenantReq(t, closedURL+"/v1/completions", "sk-team", body); resp.StatusCode != 200 {
+		t.Fatal("after Redis came back")
+	}
+	if after := remainingRequests(t, open); after >= before {
+		t.Errorf("a request through the other replica is not in this one's count: %d then %d", before, after)
+	}
+}
+
+func remainingRequests(t *testing.T, g *Gateway) int {
+	t.Helper()
+	views, err := g.Server.TenantViews(t.Context())
+	if err != nil || len(views) == 0 || len(views[0].Rules) == 0 || views[0].Rules[0].RequestsRemaining == nil {
+		t.Fatalf("tenant views: %+v %v", views, err)
+	}
+	return *views[0].Rules[0].RequestsRemaining
+}
