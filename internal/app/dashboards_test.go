@@ -17,6 +17,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
+	"github.com/baton-llm/baton/internal/redistest"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -113,6 +114,17 @@ func exported(t *testing.T) map[string]bool {
 	}
 	wg.Wait()
 	scrapeNames(rg)
+
+	// A tenant over its limit, counted in a real Redis.
+	rs := redistest.Start(t)
+	tcfg := testConfig(slow.URL())
+	tcfg.RateLimitStore = rs.URL()
+	tcfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{RequestsPerMinute: intp(1)}}}
+	tg, tgw := startGateway(t, tcfg)
+	for i := 0; i < 2; i++ {
+		tenantReq(t, tgw.URL+"/v1/completions", "sk-team", fmt.Sprintf(`{"model":%q,"prompt":"q","max_tokens":2}`, pdModel))
+	}
+	scrapeNames(tg)
 	return names
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -165,6 +166,14 @@ forward_sim_faults: true
 		if strings.Contains(list, secret) {
 			t.Errorf("GET /tenants shows a key: %s", list)
 		}
+	}
+	// The status page's data has the tenants table.
+	st := httptest.NewServer(g.Server.StatusHandler())
+	defer st.Close()
+	sreq, _ := http.NewRequest(http.MethodGet, st.URL+"/status.json", nil)
+	sreq.SetBasicAuth("ops", "sk-admin")
+	if code, sj := do(t, sreq); code != 200 || !strings.Contains(sj, `"tenants":[{"name":"team-a"`) || strings.Contains(sj, "sk-team") {
+		t.Errorf("status.json: %d %s", code, sj)
 	}
 	m := scrape(t, g)
 	for _, want := range []string{`baton_tenant_requests_total{code="200",model="m",tenant="team-a"} 2`,

@@ -224,7 +224,7 @@ func (s *Server) statusAuth(next http.Handler) http.Handler {
 
 var started = time.Now()
 
-func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
+func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 	now := time.Now()
 	series, minute, errs := s.status.window(now)
 	ws := []workerView{}
@@ -233,10 +233,14 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, _ *http.Request) {
 	}
 	pairs := pairsOf(s.metrics.PairHandoffCounts())
 	notices := append([]Notice{}, s.Notices()...)
+	var tenants []TenantView
+	if !s.tenants().Open() || len(s.tenants().Tenants()[0].Rules()) > 0 {
+		tenants, _ = s.TenantViews(r.Context())
+	}
 	body := openai.MarshalJSON(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
-		"pd": s.opts.PD, "notices": notices,
+		"pd": s.opts.PD, "notices": notices, "tenants": tenants,
 	})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
