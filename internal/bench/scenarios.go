@@ -26,7 +26,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -74,6 +74,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.replicas(ctx)
 		case "hotpath":
 			err = r.hotpath(ctx)
+		case "tenants":
+			err = r.tenants(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
