@@ -262,7 +262,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens}
+	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens}
 	parts.Notices = func() []server.Notice { return append(disc.notices(), tenants.notices()...) }
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)

@@ -1,11 +1,14 @@
 package app
 
 import (
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/poll"
@@ -29,7 +32,7 @@ func TestReplicasShareTokenLimitsThroughRedis(t *testing.T) {
 		urls = append(urls, gw.URL)
 	}
 	body := `{"model":"m","prompt":"a steady load","max_tokens":300,"ignore_eos":true}`
-	var admitted, refused atomic.Int64
+	var admitted, refused, okCount atomic.Int64
 	start := time.Now()
 	run := 4 * time.Second
 	var last atomic.Int64 // when the last admitted request started, ns after start
@@ -47,6 +50,7 @@ func TestReplicasShareTokenLimitsThroughRedis(t *testing.T) {
 						return
 					}
 					admitted.Add(int64(n))
+					okCount.Add(1)
 					if int64(began) > last.Load() {
 						last.Store(int64(began))
 					}
@@ -67,6 +71,33 @@ func TestReplicasShareTokenLimitsThroughRedis(t *testing.T) {
 	if ratio < 0.95 || ratio > 1.05 || refused.Load() == 0 {
 		t.Errorf("admitted %d tokens, %.3f of the %0.f the limit allows", admitted.Load(), ratio, want)
 	}
+	// One script call per reservation and one per settlement: Redis counted them.
+	calls := scriptCalls(t, rs)
+	want2 := refused.Load() + 2*okCount.Load()
+	if calls < want2 || calls > want2+4 { // +4: the first call of each script on a fresh Redis is EVALSHA, refused, then EVAL
+		t.Errorf("Redis ran %d script calls for %d refusals and %d admitted requests (want %d)", calls, refused.Load(), okCount.Load(), want2)
+	}
+}
+
+// scriptCalls is the EVALSHA and EVAL calls Redis has served.
+func scriptCalls(t *testing.T, rs *redistest.Server) int64 {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: rs.Addr})
+	defer c.Close()
+	info, err := c.Info(t.Context(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var total int64
+	for _, line := range strings.Split(info, "\n") {
+		for _, cmd := range []string{"cmdstat_evalsha:calls=", "cmdstat_eval:calls="} {
+			if rest, ok := strings.CutPrefix(strings.TrimSpace(line), cmd); ok {
+				n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+				total += n
+			}
+		}
+	}
+	return total
 }
 
 // Redis killed mid-run: a replica failing open serves (counting alone, and says so), one

@@ -217,6 +217,12 @@ func TestTenantTokensChargedAreTheEnginesUsage(t *testing.T) {
 		"regular": func(t *testing.T) config.Config {
 			return testConfig(simEngine(t, sim.Config{Engine: sim.EngineSGLang}).URL())
 		},
+		// Every other attempt first meets a worker answering 503 and is retried on the other:
+		// still one reservation, settled once.
+		"regular retried": func(t *testing.T) config.Config {
+			bad := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Faults: sim.Faults{Status: 503}})
+			return testConfig(bad.URL(), simEngine(t, sim.Config{Engine: sim.EngineSGLang}).URL())
+		},
 		"pd vllm nixl": func(t *testing.T) config.Config {
 			p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "p"})
 			d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
@@ -279,6 +285,9 @@ func TestTenantTokensChargedAreTheEnginesUsage(t *testing.T) {
 						t.Errorf("%s %s: charged %d, the engine's usage %d", rt.path, stream, got, want)
 					}
 				}
+			}
+			if name == "regular retried" && !strings.Contains(scrape(t, g), "baton_retries_total{") {
+				t.Error("no request was retried")
 			}
 		})
 	}

@@ -153,7 +153,6 @@ func (r *runner) tenants(ctx context.Context) error {
 	hammerCtx, stopHammer := context.WithCancel(ctx)
 	var sent, refused atomic.Int64
 	var wg sync.WaitGroup
-	start := time.Now()
 	for c := 0; c < 16; c++ {
 		wg.Go(func() {
 			req := keyed(nil, r.client, b.URL, workload{promptBytes: 256, maxTokens: 16}, "sk-bench-a")
@@ -171,7 +170,7 @@ func (r *runner) tenants(ctx context.Context) error {
 	}
 	sent.Store(0)
 	refused.Store(0)
-	start = time.Now()
+	start := time.Now()
 	under := r.run(ctx, "tenant b beside a", keyed(nil, r.client, b.URL, wb, "sk-bench-b"), 2, nb, nil)
 	stopHammer()
 	wg.Wait()

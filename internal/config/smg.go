@@ -33,7 +33,7 @@ var smgHints = map[string]string{
 	"worker-startup-check-interval":     "use --detect-interval (a duration, e.g. 10s)",
 	"worker-startup-delay":              "workers register in the background from the start; nothing waits for them",
 	"enable-trace":                      "use --otlp-traces-endpoint (http(s)://host:4318 or grpc://host:4317), or the OTEL_EXPORTER_OTLP_* variables",
-	"rate-limit-tokens-per-second":      "no token rate limit yet: bound load with --max-concurrent-requests and --queue-size",
+	"rate-limit-tokens-per-second":      "tenants' limits count tokens per minute, exactly: tokens_per_minute in the tenants: section (README: Tenants and limits)",
 	"backend":                           "Baton detects each engine's runtime at registration (set runtime on a worker to pin it)",
 	"enable-igw":                        "one Baton serves every model of its fleet; there is no separate mode",
 	"model-id-from":                     "discovered pods serve the models their engine lists (or the baton.ai/models annotation)",

@@ -109,6 +109,25 @@ func (t *Tokenizer) Tokens(ctx context.Context, base, apiKey, model, path string
 	}
 }
 
+// Count returns how many tokens body's prompt has when an engine's answer for it is cached,
+// without asking one (a tenant's reservation takes it over an estimate).
+func (t *Tokenizer) Count(model, path string, body []byte) (int, bool) {
+	t.mu.Lock()
+	empty := len(t.cache) == 0
+	t.mu.Unlock()
+	if empty {
+		return 0, false // nothing was ever asked (cache_aware does not read the engines' events)
+	}
+	_, key, ok := tokenizeRequest(model, path, body)
+	if !ok {
+		return 0, false
+	}
+	t.mu.Lock()
+	toks, hit := t.cache[key]
+	t.mu.Unlock()
+	return len(toks), hit
+}
+
 // run sends one ask and caches a good answer.
 func (t *Tokenizer) run(ctx context.Context, timeout time.Duration, key uint64, base, apiKey string, req []byte) answer {
 	t.Asks.Add(1)

@@ -82,6 +82,14 @@ func TestTokenizer(t *testing.T) {
 	if got := tok.Hits.Load(); got < 15 {
 		t.Errorf("hits %d, want the 15 callers that shared the first ask", got)
 	}
+	// Count reads the cache alone: a cached prompt's length, nothing for another, no ask.
+	asked := n.Load()
+	if c, ok := tok.Count("m", "/v1/completions", body(strings.Repeat("w ", 100))); !ok || c != 100 {
+		t.Errorf("count of a cached prompt: %d %v", c, ok)
+	}
+	if _, ok := tok.Count("m", "/v1/completions", body("never asked")); ok || n.Load() != asked {
+		t.Error("count of a prompt never asked answered, or asked the engine")
+	}
 }
 
 // What tokenization costs a request: a cached prompt, and a prompt of ~1,000 words asked of a

@@ -363,6 +363,11 @@ type kvCollector struct{ k *KVEvents }
 // Collector exports the subscriptions' metrics at scrape time.
 func (k *KVEvents) Collector() prometheus.Collector { return kvCollector{k} }
 
+// PromptTokens is the token count of a request's prompt when the tokenizer has it cached.
+func (k *KVEvents) PromptTokens(model, path string, body []byte) (int, bool) {
+	return k.tokenizer.Count(model, path, body)
+}
+
 // SetTokenizeClient sets the HTTP client the tokenizer asks engines' /tokenize with.
 func (k *KVEvents) SetTokenizeClient(c *http.Client) { k.tokenizer.Client = c }
 

@@ -29,6 +29,9 @@ type Tenancy struct {
 	// MaxTokens is the completion tokens reserved for a request without max_tokens, and the
 	// most reserved for one with it.
 	MaxTokens int
+	// PromptTokens, when set, gives a prompt's token count when the engines' tokenizer answer
+	// for it is cached (cache_aware asked for it already); else the prompt is estimated.
+	PromptTokens func(model, path string, body []byte) (int, bool)
 }
 
 // tenants returns the tenant set now.
@@ -117,6 +120,11 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 		return nil, true
 	}
 	prompt := (len(req.Body) + 3) / 4
+	if f := s.opts.Tenancy.PromptTokens; f != nil {
+		if n, ok := f(req.Model, path, req.Body); ok {
+			prompt = n
+		}
+	}
 	est := prompt + s.completionEstimate(req, path)*max(1, prompts)*max(1, samples)
 	l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, est)
 	if errors.Is(err, tenant.ErrStoreUnavailable) {
@@ -214,18 +222,18 @@ func (s *Server) settleTenant(r *http.Request, ls *lease) {
 }
 
 // rateLimitHeaders sets OpenAI's rate-limit headers from d, for the limits the rule has: the
-// SDKs back off by them.
+// SDKs back off by them. The names are written canonical, so that setting them costs no
+// canonicalisation.
 func rateLimitHeaders(h http.Header, d tenant.Decision) {
-	for _, w := range []struct {
-		kind string
-		w    tenant.Window
-	}{{"requests", d.Requests}, {"tokens", d.Tokens}} {
-		if w.w.Limit == 0 {
-			continue
-		}
-		h.Set("X-Ratelimit-Limit-"+w.kind, strconv.Itoa(w.w.Limit))
-		h.Set("X-Ratelimit-Remaining-"+w.kind, strconv.Itoa(w.w.Remaining))
-		h.Set("X-Ratelimit-Reset-"+w.kind, resetString(w.w.Reset))
+	if w := d.Requests; w.Limit > 0 {
+		h["X-Ratelimit-Limit-Requests"] = []string{strconv.Itoa(w.Limit)}
+		h["X-Ratelimit-Remaining-Requests"] = []string{strconv.Itoa(w.Remaining)}
+		h["X-Ratelimit-Reset-Requests"] = []string{resetString(w.Reset)}
+	}
+	if w := d.Tokens; w.Limit > 0 {
+		h["X-Ratelimit-Limit-Tokens"] = []string{strconv.Itoa(w.Limit)}
+		h["X-Ratelimit-Remaining-Tokens"] = []string{strconv.Itoa(w.Remaining)}
+		h["X-Ratelimit-Reset-Tokens"] = []string{resetString(w.Reset)}
 	}
 }
 

@@ -232,7 +232,10 @@ func (l *Lease) Rule() *Rule { return l.rule }
 // Reserve admits a request costing tokens (an estimate, settled later) under r, or refuses it.
 // A nil lease with a nil error is a refusal (the Decision says why).
 func (l *Limiter) Reserve(ctx context.Context, r *Rule, tokens int) (*Lease, Decision, error) {
-	id := l.prefix + strconv.FormatUint(l.seq.Add(1), 36)
+	var id string
+	if l.shared != nil && r.Concurrent > 0 { // a slot among the requests at once, in Redis
+		id = l.prefix + strconv.FormatUint(l.seq.Add(1), 36)
+	}
 	st := l.store()
 	reason, retry, s, now, err := l.call(ctx, st, func(ctx context.Context, st store) (string, time.Duration, state, float64, error) {
 		return st.reserve(ctx, r, id, tokens, l.Hold)
@@ -301,7 +304,10 @@ func (l *Limiter) Settle(lease *Lease, used int) {
 	if lease == nil || !lease.settled.CompareAndSwap(false, true) {
 		return
 	}
-	c, _ := l.charged.LoadOrStore(lease.rule.ID, new(atomic.Int64))
+	c, ok := l.charged.Load(lease.rule.ID)
+	if !ok {
+		c, _ = l.charged.LoadOrStore(lease.rule.ID, new(atomic.Int64))
+	}
 	c.(*atomic.Int64).Add(int64(used))
 	delta := used - lease.reserved
 	if lease.st == store(l.mem) {

@@ -230,3 +230,14 @@ func TestSetRulesAndKeys(t *testing.T) {
 		t.Errorf("no keys: %v", t0)
 	}
 }
+
+// What a limited request costs in this replica: one reservation and its settlement.
+func BenchmarkReserveSettle(b *testing.B) {
+	l := NewLimiter(quiet())
+	r := &Rule{ID: "bench", RPM: 1 << 30, TPM: 1 << 30, Concurrent: 1 << 20}
+	b.ReportAllocs()
+	for b.Loop() {
+		lease, _, _ := l.Reserve(b.Context(), r, 100)
+		l.Settle(lease, 90)
+	}
+}

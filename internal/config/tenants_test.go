@@ -1,0 +1,85 @@
+package config
+
+import (
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// Every problem of the tenants: section is named at once, with its tenant and field; unknown
+// fields are named with their line; keys are never accepted in plain text.
+func TestTenantErrorsAllAtOnce(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "baton.yaml")
+	y := `tenants:
+  - name: team-a
+    keys: ["sk-plain-text-key"]
+  - name: team-a
+    keys: ["` + HashKey("shared") + `"]
+  - name: team-b
+    keys: ["` + HashKey("shared") + `"]
+    max_priority: urgent
+    weight: 0
+    limits: {tokens_per_minute: 0, requests_per_minute: -1}
+  - name: Team C
+    key_env: BATON_TEST_UNSET_KEY
+  - name: team-d
+    limits: {max_concurrent: 4}
+  - name: team-e
+    keys: ["` + HashKey("e") + `"]
+    modles: [m]
+`
+	if err := os.WriteFile(file, []byte(y), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Parse([]string{"--config", file}, io.Discard)
+	if err == nil {
+		t.Fatal("accepted")
+	}
+	// The unknown field stops the file before the rest is read: it alone is named, with its line.
+	if !strings.Contains(err.Error(), "tenants[5].modles (line 17): unknown key (did you mean models?)") {
+		t.Fatalf("unknown field: %v", err)
+	}
+	y = strings.Replace(y, "    modles: [m]\n", "", 1)
+	if err := os.WriteFile(file, []byte(y), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err = Parse([]string{"--config", file}, io.Discard)
+	for _, want := range []string{
+		`tenant "team-a": keys[0]: want sha256:<64 hex digits>`,
+		`tenant "team-a": the name is used twice`,
+		`tenants "team-a" and "team-b" share a key`,
+		`tenant "team-b": max_priority "urgent"`,
+		`tenant "team-b": weight must be above 0`,
+		`tenant "team-b": limits: requests_per_minute must be above 0`,
+		`tenant "team-b": limits: tokens_per_minute must be above 0`,
+		`tenant "Team C": name must be`,
+		`tenant "Team C": key_env: the variable BATON_TEST_UNSET_KEY is not set`,
+		`tenant "team-d": no key`,
+	} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("the errors lack %q:\n%v", want, err)
+		}
+	}
+	if strings.Contains(err.Error(), "sk-plain-text-key") {
+		t.Error("an error repeats a key")
+	}
+}
+
+// --api-key is tenant default's key; smg's --tenant-api-key adds tenants; a default tenant
+// with limits and no key holds for everyone.
+func TestTenantsFromFlags(t *testing.T) {
+	c, err := Parse([]string{"--api-key", "sk-1", "--tenant-api-key", "team:sk-2", "--tenant-api-key", "team:sk-3"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, err := c.ResolvedTenants(os.Getenv)
+	if err != nil || len(ts) != 2 || ts[0].Name != DefaultTenant || ts[1].Name != "team" || len(ts[1].Hashes) != 2 {
+		t.Fatalf("%+v %v", ts, err)
+	}
+	if _, err := Parse([]string{"--tenant-api-key", "no-colon"}, io.Discard); err == nil || !strings.Contains(err.Error(), "want TENANT:KEY") {
+		t.Errorf("a key without its tenant: %v", err)
+	}
+}
