@@ -468,3 +468,26 @@ func TestTenantReloadStorm(t *testing.T) {
 		t.Errorf("the removed key: %d", r.StatusCode)
 	}
 }
+
+// Without keys or limits nothing is named or counted per tenant: one tenant, unbounded, costs
+// the hot path nothing; with limits and no keys, everyone is tenant default, limited.
+func TestNoTenantsCountNothing(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	g, gw := startGateway(t, testConfig(e.URL()))
+	if resp, b := tenantReq(t, gw.URL+"/v1/completions", "", `{"model":"m","prompt":"x","max_tokens":1}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if m := scrape(t, g); strings.Contains(m, "baton_tenant_requests_total{") {
+		t.Error("tenant series without tenants")
+	}
+	cfg := testConfig(e.URL())
+	cfg.Tenants = []config.Tenant{{Name: "default", Limits: &config.Limits{RequestsPerMinute: intp(1)}}}
+	g2, gw2 := startGateway(t, cfg)
+	tenantReq(t, gw2.URL+"/v1/completions", "", `{"model":"m","prompt":"x","max_tokens":1}`)
+	if resp, b := tenantReq(t, gw2.URL+"/v1/completions", "", `{"model":"m","prompt":"x","max_tokens":1}`); resp.StatusCode != 429 {
+		t.Errorf("limits without keys do not hold for everyone: %d %s", resp.StatusCode, b)
+	}
+	if m := scrape(t, g2); !strings.Contains(m, `baton_tenant_requests_total{code="200",model="m",tenant="default"} 1`) {
+		t.Error("the default tenant's request is not counted")
+	}
+}
