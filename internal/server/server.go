@@ -18,7 +18,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -121,6 +120,8 @@ type Server struct {
 	uploads  uploads      // request bodies being read
 	bodies   bodyBudget   // request body bytes held
 	bg       sync.WaitGroup
+	// tenantCounters keeps the tenant metrics' series by tenant, model and status.
+	tenantCounters counterCache
 }
 
 // New returns a server with o.
@@ -361,12 +362,13 @@ func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trac
 		}
 	}
 	if rec.Tenant != "" && generation {
-		s.metrics.TenantRequests.WithLabelValues(rec.Tenant, e.model, strconv.Itoa(status)).Inc()
+		c := s.tenantCounters.get(s.metrics, rec.Tenant, e.model, status)
+		c.requests.Inc()
 		if rec.UsageKnown {
-			s.metrics.TenantTokens.WithLabelValues(rec.Tenant, e.model, "prompt").Add(float64(rec.Usage.Prompt))
-			s.metrics.TenantTokens.WithLabelValues(rec.Tenant, e.model, "completion").Add(float64(rec.Usage.Completion))
+			c.prompt.Add(float64(rec.Usage.Prompt))
+			c.completion.Add(float64(rec.Usage.Completion))
 			if rec.Usage.Cached > 0 {
-				s.metrics.TenantTokens.WithLabelValues(rec.Tenant, e.model, "cached").Add(float64(rec.Usage.Cached))
+				c.cached.Add(float64(rec.Usage.Cached))
 			}
 		}
 	}

@@ -9,9 +9,13 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
@@ -223,19 +227,62 @@ func (s *Server) settleTenant(r *http.Request, ls *lease) {
 	}
 }
 
+// counterCache keeps the tenant metrics' series of each tenant, model and status, so that a
+// request finds its counters with one map read instead of four label lookups. Its keys are
+// bounded as the labels are: the configuration's tenants, the metrics' bounded model names, the
+// statuses.
+type counterCache struct {
+	mu sync.RWMutex
+	m  map[counterKey]*tenantCounters
+}
+
+type counterKey struct {
+	tenant, model string
+	status        int
+}
+
+type tenantCounters struct {
+	requests, prompt, completion, cached prometheus.Counter
+}
+
+func (c *counterCache) get(m *metrics.Metrics, tenant, model string, status int) *tenantCounters {
+	k := counterKey{tenant, model, status}
+	c.mu.RLock()
+	tc := c.m[k]
+	c.mu.RUnlock()
+	if tc != nil {
+		return tc
+	}
+	tc = &tenantCounters{requests: m.TenantRequests.WithLabelValues(tenant, model, strconv.Itoa(status)),
+		prompt: m.TenantTokens.WithLabelValues(tenant, model, "prompt"), completion: m.TenantTokens.WithLabelValues(tenant, model, "completion"),
+		cached: m.TenantTokens.WithLabelValues(tenant, model, "cached")}
+	c.mu.Lock()
+	if c.m == nil {
+		c.m = map[counterKey]*tenantCounters{}
+	}
+	c.m[k] = tc
+	c.mu.Unlock()
+	return tc
+}
+
 // rateLimitHeaders sets OpenAI's rate-limit headers from d, for the limits the rule has: the
 // SDKs back off by them. The names are written canonical, so that setting them costs no
 // canonicalisation.
 func rateLimitHeaders(h http.Header, d tenant.Decision) {
+	if d.Requests.Limit == 0 && d.Tokens.Limit == 0 {
+		return
+	}
+	vals := make([]string, 6) // one backing array for the six values
+	set := func(i int, key, v string) { vals[i] = v; h[key] = vals[i : i+1 : i+1] }
 	if w := d.Requests; w.Limit > 0 {
-		h["X-Ratelimit-Limit-Requests"] = []string{strconv.Itoa(w.Limit)}
-		h["X-Ratelimit-Remaining-Requests"] = []string{strconv.Itoa(w.Remaining)}
-		h["X-Ratelimit-Reset-Requests"] = []string{resetString(w.Reset)}
+		set(0, "X-Ratelimit-Limit-Requests", strconv.Itoa(w.Limit))
+		set(1, "X-Ratelimit-Remaining-Requests", strconv.Itoa(w.Remaining))
+		set(2, "X-Ratelimit-Reset-Requests", resetString(w.Reset))
 	}
 	if w := d.Tokens; w.Limit > 0 {
-		h["X-Ratelimit-Limit-Tokens"] = []string{strconv.Itoa(w.Limit)}
-		h["X-Ratelimit-Remaining-Tokens"] = []string{strconv.Itoa(w.Remaining)}
-		h["X-Ratelimit-Reset-Tokens"] = []string{resetString(w.Reset)}
+		set(3, "X-Ratelimit-Limit-Tokens", strconv.Itoa(w.Limit))
+		set(4, "X-Ratelimit-Remaining-Tokens", strconv.Itoa(w.Remaining))
+		set(5, "X-Ratelimit-Reset-Tokens", resetString(w.Reset))
 	}
 }
 

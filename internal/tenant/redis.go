@@ -136,6 +136,11 @@ func (l *Limiter) UseRedis(o *redis.Options) {
 	o.MaxRetries = -1
 	o.DialTimeout, o.ReadTimeout, o.WriteTimeout = l.Timeout, l.Timeout, l.Timeout
 	o.ContextTimeoutEnabled = true
+	if o.PoolSize == 0 {
+		// A reservation waits for a connection otherwise: a request's calls are short, but a
+		// busy replica makes hundreds at once.
+		o.PoolSize, o.MinIdleConns = 256, 16
+	}
 	l.shared = &redisStore{c: redis.NewClient(o)}
 }
 
