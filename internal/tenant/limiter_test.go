@@ -22,6 +22,7 @@ func limiters(t *testing.T) map[string]*Limiter {
 	t.Helper()
 	rs := redistest.Start(t)
 	shared := NewLimiter(quiet())
+	shared.Timeout = 5 * time.Second // these tests are about the counts, not the deadline (the race detector is slow)
 	o, err := RedisOptions(rs.URL(), os.Getenv)
 	if err != nil {
 		t.Fatal(err)

@@ -3,6 +3,7 @@ package tenant
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/url"
 	"strconv"
 	"time"
@@ -130,6 +131,16 @@ func Redacted(raw string) string {
 	return u.Redacted()
 }
 
+// redisLog routes the Redis client's own messages (a pool that cannot dial, …) to Baton's log at
+// debug level: the limiter reports the store's state itself, once a minute.
+type redisLog struct{ log *slog.Logger }
+
+func (r redisLog) Printf(ctx context.Context, format string, v ...any) {
+	if r.log != nil {
+		r.log.Debug("rate limit store: " + fmt.Sprintf(format, v...))
+	}
+}
+
 // UseRedis makes l count in the Redis o names, shared by every replica using it. Each call has
 // l's timeout; the client's own retries are off (a failed call falls back at once).
 func (l *Limiter) UseRedis(o *redis.Options) {
@@ -141,6 +152,7 @@ func (l *Limiter) UseRedis(o *redis.Options) {
 		// busy replica makes hundreds at once.
 		o.PoolSize, o.MinIdleConns = 256, 16
 	}
+	redis.SetLogger(redisLog{l.Log})
 	l.shared = &redisStore{c: redis.NewClient(o)}
 }
 
