@@ -349,7 +349,10 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
 		Initial: rc.InitialBackoff, Max: rc.MaxBackoff,
 		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
-	o.Admission = server.Admission{Max: cfg.Admission.MaxConcurrentRequests, QueueSize: cfg.Admission.QueueSize, QueueTimeout: cfg.Admission.QueueTimeout}
+	ad := cfg.Admission
+	o.Admission = server.Admission{Max: ad.MaxConcurrentRequests, QueueSize: ad.QueueSize, QueueTimeout: ad.QueueTimeout,
+		PromoteAfter: ad.PromoteAfter, InputWeight: ad.FairInputWeight, OutputWeight: ad.FairOutputWeight}
+	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout = server.ClassSettings(ad)
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
 	// Keyless only on a loopback listener of its own: a proxy on the same host in front of the

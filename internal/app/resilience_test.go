@@ -237,14 +237,14 @@ func TestOverload(t *testing.T) {
 		if i == 0 {
 			poll.Until(t, "the condition", func() bool { return es[0].Stats().RequestsReceived == 1 }) // running
 		} else {
-			poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.QueueDepth) == 1 }) // queued
+			poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.QueueDepth.WithLabelValues("default")) == 1 }) // queued
 		}
 	}
 	resp := post(t, gw+"/v1/completions", slow) // the queue is full
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
 		t.Fatalf("overflow: %d retry-after %q", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
-	wantEnvelope(t, resp, 503, "overloaded")
+	wantEnvelope(t, resp, 503, "queue_full")
 	wg.Wait()
 	close(statuses)
 	for s := range statuses {
@@ -270,7 +270,7 @@ func TestOverload(t *testing.T) {
 	defer func() { <-first }()
 	poll.Until(t, "the condition", func() bool { return es2[0].Stats().RequestsReceived == 1 })
 	r2, body := postTimeout(t, gw2+"/v1/completions", slow)
-	if r2.StatusCode != 503 || !strings.Contains(body, "waited") {
+	if r2.StatusCode != 504 || !strings.Contains(body, "queue_timeout") || r2.Header.Get("Retry-After") == "" {
 		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
 	}
 }

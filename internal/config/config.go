@@ -207,6 +207,21 @@ type Admission struct {
 	MaxConcurrentRequests int           `json:"max_concurrent_requests" flag:"max-concurrent-requests" default:"-1" help:"inference requests served at once; -1 = no limit"`
 	QueueSize             int           `json:"queue_size" flag:"queue-size" default:"100" check:">=0" help:"requests that may wait for a slot"`
 	QueueTimeout          time.Duration `json:"queue_timeout" flag:"queue-timeout" unit:"secs" default:"1m" check:">0" help:"how long a request may wait for a slot"`
+	// Classes override queue_size and queue_timeout per priority class (YAML: queue_classes:
+	// {batch: {size: 1000, timeout: 10m}}).
+	Classes map[string]QueueClass `json:"queue_classes"`
+	// ReservedSlots keeps slots for a class and those above it (YAML: {critical: 8}).
+	ReservedSlots map[string]int `json:"reserved_slots"`
+	PromoteAfter  time.Duration  `json:"queue_promote_after" flag:"queue-promote-after" unit:"secs" default:"30s" check:">=0" help:"a request waiting this long moves up one priority class (0: never)"`
+	// The Virtual Token Counter's weights of prompt and completion tokens.
+	FairInputWeight  float64 `json:"fair_input_weight" flag:"fair-input-weight" default:"1" check:">=0" help:"weight of a prompt token in a tenant's share of a full fleet"`
+	FairOutputWeight float64 `json:"fair_output_weight" flag:"fair-output-weight" default:"2" check:">=0" help:"weight of a completion token in a tenant's share of a full fleet"`
+}
+
+// QueueClass is one priority class's queue: its depth and how long a request waits in it.
+type QueueClass struct {
+	Size    *int          `json:"size"`
+	Timeout time.Duration `json:"timeout"`
 }
 
 // PairHealth quarantines a prefill/decode pair whose requests keep failing at the seam while
@@ -380,7 +395,44 @@ func (c *Config) Validate() error {
 		}
 	}
 	errs = append(errs, c.checkPairs()...)
+	errs = append(errs, c.Admission.check()...)
 	return errors.Join(errs...)
+}
+
+// check reports the problems of the per-class settings: unknown classes, reservations that
+// leave no slot, sizes below 0.
+func (a *Admission) check() []error {
+	var errs []error
+	known := func(name, where string) bool {
+		if slices.Contains(PriorityClasses, name) {
+			return true
+		}
+		errs = append(errs, fmt.Errorf("%s: %q is no priority class (want %s)", where, name, strings.Join(PriorityClasses, ", ")))
+		return false
+	}
+	total := 0
+	for name, n := range a.ReservedSlots {
+		if known(name, "reserved_slots") {
+			if n < 0 {
+				errs = append(errs, fmt.Errorf("reserved_slots.%s: %d is below 0", name, n))
+			}
+			total += n
+		}
+	}
+	if total > 0 && (a.MaxConcurrentRequests <= 0 || total >= a.MaxConcurrentRequests) {
+		errs = append(errs, fmt.Errorf("reserved_slots: %d slots reserved need max_concurrent_requests above them (it is %d)", total, a.MaxConcurrentRequests))
+	}
+	for name, qc := range a.Classes {
+		if known(name, "queue_classes") {
+			if qc.Size != nil && *qc.Size < 0 {
+				errs = append(errs, fmt.Errorf("queue_classes.%s.size: %d is below 0", name, *qc.Size))
+			}
+			if qc.Timeout < 0 {
+				errs = append(errs, fmt.Errorf("queue_classes.%s.timeout: below 0", name))
+			}
+		}
+	}
+	return errs
 }
 
 // IsLoopback reports whether host (a listen address's host) accepts loopback connections only.

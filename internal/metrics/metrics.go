@@ -60,14 +60,14 @@ type Metrics struct {
 	PDHandoffsAbandoned *prometheus.CounterVec // connector
 	PDDecodeRetries     prometheus.Counter
 
-	Retries            *prometheus.CounterVec // route, reason
-	RetriesExhausted   *prometheus.CounterVec // route
-	QueueDepth         prometheus.Gauge
-	QueueWait          prometheus.Histogram
-	Rejections         *prometheus.CounterVec // reason
-	BreakerTransitions *prometheus.CounterVec // worker, from, to
-	HealthChecks       *prometheus.CounterVec // worker, result
-	Panics             *prometheus.CounterVec // where
+	Retries            *prometheus.CounterVec   // route, reason
+	RetriesExhausted   *prometheus.CounterVec   // route
+	QueueDepth         *prometheus.GaugeVec     // class
+	QueueWait          *prometheus.HistogramVec // class
+	Rejections         *prometheus.CounterVec   // reason
+	BreakerTransitions *prometheus.CounterVec   // worker, from, to
+	HealthChecks       *prometheus.CounterVec   // worker, result
+	Panics             *prometheus.CounterVec   // where
 	// UpstreamUnsolicited counts idle upstream connections dropped because the engine wrote to
 	// them unasked.
 	UpstreamUnsolicited prometheus.Counter
@@ -151,18 +151,18 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_retries_exhausted_total",
 			Help: "Requests that failed after their last allowed attempt.",
 		}, []string{"route"}),
-		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
+		QueueDepth: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "baton_queue_depth",
-			Help: "Requests waiting for a slot (max_concurrent_requests).",
-		}),
-		QueueWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Help: "Requests waiting for a slot (max_concurrent_requests), by priority class.",
+		}, []string{"class"}),
+		QueueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "baton_queue_wait_seconds",
-			Help:    "Time requests waited for a slot.",
+			Help:    "Time requests waited for a slot, by the priority class they were served in.",
 			Buckets: DurationBuckets,
-		}),
+		}, []string{"class"}),
 		Rejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_rejections_total",
-			Help: "Requests refused with 503 by admission control, by reason (queue_full, queue_timeout).",
+			Help: "Requests refused by admission control, by reason (queue_full, queue_timeout, draining).",
 		}, []string{"reason"}),
 		BreakerTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_worker_circuit_transitions_total",

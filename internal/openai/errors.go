@@ -50,7 +50,12 @@ const (
 	CodeTenantRateLimit           = "tenant_rate_limit_exceeded"
 	CodeTenantConcurrency         = "tenant_concurrency_exceeded"
 	CodeRateLimitStoreUnavailable = "rate_limit_store_unavailable"
-	CodeInternalError             = "internal_error"
+	// Admission: a priority class's queue is full, or a request waited its timeout in it; a
+	// priority header Baton does not know.
+	CodeQueueFull       = "queue_full"
+	CodeQueueTimeout    = "queue_timeout"
+	CodeInvalidPriority = "invalid_priority"
+	CodeInternalError   = "internal_error"
 
 	// The admin API's.
 	CodeWorkerExists   = "worker_already_exists"

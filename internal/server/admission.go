@@ -1,37 +1,87 @@
 package server
 
 import (
+	"context"
+	"fmt"
 	"net/http"
 	"strconv"
-	"sync/atomic"
+	"strings"
 	"time"
 
+	"github.com/baton-llm/baton/internal/admit"
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/record"
 )
 
-// admission bounds the inference requests served at once. Up to queueSize more wait, each at
-// most timeout; beyond that a request is refused at once with 503 and Retry-After. Nothing waits
-// forever: the wait ends with a slot, the timeout, or the client leaving.
+// Priority headers: Baton's, and smg's (with its class names system and bulk) for switchers.
+const (
+	HeaderPriority    = "X-Baton-Priority"
+	HeaderSmgPriority = "X-Smg-Priority"
+)
+
+// admission bounds the inference requests served at once: when every slot is taken a request
+// waits in its priority class's queue, and the next free slot goes to the highest class waiting,
+// the tenant served least in it, that tenant's oldest request (internal/admit). Past a class's
+// depth it is 503 queue_full, past its timeout 504 queue_timeout, both with Retry-After; a client
+// that leaves leaves the queue; on drain every waiting request gets 503 server_draining at once.
 type admission struct {
-	slots     chan struct{}
-	waiting   atomic.Int64
-	queueSize int64
-	timeout   time.Duration
-	metrics   *metrics.Metrics
+	s       *admit.Scheduler
+	o       admit.Options
+	metrics *metrics.Metrics
 }
 
-func newAdmission(max, queue int, timeout time.Duration, m *metrics.Metrics) *admission {
-	if max <= 0 {
+// newAdmission returns admission for a; nil when requests are not bounded.
+func newAdmission(a Admission, m *metrics.Metrics) *admission {
+	if a.Max <= 0 {
 		return nil
 	}
-	return &admission{slots: make(chan struct{}, max), queueSize: int64(queue), timeout: timeout, metrics: m}
+	o := admit.Options{Slots: a.Max, PromoteAfter: a.PromoteAfter, InputWeight: a.InputWeight, OutputWeight: a.OutputWeight}
+	for c := admit.Class(0); c < admit.NumClasses; c++ {
+		o.Depth[c], o.Timeout[c], o.Reserved[c] = a.QueueSize, a.QueueTimeout, a.Reserved[c]
+		if a.Depth[c] != nil {
+			o.Depth[c] = *a.Depth[c]
+		}
+		if a.Timeout[c] > 0 {
+			o.Timeout[c] = a.Timeout[c]
+		}
+	}
+	ad := &admission{s: admit.New(o), o: o, metrics: m}
+	return ad
+}
+
+// start runs promotions while ctx lives: a request that waited long enough moves up a class
+// even while no slot frees.
+func (a *admission) start(ctx context.Context) {
+	if a == nil || a.o.PromoteAfter <= 0 {
+		return
+	}
+	go func() {
+		t := time.NewTicker(max(a.o.PromoteAfter/4, 50*time.Millisecond))
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				a.s.Tick()
+			}
+		}
+	}()
+}
+
+// drain refuses every waiting request at once.
+func (a *admission) drain() {
+	if a != nil {
+		a.s.Drain()
+	}
 }
 
 // wrap admits requests to next, for routes without a body to read first.
 func (a *admission) wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		release, ok := a.acquire(w, r)
+		release, ok := a.acquire(w, r, admit.Default, 0, 0)
 		if !ok {
 			return
 		}
@@ -40,51 +90,102 @@ func (a *admission) wrap(next http.Handler) http.Handler {
 	})
 }
 
-// acquire takes a slot for r, waiting in the queue if need be. It returns the slot's release
-// function and true, or false after answering the client itself (503), or when the client left
-// or its deadline passed while it waited. Inference handlers call it after reading the body, so
-// that a slot covers upstream work only: a client slow to send cannot hold one.
-func (a *admission) acquire(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
+// acquire takes a slot for r in class, waiting in the queue if need be. It returns the slot's
+// release (which settles the tenant's share with the request's usage on its record) and true,
+// or false after answering the client itself, or when the client left or its deadline passed
+// while it waited. Inference handlers call it after reading the body, so that a slot covers
+// upstream work only: a client slow to send cannot hold one.
+func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class admit.Class, in, out int) (release func(), ok bool) {
 	if a == nil {
 		return func() {}, true
 	}
-	select {
-	case a.slots <- struct{}{}:
-		return a.release, true
-	default:
+	rec := record.From(r.Context())
+	weight := 1.0
+	if rec.Who != nil {
+		weight = rec.Who.Weight
 	}
-	if a.waiting.Add(1) > a.queueSize {
-		a.waiting.Add(-1)
-		a.reject(w, "queue_full", "too many requests in flight and the queue is full")
-		return nil, false
+	a.metrics.QueueDepth.WithLabelValues(class.String()).Inc()
+	t, err := a.s.Acquire(r.Context(), admit.Request{Tenant: rec.Tenant, Weight: weight, Class: class, In: in, Out: out})
+	a.metrics.QueueDepth.WithLabelValues(class.String()).Dec()
+	rec.QueueWait = t.Waited
+	if t.Waited > 0 || err != nil {
+		a.metrics.QueueWait.WithLabelValues(t.Class.String()).Observe(t.Waited.Seconds())
 	}
-	a.metrics.QueueDepth.Inc()
-	start := time.Now()
-	t := time.NewTimer(a.timeout)
-	got := false
-	select {
-	case a.slots <- struct{}{}:
-		got = true
-	case <-t.C:
-	case <-r.Context().Done():
-	}
-	t.Stop()
-	a.waiting.Add(-1)
-	a.metrics.QueueDepth.Dec()
-	a.metrics.QueueWait.Observe(time.Since(start).Seconds())
-	if !got {
-		if r.Context().Err() == nil {
-			a.reject(w, "queue_timeout", "waited "+a.timeout.String()+" for a slot")
+	switch err {
+	case nil:
+		if t.Class != class {
+			rec.Class = t.Class.String() // promoted while it waited
 		}
-		return nil, false
+		return func() {
+			if rec.UsageKnown {
+				t.Release(rec.Usage.Prompt, rec.Usage.Completion)
+			} else {
+				t.Release(-1, -1)
+			}
+		}, true
+	case admit.ErrQueueFull:
+		a.reject(w, openai.CodeQueueFull, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeQueueFull,
+			Message: fmt.Sprintf("every slot is taken and the %s queue is full", class)})
+	case admit.ErrTimeout:
+		a.reject(w, openai.CodeQueueTimeout, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeQueueTimeout,
+			Message: fmt.Sprintf("waited %s in the %s queue for a slot", a.o.Timeout[t.Class].Round(time.Millisecond), t.Class)})
+	case admit.ErrDraining:
+		a.reject(w, "draining", &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining,
+			Message: "the server is shutting down; retry on another replica"})
 	}
-	return a.release, true
+	return nil, false // or the client left: nobody to answer
 }
 
-func (a *admission) release() { <-a.slots }
-
-func (a *admission) reject(w http.ResponseWriter, reason, msg string) {
+func (a *admission) reject(w http.ResponseWriter, reason string, e *openai.Error) {
 	a.metrics.Rejections.WithLabelValues(reason).Inc()
-	openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, Message: msg,
-		RetryAfter: strconv.Itoa(max(1, int(a.timeout.Seconds()/10)))})
+	e.RetryAfter = strconv.Itoa(max(1, int(a.o.Timeout[admit.Default].Seconds()/10)))
+	openai.WriteError(w, e)
+}
+
+// priorityOf is the request's class: its X-Baton-Priority (or smg's X-Smg-Priority), else
+// default, clamped to its tenant's max_priority; echoed in the response's X-Baton-Priority. An
+// unknown value is 400 naming the valid ones.
+func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (admit.Class, bool) {
+	class := admit.Default
+	for _, h := range []string{HeaderPriority, HeaderSmgPriority} {
+		v := r.Header.Get(h)
+		if v == "" {
+			continue
+		}
+		c, ok := admit.ParseClass(strings.ToLower(strings.TrimSpace(v)))
+		if !ok {
+			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidPriority, Param: h,
+				Message: fmt.Sprintf("%s %.40q is no priority class: want critical, interactive, default or batch (smg's system and bulk too)", h, v)})
+			return 0, false
+		}
+		class = c
+		break
+	}
+	rec := record.From(r.Context())
+	ceiling := admit.Interactive
+	if rec.Who != nil {
+		ceiling, _ = admit.ParseClass(rec.Who.MaxPriority)
+	}
+	if class < ceiling {
+		class = ceiling
+	}
+	rec.Class = class.String()
+	w.Header()[HeaderPriority] = []string{rec.Class}
+	return class, true
+}
+
+// ClassSettings reads reserved_slots and queue_classes by class name (validated by the
+// configuration).
+func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [admit.NumClasses]*int, timeout [admit.NumClasses]time.Duration) {
+	for name, n := range a.ReservedSlots {
+		if c, ok := admit.ParseClass(name); ok {
+			reserved[c] = n
+		}
+	}
+	for name, qc := range a.Classes {
+		if c, ok := admit.ParseClass(name); ok {
+			depth[c], timeout[c] = qc.Size, qc.Timeout
+		}
+	}
+	return reserved, depth, timeout
 }

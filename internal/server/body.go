@@ -300,6 +300,7 @@ func sweepEvery(stall time.Duration) time.Duration { return min(stall/8, time.Se
 // Start runs the background work of the server until ctx ends: the sweeper that ends stalled
 // request bodies. Wait waits for it.
 func (s *Server) Start(ctx context.Context) {
+	s.admit.start(ctx)
 	every := sweepEvery(s.opts.StalledClientTimeout)
 	s.bg.Go(func() {
 		t := time.NewTicker(every)

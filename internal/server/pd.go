@@ -33,14 +33,19 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	ls, ok := s.admitTenant(w, r, req, r.URL.Path, preq.Batch, preq.Samples)
+	class, ok := s.priorityOf(w, r)
+	if !ok {
+		return
+	}
+	in, out := s.estimate(req, r.URL.Path, preq.Batch, preq.Samples)
+	ls, ok := s.admitTenant(w, r, req, r.URL.Path, in, out)
 	if !ok {
 		return
 	}
 	if ls != nil {
 		defer s.settleTenant(r, ls)
 	}
-	release, ok := s.admit.acquire(w, r)
+	release, ok := s.admit.acquire(w, r, class, in, out)
 	if !ok {
 		return
 	}

@@ -224,7 +224,7 @@ func TestServeDeadlinesAdmissionAndReadiness(t *testing.T) {
 	}()
 	poll.Until(t, "the first request in flight", func() bool { return s.InFlight() == 1 })
 	resp, body = post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`)
-	if resp.StatusCode != 503 || errorCode(t, body) != openai.CodeOverloaded || resp.Header.Get("Retry-After") == "" {
+	if resp.StatusCode != 503 || errorCode(t, body) != openai.CodeQueueFull || resp.Header.Get("Retry-After") == "" {
 		t.Errorf("admission: %d %v %s", resp.StatusCode, resp.Header, body)
 	}
 

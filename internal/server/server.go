@@ -25,6 +25,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/baton-llm/baton/internal/admit"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
@@ -98,10 +99,17 @@ type Retry struct {
 }
 
 // Admission bounds the inference requests served at once: Max at once (0 or less: no bound),
-// QueueSize more waiting at most QueueTimeout each.
+// QueueSize more waiting per priority class at most QueueTimeout each (Depth and Timeout override
+// them per class); Reserved slots are kept for a class and those above it; a request waiting
+// PromoteAfter moves up a class; InputWeight and OutputWeight weigh tokens in tenants' shares.
 type Admission struct {
-	Max, QueueSize int
-	QueueTimeout   time.Duration
+	Max, QueueSize            int
+	QueueTimeout              time.Duration
+	Reserved                  [admit.NumClasses]int
+	Depth                     [admit.NumClasses]*int
+	Timeout                   [admit.NumClasses]time.Duration
+	PromoteAfter              time.Duration
+	InputWeight, OutputWeight float64
 }
 
 // Server is Baton's API server.
@@ -134,7 +142,7 @@ func New(o Options) *Server {
 	}
 	a := o.Admission
 	return &Server{opts: o, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
-		admit: newAdmission(a.Max, a.QueueSize, a.QueueTimeout, o.Metrics), status: &recorder{}, bodies: bodyBudget{limit: o.MaxBufferedBodyBytes}}
+		admit: newAdmission(a, o.Metrics), status: &recorder{}, bodies: bodyBudget{limit: o.MaxBufferedBodyBytes}}
 }
 
 // Handler returns the API handler with its middleware.
@@ -173,6 +181,7 @@ func (s *Server) Handler() http.Handler {
 func (s *Server) SetDraining() {
 	s.draining.Store(true)
 	s.uploads.cut()
+	s.admit.drain()
 }
 
 // InFlight returns the number of client requests being served.
@@ -404,7 +413,8 @@ func endSpan(span trace.Span, e ended) {
 	span.SetName(rec.Route)
 	span.SetAttributes(attribute.String("http.route", rec.Route), attribute.Int("http.response.status_code", e.status),
 		attribute.String("gen_ai.request.model", e.model), attribute.String("baton.request_id", rec.RequestID), attribute.Int("baton.attempts", rec.Attempts),
-		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.Tenant))
+		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.Tenant),
+		attribute.String("baton.priority", rec.Class), attribute.Float64("baton.queue_wait_ms", float64(rec.QueueWait)/1e6))
 	if rec.Worker != "" && rec.Prefill == "" {
 		span.SetAttributes(attribute.String("baton.worker", rec.Worker))
 	}
@@ -443,7 +453,7 @@ func errorWorker(rec *record.Record) string {
 // accessLog writes the request's access log line (never a body or a key).
 func (s *Server) accessLog(r *http.Request, e ended) {
 	rec := e.rec
-	var buf [20]slog.Attr
+	var buf [24]slog.Attr
 	route := rec.Route // "POST /v1/completions": the method is its own field
 	if _, path, ok := strings.Cut(route, " "); ok {
 		route = path
@@ -453,6 +463,12 @@ func (s *Server) accessLog(r *http.Request, e ended) {
 		slog.String("request_id", rec.RequestID), slog.Float64("duration_ms", float64(e.dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", e.bytes))
 	if rec.Tenant != "" {
 		attrs = append(attrs, slog.String("tenant", rec.Tenant))
+	}
+	if rec.Class != "" {
+		attrs = append(attrs, slog.String("class", rec.Class))
+	}
+	if rec.QueueWait > 0 {
+		attrs = append(attrs, slog.Float64("queue_wait_ms", float64(rec.QueueWait)/1e6))
 	}
 	if rec.Prefill != "" {
 		attrs = append(attrs, slog.String("prefill", rec.Prefill), slog.String("decode", rec.Decode))
@@ -560,14 +576,19 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	ls, ok := s.admitTenant(w, r, req, r.URL.Path, preq.Batch, preq.Samples)
+	class, ok := s.priorityOf(w, r)
+	if !ok {
+		return
+	}
+	in, out := s.estimate(req, r.URL.Path, preq.Batch, preq.Samples)
+	ls, ok := s.admitTenant(w, r, req, r.URL.Path, in, out)
 	if !ok {
 		return
 	}
 	if ls != nil {
 		defer s.settleTenant(r, ls)
 	}
-	release, ok := s.admit.acquire(w, r)
+	release, ok := s.admit.acquire(w, r, class, in, out)
 	if !ok {
 		return
 	}

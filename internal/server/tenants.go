@@ -111,7 +111,7 @@ type lease struct {
 // request of a limited tenant carries OpenAI's rate-limit headers, and, streamed without usage
 // asked for, asks the engine for it (the relay keeps the usage event from the client). The
 // lease returned is settled by settleTenant.
-func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai.Request, path string, prompts, samples int) (*lease, bool) {
+func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai.Request, path string, prompt, completion int) (*lease, bool) {
 	rec := record.From(r.Context())
 	t := rec.Who
 	if t == nil {
@@ -125,13 +125,7 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 	if rule == nil {
 		return nil, true
 	}
-	prompt := (len(req.Body) + 3) / 4
-	if f := s.opts.Tenancy.PromptTokens; f != nil {
-		if n, ok := f(req.Model, path, req.Body); ok {
-			prompt = n
-		}
-	}
-	est := prompt + s.completionEstimate(req, path)*max(1, prompts)*max(1, samples)
+	est := prompt + completion
 	l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, est)
 	if errors.Is(err, tenant.ErrStoreUnavailable) {
 		s.metrics.TenantRejections.WithLabelValues(t.Name, "store_unavailable").Inc()
@@ -165,6 +159,19 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 		}
 	}
 	return &lease{l: l, estimate: prompt}, true
+}
+
+// estimate is a request's prompt and completion tokens before it is served: the prompt's count
+// when the engines' tokenizer answer for it is cached, else its body's bytes / 4; the completion's
+// max_tokens (capped) times its prompts and samples.
+func (s *Server) estimate(req *openai.Request, path string, prompts, samples int) (prompt, completion int) {
+	prompt = (len(req.Body) + 3) / 4
+	if f := s.opts.Tenancy.PromptTokens; f != nil && s.opts.Tenancy.Set != nil {
+		if n, ok := f(req.Model, path, req.Body); ok {
+			prompt = n
+		}
+	}
+	return prompt, s.completionEstimate(req, path) * max(1, prompts) * max(1, samples)
 }
 
 // completionEstimate is the completion tokens a request is reserved: its max_tokens (or the
