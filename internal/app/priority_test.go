@@ -1,0 +1,78 @@
+package app
+
+import (
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// Through the gateway: the priority header chooses the class, clamped to the tenant's
+// max_priority and echoed; an unknown class is 400; with the one slot taken, an interactive
+// request that arrived after a batch one is served first.
+func TestPriorityClassesThroughTheGateway(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 20 * time.Millisecond})
+	cfg := testConfig(e.URL())
+	cfg.Admission.MaxConcurrentRequests, cfg.Admission.QueueSize = 1, 10
+	cfg.Tenants = []config.Tenant{
+		{Name: "app", Keys: []string{config.HashKey("sk-app")}, MaxPriority: "critical"},
+		{Name: "etl", Keys: []string{config.HashKey("sk-etl")}, MaxPriority: "batch"},
+	}
+	g, gw := startGateway(t, cfg)
+	send := func(key, priority string, maxTokens int) (*http.Response, string) {
+		req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(
+			`{"model":"m","prompt":"p","max_tokens":`+strconv.Itoa(maxTokens)+`,"ignore_eos":true}`))
+		req.Header.Set("Authorization", "Bearer "+key)
+		if priority != "" {
+			req.Header.Set("X-Baton-Priority", priority)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Error(err)
+			return nil, ""
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, string(b)
+	}
+	if resp, _ := send("sk-etl", "critical", 1); resp.Header.Get("X-Baton-Priority") != "batch" {
+		t.Errorf("a batch tenant asking critical was served as %q", resp.Header.Get("X-Baton-Priority"))
+	}
+	if resp, _ := send("sk-app", "", 1); resp.Header.Get("X-Baton-Priority") != "default" {
+		t.Errorf("no header: %q", resp.Header.Get("X-Baton-Priority"))
+	}
+	if resp, b := send("sk-app", "urgent", 1); resp.StatusCode != 400 || !strings.Contains(b, "invalid_priority") {
+		t.Errorf("an unknown class: %d %s", resp.StatusCode, b)
+	}
+	// The slot is taken by a long request; a batch request queues, then an interactive one.
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var order []string
+	run := func(name, key, priority string, tokens int) {
+		wg.Go(func() {
+			resp, _ := send(key, priority, tokens)
+			if resp != nil && resp.StatusCode == 200 {
+				mu.Lock()
+				order = append(order, name)
+				mu.Unlock()
+			}
+		})
+	}
+	run("holder", "sk-app", "critical", 15)
+	poll.Until(t, "the holder runs", func() bool { return g.Server.InFlight() == 1 })
+	run("batch", "sk-etl", "", 1)
+	poll.Until(t, "batch queued", func() bool { return strings.Contains(scrape(t, g), `baton_queue_depth{class="batch"} 1`) })
+	run("interactive", "sk-app", "interactive", 1)
+	poll.Until(t, "interactive queued", func() bool { return strings.Contains(scrape(t, g), `baton_queue_depth{class="interactive"} 1`) })
+	wg.Wait()
+	if got := strings.Join(order, " "); got != "holder interactive batch" {
+		t.Errorf("served %s", got)
+	}
+}
