@@ -76,3 +76,61 @@ func TestPriorityClassesThroughTheGateway(t *testing.T) {
 		t.Errorf("served %s", got)
 	}
 }
+
+// The class reaches an engine's "priority" field only where the worker is marked
+// forward_priority, with the engine's sign (vLLM: lower first; SGLang: higher first); an
+// unmarked worker gets the client's body as it was, its own "priority" included.
+func TestPriorityForwardedOnlyToMarkedWorkers(t *testing.T) {
+	type seen struct {
+		mu     sync.Mutex
+		bodies []string
+	}
+	engine := func(runtime string, s *seen) string {
+		return fakeEngine(t, runtime, []string{"m-" + runtime}, func(w http.ResponseWriter, r *http.Request) {
+			b, _ := io.ReadAll(r.Body)
+			if r.URL.Path == "/v1/completions" {
+				s.mu.Lock()
+				s.bodies = append(s.bodies, string(b))
+				s.mu.Unlock()
+			}
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+		}).URL
+	}
+	var v, sg, plain seen
+	cfg := config.Default()
+	cfg.Workers = []config.Worker{
+		{URL: engine("vllm", &v), Runtime: config.RuntimeVLLM, ForwardPriority: true},
+		{URL: engine("sglang", &sg), Runtime: config.RuntimeSGLang, ForwardPriority: true},
+		{URL: engine("plain", &plain), Runtime: config.RuntimeVLLM, Models: []string{"m-plain"}},
+	}
+	_, gw := startGateway(t, cfg)
+	for _, model := range []string{"m-vllm", "m-sglang", "m-plain"} {
+		for _, class := range []string{"interactive", "batch"} {
+			req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(`{"model":"`+model+`","prompt":"p","priority":7}`))
+			req.Header.Set("X-Baton-Priority", class)
+			if _, b := do(t, req); !strings.Contains(b, "ok") {
+				t.Fatalf("%s: %s", model, b)
+			}
+		}
+	}
+	for name, c := range map[string]struct {
+		s    *seen
+		want []string
+	}{
+		"vllm":   {&v, []string{`"priority":-1`, `"priority":1`}},
+		"sglang": {&sg, []string{`"priority":1`, `"priority":-1`}},
+		"plain":  {&plain, []string{`"priority":7`, `"priority":7`}},
+	} {
+		c.s.mu.Lock()
+		if len(c.s.bodies) != 2 {
+			t.Fatalf("%s saw %d requests", name, len(c.s.bodies))
+		}
+		for i, want := range c.want {
+			if !strings.Contains(c.s.bodies[i], want) || strings.Count(c.s.bodies[i], `"priority"`) != 1 {
+				t.Errorf("%s request %d: %s, want %s", name, i, c.s.bodies[i], want)
+			}
+		}
+		c.s.mu.Unlock()
+	}
+}

@@ -264,6 +264,14 @@ type Worker struct {
 	// tcp://host:port): lost events are fetched from it instead of forgetting the worker. Empty
 	// uses the kv_events_replay_endpoint label; none means a gap forgets the worker's blocks.
 	KVEventsReplayEndpoint string `json:"kv_events_replay_endpoint,omitempty"`
+	// ForwardPriority sends the request's priority class to the engine in its "priority" field:
+	// only to an engine started to schedule by it (vLLM --scheduling-policy priority, SGLang
+	// --enable-priority-scheduling), which a vLLM engine without it refuses.
+	ForwardPriority bool `json:"forward_priority,omitempty"`
+	// PriorityOrder is how the engine orders "priority": lower_first (vLLM; SGLang with
+	// --schedule-low-priority-values-first) or higher_first (SGLang's default). Empty: by
+	// runtime.
+	PriorityOrder string `json:"priority_order,omitempty"`
 }
 
 // Default returns the configuration with every default filled in (the fields' default tags).
@@ -457,6 +465,9 @@ func (c *Config) CheckWorker(w Worker) error {
 	}
 	if !slices.Contains([]string{"", RuntimeVLLM, RuntimeSGLang, RuntimeGeneric}, w.Runtime) {
 		bad("runtime %q is unknown (want vllm, sglang or generic)", w.Runtime)
+	}
+	if !slices.Contains([]string{"", PriorityLowerFirst, PriorityHigherFirst}, w.PriorityOrder) {
+		bad("priority_order %q is unknown (want lower_first or higher_first)", w.PriorityOrder)
 	}
 	for _, m := range w.Models {
 		if m == "" {

@@ -47,6 +47,12 @@ type Limits struct {
 	MaxConcurrent   *int `json:"max_concurrent"`
 }
 
+// How an engine orders its "priority" field.
+const (
+	PriorityLowerFirst  = "lower_first"
+	PriorityHigherFirst = "higher_first"
+)
+
 // Priority classes, highest first.
 const (
 	PriorityCritical    = "critical"

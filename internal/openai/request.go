@@ -57,6 +57,18 @@ var OwnedFields = []string{
 	"routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank",
 }
 
+// SetBody makes b, an edit of r's body by Baton (a field it set), r's body, and indexes it again,
+// so that Get reads the new bytes.
+func (r *Request) SetBody(b []byte) error {
+	nr, err := ParseRequest(b)
+	if err != nil {
+		return err
+	}
+	r.Body, r.Model, r.Stream, r.N, r.ReturnLogprob = nr.Body, nr.Model, nr.Stream, nr.N, nr.ReturnLogprob
+	r.members = append(r.fixed[:0], nr.members...)
+	return nil
+}
+
 // ParseRequest validates body as a JSON object and reads the members Baton routes on in one pass
 // over the top level, removing those Baton owns (OwnedFields; the rest of the bytes unchanged).
 // Errors are client errors (HTTP 400).

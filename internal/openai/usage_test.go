@@ -32,3 +32,22 @@ func FuzzLastUsage(f *testing.F) {
 		}
 	})
 }
+
+// SetBody indexes the new body: Get reads its bytes, not the old offsets.
+func TestSetBodyReindexes(t *testing.T) {
+	r, err := ParseRequest([]byte(`{"model":"m","stream":true,"max_tokens":7}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := Set(r.Body, "stream_options", []byte(`{"include_usage":true}`))
+	b, _ = Set(b, "model", []byte(`"a-much-longer-model-name"`))
+	if err := r.SetBody(b); err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := r.Get("max_tokens"); !ok || string(v) != "7" || r.Model != "a-much-longer-model-name" {
+		t.Errorf("max_tokens %q, model %q", v, r.Model)
+	}
+	if v, ok := r.Get("stream_options"); !ok || string(v) != `{"include_usage":true}` {
+		t.Errorf("stream_options %q", v)
+	}
+}

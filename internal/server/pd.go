@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -51,6 +52,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	}
 	defer release()
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	orig := req.Body
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
@@ -60,6 +62,13 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			return selectionError(err)
 		}
 		s.noteDecisions(r, sreq)
+		// Both legs share the body: the priority goes only to a pair whose two workers are
+		// marked forward_priority and read it alike.
+		if b := withPriority(orig, record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
+			if err := req.SetBody(b); err != nil {
+				return err
+			}
+		}
 		preq.Ranks = sreq.Ranks
 		notePair(r, pair)
 		return s.pd.Execute(w, r, preq, pair)

@@ -18,6 +18,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -607,10 +608,31 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		if err != nil {
 			return selectionError(err)
 		}
-		record.From(r.Context()).Worker = wk.URL
+		rec := record.From(r.Context())
+		rec.Worker = wk.URL
 		s.noteDecisions(r, sreq)
-		return s.proxy.Forward(w, r, wk, r.URL.Path, req.Body)
+		return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(req.Body, rec.Class, wk))
 	})
+}
+
+// withPriority is body with the engine's "priority" field set for class when the worker is
+// marked forward_priority (the client's own value replaced); body as it is otherwise.
+func withPriority(body []byte, class string, ws ...*worker.Worker) []byte {
+	v, ok := 0, len(ws) > 0
+	for i, w := range ws {
+		wv, marked := w.EnginePriority(class)
+		if !marked || i > 0 && wv != v {
+			return body // a worker not marked, or legs that read it differently: none is sent
+		}
+		v = wv
+	}
+	if !ok {
+		return body
+	}
+	if b, err := openai.Set(body, "priority", []byte(strconv.Itoa(v))); err == nil {
+		return b
+	}
+	return body
 }
 
 // selectSpan starts the selection's span when tracing; the returned func ends it with the

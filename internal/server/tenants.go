@@ -153,8 +153,8 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 	if req.Stream {
 		rec.CountEvents = true
 		if rule.TPM > 0 && routes.Of(path).StreamOptions {
-			if body, ok := askUsage(req.Body); ok {
-				req.Body, rec.StripUsage = body, true
+			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
+				rec.StripUsage = true
 			}
 		}
 	}

@@ -174,6 +174,32 @@ func (w *Worker) Runtime() string {
 	return w.configured.Runtime
 }
 
+// classRank orders the priority classes, highest first.
+var classRank = map[string]int{config.PriorityCritical: 0, config.PriorityInteractive: 1, config.PriorityDefault: 2, config.PriorityBatch: 3}
+
+// EnginePriority is the value of the engine's "priority" field for a request of class, and
+// whether to send it: only to a worker marked forward_priority. default is 0, the engines' own
+// default; the others are one step apart, signed by the engine's order (vLLM runs lower values
+// first, SGLang higher ones unless started with --schedule-low-priority-values-first).
+func (w *Worker) EnginePriority(class string) (int, bool) {
+	c := w.configured
+	rank, ok := classRank[class]
+	if !c.ForwardPriority || !ok {
+		return 0, false
+	}
+	order := c.PriorityOrder
+	if order == "" {
+		order = config.PriorityLowerFirst
+		if w.Runtime() == config.RuntimeSGLang {
+			order = config.PriorityHigherFirst
+		}
+	}
+	if order == config.PriorityHigherFirst {
+		return 2 - rank, true
+	}
+	return rank - 2, true
+}
+
 // Ready reports whether the worker may receive traffic.
 func (w *Worker) Ready() bool { return w.ready.Load() }
 
