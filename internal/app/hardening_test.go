@@ -303,7 +303,7 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 			}
 			poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 2 })
 			resp := post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`)
-			wantEnvelope(t, resp, 503, "overloaded") // the slots are taken, for now
+			wantEnvelope(t, resp, 503, "queue_full") // the slots are taken, for now
 			poll.Until(t, "the condition", func() bool { return g.Server.InFlight() == 0 && g.Registry.Snapshot().Workers[0].InFlight() == 0 })
 			// A connection of its own: the check is about the slots. (Once, on a loaded CI
 			// machine under net/http's server, the refused request's pooled connection answered
@@ -569,7 +569,7 @@ func TestHealthGenerateIsGuarded(t *testing.T) {
 	}()
 	time.Sleep(100 * time.Millisecond)
 	defer close(release)
-	wantEnvelope(t, get("Bearer gateway-key"), 503, "overloaded")
+	wantEnvelope(t, get("Bearer gateway-key"), 503, "queue_full")
 }
 
 // Items 11 and 12: what a client sends is bounded and Baton's own headers are Baton's.

@@ -1,7 +1,10 @@
 package app
 
 import (
+	"context"
 	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -132,5 +135,67 @@ func TestPriorityForwardedOnlyToMarkedWorkers(t *testing.T) {
 			}
 		}
 		c.s.mu.Unlock()
+	}
+}
+
+// The waiting room: a model whose only worker becomes ready after a second loses no request
+// with no_worker_wait; baton_model_waiting_requests counts those held; without it, the same
+// request is refused at once.
+func TestWaitingRoomForAColdModel(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	url := "http://127.0.0.1:" + strconv.Itoa(port)
+	cfg := config.Default()
+	cfg.Workers = []config.Worker{{URL: url, Models: []string{"m"}, Runtime: config.RuntimeVLLM}}
+	cfg.DetectInterval = 100 * time.Millisecond
+	cfg.Admission.NoWorkerWait = 10 * time.Second
+	g, err := build(cfg, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); g.Wait() })
+	if err := g.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	gw := serveAPI(t, cfg, g.Server.Handler())
+	var wg sync.WaitGroup
+	codes := make(chan int, 5)
+	for i := 0; i < 5; i++ {
+		wg.Go(func() {
+			resp, _ := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"cold start","max_tokens":2}`)
+			codes <- resp.StatusCode
+		})
+	}
+	poll.Until(t, "five requests held", func() bool { return strings.Contains(scrape(t, g), `baton_model_waiting_requests{model="m"} 5`) })
+	// Without the waiting room the same request is refused at once.
+	cold := cfg
+	cold.Admission.NoWorkerWait = 0
+	g2, err := build(cold, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp, b := postTimeout(t, serveAPI(t, cold, g2.Server.Handler()).URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`); resp.StatusCode != 503 || !strings.Contains(b, "no_available_workers") {
+		t.Errorf("without no_worker_wait: %d %s", resp.StatusCode, b)
+	}
+	time.Sleep(time.Second)
+	e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "m", Host: "127.0.0.1", Port: port})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	wg.Wait()
+	close(codes)
+	for c := range codes {
+		if c != 200 {
+			t.Errorf("a request held for the cold model answered %d", c)
+		}
+	}
+	if !strings.Contains(scrape(t, g), `baton_model_waiting_requests{model="m"} 0`) {
+		t.Error("requests still counted as waiting")
 	}
 }

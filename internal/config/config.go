@@ -212,7 +212,10 @@ type Admission struct {
 	Classes map[string]QueueClass `json:"queue_classes"`
 	// ReservedSlots keeps slots for a class and those above it (YAML: {critical: 8}).
 	ReservedSlots map[string]int `json:"reserved_slots"`
-	PromoteAfter  time.Duration  `json:"queue_promote_after" flag:"queue-promote-after" unit:"secs" default:"30s" check:">=0" help:"a request waiting this long moves up one priority class (0: never)"`
+	// NoWorkerWait holds a request for a known model with no ready worker until one is ready
+	// (an engine scaling up from zero), at most this long; 0: no_available_workers at once.
+	NoWorkerWait time.Duration `json:"no_worker_wait" flag:"no-worker-wait" unit:"secs" default:"0s" check:">=0" help:"hold a request for a known model without a ready worker this long for one to become ready (0: refuse at once)"`
+	PromoteAfter time.Duration `json:"queue_promote_after" flag:"queue-promote-after" unit:"secs" default:"30s" check:">=0" help:"a request waiting this long moves up one priority class (0: never)"`
 	// The Virtual Token Counter's weights of prompt and completion tokens.
 	FairInputWeight  float64 `json:"fair_input_weight" flag:"fair-input-weight" default:"1" check:">=0" help:"weight of a prompt token in a tenant's share of a full fleet"`
 	FairOutputWeight float64 `json:"fair_output_weight" flag:"fair-output-weight" default:"2" check:">=0" help:"weight of a completion token in a tenant's share of a full fleet"`

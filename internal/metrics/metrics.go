@@ -5,6 +5,7 @@ package metrics
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -85,6 +86,10 @@ type Metrics struct {
 	TenantRequests   *prometheus.CounterVec // tenant, model, code
 	TenantTokens     *prometheus.CounterVec // tenant, model, kind
 	TenantRejections *prometheus.CounterVec // tenant, reason
+
+	// ModelWaiting are requests held in the waiting room for a model without a ready worker,
+	// ModelInFlight requests being served, by model: what an autoscaler scales engines on.
+	ModelWaiting, ModelInFlight *prometheus.GaugeVec
 
 	reg    *worker.Registry
 	mu     sync.Mutex
@@ -219,6 +224,14 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_tenant_rejections_total",
 			Help: "Requests refused for a tenant's limits, by tenant and reason (requests, tokens, concurrency, store_unavailable).",
 		}, []string{"tenant", "reason"}),
+		ModelWaiting: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "baton_model_waiting_requests",
+			Help: "Requests waiting for a model's first ready worker (no_worker_wait), by model: the signal to scale an engine up from zero.",
+		}, []string{"model"}),
+		ModelInFlight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "baton_model_in_flight_requests",
+			Help: "Requests being served (queued for a slot included), by model.",
+		}, []string{"model"}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
@@ -226,7 +239,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
-		m.TenantRequests, m.TenantTokens, m.TenantRejections,
+		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -253,6 +266,36 @@ func (m *Metrics) Model(model string) string {
 	}
 	m.models[model] = struct{}{}
 	return model
+}
+
+// Known reports whether model is one Baton knows: a worker lists it (configured or reported),
+// or requests for it were counted before (its workers may have left: scaled to zero).
+func (m *Metrics) Known(model string) bool {
+	if model == "" {
+		return false
+	}
+	snap := m.reg.Snapshot()
+	if snap.Lists(model) || slices.Contains(snap.Models(), model) {
+		return true
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.models[model]
+	return ok
+}
+
+// KnownLabel is the label of a model Known reported: the model itself while MaxModels allow.
+func (m *Metrics) KnownLabel(model string) string {
+	if len(model) > MaxLabelLen || !printable(model) {
+		return ModelUnknown
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.models[model]; ok || len(m.models) < MaxModels {
+		m.models[model] = struct{}{}
+		return model
+	}
+	return ModelOther
 }
 
 // ForgetWorker drops the series labelled with a removed worker, so that a fleet whose workers

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -12,6 +13,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/record"
 )
 
@@ -188,4 +190,54 @@ func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [a
 		}
 	}
 	return reserved, depth, timeout
+}
+
+// waitingRoom holds a request whose selection found no ready worker for its model, when the
+// model is one Baton knows and no_worker_wait is set: until a worker for it is ready (then true:
+// select again), the wait passes, or the client leaves. baton_model_waiting_requests counts the
+// requests held: what scales an engine up from zero.
+func (s *Server) waitingRoom(r *http.Request, model string, err error) bool {
+	var nw *policy.NoWorkerError
+	if s.opts.NoWorkerWait <= 0 || !errors.As(err, &nw) || nw.Route != "" || nw.Unrouted != "" || nw.Incompatible || !s.metrics.Known(model) {
+		return false
+	}
+	g := s.metrics.ModelWaiting.WithLabelValues(s.metrics.KnownLabel(model))
+	g.Inc()
+	defer g.Dec()
+	deadline := time.NewTimer(s.opts.NoWorkerWait)
+	defer deadline.Stop()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-r.Context().Done():
+			return false
+		case <-deadline.C:
+			return false
+		case <-tick.C:
+			if s.readyFor(model) {
+				return true
+			}
+		}
+	}
+}
+
+// readyFor reports whether model has a ready worker of every role a request needs.
+func (s *Server) readyFor(model string) bool {
+	roles := []string{config.RoleRegular}
+	if s.opts.PD && !s.sel.HasRole(config.RoleRegular) {
+		roles = []string{config.RolePrefill, config.RoleDecode}
+	}
+	snap := s.reg.Snapshot()
+	for _, role := range roles {
+		cands, _ := snap.Candidates(role, model)
+		ready := false
+		for _, w := range cands {
+			ready = ready || w.Ready()
+		}
+		if !ready {
+			return false
+		}
+	}
+	return true
 }

@@ -29,6 +29,9 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
+	inFlight := s.metrics.ModelInFlight.WithLabelValues(s.metrics.Model(req.Model))
+	inFlight.Inc()
+	defer inFlight.Dec()
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
 	if e := s.countBatch(preq); e != nil {
 		openai.WriteError(w, e)
@@ -53,10 +56,16 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	defer release()
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	orig := req.Body
+	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
 		pair, err := s.sel.Pair(r.Context(), sreq, avoid)
+		if err != nil && !waited {
+			if waited = true; s.waitingRoom(r, req.Model, err) {
+				pair, err = s.sel.Pair(r.Context(), sreq, avoid)
+			}
+		}
 		end(sreq, err)
 		if err != nil {
 			return selectionError(err)

@@ -52,6 +52,9 @@ type Options struct {
 	APIKey string
 	// Tenancy is who may call and how much; zero: APIKey's tenant alone, unlimited.
 	Tenancy Tenancy
+	// NoWorkerWait holds a request for a known model without a ready worker this long for one
+	// (the waiting room); 0: refused at once.
+	NoWorkerWait time.Duration
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
 	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
@@ -572,6 +575,9 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
+	inFlight := s.metrics.ModelInFlight.WithLabelValues(s.metrics.Model(req.Model))
+	inFlight.Inc()
+	defer inFlight.Dec()
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
 	if e := s.countBatch(preq); e != nil {
 		openai.WriteError(w, e)
@@ -600,10 +606,16 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
 		end := s.selectSpan(r)
 		wk, err := s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
+		if err != nil && !waited {
+			if waited = true; s.waitingRoom(r, req.Model, err) {
+				wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
+			}
+		}
 		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
