@@ -78,6 +78,21 @@ const serviceMonitorCRD = `{"apiVersion":"apiextensions.k8s.io/v1","kind":"Custo
 // The chart renders with its defaults and each example's values, helm lint passes, the API
 // server accepts every object it renders (created for real, in a namespace per render), and
 // Baton accepts the configuration and flags the Deployment runs it with.
+// scaledObjectCRD is enough of KEDA's ScaledObject CRD (keda.sh/v1alpha1; the field names and
+// types of its schema) for the API server to validate the chart's ScaledObjects strictly.
+const scaledObjectCRD = `{"apiVersion":"apiextensions.k8s.io/v1","kind":"CustomResourceDefinition",
+"metadata":{"name":"scaledobjects.keda.sh"},
+"spec":{"group":"keda.sh","scope":"Namespaced",
+"names":{"plural":"scaledobjects","singular":"scaledobject","kind":"ScaledObject","listKind":"ScaledObjectList"},
+"versions":[{"name":"v1alpha1","served":true,"storage":true,"schema":{"openAPIV3Schema":{"type":"object","properties":{
+ "spec":{"type":"object","required":["scaleTargetRef","triggers"],"properties":{
+  "scaleTargetRef":{"type":"object","required":["name"],"properties":{"apiVersion":{"type":"string"},"kind":{"type":"string"},"name":{"type":"string","minLength":1}}},
+  "minReplicaCount":{"type":"integer","minimum":0},"maxReplicaCount":{"type":"integer","minimum":1},
+  "pollingInterval":{"type":"integer","minimum":1},"cooldownPeriod":{"type":"integer","minimum":0},
+  "triggers":{"type":"array","minItems":1,"items":{"type":"object","required":["metadata","type"],"properties":{
+   "type":{"type":"string","minLength":1},"name":{"type":"string"},"metadata":{"type":"object","additionalProperties":{"type":"string"}}}}}}},
+ "status":{"type":"object","x-kubernetes-preserve-unknown-fields":true}}}}}]}}`
+
 func TestChartRendersAndApplies(t *testing.T) {
 	s := k8stest.Require(t, server)
 	if out, err := exec.Command(helm(t), "lint", chart).CombinedOutput(); err != nil {
@@ -85,13 +100,15 @@ func TestChartRendersAndApplies(t *testing.T) {
 	}
 	dyn := dynamic.NewForConfigOrDie(s.Config)
 	cs, _ := cluster(t)
-	crd := &unstructured.Unstructured{}
-	if err := crd.UnmarshalJSON([]byte(serviceMonitorCRD)); err != nil {
-		t.Fatal(err)
-	}
-	crdRes := dyn.Resource(crd.GroupVersionKind().GroupVersion().WithResource("customresourcedefinitions"))
-	if _, err := crdRes.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
+	for _, def := range []string{serviceMonitorCRD, scaledObjectCRD} {
+		crd := &unstructured.Unstructured{}
+		if err := crd.UnmarshalJSON([]byte(def)); err != nil {
+			t.Fatal(err)
+		}
+		crdRes := dyn.Resource(crd.GroupVersionKind().GroupVersion().WithResource("customresourcedefinitions"))
+		if _, err := crdRes.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
 	}
 	examples, _ := filepath.Glob(chart + "/examples/*.yaml")
 	for _, values := range append([]string{""}, examples...) {
@@ -130,6 +147,12 @@ func TestChartRendersAndApplies(t *testing.T) {
 				switch gvk.Kind {
 				case "ConfigMap":
 					configYAML, _, _ = unstructured.NestedString(o.Object, "data", "baton.yaml")
+				case "ScaledObject":
+					triggers, _, _ := unstructured.NestedSlice(o.Object, "spec", "triggers")
+					query, _, _ := unstructured.NestedString(triggers[0].(map[string]any), "metadata", "query")
+					if !strings.Contains(query, `baton_model_waiting_requests{model="llama-3-8b"}`) || !strings.Contains(query, "baton_model_in_flight_requests") {
+						t.Errorf("the ScaledObject's query: %s", query)
+					}
 				case "Deployment":
 					cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
 					c := cs[0].(map[string]any)
@@ -207,6 +230,9 @@ func TestChartRendersAndApplies(t *testing.T) {
 			}
 			if name == "pd-vllm" && (keyEnv["BATON_WORKER_KEY_TEAM_A"] != "team-a-engine" || keyEnv["BATON_API_KEY"] != "baton-keys") {
 				t.Errorf("key variables %v", keyEnv)
+			}
+			if name == "scale-from-zero" && kinds["ScaledObject"] != 1 {
+				t.Errorf("the KEDA example rendered %d ScaledObjects", kinds["ScaledObject"])
 			}
 			if name == "tenants" && keyEnv["BATON_RATE_LIMIT_STORE"] != "baton-redis" {
 				t.Errorf("the Redis URL is not read from its Secret: %v", keyEnv)
