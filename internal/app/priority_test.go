@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -77,6 +78,12 @@ func TestPriorityClassesThroughTheGateway(t *testing.T) {
 	wg.Wait()
 	if got := strings.Join(order, " "); got != "holder interactive batch" {
 		t.Errorf("served %s", got)
+	}
+	// The status page's data shows the slots, the queues and each tenant's service.
+	rec := httptest.NewRecorder()
+	g.Server.StatusHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/status.json", nil))
+	if b := rec.Body.String(); !strings.Contains(b, `"queues":{"in_use":0,"served":{"app":`) || !strings.Contains(b, `"etl":`) || !strings.Contains(b, `"slots":1`) {
+		t.Errorf("status.json queues: %s", b)
 	}
 }
 

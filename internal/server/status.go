@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/baton-llm/baton/internal/admit"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 )
@@ -233,6 +234,14 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 	}
 	pairs := pairsOf(s.metrics.PairHandoffCounts())
 	notices := append([]Notice{}, s.Notices()...)
+	var queues map[string]any
+	if s.admit != nil {
+		waiting := map[string]int{}
+		for c := admit.Class(0); c < admit.NumClasses; c++ {
+			waiting[c.String()] = s.admit.s.Waiting(c)
+		}
+		queues = map[string]any{"slots": s.admit.o.Slots, "in_use": s.admit.s.InUse(), "waiting": waiting, "served": s.admit.s.Served()}
+	}
 	var tenants []TenantView
 	if !s.tenants().Open() || len(s.tenants().Tenants()[0].Rules()) > 0 {
 		tenants, _ = s.TenantViews(r.Context())
@@ -240,7 +249,7 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 	body := openai.MarshalJSON(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
-		"pd": s.opts.PD, "notices": notices, "tenants": tenants,
+		"pd": s.opts.PD, "notices": notices, "tenants": tenants, "queues": queues,
 	})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
