@@ -44,6 +44,18 @@ func startBaton(binary string, cpu int, args ...string) (*proc, error) {
 	return startBatonEnv(binary, cpu, nil, args...)
 }
 
+// startBatonServing starts `baton serve` with args and returns once it listens, ready or not
+// (a fleet whose workers are not up yet).
+func startBatonServing(binary string, cpu int, args ...string) (*proc, error) {
+	argv := append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)
+	p, m, err := startUntil(pinned(cpu, argv...), servingLine, "baton")
+	if err != nil {
+		return nil, err
+	}
+	p.URL, p.MetricsURL = m[1], m[2]
+	return p, nil
+}
+
 // startBatonEnv is startBaton with env (NAME=value) added to Baton's environment.
 func startBatonEnv(binary string, cpu int, env []string, args ...string) (*proc, error) {
 	argv := append([]string{binary, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-level", "error", "--enable-pprof"}, args...)

@@ -26,7 +26,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -76,6 +76,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.hotpath(ctx)
 		case "tenants":
 			err = r.tenants(ctx)
+		case "fairness":
+			err = r.fairness(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
