@@ -81,9 +81,17 @@ type Scheduler struct {
 	draining bool
 	seq      uint64
 	pool     sync.Pool
-	// Served counts weighted tokens served per tenant (the counters' increments, for the status
-	// page's fairness view); read with Served.
-	served map[string]float64
+	// served counts weighted tokens served per tenant (the counters' increments, not divided
+	// by weight) per minute, the last servedMinutes minutes: the status page's fairness view.
+	served [servedMinutes]minuteServed
+}
+
+// servedMinutes is how many minutes of service the scheduler keeps per tenant.
+const servedMinutes = 10
+
+type minuteServed struct {
+	minute int64
+	tokens map[string]float64
 }
 
 type flowKey struct {
@@ -128,7 +136,7 @@ func New(o Options) *Scheduler {
 	if o.InputWeight == 0 && o.OutputWeight == 0 {
 		o.InputWeight, o.OutputWeight = 1, 2
 	}
-	s := &Scheduler{o: o, flows: map[flowKey]*flow{}, served: map[string]float64{}}
+	s := &Scheduler{o: o, flows: map[flowKey]*flow{}}
 	s.pool.New = func() any { return &Waiter{ch: make(chan error, 1)} }
 	return s
 }
@@ -276,16 +284,36 @@ func (s *Scheduler) InUse() int {
 	return s.inUse
 }
 
-// Served returns the weighted tokens each tenant has been served (its counters' increments,
-// not divided by its weight), a copy.
-func (s *Scheduler) Served() map[string]float64 {
+// Served returns the weighted tokens each tenant was served over the last minutes (at most
+// servedMinutes): its counters' increments, not divided by its weight, as a fresh map.
+func (s *Scheduler) Served(minutes int) map[string]float64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make(map[string]float64, len(s.served))
-	for k, v := range s.served {
-		out[k] = v
+	now := time.Now().Unix() / 60
+	out := map[string]float64{}
+	for i := range s.served {
+		m := &s.served[i]
+		if m.tokens != nil && now-m.minute < int64(min(minutes, servedMinutes)) {
+			for k, v := range m.tokens {
+				out[k] += v
+			}
+		}
 	}
 	return out
+}
+
+// account adds weighted tokens served to tenant's current minute.
+func (s *Scheduler) account(tenant string, tokens float64) {
+	now := time.Now().Unix() / 60
+	m := &s.served[now%servedMinutes]
+	if m.minute != now || m.tokens == nil {
+		if m.tokens == nil {
+			m.tokens = map[string]float64{}
+		}
+		clear(m.tokens)
+		m.minute = now
+	}
+	m.tokens[tenant] += tokens
 }
 
 func (s *Scheduler) free() int { return s.o.Slots - s.inUse }
@@ -325,7 +353,7 @@ func (s *Scheduler) flow(c Class, tenant string, weight float64) *flow {
 // charge adds a served request's cost to its flow's counter.
 func (s *Scheduler) charge(fl *flow, cost float64) {
 	fl.counter += cost
-	s.served[fl.key.tenant] += cost * fl.weight
+	s.account(fl.key.tenant, cost*fl.weight)
 	if fl.index >= 0 {
 		heap.Fix(&s.classes[fl.key.class].flows, fl.index)
 	}
@@ -333,7 +361,7 @@ func (s *Scheduler) charge(fl *flow, cost float64) {
 
 func (s *Scheduler) settleLocked(fl *flow, delta float64) {
 	fl.counter += delta
-	s.served[fl.key.tenant] += delta * fl.weight
+	s.account(fl.key.tenant, delta*fl.weight)
 	if fl.index >= 0 {
 		heap.Fix(&s.classes[fl.key.class].flows, fl.index)
 	}

@@ -215,7 +215,7 @@ func TestSettlementCorrectsCounters(t *testing.T) {
 	a.Release(0, 10) // used 10 of 1,000
 	b, _ := s.Acquire(t.Context(), Request{Tenant: "b", Class: Default, Out: 100})
 	b.Release(-1, -1)
-	if got := s.Served(); got["a"] != 20 || got["b"] != 200 {
+	if got := s.Served(5); got["a"] != 20 || got["b"] != 200 {
 		t.Errorf("served %v, want a 20 (10 output tokens ×2) and b 200", got)
 	}
 }

@@ -240,7 +240,7 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 		for c := admit.Class(0); c < admit.NumClasses; c++ {
 			waiting[c.String()] = s.admit.s.Waiting(c)
 		}
-		queues = map[string]any{"slots": s.admit.o.Slots, "in_use": s.admit.s.InUse(), "waiting": waiting, "served": s.admit.s.Served()}
+		queues = map[string]any{"slots": s.admit.o.Slots, "in_use": s.admit.s.InUse(), "waiting": waiting, "served": s.admit.s.Served(5)}
 	}
 	var tenants []TenantView
 	if !s.tenants().Open() || len(s.tenants().Tenants()[0].Rules()) > 0 {
