@@ -118,17 +118,16 @@ type flow struct {
 
 // A Waiter is a request waiting for a slot (pooled).
 type Waiter struct {
-	ch           chan error
-	timer        *time.Timer
-	fl           *flow
-	class        Class
-	entered      time.Time // into its current class
-	arrived      time.Time
-	cost         float64 // its estimated weighted tokens
-	granted      bool
-	queued       bool
-	fprev, fnext *Waiter // in its flow
-	oprev, onext *Waiter // in its class order
+	ch      chan error
+	timer   *time.Timer
+	fl      *flow
+	class   Class
+	entered time.Time // into its current class
+	arrived time.Time
+	cost    float64 // its estimated weighted tokens
+	granted bool
+	queued  bool
+	f, o    links // in its flow, in its class order
 }
 
 // New returns a scheduler.
@@ -137,6 +136,9 @@ func New(o Options) *Scheduler {
 		o.InputWeight, o.OutputWeight = 1, 2
 	}
 	s := &Scheduler{o: o, flows: map[flowKey]*flow{}}
+	for c := range s.classes {
+		s.classes[c].order.at = inOrder
+	}
 	s.pool.New = func() any { return &Waiter{ch: make(chan error, 1)} }
 	return s
 }
@@ -229,7 +231,7 @@ func (s *Scheduler) Acquire(ctx context.Context, req Request) (Ticket, error) {
 	}
 	t := Ticket{s: s, fl: w.fl, cost: w.cost, Class: w.class, Waited: time.Since(w.arrived), held: err == nil}
 	s.mu.Unlock()
-	w.fl, w.fprev, w.fnext, w.oprev, w.onext = nil, nil, nil, nil, nil
+	w.fl, w.f, w.o = nil, links{}, links{}
 	s.pool.Put(w)
 	if err != nil {
 		return Ticket{Waited: t.Waited, Class: t.Class}, err
@@ -262,7 +264,7 @@ func (s *Scheduler) Drain() {
 	s.draining = true
 	for c := range s.classes {
 		for w := s.classes[c].order.head; w != nil; {
-			next := w.onext
+			next := w.o.next
 			s.remove(w)
 			w.ch <- ErrDraining
 			w = next
@@ -343,7 +345,7 @@ func (s *Scheduler) flow(c Class, tenant string, weight float64) *flow {
 	k := flowKey{c, tenant}
 	fl := s.flows[k]
 	if fl == nil {
-		fl = &flow{key: k, index: -1}
+		fl = &flow{key: k, index: -1, q: waiterList{at: inFlow}}
 		s.flows[k] = fl
 	}
 	fl.weight = weight
@@ -380,8 +382,8 @@ func (s *Scheduler) enqueue(w *Waiter) {
 		fl.since = s.seq
 		heap.Push(&cq.flows, fl)
 	}
-	fl.q.pushF(w)
-	cq.order.pushO(w)
+	fl.q.push(w)
+	cq.order.push(w)
 	w.queued = true
 	s.waiting[w.class]++
 }
@@ -390,8 +392,8 @@ func (s *Scheduler) enqueue(w *Waiter) {
 func (s *Scheduler) remove(w *Waiter) {
 	fl := w.fl
 	cq := &s.classes[w.class]
-	fl.q.removeF(w)
-	cq.order.removeO(w)
+	fl.q.remove(w)
+	cq.order.remove(w)
 	if fl.q.head == nil && fl.index >= 0 {
 		heap.Remove(&cq.flows, fl.index)
 	}
@@ -453,55 +455,42 @@ func (s *Scheduler) Tick() {
 	s.mu.Unlock()
 }
 
-// waiterList is an intrusive FIFO of waiters, through one of two link pairs.
-type waiterList struct{ head, tail *Waiter }
+// links are a waiter's place in one list.
+type links struct{ prev, next *Waiter }
 
-func (l *waiterList) pushF(w *Waiter) {
-	w.fprev, w.fnext = l.tail, nil
+// waiterList is an intrusive FIFO of waiters through one of their two link pairs (at: the
+// flow's or the class order's).
+type waiterList struct {
+	head, tail *Waiter
+	at         func(*Waiter) *links
+}
+
+func inFlow(w *Waiter) *links  { return &w.f }
+func inOrder(w *Waiter) *links { return &w.o }
+
+func (l *waiterList) push(w *Waiter) {
+	*l.at(w) = links{prev: l.tail}
 	if l.tail != nil {
-		l.tail.fnext = w
+		l.at(l.tail).next = w
 	} else {
 		l.head = w
 	}
 	l.tail = w
 }
 
-func (l *waiterList) removeF(w *Waiter) {
-	if w.fprev != nil {
-		w.fprev.fnext = w.fnext
+func (l *waiterList) remove(w *Waiter) {
+	lw := l.at(w)
+	if lw.prev != nil {
+		l.at(lw.prev).next = lw.next
 	} else {
-		l.head = w.fnext
+		l.head = lw.next
 	}
-	if w.fnext != nil {
-		w.fnext.fprev = w.fprev
+	if lw.next != nil {
+		l.at(lw.next).prev = lw.prev
 	} else {
-		l.tail = w.fprev
+		l.tail = lw.prev
 	}
-	w.fprev, w.fnext = nil, nil
-}
-
-func (l *waiterList) pushO(w *Waiter) {
-	w.oprev, w.onext = l.tail, nil
-	if l.tail != nil {
-		l.tail.onext = w
-	} else {
-		l.head = w
-	}
-	l.tail = w
-}
-
-func (l *waiterList) removeO(w *Waiter) {
-	if w.oprev != nil {
-		w.oprev.onext = w.onext
-	} else {
-		l.head = w.onext
-	}
-	if w.onext != nil {
-		w.onext.oprev = w.oprev
-	} else {
-		l.tail = w.oprev
-	}
-	w.oprev, w.onext = nil, nil
+	*lw = links{}
 }
 
 // flowHeap orders a class's backlogged flows by counter.

@@ -9,10 +9,13 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/baton-llm/baton/internal/admit"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/record"
 )
@@ -240,4 +243,52 @@ func (s *Server) readyFor(model string) bool {
 		}
 	}
 	return true
+}
+
+// admitted is what admitRequest took for a request, given back by end.
+type admitted struct {
+	s        *Server
+	r        *http.Request
+	inFlight prometheus.Gauge
+	ls       *lease
+	release  func()
+}
+
+// end gives back what was taken, in the reverse order: the slot, the tenant's reservation
+// (settled with what the request used), the model's in-flight count.
+func (a *admitted) end() {
+	if a.release != nil {
+		a.release()
+	}
+	if a.ls != nil {
+		a.s.settleTenant(a.r, a.ls)
+	}
+	if a.inFlight != nil {
+		a.inFlight.Dec()
+	}
+}
+
+// admitRequest takes an inference request from its parsed body to its slot: the model's
+// in-flight count, the batch bounds, its priority class, its tenant's models and limits (a
+// reservation), and a slot. It answers the client itself when one refuses (false). Its end is
+// to be deferred whatever ok says.
+func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, preq *pd.Request) (a admitted, ok bool) {
+	req := preq.Request
+	a.s, a.r = s, r
+	a.inFlight = s.metrics.ModelInFlight.WithLabelValues(s.metrics.Model(req.Model))
+	a.inFlight.Inc()
+	if e := s.countBatch(preq); e != nil {
+		openai.WriteError(w, e)
+		return a, false
+	}
+	class, ok := s.priorityOf(w, r)
+	if !ok {
+		return a, false
+	}
+	in, out := s.estimate(req, r.URL.Path, preq.Batch, preq.Samples)
+	if a.ls, ok = s.admitTenant(w, r, req, r.URL.Path, in, out); !ok {
+		return a, false
+	}
+	a.release, ok = s.admit.acquire(w, r, class, in, out)
+	return a, ok
 }

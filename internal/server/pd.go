@@ -29,31 +29,12 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
-	inFlight := s.metrics.ModelInFlight.WithLabelValues(s.metrics.Model(req.Model))
-	inFlight.Inc()
-	defer inFlight.Dec()
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
-	if e := s.countBatch(preq); e != nil {
-		openai.WriteError(w, e)
-		return
-	}
-	class, ok := s.priorityOf(w, r)
+	adm, ok := s.admitRequest(w, r, preq)
+	defer adm.end()
 	if !ok {
 		return
 	}
-	in, out := s.estimate(req, r.URL.Path, preq.Batch, preq.Samples)
-	ls, ok := s.admitTenant(w, r, req, r.URL.Path, in, out)
-	if !ok {
-		return
-	}
-	if ls != nil {
-		defer s.settleTenant(r, ls)
-	}
-	release, ok := s.admit.acquire(w, r, class, in, out)
-	if !ok {
-		return
-	}
-	defer release()
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	orig := req.Body
 	waited := false // the waiting room holds a request once

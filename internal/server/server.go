@@ -575,31 +575,12 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
-	inFlight := s.metrics.ModelInFlight.WithLabelValues(s.metrics.Model(req.Model))
-	inFlight.Inc()
-	defer inFlight.Dec()
 	preq := &pd.Request{Request: req, Path: r.URL.Path}
-	if e := s.countBatch(preq); e != nil {
-		openai.WriteError(w, e)
-		return
-	}
-	class, ok := s.priorityOf(w, r)
+	adm, ok := s.admitRequest(w, r, preq)
+	defer adm.end()
 	if !ok {
 		return
 	}
-	in, out := s.estimate(req, r.URL.Path, preq.Batch, preq.Samples)
-	ls, ok := s.admitTenant(w, r, req, r.URL.Path, in, out)
-	if !ok {
-		return
-	}
-	if ls != nil {
-		defer s.settleTenant(r, ls)
-	}
-	release, ok := s.admit.acquire(w, r, class, in, out)
-	if !ok {
-		return
-	}
-	defer release()
 	if s.opts.PD && !s.sel.HasRole(config.RoleRegular) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD,
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
