@@ -46,8 +46,11 @@ const (
 	// key (a Secret mounted into Baton's pod): never the key itself, which any reader of the pod
 	// would see. Only variables named WorkerKeyEnvPrefix…: a pod cannot have Baton send it
 	// Baton's own keys.
-	AnnotationAPIKeyEnv         = "baton.ai/api-key-env"
-	WorkerKeyEnvPrefix          = "BATON_WORKER_KEY_"
+	AnnotationAPIKeyEnv = "baton.ai/api-key-env"
+	WorkerKeyEnvPrefix  = "BATON_WORKER_KEY_"
+	// AnnotationForwardPriority marks a pod whose engine schedules by priority ("true", or its
+	// order: "lower_first", "higher_first"): it gets the class in its requests' priority field.
+	AnnotationForwardPriority   = "baton.ai/forward-priority"
 	LabelPod, LabelNamespace    = "k8s_pod", "k8s_namespace"
 	defaultUnreadyRemoveAfter   = 60 * time.Second
 	defaultSettle               = 250 * time.Millisecond
@@ -427,6 +430,15 @@ func (d *Discovery) workerOf(p *corev1.Pod, role string) (config.Worker, error) 
 		if v := a[e.key]; v != "" {
 			*e.dst = strings.Replace(v, "tcp://*:", "tcp://"+host+":", 1)
 		}
+	}
+	switch v := a[AnnotationForwardPriority]; v {
+	case "":
+	case "true":
+		w.ForwardPriority = true
+	case config.PriorityLowerFirst, config.PriorityHigherFirst:
+		w.ForwardPriority, w.PriorityOrder = true, v
+	default:
+		return config.Worker{}, fmt.Errorf("%s %q: want true, lower_first or higher_first", AnnotationForwardPriority, v)
 	}
 	if name, ok := a[AnnotationAPIKeyEnv]; ok {
 		if !strings.HasPrefix(name, WorkerKeyEnvPrefix) || len(name) == len(WorkerKeyEnvPrefix) {

@@ -1,6 +1,7 @@
 package discovery
 
 import (
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -91,5 +92,21 @@ func TestPodKeyFromBatonsEnvironment(t *testing.T) {
 		if err != nil && strings.Contains(err.Error(), k) {
 			t.Errorf("the error shows a key: %v", err)
 		}
+	}
+}
+
+// baton.ai/forward-priority marks a pod's engine as scheduling by priority, with its order.
+func TestPodForwardPriority(t *testing.T) {
+	d := &Discovery{Port: 8000}
+	for v, want := range map[string][2]string{"true": {"true", ""}, "higher_first": {"true", "higher_first"}, "": {"false", ""}} {
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Annotations: map[string]string{AnnotationForwardPriority: v}}, Status: corev1.PodStatus{PodIP: "10.0.0.7"}}
+		w, err := d.workerOf(p, config.RoleRegular)
+		if err != nil || fmt.Sprint(w.ForwardPriority) != want[0] || w.PriorityOrder != want[1] {
+			t.Errorf("%q: %v %q %v", v, w.ForwardPriority, w.PriorityOrder, err)
+		}
+	}
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Annotations: map[string]string{AnnotationForwardPriority: "yes"}}, Status: corev1.PodStatus{PodIP: "10.0.0.7"}}
+	if _, err := d.workerOf(p, config.RoleRegular); err == nil {
+		t.Error("an unknown value accepted")
 	}
 }
