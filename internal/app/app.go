@@ -354,6 +354,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 		PromoteAfter: ad.PromoteAfter, InputWeight: ad.FairInputWeight, OutputWeight: ad.FairOutputWeight}
 	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout = server.ClassSettings(ad)
 	o.NoWorkerWait = ad.NoWorkerWait
+	o.Models, o.DefaultModel = cfg.Models, cfg.DefaultModel
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
 	// Keyless only on a loopback listener of its own: a proxy on the same host in front of the

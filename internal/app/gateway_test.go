@@ -292,12 +292,12 @@ func TestModelAwareRouting(t *testing.T) {
 			t.Fatalf("llama went to %s", body)
 		}
 	}
-	// No model: any worker, round robin over both.
+	// No model (and no default_model): 400 naming the field, never a random worker.
 	for i := 0; i < 4; i++ {
-		post(t, gw.URL+"/v1/completions", `{"prompt":"hi"}`)
+		wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"prompt":"hi"}`), 400, "model_required")
 	}
-	if hits["a"].Load() != 6 || hits["b"].Load() != 6 {
-		t.Errorf("hits a=%d b=%d, want 6 and 6", hits["a"].Load(), hits["b"].Load())
+	if hits["a"].Load() != 4 || hits["b"].Load() != 4 {
+		t.Errorf("hits a=%d b=%d, want 4 and 4", hits["a"].Load(), hits["b"].Load())
 	}
 	resp, err := http.Get(gw.URL + "/v1/models")
 	if err != nil {

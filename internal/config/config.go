@@ -103,6 +103,10 @@ type Config struct {
 	MaxBatchSize         int           `json:"max_batch_size" flag:"max-batch-size" default:"1024" check:">=1" help:"largest n, and most prompts in one request; 400 past it"`
 	StalledClientTimeout time.Duration `json:"stalled_client_timeout" flag:"stalled-client-timeout" unit:"secs" default:"1m" check:">0" help:"drop a client that sends no body bytes or accepts no response bytes for this long"`
 	APIKey               string        `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"require 'Authorization: Bearer KEY' on inference routes"`
+	// Models are names clients use: an alias of a model the workers serve, and the models to
+	// fall back to (YAML models:). DefaultModel is the model of a request that names none.
+	Models       map[string]ModelConfig `json:"models"`
+	DefaultModel string                 `json:"default_model" flag:"default-model" help:"the model of a request that names none (else 400 model_required; SGLang's /generate names none and keeps going to any worker)"`
 	// Tenants are the teams sharing the fleet (tenants.go); TenantAPIKeys smg's
 	// --tenant-api-key TENANT:KEY, flag only (a file holds hashes, never keys).
 	Tenants       []Tenant `json:"tenants"`
@@ -219,6 +223,23 @@ type Admission struct {
 	// The Virtual Token Counter's weights of prompt and completion tokens.
 	FairInputWeight  float64 `json:"fair_input_weight" flag:"fair-input-weight" default:"1" check:">=0" help:"weight of a prompt token in a tenant's share of a full fleet"`
 	FairOutputWeight float64 `json:"fair_output_weight" flag:"fair-output-weight" default:"2" check:">=0" help:"weight of a completion token in a tenant's share of a full fleet"`
+}
+
+// ModelConfig is one model name as clients use it.
+type ModelConfig struct {
+	// Serve is the model the workers know this name by: the body's "model" is rewritten to it
+	// on the way to the worker. Empty: the name itself.
+	Serve string `json:"serve"`
+	// Fallbacks are the models tried, in order, when no worker of this one is available.
+	Fallbacks []string `json:"fallbacks"`
+}
+
+// Served is the model the workers know name by (name itself when it is no alias).
+func (c *Config) Served(name string) string {
+	if m, ok := c.Models[name]; ok && m.Serve != "" {
+		return m.Serve
+	}
+	return name
 }
 
 // QueueClass is one priority class's queue: its depth and how long a request waits in it.
@@ -407,6 +428,16 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, c.checkPairs()...)
 	errs = append(errs, c.Admission.check()...)
+	for name, m := range c.Models {
+		if name == "" || strings.TrimSpace(name) != name {
+			bad("models: %q is no model name", name)
+		}
+		for i, f := range m.Fallbacks {
+			if f == "" || f == name || c.Served(f) == c.Served(name) {
+				bad("models.%s.fallbacks[%d]: %q is no other model", name, i, f)
+			}
+		}
+	}
 	return errors.Join(errs...)
 }
 

@@ -90,6 +90,9 @@ type Metrics struct {
 	// ModelWaiting are requests held in the waiting room for a model without a ready worker,
 	// ModelInFlight requests being served, by model: what an autoscaler scales engines on.
 	ModelWaiting, ModelInFlight *prometheus.GaugeVec
+	// ModelFallbacks counts requests served by a fallback model, by the model asked and the one
+	// that served.
+	ModelFallbacks *prometheus.CounterVec
 
 	reg    *worker.Registry
 	mu     sync.Mutex
@@ -232,6 +235,10 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_model_in_flight_requests",
 			Help: "Requests being served (queued for a slot included), by model.",
 		}, []string{"model"}),
+		ModelFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_model_fallbacks_total",
+			Help: "Requests served by a fallback model (models.<name>.fallbacks), by the model asked for and the one that served.",
+		}, []string{"from", "to"}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
@@ -239,7 +246,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
-		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight,
+		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

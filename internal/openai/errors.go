@@ -16,13 +16,15 @@ import (
 const (
 	CodeInvalidJSON = "invalid_json"
 	// CodeDuplicateKey: the body names a top-level member twice.
-	CodeDuplicateKey       = "duplicate_key"
-	CodeDuplicateHeader    = "duplicate_header"
-	CodeBatchTooLarge      = "batch_too_large"
-	CodeBodyReadFailed     = "body_read_failed"
-	CodePayloadTooLarge    = "payload_too_large"
-	CodeInvalidAPIKey      = "invalid_api_key"
-	CodeModelNotFound      = "model_not_found"
+	CodeDuplicateKey    = "duplicate_key"
+	CodeDuplicateHeader = "duplicate_header"
+	CodeBatchTooLarge   = "batch_too_large"
+	CodeBodyReadFailed  = "body_read_failed"
+	CodePayloadTooLarge = "payload_too_large"
+	CodeInvalidAPIKey   = "invalid_api_key"
+	CodeModelNotFound   = "model_not_found"
+	// CodeModelRequired: a request that names no model, without a default_model.
+	CodeModelRequired      = "model_required"
 	CodeNotFound           = "not_found"
 	CodeClientTimeout      = "client_timeout"
 	CodeNotImplementedInPD = "not_implemented_in_pd_mode"

@@ -14,6 +14,9 @@ const (
 	HeaderBatonPrefix = "X-Baton-"
 	// HeaderErrorCode repeats the code of an error Baton minted.
 	HeaderErrorCode = "X-Baton-Error-Code"
+	// HeaderModel names the model that served the request: the workers' name for it, a
+	// fallback's when one served.
+	HeaderModel = "X-Baton-Model"
 	// HeaderWorker names the worker that answered (PD: the decode).
 	HeaderWorker = "X-Baton-Worker"
 	// HeaderPrefillWorker and HeaderDecodeWorker name a PD request's pair.

@@ -57,6 +57,9 @@ type Record struct {
 	// and keeps that event from the client, whose bytes stay as the engine would have sent them.
 	CountEvents, StripUsage bool
 	Events                  int
+	// Served is the model the workers know the request's by, the one that served it (an alias's
+	// target, a fallback); "" when it is the name the client gave.
+	Served string
 	// Who is the tenant Baton identified (Tenant is its name).
 	Who *tenant.Tenant
 }

@@ -3,6 +3,7 @@ package server
 import (
 	"cmp"
 	"encoding/json"
+	"sort"
 
 	"net/http"
 	"strconv"
@@ -20,7 +21,7 @@ import (
 // as the card its first worker reported.
 func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 	who := record.From(r.Context()).Who // a tenant sees only the models it may use
-	seen := map[string]bool{}
+	seen, served := map[string]bool{}, map[string]bool{}
 	data := []json.RawMessage{}
 	for _, wk := range s.reg.Snapshot().Workers {
 		in := wk.Info()
@@ -28,6 +29,7 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		for _, m := range in.Models {
+			served[m.ID] = true
 			if seen[m.ID] || who != nil && !who.Allows(m.ID) {
 				continue
 			}
@@ -38,6 +40,20 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 			}
 			data = append(data, card)
 		}
+	}
+	// Aliases beside the names the workers serve, when what they name is served.
+	aliases := make([]string, 0, len(s.opts.Models))
+	for name := range s.opts.Models {
+		aliases = append(aliases, name)
+	}
+	sort.Strings(aliases)
+	for _, name := range aliases {
+		target := s.opts.Models[name].Serve
+		if target == "" || seen[name] || !served[target] || who != nil && !who.Allows(name) {
+			continue
+		}
+		seen[name] = true
+		data = append(data, openai.MarshalJSON(map[string]any{"id": name, "object": "model", "created": 0, "owned_by": "baton", "root": target}))
 	}
 	body := openai.MarshalJSON(map[string]any{"object": "list", "data": data})
 	w.Header().Set("Content-Type", "application/json")

@@ -36,25 +36,24 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
-	orig := req.Body
+	orig, client := req.Body, req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
-		pair, err := s.sel.Pair(r.Context(), sreq, avoid)
-		if err != nil && !waited {
-			if waited = true; s.waitingRoom(r, req.Model, err) {
-				pair, err = s.sel.Pair(r.Context(), sreq, avoid)
-			}
-		}
+		var pair worker.Pair
+		err := s.pickModel(r, client, sreq, &waited, func() (err error) {
+			pair, err = s.sel.Pair(r.Context(), sreq, avoid)
+			return err
+		})
 		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
 		}
 		s.noteDecisions(r, sreq)
-		// Both legs share the body: the priority goes only to a pair whose two workers are
-		// marked forward_priority and read it alike.
-		if b := withPriority(orig, record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
+		// Both legs share the body: the model the workers know, and the priority only for a
+		// pair whose two workers are marked forward_priority and read it alike.
+		if b := withPriority(withModel(orig, client, sreq.Model), record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
 			if err := req.SetBody(b); err != nil {
 				return err
 			}

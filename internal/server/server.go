@@ -5,6 +5,7 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 
 	"crypto/rand"
 	"encoding/hex"
@@ -55,6 +56,10 @@ type Options struct {
 	// NoWorkerWait holds a request for a known model without a ready worker this long for one
 	// (the waiting room); 0: refused at once.
 	NoWorkerWait time.Duration
+	// Models are the names clients use (aliases, fallbacks); DefaultModel the model of a
+	// request naming none.
+	Models       map[string]config.ModelConfig
+	DefaultModel string
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
 	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
@@ -275,6 +280,7 @@ func renderHead(h http.Header, rec *record.Record) {
 		set(openai.HeaderDecodeWorker, rec.Decode)
 	}
 	set(openai.HeaderWorker, rec.Worker)
+	set(openai.HeaderModel, rec.Served)
 	set(openai.HeaderKVHandoff, rec.Handoff)
 	set(openai.HeaderRoute, rec.Decisions)
 }
@@ -559,6 +565,17 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) (req *opena
 		openai.WriteError(w, e)
 		return nil, release
 	}
+	if req.Model == "" && r.URL.Path != "/generate" {
+		if s.opts.DefaultModel == "" {
+			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
+				Message: `the request names no model: give "model"`})
+			return nil, release
+		}
+		q, _ := json.Marshal(s.opts.DefaultModel)
+		if b, err := openai.Set(req.Body, "model", q); err == nil && req.SetBody(b) == nil {
+			req.Model = s.opts.DefaultModel
+		}
+	}
 	record.From(r.Context()).Model = req.Model
 	if req.N > s.opts.MaxBatchSize {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
@@ -587,16 +604,16 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	client := req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		sreq.Decisions = sreq.Decisions[:0]
 		end := s.selectSpan(r)
-		wk, err := s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
-		if err != nil && !waited {
-			if waited = true; s.waitingRoom(r, req.Model, err) {
-				wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
-			}
-		}
+		var wk *worker.Worker
+		err := s.pickModel(r, client, sreq, &waited, func() (err error) {
+			wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
+			return err
+		})
 		end(sreq, err)
 		if err != nil {
 			return selectionError(err)
@@ -604,8 +621,80 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		rec := record.From(r.Context())
 		rec.Worker = wk.URL
 		s.noteDecisions(r, sreq)
-		return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(req.Body, rec.Class, wk))
+		return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, sreq.Model), rec.Class, wk))
 	})
+}
+
+// modelChain is the models a request for name may be served by, in order: the workers' name
+// for it (an alias's target), then its fallbacks'.
+func (s *Server) modelChain(name string) []string {
+	served := func(n string) string {
+		if m, ok := s.opts.Models[n]; ok && m.Serve != "" {
+			return m.Serve
+		}
+		return n
+	}
+	chain := []string{served(name)}
+	if m, ok := s.opts.Models[name]; ok {
+		for _, f := range m.Fallbacks {
+			chain = append(chain, served(f))
+		}
+	}
+	return chain
+}
+
+// pickModel runs sel over the request's models (modelChain) until one has an available worker:
+// the model it asked for, then each fallback in turn — before anything was sent, so never after
+// a first byte. The waiting room holds the first model once when none had one. The model chosen
+// is on the record (X-Baton-Model) and a fallback is counted.
+func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request, waited *bool, sel func() error) error {
+	chain := s.modelChain(client)
+	var err error
+	for _, m := range chain {
+		sreq.Model = m
+		if err = sel(); err == nil || !fallbackable(err) {
+			break
+		}
+	}
+	if err != nil && fallbackable(err) && !*waited {
+		*waited = true
+		if sreq.Model = chain[0]; s.waitingRoom(r, chain[0], err) {
+			err = sel()
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if sreq.Model != chain[0] {
+		s.metrics.ModelFallbacks.WithLabelValues(s.metrics.KnownLabel(chain[0]), s.metrics.KnownLabel(sreq.Model)).Inc()
+	}
+	if sreq.Model != client {
+		record.From(r.Context()).Served = sreq.Model
+	}
+	return nil
+}
+
+// fallbackable: the selection found no available worker for the model (not a route the
+// model's workers cannot serve).
+func fallbackable(err error) bool {
+	var nw *policy.NoWorkerError
+	return errors.As(err, &nw) && nw.Route == "" && nw.Unrouted == ""
+}
+
+// withModel is body with its "model" the workers' name for it, when that differs from the
+// client's; the other bytes untouched.
+func withModel(body []byte, client, served string) []byte {
+	if served == client || served == "" {
+		return body
+	}
+	q, err := json.Marshal(served)
+	if err != nil {
+		return body
+	}
+	if b, err := openai.Set(body, "model", q); err == nil {
+		return b
+	}
+	return body
 }
 
 // withPriority is body with the engine's "priority" field set for class when the worker is

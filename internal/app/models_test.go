@@ -1,0 +1,133 @@
+package app
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// An alias reaches the workers as the name they serve — the body's "model" rewritten, every
+// other byte as the client sent it — and the answer names the served model (X-Baton-Model);
+// /v1/models lists the alias beside it; a tenant may use an alias by its own name; a request
+// without a model takes default_model.
+func TestModelAliases(t *testing.T) {
+	var mu sync.Mutex
+	var bodies []string
+	e := fakeEngine(t, "vllm", []string{"llama-3-8b-instruct"}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		bodies = append(bodies, string(b))
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"model":"llama-3-8b-instruct","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)
+	})
+	cfg := testConfig(e.URL)
+	cfg.Models = map[string]config.ModelConfig{"llama": {Serve: "llama-3-8b-instruct"}}
+	cfg.DefaultModel = "llama"
+	cfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Models: []string{"llama"}}}
+	_, gw := startGateway(t, cfg)
+	sent := `{"prompt":"caf\u00e9 \ud83d\ude00","model":"llama","n":1,"big":123456789012345678901234567890,"x":{"model":"inner"}}`
+	resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-team", sent)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != "llama-3-8b-instruct" {
+		t.Fatalf("%d %s %v", resp.StatusCode, b, resp.Header)
+	}
+	want := strings.Replace(sent, `"model":"llama"`, `"model":"llama-3-8b-instruct"`, 1)
+	if bodies[0] != want {
+		t.Errorf("the engine got\n%s\nwant\n%s", bodies[0], want)
+	}
+	// No model: the default (an alias too).
+	if resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-team", `{"prompt":"x"}`); resp.StatusCode != 200 || !strings.Contains(bodies[1], `"model":"llama-3-8b-instruct"`) {
+		t.Errorf("default_model: %d %s; engine got %s", resp.StatusCode, b, bodies[1])
+	}
+	// The served name itself is not the tenant's: only the alias is.
+	if resp, _ := tenantReq(t, gw.URL+"/v1/completions", "sk-team", `{"model":"llama-3-8b-instruct","prompt":"x"}`); resp.StatusCode != 404 {
+		t.Errorf("a model outside the tenant's list by its served name: %d", resp.StatusCode)
+	}
+	req, _ := http.NewRequest(http.MethodGet, gw.URL+"/v1/models", nil)
+	req.Header.Set("Authorization", "Bearer sk-team")
+	_, list := do(t, req)
+	var models struct{ Data []struct{ ID, Root string } }
+	_ = json.Unmarshal([]byte(list), &models)
+	if len(models.Data) != 1 || models.Data[0].ID != "llama" || models.Data[0].Root != "llama-3-8b-instruct" {
+		t.Errorf("/v1/models for the tenant: %s", list)
+	}
+}
+
+// An alias through both PD styles: served, the answer's handoff as without an alias.
+func TestModelAliasThroughPD(t *testing.T) {
+	for name, fleet := range map[string]func(t *testing.T) config.Config{
+		"vllm nixl": func(t *testing.T) config.Config {
+			p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "p"})
+			d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+			cfg := config.Default()
+			cfg.PDDisaggregation = true
+			cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
+			return cfg
+		},
+		"sglang": func(t *testing.T) config.Config {
+			p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+			d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+			cfg := config.Default()
+			cfg.PDDisaggregation = true
+			port := p.BootstrapPort()
+			cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+			return cfg
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := fleet(t)
+			cfg.Models = map[string]config.ModelConfig{"alias": {Serve: pdModel}}
+			_, gw := startGateway(t, cfg)
+			for _, stream := range []string{"", `,"stream":true`} {
+				resp, b := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":"alias","prompt":"alias through pd","max_tokens":4%s}`, stream))
+				if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != pdModel || !strings.Contains(b, `"model":"`+pdModel+`"`) {
+					t.Errorf("%s: %d %v %s", stream, resp.StatusCode, resp.Header, b)
+				}
+				if h := resp.Header.Get("X-Baton-Kv-Handoff"); h == "" || strings.HasPrefix(h, "none") {
+					t.Errorf("%s: handoff %q", stream, h)
+				}
+			}
+		})
+	}
+}
+
+// Fallbacks: a model whose workers are all down is served by the next in its list, chosen at
+// selection, before anything was sent; the answer and the metric say so; with its own worker
+// up, the model itself serves.
+func TestModelFallbacks(t *testing.T) {
+	start := func(model string) *sim.Engine {
+		e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: model})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close)
+		return e
+	}
+	big, small := start("big"), start("small")
+	cfg := testConfig(big.URL(), small.URL())
+	cfg.Models = map[string]config.ModelConfig{"big": {Fallbacks: []string{"small"}}}
+	g, gw := startGateway(t, cfg)
+	resp, b := postTimeout(t, gw.URL+"/v1/completions", `{"model":"big","prompt":"x","max_tokens":2}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != "" {
+		t.Fatalf("big up: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+	for _, w := range g.Registry.Snapshot().Workers {
+		if w.URL == big.URL() {
+			w.SetReady(false)
+		}
+	}
+	resp, b = postTimeout(t, gw.URL+"/v1/completions", `{"model":"big","prompt":"x","max_tokens":2}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != "small" || !strings.Contains(b, `"model":"small"`) {
+		t.Errorf("big down: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+	if !strings.Contains(scrape(t, g), `baton_model_fallbacks_total{from="big",to="small"} 1`) {
+		t.Error("the fallback is not counted")
+	}
+}
