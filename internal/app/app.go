@@ -123,7 +123,9 @@ type Gateway struct {
 	discovery *discoveryHealth
 	// tenants are who may call (swapped by a reload) and the limiter counting their use.
 	tenants *tenancy
-	Health  *worker.HealthChecker // nil when health checks are disabled
+	// models are the names clients use and the default model, swapped by a reload.
+	models *atomic.Pointer[modelNames]
+	Health *worker.HealthChecker // nil when health checks are disabled
 	// Load reads each engine's load from its /metrics.
 	Load *enginestate.Poller
 	// KVEvents subscribes to the engines' KV events.
@@ -163,23 +165,47 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	return build(cfg, log)
 }
 
-// newPolicies builds the routing policy of each role from cfg: at start and on a reload that
+// newPolicies builds the routing policy of each role from cfg, and those of the models that
+// have their own (by the served name: model -> role -> policy): at start and on a reload that
 // changes one of them or their parameters.
-func newPolicies(cfg config.Config, kv *kvfleet.KVEvents) (map[string]policy.Policy, error) {
-	policies := map[string]policy.Policy{}
-	for _, role := range []string{config.RoleRegular, config.RolePrefill, config.RoleDecode} {
-		p, err := policy.New(cfg.PolicyFor(role), policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
+func newPolicies(cfg config.Config, kv *kvfleet.KVEvents) (map[string]policy.Policy, map[string]map[string]policy.Policy, error) {
+	build := func(name string) (policy.Policy, error) {
+		p, err := policy.New(name, policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
 			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
 			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: cfg.EvictionInterval})
-		if err != nil {
-			return nil, err
-		}
 		if ca, ok := p.(*policy.CacheAware); ok && cfg.CacheAwareSource != "approx" {
 			ca.Precise = kv.Precise()
 		}
+		return p, err
+	}
+	roles := []string{config.RoleRegular, config.RolePrefill, config.RoleDecode}
+	policies := map[string]policy.Policy{}
+	for _, role := range roles {
+		p, err := build(cfg.PolicyFor(role))
+		if err != nil {
+			return nil, nil, err
+		}
 		policies[role] = p
 	}
-	return policies, nil
+	byModel := map[string]map[string]policy.Policy{}
+	for name := range cfg.Models {
+		for _, role := range roles {
+			pol := cfg.ModelPolicyFor(name, role)
+			if pol == "" {
+				continue
+			}
+			p, err := build(pol)
+			if err != nil {
+				return nil, nil, err
+			}
+			served := cfg.Served(name)
+			if byModel[served] == nil {
+				byModel[served] = map[string]policy.Policy{}
+			}
+			byModel[served][role] = p
+		}
+	}
+	return policies, byModel, nil
 }
 
 var (
@@ -221,7 +247,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	pairs := &worker.PairHealth{Threshold: cfg.PairHealth.FailureThreshold, Quarantine: cfg.PairHealth.Quarantine}
 	kv := kvfleet.New(cfg, ws, reg, log)
-	policies, err := newPolicies(cfg, kv)
+	policies, modelPolicies, err := newPolicies(cfg, kv)
 	if err != nil {
 		return nil, err
 	}
@@ -234,6 +260,8 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	sequential := &pd.Sequential{Proxy: px, Metrics: m, Log: log, DefaultConnector: cfg.KVConnector, Pairs: pairs,
 		RequireHandoff: cfg.PDRequireHandoff, MooncakeConcurrent: cfg.PDMooncakeDispatch == "concurrent", Concurrent: parallel}
 	client := &http.Client{Transport: transport}
+	models := &atomic.Pointer[modelNames]{}
+	models.Store(&modelNames{models: cfg.Models, def: cfg.DefaultModel})
 	sel := &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs,
 		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) },
 		Observe: func(d policy.Decision) {
@@ -255,6 +283,8 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	fl.CloseIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
 		Admin: server.Admin{Fleet: fl, SourceOf: fl.SourceOf}}
+	parts.Models = func() (map[string]config.ModelConfig, string) { mn := models.Load(); return mn.models, mn.def }
+	sel.SetPolicies(policies, modelPolicies)
 	m.Registry.MustRegister(kv.Collector())
 	disc := &discoveryHealth{}
 	parts.Notices = disc.notices
@@ -287,6 +317,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		applied:    cfg,
 		discovery:  disc,
 		tenants:    tenants,
+		models:     models,
 		Registry:   reg,
 		Metrics:    m,
 		Parallel:   parallel,
@@ -354,7 +385,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 		PromoteAfter: ad.PromoteAfter, InputWeight: ad.FairInputWeight, OutputWeight: ad.FairOutputWeight}
 	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout = server.ClassSettings(ad)
 	o.NoWorkerWait = ad.NoWorkerWait
-	o.Models, o.DefaultModel = cfg.Models, cfg.DefaultModel
+
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
 	// Keyless only on a loopback listener of its own: a proxy on the same host in front of the
@@ -438,6 +469,12 @@ func (g *Gateway) startBackground(bg context.Context, cfg config.Config, log *sl
 		}
 	}()
 	return nil
+}
+
+// modelNames are the configuration's models: aliases, fallbacks, the default.
+type modelNames struct {
+	models map[string]config.ModelConfig
+	def    string
 }
 
 // discoveryHealth shows the service discovery's API server on the status page and in

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -129,5 +131,50 @@ func TestModelFallbacks(t *testing.T) {
 	}
 	if !strings.Contains(scrape(t, g), `baton_model_fallbacks_total{from="big",to="small"} 1`) {
 		t.Error("the fallback is not counted")
+	}
+}
+
+// A model's own policy routes its requests; the others keep the fleet's. A reload swaps
+// aliases and policies live.
+func TestModelPolicyAndReload(t *testing.T) {
+	start := func(model string) *sim.Engine {
+		e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: model})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close)
+		return e
+	}
+	a, b := start("small"), start("big")
+	file := filepath.Join(t.TempDir(), "baton.yaml")
+	write := func(y string) {
+		if err := os.WriteFile(file, []byte(y), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := fmt.Sprintf("host: 127.0.0.1\nroute_header: true\nworker_urls: [%s, %s]\n", a.URL(), b.URL())
+	write(base + "models:\n  big: {policy: least_load}\n  fast: {serve: small}\n")
+	g, gw := startGateway(t, cfgOf(t, file))
+	policyOf := func(model string) (string, string) {
+		resp, _ := postTimeout(t, gw.URL+"/v1/completions", `{"model":"`+model+`","prompt":"x","max_tokens":1}`)
+		_, p, _ := strings.Cut(resp.Header.Get("X-Baton-Route"), "policy=")
+		p, _, _ = strings.Cut(p, ";")
+		return p, resp.Header.Get("X-Baton-Model")
+	}
+	if p, _ := policyOf("big"); p != "least_load" {
+		t.Errorf("big routed by %q", p)
+	}
+	if p, served := policyOf("fast"); p != "round_robin" || served != "small" {
+		t.Errorf("fast routed by %q to %q", p, served)
+	}
+	write(base + "models:\n  big: {policy: random}\n  fast: {serve: big}\n")
+	if err := g.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if p, _ := policyOf("big"); p != "random" {
+		t.Errorf("after the reload big routed by %q", p)
+	}
+	if _, served := policyOf("fast"); served != "big" {
+		t.Errorf("after the reload fast served by %q", served)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"reflect"
 	"strings"
 	"syscall"
 	"time"
@@ -34,9 +35,13 @@ func (g *Gateway) Reload() error {
 		return err
 	}
 	live, restart := config.Changed(g.applied, cfg)
+	if !reflect.DeepEqual(g.applied.Models, cfg.Models) {
+		live = append(live, "models")
+	}
 	var policies map[string]policy.Policy
+	var modelPolicies map[string]map[string]policy.Policy
 	if len(live) > 0 {
-		if policies, err = newPolicies(cfg, g.KVEvents); err != nil {
+		if policies, modelPolicies, err = newPolicies(cfg, g.KVEvents); err != nil {
 			g.Log.Error("reload: the configuration is invalid; nothing changed", "err", err)
 			g.reloads.WithLabelValues("invalid").Inc()
 			return err
@@ -49,8 +54,10 @@ func (g *Gateway) Reload() error {
 	}
 	werr := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig)
 	if policies != nil {
-		g.Selector.SetPolicies(policies)
+		g.Selector.SetPolicies(policies, modelPolicies)
 		g.applied = config.WithLive(g.applied, cfg)
+		g.applied.Models = cfg.Models
+		g.models.Store(&modelNames{models: cfg.Models, def: cfg.DefaultModel})
 	}
 	attrs := []any{"workers", len(cfg.AllWorkers())}
 	if len(live) > 0 {

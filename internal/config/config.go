@@ -106,7 +106,7 @@ type Config struct {
 	// Models are names clients use: an alias of a model the workers serve, and the models to
 	// fall back to (YAML models:). DefaultModel is the model of a request that names none.
 	Models       map[string]ModelConfig `json:"models"`
-	DefaultModel string                 `json:"default_model" flag:"default-model" help:"the model of a request that names none (else 400 model_required; SGLang's /generate names none and keeps going to any worker)"`
+	DefaultModel string                 `json:"default_model" reload:"live" flag:"default-model" help:"the model of a request that names none (else 400 model_required; SGLang's /generate names none and keeps going to any worker)"`
 	// Tenants are the teams sharing the fleet (tenants.go); TenantAPIKeys smg's
 	// --tenant-api-key TENANT:KEY, flag only (a file holds hashes, never keys).
 	Tenants       []Tenant `json:"tenants"`
@@ -232,6 +232,24 @@ type ModelConfig struct {
 	Serve string `json:"serve"`
 	// Fallbacks are the models tried, in order, when no worker of this one is available.
 	Fallbacks []string `json:"fallbacks"`
+	// Policy, PrefillPolicy and DecodePolicy route this model's requests (a small model and a
+	// big one rarely want the same routing); empty: the fleet's.
+	Policy        string `json:"policy"`
+	PrefillPolicy string `json:"prefill_policy"`
+	DecodePolicy  string `json:"decode_policy"`
+}
+
+// ModelPolicyFor is the policy of role for model's requests, "" when the model has none of its
+// own.
+func (c *Config) ModelPolicyFor(model, role string) string {
+	m := c.Models[model]
+	switch {
+	case role == RolePrefill && m.PrefillPolicy != "":
+		return m.PrefillPolicy
+	case role == RoleDecode && m.DecodePolicy != "":
+		return m.DecodePolicy
+	}
+	return m.Policy
 }
 
 // Served is the model the workers know name by (name itself when it is no alias).
@@ -431,6 +449,11 @@ func (c *Config) Validate() error {
 	for name, m := range c.Models {
 		if name == "" || strings.TrimSpace(name) != name {
 			bad("models: %q is no model name", name)
+		}
+		for _, pol := range []string{m.Policy, m.PrefillPolicy, m.DecodePolicy} {
+			if pol != "" && !slices.Contains(Policies, pol) {
+				bad("models.%s: policy %q is unknown (want %s)", name, pol, strings.Join(Policies, ", "))
+			}
 		}
 		for i, f := range m.Fallbacks {
 			if f == "" || f == name || c.Served(f) == c.Served(name) {

@@ -69,7 +69,12 @@ func reasonOf(p Policy) string {
 
 // pick has role's policy choose among ws, recording the decision on req and with Observe.
 func (s *Selector) pick(ctx context.Context, role string, ws []*worker.Worker, req *Request) *worker.Worker {
-	p := s.Policy(role)
+	var p Policy
+	if req != nil {
+		p = s.PolicyFor(role, req.Model)
+	} else {
+		p = s.Policy(role)
+	}
 	var w *worker.Worker
 	var d Decision
 	if e, ok := p.(explainer); ok {

@@ -78,18 +78,37 @@ type Selector struct {
 	// Observe, when set, sees every decision (for metrics).
 	Observe func(Decision)
 
-	live atomic.Pointer[map[string]Policy] // set by SetPolicies
+	live atomic.Pointer[policySet] // set by SetPolicies
 }
 
-// SetPolicies makes ps (by role) the policies of every selection from now on: a reload that
-// changes a policy or its parameters. Selections in progress finish with the policy they began
-// with.
-func (s *Selector) SetPolicies(ps map[string]Policy) { s.live.Store(&ps) }
+// policySet is the policies of every role, and those some models have of their own.
+type policySet struct {
+	byRole  map[string]Policy
+	byModel map[string]map[string]Policy // model -> role -> policy
+}
+
+// SetPolicies makes ps (by role) the policies of every selection from now on, and byModel
+// (model -> role -> policy) those of the models that have their own: at startup and on a reload
+// that changes one. Selections in progress finish with the policy they began with.
+func (s *Selector) SetPolicies(ps map[string]Policy, byModel map[string]map[string]Policy) {
+	s.live.Store(&policySet{byRole: ps, byModel: byModel})
+}
 
 // Policy is role's policy now.
 func (s *Selector) Policy(role string) Policy {
 	if ps := s.live.Load(); ps != nil {
-		return (*ps)[role]
+		return ps.byRole[role]
+	}
+	return s.Policies[role]
+}
+
+// PolicyFor is role's policy for model now: the model's own when it has one.
+func (s *Selector) PolicyFor(role, model string) Policy {
+	if ps := s.live.Load(); ps != nil {
+		if m := ps.byModel[model]; m != nil && m[role] != nil {
+			return m[role]
+		}
+		return ps.byRole[role]
 	}
 	return s.Policies[role]
 }

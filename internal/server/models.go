@@ -42,13 +42,14 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	// Aliases beside the names the workers serve, when what they name is served.
-	aliases := make([]string, 0, len(s.opts.Models))
-	for name := range s.opts.Models {
+	models, _ := s.models()
+	aliases := make([]string, 0, len(models))
+	for name := range models {
 		aliases = append(aliases, name)
 	}
 	sort.Strings(aliases)
 	for _, name := range aliases {
-		target := s.opts.Models[name].Serve
+		target := models[name].Serve
 		if target == "" || seen[name] || !served[target] || who != nil && !who.Allows(name) {
 			continue
 		}

@@ -56,10 +56,9 @@ type Options struct {
 	// NoWorkerWait holds a request for a known model without a ready worker this long for one
 	// (the waiting room); 0: refused at once.
 	NoWorkerWait time.Duration
-	// Models are the names clients use (aliases, fallbacks); DefaultModel the model of a
-	// request naming none.
-	Models       map[string]config.ModelConfig
-	DefaultModel string
+	// Models returns the names clients use (aliases, fallbacks) and the model of a request
+	// naming none, now (a reload swaps them); nil: none.
+	Models func() (map[string]config.ModelConfig, string)
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
 	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
@@ -565,15 +564,15 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) (req *opena
 		openai.WriteError(w, e)
 		return nil, release
 	}
-	if req.Model == "" && r.URL.Path != "/generate" {
-		if s.opts.DefaultModel == "" {
+	if _, def := s.models(); req.Model == "" && r.URL.Path != "/generate" {
+		if def == "" {
 			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
 				Message: `the request names no model: give "model"`})
 			return nil, release
 		}
-		q, _ := json.Marshal(s.opts.DefaultModel)
+		q, _ := json.Marshal(def)
 		if b, err := openai.Set(req.Body, "model", q); err == nil && req.SetBody(b) == nil {
-			req.Model = s.opts.DefaultModel
+			req.Model = def
 		}
 	}
 	record.From(r.Context()).Model = req.Model
@@ -625,17 +624,26 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
+// models are the configuration's model names and default model now.
+func (s *Server) models() (map[string]config.ModelConfig, string) {
+	if s.opts.Models == nil {
+		return nil, ""
+	}
+	return s.opts.Models()
+}
+
 // modelChain is the models a request for name may be served by, in order: the workers' name
 // for it (an alias's target), then its fallbacks'.
 func (s *Server) modelChain(name string) []string {
+	models, _ := s.models()
 	served := func(n string) string {
-		if m, ok := s.opts.Models[n]; ok && m.Serve != "" {
+		if m, ok := models[n]; ok && m.Serve != "" {
 			return m.Serve
 		}
 		return n
 	}
 	chain := []string{served(name)}
-	if m, ok := s.opts.Models[name]; ok {
+	if m, ok := models[name]; ok {
 		for _, f := range m.Fallbacks {
 			chain = append(chain, served(f))
 		}
