@@ -178,3 +178,25 @@ func TestModelPolicyAndReload(t *testing.T) {
 		t.Errorf("after the reload fast served by %q", served)
 	}
 }
+
+// A model whose every worker answered a retryable error: the retry goes to its fallback.
+func TestModelFallbackAfterRetryableFailures(t *testing.T) {
+	big, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "big", Faults: sim.Faults{Status: 503}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(big.Close)
+	small, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "small"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(small.Close)
+	cfg := testConfig(big.URL(), small.URL())
+	cfg.Models = map[string]config.ModelConfig{"big": {Fallbacks: []string{"small"}}}
+	cfg.CircuitBreaker.Disable = true
+	_, gw := startGateway(t, cfg)
+	resp, b := postTimeout(t, gw.URL+"/v1/completions", `{"model":"big","prompt":"x","max_tokens":2}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != "small" || big.Stats().RequestsReceived != 1 {
+		t.Errorf("%d %v %s; big got %d", resp.StatusCode, resp.Header, b, big.Stats().RequestsReceived)
+	}
+}

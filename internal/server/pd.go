@@ -42,7 +42,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
 		end := s.selectSpan(r)
 		var pair worker.Pair
-		err := s.pickModel(r, client, sreq, &waited, func() (err error) {
+		err := s.pickModel(r, client, sreq, &waited, avoid, func() (err error) {
 			pair, err = s.sel.Pair(r.Context(), sreq, avoid)
 			return err
 		})

@@ -609,7 +609,7 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		sreq.Decisions = sreq.Decisions[:0]
 		end := s.selectSpan(r)
 		var wk *worker.Worker
-		err := s.pickModel(r, client, sreq, &waited, func() (err error) {
+		err := s.pickModel(r, client, sreq, &waited, avoid, func() (err error) {
 			wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
 			return err
 		})
@@ -652,13 +652,17 @@ func (s *Server) modelChain(name string) []string {
 }
 
 // pickModel runs sel over the request's models (modelChain) until one has an available worker:
-// the model it asked for, then each fallback in turn — before anything was sent, so never after
-// a first byte. The waiting room holds the first model once when none had one. The model chosen
+// the model it asked for, then each fallback in turn — also once every worker of a model failed
+// this request with a retryable error (a retry goes to the fallback) — before anything was
+// sent, so never after a first byte. The waiting room holds the first model once when none had one. The model chosen
 // is on the record (X-Baton-Model) and a fallback is counted.
-func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request, waited *bool, sel func() error) error {
+func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request, waited *bool, avoid map[string]bool, sel func() error) error {
 	chain := s.modelChain(client)
 	var err error
-	for _, m := range chain {
+	for i, m := range chain {
+		if i+1 < len(chain) && s.spent(m, avoid) {
+			continue // every worker of m failed this request already: its fallback next
+		}
 		sreq.Model = m
 		if err = sel(); err == nil || !fallbackable(err) {
 			break
@@ -680,6 +684,31 @@ func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request,
 		record.From(r.Context()).Served = sreq.Model
 	}
 	return nil
+}
+
+// spent reports whether every worker of model (of the roles a request needs) failed this
+// request already.
+func (s *Server) spent(model string, avoid map[string]bool) bool {
+	if len(avoid) == 0 {
+		return false
+	}
+	roles := []string{config.RoleRegular}
+	if s.opts.PD && !s.sel.HasRole(config.RoleRegular) {
+		roles = []string{config.RoleDecode}
+	}
+	snap := s.reg.Snapshot()
+	for _, role := range roles {
+		cands, _ := snap.Candidates(role, model)
+		for _, w := range cands {
+			if !avoid[w.URL] {
+				return false
+			}
+		}
+		if len(cands) == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // fallbackable: the selection found no available worker for the model (not a route the
