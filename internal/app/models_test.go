@@ -200,3 +200,39 @@ func TestModelFallbackAfterRetryableFailures(t *testing.T) {
 		t.Errorf("%d %v %s; big got %d", resp.StatusCode, resp.Header, b, big.Stats().RequestsReceived)
 	}
 }
+
+// A prompt the engine refuses as longer than its model's context goes to the model's
+// context_window_fallbacks; without them the refusal reaches the client as the engine sent it.
+func TestContextWindowFallbacks(t *testing.T) {
+	refusal := `{"object":"error","message":"This model's maximum context length is 8192 tokens. However, you requested 9000 tokens (8990 in the messages, 10 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}`
+	short := fakeEngine(t, "vllm", []string{"short"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		io.WriteString(w, refusal)
+	})
+	long := fakeEngine(t, "vllm", []string{"long"}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"model":"long","saw":`+strconvQuote(string(b))+`}`)
+	})
+	cfg := testConfig(short.URL, long.URL)
+	cfg.Models = map[string]config.ModelConfig{"short": {ContextWindowFallbacks: []string{"long"}}}
+	g, gw := startGateway(t, cfg)
+	resp, b := postTimeout(t, gw.URL+"/v1/completions", `{"model":"short","prompt":"a very long prompt"}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != "long" || !strings.Contains(b, `"saw":"{\"model\":\"long\"`) {
+		t.Errorf("%d %v %s", resp.StatusCode, resp.Header, b)
+	}
+	if !strings.Contains(scrape(t, g), `baton_model_fallbacks_total{from="short",to="long"} 1`) {
+		t.Error("the context-window fallback is not counted")
+	}
+	// Without a fallback the engine's refusal is the answer, byte for byte.
+	cfg2 := testConfig(short.URL)
+	_, gw2 := startGateway(t, cfg2)
+	resp, b = postTimeout(t, gw2.URL+"/v1/completions", `{"model":"short","prompt":"a very long prompt"}`)
+	if resp.StatusCode != 400 || b != refusal {
+		t.Errorf("no fallback: %d %s", resp.StatusCode, b)
+	}
+}
+
+func strconvQuote(s string) string { b, _ := json.Marshal(s); return string(b) }

@@ -232,6 +232,9 @@ type ModelConfig struct {
 	Serve string `json:"serve"`
 	// Fallbacks are the models tried, in order, when no worker of this one is available.
 	Fallbacks []string `json:"fallbacks"`
+	// ContextWindowFallbacks are the models tried, in order, when the engine refuses the prompt
+	// as longer than the model's context.
+	ContextWindowFallbacks []string `json:"context_window_fallbacks"`
 	// Policy, PrefillPolicy and DecodePolicy route this model's requests (a small model and a
 	// big one rarely want the same routing); empty: the fleet's.
 	Policy        string `json:"policy"`
@@ -458,6 +461,11 @@ func (c *Config) Validate() error {
 		for i, f := range m.Fallbacks {
 			if f == "" || f == name || c.Served(f) == c.Served(name) {
 				bad("models.%s.fallbacks[%d]: %q is no other model", name, i, f)
+			}
+		}
+		for i, f := range m.ContextWindowFallbacks {
+			if f == "" || f == name || c.Served(f) == c.Served(name) {
+				bad("models.%s.context_window_fallbacks[%d]: %q is no other model", name, i, f)
 			}
 		}
 	}

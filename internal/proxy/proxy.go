@@ -294,7 +294,7 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
-	if outcome.Status(resp.StatusCode).Retryable {
+	if outcome.Status(resp.StatusCode).Retryable || resp.StatusCode == http.StatusBadRequest && record.From(r.Context()).HoldRefusals {
 		return p.HoldError(r, &leg, resp)
 	}
 	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))

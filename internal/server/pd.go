@@ -39,28 +39,30 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	orig, client := req.Body, req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
-		end := s.selectSpan(r)
-		var pair worker.Pair
-		err := s.pickModel(r, client, sreq, &waited, avoid, func() (err error) {
-			pair, err = s.sel.Pair(r.Context(), sreq, avoid)
-			return err
-		})
-		end(sreq, err)
-		if err != nil {
-			return selectionError(err)
-		}
-		s.noteDecisions(r, sreq)
-		// Both legs share the body: the model the workers know, and the priority only for a
-		// pair whose two workers are marked forward_priority and read it alike.
-		if b := withPriority(withModel(orig, client, sreq.Model), record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
-			if err := req.SetBody(b); err != nil {
+		return s.withContextFallbacks(r, client, func(name string) error {
+			sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
+			end := s.selectSpan(r)
+			var pair worker.Pair
+			err := s.pickModel(r, name, sreq, &waited, avoid, func() (err error) {
+				pair, err = s.sel.Pair(r.Context(), sreq, avoid)
 				return err
+			})
+			end(sreq, err)
+			if err != nil {
+				return selectionError(err)
 			}
-		}
-		preq.Ranks = sreq.Ranks
-		notePair(r, pair)
-		return s.pd.Execute(w, r, preq, pair)
+			s.noteDecisions(r, sreq)
+			// Both legs share the body: the model the workers know, and the priority only for a
+			// pair whose two workers are marked forward_priority and read it alike.
+			if b := withPriority(withModel(orig, client, sreq.Model), record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
+				if err := req.SetBody(b); err != nil {
+					return err
+				}
+			}
+			preq.Ranks = sreq.Ranks
+			notePair(r, pair)
+			return s.pd.Execute(w, r, preq, pair)
+		})
 	})
 }
 

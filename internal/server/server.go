@@ -606,22 +606,73 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	client := req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		sreq.Decisions = sreq.Decisions[:0]
-		end := s.selectSpan(r)
-		var wk *worker.Worker
-		err := s.pickModel(r, client, sreq, &waited, avoid, func() (err error) {
-			wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
-			return err
+		return s.withContextFallbacks(r, client, func(name string) error {
+			sreq.Decisions = sreq.Decisions[:0]
+			end := s.selectSpan(r)
+			var wk *worker.Worker
+			err := s.pickModel(r, name, sreq, &waited, avoid, func() (err error) {
+				wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
+				return err
+			})
+			end(sreq, err)
+			if err != nil {
+				return selectionError(err)
+			}
+			rec := record.From(r.Context())
+			rec.Worker = wk.URL
+			s.noteDecisions(r, sreq)
+			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, sreq.Model), rec.Class, wk))
 		})
-		end(sreq, err)
-		if err != nil {
-			return selectionError(err)
-		}
-		rec := record.From(r.Context())
-		rec.Worker = wk.URL
-		s.noteDecisions(r, sreq)
-		return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, sreq.Model), rec.Class, wk))
 	})
+}
+
+// contextPhrases are how the engines refuse a prompt longer than the model's context (400):
+// vLLM ("This model's maximum context length is N tokens. However, …", "… is longer than the
+// maximum model length …") and SGLang ("The input (N tokens) is longer than the model's context
+// length (M tokens).", "Requested token count exceeds the model's maximum context length …").
+var contextPhrases = []string{"maximum context length", "longer than the model's context length", "longer than the maximum model length"}
+
+// contextOverflow reports whether err is an engine's refusal of a prompt too long for its model.
+func contextOverflow(err error) bool {
+	var f *outcome.Failure
+	if !errors.As(err, &f) || f.Status != http.StatusBadRequest {
+		return false
+	}
+	text := string(f.Body)
+	if f.Answer != nil {
+		text += f.Answer.Message
+	}
+	text = strings.ToLower(text)
+	for _, p := range contextPhrases {
+		if strings.Contains(text, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// withContextFallbacks runs attempt for the client's model, then — while the engine refuses the
+// prompt as longer than the model's context — for each of its context_window_fallbacks in turn
+// (a tenant's only where it may use them). The refusal is held to be read only while a fallback
+// is left; the last one reaches the client as the engine answered it.
+func (s *Server) withContextFallbacks(r *http.Request, client string, attempt func(name string) error) error {
+	models, _ := s.models()
+	cw := models[client].ContextWindowFallbacks
+	rec := record.From(r.Context())
+	name := client
+	for k := 0; ; k++ {
+		for k < len(cw) && rec.Who != nil && !rec.Who.Allows(cw[k]) {
+			k++
+		}
+		rec.HoldRefusals = k < len(cw)
+		err := attempt(name)
+		if k >= len(cw) || !contextOverflow(err) {
+			return err
+		}
+		s.metrics.ModelFallbacks.WithLabelValues(s.metrics.KnownLabel(s.modelChain(client)[0]), s.metrics.KnownLabel(s.modelChain(cw[k])[0])).Inc()
+		rec.NextAttempt()
+		name = cw[k]
+	}
 }
 
 // models are the configuration's model names and default model now.
@@ -633,8 +684,8 @@ func (s *Server) models() (map[string]config.ModelConfig, string) {
 }
 
 // modelChain is the models a request for name may be served by, in order: the workers' name
-// for it (an alias's target), then its fallbacks'.
-func (s *Server) modelChain(name string) []string {
+// for it (an alias's target), then its fallbacks' (those allow lets the request use; nil: all).
+func (s *Server) modelChain(name string, allow ...func(string) bool) []string {
 	models, _ := s.models()
 	served := func(n string) string {
 		if m, ok := models[n]; ok && m.Serve != "" {
@@ -645,7 +696,9 @@ func (s *Server) modelChain(name string) []string {
 	chain := []string{served(name)}
 	if m, ok := models[name]; ok {
 		for _, f := range m.Fallbacks {
-			chain = append(chain, served(f))
+			if len(allow) == 0 || allow[0](f) {
+				chain = append(chain, served(f))
+			}
 		}
 	}
 	return chain
@@ -657,7 +710,12 @@ func (s *Server) modelChain(name string) []string {
 // sent, so never after a first byte. The waiting room holds the first model once when none had one. The model chosen
 // is on the record (X-Baton-Model) and a fallback is counted.
 func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request, waited *bool, avoid map[string]bool, sel func() error) error {
-	chain := s.modelChain(client)
+	var chain []string
+	if who := record.From(r.Context()).Who; who != nil {
+		chain = s.modelChain(client, who.Allows) // a tenant's fallbacks only where it may go
+	} else {
+		chain = s.modelChain(client)
+	}
 	var err error
 	for i, m := range chain {
 		if i+1 < len(chain) && s.spent(m, avoid) {
@@ -680,8 +738,8 @@ func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request,
 	if sreq.Model != chain[0] {
 		s.metrics.ModelFallbacks.WithLabelValues(s.metrics.KnownLabel(chain[0]), s.metrics.KnownLabel(sreq.Model)).Inc()
 	}
-	if sreq.Model != client {
-		record.From(r.Context()).Served = sreq.Model
+	if rec := record.From(r.Context()); sreq.Model != rec.Model {
+		rec.Served = sreq.Model // not the name the client gave: an alias's target, a fallback
 	}
 	return nil
 }
