@@ -64,25 +64,7 @@ func TestModelAliases(t *testing.T) {
 
 // An alias through both PD styles: served, the answer's handoff as without an alias.
 func TestModelAliasThroughPD(t *testing.T) {
-	for name, fleet := range map[string]func(t *testing.T) config.Config{
-		"vllm nixl": func(t *testing.T) config.Config {
-			p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "p"})
-			d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
-			cfg := config.Default()
-			cfg.PDDisaggregation = true
-			cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
-			return cfg
-		},
-		"sglang": func(t *testing.T) config.Config {
-			p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
-			d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
-			cfg := config.Default()
-			cfg.PDDisaggregation = true
-			port := p.BootstrapPort()
-			cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
-			return cfg
-		},
-	} {
+	for name, fleet := range map[string]func(t *testing.T) config.Config{"vllm nixl": nixlPDFleet, "sglang": sglangPDFleet} {
 		t.Run(name, func(t *testing.T) {
 			cfg := fleet(t)
 			cfg.Models = map[string]config.ModelConfig{"alias": {Serve: pdModel}}
@@ -104,15 +86,7 @@ func TestModelAliasThroughPD(t *testing.T) {
 // selection, before anything was sent; the answer and the metric say so; with its own worker
 // up, the model itself serves.
 func TestModelFallbacks(t *testing.T) {
-	start := func(model string) *sim.Engine {
-		e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: model})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Close)
-		return e
-	}
-	big, small := start("big"), start("small")
+	big, small := modelEngine(t, "big", sim.Faults{}), modelEngine(t, "small", sim.Faults{})
 	cfg := testConfig(big.URL(), small.URL())
 	cfg.Models = map[string]config.ModelConfig{"big": {Fallbacks: []string{"small"}}}
 	g, gw := startGateway(t, cfg)
@@ -137,15 +111,7 @@ func TestModelFallbacks(t *testing.T) {
 // A model's own policy routes its requests; the others keep the fleet's. A reload swaps
 // aliases and policies live.
 func TestModelPolicyAndReload(t *testing.T) {
-	start := func(model string) *sim.Engine {
-		e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: model})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Close)
-		return e
-	}
-	a, b := start("small"), start("big")
+	a, b := modelEngine(t, "small", sim.Faults{}), modelEngine(t, "big", sim.Faults{})
 	file := filepath.Join(t.TempDir(), "baton.yaml")
 	write := func(y string) {
 		if err := os.WriteFile(file, []byte(y), 0o600); err != nil {
@@ -181,16 +147,7 @@ func TestModelPolicyAndReload(t *testing.T) {
 
 // A model whose every worker answered a retryable error: the retry goes to its fallback.
 func TestModelFallbackAfterRetryableFailures(t *testing.T) {
-	big, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "big", Faults: sim.Faults{Status: 503}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(big.Close)
-	small, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "small"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(small.Close)
+	big, small := modelEngine(t, "big", sim.Faults{Status: 503}), modelEngine(t, "small", sim.Faults{})
 	cfg := testConfig(big.URL(), small.URL())
 	cfg.Models = map[string]config.ModelConfig{"big": {Fallbacks: []string{"small"}}}
 	cfg.CircuitBreaker.Disable = true
@@ -236,3 +193,14 @@ func TestContextWindowFallbacks(t *testing.T) {
 }
 
 func strconvQuote(s string) string { b, _ := json.Marshal(s); return string(b) }
+
+// modelEngine is a simulated vLLM engine serving model, with faults.
+func modelEngine(t *testing.T, model string, f sim.Faults) *sim.Engine {
+	t.Helper()
+	e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: model, Faults: f})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}

@@ -187,6 +187,27 @@ forward_sim_faults: true
 	}
 }
 
+// nixlPDFleet is a PD configuration over a simulated vLLM NIXL pair.
+func nixlPDFleet(t *testing.T) config.Config {
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "p"})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
+	return cfg
+}
+
+// sglangPDFleet is a PD configuration over a simulated SGLang pair.
+func sglangPDFleet(t *testing.T) config.Config {
+	p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
+	d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
+	cfg := config.Default()
+	cfg.PDDisaggregation = true
+	port := p.BootstrapPort()
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+	return cfg
+}
+
 // clientUsage reads the usage a client received: the answer's, or a stream's last usage.
 func clientUsage(t *testing.T, body string) (int, bool) {
 	t.Helper()
@@ -223,23 +244,8 @@ func TestTenantTokensChargedAreTheEnginesUsage(t *testing.T) {
 			bad := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Faults: sim.Faults{Status: 503}})
 			return testConfig(bad.URL(), simEngine(t, sim.Config{Engine: sim.EngineSGLang}).URL())
 		},
-		"pd vllm nixl": func(t *testing.T) config.Config {
-			p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "p"})
-			d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
-			cfg := config.Default()
-			cfg.PDDisaggregation = true
-			cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
-			return cfg
-		},
-		"pd sglang": func(t *testing.T) config.Config {
-			p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
-			d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
-			cfg := config.Default()
-			cfg.PDDisaggregation = true
-			port := p.BootstrapPort()
-			cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
-			return cfg
-		},
+		"pd vllm nixl": nixlPDFleet,
+		"pd sglang":    sglangPDFleet,
 	}
 	routes := []struct{ path, body string }{
 		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"count the tokens"}],"max_tokens":7%s}`},
