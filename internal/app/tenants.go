@@ -59,7 +59,7 @@ func logTenants(log *slog.Logger, cfg config.Config, t *tenancy) {
 	if !set.Open() {
 		store := "memory (this replica)"
 		if cfg.RateLimitStore != "memory" {
-			store = tenant.Redacted(cfg.RateLimitStore) + ", failing " + cfg.RateLimitStoreFailure
+			store = config.RedactURL(cfg.RateLimitStore) + ", failing " + cfg.RateLimitStoreFailure
 		}
 		log.Info("tenants", "names", set.Names(), "limits_counted_in", store)
 	}

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -91,13 +92,11 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 
 // cutBearer returns the key of "Bearer KEY" (the scheme in any case).
 func cutBearer(h string) (string, bool) {
-	if len(h) < 7 || !equalFold(h[:7], "bearer ") {
+	if len(h) < 7 || !strings.EqualFold(h[:7], "bearer ") {
 		return "", false
 	}
 	return h[7:], true
 }
-
-func equalFold(a, b string) bool { return bytes.EqualFold([]byte(a), []byte(b)) }
 
 // lease is a request's reservation against its tenant's limits, settled when it ends.
 type lease struct {

@@ -4,11 +4,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net/url"
 	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/baton-llm/baton/internal/config"
 )
 
 // redisStore keeps rules' counts in Redis, shared by every replica: one script call per
@@ -111,24 +112,12 @@ return {r, k, n, string.format('%.0f', now)}
 func RedisOptions(raw string, getenv func(string) string) (*redis.Options, error) {
 	o, err := redis.ParseURL(raw)
 	if err != nil {
-		return nil, fmt.Errorf("rate_limit_store %s: %v", Redacted(raw), err)
+		return nil, fmt.Errorf("rate_limit_store %s: %v", config.RedactURL(raw), err)
 	}
 	if o.Password == "" {
 		o.Password = getenv("REDIS_PASSWORD")
 	}
 	return o, nil
-}
-
-// Redacted is a store URL without its credentials, for logs and errors.
-func Redacted(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(an unparsable URL)"
-	}
-	if u.User != nil {
-		u.User = url.User("…")
-	}
-	return u.Redacted()
 }
 
 // redisLog routes the Redis client's own messages (a pool that cannot dial, …) to Baton's log at
