@@ -21,10 +21,12 @@ type Record struct {
 	RequestID string // X-Request-Id: the client's, or Baton's
 	// Route is the route pattern that served it ("POST /v1/completions"), "other" for none;
 	// set when the handler returned.
-	Route    string
-	Model    string // the model the client asked for ("" until the body is read)
-	Mode     string // regular, pd_sglang or pd_vllm: how it was served
-	Attempts int    // tries made, the first included
+	Route string
+	Model string // the model the client asked for ("" until the body is read)
+	// ModelLabel is Model's metric label (metrics.Model), once worked out for the request.
+	ModelLabel string
+	Mode       string // regular, pd_sglang or pd_vllm: how it was served
+	Attempts   int    // tries made, the first included
 
 	// The attempt that answered: a regular worker, or a PD pair and its KV handoff outcome
 	// (pd.Handoff*). Cleared between attempts (NextAttempt).

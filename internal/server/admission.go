@@ -275,7 +275,9 @@ func (a *admitted) end() {
 func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, preq *pd.Request) (a admitted, ok bool) {
 	req := preq.Request
 	a.s, a.r = s, r
-	a.inFlight = s.metrics.ModelInFlight.WithLabelValues(s.metrics.Model(req.Model))
+	rec := record.From(r.Context())
+	rec.ModelLabel = s.metrics.Model(req.Model) // finish reads it too
+	a.inFlight = s.metrics.ModelInFlight.WithLabelValues(rec.ModelLabel)
 	a.inFlight.Inc()
 	if e := s.countBatch(preq); e != nil {
 		openai.WriteError(w, e)
@@ -285,10 +287,14 @@ func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, preq *pd.R
 	if !ok {
 		return a, false
 	}
-	in, out := s.estimate(req, r.URL.Path, preq.Batch, preq.Samples)
-	if a.ls, ok = s.admitTenant(w, r, req, r.URL.Path, in, out); !ok {
+	est := tokenEstimate{s: s, preq: preq}
+	if a.ls, ok = s.admitTenant(w, r, req, r.URL.Path, &est); !ok {
 		return a, false
 	}
+	if s.admit == nil {
+		return a, true
+	}
+	in, out := est.get()
 	a.release, ok = s.admit.acquire(w, r, class, in, out)
 	return a, ok
 }

@@ -365,7 +365,11 @@ func (s *Server) observe(next http.Handler) http.Handler {
 // pair's handoff, the status page, the server span and the access log line.
 func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trace.Span, aborted bool) {
 	rec := sw.rec
-	e := ended{rec: rec, model: s.metrics.Model(rec.Model), status: status, dur: time.Since(rec.Start), bytes: sw.written, aborted: aborted}
+	model := rec.ModelLabel
+	if model == "" {
+		model = s.metrics.Model(rec.Model)
+	}
+	e := ended{rec: rec, model: model, status: status, dur: time.Since(rec.Start), bytes: sw.written, aborted: aborted}
 	s.metrics.ObserveRequest(rec.Route, e.model, status, e.dur.Seconds())
 	generation := r.Method == http.MethodPost && rec.Route != "other" && !strings.HasPrefix(rec.Route, "POST /workers")
 	if generation && status == http.StatusOK && !rec.FirstByte.IsZero() {
@@ -710,11 +714,14 @@ func (s *Server) modelChain(name string, allow ...func(string) bool) []string {
 // sent, so never after a first byte. The waiting room holds the first model once when none had one. The model chosen
 // is on the record (X-Baton-Model) and a fallback is counted.
 func (s *Server) pickModel(r *http.Request, client string, sreq *policy.Request, waited *bool, avoid map[string]bool, sel func() error) error {
-	var chain []string
-	if who := record.From(r.Context()).Who; who != nil {
-		chain = s.modelChain(client, who.Allows) // a tenant's fallbacks only where it may go
-	} else {
-		chain = s.modelChain(client)
+	var one [1]string
+	chain := append(one[:0], client) // a model the configuration does not name: itself alone
+	if models, _ := s.models(); len(models) > 0 {
+		if who := record.From(r.Context()).Who; who != nil {
+			chain = s.modelChain(client, who.Allows) // a tenant's fallbacks only where it may go
+		} else {
+			chain = s.modelChain(client)
+		}
 	}
 	var err error
 	for i, m := range chain {

@@ -18,6 +18,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
@@ -110,7 +111,7 @@ type lease struct {
 // request of a limited tenant carries OpenAI's rate-limit headers, and, streamed without usage
 // asked for, asks the engine for it (the relay keeps the usage event from the client). The
 // lease returned is settled by settleTenant.
-func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai.Request, path string, prompt, completion int) (*lease, bool) {
+func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai.Request, path string, est *tokenEstimate) (*lease, bool) {
 	rec := record.From(r.Context())
 	t := rec.Who
 	if t == nil {
@@ -124,8 +125,9 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 	if rule == nil {
 		return nil, true
 	}
-	est := prompt + completion
-	l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, est)
+	prompt, completion := est.get()
+	reserved := prompt + completion
+	l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, reserved)
 	if errors.Is(err, tenant.ErrStoreUnavailable) {
 		s.metrics.TenantRejections.WithLabelValues(t.Name, "store_unavailable").Inc()
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeRateLimitStoreUnavailable, RetryAfter: "1",
@@ -144,7 +146,7 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 		case tenant.ReasonRequests:
 			e.Message = fmt.Sprintf("tenant %s reached its limit of %d requests per minute", t.Name, d.Requests.Limit)
 		default:
-			e.Message = fmt.Sprintf("tenant %s reached its limit of %d tokens per minute (this request is reserved about %d)", t.Name, d.Tokens.Limit, est)
+			e.Message = fmt.Sprintf("tenant %s reached its limit of %d tokens per minute (this request is reserved about %d)", t.Name, d.Tokens.Limit, reserved)
 		}
 		openai.WriteError(w, e)
 		return nil, false
@@ -160,17 +162,30 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 	return &lease{l: l, estimate: prompt}, true
 }
 
-// estimate is a request's prompt and completion tokens before it is served: the prompt's count
-// when the engines' tokenizer answer for it is cached, else its body's bytes / 4; the completion's
-// max_tokens (capped) times its prompts and samples.
-func (s *Server) estimate(req *openai.Request, path string, prompts, samples int) (prompt, completion int) {
-	prompt = (len(req.Body) + 3) / 4
-	if f := s.opts.Tenancy.PromptTokens; f != nil && s.opts.Tenancy.Set != nil {
-		if n, ok := f(req.Model, path, req.Body); ok {
-			prompt = n
+// tokenEstimate is a request's prompt and completion tokens before it is served, worked out the
+// first time something needs it (a tenant's limit, a full fleet's queue): the prompt's count
+// when the engines' tokenizer answer for it is cached, else its body's bytes / 4; the
+// completion's max_tokens (capped) times its prompts and samples.
+type tokenEstimate struct {
+	s                  *Server
+	preq               *pd.Request
+	done               bool
+	prompt, completion int
+}
+
+func (e *tokenEstimate) get() (prompt, completion int) {
+	if !e.done {
+		req, path := e.preq.Request, e.preq.Path
+		e.prompt = (len(req.Body) + 3) / 4
+		if f := e.s.opts.Tenancy.PromptTokens; f != nil {
+			if n, ok := f(req.Model, path, req.Body); ok {
+				e.prompt = n
+			}
 		}
+		e.completion = e.s.completionEstimate(req, path) * max(1, e.preq.Batch) * max(1, e.preq.Samples)
+		e.done = true
 	}
-	return prompt, s.completionEstimate(req, path) * max(1, prompts) * max(1, samples)
+	return e.prompt, e.completion
 }
 
 // completionEstimate is the completion tokens a request is reserved: its max_tokens (or the
