@@ -206,3 +206,52 @@ func TestWaitingRoomForAColdModel(t *testing.T) {
 		t.Error("requests still counted as waiting")
 	}
 }
+
+// Drain (SIGTERM): a request waiting for a slot is answered 503 server_draining at once, not
+// when the slot frees.
+func TestDrainAnswersTheQueuedAtOnce(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 100 * time.Millisecond})
+	cfg := testConfig(e.URL())
+	cfg.Admission.MaxConcurrentRequests, cfg.Admission.QueueSize = 1, 10
+	g, gw := startGateway(t, cfg)
+	holder := make(chan string, 1)
+	go func() {
+		resp, err := http.Post(gw.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"holder","max_tokens":30,"ignore_eos":true}`))
+		if err != nil {
+			holder <- err.Error()
+			return
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		holder <- resp.Status
+	}()
+	poll.Until(t, "the holder runs", func() bool { return g.Server.InFlight() == 1 })
+	type answer struct {
+		status int
+		body   string
+		at     time.Time
+	}
+	done := make(chan answer, 1)
+	go func() {
+		resp, err := http.Post(gw.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"queued","max_tokens":1}`))
+		if err != nil {
+			done <- answer{body: err.Error()}
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		done <- answer{resp.StatusCode, string(b), time.Now()}
+	}()
+	poll.Until(t, "one queued", func() bool { return strings.Contains(scrape(t, g), `baton_queue_depth{class="default"} 1`) })
+	g.Server.SetDraining()
+	a := <-done
+	if a.status != 503 || !strings.Contains(a.body, "server_draining") {
+		t.Errorf("the queued request on drain: %d %s", a.status, a.body)
+	}
+	if g.Server.InFlight() < 1 {
+		t.Error("the queued request was answered only after the holder's slot freed")
+	}
+	if h := <-holder; h != "200 OK" {
+		t.Errorf("the request in flight did not finish: %s", h)
+	}
+}
