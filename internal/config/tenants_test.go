@@ -83,3 +83,24 @@ func TestTenantsFromFlags(t *testing.T) {
 		t.Errorf("a key without its tenant: %v", err)
 	}
 }
+
+// reserved_slots and queue_classes name priority classes; reservations leave a slot to share.
+func TestAdmissionClassSettings(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "baton.yaml")
+	write := func(y string) error {
+		if err := os.WriteFile(file, []byte(y), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := Parse([]string{"--config", file}, io.Discard)
+		return err
+	}
+	if err := write("admission:\n  max_concurrent_requests: 4\n  reserved_slots: {critical: 2}\n  queue_classes: {batch: {size: 1000, timeout: 10m}}\n"); err != nil {
+		t.Fatal(err)
+	}
+	err := write("admission:\n  max_concurrent_requests: 2\n  reserved_slots: {urgent: 1, critical: 2}\n  queue_classes: {batch: {size: -1}}\n")
+	for _, want := range []string{`reserved_slots: "urgent" is no priority class`, "2 slots reserved need max_concurrent_requests above them", "queue_classes.batch.size: -1 is below 0"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("errors lack %q: %v", want, err)
+		}
+	}
+}

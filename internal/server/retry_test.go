@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/admit"
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -140,5 +141,16 @@ func TestLastWorkersAnswerWins(t *testing.T) {
 	})).ServeHTTP(rec, r)
 	if rec.Code != 503 || !strings.Contains(rec.Body.String(), openai.CodeNoAvailableWorkers) {
 		t.Errorf("no worker ever: %d %s", rec.Code, rec.Body.String())
+	}
+}
+
+// The configuration's per-class settings reach the scheduler by class.
+func TestClassSettings(t *testing.T) {
+	size := 1000
+	reserved, depth, timeout := ClassSettings(config.Admission{ReservedSlots: map[string]int{"critical": 2},
+		Classes: map[string]config.QueueClass{"batch": {Size: &size, Timeout: 10 * time.Minute}}})
+	if reserved[admit.Critical] != 2 || reserved[admit.Batch] != 0 || depth[admit.Batch] == nil || *depth[admit.Batch] != 1000 ||
+		depth[admit.Default] != nil || timeout[admit.Batch] != 10*time.Minute || timeout[admit.Default] != 0 {
+		t.Errorf("reserved %v, depth %v, timeout %v", reserved, depth, timeout)
 	}
 }
