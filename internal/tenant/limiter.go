@@ -237,9 +237,24 @@ func (l *Limiter) Reserve(ctx context.Context, r *Rule, tokens int) (*Lease, Dec
 		id = l.prefix + strconv.FormatUint(l.seq.Add(1), 36)
 	}
 	st := l.store()
-	reason, retry, s, now, err := l.call(ctx, st, func(ctx context.Context, st store) (string, time.Duration, state, float64, error) {
-		return st.reserve(ctx, r, id, tokens, l.Hold)
-	})
+	var (
+		reason string
+		retry  time.Duration
+		s      state
+		now    float64
+		err    error
+	)
+	switch {
+	case st == store(l.mem) && l.shared == nil:
+		reason, retry, s, now, _ = l.mem.reserve(ctx, r, id, tokens, l.Hold)
+	case st == store(l.mem):
+		err = ErrStoreUnavailable // the shared store failed a moment ago: asked again later
+	default:
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.Timeout)
+		reason, retry, s, now, err = st.reserve(ctx, r, id, tokens, l.Hold)
+		cancel()
+		l.note(err)
+	}
 	if err != nil {
 		if l.FailClosed {
 			return nil, Decision{}, ErrStoreUnavailable
@@ -254,28 +269,14 @@ func (l *Limiter) Reserve(ctx context.Context, r *Rule, tokens int) (*Lease, Dec
 	return &Lease{rule: r, id: id, reserved: tokens, st: st}, d, nil
 }
 
-// store is the store to ask now: the shared one unless it failed a moment ago.
+// store is the store to ask now: the shared one unless it failed a moment ago (a failure is
+// noted: the store is left alone for retryStoreAfter, and a warning is logged at most once a
+// minute).
 func (l *Limiter) store() store {
 	if l.shared != nil && time.Now().UnixNano() >= l.down.Load() {
 		return l.shared
 	}
 	return l.mem
-}
-
-// call runs f on st with the store deadline; a failure of the shared store is noted (it is left
-// alone for retryStoreAfter, and a warning is logged at most once a minute).
-func (l *Limiter) call(ctx context.Context, st store, f func(context.Context, store) (string, time.Duration, state, float64, error)) (string, time.Duration, state, float64, error) {
-	if st == store(l.mem) {
-		if l.shared != nil {
-			return "", 0, state{}, 0, ErrStoreUnavailable // the shared store failed a moment ago
-		}
-		return f(ctx, st)
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.Timeout)
-	defer cancel()
-	reason, retry, s, now, err := f(ctx, st)
-	l.note(err)
-	return reason, retry, s, now, err
 }
 
 // note records how a call to the shared store went.
