@@ -74,15 +74,7 @@ func BenchmarkTracing(b *testing.B) {
 	run := func(b *testing.B, url string) {
 		b.ReportAllocs()
 		for b.Loop() {
-			resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-			if err != nil {
-				b.Fatal(err)
-			}
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != 200 {
-				b.Fatalf("status %d", resp.StatusCode)
-			}
+			benchSend(b, client, url+"/v1/chat/completions", body, "")
 		}
 	}
 	b.Run("direct", func(b *testing.B) { run(b, up.URL) })
@@ -118,24 +110,30 @@ func BenchmarkTenants(b *testing.B) {
 	run := func(b *testing.B, url, key string) {
 		b.ReportAllocs()
 		for b.Loop() {
-			req, _ := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", bytes.NewReader(body))
-			req.Header.Set("Content-Type", "application/json")
-			if key != "" {
-				req.Header.Set("Authorization", "Bearer "+key)
-			}
-			resp, err := client.Do(req)
-			if err != nil {
-				b.Fatal(err)
-			}
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != 200 {
-				b.Fatalf("status %d", resp.StatusCode)
-			}
+			benchSend(b, client, url+"/v1/chat/completions", body, key)
 		}
 	}
 	b.Run("direct", func(b *testing.B) { run(b, up.URL, "") })
 	b.Run("no-tenants", func(b *testing.B) { run(b, plain.URL, "") })
 	b.Run("tenant-limited", func(b *testing.B) { run(b, limited.URL, "sk-team") })
 	b.Run("no-tenants-again", func(b *testing.B) { run(b, plain.URL, "") })
+}
+
+// benchSend posts body to url, with a tenant's bearer key when given, and reads a 200 answer
+// to its end.
+func benchSend(b *testing.B, client *http.Client, url string, body []byte, key string) {
+	req, _ := http.NewRequest(http.MethodPost, url, bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		b.Fatalf("status %d", resp.StatusCode)
+	}
 }

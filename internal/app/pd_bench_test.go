@@ -1,9 +1,7 @@
 package app
 
 import (
-	"bytes"
 	"fmt"
-	"io"
 	"net/http"
 	"sync"
 	"testing"
@@ -33,17 +31,7 @@ func BenchmarkPDParallel(b *testing.B) {
 	_, gw := startGateway(t, cfg)
 	defer gw.Close()
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
-	send := func(url string, body []byte) {
-		resp, err := client.Post(url, "application/json", bytes.NewReader(body))
-		if err != nil {
-			b.Fatal(err)
-		}
-		io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 200 {
-			b.Fatalf("status %d", resp.StatusCode)
-		}
-	}
+	send := func(url string, body []byte) { benchSend(b, client, url, body, "") }
 	for _, stream := range []bool{false, true} {
 		body := fmt.Sprintf(`{"text":"a benchmark prompt of a few words","sampling_params":{"max_new_tokens":8,"ignore_eos":true},"stream":%v}`, stream)
 		b.Run(fmt.Sprintf("direct/stream=%v", stream), func(b *testing.B) {
