@@ -226,9 +226,6 @@ type Lease struct {
 	settled  atomic.Bool
 }
 
-// Rule is the rule the lease counts against.
-func (l *Lease) Rule() *Rule { return l.rule }
-
 // Reserve admits a request costing tokens (an estimate, settled later) under r, or refuses it.
 // A nil lease with a nil error is a refusal (the Decision says why).
 func (l *Limiter) Reserve(ctx context.Context, r *Rule, tokens int) (*Lease, Decision, error) {
