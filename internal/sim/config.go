@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -80,6 +81,16 @@ type Config struct {
 	// listed in /v1/models with the base model as parent; their KV blocks are keyed apart and
 	// their KV events carry lora_name).
 	LoRAAdapters []string
+	// MaxLoRAs is how many adapters may be loaded at once (0: no limit); a load beyond it is
+	// refused. LoRALoadTime is how long a load takes.
+	MaxLoRAs     int
+	LoRALoadTime time.Duration
+	// RuntimeLoRA serves the adapter load and unload endpoints (vLLM answers them only when
+	// started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+	RuntimeLoRA bool
+	// LoRAMissingPaths are adapter paths that do not exist: their loads fail (404 "No adapter
+	// found"), as the engines' do.
+	LoRAMissingPaths []string
 	// MooncakeQueryByEngineID answers the bootstrap server's GET /query keyed by engine id
 	// ({engine_id: {dp_rank: {tp_rank: {pp_rank: addr}}}}), as one vLLM release does, instead
 	// of by DP rank.
@@ -181,6 +192,9 @@ func (c *Config) validate() error {
 	if c.Faults.Rate < 0 || c.Faults.Rate > 1 {
 		errs = append(errs, fmt.Errorf("fault-rate %v: want 0..1", c.Faults.Rate))
 	}
+	if c.MaxLoRAs < 0 || c.MaxLoRAs > 0 && len(c.LoRAAdapters) > c.MaxLoRAs {
+		errs = append(errs, fmt.Errorf("max-loras %d: want 0 (no limit) or at least the %d adapters of lora-modules", c.MaxLoRAs, len(c.LoRAAdapters)))
+	}
 	return errors.Join(errs...)
 }
 
@@ -213,6 +227,17 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 4096, "prefix cache capacity in blocks of 16 tokens (least recently used evicted)")
 	fs.BoolVar(&c.HybridKV, "hybrid-kv", false, "publish KV events as a hybrid-attention model: full-attention and sliding-window groups (vLLM)")
 	fs.BoolVar(&c.NoPromptTokensDetails, "no-prompt-tokens-details", false, "answer prompt_tokens_details null, as vLLM does without --enable-prompt-tokens-details")
+	fs.Func("lora-modules", "a LoRA adapter loaded at start, NAME (repeatable, or comma separated)", func(v string) error {
+		for _, n := range strings.Split(v, ",") {
+			if n = strings.TrimSpace(n); n != "" {
+				c.LoRAAdapters = append(c.LoRAAdapters, n)
+			}
+		}
+		return nil
+	})
+	fs.IntVar(&c.MaxLoRAs, "max-loras", 0, "most LoRA adapters loaded at once (0: no limit); a load beyond it is refused")
+	fs.DurationVar(&c.LoRALoadTime, "lora-load-time", 0, "how long loading a LoRA adapter takes, e.g. 200ms")
+	fs.BoolVar(&c.RuntimeLoRA, "runtime-lora", false, "serve the LoRA load/unload endpoints (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
 	fs.IntVar(&c.Faults.Status, "fault-status", 0, "fail requests with this status")
 	fs.Float64Var(&c.Faults.Rate, "fault-rate", 0, "probability of the fault status (0 with a status: always)")
 	fs.DurationVar(&c.Faults.Latency, "fault-latency", 0, "latency added to every request")

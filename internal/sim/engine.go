@@ -53,6 +53,7 @@ type Engine struct {
 	rr      atomic.Uint64
 
 	kv     *kvStore
+	lora   *loraSet
 	rooms  *roomTable
 	prefix *prefixCache // nil without PrefixCache
 	kvpub  *kvPublisher // nil without KVEvents
@@ -124,6 +125,7 @@ func Start(cfg Config) (*Engine, error) {
 		started: time.Now(),
 	}
 	e.kv = newKVStore(e)
+	e.lora = newLoRASet(c)
 	if c.PrefixCache {
 		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
 		e.prefixes = []*prefixCache{e.prefix}
@@ -302,6 +304,14 @@ func (e *Engine) routes() http.Handler {
 		mux.HandleFunc("POST /v1/messages", e.inference(routeMessages))
 	}
 	mux.HandleFunc("GET /v1/models", e.serveModels)
+	if e.cfg.RuntimeLoRA {
+		prefix := "/v1"
+		if e.cfg.Engine == EngineSGLang {
+			prefix = ""
+		}
+		mux.HandleFunc("POST "+prefix+"/load_lora_adapter", e.serveLoad)
+		mux.HandleFunc("POST "+prefix+"/unload_lora_adapter", e.serveUnload)
+	}
 	mux.HandleFunc("GET /health", e.serveHealth)
 	mux.HandleFunc("GET /metrics", e.serveMetrics)
 	mux.HandleFunc("GET /debug/kv", e.serveDebugKV)
@@ -333,23 +343,24 @@ func (e *Engine) serveModels(w http.ResponseWriter, _ *http.Request) {
 		"id": e.cfg.Model, "object": "model", "created": 1700000000, "owned_by": e.cfg.Engine,
 		"root": e.cfg.Model, "parent": nil, "max_model_len": 32768,
 	}}
-	for _, a := range e.cfg.LoRAAdapters { // vLLM's cards of loaded adapters
-		data = append(data, map[string]any{"id": a, "object": "model", "created": 1700000000, "owned_by": e.cfg.Engine,
-			"root": "/adapters/" + a, "parent": e.cfg.Model, "max_model_len": nil})
+	for _, a := range e.lora.list() { // the cards of loaded adapters, vLLM's and SGLang's alike
+		data = append(data, map[string]any{"id": a.name, "object": "model", "created": 1700000000, "owned_by": e.cfg.Engine,
+			"root": a.path, "parent": e.cfg.Model, "max_model_len": nil})
 	}
 	writeJSON(w, 200, map[string]any{"object": "list", "data": data})
 }
 
-// served reports whether name is the engine's model or one of its adapters, and which adapter
-// ("" for the base model).
+// served reports whether name is the engine's model or one of its loaded adapters, and which
+// adapter ("" for the base model). SGLang also names an adapter as base:adapter.
 func (e *Engine) served(name string) (lora string, ok bool) {
 	if name == e.cfg.Model {
 		return "", true
 	}
-	for _, a := range e.cfg.LoRAAdapters {
-		if a == name {
-			return a, true
-		}
+	if base, a, cut := strings.Cut(name, ":"); cut && base == e.cfg.Model && e.cfg.Engine == EngineSGLang {
+		name = a
+	}
+	if e.lora.has(name) {
+		return name, true
 	}
 	return "", false
 }
@@ -427,6 +438,9 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	plain("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.PrefixCacheHits)
 	counter("requests_total", "Requests by outcome.", "outcome",
 		sample{"ok", s.RequestsOK}, sample{"failed", s.RequestsFailed}, sample{"cancelled", s.RequestsCancelled}, sample{"rejected", s.RequestsRejected})
+	if e.cfg.Engine == EngineVLLM && (e.cfg.RuntimeLoRA || len(e.cfg.LoRAAdapters) > 0 || e.cfg.MaxLoRAs > 0) {
+		e.lora.writeInfo(&b)
+	}
 	_, _ = io.WriteString(w, b.String())
 }
 

@@ -69,6 +69,7 @@ type rawSampling struct {
 
 type rawRequest struct {
 	Model          *string         `json:"model"`
+	LoRAPath       *string         `json:"lora_path"` // SGLang /generate: the adapter, by name
 	Messages       []message       `json:"messages"`
 	Prompt         json.RawMessage `json:"prompt"`
 	Input          json.RawMessage `json:"input"`
@@ -115,6 +116,12 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		if lora, ok = e.served(*raw.Model); !ok {
 			return nil, errorf(404, "The model `%s` does not exist.", *raw.Model)
 		}
+	}
+	if raw.LoRAPath != nil && rt == routeGenerate {
+		if !e.lora.has(*raw.LoRAPath) {
+			return nil, errorf(400, "LoRA adapter %s is not loaded", *raw.LoRAPath)
+		}
+		lora = *raw.LoRAPath
 	}
 	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1, lora: lora}
 	if aerr := e.checkKVParams(rt, j); aerr != nil {

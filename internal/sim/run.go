@@ -60,7 +60,12 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 			e.writeError(w, aerr)
 			return
 		}
+		running, done := e.lora.queued(j.lora)
+		defer done()
 		release, ok, err := e.admit(ctx)
+		if ok && err == nil {
+			running()
+		}
 		if !ok {
 			e.stats.rejected.Add(1)
 			e.refuseKV(body)

@@ -1,0 +1,242 @@
+package sim
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// loraSet is the LoRA adapters an engine has loaded and the requests of each it has in flight.
+// Adapters load and unload at run time through the engines' endpoints (vLLM
+// /v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING, SGLang /load_lora_adapter); at
+// most MaxLoRAs are loaded at once, and a load beyond that is refused, as SGLang refuses one
+// beyond --max-loaded-loras (a gateway must unload one first).
+type loraSet struct {
+	max int // 0: no limit
+
+	mu      sync.Mutex
+	loaded  []loraAdapter  // in load order
+	running map[string]int // requests of each adapter running
+	waiting map[string]int // requests of each adapter waiting for a run slot
+	// prev is the label set lora_requests_info last exported before the current one, with its
+	// time: vLLM's gauge keeps every label set it ever set, so a reader must take the latest.
+	prev     [3]string
+	prevAt   float64
+	loads    int64
+	unloads  int64
+	inflight map[string]bool // adapters being loaded now
+}
+
+type loraAdapter struct{ name, path string }
+
+func newLoRASet(c Config) *loraSet {
+	s := &loraSet{max: c.MaxLoRAs, running: map[string]int{}, waiting: map[string]int{}, inflight: map[string]bool{}}
+	for _, a := range c.LoRAAdapters {
+		s.loaded = append(s.loaded, loraAdapter{name: a, path: "/adapters/" + a})
+	}
+	return s
+}
+
+// list returns the loaded adapters, in load order.
+func (s *loraSet) list() []loraAdapter {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.loaded)
+}
+
+// has reports whether name is loaded.
+func (s *loraSet) has(name string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.ContainsFunc(s.loaded, func(a loraAdapter) bool { return a.name == name })
+}
+
+// queued counts a request of adapter waiting for a run slot: run moves it to running, done ends
+// it wherever it is.
+func (s *loraSet) queued(adapter string) (run, done func()) {
+	if adapter == "" {
+		return func() {}, func() {}
+	}
+	s.mu.Lock()
+	s.waiting[adapter]++
+	s.mu.Unlock()
+	state := &s.waiting // where the request is counted; nil once it ended
+	dec := func(m map[string]int) {
+		if m[adapter]--; m[adapter] <= 0 {
+			delete(m, adapter)
+		}
+	}
+	run = func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if state == &s.waiting {
+			dec(s.waiting)
+			s.running[adapter]++
+			state = &s.running
+		}
+	}
+	done = func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if state != nil {
+			dec(*state)
+			state = nil
+		}
+	}
+	return run, done
+}
+
+// infoLabels are vLLM's lora_requests_info labels now: max_lora, running and waiting adapters
+// (comma separated, sorted).
+func (s *loraSet) infoLabels() [3]string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	names := func(m map[string]int) string {
+		var out []string
+		for n := range m {
+			out = append(out, n)
+		}
+		slices.Sort(out)
+		return strings.Join(out, ",")
+	}
+	return [3]string{strconv.Itoa(s.max), names(s.running), names(s.waiting)}
+}
+
+// writeInfo writes vLLM's vllm:lora_requests_info gauge: the current label set with the time
+// as its value, and the one before it with its older time, as vLLM's gauge keeps it.
+func (s *loraSet) writeInfo(b *strings.Builder) {
+	cur := s.infoLabels()
+	now := float64(time.Now().UnixNano()) / 1e9
+	s.mu.Lock()
+	prev, prevAt := s.prev, s.prevAt
+	if cur != s.prev {
+		s.prev, s.prevAt = cur, now
+	}
+	s.mu.Unlock()
+	b.WriteString("# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n")
+	line := func(l [3]string, v float64) {
+		fmt.Fprintf(b, "vllm:lora_requests_info{max_lora=%q,running_lora_adapters=%q,waiting_lora_adapters=%q} %.6f\n", l[0], l[1], l[2], v)
+	}
+	if prevAt != 0 && prev != cur {
+		line(prev, prevAt)
+	}
+	line(cur, now)
+}
+
+// loadRequest is the body of both engines' load and unload endpoints.
+type loadRequest struct {
+	Name string `json:"lora_name"`
+	Path string `json:"lora_path"`
+}
+
+// serveLoad loads an adapter, taking LoRALoadTime. Its refusals are vLLM's (and SGLang's
+// success:false answer on SGLang).
+func (e *Engine) serveLoad(w http.ResponseWriter, r *http.Request) {
+	var req loadRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil {
+		e.loraAnswer(w, errorf(400, "invalid request body: %v", err), "")
+		return
+	}
+	s := e.lora
+	if req.Name == "" || req.Path == "" {
+		e.loraAnswer(w, errorf(400, "Both 'lora_name' and 'lora_path' must be provided."), "")
+		return
+	}
+	s.mu.Lock()
+	switch {
+	case slices.ContainsFunc(s.loaded, func(a loraAdapter) bool { return a.name == req.Name }) || s.inflight[req.Name]:
+		s.mu.Unlock()
+		e.loraAnswer(w, errorf(400, "The lora adapter '%s' has already been loaded.", req.Name), "")
+		return
+	case s.max > 0 && len(s.loaded)+len(s.inflight) >= s.max:
+		s.mu.Unlock()
+		e.loraAnswer(w, errorf(400, "cannot load LoRA adapter '%s': all %d adapter slots are in use (max_loras %d); unload one first", req.Name, s.max, s.max), "")
+		return
+	}
+	s.inflight[req.Name] = true
+	s.mu.Unlock()
+	err := sleep(r.Context(), e.cfg.LoRALoadTime)
+	s.mu.Lock()
+	delete(s.inflight, req.Name)
+	missing := slices.Contains(e.cfg.LoRAMissingPaths, req.Path)
+	if err == nil && !missing {
+		s.loaded = append(s.loaded, loraAdapter{name: req.Name, path: req.Path})
+		s.loads++
+	}
+	s.mu.Unlock()
+	switch {
+	case err != nil:
+		return // the client left
+	case missing:
+		e.loraAnswer(w, errorf(404, "No adapter found for %s", req.Path), "")
+		return
+	}
+	e.loraAnswer(w, nil, fmt.Sprintf("Success: LoRA adapter '%s' added successfully.", req.Name))
+}
+
+// serveUnload unloads an adapter; requests of it already running finish.
+func (e *Engine) serveUnload(w http.ResponseWriter, r *http.Request) {
+	var req loadRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil {
+		e.loraAnswer(w, errorf(400, "invalid request body: %v", err), "")
+		return
+	}
+	s := e.lora
+	s.mu.Lock()
+	i := slices.IndexFunc(s.loaded, func(a loraAdapter) bool { return a.name == req.Name })
+	if i >= 0 {
+		s.loaded = slices.Delete(s.loaded, i, i+1)
+		s.unloads++
+	}
+	s.mu.Unlock()
+	if i < 0 {
+		e.loraAnswer(w, errorf(404, "The lora adapter '%s' cannot be found.", req.Name), "")
+		return
+	}
+	e.loraAnswer(w, nil, fmt.Sprintf("Success: LoRA adapter '%s' removed successfully.", req.Name))
+}
+
+// loraAnswer answers a load or unload: vLLM's plain-text success or error envelope, SGLang's
+// {success, error_message, loaded_adapters}.
+func (e *Engine) loraAnswer(w http.ResponseWriter, ae *apiError, ok string) {
+	if e.cfg.Engine == EngineSGLang {
+		loaded := map[string]string{}
+		for _, a := range e.lora.list() {
+			loaded[a.name] = a.path
+		}
+		status, msg := 200, ""
+		if ae != nil {
+			status, msg = ae.status, ae.msg
+		}
+		writeJSON(w, status, map[string]any{"success": ae == nil, "error_message": msg, "loaded_adapters": loaded})
+		return
+	}
+	if ae != nil {
+		e.writeError(w, ae)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	_, _ = io.WriteString(w, ok)
+}
+
+// LoRAStats are the adapter loads and unloads the engine performed.
+func (e *Engine) LoRAStats() (loads, unloads int64) {
+	e.lora.mu.Lock()
+	defer e.lora.mu.Unlock()
+	return e.lora.loads, e.lora.unloads
+}
+
+// LoadedAdapters are the adapters loaded now, in load order.
+func (e *Engine) LoadedAdapters() []string {
+	var out []string
+	for _, a := range e.lora.list() {
+		out = append(out, a.name)
+	}
+	return out
+}

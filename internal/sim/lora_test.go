@@ -1,0 +1,106 @@
+package sim
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The simulators load and unload adapters at run time as the engines do: vLLM's endpoints and
+// answers, a request for an adapter that is not loaded refused, the adapters listed in
+// /v1/models with their parent, a load beyond max-loras refused, a missing path refused.
+func TestLoRAAdaptersVLLM(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineVLLM, RuntimeLoRA: true, MaxLoRAs: 2, LoRAAdapters: []string{"a1"}, LoRAMissingPaths: []string{"/nowhere"}})
+	chat := func(model string) reply {
+		return post(t, e.URL()+"/v1/completions", `{"model":"`+model+`","prompt":"hi","max_tokens":2}`)
+	}
+	if r := chat("a1"); r.status != 200 {
+		t.Fatalf("preloaded adapter: %d %s", r.status, r.raw)
+	}
+	if r := chat("a2"); r.status != 404 || !strings.Contains(r.raw, "The model `a2` does not exist.") {
+		t.Fatalf("adapter not loaded: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"a2","lora_path":"/p/a2"}`); r.status != 200 || r.raw != "Success: LoRA adapter 'a2' added successfully." {
+		t.Fatalf("load: %d %s", r.status, r.raw)
+	}
+	if r := chat("a2"); r.status != 200 {
+		t.Fatalf("loaded adapter: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"a2","lora_path":"/p/a2"}`); r.status != 400 || !strings.Contains(r.raw, "has already been loaded") {
+		t.Fatalf("second load: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"a3","lora_path":"/p/a3"}`); r.status != 400 || !strings.Contains(r.raw, "slots are in use") {
+		t.Fatalf("load beyond max-loras: %d %s", r.status, r.raw)
+	}
+	models := get(t, e.URL()+"/v1/models")
+	if path(models.json, "data", 2, "id") != "a2" || path(models.json, "data", 2, "parent") != e.cfg.Model || path(models.json, "data", 2, "root") != "/p/a2" {
+		t.Fatalf("/v1/models: %s", models.raw)
+	}
+	if r := post(t, e.URL()+"/v1/unload_lora_adapter", `{"lora_name":"a1"}`); r.status != 200 {
+		t.Fatalf("unload: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/unload_lora_adapter", `{"lora_name":"a1"}`); r.status != 404 || !strings.Contains(r.raw, "cannot be found") {
+		t.Fatalf("second unload: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"a3","lora_path":"/nowhere"}`); r.status != 404 || !strings.Contains(r.raw, "No adapter found") {
+		t.Fatalf("missing path: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"a3"}`); r.status != 400 {
+		t.Fatalf("no path: %d %s", r.status, r.raw)
+	}
+	if got := e.LoadedAdapters(); strings.Join(got, ",") != "a2" {
+		t.Fatalf("loaded %v", got)
+	}
+	if loads, unloads := e.LoRAStats(); loads != 1 || unloads != 1 {
+		t.Fatalf("loads %d unloads %d", loads, unloads)
+	}
+}
+
+// vllm:lora_requests_info names the adapters running and waiting, and max_lora; the label set
+// before the current one stays exported with its older time, as vLLM's gauge keeps it.
+func TestLoRARequestsInfo(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineVLLM, MaxLoRAs: 4, LoRAAdapters: []string{"a1", "a2"}, MaxConcurrency: 1, DecodePerToken: 100 * time.Millisecond})
+	var wg sync.WaitGroup
+	for _, m := range []string{"a1", "a2"} {
+		wg.Go(func() { post(t, e.URL()+"/v1/completions", `{"model":"`+m+`","prompt":"hi","max_tokens":4}`) })
+		time.Sleep(50 * time.Millisecond) // a1 runs first, a2 waits behind it
+	}
+	m := get(t, e.URL()+"/metrics").raw
+	if !strings.Contains(m, `vllm:lora_requests_info{max_lora="4",running_lora_adapters="a1",waiting_lora_adapters="a2"}`) {
+		t.Fatalf("lora_requests_info while a1 runs and a2 waits:\n%s", m)
+	}
+	wg.Wait()
+	m = get(t, e.URL()+"/metrics").raw
+	if !strings.Contains(m, `running_lora_adapters="",waiting_lora_adapters=""`) || strings.Count(m, "vllm:lora_requests_info{") != 2 {
+		t.Fatalf("lora_requests_info after: want the idle set now and the set before it:\n%s", m)
+	}
+}
+
+// SGLang's endpoints have no /v1, answer {success, error_message, loaded_adapters}, and a
+// request names an adapter as base:adapter (OpenAI routes) or lora_path (/generate).
+func TestLoRAAdaptersSGLang(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineSGLang, RuntimeLoRA: true, MaxLoRAs: 1})
+	r := post(t, e.URL()+"/load_lora_adapter", `{"lora_name":"a1","lora_path":"/p/a1"}`)
+	if r.status != 200 || path(r.json, "success") != true || path(r.json, "loaded_adapters", "a1") != "/p/a1" {
+		t.Fatalf("load: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/load_lora_adapter", `{"lora_name":"a2","lora_path":"/p/a2"}`); r.status != 400 || path(r.json, "success") != false {
+		t.Fatalf("load beyond max: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/chat/completions", `{"model":"`+e.cfg.Model+`:a1","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`); r.status != 200 {
+		t.Fatalf("base:adapter: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/generate", `{"text":"hi","lora_path":"a1","sampling_params":{"max_new_tokens":2}}`); r.status != 200 {
+		t.Fatalf("/generate lora_path: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/generate", `{"text":"hi","lora_path":"a9","sampling_params":{"max_new_tokens":2}}`); r.status != 400 {
+		t.Fatalf("/generate unknown lora_path: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"a2","lora_path":"/p/a2"}`); r.status != 404 {
+		t.Fatalf("vLLM's path on SGLang: %d", r.status)
+	}
+}
