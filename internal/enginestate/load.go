@@ -9,9 +9,12 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
@@ -35,6 +38,9 @@ type Poller struct {
 	Client   *http.Client
 	Interval time.Duration
 	Log      *slog.Logger
+	// Adapters, when it reports true, has every worker's /v1/models read on each poll (Baton
+	// loads adapters); otherwise only a worker whose engine lists or reports adapters is.
+	Adapters func() bool
 
 	wg sync.WaitGroup
 }
@@ -73,9 +79,28 @@ func (p *Poller) PollAll(ctx context.Context) {
 			}
 			l.Until = l.At.Add(3 * p.Interval)
 			w.SetEngineLoad(l)
+			if l.HasLoRA || len(w.Adapters()) > 0 || p.Adapters != nil && p.Adapters() {
+				p.RefreshModels(ctx, w)
+			}
 		})
 	}
 	wg.Wait()
+}
+
+// RefreshModels reads w's /v1/models again (the adapters it has loaded) and rebuilds the
+// registry's model index when they changed.
+func (p *Poller) RefreshModels(ctx context.Context, w *worker.Worker) {
+	ctx, cancel := context.WithTimeout(ctx, p.Interval)
+	defer cancel()
+	changed, err := worker.RefreshModels(ctx, p.Client, w)
+	if err != nil {
+		p.Log.Debug("engine models not read", "worker", w.URL, "err", err)
+		return
+	}
+	if changed {
+		p.Registry.Rebuild()
+		p.Log.Info("worker's adapters changed", "worker", w.URL, "adapters", w.Adapters())
+	}
 }
 
 // Scrape reads w's load from its /metrics, within timeout.
@@ -141,5 +166,63 @@ func Parse(r io.Reader) (worker.EngineLoad, error) {
 	l.Running, l.HasRunning = sum(runningNames, add)
 	l.Waiting, l.HasWaiting = sum(waitingNames, add)
 	l.KVUsage, l.HasKV = sum(kvNames, highest)
+	l.LoRARunning, l.LoRAWaiting, l.MaxLoRA, l.HasLoRA = loraInfo(fams[loraInfoName])
 	return l, nil
+}
+
+// loraInfoName is vLLM's gauge of the adapters with requests running and waiting.
+const loraInfoName = "vllm:lora_requests_info"
+
+// maxAdapterNames bounds the adapters read from one label: an engine's label is bounded too.
+const maxAdapterNames = 1024
+
+// loraInfo reads vLLM's lora_requests_info: its value is the time the label set was set, and
+// the gauge keeps every set it ever had, so the one with the latest time is now.
+func loraInfo(f *dto.MetricFamily) (running, waiting []string, maxLoRA int, ok bool) {
+	if f == nil {
+		return nil, nil, 0, false
+	}
+	var latest *dto.Metric
+	for _, m := range f.GetMetric() {
+		v := latestValue(m)
+		if math.IsNaN(v) {
+			continue
+		}
+		if latest == nil || v > latestValue(latest) {
+			latest = m
+		}
+	}
+	if latest == nil {
+		return nil, nil, 0, false
+	}
+	names := func(v string) []string {
+		var out []string
+		for n := range strings.SplitSeq(v, ",") {
+			if n = strings.TrimSpace(n); n != "" && len(out) < maxAdapterNames {
+				out = append(out, n)
+			}
+		}
+		return out
+	}
+	for _, lp := range latest.GetLabel() {
+		switch lp.GetName() {
+		case "running_lora_adapters":
+			running = names(lp.GetValue())
+		case "waiting_lora_adapters":
+			waiting = names(lp.GetValue())
+		case "max_lora":
+			if n, err := strconv.Atoi(lp.GetValue()); err == nil && n >= 0 {
+				maxLoRA = n
+			}
+		}
+	}
+	return running, waiting, maxLoRA, true
+}
+
+// latestValue is a gauge's (or untyped sample's) value.
+func latestValue(m *dto.Metric) float64 {
+	if m.GetGauge() != nil {
+		return m.GetGauge().GetValue()
+	}
+	return m.GetUntyped().GetValue()
 }

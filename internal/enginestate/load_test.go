@@ -57,3 +57,27 @@ sglang:num_running_reqs{dp_rank="1"} 4
 		t.Error("garbage parsed")
 	}
 }
+
+// vLLM's lora_requests_info keeps every label set it ever had, its value the time it was set:
+// the latest is now. Label values are bounded.
+func TestParseLoRARequestsInfo(t *testing.T) {
+	l, err := Parse(strings.NewReader(`# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.8e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="older",waiting_lora_adapters=""} 1.6e9
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !l.HasLoRA || l.MaxLoRA != 4 || strings.Join(l.LoRARunning, ",") != "a,b" || strings.Join(l.LoRAWaiting, ",") != "c" {
+		t.Fatalf("%+v", l)
+	}
+	many := strings.Repeat("x,", 5000)
+	l, _ = Parse(strings.NewReader(`vllm:lora_requests_info{max_lora="-1",running_lora_adapters="` + many + `",waiting_lora_adapters=""} 1` + "\n"))
+	if len(l.LoRARunning) != maxAdapterNames || l.MaxLoRA != 0 {
+		t.Fatalf("unbounded: %d names, max %d", len(l.LoRARunning), l.MaxLoRA)
+	}
+	if l, _ := Parse(strings.NewReader("vllm:num_requests_running 1\n")); l.HasLoRA {
+		t.Fatal("no lora_requests_info, yet HasLoRA")
+	}
+}

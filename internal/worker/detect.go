@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -95,26 +96,10 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 		}
 		return nil, fmt.Errorf("%w: GET /v1/models answered %d: %s", ErrNeedsKey, status, hint)
 	}
-	var list struct {
-		Data []json.RawMessage `json:"data"`
-	}
 	ownedBy := ""
-	if status == http.StatusOK && json.Unmarshal(body, &list) == nil {
+	if status == http.StatusOK {
 		var reported []Model
-		for _, raw := range list.Data {
-			var card struct {
-				ID      string `json:"id"`
-				OwnedBy string `json:"owned_by"`
-			}
-			if json.Unmarshal(raw, &card) != nil || card.ID == "" {
-				continue
-			}
-			if ownedBy == "" {
-				ownedBy = card.OwnedBy
-			}
-			reported = append(reported, Model{ID: card.ID, Card: raw})
-		}
-		if len(w.configured.Models) == 0 {
+		if reported, ownedBy = parseModels(body); len(w.configured.Models) == 0 {
 			in.Models = reported
 		} else {
 			in.Models = withCards(in.Models, reported)
@@ -145,7 +130,38 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 	return in, nil
 }
 
-// withCards attaches reported cards to configured models of the same id.
+// parseModels reads a /v1/models answer: each card's model (with its parent, for an adapter)
+// and the first card's owned_by.
+func parseModels(body []byte) (models []Model, ownedBy string) {
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
+	if json.Unmarshal(body, &list) != nil {
+		return nil, ""
+	}
+	for _, raw := range list.Data {
+		var card struct {
+			ID      string `json:"id"`
+			OwnedBy string `json:"owned_by"`
+			Parent  any    `json:"parent"`
+		}
+		if json.Unmarshal(raw, &card) != nil || card.ID == "" {
+			continue
+		}
+		if ownedBy == "" {
+			ownedBy = card.OwnedBy
+		}
+		parent, _ := card.Parent.(string)
+		if parent == card.ID {
+			parent = ""
+		}
+		models = append(models, Model{ID: card.ID, Card: raw, Parent: parent})
+	}
+	return models, ownedBy
+}
+
+// withCards attaches reported cards to configured models of the same id, and adds the adapters
+// the engine reports on a configured model.
 func withCards(configured, reported []Model) []Model {
 	for i := range configured {
 		for _, r := range reported {
@@ -154,7 +170,51 @@ func withCards(configured, reported []Model) []Model {
 			}
 		}
 	}
+	for _, r := range reported {
+		if r.Parent != "" && slices.ContainsFunc(configured, func(m Model) bool { return m.ID == r.Parent }) &&
+			!slices.ContainsFunc(configured, func(m Model) bool { return m.ID == r.ID }) {
+			configured = append(configured, r)
+		}
+	}
 	return configured
+}
+
+// RefreshModels reads w's /v1/models again and, when the models it lists changed (an adapter
+// loaded or unloaded), records them on w; changed reports whether they did, and the caller
+// rebuilds the registry's model index.
+func RefreshModels(ctx context.Context, client *http.Client, w *Worker) (changed bool, err error) {
+	old := w.Info()
+	if old == nil {
+		return false, nil
+	}
+	status, body, err := probe(ctx, client, w, "/v1/models")
+	if err != nil {
+		return false, err
+	}
+	if status != http.StatusOK {
+		return false, fmt.Errorf("GET /v1/models answered %d", status)
+	}
+	reported, _ := parseModels(body)
+	var models []Model
+	if len(w.configured.Models) == 0 {
+		models = reported
+	} else {
+		for _, id := range w.configured.Models {
+			models = append(models, Model{ID: id})
+		}
+		models = withCards(models, reported)
+	}
+	same := len(models) == len(old.Models)
+	for i := 0; same && i < len(models); i++ {
+		same = models[i].ID == old.Models[i].ID && models[i].Parent == old.Models[i].Parent
+	}
+	if same {
+		return false, nil
+	}
+	next := *old
+	next.Models = models
+	w.SetInfo(&next)
+	return true, nil
 }
 
 func probe(ctx context.Context, client *http.Client, w *Worker, path string) (int, []byte, error) {

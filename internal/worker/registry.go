@@ -23,6 +23,7 @@ type Snapshot struct {
 	byModel  map[string][]*Worker // registered workers that list the model
 	anyModel []*Worker            // registered workers that accept any model
 	pending  []*Worker            // workers whose registration has not succeeded yet
+	parents  map[string]string    // LoRA adapter -> its base model, as the engines list them
 }
 
 // NewRegistry returns a registry holding ws.
@@ -109,6 +110,12 @@ func build(ws []*Worker) *Snapshot {
 		default:
 			for _, m := range in.Models {
 				s.byModel[m.ID] = append(s.byModel[m.ID], w)
+				if m.Parent != "" {
+					if s.parents == nil {
+						s.parents = map[string]string{}
+					}
+					s.parents[m.ID] = m.Parent
+				}
 			}
 		}
 	}
@@ -144,6 +151,10 @@ func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bo
 	}
 	return ws, maybePending
 }
+
+// Parent returns the base model of the LoRA adapter model as some engine lists it; "" when no
+// engine lists model as an adapter.
+func (s *Snapshot) Parent(model string) string { return s.parents[model] }
 
 // Lists reports whether some registered worker lists model among its models.
 func (s *Snapshot) Lists(model string) bool {

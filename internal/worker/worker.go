@@ -22,6 +22,9 @@ import (
 type Model struct {
 	ID   string
 	Card json.RawMessage // nil when the model was configured rather than reported
+	// Parent is the base model of a LoRA adapter (its card's "parent", vLLM's and SGLang's
+	// alike); "" for a base model.
+	Parent string
 }
 
 // Info is what registration learned about a worker. It is replaced whole, never mutated.
@@ -353,6 +356,36 @@ type EngineLoad struct {
 	Until            time.Time // trusted until then: an older signal is ignored
 	// Has* report whether the engine exports that signal at all.
 	HasRunning, HasWaiting, HasKV bool
+	// LoRARunning and LoRAWaiting are the adapters with requests running and waiting, MaxLoRA
+	// the engine's adapter slots (vLLM's lora_requests_info); HasLoRA whether it exports them.
+	LoRARunning, LoRAWaiting []string
+	MaxLoRA                  int
+	HasLoRA                  bool
+}
+
+// Lists reports whether w's engine lists model (a base model or a loaded adapter).
+func (w *Worker) Lists(model string) bool {
+	if in := w.Info(); in != nil {
+		for _, m := range in.Models {
+			if m.ID == model {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Adapters returns the LoRA adapters w's engine lists as loaded.
+func (w *Worker) Adapters() []string {
+	var out []string
+	if in := w.Info(); in != nil {
+		for _, m := range in.Models {
+			if m.Parent != "" {
+				out = append(out, m.ID)
+			}
+		}
+	}
+	return out
 }
 
 // Fresh reports whether l may still be trusted at now.
