@@ -30,6 +30,7 @@ import (
 	"github.com/baton-llm/baton/internal/fleet"
 	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/kvfleet"
+	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
@@ -111,6 +112,7 @@ type Gateway struct {
 	Proxy *proxy.Proxy
 	// Selector chooses workers; its Compatible rule says which pairs can meet.
 	Selector  *policy.Selector
+	Adapters  *lora.Manager
 	Registrar *worker.Registrar
 	// Fleet adds, updates and removes workers while Baton runs.
 	Fleet   *fleet.Fleet
@@ -270,10 +272,26 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 				m.RouteMatch.WithLabelValues(d.Role).Observe(d.Match)
 			}
 		}}
+	adapters := lora.New(reg, client, log, adapterSettings(cfg))
+	adapters.Observe = func(op, result string, d time.Duration) {
+		m.AdapterOps.WithLabelValues(op, result).Inc()
+		m.AdapterLoadSeconds.WithLabelValues(op).Observe(d.Seconds())
+	}
+	adapters.Refresh = func(ctx context.Context, w *worker.Worker) {
+		if l, err := enginestate.Scrape(ctx, client, w, cfg.LoadPollInterval); err == nil {
+			l.Until = l.At.Add(3 * cfg.LoadPollInterval)
+			w.SetEngineLoad(l)
+		}
+	}
+	sel.Adapters = adapters
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
 		sequential.Redecode = func(ctx context.Context, prefill *worker.Worker, req *pd.Request, avoid map[string]bool) (*worker.Worker, error) {
-			return sel.Decode(ctx, prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body, Parsed: req.Request}, avoid)
+			d, err := sel.Decode(ctx, prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body, Parsed: req.Request}, avoid)
+			if err == nil {
+				err = adapters.Ensure(ctx, d, req.Model) // the new decode must have the adapter too
+			}
+			return d, err
 		}
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
@@ -282,7 +300,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	fl := fleet.New(cfg, reg, breaker, kv, m, log, cfg.RequestTimeout+5*time.Second)
 	fl.CloseIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
-		Admin: server.Admin{Fleet: fl, SourceOf: fl.SourceOf}}
+		Admin: server.Admin{Fleet: fl, SourceOf: fl.SourceOf}, Adapters: adapters}
 	parts.Models = func() (map[string]config.ModelConfig, string) { mn := models.Load(); return mn.models, mn.def }
 	sel.SetPolicies(policies, modelPolicies)
 	m.Registry.MustRegister(kv.Collector())
@@ -328,10 +346,16 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Registrar:  registrar,
 		Fleet:      fl,
 		reloads:    reloads,
-		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval},
+		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval, Adapters: adapters.Declared},
+		Adapters:   adapters,
 		KVEvents:   kv,
 		Log:        log,
 	}, nil
+}
+
+// adapterSettings are the LoRA adapter settings of cfg.
+func adapterSettings(cfg config.Config) lora.Settings {
+	return lora.Settings{Adapters: cfg.Adapters, UnloadLRU: cfg.UnloadLRU, Affinity: cfg.AdapterAffinity, Timeout: cfg.AdapterLoadTimeout}
 }
 
 // newBreaker is the circuit breaker every worker shares, its transitions counted and logged.

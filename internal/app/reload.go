@@ -38,6 +38,9 @@ func (g *Gateway) Reload() error {
 	if !reflect.DeepEqual(g.applied.Models, cfg.Models) {
 		live = append(live, "models")
 	}
+	if !reflect.DeepEqual(g.applied.Adapters, cfg.Adapters) {
+		live = append(live, "adapters")
+	}
 	var policies map[string]policy.Policy
 	var modelPolicies map[string]map[string]policy.Policy
 	if len(live) > 0 {
@@ -56,7 +59,8 @@ func (g *Gateway) Reload() error {
 	if policies != nil {
 		g.Selector.SetPolicies(policies, modelPolicies)
 		g.applied = config.WithLive(g.applied, cfg)
-		g.applied.Models = cfg.Models
+		g.applied.Models, g.applied.Adapters = cfg.Models, cfg.Adapters
+		g.Adapters.Set(adapterSettings(g.applied))
 		g.models.Store(&modelNames{models: cfg.Models, def: cfg.DefaultModel})
 	}
 	attrs := []any{"workers", len(cfg.AllWorkers())}

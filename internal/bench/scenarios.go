@@ -26,7 +26,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -78,6 +78,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.tenants(ctx)
 		case "fairness":
 			err = r.fairness(ctx)
+		case "lora":
+			err = r.lora(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

@@ -107,6 +107,12 @@ type Config struct {
 	// fall back to (YAML models:). DefaultModel is the model of a request that names none.
 	Models       map[string]ModelConfig `json:"models"`
 	DefaultModel string                 `json:"default_model" reload:"live" flag:"default-model" help:"the model of a request that names none (else 400 model_required; SGLang's /generate names none and keeps going to any worker)"`
+	// Adapters are the LoRA adapters Baton loads on a worker of their base model when no
+	// available worker has one a request names (YAML adapters:).
+	Adapters           []Adapter     `json:"adapters"`
+	UnloadLRU          bool          `json:"unload_lru" flag:"unload-lru" reload:"live" help:"when every adapter slot of the chosen worker is taken, unload its least recently used adapter (none with requests in flight) before loading another"`
+	AdapterAffinity    bool          `json:"adapter_affinity" flag:"adapter-affinity" default:"true" reload:"live" help:"send an adapter's requests to workers with it running, then loaded, then with a free adapter slot, before the model's policy chooses among them"`
+	AdapterLoadTimeout time.Duration `json:"adapter_load_timeout" flag:"adapter-load-timeout" unit:"secs" default:"2m" check:">0" reload:"live" help:"an adapter load (and the unload making room for it) must finish within this; then the requests waiting on it get 503"`
 	// Tenants are the teams sharing the fleet (tenants.go); TenantAPIKeys smg's
 	// --tenant-api-key TENANT:KEY, flag only (a file holds hashes, never keys).
 	Tenants       []Tenant `json:"tenants"`
@@ -223,6 +229,24 @@ type Admission struct {
 	// The Virtual Token Counter's weights of prompt and completion tokens.
 	FairInputWeight  float64 `json:"fair_input_weight" flag:"fair-input-weight" default:"1" check:">=0" help:"weight of a prompt token in a tenant's share of a full fleet"`
 	FairOutputWeight float64 `json:"fair_output_weight" flag:"fair-output-weight" default:"2" check:">=0" help:"weight of a completion token in a tenant's share of a full fleet"`
+}
+
+// Adapter is a LoRA adapter Baton may load: its name (as requests and the engines name it), the
+// path the engine loads it from, and its base model.
+type Adapter struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+	Base string `json:"base"`
+}
+
+// Adapter returns the declared adapter named name.
+func (c *Config) Adapter(name string) (Adapter, bool) {
+	for _, a := range c.Adapters {
+		if a.Name == name {
+			return a, true
+		}
+	}
+	return Adapter{}, false
 }
 
 // ModelConfig is one model name as clients use it.
@@ -467,6 +491,24 @@ func (c *Config) Validate() error {
 			if f == "" || f == name || c.Served(f) == c.Served(name) {
 				bad("models.%s.context_window_fallbacks[%d]: %q is no other model", name, i, f)
 			}
+		}
+	}
+	seenAdapter := map[string]bool{}
+	for i, a := range c.Adapters {
+		where := fmt.Sprintf("adapters[%d]", i)
+		switch {
+		case a.Name == "" || strings.TrimSpace(a.Name) != a.Name || strings.Contains(a.Name, ":"):
+			bad("%s: name %q is no adapter name (no spaces around it, no ':')", where, a.Name)
+		case a.Path == "":
+			bad("%s (%s): give the path the engine loads it from", where, a.Name)
+		case a.Base == "" || a.Base == a.Name:
+			bad("%s (%s): give its base model", where, a.Name)
+		case seenAdapter[a.Name]:
+			bad("%s: adapter %q is declared twice", where, a.Name)
+		}
+		seenAdapter[a.Name] = true
+		if _, alias := c.Models[a.Name]; alias {
+			bad("%s: %q is also a name of models:", where, a.Name)
 		}
 	}
 	return errors.Join(errs...)

@@ -339,3 +339,38 @@ func TestErrorsNameTheFix(t *testing.T) {
 		}
 	}
 }
+
+// --model-alias is the flag form of models.<alias>.serve; adapters are checked: a name, a
+// path, a base, no twice, no clash with a model name.
+func TestModelAliasFlagAndAdapters(t *testing.T) {
+	c, err := Parse([]string{"--worker-urls", "http://w:8000", "--model-alias", "llama=llama-3-8b-instruct", "--model-alias", "q = qwen"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Models["llama"].Serve != "llama-3-8b-instruct" || c.Models["q"].Serve != "qwen" {
+		t.Fatalf("models %+v", c.Models)
+	}
+	for _, bad := range []string{"llama", "=x", "x=", "x=x"} {
+		if _, err := Parse([]string{"--worker-urls", "http://w:8000", "--model-alias", bad}, io.Discard); err == nil || !strings.Contains(err.Error(), "ALIAS=MODEL") {
+			t.Errorf("--model-alias %q: %v", bad, err)
+		}
+	}
+	dir := t.TempDir()
+	p := filepath.Join(dir, "c.yaml")
+	os.WriteFile(p, []byte(`worker_urls: [http://w:8000]
+models: {sql: {serve: x}}
+adapters:
+  - {name: a, path: /a, base: m}
+  - {name: a, path: /a, base: m}
+  - {name: "b:c", path: /b, base: m}
+  - {name: d, base: m}
+  - {name: e, path: /e}
+  - {name: sql, path: /s, base: m}
+`), 0o600)
+	_, err = Parse([]string{"--config", p}, io.Discard)
+	for _, want := range []string{"adapter \"a\" is declared twice", "\"b:c\" is no adapter name", "(d): give the path", "(e): give its base model", "\"sql\" is also a name of models:"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("want %q in %v", want, err)
+		}
+	}
+}

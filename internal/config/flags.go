@@ -75,6 +75,9 @@ func buildFlags() []flag {
 		if s.flag == "api-key" {
 			fs = append(fs, tenantKeyFlag)
 		}
+		if s.flag == "default-model" {
+			fs = append(fs, modelAliasFlag)
+		}
 	}
 	return fs
 }
@@ -105,6 +108,23 @@ var tenantKeyFlag = flag{name: "tenant-api-key", arg: "TENANT:KEY",
 	help: "a key of a tenant (repeatable, smg's form; the tenant is created when the configuration has none of that name); prefer the hashed keys of the tenants: section",
 	apply: func(c *Config, v []string) error {
 		c.TenantAPIKeys = append(c.TenantAPIKeys, v[0])
+		return nil
+	}}
+
+var modelAliasFlag = flag{name: "model-alias", arg: "ALIAS=MODEL",
+	help: "a name clients may use for a model the workers serve (repeatable; the body's model is rewritten to MODEL on the way to the worker); the models: section says more",
+	apply: func(c *Config, v []string) error {
+		alias, model, ok := strings.Cut(v[0], "=")
+		alias, model = strings.TrimSpace(alias), strings.TrimSpace(model)
+		if !ok || alias == "" || model == "" || alias == model {
+			return fmt.Errorf("--model-alias %q: want ALIAS=MODEL, two different names", v[0])
+		}
+		if c.Models == nil {
+			c.Models = map[string]ModelConfig{}
+		}
+		m := c.Models[alias]
+		m.Serve = model
+		c.Models[alias] = m
 		return nil
 	}}
 

@@ -93,6 +93,10 @@ type Metrics struct {
 	// ModelFallbacks counts requests served by a fallback model, by the model asked and the one
 	// that served.
 	ModelFallbacks *prometheus.CounterVec
+	// AdapterOps counts the LoRA adapter loads and unloads Baton made, by op and result;
+	// AdapterLoadSeconds times them.
+	AdapterOps         *prometheus.CounterVec
+	AdapterLoadSeconds *prometheus.HistogramVec
 
 	reg    *worker.Registry
 	mu     sync.Mutex
@@ -239,6 +243,14 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_model_fallbacks_total",
 			Help: "Requests served by a fallback model (models.<name>.fallbacks), by the model asked for and the one that served.",
 		}, []string{"from", "to"}),
+		AdapterOps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_adapter_operations_total",
+			Help: "LoRA adapter loads and unloads Baton made on engines, by op (load, unload) and result (ok, failed).",
+		}, []string{"op", "result"}),
+		AdapterLoadSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_adapter_operation_seconds", Help: "How long LoRA adapter loads and unloads took, by op.",
+			Buckets: []float64{.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120},
+		}, []string{"op"}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
@@ -246,7 +258,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
-		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks,
+		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks, m.AdapterOps, m.AdapterLoadSeconds,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -24,7 +24,9 @@ const (
 	CodeInvalidAPIKey   = "invalid_api_key"
 	CodeModelNotFound   = "model_not_found"
 	// CodeModelRequired: a request that names no model, without a default_model.
-	CodeModelRequired      = "model_required"
+	CodeModelRequired = "model_required"
+	// CodeAdapterLoadFailed: the request's LoRA adapter could not be loaded where it was sent.
+	CodeAdapterLoadFailed  = "adapter_load_failed"
 	CodeNotFound           = "not_found"
 	CodeClientTimeout      = "client_timeout"
 	CodeNotImplementedInPD = "not_implemented_in_pd_mode"

@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
@@ -77,6 +79,10 @@ type Selector struct {
 	Compatible func(prefill, decode *worker.Worker) bool
 	// Observe, when set, sees every decision (for metrics).
 	Observe func(Decision)
+	// Adapters, when set, lets any worker of a declared adapter's base model be a candidate for
+	// it (Baton loads it there), and with adapter_affinity keeps, of the available workers, those
+	// in the best adapter tier (running, loaded, free slot) for the policy to choose among.
+	Adapters *lora.Manager
 
 	live atomic.Pointer[policySet] // set by SetPolicies
 }
@@ -138,9 +144,40 @@ func serving(ws []*worker.Worker, path string) []*worker.Worker {
 	return ws
 }
 
+// Candidates are the registered workers of role that may serve model: for a declared adapter,
+// those serving its base model (Baton loads it where it is not); otherwise snap.Candidates.
+func (s *Selector) Candidates(snap *worker.Snapshot, role, model string) ([]*worker.Worker, bool) {
+	if s.Adapters == nil {
+		return snap.Candidates(role, model)
+	}
+	a, ok := s.Adapters.Loadable(model)
+	if !ok {
+		return snap.Candidates(role, model)
+	}
+	ws, pending := snap.Candidates(role, a.Base)
+	var out []*worker.Worker
+	for _, w := range ws {
+		if w.Lists(a.Base) {
+			out = append(out, w)
+		}
+	}
+	return out, pending
+}
+
+// affine returns the workers of ws in the best adapter tier for req's model, when it is an
+// adapter and adapter_affinity is on; ws otherwise.
+func (s *Selector) affine(snap *worker.Snapshot, ws []*worker.Worker, req *Request) []*worker.Worker {
+	if s.Adapters == nil || len(ws) < 2 || !s.Adapters.Settings().Affinity || s.Adapters.Base(snap, req.Model) == "" {
+		return ws
+	}
+	best, _ := s.Adapters.Best(ws, req.Model, time.Now())
+	return best
+}
+
 // Worker chooses a worker of role for req, or returns a *NoWorkerError.
 func (s *Selector) Worker(ctx context.Context, role string, req *Request, avoid map[string]bool) (*worker.Worker, error) {
-	cands, pending := s.Registry.Snapshot().Candidates(role, req.Model)
+	snap := s.Registry.Snapshot()
+	cands, pending := s.Candidates(snap, role, req.Model)
 	if len(cands) == 0 && !pending && req.Model != "" {
 		return nil, &NoWorkerError{Role: role, Model: req.Model, Unserved: true}
 	}
@@ -152,15 +189,15 @@ func (s *Selector) Worker(ctx context.Context, role string, req *Request, avoid 
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
-	return s.pick(ctx, role, avail, req), nil
+	return s.pick(ctx, role, s.affine(snap, avail, req), req), nil
 }
 
 // Pair chooses a prefill and a decode worker for req, each by its role's policy, or returns a
 // *NoWorkerError.
 func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool) (worker.Pair, error) {
 	snap := s.Registry.Snapshot()
-	pc, pPending := snap.Candidates(config.RolePrefill, req.Model)
-	dc, dPending := snap.Candidates(config.RoleDecode, req.Model)
+	pc, pPending := s.Candidates(snap, config.RolePrefill, req.Model)
+	dc, dPending := s.Candidates(snap, config.RoleDecode, req.Model)
 	if req.Model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unserved: true}
 	}
@@ -182,8 +219,8 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
-	p.Prefill = s.pick(ctx, config.RolePrefill, prefills, req)
-	p.Decode = s.pick(ctx, config.RoleDecode, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req)
+	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(snap, prefills, req), req)
+	p.Decode = s.pick(ctx, config.RoleDecode, s.affine(snap, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req), req)
 	return p, nil
 }
 
@@ -247,7 +284,8 @@ func (s *Selector) partners(prefill *worker.Worker, decodes []*worker.Worker) []
 // route, available, able to take prefill's KV, not in avoid (strictly: none left is a
 // *NoWorkerError), preferring one not quarantined with prefill.
 func (s *Selector) Decode(ctx context.Context, prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
-	dc, _ := s.Registry.Snapshot().Candidates(config.RoleDecode, req.Model)
+	snap := s.Registry.Snapshot()
+	dc, _ := s.Candidates(snap, config.RoleDecode, req.Model)
 	var ds []*worker.Worker
 	for _, d := range s.partners(prefill, worker.Available(serving(dc, req.Path))) {
 		if !avoid[d.URL] {
@@ -257,7 +295,7 @@ func (s *Selector) Decode(ctx context.Context, prefill *worker.Worker, req *Requ
 	if len(ds) == 0 {
 		return nil, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
-	return s.pick(ctx, config.RoleDecode, s.unquarantined(prefill, ds), req), nil
+	return s.pick(ctx, config.RoleDecode, s.affine(snap, s.unquarantined(prefill, ds), req), req), nil
 }
 
 // HasRole reports whether any worker of role is configured.

@@ -233,7 +233,7 @@ func (s *Server) readyFor(model string) bool {
 	}
 	snap := s.reg.Snapshot()
 	for _, role := range roles {
-		cands, _ := snap.Candidates(role, model)
+		cands, _ := s.candidates(snap, role, model)
 		ready := false
 		for _, w := range cands {
 			ready = ready || w.Ready()

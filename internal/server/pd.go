@@ -40,21 +40,21 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		return s.withContextFallbacks(r, client, func(name string) error {
-			sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
-			end := s.selectSpan(r)
 			var pair worker.Pair
-			err := s.pickModel(r, name, sreq, &waited, avoid, func() (err error) {
+			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
 				pair, err = s.sel.Pair(r.Context(), sreq, avoid)
 				return err
-			})
-			end(sreq, err)
+			}, func() []*worker.Worker { return []*worker.Worker{pair.Prefill, pair.Decode} })
 			if err != nil {
-				return selectionError(err)
+				return err
 			}
+			defer inFlight()
 			s.noteDecisions(r, sreq)
-			// Both legs share the body: the model the workers know, and the priority only for a
-			// pair whose two workers are marked forward_priority and read it alike.
-			if b := withPriority(withModel(orig, client, sreq.Model), record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
+			// Both legs share the body: the model the workers know (an SGLang adapter as
+			// base:adapter), and the priority only for a pair whose two workers are marked
+			// forward_priority and read it alike.
+			body := s.withAdapter(withModel(orig, client, sreq.Model), sreq.Model, pair.Prefill, pair.Decode)
+			if b := withPriority(body, record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
 				if err := req.SetBody(b); err != nil {
 					return err
 				}

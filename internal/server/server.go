@@ -29,6 +29,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/admit"
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -59,6 +60,9 @@ type Options struct {
 	// Models returns the names clients use (aliases, fallbacks) and the model of a request
 	// naming none, now (a reload swaps them); nil: none.
 	Models func() (map[string]config.ModelConfig, string)
+	// Adapters, when set, loads a declared LoRA adapter on the chosen workers before a request
+	// for it is sent, and counts its requests in flight (for least-recently-used unloading).
+	Adapters *lora.Manager
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
 	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
@@ -611,24 +615,47 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		return s.withContextFallbacks(r, client, func(name string) error {
-			sreq.Decisions = sreq.Decisions[:0]
-			end := s.selectSpan(r)
 			var wk *worker.Worker
-			err := s.pickModel(r, name, sreq, &waited, avoid, func() (err error) {
+			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
 				wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
 				return err
-			})
-			end(sreq, err)
+			}, func() []*worker.Worker { return []*worker.Worker{wk} })
 			if err != nil {
-				return selectionError(err)
+				return err
 			}
+			defer inFlight()
 			rec := record.From(r.Context())
 			rec.Worker = wk.URL
 			s.noteDecisions(r, sreq)
-			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, sreq.Model), rec.Class, wk))
+			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(s.withAdapter(withModel(req.Body, client, sreq.Model), sreq.Model, wk), rec.Class, wk))
 		})
 	})
 }
+
+// choose runs the selection (pickModel over sel) and readies the request's adapter on the
+// workers chosen (adapterReady), choosing again — a bounded number of times — when the adapter
+// was loaded on another worker meanwhile. The returned func ends the request's count in flight
+// on the adapter.
+func (s *Server) choose(r *http.Request, name string, sreq *policy.Request, waited *bool, avoid map[string]bool, sel func() error, chosen func() []*worker.Worker) (func(), error) {
+	for tries := 0; ; tries++ {
+		sreq.Decisions, sreq.Ranks = sreq.Decisions[:0], nil
+		end := s.selectSpan(r)
+		err := s.pickModel(r, name, sreq, waited, avoid, sel)
+		end(sreq, err)
+		if err != nil {
+			return nil, selectionError(err)
+		}
+		inFlight, err := s.adapterReady(r, sreq.Model, chosen()...)
+		if errors.Is(err, lora.ErrReselect) && tries < maxReselect {
+			continue // the adapter was loaded elsewhere meanwhile: choose again
+		}
+		return inFlight, err
+	}
+}
+
+// maxReselect bounds how often a request chooses again because its adapter was loaded on
+// another worker while it waited.
+const maxReselect = 3
 
 // contextPhrases are how the engines refuse a prompt longer than the model's context (400):
 // vLLM ("This model's maximum context length is N tokens. However, …", "… is longer than the
@@ -763,7 +790,7 @@ func (s *Server) spent(model string, avoid map[string]bool) bool {
 	}
 	snap := s.reg.Snapshot()
 	for _, role := range roles {
-		cands, _ := snap.Candidates(role, model)
+		cands, _ := s.candidates(snap, role, model)
 		for _, w := range cands {
 			if !avoid[w.URL] {
 				return false
@@ -774,6 +801,15 @@ func (s *Server) spent(model string, avoid map[string]bool) bool {
 		}
 	}
 	return true
+}
+
+// candidates are the workers of role that may serve model: the selector's (a declared
+// adapter's are those of its base model).
+func (s *Server) candidates(snap *worker.Snapshot, role, model string) ([]*worker.Worker, bool) {
+	if s.sel == nil {
+		return snap.Candidates(role, model)
+	}
+	return s.sel.Candidates(snap, role, model)
 }
 
 // fallbackable: the selection found no available worker for the model (not a route the
@@ -797,6 +833,63 @@ func withModel(body []byte, client, served string) []byte {
 		return b
 	}
 	return body
+}
+
+// adapterReady loads the request's adapter (model) on ws where it is not loaded — the legs of a
+// pair at once — and counts the request in flight on it until the returned func is called. A
+// load that failed is a 503 adapter_load_failed naming the adapter, not retried elsewhere.
+func (s *Server) adapterReady(r *http.Request, model string, ws ...*worker.Worker) (func(), error) {
+	m := s.opts.Adapters
+	if m == nil {
+		return func() {}, nil
+	}
+	// Counted in flight first: an adapter with a request in flight is never chosen to be
+	// unloaded, so none is unloaded between its load and the request reaching the engine.
+	ends := make([]func(), len(ws))
+	for i, w := range ws {
+		ends[i] = m.Begin(w, model)
+	}
+	end := func() {
+		for _, e := range ends {
+			e()
+		}
+	}
+	errs := make([]error, len(ws))
+	var wg sync.WaitGroup
+	for i, w := range ws {
+		wg.Go(func() { errs[i] = m.Ensure(r.Context(), w, model) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if le, ok := errors.AsType[*lora.Error](err); ok {
+			end()
+			return nil, outcome.FinalAnswer(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeAdapterLoadFailed, Param: "model", Message: le.Error()})
+		}
+		if err != nil {
+			end()
+			return nil, err // the client left, or the adapter was loaded elsewhere (lora.ErrReselect)
+		}
+	}
+	return end, nil
+}
+
+// withAdapter is body with its "model" in SGLang's form base:adapter when model is a LoRA
+// adapter and the workers are SGLang's: SGLang's OpenAI routes take an adapter's name that way
+// (a bare adapter name would be served by the base model).
+func (s *Server) withAdapter(body []byte, model string, ws ...*worker.Worker) []byte {
+	if s.opts.Adapters == nil || model == "" {
+		return body
+	}
+	for _, w := range ws {
+		if w.Runtime() != config.RuntimeSGLang {
+			return body
+		}
+	}
+	base := s.opts.Adapters.Base(s.reg.Snapshot(), model)
+	if base == "" {
+		return body
+	}
+	return withModel(body, model, base+":"+model)
 }
 
 // withPriority is body with the engine's "priority" field set for class when the worker is
@@ -916,7 +1009,7 @@ func (s *Server) readiness() (models []string, missing []string) {
 // unservable says why no request for model could be served now ("" when one can).
 func (s *Server) unservable(snap *worker.Snapshot, model string) string {
 	ready := func(role string) []*worker.Worker {
-		ws, _ := snap.Candidates(role, model)
+		ws, _ := s.candidates(snap, role, model)
 		var out []*worker.Worker
 		for _, w := range ws {
 			if w.Ready() {

@@ -1,0 +1,218 @@
+package app
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// loraEngine is a simulated vLLM engine serving model with run-time adapter loading.
+func loraEngine(t *testing.T, c sim.Config) *sim.Engine {
+	t.Helper()
+	c.RuntimeLoRA = true
+	if c.Engine == "" {
+		c.Engine = sim.EngineVLLM
+	}
+	e, err := sim.Start(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}
+
+func loads(es ...*sim.Engine) (n int64) {
+	for _, e := range es {
+		l, _ := e.LoRAStats()
+		n += l
+	}
+	return n
+}
+
+func adapterReq(t *testing.T, gw, model string) (*http.Response, string) {
+	t.Helper()
+	return postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"an adapter's request","max_tokens":2}`, model))
+}
+
+// Adapter affinity: an adapter's requests go where it is loaded, never to a worker of another
+// base model even though that one lists an adapter of the name; a declared adapter loaded
+// nowhere is loaded once on a worker of its base model — once for 50 concurrent requests — and
+// its requests stay there.
+func TestAdapterAffinityAndSingleFlightLoad(t *testing.T) {
+	t.Parallel()
+	a := loraEngine(t, sim.Config{Model: "base", LoRALoadTime: 200 * time.Millisecond, MaxLoRAs: 4})
+	b := loraEngine(t, sim.Config{Model: "base", LoRALoadTime: 200 * time.Millisecond, MaxLoRAs: 4, LoRAAdapters: []string{"warm"}})
+	other := loraEngine(t, sim.Config{Model: "other-base", LoRAAdapters: []string{"cold"}})
+	cfg := testConfig(a.URL(), b.URL(), other.URL())
+	cfg.Policy = config.PolicyRoundRobin
+	cfg.Adapters = []config.Adapter{{Name: "cold", Path: "/adapters/cold", Base: "base"}}
+	_, gw := startGateway(t, cfg)
+
+	for i := 0; i < 6; i++ {
+		if resp, body := adapterReq(t, gw.URL, "warm"); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != b.URL() {
+			t.Fatalf("warm adapter: %d sent to %s, not %s where it is loaded: %s", resp.StatusCode, resp.Header.Get("X-Baton-Worker"), b.URL(), body)
+		}
+	}
+	var wg sync.WaitGroup
+	workers := make(chan string, 50)
+	for i := 0; i < 50; i++ {
+		wg.Go(func() {
+			resp, body := adapterReq(t, gw.URL, "cold")
+			if resp.StatusCode != 200 {
+				t.Errorf("cold adapter: %d %s", resp.StatusCode, body)
+			}
+			workers <- resp.Header.Get("X-Baton-Worker")
+		})
+	}
+	wg.Wait()
+	close(workers)
+	seen := map[string]int{}
+	for w := range workers {
+		seen[w]++
+	}
+	if n := loads(a, b, other); n != 1 || len(seen) != 1 || seen[other.URL()] > 0 {
+		t.Fatalf("50 concurrent requests for a cold adapter: %d loads, served by %v (want one load, one worker of its base)", n, seen)
+	}
+	var home string
+	for w := range seen {
+		home = w
+	}
+	for i := 0; i < 6; i++ {
+		if resp, _ := adapterReq(t, gw.URL, "cold"); resp.Header.Get("X-Baton-Worker") != home {
+			t.Fatalf("after the load: sent to %s, not %s", resp.Header.Get("X-Baton-Worker"), home)
+		}
+	}
+	if n := loads(a, b, other); n != 1 {
+		t.Fatalf("%d loads", n)
+	}
+}
+
+// All of a worker's adapter slots taken: with unload_lru the least recently used adapter with
+// nothing in flight is unloaded first; without it the engine's refusal is a 503 naming the
+// adapter. A load that fails is answered at once afterwards, not tried again in a loop.
+func TestAdapterLRUUnloadAndFailingLoad(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Model: "base", MaxLoRAs: 2, LoRAMissingPaths: []string{"/adapters/gone"}})
+	cfg := testConfig(e.URL())
+	cfg.LoadPollInterval = 20 * time.Millisecond
+	cfg.Adapters = []config.Adapter{{Name: "a1", Path: "/adapters/a1", Base: "base"}, {Name: "a2", Path: "/adapters/a2", Base: "base"},
+		{Name: "a3", Path: "/adapters/a3", Base: "base"}, {Name: "gone", Path: "/adapters/gone", Base: "base"}}
+	g, gw := startGateway(t, cfg)
+	for _, m := range []string{"a1", "a2", "a1"} { // a2 is now the least recently used
+		if resp, body := adapterReq(t, gw.URL, m); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", m, resp.StatusCode, body)
+		}
+	}
+	poll.Until(t, "the engine's max_lora is read", func() bool { return g.Registry.Snapshot().Workers[0].EngineLoad().MaxLoRA == 2 })
+
+	resp, body := adapterReq(t, gw.URL, "a3")
+	env := wantAdapterFailure(t, resp, body)
+	if !strings.Contains(env.Error.Message, `"a3"`) || !strings.Contains(env.Error.Message, "slots are in use") {
+		t.Fatalf("full without unload_lru: %s", body)
+	}
+
+	cfg.UnloadLRU = true
+	g.Adapters.Set(adapterSettings(cfg))
+	time.Sleep(10 * time.Millisecond)
+	// The refusal above is held for a while: a3 is answered at once, not loaded again.
+	before := loads(e)
+	if resp, _ := adapterReq(t, gw.URL, "a3"); resp.StatusCode != http.StatusServiceUnavailable || loads(e) != before {
+		t.Fatalf("a failed load was tried again at once: %d", resp.StatusCode)
+	}
+	g.Adapters.ForgetFailures()
+	if resp, body := adapterReq(t, gw.URL, "a3"); resp.StatusCode != 200 {
+		t.Fatalf("with unload_lru: %d %s", resp.StatusCode, body)
+	}
+	if got := strings.Join(e.LoadedAdapters(), ","); got != "a1,a3" {
+		t.Fatalf("loaded now %s, want a1,a3 (a2 the least recently used unloaded)", got)
+	}
+
+	for i := 0; i < 3; i++ {
+		resp, body := adapterReq(t, gw.URL, "gone")
+		env := wantAdapterFailure(t, resp, body)
+		if !strings.Contains(env.Error.Message, `"gone"`) || !strings.Contains(env.Error.Message, "No adapter found") {
+			t.Fatalf("a missing adapter: %s", body)
+		}
+	}
+	metrics := scrape(t, g)
+	if !strings.Contains(metrics, `baton_adapter_operations_total{op="load",result="failed"} 2`) ||
+		!strings.Contains(metrics, `baton_adapter_operations_total{op="load",result="ok"} 3`) ||
+		!strings.Contains(metrics, `baton_adapter_operations_total{op="unload",result="ok"} 2`) { // a2, then one to make room for "gone"
+		t.Fatalf("adapter metrics:\n%s", grepLines(metrics, "baton_adapter_operations_total"))
+	}
+}
+
+// PD: both legs must have the adapter: Baton loads it on the prefill and the decode, and the
+// handoff goes on as without one — vLLM's name as is, SGLang's as base:adapter.
+func TestAdapterThroughPD(t *testing.T) {
+	t.Parallel()
+	for _, engine := range []string{sim.EngineVLLM, sim.EngineSGLang} {
+		t.Run(engine, func(t *testing.T) {
+			t.Parallel()
+			p := simEngine(t, sim.Config{Engine: engine, Role: sim.RolePrefill, KVConnector: kvConnectorFor(engine), EngineID: "p", RuntimeLoRA: true})
+			d := simEngine(t, sim.Config{Engine: engine, Role: sim.RoleDecode, KVConnector: kvConnectorFor(engine), RuntimeLoRA: true})
+			cfg := config.Default()
+			cfg.PDDisaggregation = true
+			pw := config.Worker{URL: p.URL(), Role: config.RolePrefill}
+			if engine == sim.EngineSGLang {
+				port := p.BootstrapPort()
+				pw.BootstrapPort = &port
+			} else {
+				pw.KVConnector = "NixlConnector"
+			}
+			cfg.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode}}
+			cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: pdModel}}
+			_, gw := startGateway(t, cfg)
+			for _, stream := range []string{"", `,"stream":true`} {
+				resp, b := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"adapter through pd"}],"max_tokens":4`+stream+`}`)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%s: %d %s", stream, resp.StatusCode, b)
+				}
+				if h := resp.Header.Get("X-Baton-Kv-Handoff"); h == "" || strings.HasPrefix(h, "none") {
+					t.Errorf("%s: handoff %q", stream, h)
+				}
+			}
+			if lp, _ := p.LoRAStats(); lp != 1 {
+				t.Errorf("prefill loads %d", lp)
+			}
+			if ld, _ := d.LoRAStats(); ld != 1 {
+				t.Errorf("decode loads %d", ld)
+			}
+		})
+	}
+}
+
+// wantAdapterFailure checks a 503 adapter_load_failed answer and returns its envelope.
+func wantAdapterFailure(t *testing.T, resp *http.Response, body string) envelope {
+	t.Helper()
+	var e envelope
+	if err := json.Unmarshal([]byte(body), &e); err != nil || resp.StatusCode != http.StatusServiceUnavailable || e.Error.Code != "adapter_load_failed" {
+		t.Fatalf("want 503 adapter_load_failed, got %d %s", resp.StatusCode, body)
+	}
+	return e
+}
+
+func kvConnectorFor(engine string) string {
+	if engine == sim.EngineVLLM {
+		return sim.ConnectorNixl
+	}
+	return ""
+}
+
+func grepLines(text, sub string) string {
+	var out []string
+	for _, l := range strings.Split(text, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}

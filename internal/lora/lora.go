@@ -1,0 +1,543 @@
+// Package lora routes requests for LoRA adapters where the adapter is loaded, and loads declared
+// adapters on demand: once for every request waiting on it (single flight), within a deadline,
+// making room by unloading the least recently used adapter when asked to. What an engine has
+// loaded is what its /v1/models lists (vLLM and SGLang both list an adapter with its base model
+// as "parent"); what it runs and has waiting, vLLM's lora_requests_info.
+package lora
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sync/singleflight"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// failHold is how long a failed load of an adapter on a worker answers the requests for it at
+// once, instead of loading again: a load that fails is not retried in a loop.
+const failHold = 30 * time.Second
+
+// Settings are what a reload may change.
+type Settings struct {
+	Adapters  []config.Adapter
+	UnloadLRU bool
+	Affinity  bool
+	Timeout   time.Duration
+}
+
+// Manager knows the declared adapters, loads them, and orders workers by adapter affinity.
+type Manager struct {
+	Registry *worker.Registry
+	Client   *http.Client
+	Log      *slog.Logger
+	// Observe, when set, sees every load and unload Baton makes: op load or unload, result ok
+	// or failed, and how long it took.
+	Observe func(op, result string, d time.Duration)
+	// Refresh, when set, reads w's engine load again (its adapter slots): called before making
+	// room on a worker whose last reading is no longer fresh.
+	Refresh func(ctx context.Context, w *worker.Worker)
+
+	settings atomic.Pointer[Settings]
+	group    singleflight.Group
+
+	mu     sync.Mutex
+	use    map[string]*usage  // by worker URL and adapter: in flight and last use
+	failed map[string]failure // by worker URL and adapter: a load that failed lately
+	// loading is, with adapter affinity, the load of each adapter in progress: requests that
+	// chose another worker wait for it and choose again, so a cold adapter is loaded once.
+	loading map[string]*flight
+	// busy serialises the loads and unloads of each worker (by URL): two loads of different
+	// adapters must not both count the same free slot.
+	busy map[string]*sync.Mutex
+	// evicting is the adapters (by worker URL and adapter) chosen to be unloaded: a request for
+	// one waits for the unload and loads it again rather than reach the engine as it goes.
+	evicting map[string]bool
+	// pending is the loads queued or under way on each worker (by URL).
+	pending map[string]int
+	now     func() time.Time // the clock; time.Now
+}
+
+type usage struct {
+	inflight int
+	last     time.Time
+}
+
+type flight struct {
+	worker string
+	done   chan struct{}
+	err    error
+}
+
+// ErrReselect is a request that chose a worker while the adapter it names was being loaded on
+// another: it is loaded there now, and the request chooses again.
+var ErrReselect = errors.New("the adapter was loaded on another worker meanwhile")
+
+type failure struct {
+	err error
+	at  time.Time
+}
+
+// New returns a manager of s's adapters.
+func New(reg *worker.Registry, client *http.Client, log *slog.Logger, s Settings) *Manager {
+	m := &Manager{Registry: reg, Client: client, Log: log, use: map[string]*usage{}, failed: map[string]failure{},
+		loading: map[string]*flight{}, busy: map[string]*sync.Mutex{}, evicting: map[string]bool{}, pending: map[string]int{}, now: time.Now}
+	m.Set(s)
+	return m
+}
+
+// Set makes s the settings from now on (at a reload).
+func (m *Manager) Set(s Settings) { m.settings.Store(&s) }
+
+// Settings are the settings now.
+func (m *Manager) Settings() Settings { return *m.settings.Load() }
+
+// Declared reports whether the configuration declares any adapter Baton may load.
+func (m *Manager) Declared() bool { return len(m.settings.Load().Adapters) > 0 }
+
+// Loadable returns the declared adapter named model.
+func (m *Manager) Loadable(model string) (config.Adapter, bool) {
+	for _, a := range m.settings.Load().Adapters {
+		if a.Name == model {
+			return a, true
+		}
+	}
+	return config.Adapter{}, false
+}
+
+// Base is the base model of model when model is an adapter, declared or listed by an engine;
+// "" otherwise.
+func (m *Manager) Base(snap *worker.Snapshot, model string) string {
+	if a, ok := m.Loadable(model); ok {
+		return a.Base
+	}
+	return snap.Parent(model)
+}
+
+// Tier is how well a worker suits a request for an adapter: higher is better.
+type Tier int
+
+// The tiers, best last.
+const (
+	TierBusy    Tier = iota // no free adapter slot, and every adapter loaded has requests in flight: a load waits
+	TierFull                // no free adapter slot: a load would unload an idle adapter
+	TierFree                // a free adapter slot (or none known to be taken), or the adapter loaded on an engine that queues requests
+	TierLoaded              // the adapter is loaded, and the engine queues no request
+	TierRunning             // the adapter has requests running, and the engine queues none
+)
+
+func (t Tier) String() string {
+	return [...]string{"busy", "full", "free_slot", "loaded", "running"}[t]
+}
+
+// TierOf is how well w suits a request for adapter now; an adapter being loaded on w counts
+// as loaded.
+func (m *Manager) TierOf(w *worker.Worker, adapter string, now time.Time) Tier {
+	l := w.EngineLoad()
+	fresh := l.Fresh(now)
+	queueing := fresh && l.HasWaiting && l.Waiting > 0
+	if w.Lists(adapter) {
+		switch {
+		case queueing:
+			// Loaded, but the engine queues requests: no better than a free slot elsewhere, so
+			// that a hot adapter is loaded on a second worker rather than queue on one.
+			return TierFree
+		case fresh && l.HasLoRA && slices.Contains(l.LoRARunning, adapter):
+			return TierRunning
+		}
+		return TierLoaded
+	}
+	m.mu.Lock()
+	f := m.loading[adapter]
+	m.mu.Unlock()
+	if f != nil && f.worker == w.URL {
+		return TierLoaded
+	}
+	if l.HasLoRA && l.MaxLoRA > 0 && len(w.Adapters()) >= l.MaxLoRA {
+		if m.idle(w, l, fresh) {
+			return TierFull
+		}
+		return TierBusy
+	}
+	return TierFree
+}
+
+// idle reports whether some adapter loaded on w has no request in flight (Baton's, or the
+// engine's while its report is fresh): one that could be unloaded now.
+func (m *Manager) idle(w *worker.Worker, l worker.EngineLoad, fresh bool) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, name := range w.Adapters() {
+		if u := m.use[w.URL+"\x00"+name]; u != nil && u.inflight > 0 {
+			continue
+		}
+		if fresh && (slices.Contains(l.LoRARunning, name) || slices.Contains(l.LoRAWaiting, name)) {
+			continue
+		}
+		return true
+	}
+	return false
+}
+
+// Best returns the workers of ws in the best tier for adapter, and that tier; when the best is
+// a load (a free slot, or a full one), those with the fewest loads queued or under way, so that
+// cold adapters are not loaded one after another on one worker. It allocates only when some
+// are left out.
+func (m *Manager) Best(ws []*worker.Worker, adapter string, now time.Time) ([]*worker.Worker, Tier) {
+	best, fewest := TierBusy, int(^uint(0)>>1)
+	tiers := make([]Tier, len(ws))
+	for i, w := range ws {
+		tiers[i] = m.TierOf(w, adapter, now)
+		best = max(best, tiers[i])
+	}
+	loads := func(w *worker.Worker) int {
+		if best > TierFree {
+			return 0
+		}
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.pending[w.URL]
+	}
+	for i, w := range ws {
+		if tiers[i] == best {
+			fewest = min(fewest, loads(w))
+		}
+	}
+	keep := func(i int) bool { return tiers[i] == best && loads(ws[i]) == fewest }
+	for i := range ws {
+		if !keep(i) {
+			var out []*worker.Worker
+			for j, w := range ws {
+				if keep(j) {
+					out = append(out, w)
+				}
+			}
+			return out, best
+		}
+	}
+	return ws, best
+}
+
+// Error is a load that failed: the adapter, the worker, and why.
+type Error struct {
+	Adapter, Worker string
+	Err             error
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("LoRA adapter %q could not be loaded on worker %s: %v", e.Adapter, e.Worker, e.Err)
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// Ensure makes sure w has model loaded before a request for it is sent there: nothing when
+// model is no declared adapter or w lists it already; otherwise one load for every request
+// waiting on it (the first caller's leaving does not cancel it), within the load timeout, after
+// unloading the least recently used adapter when w's slots are full and unload_lru is on. The
+// load counts once w's engine lists the adapter. A failure is an *Error, and is answered at
+// once for failHold rather than loaded again. With adapter affinity, a request that chose w
+// while the adapter was being loaded on another worker waits for that load and gets
+// ErrReselect: the adapter is loaded once, not on every worker a burst of requests chose.
+func (m *Manager) Ensure(ctx context.Context, w *worker.Worker, model string) error {
+	a, ok := m.Loadable(model)
+	if !ok {
+		return nil
+	}
+	key := w.URL + "\x00" + model
+	m.mu.Lock()
+	if w.Lists(model) && !m.evicting[key] {
+		m.mu.Unlock()
+		return nil
+	}
+	m.mu.Unlock()
+	affinity := m.Settings().Affinity
+	m.mu.Lock()
+	if f, ok := m.failed[key]; ok && m.now().Sub(f.at) < failHold {
+		m.mu.Unlock()
+		return f.err
+	}
+	var other *flight
+	if affinity {
+		if f := m.loading[model]; f != nil && f.worker != w.URL {
+			other = f
+		} else if f == nil {
+			m.loading[model] = &flight{worker: w.URL, done: make(chan struct{})}
+		}
+	}
+	m.mu.Unlock()
+	if other != nil {
+		select {
+		case <-other.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		if other.err != nil {
+			return other.err
+		}
+		return ErrReselect
+	}
+	ch := m.group.DoChan(key, func() (any, error) {
+		err := m.loadOnce(ctx, w, a, key)
+		m.mu.Lock()
+		if f := m.loading[model]; f != nil && f.worker == w.URL {
+			f.err = err
+			close(f.done)
+			delete(m.loading, model)
+		}
+		m.mu.Unlock()
+		return nil, err
+	})
+	select {
+	case r := <-ch:
+		return r.Err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// loadOnce loads a on w (unless a request before this one just did), detached from the request
+// that asked, and records the outcome.
+func (m *Manager) loadOnce(ctx context.Context, w *worker.Worker, a config.Adapter, key string) error {
+	s := m.Settings()
+	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.Timeout)
+	defer cancel()
+	start := m.now()
+	m.mu.Lock()
+	m.pending[w.URL]++
+	m.mu.Unlock()
+	err := m.load(lctx, w, a, s)
+	m.mu.Lock()
+	if m.pending[w.URL]--; m.pending[w.URL] <= 0 {
+		delete(m.pending, w.URL)
+	}
+	m.mu.Unlock()
+	result := "ok"
+	if err != nil {
+		result = "failed"
+		err = &Error{Adapter: a.Name, Worker: w.ID, Err: err}
+		m.mu.Lock()
+		m.failed[key] = failure{err: err, at: m.now()}
+		m.mu.Unlock()
+		m.Log.Warn("adapter not loaded", "adapter", a.Name, "worker", w.URL, "err", err)
+	} else {
+		m.mu.Lock()
+		delete(m.failed, key)
+		m.mu.Unlock()
+		m.Log.Info("adapter loaded", "adapter", a.Name, "worker", w.URL, "took", m.now().Sub(start).Round(time.Millisecond))
+	}
+	if m.Observe != nil {
+		m.Observe("load", result, m.now().Sub(start))
+	}
+	return err
+}
+
+// ForgetFailures forgets the loads that failed lately: the next request for their adapters
+// loads them again (an operator fixed what failed).
+func (m *Manager) ForgetFailures() {
+	m.mu.Lock()
+	clear(m.failed)
+	m.mu.Unlock()
+}
+
+// load makes room on w when asked to, loads a, and checks that w's engine lists it. One load or
+// unload at a time per worker; when every slot holds an adapter with requests in flight, it
+// waits (within ctx) for one to have none.
+func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, s Settings) error {
+	if !w.Lists(a.Base) {
+		return fmt.Errorf("the worker does not serve its base model %q", a.Base)
+	}
+	m.mu.Lock()
+	busy := m.busy[w.URL]
+	if busy == nil {
+		busy = &sync.Mutex{}
+		m.busy[w.URL] = busy
+	}
+	m.mu.Unlock()
+	busy.Lock()
+	defer busy.Unlock()
+	if w.Lists(a.Name) {
+		return nil
+	}
+	if s.UnloadLRU && m.Refresh != nil && !w.EngineLoad().Fresh(m.now()) {
+		m.Refresh(ctx, w)
+	}
+	for s.UnloadLRU {
+		l := w.EngineLoad()
+		if !l.HasLoRA || l.MaxLoRA == 0 || len(w.Adapters()) < l.MaxLoRA {
+			break
+		}
+		victim := m.lru(w, l)
+		if victim == "" {
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("all %d adapter slots held adapters with requests in flight until the load timeout", l.MaxLoRA)
+			case <-time.After(10 * time.Millisecond):
+				continue
+			}
+		}
+		start := m.now()
+		err := m.post(ctx, w, "unload_lora_adapter", map[string]string{"lora_name": victim})
+		if m.Observe != nil {
+			m.Observe("unload", map[bool]string{true: "ok", false: "failed"}[err == nil], m.now().Sub(start))
+		}
+		if err != nil {
+			m.forget(w, victim)
+			return fmt.Errorf("unloading %q to make room: %w", victim, err)
+		}
+		m.Log.Info("adapter unloaded to make room", "adapter", victim, "worker", w.URL, "for", a.Name)
+		_, rerr := worker.RefreshModels(ctx, m.Client, w)
+		m.Registry.Rebuild()
+		m.forget(w, victim) // after the refresh: w no longer lists it
+		if rerr != nil {
+			return fmt.Errorf("after unloading %q, the model list could not be read: %w", victim, rerr)
+		}
+	}
+	if err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path}); err != nil {
+		return err
+	}
+	changed, err := worker.RefreshModels(ctx, m.Client, w)
+	if err != nil {
+		return fmt.Errorf("the engine answered the load, but its model list could not be read: %w", err)
+	}
+	if changed {
+		m.Registry.Rebuild()
+	}
+	if !w.Lists(a.Name) {
+		return errors.New("the engine answered the load, but does not list the adapter")
+	}
+	return nil
+}
+
+// lru is the adapter loaded on w to unload first: none with requests in flight (Baton's, or
+// the engine's while its report is fresh), the one used least recently (never used first); ""
+// when every one is in use.
+func (m *Manager) lru(w *worker.Worker, l worker.EngineLoad) string {
+	var running, waiting []string
+	if l.Fresh(m.now()) {
+		running, waiting = l.LoRARunning, l.LoRAWaiting
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var victim string
+	var oldest time.Time
+	for _, name := range w.Adapters() {
+		u := m.use[w.URL+"\x00"+name]
+		if u != nil && u.inflight > 0 || slices.Contains(running, name) || slices.Contains(waiting, name) {
+			continue
+		}
+		var last time.Time
+		if u != nil {
+			last = u.last
+		}
+		if victim == "" || last.Before(oldest) {
+			victim, oldest = name, last
+		}
+	}
+	if victim != "" {
+		m.evicting[w.URL+"\x00"+victim] = true // Begin and Ensure see it under the same lock
+	}
+	return victim
+}
+
+// forget ends the eviction of adapter from w: unloaded, or not (err).
+func (m *Manager) forget(w *worker.Worker, adapter string) {
+	m.mu.Lock()
+	delete(m.use, w.URL+"\x00"+adapter)
+	delete(m.evicting, w.URL+"\x00"+adapter)
+	m.mu.Unlock()
+}
+
+// Begin counts a request for adapter on w in flight until the returned func is called; the
+// least recently used adapter is the one whose last request began longest ago.
+func (m *Manager) Begin(w *worker.Worker, adapter string) (end func()) {
+	if adapter == "" || m.Base(m.Registry.Snapshot(), adapter) == "" {
+		return func() {}
+	}
+	key := w.URL + "\x00" + adapter
+	m.mu.Lock()
+	u := m.use[key]
+	if u == nil {
+		u = &usage{}
+		m.use[key] = u
+	}
+	u.inflight++
+	u.last = m.now()
+	m.mu.Unlock()
+	return func() {
+		m.mu.Lock()
+		u.inflight--
+		m.mu.Unlock()
+	}
+}
+
+// maxAnswer bounds what Baton reads of an engine's answer to a load or unload.
+const maxAnswer = 64 << 10
+
+// post sends an adapter endpoint request: vLLM's under /v1, SGLang's at the root. A refusal is
+// an error carrying the engine's message (bounded).
+func (m *Manager) post(ctx context.Context, w *worker.Worker, op string, body map[string]string) error {
+	path := "/v1/" + op
+	if w.Runtime() == config.RuntimeSGLang {
+		path = "/" + op
+	}
+	b, _ := json.Marshal(body)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+path, bytes.NewReader(b))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if w.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+w.APIKey)
+	}
+	resp, err := m.Client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("POST %s: no answer within the adapter load timeout", path)
+		}
+		return fmt.Errorf("POST %s: %w", path, err)
+	}
+	defer resp.Body.Close()
+	answer, _ := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
+	var sg struct {
+		Success *bool  `json:"success"`
+		Message string `json:"error_message"`
+	}
+	_ = json.Unmarshal(answer, &sg)
+	if resp.StatusCode == http.StatusOK && (sg.Success == nil || *sg.Success) {
+		return nil
+	}
+	if resp.StatusCode == http.StatusNotFound && sg.Success == nil && !bytes.Contains(answer, []byte("adapter")) {
+		return fmt.Errorf("POST %s answered 404: the engine serves no adapter endpoint (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", path)
+	}
+	return fmt.Errorf("POST %s answered %d: %s", path, resp.StatusCode, engineMessage(answer, sg.Message))
+}
+
+// engineMessage is the message of an engine's refusal, bounded and on one line.
+func engineMessage(answer []byte, sglang string) string {
+	var v struct {
+		Message string `json:"message"`
+		Error   struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	_ = json.Unmarshal(answer, &v)
+	msg := cmp.Or(sglang, v.Error.Message, v.Message, string(answer))
+	msg = strings.Join(strings.Fields(msg), " ")
+	if len(msg) > 300 {
+		msg = strings.ToValidUTF8(msg[:300], "") + "…"
+	}
+	return msg
+}
