@@ -53,8 +53,13 @@ func TestAdapterAffinityAndSingleFlightLoad(t *testing.T) {
 	other := loraEngine(t, sim.Config{Model: "other-base", LoRAAdapters: []string{"cold"}})
 	cfg := testConfig(a.URL(), b.URL(), other.URL())
 	cfg.Policy = config.PolicyRoundRobin
-	cfg.Adapters = []config.Adapter{{Name: "cold", Path: "/adapters/cold", Base: "base"}}
+	cfg.Adapters = []config.Adapter{{Name: "cold", Path: "/adapters/cold", Base: "base"}, {Name: "extra", Path: "/adapters/extra", Base: "base"}}
 	_, gw := startGateway(t, cfg)
+	req, _ := http.NewRequest(http.MethodGet, gw.URL+"/v1/models", nil)
+	_, list := do(t, req)
+	if !strings.Contains(list, `{"created":0,"id":"extra","object":"model","owned_by":"baton","parent":"base"}`) || !strings.Contains(list, `"id":"warm"`) {
+		t.Errorf("/v1/models lists the declared adapter and the loaded one: %s", list)
+	}
 
 	for i := 0; i < 6; i++ {
 		if resp, body := adapterReq(t, gw.URL, "warm"); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != b.URL() {

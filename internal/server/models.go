@@ -56,6 +56,16 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 		seen[name] = true
 		data = append(data, openai.MarshalJSON(map[string]any{"id": name, "object": "model", "created": 0, "owned_by": "baton", "root": target}))
 	}
+	// Declared adapters Baton loads on demand, where their base model is served.
+	if s.opts.Adapters != nil {
+		for _, a := range s.opts.Adapters.Settings().Adapters {
+			if seen[a.Name] || !served[a.Base] || who != nil && !who.Allows(a.Name) {
+				continue
+			}
+			seen[a.Name] = true
+			data = append(data, openai.MarshalJSON(map[string]any{"id": a.Name, "object": "model", "created": 0, "owned_by": "baton", "parent": a.Base}))
+		}
+	}
 	body := openai.MarshalJSON(map[string]any{"object": "list", "data": data})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))

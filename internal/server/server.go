@@ -840,8 +840,8 @@ func withModel(body []byte, client, served string) []byte {
 // load that failed is a 503 adapter_load_failed naming the adapter, not retried elsewhere.
 func (s *Server) adapterReady(r *http.Request, model string, ws ...*worker.Worker) (func(), error) {
 	m := s.opts.Adapters
-	if m == nil {
-		return func() {}, nil
+	if m == nil || m.Base(s.reg.Snapshot(), model) == "" {
+		return noop, nil // no adapter: nothing to load, nothing to count
 	}
 	// Counted in flight first: an adapter with a request in flight is never chosen to be
 	// unloaded, so none is unloaded between its load and the request reaching the engine.
@@ -872,6 +872,8 @@ func (s *Server) adapterReady(r *http.Request, model string, ws ...*worker.Worke
 	}
 	return end, nil
 }
+
+func noop() {}
 
 // withAdapter is body with its "model" in SGLang's form base:adapter when model is a LoRA
 // adapter and the workers are SGLang's: SGLang's OpenAI routes take an adapter's name that way
