@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
+	"strings"
 )
 
 // Error codes Baton mints, every one of them: a client-visible code is one of these (a test
@@ -168,4 +169,35 @@ func WriteError(w http.ResponseWriter, e *Error) {
 	}
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(body)
+}
+
+// EngineMessage extracts an engine's error message: error.message (vLLM's envelope), error as
+// a string, message (SGLang's flat one), or the text, bounded.
+func EngineMessage(body []byte) string {
+	var v struct {
+		Error   json.RawMessage `json:"error"`
+		Message string          `json:"message"`
+	}
+	if json.Unmarshal(body, &v) == nil {
+		var nested struct {
+			Message string `json:"message"`
+		}
+		var flat string
+		switch {
+		case json.Unmarshal(v.Error, &nested) == nil && nested.Message != "":
+			return nested.Message
+		case json.Unmarshal(v.Error, &flat) == nil && flat != "":
+			return flat
+		case v.Message != "":
+			return v.Message
+		}
+	}
+	s := strings.TrimSpace(string(body))
+	if len(s) > 1024 {
+		s = s[:1024] + "…"
+	}
+	if s == "" {
+		s = "(empty body)"
+	}
+	return s
 }

@@ -1,7 +1,6 @@
 package pd
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -89,39 +88,9 @@ func onFirstByte(body io.ReadCloser, at func()) io.ReadCloser {
 // answered with that exact status, the engine's message, and a code naming the leg.
 func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *outcome.Failure {
 	e := &openai.Error{Status: status, Code: leg + "_" + openai.CodeUpstreamError,
-		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, upstreamMessage(body))}
+		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, openai.EngineMessage(body))}
 	if header != nil {
 		e.RetryAfter = header.Get("Retry-After")
 	}
 	return &outcome.Failure{Leg: leg, Worker: w.URL, Status: status, Answer: e}
-}
-
-// upstreamMessage extracts an engine's error message: error.message, message, or the text.
-func upstreamMessage(body []byte) string {
-	var v struct {
-		Error   json.RawMessage `json:"error"`
-		Message string          `json:"message"`
-	}
-	if json.Unmarshal(body, &v) == nil {
-		var nested struct {
-			Message string `json:"message"`
-		}
-		var flat string
-		switch {
-		case json.Unmarshal(v.Error, &nested) == nil && nested.Message != "":
-			return nested.Message
-		case json.Unmarshal(v.Error, &flat) == nil && flat != "":
-			return flat
-		case v.Message != "":
-			return v.Message
-		}
-	}
-	s := strings.TrimSpace(string(body))
-	if len(s) > 1024 {
-		s = s[:1024] + "…"
-	}
-	if s == "" {
-		s = "(empty body)"
-	}
-	return s
 }
