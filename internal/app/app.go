@@ -277,12 +277,8 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		m.AdapterOps.WithLabelValues(op, result).Inc()
 		m.AdapterLoadSeconds.WithLabelValues(op).Observe(d.Seconds())
 	}
-	adapters.Refresh = func(ctx context.Context, w *worker.Worker) {
-		if l, err := enginestate.Scrape(ctx, client, w, cfg.LoadPollInterval); err == nil {
-			l.Until = l.At.Add(3 * cfg.LoadPollInterval)
-			w.SetEngineLoad(l)
-		}
-	}
+	load := &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval, Adapters: adapters.Declared}
+	adapters.Refresh = func(ctx context.Context, w *worker.Worker) { load.Poll(ctx, w) }
 	sel.Adapters = adapters
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
@@ -346,7 +342,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Registrar:  registrar,
 		Fleet:      fl,
 		reloads:    reloads,
-		Load:       &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval, Adapters: adapters.Declared},
+		Load:       load,
 		Adapters:   adapters,
 		KVEvents:   kv,
 		Log:        log,

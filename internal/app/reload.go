@@ -61,6 +61,7 @@ func (g *Gateway) Reload() error {
 		g.applied = config.WithLive(g.applied, cfg)
 		g.applied.Models, g.applied.Adapters = cfg.Models, cfg.Adapters
 		g.Adapters.Set(adapterSettings(g.applied))
+		g.Adapters.ForgetFailures() // the operator may have fixed what failed
 		g.models.Store(&modelNames{models: cfg.Models, def: cfg.DefaultModel})
 	}
 	attrs := []any{"workers", len(cfg.AllWorkers())}

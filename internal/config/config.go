@@ -239,16 +239,6 @@ type Adapter struct {
 	Base string `json:"base"`
 }
 
-// Adapter returns the declared adapter named name.
-func (c *Config) Adapter(name string) (Adapter, bool) {
-	for _, a := range c.Adapters {
-		if a.Name == name {
-			return a, true
-		}
-	}
-	return Adapter{}, false
-}
-
 // ModelConfig is one model name as clients use it.
 type ModelConfig struct {
 	// Serve is the model the workers know this name by: the body's "model" is rewritten to it

@@ -72,14 +72,7 @@ func (p *Poller) PollAll(ctx context.Context) {
 			continue
 		}
 		wg.Go(func() {
-			l, err := Scrape(ctx, p.Client, w, p.Interval)
-			if err != nil {
-				p.Log.Debug("engine load not read", "worker", w.URL, "err", err)
-				return
-			}
-			l.Until = l.At.Add(3 * p.Interval)
-			w.SetEngineLoad(l)
-			if l.HasLoRA || len(w.Adapters()) > 0 || p.Adapters != nil && p.Adapters() {
+			if l, ok := p.Poll(ctx, w); ok && (l.HasLoRA || len(w.Adapters()) > 0 || p.Adapters != nil && p.Adapters()) {
 				p.RefreshModels(ctx, w)
 			}
 		})
@@ -87,18 +80,29 @@ func (p *Poller) PollAll(ctx context.Context) {
 	wg.Wait()
 }
 
+// Poll reads w's load now and records it on w, trusted for three intervals.
+func (p *Poller) Poll(ctx context.Context, w *worker.Worker) (worker.EngineLoad, bool) {
+	l, err := Scrape(ctx, p.Client, w, p.Interval)
+	if err != nil {
+		p.Log.Debug("engine load not read", "worker", w.URL, "err", err)
+		return l, false
+	}
+	l.Until = l.At.Add(3 * p.Interval)
+	w.SetEngineLoad(l)
+	return l, true
+}
+
 // RefreshModels reads w's /v1/models again (the adapters it has loaded) and rebuilds the
 // registry's model index when they changed.
 func (p *Poller) RefreshModels(ctx context.Context, w *worker.Worker) {
 	ctx, cancel := context.WithTimeout(ctx, p.Interval)
 	defer cancel()
-	changed, err := worker.RefreshModels(ctx, p.Client, w)
+	changed, err := p.Registry.RefreshModels(ctx, p.Client, w)
 	if err != nil {
 		p.Log.Debug("engine models not read", "worker", w.URL, "err", err)
 		return
 	}
 	if changed {
-		p.Registry.Rebuild()
 		p.Log.Info("worker's adapters changed", "worker", w.URL, "adapters", w.Adapters())
 	}
 }
@@ -146,10 +150,7 @@ func Parse(r io.Reader) (worker.EngineLoad, error) {
 				continue
 			}
 			for _, m := range f.GetMetric() {
-				x := m.GetUntyped().GetValue()
-				if m.GetGauge() != nil {
-					x = m.GetGauge().GetValue()
-				}
+				x := value(m)
 				if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 {
 					continue // no load: an engine's NaN must not reach routing or GET /workers
 				}
@@ -184,11 +185,11 @@ func loraInfo(f *dto.MetricFamily) (running, waiting []string, maxLoRA int, ok b
 	}
 	var latest *dto.Metric
 	for _, m := range f.GetMetric() {
-		v := latestValue(m)
+		v := value(m)
 		if math.IsNaN(v) {
 			continue
 		}
-		if latest == nil || v > latestValue(latest) {
+		if latest == nil || v > value(latest) {
 			latest = m
 		}
 	}
@@ -219,8 +220,8 @@ func loraInfo(f *dto.MetricFamily) (running, waiting []string, maxLoRA int, ok b
 	return running, waiting, maxLoRA, true
 }
 
-// latestValue is a gauge's (or untyped sample's) value.
-func latestValue(m *dto.Metric) float64 {
+// value is a gauge's (or untyped sample's) value.
+func value(m *dto.Metric) float64 {
 	if m.GetGauge() != nil {
 		return m.GetGauge().GetValue()
 	}

@@ -16,7 +16,6 @@ import (
 	"log/slog"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -24,6 +23,7 @@ import (
 	"golang.org/x/sync/singleflight"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -51,7 +51,7 @@ type Manager struct {
 	// room on a worker whose last reading is no longer fresh.
 	Refresh func(ctx context.Context, w *worker.Worker)
 
-	settings atomic.Pointer[Settings]
+	settings atomic.Pointer[settings]
 	group    singleflight.Group
 
 	mu     sync.Mutex
@@ -70,6 +70,9 @@ type Manager struct {
 	pending map[string]int
 	now     func() time.Time // the clock; time.Now
 }
+
+// key names an adapter on a worker in the manager's maps.
+func key(w *worker.Worker, adapter string) string { return w.URL + "\x00" + adapter }
 
 type usage struct {
 	inflight int
@@ -91,6 +94,12 @@ type failure struct {
 	at  time.Time
 }
 
+// settings are the Settings with the declared adapters by name.
+type settings struct {
+	Settings
+	byName map[string]config.Adapter
+}
+
 // New returns a manager of s's adapters.
 func New(reg *worker.Registry, client *http.Client, log *slog.Logger, s Settings) *Manager {
 	m := &Manager{Registry: reg, Client: client, Log: log, use: map[string]*usage{}, failed: map[string]failure{},
@@ -100,22 +109,24 @@ func New(reg *worker.Registry, client *http.Client, log *slog.Logger, s Settings
 }
 
 // Set makes s the settings from now on (at a reload).
-func (m *Manager) Set(s Settings) { m.settings.Store(&s) }
+func (m *Manager) Set(s Settings) {
+	byName := make(map[string]config.Adapter, len(s.Adapters))
+	for _, a := range s.Adapters {
+		byName[a.Name] = a
+	}
+	m.settings.Store(&settings{Settings: s, byName: byName})
+}
 
 // Settings are the settings now.
-func (m *Manager) Settings() Settings { return *m.settings.Load() }
+func (m *Manager) Settings() Settings { return m.settings.Load().Settings }
 
 // Declared reports whether the configuration declares any adapter Baton may load.
-func (m *Manager) Declared() bool { return len(m.settings.Load().Adapters) > 0 }
+func (m *Manager) Declared() bool { return len(m.settings.Load().byName) > 0 }
 
 // Loadable returns the declared adapter named model.
 func (m *Manager) Loadable(model string) (config.Adapter, bool) {
-	for _, a := range m.settings.Load().Adapters {
-		if a.Name == model {
-			return a, true
-		}
-	}
-	return config.Adapter{}, false
+	a, ok := m.settings.Load().byName[model]
+	return a, ok
 }
 
 // Base is the base model of model when model is an adapter, declared or listed by an engine;
@@ -146,12 +157,18 @@ func (t Tier) String() string {
 // TierOf is how well w suits a request for adapter now; an adapter being loaded on w counts
 // as loaded.
 func (m *Manager) TierOf(w *worker.Worker, adapter string, now time.Time) Tier {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.tierOf(w, adapter, now)
+}
+
+// tierOf is TierOf with m.mu held.
+func (m *Manager) tierOf(w *worker.Worker, adapter string, now time.Time) Tier {
 	l := w.EngineLoad()
 	fresh := l.Fresh(now)
-	queueing := fresh && l.HasWaiting && l.Waiting > 0
 	if w.Lists(adapter) {
 		switch {
-		case queueing:
+		case fresh && l.HasWaiting && l.Waiting > 0:
 			// Loaded, but the engine queues requests: no better than a free slot elsewhere, so
 			// that a hot adapter is loaded on a second worker rather than queue on one.
 			return TierFree
@@ -160,10 +177,7 @@ func (m *Manager) TierOf(w *worker.Worker, adapter string, now time.Time) Tier {
 		}
 		return TierLoaded
 	}
-	m.mu.Lock()
-	f := m.loading[adapter]
-	m.mu.Unlock()
-	if f != nil && f.worker == w.URL {
+	if f := m.loading[adapter]; f != nil && f.worker == w.URL {
 		return TierLoaded
 	}
 	if l.HasLoRA && l.MaxLoRA > 0 && len(w.Adapters()) >= l.MaxLoRA {
@@ -175,13 +189,11 @@ func (m *Manager) TierOf(w *worker.Worker, adapter string, now time.Time) Tier {
 	return TierFree
 }
 
-// idle reports whether some adapter loaded on w has no request in flight (Baton's, or the
-// engine's while its report is fresh): one that could be unloaded now.
+// idle reports, with m.mu held, whether some adapter loaded on w has no request in flight
+// (Baton's, or the engine's while its report is fresh): one that could be unloaded now.
 func (m *Manager) idle(w *worker.Worker, l worker.EngineLoad, fresh bool) bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
 	for _, name := range w.Adapters() {
-		if u := m.use[w.URL+"\x00"+name]; u != nil && u.inflight > 0 {
+		if u := m.use[key(w, name)]; u != nil && u.inflight > 0 {
 			continue
 		}
 		if fresh && (slices.Contains(l.LoRARunning, name) || slices.Contains(l.LoRAWaiting, name)) {
@@ -197,26 +209,27 @@ func (m *Manager) idle(w *worker.Worker, l worker.EngineLoad, fresh bool) bool {
 // cold adapters are not loaded one after another on one worker. It allocates only when some
 // are left out.
 func (m *Manager) Best(ws []*worker.Worker, adapter string, now time.Time) ([]*worker.Worker, Tier) {
-	best, fewest := TierBusy, int(^uint(0)>>1)
-	tiers := make([]Tier, len(ws))
-	for i, w := range ws {
-		tiers[i] = m.TierOf(w, adapter, now)
-		best = max(best, tiers[i])
-	}
-	loads := func(w *worker.Worker) int {
-		if best > TierFree {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	// rank orders a worker within a tier by the loads under way on it (only when it would load).
+	rank := func(w *worker.Worker, t Tier) int {
+		if t > TierFree {
 			return 0
 		}
-		m.mu.Lock()
-		defer m.mu.Unlock()
 		return m.pending[w.URL]
 	}
+	best, fewest := TierBusy, 0
+	tiers := make([]Tier, len(ws))
 	for i, w := range ws {
-		if tiers[i] == best {
-			fewest = min(fewest, loads(w))
+		tiers[i] = m.tierOf(w, adapter, now)
+		switch r := rank(w, tiers[i]); {
+		case i == 0 || tiers[i] > best:
+			best, fewest = tiers[i], r
+		case tiers[i] == best:
+			fewest = min(fewest, r)
 		}
 	}
-	keep := func(i int) bool { return tiers[i] == best && loads(ws[i]) == fewest }
+	keep := func(i int) bool { return tiers[i] == best && rank(ws[i], best) == fewest }
 	for i := range ws {
 		if !keep(i) {
 			var out []*worker.Worker
@@ -256,15 +269,13 @@ func (m *Manager) Ensure(ctx context.Context, w *worker.Worker, model string) er
 	if !ok {
 		return nil
 	}
-	key := w.URL + "\x00" + model
+	key := key(w, model)
+	affinity := m.settings.Load().Affinity
 	m.mu.Lock()
 	if w.Lists(model) && !m.evicting[key] {
 		m.mu.Unlock()
 		return nil
 	}
-	m.mu.Unlock()
-	affinity := m.Settings().Affinity
-	m.mu.Lock()
 	if f, ok := m.failed[key]; ok && m.now().Sub(f.at) < failHold {
 		m.mu.Unlock()
 		return f.err
@@ -398,8 +409,7 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 			return fmt.Errorf("unloading %q to make room: %w", victim, err)
 		}
 		m.Log.Info("adapter unloaded to make room", "adapter", victim, "worker", w.URL, "for", a.Name)
-		_, rerr := worker.RefreshModels(ctx, m.Client, w)
-		m.Registry.Rebuild()
+		_, rerr := m.Registry.RefreshModels(ctx, m.Client, w)
 		m.forget(w, victim) // after the refresh: w no longer lists it
 		if rerr != nil {
 			return fmt.Errorf("after unloading %q, the model list could not be read: %w", victim, rerr)
@@ -408,12 +418,8 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 	if err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path}); err != nil {
 		return err
 	}
-	changed, err := worker.RefreshModels(ctx, m.Client, w)
-	if err != nil {
+	if _, err := m.Registry.RefreshModels(ctx, m.Client, w); err != nil {
 		return fmt.Errorf("the engine answered the load, but its model list could not be read: %w", err)
-	}
-	if changed {
-		m.Registry.Rebuild()
 	}
 	if !w.Lists(a.Name) {
 		return errors.New("the engine answered the load, but does not list the adapter")
@@ -434,7 +440,7 @@ func (m *Manager) lru(w *worker.Worker, l worker.EngineLoad) string {
 	var victim string
 	var oldest time.Time
 	for _, name := range w.Adapters() {
-		u := m.use[w.URL+"\x00"+name]
+		u := m.use[key(w, name)]
 		if u != nil && u.inflight > 0 || slices.Contains(running, name) || slices.Contains(waiting, name) {
 			continue
 		}
@@ -447,7 +453,7 @@ func (m *Manager) lru(w *worker.Worker, l worker.EngineLoad) string {
 		}
 	}
 	if victim != "" {
-		m.evicting[w.URL+"\x00"+victim] = true // Begin and Ensure see it under the same lock
+		m.evicting[key(w, victim)] = true // Begin and Ensure see it under the same lock
 	}
 	return victim
 }
@@ -455,18 +461,15 @@ func (m *Manager) lru(w *worker.Worker, l worker.EngineLoad) string {
 // forget ends the eviction of adapter from w: unloaded, or not (err).
 func (m *Manager) forget(w *worker.Worker, adapter string) {
 	m.mu.Lock()
-	delete(m.use, w.URL+"\x00"+adapter)
-	delete(m.evicting, w.URL+"\x00"+adapter)
+	delete(m.use, key(w, adapter))
+	delete(m.evicting, key(w, adapter))
 	m.mu.Unlock()
 }
 
-// Begin counts a request for adapter on w in flight until the returned func is called; the
-// least recently used adapter is the one whose last request began longest ago.
+// Begin counts a request for the adapter on w in flight until the returned func is called;
+// the least recently used adapter is the one whose last request began longest ago.
 func (m *Manager) Begin(w *worker.Worker, adapter string) (end func()) {
-	if adapter == "" || m.Base(m.Registry.Snapshot(), adapter) == "" {
-		return func() {}
-	}
-	key := w.URL + "\x00" + adapter
+	key := key(w, adapter)
 	m.mu.Lock()
 	u := m.use[key]
 	if u == nil {
@@ -522,22 +525,5 @@ func (m *Manager) post(ctx context.Context, w *worker.Worker, op string, body ma
 	if resp.StatusCode == http.StatusNotFound && sg.Success == nil && !bytes.Contains(answer, []byte("adapter")) {
 		return fmt.Errorf("POST %s answered 404: the engine serves no adapter endpoint (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", path)
 	}
-	return fmt.Errorf("POST %s answered %d: %s", path, resp.StatusCode, engineMessage(answer, sg.Message))
-}
-
-// engineMessage is the message of an engine's refusal, bounded and on one line.
-func engineMessage(answer []byte, sglang string) string {
-	var v struct {
-		Message string `json:"message"`
-		Error   struct {
-			Message string `json:"message"`
-		} `json:"error"`
-	}
-	_ = json.Unmarshal(answer, &v)
-	msg := cmp.Or(sglang, v.Error.Message, v.Message, string(answer))
-	msg = strings.Join(strings.Fields(msg), " ")
-	if len(msg) > 300 {
-		msg = strings.ToValidUTF8(msg[:300], "") + "…"
-	}
-	return msg
+	return fmt.Errorf("POST %s answered %d: %s", path, resp.StatusCode, cmp.Or(sg.Message, openai.EngineMessage(answer)))
 }

@@ -1,13 +1,16 @@
 package lora
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -73,5 +76,39 @@ func TestTiers(t *testing.T) {
 	m.mu.Unlock()
 	if got, _ := m.Best([]*worker.Worker{free, free2}, "x", now); len(got) != 1 || got[0] != free2 {
 		t.Errorf("a load under way: %v", got)
+	}
+}
+
+// Making room unloads the least recently used adapter that has no request in flight: an older
+// one still in flight stays.
+func TestUnloadSkipsAdaptersInFlight(t *testing.T) {
+	e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "base", RuntimeLoRA: true, MaxLoRAs: 2, LoRAAdapters: []string{"a1", "a2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	w := worker.New(config.Worker{URL: e.URL()})
+	in, err := worker.Detect(context.Background(), http.DefaultClient, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.SetInfo(in)
+	now := time.Now()
+	w.SetEngineLoad(worker.EngineLoad{HasLoRA: true, MaxLoRA: 2, At: now, Until: now.Add(time.Minute)})
+	var declared []config.Adapter
+	for _, n := range []string{"a1", "a2", "a3"} {
+		declared = append(declared, config.Adapter{Name: n, Path: "/adapters/" + n, Base: "base"})
+	}
+	m := New(worker.NewRegistry(w), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Settings{Adapters: declared, UnloadLRU: true, Affinity: true, Timeout: 5 * time.Second})
+	inFlight := m.Begin(w, "a2") // the older use, still in flight
+	defer inFlight()
+	time.Sleep(time.Millisecond)
+	m.Begin(w, "a1")() // a newer use, ended
+	if err := m.Ensure(context.Background(), w, "a3"); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(e.LoadedAdapters(), ","); got != "a2,a3" {
+		t.Fatalf("loaded %s, want a2,a3: a1 (idle) unloaded, a2 (in flight) kept", got)
 	}
 }

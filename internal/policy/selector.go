@@ -29,6 +29,9 @@ type Request struct {
 	// Ranks, set by a choice that knows (cache_aware from the engines' events), names per worker
 	// URL the DP rank holding the longest cached prefix of the prompt.
 	Ranks map[string]int
+	// AdapterBase, set by the selection, is the base model when Model is a LoRA adapter
+	// (declared, or listed by an engine); "" otherwise.
+	AdapterBase string
 }
 
 // NoWorkerError says why no worker could be chosen.
@@ -164,10 +167,18 @@ func (s *Selector) Candidates(snap *worker.Snapshot, role, model string) ([]*wor
 	return out, pending
 }
 
+// adapter notes on req whether its model is a LoRA adapter (AdapterBase).
+func (s *Selector) adapter(snap *worker.Snapshot, req *Request) {
+	req.AdapterBase = ""
+	if s.Adapters != nil {
+		req.AdapterBase = s.Adapters.Base(snap, req.Model)
+	}
+}
+
 // affine returns the workers of ws in the best adapter tier for req's model, when it is an
 // adapter and adapter_affinity is on; ws otherwise.
-func (s *Selector) affine(snap *worker.Snapshot, ws []*worker.Worker, req *Request) []*worker.Worker {
-	if s.Adapters == nil || len(ws) < 2 || !s.Adapters.Settings().Affinity || s.Adapters.Base(snap, req.Model) == "" {
+func (s *Selector) affine(ws []*worker.Worker, req *Request) []*worker.Worker {
+	if req.AdapterBase == "" || len(ws) < 2 || !s.Adapters.Settings().Affinity {
 		return ws
 	}
 	best, _ := s.Adapters.Best(ws, req.Model, time.Now())
@@ -177,6 +188,7 @@ func (s *Selector) affine(snap *worker.Snapshot, ws []*worker.Worker, req *Reque
 // Worker chooses a worker of role for req, or returns a *NoWorkerError.
 func (s *Selector) Worker(ctx context.Context, role string, req *Request, avoid map[string]bool) (*worker.Worker, error) {
 	snap := s.Registry.Snapshot()
+	s.adapter(snap, req)
 	cands, pending := s.Candidates(snap, role, req.Model)
 	if len(cands) == 0 && !pending && req.Model != "" {
 		return nil, &NoWorkerError{Role: role, Model: req.Model, Unserved: true}
@@ -189,13 +201,14 @@ func (s *Selector) Worker(ctx context.Context, role string, req *Request, avoid 
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
-	return s.pick(ctx, role, s.affine(snap, avail, req), req), nil
+	return s.pick(ctx, role, s.affine(avail, req), req), nil
 }
 
 // Pair chooses a prefill and a decode worker for req, each by its role's policy, or returns a
 // *NoWorkerError.
 func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool) (worker.Pair, error) {
 	snap := s.Registry.Snapshot()
+	s.adapter(snap, req)
 	pc, pPending := s.Candidates(snap, config.RolePrefill, req.Model)
 	dc, dPending := s.Candidates(snap, config.RoleDecode, req.Model)
 	if req.Model != "" && len(pc) == 0 && len(dc) == 0 && !pPending && !dPending {
@@ -219,8 +232,8 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
-	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(snap, prefills, req), req)
-	p.Decode = s.pick(ctx, config.RoleDecode, s.affine(snap, s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req), req)
+	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(prefills, req), req)
+	p.Decode = s.pick(ctx, config.RoleDecode, s.affine(s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req), req)
 	return p, nil
 }
 
@@ -285,6 +298,7 @@ func (s *Selector) partners(prefill *worker.Worker, decodes []*worker.Worker) []
 // *NoWorkerError), preferring one not quarantined with prefill.
 func (s *Selector) Decode(ctx context.Context, prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
 	snap := s.Registry.Snapshot()
+	s.adapter(snap, req)
 	dc, _ := s.Candidates(snap, config.RoleDecode, req.Model)
 	var ds []*worker.Worker
 	for _, d := range s.partners(prefill, worker.Available(serving(dc, req.Path))) {
@@ -295,7 +309,7 @@ func (s *Selector) Decode(ctx context.Context, prefill *worker.Worker, req *Requ
 	if len(ds) == 0 {
 		return nil, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
-	return s.pick(ctx, config.RoleDecode, s.affine(snap, s.unquarantined(prefill, ds), req), req), nil
+	return s.pick(ctx, config.RoleDecode, s.affine(s.unquarantined(prefill, ds), req), req), nil
 }
 
 // HasRole reports whether any worker of role is configured.

@@ -627,7 +627,7 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			rec := record.From(r.Context())
 			rec.Worker = wk.URL
 			s.noteDecisions(r, sreq)
-			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(s.withAdapter(withModel(req.Body, client, sreq.Model), sreq.Model, wk), rec.Class, wk))
+			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, workerModel(sreq, wk)), rec.Class, wk))
 		})
 	})
 }
@@ -644,6 +644,9 @@ func (s *Server) choose(r *http.Request, name string, sreq *policy.Request, wait
 		end(sreq, err)
 		if err != nil {
 			return nil, selectionError(err)
+		}
+		if sreq.AdapterBase == "" {
+			return noop, nil // no adapter: nothing to load, nothing to count
 		}
 		inFlight, err := s.adapterReady(r, sreq.Model, chosen()...)
 		if errors.Is(err, lora.ErrReselect) && tries < maxReselect {
@@ -840,9 +843,6 @@ func withModel(body []byte, client, served string) []byte {
 // load that failed is a 503 adapter_load_failed naming the adapter, not retried elsewhere.
 func (s *Server) adapterReady(r *http.Request, model string, ws ...*worker.Worker) (func(), error) {
 	m := s.opts.Adapters
-	if m == nil || m.Base(s.reg.Snapshot(), model) == "" {
-		return noop, nil // no adapter: nothing to load, nothing to count
-	}
 	// Counted in flight first: an adapter with a request in flight is never chosen to be
 	// unloaded, so none is unloaded between its load and the request reaching the engine.
 	ends := make([]func(), len(ws))
@@ -875,23 +875,19 @@ func (s *Server) adapterReady(r *http.Request, model string, ws ...*worker.Worke
 
 func noop() {}
 
-// withAdapter is body with its "model" in SGLang's form base:adapter when model is a LoRA
-// adapter and the workers are SGLang's: SGLang's OpenAI routes take an adapter's name that way
-// (a bare adapter name would be served by the base model).
-func (s *Server) withAdapter(body []byte, model string, ws ...*worker.Worker) []byte {
-	if s.opts.Adapters == nil || model == "" {
-		return body
+// workerModel is the name the workers take for the request's model: an adapter in SGLang's
+// form base:adapter when the workers are SGLang's (its OpenAI routes take an adapter's name that
+// way; a bare adapter name would be served by the base model), the model itself otherwise.
+func workerModel(sreq *policy.Request, ws ...*worker.Worker) string {
+	if sreq.AdapterBase == "" {
+		return sreq.Model
 	}
 	for _, w := range ws {
 		if w.Runtime() != config.RuntimeSGLang {
-			return body
+			return sreq.Model
 		}
 	}
-	base := s.opts.Adapters.Base(s.reg.Snapshot(), model)
-	if base == "" {
-		return body
-	}
-	return withModel(body, model, base+":"+model)
+	return sreq.AdapterBase + ":" + sreq.Model
 }
 
 // withPriority is body with the engine's "priority" field set for class when the worker is

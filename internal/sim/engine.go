@@ -356,8 +356,13 @@ func (e *Engine) served(name string) (lora string, ok bool) {
 	if name == e.cfg.Model {
 		return "", true
 	}
-	if base, a, cut := strings.Cut(name, ":"); cut && base == e.cfg.Model && e.cfg.Engine == EngineSGLang {
-		name = a
+	if e.cfg.Engine == EngineSGLang {
+		// SGLang's OpenAI routes take an adapter as base:adapter; a bare adapter name is no
+		// adapter to them, and the base model serves it.
+		if base, a, cut := strings.Cut(name, ":"); cut && base == e.cfg.Model && e.lora.has(a) {
+			return a, true
+		}
+		return "", e.lora.has(name)
 	}
 	if e.lora.has(name) {
 		return name, true

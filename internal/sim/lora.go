@@ -30,13 +30,14 @@ type loraSet struct {
 	prevAt   float64
 	loads    int64
 	unloads  int64
-	inflight map[string]bool // adapters being loaded now
+	served   map[string]int64 // requests taken for each adapter
+	inflight map[string]bool  // adapters being loaded now
 }
 
 type loraAdapter struct{ name, path string }
 
 func newLoRASet(c Config) *loraSet {
-	s := &loraSet{max: c.MaxLoRAs, running: map[string]int{}, waiting: map[string]int{}, inflight: map[string]bool{}}
+	s := &loraSet{max: c.MaxLoRAs, running: map[string]int{}, waiting: map[string]int{}, inflight: map[string]bool{}, served: map[string]int64{}}
 	for _, a := range c.LoRAAdapters {
 		s.loaded = append(s.loaded, loraAdapter{name: a, path: "/adapters/" + a})
 	}
@@ -65,6 +66,7 @@ func (s *loraSet) queued(adapter string) (run, done func()) {
 	}
 	s.mu.Lock()
 	s.waiting[adapter]++
+	s.served[adapter]++
 	s.mu.Unlock()
 	state := &s.waiting // where the request is counted; nil once it ended
 	dec := func(m map[string]int) {
@@ -135,12 +137,21 @@ type loadRequest struct {
 	Path string `json:"lora_path"`
 }
 
-// serveLoad loads an adapter, taking LoRALoadTime. Its refusals are vLLM's (and SGLang's
-// success:false answer on SGLang).
-func (e *Engine) serveLoad(w http.ResponseWriter, r *http.Request) {
+// readLoRARequest reads a load or unload request's body; false when it answered it refused.
+func (e *Engine) readLoRARequest(w http.ResponseWriter, r *http.Request) (loadRequest, bool) {
 	var req loadRequest
 	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil {
 		e.loraAnswer(w, errorf(400, "invalid request body: %v", err), "")
+		return req, false
+	}
+	return req, true
+}
+
+// serveLoad loads an adapter, taking LoRALoadTime. Its refusals are vLLM's (and SGLang's
+// success:false answer on SGLang).
+func (e *Engine) serveLoad(w http.ResponseWriter, r *http.Request) {
+	req, ok := e.readLoRARequest(w, r)
+	if !ok {
 		return
 	}
 	s := e.lora
@@ -182,9 +193,8 @@ func (e *Engine) serveLoad(w http.ResponseWriter, r *http.Request) {
 
 // serveUnload unloads an adapter; requests of it already running finish.
 func (e *Engine) serveUnload(w http.ResponseWriter, r *http.Request) {
-	var req loadRequest
-	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil {
-		e.loraAnswer(w, errorf(400, "invalid request body: %v", err), "")
+	req, ok := e.readLoRARequest(w, r)
+	if !ok {
 		return
 	}
 	s := e.lora
@@ -230,6 +240,13 @@ func (e *Engine) LoRAStats() (loads, unloads int64) {
 	e.lora.mu.Lock()
 	defer e.lora.mu.Unlock()
 	return e.lora.loads, e.lora.unloads
+}
+
+// AdapterRequests is how many requests the engine took for adapter (served by it).
+func (e *Engine) AdapterRequests(adapter string) int64 {
+	e.lora.mu.Lock()
+	defer e.lora.mu.Unlock()
+	return e.lora.served[adapter]
 }
 
 // LoadedAdapters are the adapters loaded now, in load order.

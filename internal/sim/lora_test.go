@@ -91,8 +91,11 @@ func TestLoRAAdaptersSGLang(t *testing.T) {
 	if r := post(t, e.URL()+"/load_lora_adapter", `{"lora_name":"a2","lora_path":"/p/a2"}`); r.status != 400 || path(r.json, "success") != false {
 		t.Fatalf("load beyond max: %d %s", r.status, r.raw)
 	}
-	if r := post(t, e.URL()+"/v1/chat/completions", `{"model":"`+e.cfg.Model+`:a1","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`); r.status != 200 {
+	if r := post(t, e.URL()+"/v1/chat/completions", `{"model":"`+e.cfg.Model+`:a1","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`); r.status != 200 || e.AdapterRequests("a1") != 1 {
 		t.Fatalf("base:adapter: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/v1/chat/completions", `{"model":"a1","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`); r.status != 200 || e.AdapterRequests("a1") != 1 {
+		t.Fatalf("a bare adapter name is served by the base model: %d %s, adapter requests %d", r.status, r.raw, e.AdapterRequests("a1"))
 	}
 	if r := post(t, e.URL()+"/generate", `{"text":"hi","lora_path":"a1","sampling_params":{"max_new_tokens":2}}`); r.status != 200 {
 		t.Fatalf("/generate lora_path: %d %s", r.status, r.raw)

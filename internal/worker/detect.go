@@ -78,10 +78,7 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 }
 
 func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
-	in := &Info{Runtime: w.configured.Runtime}
-	for _, id := range w.configured.Models {
-		in.Models = append(in.Models, Model{ID: id})
-	}
+	in := &Info{Runtime: w.configured.Runtime, Models: w.modelsOf(nil)}
 	status, body, err := probe(ctx, client, w, "/v1/models")
 	if err != nil {
 		return nil, err
@@ -99,11 +96,8 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 	ownedBy := ""
 	if status == http.StatusOK {
 		var reported []Model
-		if reported, ownedBy = parseModels(body); len(w.configured.Models) == 0 {
-			in.Models = reported
-		} else {
-			in.Models = withCards(in.Models, reported)
-		}
+		reported, ownedBy = parseModels(body)
+		in.Models = w.modelsOf(reported)
 	}
 	if in.Runtime != "" {
 		return in, nil
@@ -179,10 +173,23 @@ func withCards(configured, reported []Model) []Model {
 	return configured
 }
 
+// modelsOf is w's models given those its engine reported: the reported ones, or the configured
+// ones with their cards and the adapters the engine reports on them.
+func (w *Worker) modelsOf(reported []Model) []Model {
+	if len(w.configured.Models) == 0 {
+		return reported
+	}
+	models := make([]Model, 0, len(w.configured.Models))
+	for _, id := range w.configured.Models {
+		models = append(models, Model{ID: id})
+	}
+	return withCards(models, reported)
+}
+
 // RefreshModels reads w's /v1/models again and, when the models it lists changed (an adapter
-// loaded or unloaded), records them on w; changed reports whether they did, and the caller
-// rebuilds the registry's model index.
-func RefreshModels(ctx context.Context, client *http.Client, w *Worker) (changed bool, err error) {
+// loaded or unloaded), records them on w and rebuilds the model index; changed reports whether
+// they did.
+func (r *Registry) RefreshModels(ctx context.Context, client *http.Client, w *Worker) (changed bool, err error) {
 	old := w.Info()
 	if old == nil {
 		return false, nil
@@ -195,25 +202,14 @@ func RefreshModels(ctx context.Context, client *http.Client, w *Worker) (changed
 		return false, fmt.Errorf("GET /v1/models answered %d", status)
 	}
 	reported, _ := parseModels(body)
-	var models []Model
-	if len(w.configured.Models) == 0 {
-		models = reported
-	} else {
-		for _, id := range w.configured.Models {
-			models = append(models, Model{ID: id})
-		}
-		models = withCards(models, reported)
-	}
-	same := len(models) == len(old.Models)
-	for i := 0; same && i < len(models); i++ {
-		same = models[i].ID == old.Models[i].ID && models[i].Parent == old.Models[i].Parent
-	}
-	if same {
+	models := w.modelsOf(reported)
+	if slices.EqualFunc(models, old.Models, func(a, b Model) bool { return a.ID == b.ID && a.Parent == b.Parent }) {
 		return false, nil
 	}
 	next := *old
 	next.Models = models
 	w.SetInfo(&next)
+	r.Rebuild()
 	return true, nil
 }
 
