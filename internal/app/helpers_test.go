@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/sim"
 )
 
 // fakeEngine is an httptest upstream that answers registration probes like an OpenAI server
@@ -54,15 +55,7 @@ func startGateway(t *testing.T, cfg config.Config, tune ...func(*config.Config))
 	for _, f := range tune {
 		f(&cfg)
 	}
-	g, err := build(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); g.Wait() })
-	if err := g.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	g := runGateway(t, cfg)
 	deadline := time.Now().Add(10 * time.Second)
 	for _, w := range g.Registry.Snapshot().Workers {
 		for !w.Registered() || !w.Ready() {
@@ -73,6 +66,33 @@ func startGateway(t *testing.T, cfg config.Config, tune ...func(*config.Config))
 		}
 	}
 	return g, serveAPI(t, cfg, g.Server.Handler())
+}
+
+// startSim starts a simulated engine for c, closed when the test ends.
+func startSim(t *testing.T, c sim.Config) *sim.Engine {
+	t.Helper()
+	e, err := sim.Start(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}
+
+// runGateway wires a gateway over cfg and starts it, stopped when the test ends; it does not
+// wait for the workers.
+func runGateway(t *testing.T, cfg config.Config) *Gateway {
+	t.Helper()
+	g, err := build(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); g.Wait() })
+	if err := g.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return g
 }
 
 // serveAPI serves h as Serve does, on the HTTP server cfg names — Baton's own by default, or

@@ -21,12 +21,7 @@ func loraEngine(t *testing.T, c sim.Config) *sim.Engine {
 	if c.Engine == "" {
 		c.Engine = sim.EngineVLLM
 	}
-	e, err := sim.Start(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	return e
+	return startSim(t, c)
 }
 
 func loads(es ...*sim.Engine) (n int64) {
@@ -185,6 +180,10 @@ func TestAdapterThroughPD(t *testing.T) {
 					t.Errorf("%s: handoff %q", stream, h)
 				}
 			}
+			// Both legs ran the adapter (SGLang's only when named base:adapter), whole and streamed.
+			if np, nd := p.AdapterRequests("sql"), d.AdapterRequests("sql"); np != 2 || nd != 2 {
+				t.Errorf("requests run by the adapter: prefill %d, decode %d, want 2 each", np, nd)
+			}
 			if lp, _ := p.LoRAStats(); lp != 1 {
 				t.Errorf("prefill loads %d", lp)
 			}
@@ -220,4 +219,24 @@ func grepLines(text, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// An adapter loaded on an engine behind Baton's back is learned on the next load poll: its
+// requests are served, not refused as a model nobody serves.
+func TestAdapterLoadedOutsideBatonIsLearned(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Model: "base"})
+	cfg := testConfig(e.URL())
+	cfg.LoadPollInterval = 20 * time.Millisecond
+	g, gw := startGateway(t, cfg)
+	if resp, _ := adapterReq(t, gw.URL, "late"); resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("before the load: %d", resp.StatusCode)
+	}
+	if resp, body := postTimeout(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"late","lora_path":"/adapters/late"}`); resp.StatusCode != 200 {
+		t.Fatalf("load on the engine: %d %s", resp.StatusCode, body)
+	}
+	poll.Until(t, "Baton learns the adapter", func() bool { return g.Registry.Snapshot().Parent("late") == "base" })
+	if resp, body := adapterReq(t, gw.URL, "late"); resp.StatusCode != 200 || e.AdapterRequests("late") != 1 {
+		t.Fatalf("after the load: %d %s", resp.StatusCode, body)
+	}
 }

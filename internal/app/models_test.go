@@ -197,10 +197,5 @@ func strconvQuote(s string) string { b, _ := json.Marshal(s); return string(b) }
 // modelEngine is a simulated vLLM engine serving model, with faults.
 func modelEngine(t *testing.T, model string, f sim.Faults) *sim.Engine {
 	t.Helper()
-	e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: model, Faults: f})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	return e
+	return startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: model, Faults: f})
 }

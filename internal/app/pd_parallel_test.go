@@ -26,12 +26,7 @@ func simEngine(t *testing.T, c sim.Config) *sim.Engine {
 	if c.BootstrapTimeout == 0 {
 		c.BootstrapTimeout = 30 * time.Second // long: a test passes only if Baton cancels, not the engine's timeout
 	}
-	e, err := sim.Start(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	return e
+	return startSim(t, c)
 }
 
 // sglangPD starts an SGLang prefill and decode pair and a PD gateway over them.

@@ -1,7 +1,6 @@
 package app
 
 import (
-	"context"
 	"io"
 	"log/slog"
 	"net"
@@ -160,15 +159,7 @@ func TestWaitingRoomForAColdModel(t *testing.T) {
 	cfg.Workers = []config.Worker{{URL: url, Models: []string{"m"}, Runtime: config.RuntimeVLLM}}
 	cfg.DetectInterval = 100 * time.Millisecond
 	cfg.Admission.NoWorkerWait = 10 * time.Second
-	g, err := build(cfg, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); g.Wait() })
-	if err := g.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	g := runGateway(t, cfg)
 	gw := serveAPI(t, cfg, g.Server.Handler())
 	var wg sync.WaitGroup
 	codes := make(chan int, 5)

@@ -2,12 +2,11 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/redistest"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -56,15 +56,17 @@ func (r *runner) tenants(ctx context.Context) error {
 		store    string
 		replicas int
 	}{{"memory", 1}}
-	redisURL, stopRedis, err := startRedis(dir)
+	redis, err := redistest.New(dir)
+	redisURL := "" // no Redis rows without one
 	switch {
-	case err != nil:
-		return err
-	case redisURL == "":
+	case errors.Is(err, redistest.ErrNotInstalled):
 		fmt.Fprintln(r.out, "_(no redis-server on this machine: the Redis row is left out; Debian's redis-server package provides it)_")
 		fmt.Fprintln(r.out)
+	case err != nil:
+		return err
 	default:
-		defer stopRedis()
+		defer redis.Stop()
+		redisURL = redis.URL()
 		rows = append(rows, struct {
 			store    string
 			replicas int
@@ -235,33 +237,7 @@ func (r *runner) hammer(ctx context.Context, bs []*proc, key string, d time.Dura
 	return adm.Load(), ref.Load(), time.Duration(lastNs.Load())
 }
 
-// startRedis starts Debian's redis-server on a free port for the Redis rows; "" when it is not
-// installed.
-func startRedis(dir string) (url string, stop func(), err error) {
-	path, err := exec.LookPath("redis-server")
-	if err != nil {
-		return "", nil, nil
-	}
-	port, err := freePort()
-	if err != nil {
-		return "", nil, err
-	}
-	cmd := exec.Command(path, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir)
-	if err := cmd.Start(); err != nil {
-		return "", nil, err
-	}
-	stop = func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }
-	addr := "127.0.0.1:" + strconv.Itoa(port)
-	for i := 0; i < 200; i++ {
-		if err := pingRedis(addr); err == nil {
-			return "redis://" + addr + "/0", stop, nil
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	stop()
-	return "", nil, fmt.Errorf("redis-server on %s did not answer", addr)
-}
-
+// freePort is a TCP port free on 127.0.0.1 now.
 func freePort() (int, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -269,23 +245,4 @@ func freePort() (int, error) {
 	}
 	defer ln.Close()
 	return ln.Addr().(*net.TCPAddr).Port, nil
-}
-
-// pingRedis sends PING and expects +PONG.
-func pingRedis(addr string) error {
-	c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(time.Second))
-	if _, err := c.Write([]byte("PING\r\n")); err != nil {
-		return err
-	}
-	buf := make([]byte, 7)
-	n, err := io.ReadAtLeast(c, buf, 5)
-	if err != nil || string(buf[:5]) != "+PONG" {
-		return fmt.Errorf("ping: %q %v", buf[:n], err)
-	}
-	return nil
 }

@@ -1,17 +1,17 @@
-// Package redistest runs a real redis-server for tests: Debian's redis-server package, on a
-// free port, without persistence. Where it is not installed the test is skipped, loudly — or
-// fails when BATON_REQUIRE_REDIS is set, as in CI, which installs it.
+// Package redistest runs a real redis-server for tests and benchmarks: Debian's redis-server
+// package, on a free port, without persistence. Where it is not installed a test is skipped,
+// loudly — or fails when BATON_REQUIRE_REDIS is set, as in CI, which installs it.
 package redistest
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
-	"testing"
 	"time"
 )
 
@@ -24,29 +24,55 @@ type Server struct {
 	cmd  *exec.Cmd
 }
 
+// ErrNotInstalled is a machine without redis-server.
+var ErrNotInstalled = errors.New("no redis-server on this machine; Debian's redis-server package provides it")
+
+// T is what Start needs of a test (testing.TB has it; the package does not import testing, so
+// that the benchmarks may use New).
+type T interface {
+	Helper()
+	Fatal(args ...any)
+	Skip(args ...any)
+	TempDir() string
+	Cleanup(func())
+}
+
 // Start starts a redis-server for t, stopped when t ends.
-func Start(t testing.TB) *Server {
+func Start(t T) *Server {
 	t.Helper()
-	path, err := exec.LookPath("redis-server")
-	if err != nil {
+	s, err := New(t.TempDir())
+	if errors.Is(err, ErrNotInstalled) {
 		msg := "SKIPPED: no redis-server to count shared limits in; install Debian's redis-server (CI does)"
 		if os.Getenv("BATON_REQUIRE_REDIS") != "" {
 			t.Fatal("BATON_REQUIRE_REDIS is set but " + msg)
 		}
 		t.Skip(msg)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
-	s := &Server{Addr: "127.0.0.1:" + strconv.Itoa(port), path: path, port: port, dir: t.TempDir()}
-	if err := s.StartAgain(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.Stop)
 	return s
+}
+
+// New starts a redis-server on a free port keeping its files in dir, and waits until it
+// answers; ErrNotInstalled where there is none. Stop stops it.
+func New(dir string) (*Server, error) {
+	path, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, ErrNotInstalled
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	s := &Server{Addr: "127.0.0.1:" + strconv.Itoa(port), path: path, port: port, dir: dir}
+	if err := s.StartAgain(); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 // URL is the server's redis:// URL, database 0.
