@@ -396,6 +396,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
 	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
 	o.RouteHeader = cfg.RouteHeader
+	o.PrefillerHeader = cfg.PDPrefillerHeader
 	o.RequestTimeout, o.StalledClientTimeout = cfg.RequestTimeout, cfg.StalledClientTimeout
 	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
 		Initial: rc.InitialBackoff, Max: rc.MaxBackoff,
@@ -450,6 +451,22 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 		return err
 	}
 	errc := ls.serve(stdout)
+	var el *eppListener
+	if cfg.EPP {
+		if el, err = g.listenEPP(cfg); err != nil {
+			g.drain(ls.api, 0)
+			ls.closeSide()
+			stopBG()
+			g.Wait()
+			return err
+		}
+		grpcErr := make(chan error, 1)
+		go func() { grpcErr <- el.srv.Serve(el.ln) }()
+		errc = either(errc, grpcErr)
+		go el.watch(bg)
+		fmt.Fprintf(stdout, "baton endpoint picker (ext_proc, gRPC health) on %s\n", el.ln.Addr())
+		log.Info("endpoint picker serving", "addr", el.ln.Addr().String(), "fallbacks", cfg.EPPFallbacks, "inference_pool", cfg.InferencePool)
+	}
 	ls.logStart(cfg, g, log)
 
 	var serveErr error
@@ -458,6 +475,9 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	case serveErr = <-errc:
 	}
 	g.drain(ls.api, cfg.ShutdownGracePeriod)
+	if el != nil {
+		el.stop(time.Now().Add(time.Second))
+	}
 	ls.closeSide()
 	stopBG()
 	g.Wait()
@@ -468,6 +488,20 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	return nil
 }
 
+// either is a channel with the first value of a or b.
+func either(a, b <-chan error) <-chan error {
+	out := make(chan error, 2)
+	go func() {
+		select {
+		case v := <-a:
+			out <- v
+		case v := <-b:
+			out <- v
+		}
+	}()
+	return out
+}
+
 // startBackground starts what runs beside the listeners until bg ends: the gateway's own loops
 // (health, load, KV events), the configuration watch and service discovery.
 func (g *Gateway) startBackground(bg context.Context, cfg config.Config, log *slog.Logger) error {
@@ -475,7 +509,7 @@ func (g *Gateway) startBackground(bg context.Context, cfg config.Config, log *sl
 		return err
 	}
 	go g.watchReload(bg, 2*time.Second)
-	if !cfg.ServiceDiscovery {
+	if !cfg.ServiceDiscovery && cfg.InferencePool == "" {
 		return nil
 	}
 	d, err := discovery.New(cfg, g.Fleet, log)

@@ -31,6 +31,8 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch cmd {
 	case "serve":
 		err = app.Run(ctx, args, stdout, stderr)
+	case "epp":
+		err = app.RunEPP(ctx, args, stdout, stderr)
 	case "sim":
 		err = runSim(ctx, args, stdout)
 	case "demo":

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/validation"
+
 	"sigs.k8s.io/yaml"
 )
 
@@ -87,7 +89,10 @@ type Config struct {
 	DecodePolicy  string `json:"decode_policy" reload:"live" flag:"decode-policy" help:"policy for the decode worker of a pair (default: --policy)"`
 	KVConnector   string `json:"kv_connector" flag:"kv-connector" help:"KV connector of vLLM prefill workers that configure none: NixlConnector | MooncakeConnector"`
 	// PDRequireHandoff: no silent fallback to a decode that recomputes.
-	PDRequireHandoff   bool   `json:"pd_require_handoff" flag:"pd-require-handoff" help:"strict mode: a PD request whose decode would recompute the prompt fails with 502"`
+	PDRequireHandoff bool `json:"pd_require_handoff" flag:"pd-require-handoff" help:"strict mode: a PD request whose decode would recompute the prompt fails with 502"`
+	// PDPrefillerHeader makes Baton the decode-side sidecar of an Endpoint Picker that names
+	// the prefill (llm-d's x-prefiller-host-port): the prefill leg runs there.
+	PDPrefillerHeader  bool   `json:"pd_prefiller_header" flag:"pd-prefiller-header" help:"decode-side sidecar: a PD request's x-prefiller-host-port header names its prefill (one of the prefill workers, by host:port)"`
 	PDMooncakeDispatch string `json:"pd_mooncake_dispatch" flag:"pd-mooncake-dispatch" default:"concurrent" oneof:"concurrent|sequential" help:"Mooncake legs: concurrent or sequential"`
 	// RequestTimeout: past it the client gets 504 (or, mid-stream, a broken connection).
 	RequestTimeout time.Duration `json:"request_timeout" flag:"request-timeout" unit:"secs" default:"30m" check:">0" help:"bound on one request from arrival to the end of its response, streams included"`
@@ -139,6 +144,16 @@ type Config struct {
 	ServiceDiscoveryNamespace string            `json:"service_discovery_namespace" flag:"service-discovery-namespace" help:"namespace of the worker pods (default: Baton's own)"`
 	ServiceDiscoveryPort      int               `json:"service_discovery_port" flag:"service-discovery-port" default:"8000" help:"port of the workers' API on their pods (the baton.ai/port annotation overrides it)"`
 	KubeConfig                string            `json:"kubeconfig" flag:"kubeconfig" help:"kubeconfig for discovery outside the cluster (default: the in-cluster service account)"`
+	// The Endpoint Picker (baton epp): the ext_proc gRPC port, the fallback endpoints named
+	// after each choice, when a batch request is shed, and the InferencePool whose pods are
+	// the workers (in ServiceDiscoveryNamespace).
+	GRPCPort          int     `json:"grpc_port" flag:"grpc-port" default:"9002" check:"0..65535" help:"baton epp: port of the Endpoint Picker's ext_proc and gRPC health services; 0 picks a free one"`
+	EPPFallbacks      int     `json:"epp_fallbacks" flag:"epp-fallbacks" default:"2" check:"0..16" help:"baton epp: endpoints named after each choice, least loaded first, for the gateway to retry down"`
+	EPPShedQueueDepth float64 `json:"epp_shed_queue_depth" flag:"epp-shed-queue-depth" default:"5" check:">=0" help:"baton epp: a batch-class request is shed (429) when every worker that could serve it queues at least this many requests (0: never on queue depth)"`
+	EPPShedKVUsage    float64 `json:"epp_shed_kv_usage" flag:"epp-shed-kv-usage" default:"0.8" check:"0..1" help:"baton epp: ... or uses at least this share of its KV cache (0: never on KV use)"`
+	InferencePool     string  `json:"inference_pool" flag:"inference-pool" help:"baton epp: the InferencePool (inference.networking.k8s.io/v1) whose selected pods and target ports are the workers, watched in --service-discovery-namespace"`
+	// EPP is set by baton epp: serve the Endpoint Picker beside the HTTP listeners.
+	EPP bool `json:"-"`
 	// AdminAPIKey is not the inference key.
 	AdminAPIKey string `json:"admin_api_key" flag:"admin-api-key" secret:"BATON_ADMIN_API_KEY" help:"require 'Authorization: Bearer KEY' on the admin API (the worker routes); without it the admin API answers only on loopback"`
 	AdminHost   string `json:"admin_host" flag:"admin-host" default:"127.0.0.1" help:"address of the admin API's own listener"`
@@ -407,7 +422,21 @@ func (c *Config) Validate() error {
 			bad("service_discovery_port %d is out of range 1-65535", c.ServiceDiscoveryPort)
 		}
 	}
-	if !c.ServiceDiscovery && len(c.Selector)+len(c.PrefillSelector)+len(c.DecodeSelector) > 0 {
+	switch {
+	case c.InferencePool != "":
+		if c.ServiceDiscovery {
+			bad("inference_pool and service_discovery both find workers among pods: give one (the pool's selector says which pods)")
+		}
+		if len(c.Selector) > 0 {
+			bad("selector is the InferencePool's with inference_pool: give prefill_selector and decode_selector only, to split the pool's pods")
+		}
+		if (len(c.PrefillSelector) > 0 || len(c.DecodeSelector) > 0) && !c.PDDisaggregation {
+			bad("prefill_selector and decode_selector need pd_disaggregation")
+		}
+		if errs := validation.IsDNS1123Subdomain(c.InferencePool); len(errs) > 0 {
+			bad("inference_pool %.80q is no Kubernetes object name: %s", c.InferencePool, strings.Join(errs, "; "))
+		}
+	case !c.ServiceDiscovery && len(c.Selector)+len(c.PrefillSelector)+len(c.DecodeSelector) > 0:
 		bad("selector, prefill_selector and decode_selector find workers only with service_discovery: add --service-discovery")
 	}
 	if c.AdminPort > 0 && (c.AdminPort == c.Port || c.AdminPort == c.MetricsPort) {

@@ -22,6 +22,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -73,8 +74,13 @@ type Discovery struct {
 	// Selectors by role (regular, prefill, decode); empty selectors match nothing.
 	Selectors map[string]map[string]string
 	Port      int
-	Fleet     Fleet
-	Log       *slog.Logger
+	// Pool, when set, names the InferencePool (inference.networking.k8s.io/v1, in Namespace)
+	// whose selector and target ports say which pods are workers, on which ports: the pool is
+	// watched through Dynamic, and Selectors only split its pods into prefill and decode.
+	Pool    string
+	Dynamic dynamic.Interface
+	Fleet   Fleet
+	Log     *slog.Logger
 	// UnreadyRemoveAfter is how long a pod that joined may stay unready (cordoned) before it
 	// leaves; Settle coalesces bursts of pod events into one fleet change; Resync is the
 	// informer's full resync period.
@@ -88,6 +94,17 @@ type Discovery struct {
 	members   map[string]time.Time // pod UID -> when it was last seen ready (joined pods)
 	warned    map[string]string    // pod UID -> resourceVersion whose problem was logged
 	selectors map[string]labels.Selector
+	pool      poolState
+	synced    bool          // the pods (and the pool, when one is watched) were listed once
+	kick      chan struct{} // asks Run to apply the pods again
+}
+
+// poolState is what the watched InferencePool says now.
+type poolState struct {
+	found bool            // the pool exists
+	sel   labels.Selector // its pod selector
+	ports []int           // its target ports
+	err   string          // why its spec could not be used ("" when it could)
 }
 
 // New returns discovery for cfg, with the in-cluster service account or cfg.KubeConfig.
@@ -120,7 +137,17 @@ func New(cfg config.Config, fleet Fleet, log *slog.Logger) (*Discovery, error) {
 	if err := preflight(cs, rc.Host, ns); err != nil {
 		return nil, err
 	}
-	return &Discovery{Client: cs, Namespace: ns, Port: cfg.ServiceDiscoveryPort, Fleet: fleet, Log: log, Selectors: selectors}, nil
+	d := &Discovery{Client: cs, Namespace: ns, Port: cfg.ServiceDiscoveryPort, Fleet: fleet, Log: log, Selectors: selectors}
+	if cfg.InferencePool != "" {
+		d.Pool = cfg.InferencePool
+		if d.Dynamic, err = dynamic.NewForConfig(rc); err != nil {
+			return nil, fmt.Errorf("service discovery: %w", err)
+		}
+		if err := poolPreflight(context.Background(), d); err != nil {
+			return nil, err
+		}
+	}
+	return d, nil
 }
 
 // preflightTimeout bounds the startup check that the API server answers.
@@ -214,6 +241,39 @@ func (d *Discovery) probe(ctx context.Context) {
 	}
 }
 
+// poke asks Run to apply the pods again.
+func (d *Discovery) poke() {
+	d.mu.Lock()
+	kick := d.kick
+	d.mu.Unlock()
+	select {
+	case kick <- struct{}{}:
+	default:
+	}
+}
+
+// Synced reports whether the workers are those the API server showed at least once: the pods
+// were listed and applied (and the pool, when one is watched, was found with a usable spec).
+func (d *Discovery) Synced() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.synced && (d.Pool == "" || d.pool.found && d.pool.err == "")
+}
+
+// PoolProblem says why the watched InferencePool gives no workers ("" when it does, or none is
+// watched).
+func (d *Discovery) PoolProblem() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.Pool == "":
+		return ""
+	case !d.pool.found:
+		return fmt.Sprintf("the InferencePool %s/%s does not exist", d.Namespace, d.Pool)
+	}
+	return d.pool.err
+}
+
 // SourceKubernetes names the workers discovery manages.
 const SourceKubernetes = "kubernetes"
 
@@ -248,12 +308,10 @@ func (d *Discovery) Run(ctx context.Context) error {
 	factory := informers.NewSharedInformerFactoryWithOptions(d.Client, d.Resync, informers.WithNamespace(d.Namespace))
 	pods := factory.Core().V1().Pods()
 	kick := make(chan struct{}, 1)
-	poke := func() {
-		select {
-		case kick <- struct{}{}:
-		default:
-		}
-	}
+	d.mu.Lock()
+	d.kick = kick
+	d.mu.Unlock()
+	poke := d.poke
 	if _, err := pods.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { poke() },
 		UpdateFunc: func(any, any) { poke() },
@@ -266,8 +324,19 @@ func (d *Discovery) Run(ctx context.Context) error {
 	}
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
-	d.Log.Info("service discovery: watching pods", "namespace", d.Namespace, "selectors", d.Selectors, "port", d.Port)
-	if !cache.WaitForCacheSync(ctx.Done(), pods.Informer().HasSynced) {
+	synced := []cache.InformerSynced{pods.Informer().HasSynced}
+	if d.Pool != "" {
+		pool, err := d.watchPool(ctx)
+		if err != nil {
+			return err
+		}
+		synced = append(synced, pool)
+		d.Log.Info("service discovery: watching an InferencePool and its pods", "namespace", d.Namespace, "pool", d.Pool,
+			"prefill_selector", d.Selectors[config.RolePrefill], "decode_selector", d.Selectors[config.RoleDecode])
+	} else {
+		d.Log.Info("service discovery: watching pods", "namespace", d.Namespace, "selectors", d.Selectors, "port", d.Port)
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
 		return nil
 	}
 	lister := pods.Lister()
@@ -277,6 +346,9 @@ func (d *Discovery) Run(ctx context.Context) error {
 		list, err := lister.Pods(d.Namespace).List(labels.Everything())
 		if err == nil {
 			d.apply(list, time.Now())
+			d.mu.Lock()
+			d.synced = true
+			d.mu.Unlock()
 		}
 		select {
 		case <-ctx.Done():
@@ -323,17 +395,19 @@ func (d *Discovery) apply(pods []*corev1.Pod, now time.Time) {
 		case now.Sub(d.members[uid]) > d.UnreadyRemoveAfter:
 			continue // unready too long: leaves
 		}
-		w, err := d.workerOf(p, role)
-		if err != nil {
-			if d.warned[uid] != p.ResourceVersion {
-				d.warned[uid] = p.ResourceVersion
-				d.Log.Warn("service discovery: pod skipped", "pod", p.Name, "err", err)
+		for _, port := range d.portsOf(p) {
+			w, err := d.workerOf(p, role, port)
+			if err != nil {
+				if d.warned[uid] != p.ResourceVersion {
+					d.warned[uid] = p.ResourceVersion
+					d.Log.Warn("service discovery: pod skipped", "pod", p.Name, "err", err)
+				}
+				continue
 			}
-			continue
+			live[uid] = true
+			want = append(want, w)
+			cordon[w.URL] = !ready
 		}
-		live[uid] = true
-		want = append(want, w)
-		cordon[w.URL] = !ready
 	}
 	for uid := range d.members {
 		if !live[uid] {
@@ -354,6 +428,17 @@ func (d *Discovery) apply(pods []*corev1.Pod, now time.Time) {
 // for none. Called with d.mu held.
 func (d *Discovery) roleOf(p *corev1.Pod) string {
 	set := labels.Set(p.Labels)
+	if d.Pool != "" {
+		if !d.pool.found || d.pool.sel == nil || !d.pool.sel.Matches(set) {
+			return ""
+		}
+		for _, role := range []string{config.RolePrefill, config.RoleDecode} {
+			if sel, ok := d.selectors[role]; ok && sel.Matches(set) {
+				return role
+			}
+		}
+		return config.RoleRegular
+	}
 	for _, role := range []string{config.RolePrefill, config.RoleDecode, config.RoleRegular} {
 		if sel, ok := d.selectors[role]; ok && sel.Matches(set) {
 			return role
@@ -374,21 +459,32 @@ func podReady(p *corev1.Pod) bool {
 	return false
 }
 
-// workerOf describes the worker a pod is, from its IP, the discovery port and its annotations.
-func (d *Discovery) workerOf(p *corev1.Pod, role string) (config.Worker, error) {
+// portsOf are the ports of p's workers: the pool's target ports, else the discovery port or
+// the pod's baton.ai/port (0 when that is no port: workerOf says why). Called with d.mu held.
+func (d *Discovery) portsOf(p *corev1.Pod) []int {
+	if d.Pool != "" {
+		return d.pool.ports
+	}
+	if v, ok := p.Annotations[AnnotationPort]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 65535 {
+			return []int{0}
+		}
+		return []int{n}
+	}
+	return []int{d.Port}
+}
+
+// workerOf describes the worker a pod is on port, from its IP and its annotations.
+func (d *Discovery) workerOf(p *corev1.Pod, role string, port int) (config.Worker, error) {
 	a := p.Annotations
 	for k, v := range a {
 		if (strings.HasPrefix(k, "baton.ai/") || k == AnnotationBootstrapPort) && len(v) > maxAnnotationValue {
 			return config.Worker{}, fmt.Errorf("annotation %s is longer than %d bytes", k, maxAnnotationValue)
 		}
 	}
-	port := d.Port
-	if v, ok := a[AnnotationPort]; ok {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > 65535 {
-			return config.Worker{}, fmt.Errorf("%s %q is not a port", AnnotationPort, v)
-		}
-		port = n
+	if port == 0 {
+		return config.Worker{}, fmt.Errorf("%s %q is not a port", AnnotationPort, a[AnnotationPort])
 	}
 	ip := p.Status.PodIP
 	w := config.Worker{URL: "http://" + net.JoinHostPort(ip, strconv.Itoa(port)), Role: role, Runtime: a[AnnotationRuntime],

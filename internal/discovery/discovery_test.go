@@ -72,19 +72,19 @@ func TestPodKeyFromBatonsEnvironment(t *testing.T) {
 		}
 		return p
 	}
-	w, err := d.workerOf(pod("BATON_WORKER_KEY_TEAM_A"), config.RoleRegular)
+	w, err := d.workerOf(pod("BATON_WORKER_KEY_TEAM_A"), config.RoleRegular, 8000)
 	if err != nil || w.APIKey != "sk-engine-a" {
 		t.Fatalf("key %q, %v", w.APIKey, err)
 	}
-	if w, err := d.workerOf(pod(""), config.RoleRegular); err != nil || w.APIKey != "" {
+	if w, err := d.workerOf(pod(""), config.RoleRegular, 8000); err != nil || w.APIKey != "" {
 		t.Errorf("no annotation: key %q, %v", w.APIKey, err)
 	}
 	for _, name := range []string{"BATON_API_KEY", "BATON_ADMIN_API_KEY", "BATON_WORKER_KEY_", "HOME"} {
-		if _, err := d.workerOf(pod(name), config.RoleRegular); err == nil || !strings.Contains(err.Error(), "must start with BATON_WORKER_KEY_") {
+		if _, err := d.workerOf(pod(name), config.RoleRegular, 8000); err == nil || !strings.Contains(err.Error(), "must start with BATON_WORKER_KEY_") {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
-	_, err = d.workerOf(pod("BATON_WORKER_KEY_TEAM_B"), config.RoleRegular)
+	_, err = d.workerOf(pod("BATON_WORKER_KEY_TEAM_B"), config.RoleRegular, 8000)
 	if err == nil || !strings.Contains(err.Error(), "BATON_WORKER_KEY_TEAM_B, which Baton's environment does not set") {
 		t.Errorf("unset variable: %v", err)
 	}
@@ -100,13 +100,13 @@ func TestPodForwardPriority(t *testing.T) {
 	d := &Discovery{Port: 8000}
 	for v, want := range map[string][2]string{"true": {"true", ""}, "higher_first": {"true", "higher_first"}, "": {"false", ""}} {
 		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Annotations: map[string]string{AnnotationForwardPriority: v}}, Status: corev1.PodStatus{PodIP: "10.0.0.7"}}
-		w, err := d.workerOf(p, config.RoleRegular)
+		w, err := d.workerOf(p, config.RoleRegular, 8000)
 		if err != nil || fmt.Sprint(w.ForwardPriority) != want[0] || w.PriorityOrder != want[1] {
 			t.Errorf("%q: %v %q %v", v, w.ForwardPriority, w.PriorityOrder, err)
 		}
 	}
 	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Annotations: map[string]string{AnnotationForwardPriority: "yes"}}, Status: corev1.PodStatus{PodIP: "10.0.0.7"}}
-	if _, err := d.workerOf(p, config.RoleRegular); err == nil {
+	if _, err := d.workerOf(p, config.RoleRegular, 8000); err == nil {
 		t.Error("an unknown value accepted")
 	}
 }

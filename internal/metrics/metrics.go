@@ -97,6 +97,12 @@ type Metrics struct {
 	// AdapterLoadSeconds times them.
 	AdapterOps         *prometheus.CounterVec
 	AdapterLoadSeconds *prometheus.HistogramVec
+	// EPPDecisions counts the Endpoint Picker's answers by result (picked, or the refusal's
+	// code); EPPDecisionSeconds times the choice from the request's last body byte;
+	// EPPServedFallback counts requests the proxy served from a fallback endpoint.
+	EPPDecisions       *prometheus.CounterVec
+	EPPDecisionSeconds prometheus.Histogram
+	EPPServedFallback  prometheus.Counter
 
 	reg    *worker.Registry
 	mu     sync.Mutex
@@ -251,6 +257,18 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_adapter_operation_seconds", Help: "How long LoRA adapter loads and unloads took, by op.",
 			Buckets: []float64{.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120},
 		}, []string{"op"}),
+		EPPDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_epp_decisions_total",
+			Help: "Endpoint Picker answers, by result: picked, or the code of the refusal (no_available_workers, request_shed, invalid_json, ...).",
+		}, []string{"result"}),
+		EPPDecisionSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "baton_epp_decision_seconds", Help: "How long the Endpoint Picker took to choose, from the request's last body byte to its answer.",
+			Buckets: []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .1, 1},
+		}),
+		EPPServedFallback: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_epp_served_fallback_total",
+			Help: "Requests the proxy reports served by a fallback endpoint of the Endpoint Picker's list rather than its choice.",
+		}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
@@ -259,6 +277,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
 		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks, m.AdapterOps, m.AdapterLoadSeconds,
+		m.EPPDecisions, m.EPPDecisionSeconds, m.EPPServedFallback,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -57,10 +57,14 @@ const (
 	CodeRateLimitStoreUnavailable = "rate_limit_store_unavailable"
 	// Admission: a priority class's queue is full, or a request waited its timeout in it; a
 	// priority header Baton does not know.
-	CodeQueueFull       = "queue_full"
-	CodeQueueTimeout    = "queue_timeout"
-	CodeInvalidPriority = "invalid_priority"
-	CodeInternalError   = "internal_error"
+	CodeQueueFull = "queue_full"
+	// The Endpoint Picker's: no endpoint of the proxy's subset hint can serve the request; a
+	// batch request shed because every worker that could serve it is saturated.
+	CodeNoEndpointInSubset = "no_endpoint_in_subset"
+	CodeRequestShed        = "request_shed"
+	CodeQueueTimeout       = "queue_timeout"
+	CodeInvalidPriority    = "invalid_priority"
+	CodeInternalError      = "internal_error"
 
 	// The admin API's.
 	CodeWorkerExists   = "worker_already_exists"

@@ -32,6 +32,30 @@ type Request struct {
 	// AdapterBase, set by the selection, is the base model when Model is a LoRA adapter
 	// (declared, or listed by an engine); "" otherwise.
 	AdapterBase string
+	// Allow, when set, is a strict filter on the available workers (an Endpoint Picker's subset
+	// hint): a worker it refuses is never chosen, even when that leaves none.
+	Allow func(*worker.Worker) bool
+}
+
+// available returns the available workers of ws that req allows. It allocates only when
+// some are not.
+func available(ws []*worker.Worker, req *Request) []*worker.Worker {
+	ws = worker.Available(ws)
+	if req.Allow == nil {
+		return ws
+	}
+	for i, w := range ws {
+		if !req.Allow(w) {
+			out := append([]*worker.Worker(nil), ws[:i]...)
+			for _, w := range ws[i+1:] {
+				if req.Allow(w) {
+					out = append(out, w)
+				}
+			}
+			return out
+		}
+	}
+	return ws
 }
 
 // NoWorkerError says why no worker could be chosen.
@@ -197,7 +221,7 @@ func (s *Selector) Worker(ctx context.Context, role string, req *Request, avoid 
 	if len(served) == 0 && len(cands) > 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model, Unrouted: req.Path}
 	}
-	avail := preferOthers(worker.Available(served), avoid)
+	avail := preferOthers(available(served, req), avoid)
 	if len(avail) == 0 {
 		return nil, &NoWorkerError{Role: role, Model: req.Model}
 	}
@@ -217,14 +241,14 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 	if served := serving(pc, req.Path); len(served) == 0 && len(pc) > 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unrouted: req.Path}
 	}
-	prefills := preferOthers(worker.Available(serving(pc, req.Path)), avoid)
+	prefills := preferOthers(available(serving(pc, req.Path), req), avoid)
 	if len(prefills) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model}
 	}
 	if prefills = handingOff(prefills, req.Path); len(prefills) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Route: req.Path}
 	}
-	decodes := preferOthers(worker.Available(serving(dc, req.Path)), avoid)
+	decodes := preferOthers(available(serving(dc, req.Path), req), avoid)
 	if len(decodes) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
@@ -301,7 +325,7 @@ func (s *Selector) Decode(ctx context.Context, prefill *worker.Worker, req *Requ
 	s.adapter(snap, req)
 	dc, _ := s.Candidates(snap, config.RoleDecode, req.Model)
 	var ds []*worker.Worker
-	for _, d := range s.partners(prefill, worker.Available(serving(dc, req.Path))) {
+	for _, d := range s.partners(prefill, available(serving(dc, req.Path), req)) {
 		if !avoid[d.URL] {
 			ds = append(ds, d)
 		}

@@ -151,20 +151,10 @@ func (a *admission) reject(w http.ResponseWriter, reason string, e *openai.Error
 // default, clamped to its tenant's max_priority; echoed in the response's X-Baton-Priority. An
 // unknown value is 400 naming the valid ones.
 func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (admit.Class, bool) {
-	class := admit.Default
-	for _, h := range []string{HeaderPriority, HeaderSmgPriority} {
-		v := r.Header.Get(h)
-		if v == "" {
-			continue
-		}
-		c, ok := admit.ParseClass(strings.ToLower(strings.TrimSpace(v)))
-		if !ok {
-			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidPriority, Param: h,
-				Message: fmt.Sprintf("%s %.40q is no priority class: want critical, interactive, default or batch (smg's system and bulk too)", h, v)})
-			return 0, false
-		}
-		class = c
-		break
+	class, e := headerClass(r.Header)
+	if e != nil {
+		openai.WriteError(w, e)
+		return 0, false
 	}
 	rec := record.From(r.Context())
 	ceiling := admit.Interactive
@@ -177,6 +167,24 @@ func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (admit.Class
 	rec.Class = class.String()
 	w.Header()[HeaderPriority] = []string{rec.Class}
 	return class, true
+}
+
+// headerClass is the class a request's X-Baton-Priority (or smg's X-Smg-Priority) names,
+// default without one; an unknown value is 400 naming the valid ones.
+func headerClass(h http.Header) (admit.Class, *openai.Error) {
+	for _, name := range []string{HeaderPriority, HeaderSmgPriority} {
+		v := h.Get(name)
+		if v == "" {
+			continue
+		}
+		c, ok := admit.ParseClass(strings.ToLower(strings.TrimSpace(v)))
+		if !ok {
+			return 0, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidPriority, Param: name,
+				Message: fmt.Sprintf("%s %.40q is no priority class: want critical, interactive, default or batch (smg's system and bulk too)", name, v)}
+		}
+		return c, nil
+	}
+	return admit.Default, nil
 }
 
 // ClassSettings reads reserved_slots and queue_classes by class name (validated by the

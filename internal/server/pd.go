@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/epp"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
@@ -36,6 +37,9 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	if s.opts.PrefillerHeader && !s.prefillerNamed(w, r, sreq) {
+		return
+	}
 	orig, client := req.Body, req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
@@ -64,6 +68,35 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			return s.pd.Execute(w, r, preq, pair)
 		})
 	})
+}
+
+// maxEndpointLen bounds a host:port header value.
+const maxEndpointLen = 300
+
+// prefillerNamed holds the request, when it carries an Endpoint Picker's x-prefiller-host-port,
+// to the prefill worker that header names (by its host:port): Baton is then the decode-side
+// sidecar and runs the prefill leg where the picker chose. A header naming none of the
+// available prefill workers is answered 503 (false).
+func (s *Server) prefillerNamed(w http.ResponseWriter, r *http.Request, sreq *policy.Request) bool {
+	vs := r.Header.Values(epp.HeaderPrefiller)
+	if len(vs) == 0 {
+		return true
+	}
+	hp := strings.TrimSpace(vs[0])
+	if len(vs) > 1 || hp == "" || len(hp) > maxEndpointLen {
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: epp.HeaderPrefiller,
+			Message: epp.HeaderPrefiller + " must be one host:port"})
+		return false
+	}
+	for _, p := range worker.Available(s.reg.Snapshot().Workers) {
+		if p.Role == config.RolePrefill && p.Endpoint == hp {
+			sreq.Allow = func(w *worker.Worker) bool { return w.Role != config.RolePrefill || w.Endpoint == hp }
+			return true
+		}
+	}
+	openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
+		Message: fmt.Sprintf("the prefill %s names (%.80q) is none of Baton's available prefill workers", epp.HeaderPrefiller, hp)})
+	return false
 }
 
 // countBatch counts the request's prompts and samples into req, and refuses a request past

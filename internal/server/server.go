@@ -83,6 +83,8 @@ type Options struct {
 	KVConnector string
 	// RouteHeader adds X-Baton-Route: why each worker was chosen.
 	RouteHeader bool
+	// PrefillerHeader lets a PD request's x-prefiller-host-port name its prefill worker.
+	PrefillerHeader bool
 	// KVEventsView, when set, gives a worker's KV event subscription for GET /workers (nil:
 	// not subscribed).
 	KVEventsView func(*worker.Worker) any
@@ -355,7 +357,7 @@ func (s *Server) observe(next http.Handler) http.Handler {
 			if rec.Route == "" || rec.Route == "/" {
 				rec.Route = "other"
 			}
-			s.finish(sw, r, status, span, v == http.ErrAbortHandler)
+			s.finish(sw.rec, sw.written, r, status, span, v == http.ErrAbortHandler)
 			if v == http.ErrAbortHandler {
 				panic(v)
 			}
@@ -364,16 +366,15 @@ func (s *Server) observe(next http.Handler) http.Handler {
 	})
 }
 
-// finish records what a request's answer says once it ended, from its record and the bytes its
-// writer counted: its count and duration, TTFT and tokens of a successful generation, the PD
+// finish records what a request's answer says once it ended, from its record and the body
+// bytes written: its count and duration, TTFT and tokens of a successful generation, the PD
 // pair's handoff, the status page, the server span and the access log line.
-func (s *Server) finish(sw *statusWriter, r *http.Request, status int, span trace.Span, aborted bool) {
-	rec := sw.rec
+func (s *Server) finish(rec *record.Record, written int64, r *http.Request, status int, span trace.Span, aborted bool) {
 	model := rec.ModelLabel
 	if model == "" {
 		model = s.metrics.Model(rec.Model)
 	}
-	e := ended{rec: rec, model: model, status: status, dur: time.Since(rec.Start), bytes: sw.written, aborted: aborted}
+	e := ended{rec: rec, model: model, status: status, dur: time.Since(rec.Start), bytes: written, aborted: aborted}
 	s.metrics.ObserveRequest(rec.Route, e.model, status, e.dur.Seconds())
 	generation := r.Method == http.MethodPost && rec.Route != "other" && !strings.HasPrefix(rec.Route, "POST /workers")
 	if generation && status == http.StatusOK && !rec.FirstByte.IsZero() {
@@ -563,33 +564,41 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request) (req *opena
 		openai.WriteError(w, oerr)
 		return nil, release
 	}
+	req, e := s.parseRequest(body, r.URL.Path)
+	if e != nil {
+		openai.WriteError(w, e)
+		return nil, release
+	}
+	record.From(r.Context()).Model = req.Model
+	return req, release
+}
+
+// parseRequest parses the body of an inference request to path: the default model set in it
+// when it names none, its batch bounded; bad input is the error to answer.
+func (s *Server) parseRequest(body []byte, path string) (*openai.Request, *openai.Error) {
 	req, err := openai.ParseRequest(body)
 	if err != nil {
 		e := &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
 		if dk, ok := errors.AsType[*openai.DuplicateKeyError](err); ok {
 			e.Code, e.Param = openai.CodeDuplicateKey, dk.Key
 		}
-		openai.WriteError(w, e)
-		return nil, release
+		return nil, e
 	}
-	if _, def := s.models(); req.Model == "" && r.URL.Path != "/generate" {
+	if _, def := s.models(); req.Model == "" && path != "/generate" {
 		if def == "" {
-			openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
-				Message: `the request names no model: give "model"`})
-			return nil, release
+			return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
+				Message: `the request names no model: give "model"`}
 		}
 		q, _ := json.Marshal(def)
 		if b, err := openai.Set(req.Body, "model", q); err == nil && req.SetBody(b) == nil {
 			req.Model = def
 		}
 	}
-	record.From(r.Context()).Model = req.Model
 	if req.N > s.opts.MaxBatchSize {
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
-			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.opts.MaxBatchSize)})
-		return nil, release
+		return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "n",
+			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.opts.MaxBatchSize)}
 	}
-	return req, release
+	return req, nil
 }
 
 // serveInference forwards an inference request to one regular worker serving its model.
@@ -981,6 +990,18 @@ func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
 	body := openai.MarshalJSON(map[string]any{"status": "ready", "models": models})
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(body)
+}
+
+// Ready reports what /readiness answers: true when not draining and every model the workers
+// name can be served; else why not.
+func (s *Server) Ready() (bool, string) {
+	if s.draining.Load() {
+		return false, "shutting down"
+	}
+	if _, missing := s.readiness(); len(missing) > 0 {
+		return false, strings.Join(missing, "; ")
+	}
+	return true, ""
 }
 
 // readiness returns the models the fleet serves and, per model it cannot serve, why.

@@ -8,6 +8,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"net"
 	"net/url"
 	"strconv"
 	"strings"
@@ -61,6 +62,9 @@ type Worker struct {
 
 	// BootstrapHost is the host of URL, as SGLang legs name their prefill (IPv6 in brackets).
 	BootstrapHost string
+	// Endpoint is the worker's address as an Endpoint Picker names it: host:port of its URL
+	// (the scheme's port when the URL gives none).
+	Endpoint string
 	// BootstrapPort is the prefill's bootstrap server port; nil sends JSON null.
 	BootstrapPort *int
 	// DPSize is the number of data parallel ranks Baton addresses; 0 or 1 means none.
@@ -101,9 +105,14 @@ func New(c config.Worker) *Worker {
 		role = config.RoleRegular
 	}
 	u := strings.TrimRight(c.URL, "/")
-	host := "localhost"
+	host, endpoint := "localhost", ""
 	if pu, err := url.Parse(u); err == nil && pu.Hostname() != "" {
 		host = pu.Hostname()
+		port := pu.Port()
+		if port == "" {
+			port = map[bool]string{true: "443", false: "80"}[pu.Scheme == "https"]
+		}
+		endpoint = net.JoinHostPort(host, port)
 		if strings.Contains(host, ":") {
 			host = "[" + host + "]"
 		}
@@ -115,6 +124,7 @@ func New(c config.Worker) *Worker {
 		Labels:        c.Labels,
 		APIKey:        c.APIKey,
 		BootstrapHost: host,
+		Endpoint:      endpoint,
 		BootstrapPort: c.BootstrapPort,
 		DPSize:        c.DPSize,
 		KVConnector:   cmp.Or(c.KVConnector, c.Labels["kv_connector"]),

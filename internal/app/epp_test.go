@@ -1,0 +1,488 @@
+package app
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/epp"
+	"github.com/baton-llm/baton/internal/epp/dataplane"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// startEPP starts a gateway over cfg and its Endpoint Picker on a local gRPC listener, as
+// baton epp does; it returns the gateway and a client connection to the picker.
+func startEPP(t *testing.T, cfg config.Config, tune ...func(*config.Config)) (*Gateway, *grpc.ClientConn) {
+	t.Helper()
+	cfg.EPP = true
+	g, _ := startGateway(t, cfg, tune...)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, hs := g.NewEPP(g.Config)
+	go srv.Serve(ln)
+	ctx, cancel := context.WithCancel(context.Background())
+	el := &eppListener{srv: srv, ln: ln, health: hs, ready: g.EPPReady, log: g.Log}
+	go el.watch(ctx)
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(); cancel(); srv.Stop() })
+	return g, conn
+}
+
+// dataPlane serves a test data plane in front of the picker on conn.
+func dataPlane(t *testing.T, conn *grpc.ClientConn, tune ...func(*dataplane.Proxy)) (*dataplane.Proxy, *httptest.Server) {
+	t.Helper()
+	p := &dataplane.Proxy{Picker: extprocv3.NewExternalProcessorClient(conn), Client: &http.Client{}}
+	for _, f := range tune {
+		f(p)
+	}
+	srv := httptest.NewServer(p)
+	t.Cleanup(srv.Close)
+	return p, srv
+}
+
+func endpointOf(url string) string { return strings.TrimPrefix(url, "http://") }
+
+// A streamed chat completion goes through the data plane to the endpoint the picker named:
+// header and metadata agree and list the choice then a fallback; the stream arrives whole; the
+// request is Baton's in its metrics (count, TTFT, usage tokens read from the relayed stream)
+// and leaves no count in flight.
+func TestEPPStreamsThroughTheDataPlane(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	b := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL(), b.URL()))
+	dp, srv := dataPlane(t, conn)
+	resp := post(t, srv.URL+"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_tokens":8,"messages":[{"role":"user","content":"hello there"}]}`)
+	body := readAll(t, resp.Body)
+	if resp.StatusCode != 200 || !strings.Contains(body, "data: [DONE]") {
+		t.Fatalf("%d %q", resp.StatusCode, body)
+	}
+	ex := dp.Last()
+	eps := strings.Split(ex.Header, ",")
+	if ex.Header != ex.Metadata || len(eps) != 2 || eps[0] == eps[1] || ex.Served != eps[0] {
+		t.Fatalf("pick %+v", ex)
+	}
+	for _, ep := range eps {
+		if ep != endpointOf(a.URL()) && ep != endpointOf(b.URL()) {
+			t.Fatalf("endpoint %q is no worker's", ep)
+		}
+	}
+	poll.Until(t, "the request ended in Baton's books", func() bool {
+		return testutil.ToFloat64(g.Metrics.Requests.WithLabelValues("POST /v1/chat/completions", "m", "200")) == 1
+	})
+	if n := testutil.ToFloat64(g.Metrics.Tokens.WithLabelValues("m", "completion")); n != 8 {
+		t.Errorf("completion tokens from the relayed stream's usage: %v, want 8", n)
+	}
+	if testutil.CollectAndCount(g.Metrics.TTFT) == 0 {
+		t.Error("no TTFT observed")
+	}
+	if n := testutil.ToFloat64(g.Metrics.EPPDecisions.WithLabelValues("picked")); n != 1 {
+		t.Errorf("decisions: %v", n)
+	}
+	for _, w := range g.Registry.Snapshot().Workers {
+		if w.InFlight() != 0 {
+			t.Errorf("%s: %d in flight after the response", w.URL, w.InFlight())
+		}
+	}
+}
+
+// A body larger than a gRPC message (4 MiB by default) is assembled from the proxy's chunks,
+// read, and handed back byte for byte — unknown keys, big integers and unicode included — in
+// chunks a message holds, in full duplex and buffered modes.
+func TestEPPHandsALargeBodyBackUnchanged(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var got []byte
+	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		got = b
+		mu.Unlock()
+		io.WriteString(w, `{"choices":[]}`)
+	})
+	_, conn := startEPP(t, testConfig(up.URL))
+	body := `{"model":"m","x_unknown":{"n":12345678901234567890,"s":"héllo ✓ \u00e9"},"messages":[{"role":"user","content":"` + strings.Repeat("y", 6<<20) + `"}]}`
+	for _, buffered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("buffered=%v", buffered), func(t *testing.T) {
+			_, srv := dataPlane(t, conn, func(p *dataplane.Proxy) { p.Buffered, p.ChunkSize = buffered, 64<<10 })
+			resp := post(t, srv.URL+"/v1/chat/completions", body)
+			if b := readAll(t, resp.Body); resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if !bytes.Equal(got, []byte(body)) {
+				t.Fatalf("the engine got %d bytes, not the %d sent", len(got), len(body))
+			}
+		})
+	}
+}
+
+// The subset hint: only its endpoints are picked; an empty subset, or one with no eligible
+// endpoint, is an immediate 503.
+func TestEPPSubsetHint(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	b := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	_, conn := startEPP(t, testConfig(a.URL(), b.URL()))
+	var subset []string
+	dp, srv := dataPlane(t, conn, func(p *dataplane.Proxy) { p.Subset = func(*http.Request) []string { return subset } })
+	req := `{"model":"m","max_tokens":2,"prompt":"hi"}`
+	for i := 0; i < 4; i++ {
+		subset = []string{endpointOf(b.URL())}
+		resp := post(t, srv.URL+"/v1/completions", req)
+		readAll(t, resp.Body)
+		if ex := dp.Last(); resp.StatusCode != 200 || ex.Header != endpointOf(b.URL()) {
+			t.Fatalf("subset of b: %d %+v", resp.StatusCode, ex)
+		}
+	}
+	for name, sub := range map[string][]string{"empty": {}, "ineligible": {"10.255.0.1:9", "not-an-endpoint"}} {
+		subset = sub
+		resp := post(t, srv.URL+"/v1/completions", req)
+		wantEnvelope(t, resp, 503, "no_endpoint_in_subset")
+		if ex := dp.Last(); ex.Immediate != 503 || len(ex.Tried) != 0 {
+			t.Errorf("%s subset: %+v", name, ex)
+		}
+	}
+}
+
+// A batch request is shed (429, Retry-After) when every worker that could serve it queues
+// past the threshold; a default-class request still goes through.
+func TestEPPShedsBatchUnderLoad(t *testing.T) {
+	t.Parallel()
+	metrics := "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 9\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 4\n"
+	up := fakeEngineWith(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			io.WriteString(w, metrics)
+			return
+		}
+		io.ReadAll(r.Body)
+		io.WriteString(w, `{"choices":[]}`)
+	}, true)
+	g, conn := startEPP(t, testConfig(up.URL), func(c *config.Config) { c.LoadPollInterval = 50 * time.Millisecond })
+	poll.Until(t, "the engine's queue is known", func() bool { return g.Registry.Snapshot().Workers[0].EngineLoad().Waiting == 9 })
+	_, srv := dataPlane(t, conn)
+	resp := post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Baton-Priority", "batch")
+	wantEnvelope(t, resp, 429, "request_shed")
+	if resp.Header.Get("Retry-After") == "" {
+		t.Error("no Retry-After")
+	}
+	resp = post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	if readAll(t, resp.Body); resp.StatusCode != 200 {
+		t.Fatalf("default class: %d", resp.StatusCode)
+	}
+}
+
+// No available endpoint: an immediate 503; bad requests: the OpenAI envelope with the right
+// status, nothing picked.
+func TestEPPRefusals(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL()), func(c *config.Config) { c.MaxPayloadSize = 1 << 20; c.MaxBufferedBodyBytes = 4 << 20 })
+	_, srv := dataPlane(t, conn)
+	for _, tc := range []struct {
+		body   string
+		status int
+		code   string
+	}{
+		{`{"model":`, 400, "invalid_json"},
+		{`{"messages":[]}`, 400, "model_required"},
+		{`{"model":"m","model":"n"}`, 400, "duplicate_key"},
+		{`{"model":"nobody-serves-this","prompt":"x"}`, 404, "model_not_found"},
+		{`{"model":"m","prompt":"` + strings.Repeat("z", 1<<20) + `"}`, 413, "payload_too_large"},
+	} {
+		resp := post(t, srv.URL+"/v1/completions", tc.body)
+		wantEnvelope(t, resp, tc.status, tc.code)
+	}
+	resp := post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Baton-Priority", "urgent!")
+	wantEnvelope(t, resp, 400, "invalid_priority")
+	g.Registry.Snapshot().Workers[0].SetCordoned(true)
+	resp = post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	wantEnvelope(t, resp, 503, "no_available_workers")
+	if n := testutil.ToFloat64(g.Metrics.EPPDecisions.WithLabelValues("no_available_workers")); n != 1 {
+		t.Errorf("refusals counted: %v", n)
+	}
+}
+
+// rawStream opens an ext_proc stream and sends a request's headers and body as Envoy does.
+func rawStream(t *testing.T, ctx context.Context, conn *grpc.ClientConn, body string) extprocv3.ExternalProcessor_ProcessClient {
+	t.Helper()
+	st, err := extprocv3.NewExternalProcessorClient(conn).Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")},
+		{Key: "content-type", RawValue: []byte("application/json")}}}
+	for _, m := range []*extprocv3.ProcessingRequest{
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(body), EndOfStream: true}}},
+	} {
+		if err := st.Send(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return st
+}
+
+// recvPick reads the request path's answers up to the end of the handed-back body and returns
+// the destination list.
+func recvPick(t *testing.T, st extprocv3.ExternalProcessor_ProcessClient) []string {
+	t.Helper()
+	var dest string
+	for {
+		m, err := st.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h := m.GetRequestHeaders(); h != nil {
+			for _, s := range h.GetResponse().GetHeaderMutation().GetSetHeaders() {
+				if s.GetHeader().GetKey() == epp.HeaderDestination {
+					dest = string(s.GetHeader().GetRawValue())
+				}
+			}
+		}
+		if sr := m.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse(); sr != nil && sr.GetEndOfStream() {
+			return strings.Split(dest, ",")
+		}
+	}
+}
+
+// The served endpoint read back: when the proxy reports a fallback served, the request's count
+// in flight moves to that worker, and the move is counted; the end of the response ends it.
+// A proxy that cancels the stream mid-response ends the request too (499), nothing left in
+// flight.
+func TestEPPServedEndpointAndCancel(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	b := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL(), b.URL()))
+	byEndpoint := map[string]*worker.Worker{}
+	for _, w := range g.Registry.Snapshot().Workers {
+		byEndpoint[w.Endpoint] = w
+	}
+	st := rawStream(t, context.Background(), conn, `{"model":"m","prompt":"x"}`)
+	eps := recvPick(t, st)
+	if len(eps) != 2 || byEndpoint[eps[0]].InFlight() != 1 {
+		t.Fatalf("pick %v, in flight on the choice %d", eps, byEndpoint[eps[0]].InFlight())
+	}
+	served := &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{epp.MetadataNamespace: {
+		Fields: map[string]*structpb.Value{epp.ServedKey: structpb.NewStringValue(eps[1])}}}}
+	st.Send(&extprocv3.ProcessingRequest{MetadataContext: served, Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}}}}})
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	if byEndpoint[eps[0]].InFlight() != 0 || byEndpoint[eps[1]].InFlight() != 1 {
+		t.Fatalf("after the served endpoint: %d, %d", byEndpoint[eps[0]].InFlight(), byEndpoint[eps[1]].InFlight())
+	}
+	if n := testutil.ToFloat64(g.Metrics.EPPServedFallback); n != 1 {
+		t.Errorf("served by a fallback: %v", n)
+	}
+	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
+		Body: []byte(`{"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}`), EndOfStream: true}}})
+	if m, err := st.Recv(); err != nil || !strings.Contains(string(m.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody()), "completion_tokens") {
+		t.Fatalf("the response body was not handed back: %v %v", m, err)
+	}
+	st.CloseSend()
+	st.Recv()
+	poll.Until(t, "the request ended", func() bool { return byEndpoint[eps[1]].InFlight() == 0 })
+	poll.Until(t, "the request counted", func() bool {
+		return testutil.ToFloat64(g.Metrics.Requests.WithLabelValues("POST /v1/completions", "m", "200")) == 1
+	})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	st = rawStream(t, ctx, conn, `{"model":"m","prompt":"x"}`)
+	eps = recvPick(t, st)
+	cancel()
+	poll.Until(t, "the cancelled request ended", func() bool {
+		return byEndpoint[eps[0]].InFlight() == 0 && testutil.ToFloat64(g.Metrics.Requests.WithLabelValues("POST /v1/completions", "m", "499")) == 1
+	})
+}
+
+// rawCodec sends bytes as they are: a malformed message.
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v any) ([]byte, error)      { return v.([]byte), nil }
+func (rawCodec) Unmarshal(data []byte, v any) error { *(v.(*[]byte)) = data; return nil }
+func (rawCodec) Name() string                       { return "proto" }
+
+// Malformed messages and messages out of order end their stream with an error; the picker
+// serves the next stream as before.
+func TestEPPBadProtocolInput(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	_, conn := startEPP(t, testConfig(a.URL()))
+	desc := &grpc.StreamDesc{StreamName: "Process", ServerStreams: true, ClientStreams: true}
+	st, err := conn.NewStream(context.Background(), desc, "/envoy.service.ext_proc.v3.ExternalProcessor/Process", grpc.ForceCodec(rawCodec{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.SendMsg([]byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01})
+	var out []byte
+	if err := st.RecvMsg(&out); status.Code(err) == codes.OK {
+		t.Fatalf("a malformed message answered: %v", err)
+	}
+
+	pst, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pst.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte("{}"), EndOfStream: true}}})
+	if _, err := pst.Recv(); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("a body before headers: %v", err)
+	}
+	pst, _ = extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+	pst.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}}})
+	if _, err := pst.Recv(); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("response headers before the request: %v", err)
+	}
+	st2 := rawStream(t, context.Background(), conn, `{"model":"m","prompt":"x"}`)
+	if eps := recvPick(t, st2); eps[0] != endpointOf(a.URL()) {
+		t.Fatalf("after bad streams: %v", eps)
+	}
+}
+
+// The gRPC health services: liveness serves always; readiness and the ExternalProcessor
+// service serve while a worker is ready, and stop when none is.
+func TestEPPHealthServices(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL()))
+	hc := healthpb.NewHealthClient(conn)
+	check := func(svc string) healthpb.HealthCheckResponse_ServingStatus {
+		r, err := hc.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+		if err != nil {
+			t.Fatalf("%s: %v", svc, err)
+		}
+		return r.GetStatus()
+	}
+	serving := healthpb.HealthCheckResponse_SERVING
+	poll.Until(t, "ready", func() bool {
+		return check("readiness") == serving && check(extprocv3.ExternalProcessor_ServiceDesc.ServiceName) == serving
+	})
+	if check("liveness") != serving {
+		t.Fatal("not live")
+	}
+	if _, err := hc.Check(context.Background(), &healthpb.HealthCheckRequest{Service: "no-such-service"}); status.Code(err) != codes.NotFound {
+		t.Errorf("unknown service: %v", err)
+	}
+	g.Registry.Snapshot().Workers[0].SetCordoned(true)
+	poll.Until(t, "not ready without a worker", func() bool {
+		return check("readiness") != serving && check(extprocv3.ExternalProcessor_ServiceDesc.ServiceName) != serving
+	})
+	if check("liveness") != serving {
+		t.Fatal("liveness follows readiness")
+	}
+}
+
+// An alias, and the default model of a request that names none, are renamed to the workers'
+// model in the body handed back (its length set anew).
+func TestEPPRenamesAnAlias(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var got map[string]any
+	var length string
+	up := fakeEngine(t, "vllm", []string{"big-model"}, func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		json.NewDecoder(r.Body).Decode(&got)
+		length = r.Header.Get("Content-Length")
+		io.WriteString(w, `{"choices":[]}`)
+	})
+	cfg := testConfig(up.URL)
+	cfg.Models = map[string]config.ModelConfig{"small": {Serve: "big-model"}}
+	cfg.DefaultModel = "small"
+	_, conn := startEPP(t, cfg)
+	_, srv := dataPlane(t, conn)
+	for _, body := range []string{`{"model":"small","prompt":"x"}`, `{"prompt":"x"}`} {
+		resp := post(t, srv.URL+"/v1/completions", body)
+		if b := readAll(t, resp.Body); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
+		}
+		mu.Lock()
+		if got["model"] != "big-model" || got["prompt"] != "x" || length == fmt.Sprint(len(body)) {
+			t.Errorf("%s: engine got %v (length %s)", body, got, length)
+		}
+		mu.Unlock()
+	}
+}
+
+// Prefill/decode through the Endpoint Picker with Baton at both ends: the picker answers the
+// decode side as the destination and names the prefill in x-prefiller-host-port; the
+// destination is a Baton sidecar in front of the decode engine, which runs the prefill leg on
+// the prefill named (not one of its own choosing) and hands the KV over. A header naming no
+// prefill of the sidecar's is refused 503; without the header the sidecar chooses itself.
+func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
+	t.Parallel()
+	p1 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	p2 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode})
+	prefills := []config.Worker{{URL: p1.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"},
+		{URL: p2.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}}
+	side := config.Default()
+	side.PDDisaggregation, side.PDPrefillerHeader = true, true
+	side.Workers = append(append([]config.Worker{}, prefills...), config.Worker{URL: d.URL(), Role: config.RoleDecode})
+	_, sidecar := startGateway(t, side)
+
+	pick := config.Default()
+	pick.PDDisaggregation = true
+	pick.Workers = append(append([]config.Worker{}, prefills...),
+		config.Worker{URL: sidecar.URL, Role: config.RoleDecode, Runtime: config.RuntimeVLLM, KVConnector: "NixlConnector"})
+	_, conn := startEPP(t, pick)
+	dp, srv := dataPlane(t, conn)
+	used := map[string]int{}
+	for i := 0; i < 6; i++ {
+		resp := post(t, srv.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"tell me a story number %d","max_tokens":4}`, pdModel, i))
+		body := readAll(t, resp.Body)
+		ex := dp.Last()
+		if resp.StatusCode != 200 || ex.Header != endpointOf(sidecar.URL) {
+			t.Fatalf("%d %s (pick %+v)", resp.StatusCode, body, ex)
+		}
+		if got := resp.Header.Get("X-Baton-Prefill-Worker"); "http://"+ex.Prefiller != got {
+			t.Fatalf("the picker named prefill %s, the sidecar used %s", ex.Prefiller, got)
+		}
+		if h, src := resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource); h != "nixl" || src != sim.SourceRemote {
+			t.Fatalf("handoff %q, the decode's KV source %q", h, src)
+		}
+		used[ex.Prefiller]++
+	}
+	if len(used) != 2 {
+		t.Errorf("the picker named one prefill only: %v", used)
+	}
+	if st := d.Stats(); st.PromptTokensRemote == 0 || st.PromptTokensRecompute != 6 {
+		t.Errorf("decode: %d prompt tokens received, %d recomputed (want the last prompt token of each request only)", st.PromptTokensRemote, st.PromptTokensRecompute)
+	}
+	resp := post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel), epp.HeaderPrefiller, "10.255.0.1:8000")
+	wantEnvelope(t, resp, 503, "no_available_workers")
+	resp = post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel))
+	if readAll(t, resp.Body); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == "" {
+		t.Errorf("without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+	}
+}

@@ -1,0 +1,507 @@
+// Package epp serves the Endpoint Picker Protocol (Gateway API Inference Extension, v1.0.0):
+// Envoy's external-processing gRPC service, through which a Gateway API implementation asks,
+// for each request, which model server endpoint serves it. The protocol is this package's;
+// the choice is a Picker's (Baton's routing, in internal/server).
+//
+// One ext_proc stream is one HTTP request. In the full-duplex streamed mode the proxy sends
+// the request headers, the body in chunks and its end; the picker answers the headers only once
+// it has read the whole body (model and prompt), then hands the body back unchanged. On the
+// response path the headers are acknowledged and every body chunk is relayed untouched, read on
+// the way for the time of its first byte and the usage the engine reports.
+package epp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/baton-llm/baton/internal/openai"
+)
+
+// The protocol's names (004-endpoint-picker-protocol, v1.0.0), and llm-d's header naming the
+// prefill endpoint of a disaggregated request.
+const (
+	HeaderDestination = "x-gateway-destination-endpoint"
+	HeaderPrefiller   = "x-prefiller-host-port"
+	// MetadataNamespace holds the pick in the response's dynamic metadata, and the endpoint
+	// that served in the response path's metadata context.
+	MetadataNamespace = "envoy.lb"
+	ServedKey         = "x-gateway-destination-endpoint-served"
+	// SubsetNamespace and SubsetKey hold the proxy's subset hint in the request's metadata.
+	SubsetNamespace = "envoy.lb.subset_hint"
+	SubsetKey       = "x-gateway-destination-endpoint-subset"
+)
+
+// Request is what the proxy told of one HTTP request.
+type Request struct {
+	Method, Path string
+	Header       http.Header
+	// Body is the whole request body, nil for a request without one.
+	Body []byte
+	// Subset, when HasSubset, is the proxy's subset hint: pick only from these ip:port.
+	Subset    []string
+	HasSubset bool
+}
+
+// Pick is a Picker's choice for one request.
+type Pick struct {
+	// Endpoints are ip:port, the first the choice, the rest the fallbacks in order.
+	Endpoints []string
+	// Prefill, for a disaggregated request, is the prefill endpoint (ip:port): the decode-side
+	// sidecar runs the prefill leg there.
+	Prefill string
+	// Body, when set, replaces the request body (the model renamed to the workers' name for
+	// it); nil sends the body as the client sent it.
+	Body []byte
+	// Served learns the endpoint the proxy reports served the request ("" when it does not).
+	Served func(endpoint string)
+	// Done is called once, when the exchange ended.
+	Done func(Outcome)
+}
+
+// Outcome is what the response path showed of one request.
+type Outcome struct {
+	Status     int       // the response's status; 0 when none came (the stream ended first)
+	FirstByte  time.Time // the first response body byte; zero when none
+	Usage      openai.Usage
+	UsageKnown bool
+	Bytes      int64 // response body bytes relayed
+	// Err is why the exchange ended early ("" when it ended with the response): the proxy
+	// cancelled, or broke the protocol.
+	Err string
+}
+
+// Picker chooses the endpoints of a request. An *openai.Error refuses it: the proxy answers
+// the client that error (status, OpenAI envelope) in place of any endpoint.
+type Picker interface {
+	Pick(ctx context.Context, req *Request) (*Pick, error)
+}
+
+// Server is the ext_proc ExternalProcessor service.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	Picker Picker
+	// MaxBody bounds a request body assembled from its chunks: past it the request is refused
+	// 413 before any endpoint is chosen.
+	MaxBody int64
+	// MaxHeaderBytes bounds the request headers the proxy sends (names and values).
+	MaxHeaderBytes int
+	Log            *slog.Logger
+	// Observe, when set, sees each request's refusal code ("" for a pick) and how long the
+	// choice took from the last byte of the body.
+	Observe func(code string, d time.Duration)
+
+	warned atomic.Bool // the headers-only warning was logged
+}
+
+// chunkSize is the largest body chunk handed back in one message: well below gRPC's default
+// 4 MiB message bound on both sides.
+const chunkSize = 1 << 20
+
+// maxTail is the response bytes kept to read the usage from once the response ended.
+const maxTail = 16 << 10
+
+// errProtocol is a message the protocol does not allow where it came.
+var errProtocol = errors.New("ext_proc message out of order")
+
+// Process serves one ext_proc stream: one HTTP request.
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	x := &exchange{s: s, stream: stream, ctx: stream.Context(), reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
+		respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
+	defer x.end()
+	for {
+		m, err := stream.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			x.err = "the proxy ended the stream: " + status.Code(err).String()
+			return nil
+		}
+		if err := x.handle(m); err != nil {
+			if errors.Is(err, errProtocol) {
+				x.err = err.Error()
+				return status.Error(codes.InvalidArgument, err.Error())
+			}
+			x.err = err.Error()
+			return err
+		}
+	}
+}
+
+// exchange is the state of one stream.
+type exchange struct {
+	s      *Server
+	stream extprocv3.ExternalProcessor_ProcessServer
+	ctx    context.Context
+
+	reqMode, respMode filterv3.ProcessingMode_BodySendMode
+	observability     bool
+	started           bool // the request headers came
+	answered          bool // the request path was answered (pick or refusal)
+	req               Request
+	body              []byte
+	bodyDone          bool
+	headerBytes       int
+	pick              *Pick
+	immediate         bool
+
+	out      Outcome
+	tail     []byte
+	respDone bool
+	err      string
+	done     bool
+}
+
+// end reports the outcome once.
+func (x *exchange) end() {
+	if x.done {
+		return
+	}
+	x.done = true
+	if x.pick == nil || x.pick.Done == nil {
+		return
+	}
+	if x.out.Err == "" && !x.respDone {
+		x.out.Err = x.err
+		if x.out.Err == "" {
+			x.out.Err = "the proxy ended the stream before the response did"
+		}
+	}
+	if u, ok := openai.LastUsage(x.tail); ok {
+		x.out.Usage, x.out.UsageKnown = u, true
+	}
+	x.pick.Done(x.out)
+}
+
+func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
+	if pc := m.GetProtocolConfig(); pc != nil && !x.started {
+		x.reqMode, x.respMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+	}
+	if m.GetObservabilityMode() {
+		x.observability = true // the proxy expects no answer: Baton picks nothing it could apply
+	}
+	switch r := m.Request.(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if x.started {
+			return fmt.Errorf("%w: request headers twice", errProtocol)
+		}
+		x.started = true
+		if err := x.headers(r.RequestHeaders, m.GetMetadataContext()); err != nil {
+			return err
+		}
+		if r.RequestHeaders.GetEndOfStream() {
+			x.bodyDone = true
+			return x.decide(true)
+		}
+		switch x.reqMode {
+		case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
+			return nil // the answer waits for the body
+		case filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_BUFFERED_PARTIAL:
+			// The headers are answered now; the pick rides on the body's answer.
+			return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+				RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}})
+		default:
+			// No body comes before the headers' answer (NONE, STREAMED): the pick is made
+			// from the headers alone, without model or prompt.
+			x.headersOnly()
+			return x.decide(true)
+		}
+	case *extprocv3.ProcessingRequest_RequestBody:
+		if !x.started || x.bodyDone {
+			return fmt.Errorf("%w: a request body chunk outside the request body", errProtocol)
+		}
+		b := r.RequestBody
+		if x.answered {
+			x.bodyDone = b.GetEndOfStream()
+			if x.immediate || x.reqMode != filterv3.ProcessingMode_STREAMED {
+				return nil // refused while the body was still coming: the rest is not read
+			}
+			return x.send(bodyAck()) // streamed (half duplex): every chunk is answered
+		}
+		if int64(len(x.body))+int64(len(b.GetBody())) > x.s.MaxBody {
+			return x.refuse(&openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
+				Message: fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.MaxBody)}, false)
+		}
+		x.body = append(x.body, b.GetBody()...)
+		if !b.GetEndOfStream() && x.reqMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+			return nil
+		}
+		// The end of the body (a buffered body comes in one message, whole or as much as the
+		// proxy buffered).
+		x.bodyDone = true
+		return x.decide(false)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if !x.started {
+			return fmt.Errorf("%w: request trailers before headers", errProtocol)
+		}
+		if !x.bodyDone && !x.answered {
+			x.bodyDone = true
+			if err := x.decide(false); err != nil {
+				return err
+			}
+		}
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}})
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		if !x.answered || x.immediate {
+			return fmt.Errorf("%w: response headers before the request was answered", errProtocol)
+		}
+		x.served(m.GetMetadataContext())
+		for _, h := range r.ResponseHeaders.GetHeaders().GetHeaders() {
+			if h.GetKey() == ":status" {
+				x.out.Status, _ = strconv.Atoi(headerValue(h))
+			}
+		}
+		if r.ResponseHeaders.GetEndOfStream() {
+			x.respDone = true
+		}
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
+			ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}})
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		if !x.answered || x.immediate {
+			return fmt.Errorf("%w: a response body before the request was answered", errProtocol)
+		}
+		b := r.ResponseBody
+		if x.out.FirstByte.IsZero() && len(b.GetBody()) > 0 {
+			x.out.FirstByte = time.Now()
+		}
+		x.out.Bytes += int64(len(b.GetBody()))
+		x.keepTail(b.GetBody())
+		if b.GetEndOfStream() {
+			x.respDone = true
+		}
+		if x.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+			return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+				Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+					StreamedResponse: &extprocv3.StreamedBodyResponse{Body: b.GetBody(), EndOfStream: b.GetEndOfStream()}}}}}}})
+		}
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}})
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		x.respDone = true
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}})
+	default:
+		return fmt.Errorf("%w: a message of no known kind", errProtocol)
+	}
+}
+
+// headersOnly warns, once per process, that the proxy answers the request headers before it
+// sends the body, so that picks cannot read the model or the prompt.
+func (x *exchange) headersOnly() {
+	if x.s.Log != nil && !x.s.warned.Swap(true) {
+		x.s.Log.Warn("epp: the proxy sends the request body only after the headers are answered (request_body_mode "+x.reqMode.String()+"): picks see no model and no prompt; configure the ext_proc filter with FULL_DUPLEX_STREAMED",
+			"path", x.req.Path)
+	}
+}
+
+// headers reads the request's pseudo-headers, headers and subset hint.
+func (x *exchange) headers(h *extprocv3.HttpHeaders, md *corev3.Metadata) error {
+	x.req.Header = http.Header{}
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		k, v := hv.GetKey(), headerValue(hv)
+		x.headerBytes += len(k) + len(v)
+		if x.s.MaxHeaderBytes > 0 && x.headerBytes > x.s.MaxHeaderBytes {
+			return x.refuse(&openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
+				Message: fmt.Sprintf("request headers exceed %d bytes", x.s.MaxHeaderBytes)}, false)
+		}
+		switch k {
+		case ":method":
+			x.req.Method = v
+		case ":path":
+			x.req.Path = v
+		default:
+			if !strings.HasPrefix(k, ":") {
+				x.req.Header.Add(k, v)
+			}
+		}
+	}
+	if i := strings.IndexByte(x.req.Path, '?'); i >= 0 {
+		x.req.Path = x.req.Path[:i]
+	}
+	if f := md.GetFilterMetadata()[SubsetNamespace]; f != nil {
+		if v, ok := f.GetFields()[SubsetKey]; ok {
+			x.req.HasSubset = true
+			x.req.Subset = endpointList(v)
+		}
+	}
+	return nil
+}
+
+// endpointList reads a subset hint's value: a list of ip:port strings (a string of them,
+// comma-separated, is taken too).
+func endpointList(v *structpb.Value) []string {
+	var out []string
+	add := func(s string) {
+		for _, e := range strings.Split(s, ",") {
+			if e = strings.TrimSpace(e); e != "" {
+				out = append(out, e)
+			}
+		}
+	}
+	switch k := v.GetKind().(type) {
+	case *structpb.Value_ListValue:
+		for _, e := range k.ListValue.GetValues() {
+			add(e.GetStringValue())
+		}
+	case *structpb.Value_StringValue:
+		add(k.StringValue)
+	}
+	return out
+}
+
+// served tells the pick which endpoint the proxy reports served the request.
+func (x *exchange) served(md *corev3.Metadata) {
+	if x.pick == nil || x.pick.Served == nil {
+		return
+	}
+	served := ""
+	if f := md.GetFilterMetadata()[MetadataNamespace]; f != nil {
+		served = strings.TrimSpace(f.GetFields()[ServedKey].GetStringValue())
+	}
+	x.pick.Served(served)
+}
+
+// decide asks the picker for the request's endpoints and answers the request path: in the
+// headers' answer when the body is not streamed to Baton (atHeaders) or in full duplex mode,
+// else in the buffered body's answer.
+func (x *exchange) decide(atHeaders bool) error {
+	if x.answered {
+		return nil
+	}
+	x.req.Body = nil
+	if x.bodyDone && len(x.body) > 0 {
+		x.req.Body = x.body
+	}
+	start := time.Now()
+	p, err := x.s.Picker.Pick(x.ctx, &x.req)
+	if err != nil {
+		var oe *openai.Error
+		if !errors.As(err, &oe) {
+			oe = &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()}
+		}
+		if x.s.Observe != nil {
+			x.s.Observe(oe.Code, time.Since(start))
+		}
+		return x.refuse(oe, true)
+	}
+	if x.s.Observe != nil {
+		x.s.Observe("", time.Since(start))
+	}
+	x.pick, x.answered = p, true
+	if x.observability {
+		return nil
+	}
+	dest := strings.Join(p.Endpoints, ",")
+	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{setHeader(HeaderDestination, dest)}}
+	var bodyMut *extprocv3.BodyMutation
+	if p.Body != nil && x.bodyDone {
+		x.body = p.Body
+		mut.SetHeaders = append(mut.SetHeaders, setHeader("content-length", strconv.Itoa(len(p.Body))))
+		bodyMut = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: p.Body}}
+	}
+	if p.Prefill != "" {
+		mut.SetHeaders = append(mut.SetHeaders, setHeader(HeaderPrefiller, p.Prefill))
+	} else {
+		mut.RemoveHeaders = []string{HeaderPrefiller} // a client's own is never trusted
+	}
+	meta := &structpb.Struct{Fields: map[string]*structpb.Value{MetadataNamespace: structpb.NewStructValue(&structpb.Struct{
+		Fields: map[string]*structpb.Value{HeaderDestination: structpb.NewStringValue(dest)}})}}
+	common := &extprocv3.CommonResponse{HeaderMutation: mut, ClearRouteCache: true}
+	duplex := x.reqMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	if atHeaders || duplex {
+		if err := x.send(&extprocv3.ProcessingResponse{DynamicMetadata: meta, Response: &extprocv3.ProcessingResponse_RequestHeaders{
+			RequestHeaders: &extprocv3.HeadersResponse{Response: common}}}); err != nil {
+			return err
+		}
+		if !duplex || atHeaders {
+			return nil
+		}
+		// The body goes back to the proxy unchanged, in chunks a gRPC message holds.
+		body := x.body
+		for {
+			n := min(len(body), chunkSize)
+			last := n == len(body)
+			if err := x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
+				Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+					StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body[:n], EndOfStream: last}}}}}}}); err != nil {
+				return err
+			}
+			if body = body[n:]; last {
+				return nil
+			}
+		}
+	}
+	// Buffered: the body's answer carries the header mutation, and the renamed body if any.
+	common.BodyMutation = bodyMut
+	return x.send(&extprocv3.ProcessingResponse{DynamicMetadata: meta, Response: &extprocv3.ProcessingResponse_RequestBody{
+		RequestBody: &extprocv3.BodyResponse{Response: common}}})
+}
+
+// refuse answers the request with an immediate response in the OpenAI error envelope.
+func (x *exchange) refuse(e *openai.Error, picked bool) error {
+	if !picked && x.s.Observe != nil {
+		x.s.Observe(e.Code, 0)
+	}
+	x.answered, x.immediate = true, true
+	hm := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+		setHeader("content-type", "application/json"), setHeader(openai.HeaderErrorCode, e.Code)}}
+	if e.RetryAfter != "" {
+		hm.SetHeaders = append(hm.SetHeaders, setHeader("retry-after", e.RetryAfter))
+	}
+	if x.s.Log != nil {
+		x.s.Log.Debug("epp: request refused", "status", e.Status, "code", e.Code, "path", x.req.Path)
+	}
+	return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
+		Status: &typev3.HttpStatus{Code: typev3.StatusCode(e.Status)}, Headers: hm, Body: e.Marshal(), Details: "baton_" + e.Code}}})
+}
+
+func (x *exchange) send(r *extprocv3.ProcessingResponse) error {
+	if x.observability {
+		return nil
+	}
+	return x.stream.Send(r)
+}
+
+// keepTail keeps the last maxTail bytes of the response body.
+func (x *exchange) keepTail(b []byte) {
+	if len(b) >= maxTail {
+		x.tail = append(x.tail[:0], b[len(b)-maxTail:]...)
+		return
+	}
+	if over := len(x.tail) + len(b) - maxTail; over > 0 {
+		x.tail = append(x.tail[:0], x.tail[over:]...)
+	}
+	x.tail = append(x.tail, b...)
+}
+
+// bodyAck answers one streamed request body chunk unchanged.
+func bodyAck() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}}
+}
+
+func setHeader(k, v string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD}
+}
+
+// headerValue is a header's value: Envoy sends it in raw_value, older proxies in value.
+func headerValue(h *corev3.HeaderValue) string {
+	if len(h.GetRawValue()) > 0 {
+		return string(h.GetRawValue())
+	}
+	return h.GetValue()
+}

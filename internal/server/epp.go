@@ -1,0 +1,276 @@
+package server
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/baton-llm/baton/internal/admit"
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/epp"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
+	"github.com/baton-llm/baton/internal/policy"
+	"github.com/baton-llm/baton/internal/record"
+	"github.com/baton-llm/baton/internal/routes"
+	"github.com/baton-llm/baton/internal/tracing"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// EPPOptions shape Baton's answers as an Endpoint Picker.
+type EPPOptions struct {
+	// Fallbacks is how many endpoints are named after the choice, in order, for the proxy to
+	// retry down: the other available workers of the request's model, least loaded first.
+	Fallbacks int
+	// A batch-class request is shed (429) when every worker that could serve it is saturated:
+	// its engine queues at least ShedQueueDepth requests, or uses at least ShedKVUsage of its
+	// KV cache (0: that measure is not used).
+	ShedQueueDepth float64
+	ShedKVUsage    float64
+}
+
+// EndpointPicker returns Baton's routing as an Endpoint Picker: the same selection, model
+// names, adapters, load and cache views as the proxy's, answering with endpoints instead of
+// forwarding.
+func (s *Server) EndpointPicker(o EPPOptions) epp.Picker { return &picker{s: s, o: o} }
+
+type picker struct {
+	s *Server
+	o EPPOptions
+}
+
+// Pick chooses the endpoints of one request the proxy asks about. The request is Baton's from
+// then on, as a proxied one is: counted in flight on the worker, in the metrics, the status
+// page, the access log and a server span continuing the caller's trace, until Done.
+func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) {
+	s := p.s
+	start := time.Now()
+	if req.Path == "" || req.Path[0] != '/' {
+		return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Message: "the request has no path"}
+	}
+	r, err := http.NewRequestWithContext(ctx, cmp.Or(req.Method, http.MethodGet), "http://epp"+req.Path, nil)
+	if err != nil {
+		return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Message: "the request's method or path is malformed"}
+	}
+	r.Header = req.Header
+	r.RemoteAddr = req.Header.Get("x-forwarded-for")
+	rid := requestID(r.Header)
+	var span trace.Span
+	if tracing.Enabled() {
+		var tctx context.Context
+		tctx, span = tracing.StartServer(r)
+		r = r.WithContext(tctx)
+	}
+	rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1, Start: start, Route: "other"}
+	if rt := routes.Of(req.Path); rt.Path != "" {
+		rec.Route = r.Method + " " + rt.Path
+	}
+	r = r.WithContext(record.With(r.Context(), rec))
+	s.inflight.Add(1)
+	refuse := func(e *openai.Error) (*epp.Pick, error) {
+		s.inflight.Add(-1)
+		rec.Code = e.Code
+		s.finish(rec, 0, r, e.Status, span, false)
+		return nil, e
+	}
+
+	var parsed *openai.Request
+	model := ""
+	if req.Body != nil {
+		var e *openai.Error
+		if parsed, e = s.parseRequest(req.Body, req.Path); e != nil {
+			return refuse(e)
+		}
+		model = parsed.Model
+	}
+	rec.Model, rec.ModelLabel = model, s.metrics.Model(model)
+	class, e := headerClass(r.Header)
+	if e != nil {
+		return refuse(e)
+	}
+	rec.Class = max(class, admit.Interactive).String() // critical is a tenant's to give
+
+	sreq := &policy.Request{Model: model, Path: req.Path, Body: req.Body, Parsed: parsed, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	if req.HasSubset {
+		allowed := make(map[string]bool, len(req.Subset))
+		for _, e := range req.Subset {
+			allowed[e] = true
+		}
+		if len(allowed) == 0 {
+			return refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoEndpointInSubset,
+				Message: "the proxy's subset of endpoints for this request is empty"})
+		}
+		sreq.Allow = func(w *worker.Worker) bool { return allowed[w.Endpoint] }
+	}
+	disagg := s.opts.PD && routes.Of(req.Path).PD && !s.sel.HasRole(config.RoleRegular)
+	role := config.RoleRegular
+	if disagg {
+		role, rec.Mode = config.RoleDecode, "pd"
+	}
+	if class == admit.Batch && p.saturated(role, model, sreq.Allow) {
+		return refuse(&openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeRequestShed, RetryAfter: "1",
+			Message: "every worker that could serve this batch request is saturated: it was shed; try again later"})
+	}
+
+	if len(worker.Available(p.s.reg.Snapshot().Workers)) == 0 {
+		// The protocol's 503 for no ready endpoint, whatever the model: a model no worker names
+		// is 404 only while some worker is there to say so.
+		return refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
+			Message: "no endpoint is ready (no worker registered, or all unhealthy, circuits open, draining)"})
+	}
+	var dest, prefill *worker.Worker
+	waited := false
+	inFlight, err := s.choose(r, model, sreq, &waited, nil, func() error {
+		if disagg {
+			pair, err := s.sel.Pair(r.Context(), sreq, nil)
+			dest, prefill = pair.Decode, pair.Prefill
+			return err
+		}
+		w, err := s.sel.Worker(r.Context(), role, sreq, nil)
+		dest = w
+		return err
+	}, func() []*worker.Worker {
+		if prefill != nil {
+			return []*worker.Worker{prefill, dest}
+		}
+		return []*worker.Worker{dest}
+	})
+	if err != nil {
+		var f *outcome.Failure
+		if errors.As(err, &f) && f.Answer != nil {
+			e := *f.Answer
+			if req.HasSubset && e.Code == openai.CodeNoAvailableWorkers {
+				e.Code = openai.CodeNoEndpointInSubset
+				e.Message = "no endpoint of the proxy's subset can serve this request: " + e.Message
+			}
+			return refuse(&e)
+		}
+		return refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()})
+	}
+	s.noteDecisions(r, sreq)
+
+	list := append([]*worker.Worker{dest}, p.fallbacks(role, sreq, dest, prefill)...)
+	pick := &epp.Pick{Endpoints: make([]string, len(list))}
+	for i, w := range list {
+		pick.Endpoints[i] = w.Endpoint
+	}
+	if prefill != nil {
+		pick.Prefill = prefill.Endpoint
+		rec.Prefill, rec.Decode = prefill.URL, dest.URL
+	}
+	rec.Worker = dest.URL
+	if parsed != nil {
+		// The workers' name for the model: the default model, an alias's target, SGLang's
+		// base:adapter. Other bytes stay as the client sent them.
+		out := withModel(parsed.Body, parsed.Model, workerModel(sreq, dest))
+		if len(out) != len(req.Body) || len(out) > 0 && &out[0] != &req.Body[0] {
+			pick.Body = out
+		}
+	}
+	var mu sync.Mutex // Served and Done come from the stream's goroutine; the guard keeps them honest
+	serving, probe := dest, dest.Enter()
+	pick.Served = func(ep string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if ep == "" || ep == serving.Endpoint {
+			return
+		}
+		for _, w := range list {
+			if w.Endpoint == ep { // the proxy went down the list: the load is that worker's
+				serving.Leave(probe)
+				serving, probe = w, w.Enter()
+				rec.Worker, rec.Attempts = w.URL, rec.Attempts+1
+				if prefill != nil {
+					rec.Decode = w.URL
+				}
+				s.metrics.EPPServedFallback.Inc()
+				return
+			}
+		}
+	}
+	pick.Done = func(o epp.Outcome) {
+		mu.Lock()
+		defer mu.Unlock()
+		serving.Leave(probe)
+		inFlight()
+		s.inflight.Add(-1)
+		status := o.Status
+		if status == 0 {
+			status = 499 // no response came back through the proxy
+			rec.Code = "stream_ended"
+		} else {
+			serving.Record(status, nil)
+		}
+		rec.FirstByte = o.FirstByte
+		if o.UsageKnown {
+			rec.Usage, rec.UsageKnown = o.Usage, true
+		}
+		s.finish(rec, o.Bytes, r, status, span, o.Err != "" && o.Status != 0)
+	}
+	return pick, nil
+}
+
+// fallbacks are the endpoints after the choice: the other available workers of its role that
+// serve the request's model and route (and, for a decode, can take the prefill's KV), least
+// loaded first, at most Fallbacks.
+func (p *picker) fallbacks(role string, sreq *policy.Request, chosen, prefill *worker.Worker) []*worker.Worker {
+	if p.o.Fallbacks <= 0 {
+		return nil
+	}
+	model := sreq.Model
+	if sreq.AdapterBase != "" {
+		model = sreq.AdapterBase // any worker of the base model can load the adapter
+	}
+	cands, _ := p.s.sel.Candidates(p.s.reg.Snapshot(), role, model)
+	var out []*worker.Worker
+	for _, w := range worker.Available(cands) {
+		if w == chosen || !policy.Serves(w, sreq.Path) || sreq.Allow != nil && !sreq.Allow(w) {
+			continue
+		}
+		if prefill != nil && p.s.sel.Compatible != nil && !p.s.sel.Compatible(prefill, w) {
+			continue
+		}
+		if sreq.AdapterBase != "" && !w.Lists(sreq.Model) {
+			continue // the adapter is loaded only where Baton chose: a fallback must have it
+		}
+		out = append(out, w)
+	}
+	slices.SortStableFunc(out, func(a, b *worker.Worker) int { return cmp.Compare(load(a), load(b)) })
+	return out[:min(len(out), p.o.Fallbacks)]
+}
+
+// load is a worker's load for ordering fallbacks: Baton's requests in flight on it, or the
+// engine's running and waiting requests when it reports more.
+func load(w *worker.Worker) float64 {
+	l := w.EngineLoad()
+	return max(float64(w.InFlight()), l.Running+l.Waiting)
+}
+
+// saturated reports whether every available worker of role that could serve model (of those
+// allow lets through) is saturated. A worker whose engine reports no load is not.
+func (p *picker) saturated(role, model string, allow func(*worker.Worker) bool) bool {
+	if p.o.ShedQueueDepth <= 0 && p.o.ShedKVUsage <= 0 {
+		return false
+	}
+	cands, _ := p.s.sel.Candidates(p.s.reg.Snapshot(), role, model)
+	seen := false
+	for _, w := range worker.Available(cands) {
+		if allow != nil && !allow(w) {
+			continue
+		}
+		seen = true
+		l := w.EngineLoad()
+		full := p.o.ShedQueueDepth > 0 && l.HasWaiting && l.Waiting >= p.o.ShedQueueDepth ||
+			p.o.ShedKVUsage > 0 && l.HasKV && l.KVUsage >= p.o.ShedKVUsage
+		if !full {
+			return false
+		}
+	}
+	return seen
+}
