@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+
 	"strconv"
 	"time"
 
@@ -54,6 +55,7 @@ func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 	es := &epp.Server{
 		Picker:  g.Server.EndpointPicker(server.EPPOptions{Fallbacks: cfg.EPPFallbacks, ShedQueueDepth: cfg.EPPShedQueueDepth, ShedKVUsage: cfg.EPPShedKVUsage}),
 		MaxBody: cfg.MaxPayloadSize, MaxHeaderBytes: h1.DefaultMaxHeaderBytes, Log: g.Log,
+		MaxDuration: cfg.RequestTimeout + writeGrace,
 		Observe: func(code string, d time.Duration) {
 			if code == "" {
 				g.Metrics.EPPDecisions.WithLabelValues("picked").Inc()
@@ -73,6 +75,9 @@ func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 	setReady(hs, false)
 	return srv, hs
 }
+
+// writeGrace is how long past the request deadline an exchange may still relay its response.
+const writeGrace = 2 * time.Second
 
 // setReady sets the readiness and ExternalProcessor services.
 func setReady(hs *health.Server, ok bool) {

@@ -3,6 +3,7 @@ package app
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -27,6 +28,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
 	"github.com/baton-llm/baton/internal/epp/dataplane"
+	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
@@ -484,5 +486,100 @@ func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
 	resp = post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel))
 	if readAll(t, resp.Body); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == "" {
 		t.Errorf("without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+	}
+}
+
+// The picker continues the caller's trace: its server span (named after the route) is a child
+// of the traceparent the gateway forwarded, with the selection under it and the worker chosen.
+func TestEPPContinuesTheTrace(t *testing.T) {
+	rc := newOTLPReceiver(t)
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	_, conn := startEPP(t, testConfig(a.URL()))
+	_, srv := dataPlane(t, conn)
+	const traceID, parentID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+	spans := rc.capture(t, func() {
+		resp := post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`, "Traceparent", "00-"+traceID+"-"+parentID+"-01")
+		if readAll(t, resp.Body); resp.StatusCode != 200 {
+			t.Fatalf("%d", resp.StatusCode)
+		}
+	})
+	server := one(t, spans, "POST /v1/completions")
+	if hex.EncodeToString(server.TraceId) != traceID || hex.EncodeToString(server.ParentSpanId) != parentID {
+		t.Errorf("the picker's span is not in the caller's trace: trace %x parent %x", server.TraceId, server.ParentSpanId)
+	}
+	if attr(server, "baton.worker") != a.URL() || attr(server, "http.response.status_code") != "200" {
+		t.Errorf("server span: worker %q status %q", attr(server, "baton.worker"), attr(server, "http.response.status_code"))
+	}
+	childOf(t, one(t, spans, "select"), server)
+}
+
+// Several pickers agree without talking to each other: each subscribes to the engines' KV
+// events, so each sends a prompt to the engine that holds its prefix, whichever replica the
+// gateway asks.
+func TestEPPReplicasAgreeThroughKVEvents(t *testing.T) {
+	t.Parallel()
+	var es []*sim.Engine
+	cfg := config.Default()
+	cfg.Policy = config.PolicyCacheAware
+	for i := 0; i < 3; i++ {
+		e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, KVEvents: true})
+		es = append(es, e)
+		cfg.Workers = append(cfg.Workers, config.Worker{URL: e.URL(), KVEventsEndpoint: e.KVEventsEndpoint()})
+	}
+	g1, c1 := startEPP(t, cfg)
+	g2, c2 := startEPP(t, cfg)
+	waitHealthy(t, es, g1, g2)
+	dp1, s1 := dataPlane(t, c1)
+	dp2, s2 := dataPlane(t, c2)
+	for p := 0; p < 6; p++ {
+		prompt := fmt.Sprintf("team %d: %s", p, strings.Repeat("a long shared system prompt for this team ", 8))
+		home := es[p%len(es)]
+		resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
+		poll.Until(t, "both pickers learned the prompt", func() bool {
+			return g1.KVEvents.Index.Match(keys)[home.URL()] == len(keys) && g2.KVEvents.Index.Match(keys)[home.URL()] == len(keys)
+		})
+		for i, front := range []*httptest.Server{s1, s2} {
+			resp := post(t, front.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
+			readAll(t, resp.Body)
+			if served := []*dataplane.Proxy{dp1, dp2}[i].Last().Served; resp.StatusCode != 200 || served != endpointOf(home.URL()) {
+				t.Errorf("prompt %d, picker %d: %d, served by %s, cached on %s", p, i+1, resp.StatusCode, served, endpointOf(home.URL()))
+			}
+		}
+	}
+}
+
+// Time and size bound what a proxy may send: an exchange past the request deadline (plus a
+// grace) is ended, the request with it; too many header fields are refused 431.
+func TestEPPBoundsTheExchange(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL()), requestTimeout(300*time.Millisecond))
+	st := rawStream(t, context.Background(), conn, `{"model":"m","prompt":"x"}`)
+	recvPick(t, st) // then the proxy goes silent
+	w := g.Registry.Snapshot().Workers[0]
+	if w.InFlight() != 1 {
+		t.Fatalf("in flight: %d", w.InFlight())
+	}
+	if _, err := st.Recv(); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("a silent exchange: %v", err)
+	}
+	poll.Until(t, "the request ended", func() bool { return w.InFlight() == 0 })
+
+	pst, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
+	for i := 0; i < 300; i++ {
+		hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: fmt.Sprintf("x-h%d", i), RawValue: []byte("v")})
+	}
+	pst.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+	m, err := pst.Recv()
+	if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 431 {
+		t.Fatalf("300 header fields: %v %v", m, err)
 	}
 }

@@ -74,19 +74,12 @@ func (r *runner) routing(ctx context.Context) error {
 	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|---:|---:|")
 	var base time.Duration
 	for _, policy := range []string{"round_robin", "power_of_two", "least_load", "prefix_hash", "cache_aware"} {
-		var es []*sim.Engine
-		args := []string{"--policy", policy, "--worker-urls"}
-		for i := 0; i < 4; i++ {
-			e, err := engine(sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, PrefixCacheBlocks: routingCacheBlocks,
-				PrefillPerToken: 50 * time.Microsecond, DecodePerToken: time.Millisecond, MaxConcurrency: 8})
-			if err != nil {
-				return err
-			}
-			defer e.Close()
-			es = append(es, e)
-			args = append(args, e.URL())
+		es, urls, err := routingFleet()
+		if err != nil {
+			return err
 		}
-		b, err := startBaton(r.o.Binary, 1, args...)
+		defer closeAll(es)
+		b, err := startBaton(r.o.Binary, 1, append([]string{"--policy", policy, "--worker-urls"}, urls...)...)
 		if err != nil {
 			return err
 		}
@@ -112,4 +105,28 @@ func (r *runner) routing(ctx context.Context) error {
 	}
 	fmt.Fprintln(r.out)
 	return nil
+}
+
+// routingFleet starts the routing workload's four engines, with small prefix caches and a
+// latency model; the caller closes them.
+func routingFleet() ([]*sim.Engine, []string, error) {
+	var es []*sim.Engine
+	var urls []string
+	for i := 0; i < 4; i++ {
+		e, err := engine(sim.Config{Engine: sim.EngineVLLM, PrefixCache: true, PrefixCacheBlocks: routingCacheBlocks,
+			PrefillPerToken: 50 * time.Microsecond, DecodePerToken: time.Millisecond, MaxConcurrency: 8})
+		if err != nil {
+			closeAll(es)
+			return nil, nil, err
+		}
+		es, urls = append(es, e), append(urls, e.URL())
+	}
+	return es, urls, nil
+}
+
+// closeAll closes engines (closing one twice is harmless).
+func closeAll(es []*sim.Engine) {
+	for _, e := range es {
+		e.Close()
+	}
 }

@@ -26,7 +26,7 @@ type Options struct {
 }
 
 // Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora"}
+var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora", "epp"}
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -80,6 +80,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.fairness(ctx)
 		case "lora":
 			err = r.lora(ctx)
+		case "epp":
+			err = r.epp(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

@@ -19,7 +19,7 @@ const pinnedEnv = "BATON_BENCH_PINNED"
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("baton bench", stdout)
 	quick := fs.Bool("quick", false, "small runs: checks the harness works (seconds), not for publishing")
-	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening,routing,replicas,hotpath); default all")
+	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening,routing,replicas,hotpath,tenants,fairness,lora,epp); default all")
 	out := fs.String("out", "", "also write the report to this file")
 	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
 	baseline := fs.String("baseline", "", "an earlier baton binary to measure beside it in the hotpath scenario")

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"regexp"
 	"slices"
@@ -15,7 +16,13 @@ import (
 	"testing"
 	"time"
 
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/epp/dataplane"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -104,11 +111,41 @@ func TestDemoCommand(t *testing.T) {
 	}
 }
 
+// baton epp serves the Endpoint Picker's gRPC services beside its HTTP listener: ready once its
+// worker registered, and picking it over ext_proc.
+func TestEPPCommand(t *testing.T) {
+	t.Parallel()
+	engine := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "vllm", "--port", "0", "--model", "m")
+	addr := runUntil(t, regexp.MustCompile(`endpoint picker \(ext_proc, gRPC health\) on (\S+)`), "epp", "--host", "127.0.0.1", "--port", "0",
+		"--metrics-port", "-1", "--grpc-port", "0", "--worker-urls", engine)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	poll.Until(t, "the picker is ready", func() bool {
+		r, err := hc.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	})
+	front := httptest.NewServer(&dataplane.Proxy{Picker: extprocv3.NewExternalProcessorClient(conn), Client: &http.Client{}})
+	defer front.Close()
+	resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hi","max_tokens":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), `"completion_tokens":2`) {
+		t.Errorf("through the picker: %d %s", resp.StatusCode, body)
+	}
+}
+
 // The developer commands' help exits 0 (as config.ErrHelp) and lists --long-names; there is a
 // version; a bench scenario that does not exist is an error naming the valid ones.
 func TestHelpVersionAndBenchScenarios(t *testing.T) {
 	t.Parallel()
-	for _, args := range [][]string{{"sim", "--help"}, {"demo", "--help"}, {"bench", "--help"}, {"--help"}, {"serve", "--help"}} {
+	for _, args := range [][]string{{"sim", "--help"}, {"demo", "--help"}, {"bench", "--help"}, {"--help"}, {"serve", "--help"}, {"epp", "--help"}} {
 		var out bytes.Buffer
 		if err := Run(t.Context(), args, &out, io.Discard); err != config.ErrHelp || !strings.Contains(out.String(), "  --") {
 			t.Errorf("%v: %v, printed %q; want config.ErrHelp and the --flags", args, err, out.String())

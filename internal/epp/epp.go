@@ -99,9 +99,13 @@ type Server struct {
 	// MaxBody bounds a request body assembled from its chunks: past it the request is refused
 	// 413 before any endpoint is chosen.
 	MaxBody int64
-	// MaxHeaderBytes bounds the request headers the proxy sends (names and values).
+	// MaxHeaderBytes bounds the request headers the proxy sends (names and values); maxHeaders
+	// bounds their number.
 	MaxHeaderBytes int
-	Log            *slog.Logger
+	// MaxDuration bounds one exchange, request and response (0: unbounded): past it the
+	// stream ends and the request with it.
+	MaxDuration time.Duration
+	Log         *slog.Logger
 	// Observe, when set, sees each request's refusal code ("" for a pick) and how long the
 	// choice took from the last byte of the body.
 	Observe func(code string, d time.Duration)
@@ -113,14 +117,35 @@ type Server struct {
 // 4 MiB message bound on both sides.
 const chunkSize = 1 << 20
 
+// maxHeaders bounds the request header fields the proxy sends.
+const maxHeaders = 256
+
 // maxTail is the response bytes kept to read the usage from once the response ended.
 const maxTail = 16 << 10
 
 // errProtocol is a message the protocol does not allow where it came.
 var errProtocol = errors.New("ext_proc message out of order")
 
-// Process serves one ext_proc stream: one HTTP request.
+// Process serves one ext_proc stream: one HTTP request, for MaxDuration at most.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	if s.MaxDuration <= 0 {
+		return s.serve(stream)
+	}
+	res := make(chan error, 1)
+	go func() { res <- s.serve(stream) }()
+	t := time.NewTimer(s.MaxDuration)
+	defer t.Stop()
+	select {
+	case err := <-res:
+		return err
+	case <-t.C:
+		// Returning ends the stream: serve's receive fails and the request ends with it.
+		return status.Errorf(codes.DeadlineExceeded, "the exchange outlived %s", s.MaxDuration)
+	}
+}
+
+// serve runs one stream's exchange until it ends.
+func (s *Server) serve(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	x := &exchange{s: s, stream: stream, ctx: stream.Context(), reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 		respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
 	defer x.end()
@@ -311,6 +336,10 @@ func (x *exchange) headersOnly() {
 // headers reads the request's pseudo-headers, headers and subset hint.
 func (x *exchange) headers(h *extprocv3.HttpHeaders, md *corev3.Metadata) error {
 	x.req.Header = http.Header{}
+	if n := len(h.GetHeaders().GetHeaders()); n > maxHeaders {
+		return x.refuse(&openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
+			Message: fmt.Sprintf("the request has %d header fields, above %d", n, maxHeaders)}, false)
+	}
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		k, v := hv.GetKey(), headerValue(hv)
 		x.headerBytes += len(k) + len(v)

@@ -186,7 +186,7 @@ func TestBinaryStartupErrorExitsNonZero(t *testing.T) {
 func TestBenchSmoke(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	groups := []string{"memory,hardening,tenants,fairness", "latency,throughput,streaming,bodysize,workers,routing,replicas,hotpath"}
+	groups := []string{"memory,hardening,tenants,fairness,epp", "latency,throughput,streaming,bodysize,workers,routing,replicas,hotpath"}
 	outs := make([][]byte, len(groups))
 	errs := make([]error, len(groups))
 	var wg sync.WaitGroup
@@ -205,7 +205,7 @@ func TestBenchSmoke(t *testing.T) {
 	}
 	out := string(bytes.Join(outs, nil))
 	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count",
-		"## 7. Attacks", "## 8. Routing", "## 9. Replicas", "## 10. Hot path", "## 11. Tenants", "admitted / allowed", "beside a, far over its limit", "## 12. Fairness", "**6. Waiting room.**", "PD SGLang: Baton", "PD vLLM NIXL: Baton", "Held per open stream", "PD (vLLM NIXL pair)"} {
+		"## 7. Attacks", "## 8. Routing", "## 9. Replicas", "## 10. Hot path", "## 11. Tenants", "admitted / allowed", "beside a, far over its limit", "## 12. Fairness", "**6. Waiting room.**", "## 14. Endpoint Picker", "choice p99 µs (Baton)", "PD SGLang: Baton", "PD vLLM NIXL: Baton", "Held per open stream", "PD (vLLM NIXL pair)"} {
 		if !strings.Contains(out, h) {
 			t.Errorf("report lacks %q:\n%s", h, out)
 		}

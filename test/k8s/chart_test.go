@@ -100,7 +100,7 @@ func TestChartRendersAndApplies(t *testing.T) {
 	}
 	dyn := dynamic.NewForConfigOrDie(s.Config)
 	cs, _ := cluster(t)
-	for _, def := range []string{serviceMonitorCRD, scaledObjectCRD} {
+	for _, def := range []string{serviceMonitorCRD, scaledObjectCRD, inferencePoolCRD} {
 		crd := &unstructured.Unstructured{}
 		if err := crd.UnmarshalJSON([]byte(def)); err != nil {
 			t.Fatal(err)
@@ -125,6 +125,7 @@ func TestChartRendersAndApplies(t *testing.T) {
 			var args []string
 			var memLimit, goMemLimit string
 			var grace, preStop int64
+			var eppObjects string         // the rendered objects, for the Endpoint Picker's checks
 			keyEnv := map[string]string{} // BATON_* variable -> the Secret it is read from
 			for _, o := range objs {
 				gvk := o.GroupVersionKind()
@@ -144,6 +145,9 @@ func TestChartRendersAndApplies(t *testing.T) {
 					t.Errorf("the API server refused %s %s: %v", gvk.Kind, o.GetName(), err)
 				}
 				kinds[gvk.Kind]++
+				if b, err := o.MarshalJSON(); err == nil {
+					eppObjects += strings.ReplaceAll(string(b), `"`, "")
+				}
 				switch gvk.Kind {
 				case "ConfigMap":
 					configYAML, _, _ = unstructured.NestedString(o.Object, "data", "baton.yaml")
@@ -206,7 +210,7 @@ func TestChartRendersAndApplies(t *testing.T) {
 			if err := os.WriteFile(file, []byte(configYAML), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			if len(args) == 0 || args[0] != "serve" {
+			if len(args) == 0 || args[0] != map[bool]string{true: "epp", false: "serve"}[name == "epp"] {
 				t.Fatalf("container args %q", args)
 			}
 			for i, a := range args {
@@ -233,6 +237,16 @@ func TestChartRendersAndApplies(t *testing.T) {
 			}
 			if name == "scale-from-zero" && kinds["ScaledObject"] != 1 {
 				t.Errorf("the KEDA example rendered %d ScaledObjects", kinds["ScaledObject"])
+			}
+			if name == "epp" {
+				// The Endpoint Picker: its pool created, read through a Role that may read pools
+				// and pods, its gRPC port on the Service, probed over gRPC health.
+				if kinds["InferencePool"] != 1 || kinds["Role"] != 1 || cfg.InferencePool != "llama" || cfg.GRPCPort != 9002 {
+					t.Errorf("epp: kinds %v, pool %q, grpc port %d", kinds, cfg.InferencePool, cfg.GRPCPort)
+				}
+				if !strings.Contains(eppObjects, "inferencepools") || !strings.Contains(eppObjects, "kubernetes.io/h2c") || !strings.Contains(eppObjects, "service:readiness") {
+					t.Errorf("epp: the Role, Service or probes miss the picker's parts")
+				}
 			}
 			if name == "tenants" && keyEnv["BATON_RATE_LIMIT_STORE"] != "baton-redis" {
 				t.Errorf("the Redis URL is not read from its Secret: %v", keyEnv)

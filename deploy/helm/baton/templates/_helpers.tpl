@@ -49,6 +49,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- with .Values.serviceDiscovery.prefillSelector }}{{ $_ := set $c "prefill_selector" . }}{{ end -}}
 {{- with .Values.serviceDiscovery.decodeSelector }}{{ $_ := set $c "decode_selector" . }}{{ end -}}
 {{- end -}}
+{{- if .Values.epp.enabled -}}
+{{- if not .Values.epp.inferencePool.name -}}
+{{- fail "epp.enabled needs epp.inferencePool.name: the InferencePool whose pods are the workers" -}}
+{{- end -}}
+{{- if .Values.serviceDiscovery.enabled -}}
+{{- fail "epp.enabled finds the workers through the InferencePool: leave serviceDiscovery.enabled false (its namespace and PD selectors still apply)" -}}
+{{- end -}}
+{{- $_ := set $c "inference_pool" .Values.epp.inferencePool.name -}}
+{{- $_ := set $c "grpc_port" (int .Values.epp.grpcPort) -}}
+{{- $_ := set $c "service_discovery_namespace" (include "baton.discoveryNamespace" .) -}}
+{{- with .Values.serviceDiscovery.prefillSelector }}{{ $_ := set $c "prefill_selector" . }}{{ end -}}
+{{- with .Values.serviceDiscovery.decodeSelector }}{{ $_ := set $c "decode_selector" . }}{{ end -}}
+{{- end -}}
 {{- toYaml $c -}}
 {{- end -}}
 
