@@ -439,53 +439,70 @@ func TestEPPRenamesAnAlias(t *testing.T) {
 // Prefill/decode through the Endpoint Picker with Baton at both ends: the picker answers the
 // decode side as the destination and names the prefill in x-prefiller-host-port; the
 // destination is a Baton sidecar in front of the decode engine, which runs the prefill leg on
-// the prefill named (not one of its own choosing) and hands the KV over. A header naming no
+// the prefill named (not one of its own choosing) and hands the KV over — vLLM's NIXL relay and
+// SGLang's bootstrap rendezvous alike. A header naming no
 // prefill of the sidecar's is refused 503; without the header the sidecar chooses itself.
 func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
 	t.Parallel()
-	p1 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
-	p2 := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
-	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode})
-	prefills := []config.Worker{{URL: p1.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"},
-		{URL: p2.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}}
-	side := config.Default()
-	side.PDDisaggregation, side.PDPrefillerHeader = true, true
-	side.Workers = append(append([]config.Worker{}, prefills...), config.Worker{URL: d.URL(), Role: config.RoleDecode})
-	_, sidecar := startGateway(t, side)
+	for _, tc := range []struct{ engine, handoff string }{{sim.EngineVLLM, "nixl"}, {sim.EngineSGLang, "bootstrap"}} {
+		t.Run(tc.engine, func(t *testing.T) {
+			t.Parallel()
+			var prefills []config.Worker
+			for i := 0; i < 2; i++ {
+				p := simEngine(t, sim.Config{Engine: tc.engine, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+				w := config.Worker{URL: p.URL(), Role: config.RolePrefill}
+				if tc.engine == sim.EngineVLLM {
+					w.KVConnector = "NixlConnector"
+				} else {
+					port := p.BootstrapPort()
+					w.BootstrapPort = &port
+				}
+				prefills = append(prefills, w)
+			}
+			d := simEngine(t, sim.Config{Engine: tc.engine, Role: sim.RoleDecode})
+			side := config.Default()
+			side.PDDisaggregation, side.PDPrefillerHeader = true, true
+			side.Workers = append(append([]config.Worker{}, prefills...), config.Worker{URL: d.URL(), Role: config.RoleDecode})
+			_, sidecar := startGateway(t, side)
 
-	pick := config.Default()
-	pick.PDDisaggregation = true
-	pick.Workers = append(append([]config.Worker{}, prefills...),
-		config.Worker{URL: sidecar.URL, Role: config.RoleDecode, Runtime: config.RuntimeVLLM, KVConnector: "NixlConnector"})
-	_, conn := startEPP(t, pick)
-	dp, srv := dataPlane(t, conn)
-	used := map[string]int{}
-	for i := 0; i < 6; i++ {
-		resp := post(t, srv.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"tell me a story number %d","max_tokens":4}`, pdModel, i))
-		body := readAll(t, resp.Body)
-		ex := dp.Last()
-		if resp.StatusCode != 200 || ex.Header != endpointOf(sidecar.URL) {
-			t.Fatalf("%d %s (pick %+v)", resp.StatusCode, body, ex)
-		}
-		if got := resp.Header.Get("X-Baton-Prefill-Worker"); "http://"+ex.Prefiller != got {
-			t.Fatalf("the picker named prefill %s, the sidecar used %s", ex.Prefiller, got)
-		}
-		if h, src := resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource); h != "nixl" || src != sim.SourceRemote {
-			t.Fatalf("handoff %q, the decode's KV source %q", h, src)
-		}
-		used[ex.Prefiller]++
-	}
-	if len(used) != 2 {
-		t.Errorf("the picker named one prefill only: %v", used)
-	}
-	if st := d.Stats(); st.PromptTokensRemote == 0 || st.PromptTokensRecompute != 6 {
-		t.Errorf("decode: %d prompt tokens received, %d recomputed (want the last prompt token of each request only)", st.PromptTokensRemote, st.PromptTokensRecompute)
-	}
-	resp := post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel), epp.HeaderPrefiller, "10.255.0.1:8000")
-	wantEnvelope(t, resp, 503, "no_available_workers")
-	resp = post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel))
-	if readAll(t, resp.Body); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == "" {
-		t.Errorf("without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+			pick := config.Default()
+			pick.PDDisaggregation = true
+			decode := config.Worker{URL: sidecar.URL, Role: config.RoleDecode, Runtime: tc.engine}
+			if tc.engine == sim.EngineVLLM {
+				decode.KVConnector = "NixlConnector"
+			}
+			pick.Workers = append(append([]config.Worker{}, prefills...), decode)
+			_, conn := startEPP(t, pick)
+			dp, srv := dataPlane(t, conn)
+			used := map[string]int{}
+			for i := 0; i < 6; i++ {
+				resp := post(t, srv.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"tell me a story number %d","max_tokens":4}`, pdModel, i))
+				body := readAll(t, resp.Body)
+				ex := dp.Last()
+				if resp.StatusCode != 200 || ex.Header != endpointOf(sidecar.URL) {
+					t.Fatalf("%d %s (pick %+v)", resp.StatusCode, body, ex)
+				}
+				if got := resp.Header.Get("X-Baton-Prefill-Worker"); "http://"+ex.Prefiller != got {
+					t.Fatalf("the picker named prefill %s, the sidecar used %s", ex.Prefiller, got)
+				}
+				if h, src := resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource); h != tc.handoff || src != sim.SourceRemote {
+					t.Fatalf("handoff %q, the decode's KV source %q", h, src)
+				}
+				used[ex.Prefiller]++
+			}
+			if len(used) != 2 {
+				t.Errorf("the picker named one prefill only: %v", used)
+			}
+			if st := d.Stats(); st.PromptTokensRemote == 0 {
+				t.Errorf("decode: no prompt token received from a prefill")
+			}
+			resp := post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel), epp.HeaderPrefiller, "10.255.0.1:8000")
+			wantEnvelope(t, resp, 503, "no_available_workers")
+			resp = post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel))
+			if readAll(t, resp.Body); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == "" {
+				t.Errorf("without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+			}
+		})
 	}
 }
 
@@ -581,5 +598,53 @@ func TestEPPBoundsTheExchange(t *testing.T) {
 	m, err := pst.Recv()
 	if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 431 {
 		t.Fatalf("300 header fields: %v %v", m, err)
+	}
+}
+
+// The data plane goes down the list: when the chosen endpoint refuses connections (its engine
+// gone before Baton noticed), the next one serves, the proxy says so, and Baton moves the
+// request there and counts it. The requests are on the status page like proxied ones.
+func TestEPPFallbackDownTheList(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	b := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL(), b.URL()), func(c *config.Config) { c.HealthCheck.Disable = true })
+	a.Close() // Baton still holds a available: nothing it does asks a before the picks
+	dp, srv := dataPlane(t, conn)
+	var fellBack int
+	for i := 0; i < 4; i++ {
+		resp := post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`)
+		body := readAll(t, resp.Body)
+		ex := dp.Last()
+		if resp.StatusCode != 200 || ex.Served != endpointOf(b.URL()) {
+			t.Fatalf("%d %s (%+v)", resp.StatusCode, body, ex)
+		}
+		if len(ex.Tried) == 2 {
+			fellBack++
+		}
+	}
+	if fellBack == 0 || testutil.ToFloat64(g.Metrics.EPPServedFallback) != float64(fellBack) {
+		t.Errorf("%d requests fell back, %v counted", fellBack, testutil.ToFloat64(g.Metrics.EPPServedFallback))
+	}
+	for _, w := range g.Registry.Snapshot().Workers {
+		if w.InFlight() != 0 {
+			t.Errorf("%s: %d in flight", w.URL, w.InFlight())
+		}
+	}
+	status := httptest.NewServer(g.Server.StatusHandler())
+	defer status.Close()
+	resp, err := http.Get(status.URL + "/status.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s struct {
+		LastMinute struct {
+			RPS float64 `json:"rps"`
+		} `json:"last_minute"`
+	}
+	json.NewDecoder(resp.Body).Decode(&s)
+	resp.Body.Close()
+	if s.LastMinute.RPS <= 0 {
+		t.Errorf("the picker's requests are not on the status page: %+v", s)
 	}
 }

@@ -5,9 +5,9 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"net"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -23,22 +23,17 @@ import (
 	"github.com/baton-llm/baton/internal/sim"
 )
 
+var eppLine = regexp.MustCompile(`baton endpoint picker \(ext_proc, gRPC health\) on (\S+)`)
+
 // startEPP starts `baton epp` with args on cpu and waits until its readiness service serves.
 func startEPP(binary string, cpu int, args ...string) (*proc, *grpc.ClientConn, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	argv := append([]string{binary, "epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grpc-port", "0", "--log-level", "error", "--access-log=false"}, args...)
+	p, ms, err := startUntilAll(pinned(cpu, argv...), "baton epp", servingLine, eppLine)
 	if err != nil {
 		return nil, nil, err
 	}
-	addr := ln.Addr().String()
-	ln.Close()
-	_, port, _ := net.SplitHostPort(addr)
-	argv := append([]string{binary, "epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grpc-port", port, "--log-level", "error", "--access-log=false"}, args...)
-	p, m, err := startUntil(pinned(cpu, argv...), servingLine, "baton epp")
-	if err != nil {
-		return nil, nil, err
-	}
-	p.URL, p.MetricsURL = m[1], m[2]
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	p.URL, p.MetricsURL = ms[0][1], ms[0][2]
+	conn, err := grpc.NewClient(ms[1][1], grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		p.stop()
 		return nil, nil, err

@@ -100,6 +100,16 @@ func startSim(binary string, cpu int, args ...string) (*proc, error) {
 // startUntil starts argv and waits (30 s at most) for the first line of its output that line
 // matches; its standard error is kept in the process's logs.
 func startUntil(argv []string, line *regexp.Regexp, what string) (*proc, []string, error) {
+	p, ms, err := startUntilAll(argv, what, line)
+	if err != nil {
+		return nil, nil, err
+	}
+	return p, ms[0], nil
+}
+
+// startUntilAll starts argv and waits (30 s at most) until each of lines matched a line of its
+// output, and returns the first match of each.
+func startUntilAll(argv []string, what string, lines ...*regexp.Regexp) (*proc, [][]string, error) {
 	cmd := exec.Command(argv[0], argv[1:]...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -110,21 +120,25 @@ func startUntil(argv []string, line *regexp.Regexp, what string) (*proc, []strin
 	if err := cmd.Start(); err != nil {
 		return nil, nil, err
 	}
-	matched := make(chan []string, 1)
+	matched := make(chan [][]string, 1)
 	go func() {
+		ms := make([][]string, len(lines))
+		left := len(lines)
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
-			if m := line.FindStringSubmatch(sc.Text()); m != nil {
-				select {
-				case matched <- m:
-				default: // only the first counts
+			for i, re := range lines {
+				if m := re.FindStringSubmatch(sc.Text()); m != nil && ms[i] == nil {
+					ms[i] = m
+					if left--; left == 0 {
+						matched <- ms
+					}
 				}
 			}
 		}
 	}()
 	select {
-	case m := <-matched:
-		return p, m, nil
+	case ms := <-matched:
+		return p, ms, nil
 	case <-time.After(30 * time.Second):
 		p.stop()
 		return nil, nil, fmt.Errorf("%s did not start: %s", what, p.logs.String())

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -59,7 +60,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 		return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Message: "the request's method or path is malformed"}
 	}
 	r.Header = req.Header
-	r.RemoteAddr = req.Header.Get("x-forwarded-for")
+	r.RemoteAddr = clientOf(req.Header.Get("x-forwarded-for"))
 	rid := requestID(r.Header)
 	var span trace.Span
 	if tracing.Enabled() {
@@ -274,3 +275,19 @@ func (p *picker) saturated(role, model string, allow func(*worker.Worker) bool) 
 	}
 	return seen
 }
+
+// clientOf is the client a gateway's X-Forwarded-For names last (the address it saw), bounded
+// for the access log.
+func clientOf(xff string) string {
+	if i := strings.LastIndexByte(xff, ','); i >= 0 {
+		xff = xff[i+1:]
+	}
+	xff = strings.TrimSpace(xff)
+	if len(xff) > maxClientLen {
+		xff = xff[:maxClientLen]
+	}
+	return xff
+}
+
+// maxClientLen bounds the client address in the access log.
+const maxClientLen = 64
