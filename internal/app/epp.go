@@ -65,6 +65,7 @@ func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 			g.Metrics.EPPDecisions.WithLabelValues(code).Inc()
 		},
 	}
+	es.Reserve, es.Release = g.Server.BodyBudget()
 	// A buffered body arrives in one message: it may be as large as a request body may be.
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.MaxPayloadSize) + 64<<10))
 	extprocv3.RegisterExternalProcessorServer(srv, es)

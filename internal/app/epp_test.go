@@ -648,3 +648,46 @@ func TestEPPFallbackDownTheList(t *testing.T) {
 		t.Errorf("the picker's requests are not on the status page: %+v", s)
 	}
 }
+
+// Bodies being assembled share the process-wide body budget with the HTTP listener's: past it
+// a body is refused 503 overloaded, and a body handed back or an exchange ended gives its bytes
+// back.
+func TestEPPBodiesShareTheBudget(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	_, conn := startEPP(t, testConfig(a.URL()), func(c *config.Config) { c.MaxPayloadSize, c.MaxBufferedBodyBytes = 1<<20, 2<<20 })
+	client := extprocv3.NewExternalProcessorClient(conn)
+	open := func(ctx context.Context) extprocv3.ExternalProcessor_ProcessClient {
+		st, err := client.Process(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
+		st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+		return st
+	}
+	chunk := func(st extprocv3.ExternalProcessor_ProcessClient, n int) {
+		st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: bytes.Repeat([]byte(" "), n)}}})
+	}
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	first := open(ctx1)
+	chunk(first, 1000<<10) // held, the body not ended
+	time.Sleep(100 * time.Millisecond)
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second) // no refusal: the test fails, not hangs
+	defer cancel2()
+	second := open(ctx2)
+	chunk(second, 1000<<10)
+	chunk(second, 10<<10) // its buffer grows past what is left
+	m, err := second.Recv()
+	if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 503 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), "overloaded") {
+		t.Fatalf("past the budget: %v %v", m, err)
+	}
+	cancel1()
+	poll.Until(t, "the budget given back", func() bool {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		st := rawStream(t, ctx, conn, `{"model":"m","prompt":"`+strings.Repeat("y", 900<<10)+`"}`)
+		m, err := st.Recv()
+		return err == nil && m.GetRequestHeaders() != nil
+	})
+}

@@ -102,6 +102,10 @@ type Server struct {
 	// MaxHeaderBytes bounds the request headers the proxy sends (names and values); maxHeaders
 	// bounds their number.
 	MaxHeaderBytes int
+	// Reserve and Release hold request body bytes in the process-wide budget the HTTP
+	// listener's bodies share (nil: none): a body past it is refused 503.
+	Reserve func(n int64) bool
+	Release func(n int64)
 	// MaxDuration bounds one exchange, request and response (0: unbounded): past it the
 	// stream ends and the request with it.
 	MaxDuration time.Duration
@@ -181,6 +185,7 @@ type exchange struct {
 	answered          bool // the request path was answered (pick or refusal)
 	req               Request
 	body              []byte
+	held              int64 // body bytes reserved in the budget
 	bodyDone          bool
 	headerBytes       int
 	pick              *Pick
@@ -193,12 +198,23 @@ type exchange struct {
 	done     bool
 }
 
-// end reports the outcome once.
+// dropBody lets the request body go once it was handed back (or refused), and gives its bytes
+// back to the budget: a long response holds none of it.
+func (x *exchange) dropBody() {
+	x.body, x.req.Body = nil, nil
+	if x.held > 0 && x.s.Release != nil {
+		x.s.Release(x.held)
+	}
+	x.held = 0
+}
+
+// end reports the outcome once, and gives the body's bytes back to the budget.
 func (x *exchange) end() {
 	if x.done {
 		return
 	}
 	x.done = true
+	x.dropBody()
 	if x.pick == nil || x.pick.Done == nil {
 		return
 	}
@@ -264,6 +280,14 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 				Message: fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.MaxBody)}, false)
 		}
 		x.body = append(x.body, b.GetBody()...)
+		if grown := int64(cap(x.body)) - x.held; grown > 0 && x.s.Reserve != nil {
+			if !x.s.Reserve(grown) {
+				x.body = nil
+				return x.refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
+					Message: "request bodies held at once would exceed max_buffered_body_bytes; try again"}, false)
+			}
+			x.held += grown
+		}
 		if !b.GetEndOfStream() && x.reqMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 			return nil
 		}
@@ -406,8 +430,13 @@ func (x *exchange) served(md *corev3.Metadata) {
 
 // decide asks the picker for the request's endpoints and answers the request path: in the
 // headers' answer when the body is not streamed to Baton (atHeaders) or in full duplex mode,
-// else in the buffered body's answer.
+// else in the buffered body's answer. The body is let go once answered.
 func (x *exchange) decide(atHeaders bool) error {
+	defer x.dropBody()
+	return x.answer(atHeaders)
+}
+
+func (x *exchange) answer(atHeaders bool) error {
 	if x.answered {
 		return nil
 	}

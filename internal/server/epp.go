@@ -41,6 +41,12 @@ type EPPOptions struct {
 // forwarding.
 func (s *Server) EndpointPicker(o EPPOptions) epp.Picker { return &picker{s: s, o: o} }
 
+// BodyBudget is the process-wide budget of request body bytes held at once: take reserves
+// (false: they do not fit), give returns.
+func (s *Server) BodyBudget() (take func(int64) bool, give func(int64)) {
+	return s.bodies.take, s.bodies.give
+}
+
 type picker struct {
 	s *Server
 	o EPPOptions
