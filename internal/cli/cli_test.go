@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -138,6 +139,72 @@ func TestEPPCommand(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 200 || !strings.Contains(string(body), `"completion_tokens":2`) {
 		t.Errorf("through the picker: %d %s", resp.StatusCode, body)
+	}
+}
+
+// On shutdown the picker drains: readiness stops serving at once, an exchange still answering
+// finishes, and then baton epp returns.
+func TestEPPDrains(t *testing.T) {
+	t.Parallel()
+	engine := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "vllm", "--port", "0", "--model", "m")
+	ctx, cancel := context.WithCancel(context.Background())
+	out := &syncBuffer{}
+	res := make(chan error, 1)
+	go func() {
+		res <- Run(ctx, []string{"epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grpc-port", "0", "--worker-urls", engine}, out, io.Discard)
+	}()
+	defer cancel()
+	var addr string
+	poll.Until(t, "the picker listens", func() bool {
+		m := regexp.MustCompile(`endpoint picker \(ext_proc, gRPC health\) on (\S+)`).FindStringSubmatch(out.String())
+		if m != nil {
+			addr = m[1]
+		}
+		return m != nil
+	})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	serving := func() bool {
+		r, err := hc.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	}
+	poll.Until(t, "ready", serving)
+	st, err := extprocv3.NewExternalProcessorClient(conn).Process(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
+	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"model":"m","prompt":"x"}`), EndOfStream: true}}})
+	for i := 0; i < 2; i++ { // the pick, the body handed back
+		if _, err := st.Recv(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cancel() // SIGTERM
+	poll.Until(t, "not ready while draining", func() bool { return !serving() })
+	select {
+	case err := <-res:
+		t.Fatalf("baton epp returned (%v) with an exchange still answering", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}}, EndOfStream: true}}})
+	if _, err := st.Recv(); err != nil {
+		t.Fatalf("the exchange was cut by the drain: %v", err)
+	}
+	st.CloseSend()
+	select {
+	case err := <-res:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("baton epp did not return after its last exchange")
 	}
 }
 
