@@ -96,12 +96,11 @@ func TestEPPStreamsThroughTheDataPlane(t *testing.T) {
 			t.Fatalf("endpoint %q is no worker's", ep)
 		}
 	}
-	poll.Until(t, "the request ended in Baton's books", func() bool {
-		return testutil.ToFloat64(g.Metrics.Requests.WithLabelValues("POST /v1/chat/completions", "m", "200")) == 1
+	// The request ends in Baton's books once the data plane closed the stream, after answering.
+	poll.Until(t, "the request counted, with the 8 completion tokens of the relayed stream's usage", func() bool {
+		return testutil.ToFloat64(g.Metrics.Requests.WithLabelValues("POST /v1/chat/completions", "m", "200")) == 1 &&
+			testutil.ToFloat64(g.Metrics.Tokens.WithLabelValues("m", "completion")) == 8
 	})
-	if n := testutil.ToFloat64(g.Metrics.Tokens.WithLabelValues("m", "completion")); n != 8 {
-		t.Errorf("completion tokens from the relayed stream's usage: %v, want 8", n)
-	}
 	if testutil.CollectAndCount(g.Metrics.TTFT) == 0 {
 		t.Error("no TTFT observed")
 	}
@@ -511,7 +510,7 @@ func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
 func TestEPPContinuesTheTrace(t *testing.T) {
 	rc := newOTLPReceiver(t)
 	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
-	_, conn := startEPP(t, testConfig(a.URL()))
+	g, conn := startEPP(t, testConfig(a.URL()))
 	_, srv := dataPlane(t, conn)
 	const traceID, parentID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 	spans := rc.capture(t, func() {
@@ -519,6 +518,7 @@ func TestEPPContinuesTheTrace(t *testing.T) {
 		if readAll(t, resp.Body); resp.StatusCode != 200 {
 			t.Fatalf("%d", resp.StatusCode)
 		}
+		poll.Until(t, "the request ended", func() bool { return g.Server.InFlight() == 0 })
 	})
 	server := one(t, spans, "POST /v1/completions")
 	if hex.EncodeToString(server.TraceId) != traceID || hex.EncodeToString(server.ParentSpanId) != parentID {
