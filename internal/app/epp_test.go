@@ -214,6 +214,7 @@ func TestEPPRefusals(t *testing.T) {
 		code   string
 	}{
 		{`{"model":`, 400, "invalid_json"},
+		{``, 400, "invalid_json"},
 		{`{"messages":[]}`, 400, "model_required"},
 		{`{"model":"m","model":"n"}`, 400, "duplicate_key"},
 		{`{"model":"nobody-serves-this","prompt":"x"}`, 404, "model_not_found"},

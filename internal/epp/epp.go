@@ -51,7 +51,8 @@ const (
 type Request struct {
 	Method, Path string
 	Header       http.Header
-	// Body is the whole request body, nil for a request without one.
+	// Body is the whole request body: empty for a request known to have none, nil when the
+	// pick is made before the body came (the proxy's filter does not stream it first).
 	Body []byte
 	// Subset, when HasSubset, is the proxy's subset hint: pick only from these ip:port.
 	Subset    []string
@@ -440,9 +441,11 @@ func (x *exchange) answer(atHeaders bool) error {
 	if x.answered {
 		return nil
 	}
-	x.req.Body = nil
-	if x.bodyDone && len(x.body) > 0 {
-		x.req.Body = x.body
+	x.req.Body = nil // nil: a pick made before the body came (it may have one)
+	if x.bodyDone {
+		if x.req.Body = x.body; x.req.Body == nil {
+			x.req.Body = []byte{} // known to be empty
+		}
 	}
 	start := time.Now()
 	p, err := x.s.Picker.Pick(x.ctx, &x.req)

@@ -89,7 +89,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 
 	var parsed *openai.Request
 	model := ""
-	if req.Body != nil {
+	if len(req.Body) > 0 || req.Body != nil && r.Method == http.MethodPost && routes.Of(req.Path).Inference {
 		var e *openai.Error
 		if parsed, e = s.parseRequest(req.Body, req.Path); e != nil {
 			return refuse(e)
