@@ -16,6 +16,7 @@ import (
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
@@ -694,4 +695,35 @@ func TestEPPBodiesShareTheBudget(t *testing.T) {
 		m, err := st.Recv()
 		return err == nil && m.GetRequestHeaders() != nil
 	})
+}
+
+// A filter that sends the body only after the headers were answered (STREAMED) gets its pick
+// with the headers' answer, made without model or prompt, then each body chunk acknowledged.
+func TestEPPHalfDuplexPicksFromHeaders(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	_, conn := startEPP(t, testConfig(a.URL()))
+	st, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.CloseSend()
+	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
+	st.Send(&extprocv3.ProcessingRequest{ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_STREAMED},
+		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+	m, err := st.Recv()
+	if err != nil || m.GetRequestHeaders() == nil || metadataDest(m) != endpointOf(a.URL()) {
+		t.Fatalf("the headers' answer: %v %v", m, err)
+	}
+	for _, eos := range []bool{false, true} {
+		st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"model":"m"}`), EndOfStream: eos}}})
+		if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
+			t.Fatalf("body chunk (end %v): %v %v", eos, m, err)
+		}
+	}
+}
+
+// metadataDest is the pick in an answer's dynamic metadata.
+func metadataDest(m *extprocv3.ProcessingResponse) string {
+	return m.GetDynamicMetadata().GetFields()[epp.MetadataNamespace].GetStructValue().GetFields()[epp.HeaderDestination].GetStringValue()
 }
