@@ -660,7 +660,8 @@ func TestEPPFallbackDownTheList(t *testing.T) {
 func TestEPPBodiesShareTheBudget(t *testing.T) {
 	t.Parallel()
 	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
-	_, conn := startEPP(t, testConfig(a.URL()), func(c *config.Config) { c.MaxPayloadSize, c.MaxBufferedBodyBytes = 1<<20, 2<<20 })
+	g, conn := startEPP(t, testConfig(a.URL()), func(c *config.Config) { c.MaxPayloadSize, c.MaxBufferedBodyBytes = 1<<20, 2<<20 })
+	take, give := g.Server.BodyBudget()
 	client := extprocv3.NewExternalProcessorClient(conn)
 	open := func(ctx context.Context) extprocv3.ExternalProcessor_ProcessClient {
 		st, err := client.Process(ctx)
@@ -677,7 +678,13 @@ func TestEPPBodiesShareTheBudget(t *testing.T) {
 	ctx1, cancel1 := context.WithCancel(context.Background())
 	first := open(ctx1)
 	chunk(first, 1000<<10) // held, the body not ended
-	time.Sleep(100 * time.Millisecond)
+	poll.Until(t, "the first body is held in the budget", func() bool {
+		if take(1200 << 10) { // fits: the first chunk is not held yet
+			give(1200 << 10)
+			return false
+		}
+		return true
+	})
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second) // no refusal: the test fails, not hangs
 	defer cancel2()
 	second := open(ctx2)
