@@ -44,18 +44,7 @@ func available(ws []*worker.Worker, req *Request) []*worker.Worker {
 	if req.Allow == nil {
 		return ws
 	}
-	for i, w := range ws {
-		if !req.Allow(w) {
-			out := append([]*worker.Worker(nil), ws[:i]...)
-			for _, w := range ws[i+1:] {
-				if req.Allow(w) {
-					out = append(out, w)
-				}
-			}
-			return out
-		}
-	}
-	return ws
+	return worker.Keep(ws, req.Allow)
 }
 
 // NoWorkerError says why no worker could be chosen.
@@ -157,18 +146,7 @@ func serving(ws []*worker.Worker, path string) []*worker.Worker {
 	if !routes.Of(path).SGLangOnly {
 		return ws
 	}
-	for i, w := range ws {
-		if !Serves(w, path) {
-			out := append([]*worker.Worker(nil), ws[:i]...)
-			for _, w := range ws[i+1:] {
-				if Serves(w, path) {
-					out = append(out, w)
-				}
-			}
-			return out
-		}
-	}
-	return ws
+	return worker.Keep(ws, func(w *worker.Worker) bool { return Serves(w, path) })
 }
 
 // Candidates are the registered workers of role that may serve model: for a declared adapter,
@@ -270,13 +248,7 @@ func handingOff(ws []*worker.Worker, path string) []*worker.Worker {
 	if r := routes.Of(path); !r.PD || r.SGLangPD {
 		return ws
 	}
-	var out []*worker.Worker
-	for _, w := range ws {
-		if w.Runtime() == config.RuntimeVLLM {
-			out = append(out, w)
-		}
-	}
-	return out
+	return worker.Keep(ws, func(w *worker.Worker) bool { return w.Runtime() == config.RuntimeVLLM })
 }
 
 // withPartners returns the prefills that some decode of decodes can take the KV of.
@@ -284,18 +256,7 @@ func (s *Selector) withPartners(prefills, decodes []*worker.Worker) []*worker.Wo
 	if s.Compatible == nil {
 		return prefills
 	}
-	for i, p := range prefills {
-		if len(s.partners(p, decodes)) == 0 {
-			out := append([]*worker.Worker(nil), prefills[:i]...)
-			for _, p := range prefills[i+1:] {
-				if len(s.partners(p, decodes)) > 0 {
-					out = append(out, p)
-				}
-			}
-			return out
-		}
-	}
-	return prefills
+	return worker.Keep(prefills, func(p *worker.Worker) bool { return len(s.partners(p, decodes)) > 0 })
 }
 
 // partners returns the decodes that can take prefill's KV. It allocates only when some cannot.
@@ -303,18 +264,7 @@ func (s *Selector) partners(prefill *worker.Worker, decodes []*worker.Worker) []
 	if s.Compatible == nil {
 		return decodes
 	}
-	for i, d := range decodes {
-		if !s.Compatible(prefill, d) {
-			out := append([]*worker.Worker(nil), decodes[:i]...)
-			for _, d := range decodes[i+1:] {
-				if s.Compatible(prefill, d) {
-					out = append(out, d)
-				}
-			}
-			return out
-		}
-	}
-	return decodes
+	return worker.Keep(decodes, func(d *worker.Worker) bool { return s.Compatible(prefill, d) })
 }
 
 // Decode chooses another decode worker for prefill's handoff: one serving req's model and

@@ -145,12 +145,16 @@ func (w *Worker) Available() bool {
 
 // Available returns the available workers among ws, in order. It allocates only when some are
 // not available.
-func Available(ws []*Worker) []*Worker {
+func Available(ws []*Worker) []*Worker { return Keep(ws, (*Worker).Available) }
+
+// Keep returns the workers of ws that keep holds for, in order: ws itself when it holds for all
+// (no allocation), else a new slice.
+func Keep(ws []*Worker, keep func(*Worker) bool) []*Worker {
 	for i, w := range ws {
-		if !w.Available() {
+		if !keep(w) {
 			out := append([]*Worker(nil), ws[:i]...)
 			for _, w := range ws[i+1:] {
-				if w.Available() {
+				if keep(w) {
 					out = append(out, w)
 				}
 			}
