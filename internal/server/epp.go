@@ -75,7 +75,8 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 		r = r.WithContext(tctx)
 	}
 	rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1, Start: start, Route: "other"}
-	if rt := routes.Of(req.Path); rt.Path != "" {
+	rt := routes.Of(req.Path)
+	if rt.Path != "" {
 		rec.Route = r.Method + " " + rt.Path
 	}
 	r = r.WithContext(record.With(r.Context(), rec))
@@ -89,7 +90,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 
 	var parsed *openai.Request
 	model := ""
-	if len(req.Body) > 0 || req.Body != nil && r.Method == http.MethodPost && routes.Of(req.Path).Inference {
+	if len(req.Body) > 0 || req.Body != nil && r.Method == http.MethodPost && rt.Inference {
 		var e *openai.Error
 		if parsed, e = s.parseRequest(req.Body, req.Path); e != nil {
 			return refuse(e)
@@ -115,7 +116,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 		}
 		sreq.Allow = func(w *worker.Worker) bool { return allowed[w.Endpoint] }
 	}
-	disagg := s.opts.PD && routes.Of(req.Path).PD && !s.sel.HasRole(config.RoleRegular)
+	disagg := s.opts.PD && rt.PD && !s.sel.HasRole(config.RoleRegular)
 	role := config.RoleRegular
 	if disagg {
 		role, rec.Mode = config.RoleDecode, "pd"
@@ -125,7 +126,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 			Message: "every worker that could serve this batch request is saturated: it was shed; try again later"})
 	}
 
-	if len(worker.Available(p.s.reg.Snapshot().Workers)) == 0 {
+	if !slices.ContainsFunc(s.reg.Snapshot().Workers, (*worker.Worker).Available) {
 		// The protocol's 503 for no ready endpoint, whatever the model: a model no worker names
 		// is 404 only while some worker is there to say so.
 		return refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
