@@ -67,6 +67,16 @@ func port(e *sim.Engine) string { return e.URL()[strings.LastIndex(e.URL(), ":")
 // gateway starts a Baton with cfg (no workers of its own) and discovery over ns.
 func gateway(t *testing.T, cs kubernetes.Interface, ns string, cfg config.Config, sel map[string]map[string]string) (*app.Gateway, string) {
 	t.Helper()
+	g := discovering(t, cfg, &discovery.Discovery{Client: cs, Namespace: ns, Selectors: sel, Port: 8000})
+	srv := httptest.NewServer(g.Server.Handler())
+	t.Cleanup(srv.Close)
+	return g, srv.URL
+}
+
+// discovering starts a Baton with cfg (no workers of its own) and runs d over its fleet, with
+// short settling and unready delays, until the test ends.
+func discovering(t *testing.T, cfg config.Config, d *discovery.Discovery) *app.Gateway {
+	t.Helper()
 	cfg.Host = "127.0.0.1"
 	g, err := app.New(cfg, slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -77,15 +87,13 @@ func gateway(t *testing.T, cs kubernetes.Interface, ns string, cfg config.Config
 	if err := g.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	d := &discovery.Discovery{Client: cs, Namespace: ns, Selectors: sel, Port: 8000, Fleet: g.Fleet, Log: slog.New(slog.DiscardHandler),
-		Settle: 20 * time.Millisecond, UnreadyRemoveAfter: 1500 * time.Millisecond}
+	d.Fleet, d.Log = g.Fleet, slog.New(slog.DiscardHandler)
+	d.Settle, d.UnreadyRemoveAfter = 20*time.Millisecond, 1500*time.Millisecond
 	g.UseDiscovery(d)
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
-	srv := httptest.NewServer(g.Server.Handler())
-	t.Cleanup(srv.Close)
-	return g, srv.URL
+	return g
 }
 
 // pod creates a worker pod (scheduled on a node no kubelet runs: the test plays the kubelet).

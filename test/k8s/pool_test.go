@@ -3,7 +3,6 @@ package k8s
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -23,7 +22,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/baton-llm/baton/internal/app"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/epp/dataplane"
@@ -147,22 +145,9 @@ func TestInferencePoolLifecycle(t *testing.T) {
 	es, port := poolEngines(t, 3)
 
 	cfg := config.Default()
-	cfg.Host, cfg.EPP, cfg.InferencePool = "127.0.0.1", true, "chat-pool"
-	g, err := app.New(cfg, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); g.Wait() })
-	if err := g.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	d := &discovery.Discovery{Client: cs, Dynamic: dyn, Pool: "chat-pool", Namespace: ns, Fleet: g.Fleet, Log: slog.New(slog.DiscardHandler),
-		Settle: 20 * time.Millisecond, UnreadyRemoveAfter: 1500 * time.Millisecond}
-	g.UseDiscovery(d)
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	cfg.EPP, cfg.InferencePool = true, "chat-pool"
+	d := &discovery.Discovery{Client: cs, Dynamic: dyn, Pool: "chat-pool", Namespace: ns}
+	g := discovering(t, cfg, d)
 	grpcSrv, _ := g.NewEPP(cfg)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
