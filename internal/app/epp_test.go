@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -24,7 +23,6 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
@@ -241,11 +239,9 @@ func rawStream(t *testing.T, ctx context.Context, conn *grpc.ClientConn, body st
 	if err != nil {
 		t.Fatal(err)
 	}
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")},
-		{Key: "content-type", RawValue: []byte("application/json")}}}
 	for _, m := range []*extprocv3.ProcessingRequest{
-		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}},
-		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(body), EndOfStream: true}}},
+		dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", http.Header{"Content-Type": {"application/json"}}, false),
+		dataplane.RequestBody([]byte(body), true),
 	} {
 		if err := st.Send(m); err != nil {
 			t.Fatal(err)
@@ -295,10 +291,7 @@ func TestEPPServedEndpointAndCancel(t *testing.T) {
 	if len(eps) != 2 || byEndpoint[eps[0]].InFlight() != 1 {
 		t.Fatalf("pick %v, in flight on the choice %d", eps, byEndpoint[eps[0]].InFlight())
 	}
-	served := &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{epp.MetadataNamespace: {
-		Fields: map[string]*structpb.Value{epp.ServedKey: structpb.NewStringValue(eps[1])}}}}
-	st.Send(&extprocv3.ProcessingRequest{MetadataContext: served, Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
-		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}}}}})
+	st.Send(dataplane.ResponseHeaders(http.StatusOK, nil, eps[1], false))
 	if _, err := st.Recv(); err != nil {
 		t.Fatal(err)
 	}
@@ -308,8 +301,7 @@ func TestEPPServedEndpointAndCancel(t *testing.T) {
 	if n := testutil.ToFloat64(g.Metrics.EPPServedFallback); n != 1 {
 		t.Errorf("served by a fallback: %v", n)
 	}
-	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
-		Body: []byte(`{"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}`), EndOfStream: true}}})
+	st.Send(dataplane.ResponseBody([]byte(`{"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}`), true))
 	if m, err := st.Recv(); err != nil || !strings.Contains(string(m.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody()), "completion_tokens") {
 		t.Fatalf("the response body was not handed back: %v %v", m, err)
 	}
@@ -357,12 +349,12 @@ func TestEPPBadProtocolInput(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pst.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte("{}"), EndOfStream: true}}})
+	pst.Send(dataplane.RequestBody([]byte("{}"), true))
 	if _, err := pst.Recv(); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("a body before headers: %v", err)
 	}
 	pst, _ = extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
-	pst.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}}})
+	pst.Send(dataplane.ResponseHeaders(http.StatusOK, nil, "", false))
 	if _, err := pst.Recv(); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("response headers before the request: %v", err)
 	}
@@ -592,11 +584,11 @@ func TestEPPBoundsTheExchange(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
+	flood := http.Header{}
 	for i := 0; i < 300; i++ {
-		hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: fmt.Sprintf("x-h%d", i), RawValue: []byte("v")})
+		flood.Set(fmt.Sprintf("x-h%d", i), "v")
 	}
-	pst.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+	pst.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", flood, false))
 	m, err := pst.Recv()
 	if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 431 {
 		t.Fatalf("300 header fields: %v %v", m, err)
@@ -668,12 +660,11 @@ func TestEPPBodiesShareTheBudget(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
-		st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+		st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
 		return st
 	}
 	chunk := func(st extprocv3.ExternalProcessor_ProcessClient, n int) {
-		st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: bytes.Repeat([]byte(" "), n)}}})
+		st.Send(dataplane.RequestBody(bytes.Repeat([]byte(" "), n), false))
 	}
 	ctx1, cancel1 := context.WithCancel(context.Background())
 	first := open(ctx1)
@@ -715,22 +706,17 @@ func TestEPPHalfDuplexPicksFromHeaders(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer st.CloseSend()
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
-	st.Send(&extprocv3.ProcessingRequest{ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_STREAMED},
-		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
+	first := dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false)
+	first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_STREAMED}
+	st.Send(first)
 	m, err := st.Recv()
-	if err != nil || m.GetRequestHeaders() == nil || metadataDest(m) != endpointOf(a.URL()) {
+	if err != nil || m.GetRequestHeaders() == nil || dataplane.Destination(m) != endpointOf(a.URL()) {
 		t.Fatalf("the headers' answer: %v %v", m, err)
 	}
 	for _, eos := range []bool{false, true} {
-		st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"model":"m"}`), EndOfStream: eos}}})
+		st.Send(dataplane.RequestBody([]byte(`{"model":"m"}`), eos))
 		if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
 			t.Fatalf("body chunk (end %v): %v %v", eos, m, err)
 		}
 	}
-}
-
-// metadataDest is the pick in an answer's dynamic metadata.
-func metadataDest(m *extprocv3.ProcessingResponse) string {
-	return m.GetDynamicMetadata().GetFields()[epp.MetadataNamespace].GetStructValue().GetFields()[epp.HeaderDestination].GetStringValue()
 }

@@ -13,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -116,10 +115,7 @@ func quantile(before, after map[float64]float64, q float64) string {
 // would for a request: headers and body, the pick (timed from the body's last byte to the
 // headers' answer), then the response headers and an empty response body ending it.
 func decision(client extprocv3.ExternalProcessorClient, body []byte) Request {
-	headers := &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-		{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")},
-		{Key: "content-type", RawValue: []byte("application/json")}}}}
-	respHeaders := &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}}}
+	headers := dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", http.Header{"Content-Type": {"application/json"}}, false)
 	return func(ctx context.Context, i int) (r Result) {
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
@@ -128,12 +124,12 @@ func decision(client extprocv3.ExternalProcessorClient, body []byte) Request {
 			r.Err = err
 			return r
 		}
-		if err := st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: headers}}); err != nil {
+		if err := st.Send(headers); err != nil {
 			r.Err = err
 			return r
 		}
 		start := time.Now()
-		if err := st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}}); err != nil {
+		if err := st.Send(dataplane.RequestBody(body, true)); err != nil {
 			r.Err = err
 			return r
 		}
@@ -151,10 +147,7 @@ func decision(client extprocv3.ExternalProcessorClient, body []byte) Request {
 			r.Err = err
 			return r
 		}
-		for _, msg := range []*extprocv3.ProcessingRequest{
-			{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: respHeaders}},
-			{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(`{}`), EndOfStream: true}}},
-		} {
+		for _, msg := range []*extprocv3.ProcessingRequest{dataplane.ResponseHeaders(http.StatusOK, nil, "", false), dataplane.ResponseBody([]byte(`{}`), true)} {
 			if err := st.Send(msg); err != nil {
 				r.Err = err
 				return r

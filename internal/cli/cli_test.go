@@ -16,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -177,9 +176,8 @@ func TestEPPDrains(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte("/v1/completions")}}}
-	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}})
-	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"model":"m","prompt":"x"}`), EndOfStream: true}}})
+	st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+	st.Send(dataplane.RequestBody([]byte(`{"model":"m","prompt":"x"}`), true))
 	for i := 0; i < 2; i++ { // the pick, the body handed back
 		if _, err := st.Recv(); err != nil {
 			t.Fatal(err)
@@ -192,8 +190,7 @@ func TestEPPDrains(t *testing.T) {
 		t.Fatalf("baton epp returned (%v) with an exchange still answering", err)
 	case <-time.After(300 * time.Millisecond):
 	}
-	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
-		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}}, EndOfStream: true}}})
+	st.Send(dataplane.ResponseHeaders(http.StatusOK, nil, "", true))
 	if _, err := st.Recv(); err != nil {
 		t.Fatalf("the exchange was cut by the drain: %v", err)
 	}

@@ -92,18 +92,8 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) (Exchange, error) 
 	if p.Buffered {
 		mode = filterv3.ProcessingMode_BUFFERED
 	}
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-		{Key: ":method", RawValue: []byte(r.Method)}, {Key: ":path", RawValue: []byte(r.URL.RequestURI())},
-		{Key: ":authority", RawValue: []byte(r.Host)}, {Key: ":scheme", RawValue: []byte("http")}}}
-	for k, vs := range r.Header {
-		for _, v := range vs {
-			hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: strings.ToLower(k), RawValue: []byte(v)})
-		}
-	}
-	first := &extprocv3.ProcessingRequest{
-		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: mode, ResponseBodyMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED},
-		Request:        &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm, EndOfStream: len(body) == 0}},
-	}
+	first := RequestHeaders(r.Method, r.Host, r.URL.RequestURI(), r.Header, len(body) == 0)
+	first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: mode, ResponseBodyMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
 	if p.Subset != nil {
 		if sub := p.Subset(r); sub != nil {
 			vals := make([]*structpb.Value, len(sub))
@@ -144,12 +134,11 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) (Exchange, error) 
 			if mu := v.RequestHeaders.GetResponse().GetHeaderMutation(); mu != nil {
 				mutation = mu
 			}
-			ex.Metadata = metadataDestination(m.GetDynamicMetadata())
+			ex.Metadata = Destination(m)
 			if len(body) == 0 {
 				done = true
 			} else if p.Buffered {
-				if err := st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-					RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}}); err != nil {
+				if err := st.Send(RequestBody(body, true)); err != nil {
 					return ex, err
 				}
 			}
@@ -157,7 +146,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) (Exchange, error) 
 			c := v.RequestBody.GetResponse()
 			if mu := c.GetHeaderMutation(); mu != nil { // buffered: the pick rides on the body's answer
 				mutation = mu
-				ex.Metadata = metadataDestination(m.GetDynamicMetadata())
+				ex.Metadata = Destination(m)
 			}
 			switch bm := c.GetBodyMutation().GetMutation().(type) {
 			case *extprocv3.BodyMutation_StreamedResponse:
@@ -233,8 +222,7 @@ func (p *Proxy) sendBody(st extprocv3.ExternalProcessor_ProcessClient, body []by
 	}
 	for len(body) > 0 {
 		c := min(n, len(body))
-		if err := st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-			RequestBody: &extprocv3.HttpBody{Body: body[:c], EndOfStream: c == len(body)}}}); err != nil {
+		if err := st.Send(RequestBody(body[:c], c == len(body))); err != nil {
 			return err
 		}
 		body = body[c:]
@@ -245,16 +233,7 @@ func (p *Proxy) sendBody(st extprocv3.ExternalProcessor_ProcessClient, body []by
 // relay sends the response through the picker: headers with the served endpoint, then each
 // body chunk, writing what the picker hands back to the client.
 func (p *Proxy) relay(st extprocv3.ExternalProcessor_ProcessClient, w http.ResponseWriter, resp *http.Response, served string) error {
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(strconv.Itoa(resp.StatusCode))}}}
-	for k, vs := range resp.Header {
-		for _, v := range vs {
-			hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: strings.ToLower(k), RawValue: []byte(v)})
-		}
-	}
-	md := &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{epp.MetadataNamespace: {
-		Fields: map[string]*structpb.Value{epp.ServedKey: structpb.NewStringValue(served)}}}}
-	if err := st.Send(&extprocv3.ProcessingRequest{MetadataContext: md, Request: &extprocv3.ProcessingRequest_ResponseHeaders{
-		ResponseHeaders: &extprocv3.HttpHeaders{Headers: hm}}}); err != nil {
+	if err := st.Send(ResponseHeaders(resp.StatusCode, resp.Header, served, false)); err != nil {
 		return err
 	}
 	if _, err := st.Recv(); err != nil {
@@ -272,8 +251,7 @@ func (p *Proxy) relay(st extprocv3.ExternalProcessor_ProcessClient, w http.Respo
 		n, rerr := resp.Body.Read(buf)
 		eos := rerr != nil
 		if n > 0 || eos {
-			if err := st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
-				ResponseBody: &extprocv3.HttpBody{Body: buf[:n], EndOfStream: eos}}}); err != nil {
+			if err := st.Send(ResponseBody(buf[:n], eos)); err != nil {
 				return nil // the head went out: a broken picker cuts the response short
 			}
 			m, err := st.Recv()
@@ -293,9 +271,4 @@ func (p *Proxy) relay(st extprocv3.ExternalProcessor_ProcessClient, w http.Respo
 			return nil
 		}
 	}
-}
-
-// metadataDestination is the pick in a response's dynamic metadata ("" when absent).
-func metadataDestination(s *structpb.Struct) string {
-	return s.GetFields()[epp.MetadataNamespace].GetStructValue().GetFields()[epp.HeaderDestination].GetStringValue()
 }
