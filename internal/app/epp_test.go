@@ -398,17 +398,18 @@ func TestEPPHealthServices(t *testing.T) {
 }
 
 // An alias, and the default model of a request that names none, are renamed to the workers'
-// model in the body handed back (its length set anew).
+// model in the body handed back (its length set anew). A client's own x-prefiller-host-port
+// never reaches an engine: the picker removes it when it names no prefill.
 func TestEPPRenamesAnAlias(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
 	var got map[string]any
-	var length string
+	var length, prefiller string
 	up := fakeEngine(t, "vllm", []string{"big-model"}, func(w http.ResponseWriter, r *http.Request) {
 		mu.Lock()
 		defer mu.Unlock()
 		json.NewDecoder(r.Body).Decode(&got)
-		length = r.Header.Get("Content-Length")
+		length, prefiller = r.Header.Get("Content-Length"), r.Header.Get(epp.HeaderPrefiller)
 		io.WriteString(w, `{"choices":[]}`)
 	})
 	cfg := testConfig(up.URL)
@@ -417,13 +418,16 @@ func TestEPPRenamesAnAlias(t *testing.T) {
 	_, conn := startEPP(t, cfg)
 	_, srv := dataPlane(t, conn)
 	for _, body := range []string{`{"model":"small","prompt":"x"}`, `{"prompt":"x"}`} {
-		resp := post(t, srv.URL+"/v1/completions", body)
+		resp := post(t, srv.URL+"/v1/completions", body, epp.HeaderPrefiller, "10.0.0.9:8000")
 		if b := readAll(t, resp.Body); resp.StatusCode != 200 {
 			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
 		}
 		mu.Lock()
 		if got["model"] != "big-model" || got["prompt"] != "x" || length == fmt.Sprint(len(body)) {
 			t.Errorf("%s: engine got %v (length %s)", body, got, length)
+		}
+		if prefiller != "" {
+			t.Errorf("the client's %s reached the engine: %q", epp.HeaderPrefiller, prefiller)
 		}
 		mu.Unlock()
 	}
