@@ -11,6 +11,7 @@
 package epp
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -164,11 +165,9 @@ func (s *Server) serve(stream extprocv3.ExternalProcessor_ProcessServer) error {
 			return nil
 		}
 		if err := x.handle(m); err != nil {
-			if errors.Is(err, errProtocol) {
-				x.err = err.Error()
-				return status.Error(codes.InvalidArgument, err.Error())
+			if x.err = err.Error(); errors.Is(err, errProtocol) {
+				return status.Error(codes.InvalidArgument, x.err)
 			}
-			x.err = err.Error()
 			return err
 		}
 	}
@@ -188,7 +187,6 @@ type exchange struct {
 	body              []byte
 	held              int64 // body bytes reserved in the budget
 	bodyDone          bool
-	headerBytes       int
 	pick              *Pick
 	immediate         bool
 
@@ -196,7 +194,6 @@ type exchange struct {
 	tail     []byte
 	respDone bool
 	err      string
-	done     bool
 }
 
 // dropBody lets the request body go once it was handed back (or refused), and gives its bytes
@@ -209,21 +206,15 @@ func (x *exchange) dropBody() {
 	x.held = 0
 }
 
-// end reports the outcome once, and gives the body's bytes back to the budget.
+// end reports the outcome (once: serve defers it), and gives the body's bytes back to the
+// budget.
 func (x *exchange) end() {
-	if x.done {
-		return
-	}
-	x.done = true
 	x.dropBody()
 	if x.pick == nil || x.pick.Done == nil {
 		return
 	}
-	if x.out.Err == "" && !x.respDone {
-		x.out.Err = x.err
-		if x.out.Err == "" {
-			x.out.Err = "the proxy ended the stream before the response did"
-		}
+	if !x.respDone {
+		x.out.Err = cmp.Or(x.err, "the proxy ended the stream before the response did")
 	}
 	if u, ok := openai.LastUsage(x.tail); ok {
 		x.out.Usage, x.out.UsageKnown = u, true
@@ -365,10 +356,10 @@ func (x *exchange) headers(h *extprocv3.HttpHeaders, md *corev3.Metadata) error 
 		return x.refuse(&openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
 			Message: fmt.Sprintf("the request has %d header fields, above %d", n, maxHeaders)}, false)
 	}
+	size := 0
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		k, v := hv.GetKey(), headerValue(hv)
-		x.headerBytes += len(k) + len(v)
-		if x.s.MaxHeaderBytes > 0 && x.headerBytes > x.s.MaxHeaderBytes {
+		if size += len(k) + len(v); x.s.MaxHeaderBytes > 0 && size > x.s.MaxHeaderBytes {
 			return x.refuse(&openai.Error{Status: http.StatusRequestHeaderFieldsTooLarge, Code: openai.CodeHeadersTooLarge,
 				Message: fmt.Sprintf("request headers exceed %d bytes", x.s.MaxHeaderBytes)}, false)
 		}
