@@ -568,7 +568,8 @@ func TestEPPReplicasAgreeThroughKVEvents(t *testing.T) {
 }
 
 // Time and size bound what a proxy may send: an exchange past the request deadline (plus a
-// grace) is ended, the request with it; too many header fields are refused 431.
+// grace) is ended, the request with it; too many header fields are refused 431, the refusal the
+// only answer in every body mode.
 func TestEPPBoundsTheExchange(t *testing.T) {
 	t.Parallel()
 	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
@@ -584,18 +585,26 @@ func TestEPPBoundsTheExchange(t *testing.T) {
 	}
 	poll.Until(t, "the request ended", func() bool { return w.InFlight() == 0 })
 
-	pst, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
 	flood := http.Header{}
 	for i := 0; i < 300; i++ {
 		flood.Set(fmt.Sprintf("x-h%d", i), "v")
 	}
-	pst.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", flood, false))
-	m, err := pst.Recv()
-	if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 431 {
-		t.Fatalf("300 header fields: %v %v", m, err)
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED} {
+		pst, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", flood, false)
+		first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: mode}
+		pst.Send(first)
+		m, err := pst.Recv()
+		if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 431 {
+			t.Fatalf("%s, 300 header fields: %v %v", mode, m, err)
+		}
+		pst.CloseSend()
+		if m, err := pst.Recv(); err != io.EOF { // the refusal is the only answer
+			t.Errorf("%s: after the refusal: %v %v", mode, m, err)
+		}
 	}
 }
 

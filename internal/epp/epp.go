@@ -235,8 +235,8 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 			return fmt.Errorf("%w: request headers twice", errProtocol)
 		}
 		x.started = true
-		if err := x.headers(r.RequestHeaders, m.GetMetadataContext()); err != nil {
-			return err
+		if err := x.headers(r.RequestHeaders, m.GetMetadataContext()); err != nil || x.answered {
+			return err // refused: the immediate response is the only answer
 		}
 		if r.RequestHeaders.GetEndOfStream() {
 			x.bodyDone = true
