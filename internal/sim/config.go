@@ -28,6 +28,9 @@ const (
 
 	PolicyFail      = "fail"
 	PolicyRecompute = "recompute"
+
+	// SchedulingPriority is vLLM's --scheduling-policy priority (the default is fcfs).
+	SchedulingPriority = "priority"
 )
 
 // Config describes one simulated engine. The zero value of a duration means "no delay".
@@ -47,10 +50,13 @@ type Config struct {
 	// SideChannelPort is the first NIXL side channel port (rank r listens on +r); 0 picks free ones.
 	SideChannelPort int
 
-	PrefillPerToken time.Duration // cost of each prompt token computed locally
-	DecodePerToken  time.Duration // cost of each output token
-	MaxConcurrency  int           // requests running at once; 0 means 256
-	QueueSize       int           // requests waiting beyond that; 0 means 1024; more get 503
+	// SchedulingPolicy is vLLM's --scheduling-policy: "" (fcfs) refuses a request whose
+	// priority is not 0, as vLLM does; "priority" takes it.
+	SchedulingPolicy string
+	PrefillPerToken  time.Duration // cost of each prompt token computed locally
+	DecodePerToken   time.Duration // cost of each output token
+	MaxConcurrency   int           // requests running at once; 0 means 256
+	QueueSize        int           // requests waiting beyond that; 0 means 1024; more get 503
 
 	KVTimeout        time.Duration // pinned prefill KV is freed after this (NIXL/Mooncake); 0 means 30 s
 	BootstrapTimeout time.Duration // SGLang: a leg whose partner never arrives fails; 0 means 10 s
@@ -212,6 +218,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.IntVar(&c.BootstrapPort, "bootstrap-port", 0, "bootstrap server port for SGLang/Mooncake prefill (0 picks a free one)")
 	fs.IntVar(&c.SideChannelPort, "side-channel-port", 0, "first NIXL side channel port (0 picks free ones)")
 	fs.DurationVar(&c.PrefillPerToken, "prefill-per-token", 0, "cost of each prompt token computed locally, e.g. 20us")
+	fs.StringVar(&c.SchedulingPolicy, "scheduling-policy", "", "vLLM: priority takes a request's priority; otherwise (fcfs) a priority other than 0 is refused, as vLLM does")
 	fs.DurationVar(&c.DecodePerToken, "decode-per-token", 0, "cost of each output token, e.g. 10ms")
 	fs.IntVar(&c.MaxConcurrency, "max-concurrency", 256, "requests running at once")
 	fs.IntVar(&c.QueueSize, "queue-size", 1024, "requests waiting beyond max-concurrency; more get 503")

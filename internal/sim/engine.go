@@ -86,6 +86,10 @@ type Stats struct {
 	RequestsFailed         int64
 	RequestsCancelled      int64 // the client left before the answer was complete
 	RequestsRejected       int64 // 503: queue full
+	TokensGenerated        int64 // output tokens computed, those of requests cut short included
+	// RequestsWithPriority counts requests whose body carried a "priority"; LastPriority is the
+	// last such value.
+	RequestsWithPriority, LastPriority int64
 }
 
 type stats struct {
@@ -95,6 +99,7 @@ type stats struct {
 	mismatch                                  atomic.Int64
 	cacheQueries, cacheHits                   atomic.Int64
 	received, ok, failed, cancelled, rejected atomic.Int64
+	generated, priority, lastPriority         atomic.Int64
 }
 
 // Stats returns a snapshot of the counters.
@@ -106,7 +111,8 @@ func (e *Engine) Stats() Stats {
 		HandoffsReleased: s.released.Load(), StaleKVReads: s.staleReads.Load(),
 		KVLoadFailures: s.loadFail.Load(), KVConnectorMismatches: s.mismatch.Load(),
 		PrefixCacheQueries: s.cacheQueries.Load(), PrefixCacheHits: s.cacheHits.Load(), RequestsReceived: s.received.Load(), RequestsOK: s.ok.Load(), RequestsFailed: s.failed.Load(),
-		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(),
+		RequestsCancelled: s.cancelled.Load(), RequestsRejected: s.rejected.Load(), TokensGenerated: s.generated.Load(),
+		RequestsWithPriority: s.priority.Load(), LastPriority: s.lastPriority.Load(),
 	}
 }
 

@@ -208,7 +208,13 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 	if f.drops() {
 		s.dropAfter = f.DropAfter
 	}
-	tick := func() error { return sleep(ctx, e.cfg.DecodePerToken) }
+	tick := func() error { // one token computed
+		if err := sleep(ctx, e.cfg.DecodePerToken); err != nil {
+			return err
+		}
+		e.stats.generated.Add(1)
+		return nil
+	}
 	chunk := func(idx int, delta map[string]any, finish any) map[string]any {
 		c := map[string]any{"index": idx, "logprobs": nil, "finish_reason": finish}
 		if j.route == routeChat {

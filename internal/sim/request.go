@@ -99,6 +99,7 @@ type rawRequest struct {
 	RoutedDPRank        *int            `json:"routed_dp_rank"`
 	DisaggPrefillDPRank *int            `json:"disagg_prefill_dp_rank"`
 	ReturnLogprob       bool            `json:"return_logprob"`
+	Priority            *int64          `json:"priority"`
 	template
 }
 
@@ -122,6 +123,15 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 			return nil, errorf(400, "LoRA adapter %s is not loaded", *raw.LoRAPath)
 		}
 		lora = *raw.LoRAPath
+	}
+	if raw.Priority != nil {
+		e.stats.priority.Add(1)
+		e.stats.lastPriority.Store(*raw.Priority)
+		// vLLM refuses a priority other than 0 unless it schedules by priority
+		// (vllm/v1/engine/processor.py, Processor.process_inputs).
+		if e.cfg.Engine == EngineVLLM && *raw.Priority != 0 && e.cfg.SchedulingPolicy != SchedulingPriority {
+			return nil, errorf(400, "Got priority %d but Priority scheduling is not enabled.", *raw.Priority)
+		}
 	}
 	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1, lora: lora}
 	if aerr := e.checkKVParams(rt, j); aerr != nil {

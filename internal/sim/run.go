@@ -103,7 +103,7 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 		if j.stream {
 			err = e.writeStream(ctx, w, j, results, f)
 		} else {
-			if err = sleep(ctx, e.decodeTime(results)); err == nil {
+			if err = e.decode(ctx, results); err == nil {
 				e.writeFull(w, j, results)
 			}
 		}
@@ -118,14 +118,22 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 	}
 }
 
-func (e *Engine) decodeTime(results []itemResult) time.Duration {
+// decode spends the decode cost of a whole answer's tokens, counting those computed: all of
+// them, or as many as the time before the client left allowed.
+func (e *Engine) decode(ctx context.Context, results []itemResult) error {
 	n := 0
 	for _, res := range results {
 		for _, c := range res.choices {
 			n += len(c.tokens)
 		}
 	}
-	return time.Duration(n) * e.cfg.DecodePerToken
+	start := time.Now()
+	err := sleep(ctx, time.Duration(n)*e.cfg.DecodePerToken)
+	if err != nil && e.cfg.DecodePerToken > 0 {
+		n = min(n, int(time.Since(start)/e.cfg.DecodePerToken))
+	}
+	e.stats.generated.Add(int64(n))
+	return err
 }
 
 // run does the prefill phase of every item (local compute, KV load, or rendezvous) and the
