@@ -122,6 +122,7 @@ type Waiter struct {
 	timer   *time.Timer
 	fl      *flow
 	class   Class
+	ceiling Class     // the highest class it may be promoted to
 	entered time.Time // into its current class
 	arrived time.Time
 	cost    float64 // its estimated weighted tokens
@@ -158,6 +159,9 @@ type Request struct {
 	Tenant string
 	Weight float64 // the tenant's share (default 1)
 	Class  Class
+	// Ceiling is the highest class the request may reach by promotion: its tenant's
+	// max_priority. Critical (the zero value) lets it rise to the top.
+	Ceiling Class
 	// In and Out are its estimated prompt and completion tokens, charged to the tenant's
 	// counter when it is served and corrected when it ends.
 	In, Out int
@@ -190,7 +194,7 @@ func (s *Scheduler) Acquire(ctx context.Context, req Request) (Ticket, error) {
 	}
 	w := s.pool.Get().(*Waiter)
 	now := time.Now()
-	w.fl, w.class, w.entered, w.arrived, w.cost, w.granted = fl, req.Class, now, now, cost, false
+	w.fl, w.class, w.ceiling, w.entered, w.arrived, w.cost, w.granted = fl, req.Class, req.Ceiling, now, now, cost, false
 	s.enqueue(w)
 	s.mu.Unlock()
 
@@ -432,13 +436,19 @@ func (s *Scheduler) next() *Waiter {
 	return nil
 }
 
-// promote moves the requests that waited PromoteAfter in their class up one class.
+// promote moves the requests that waited PromoteAfter in their class up one class, never above
+// their ceiling: a request at its ceiling stays, however long it waits.
 func (s *Scheduler) promote(now time.Time) {
 	if s.o.PromoteAfter <= 0 {
 		return
 	}
 	for c := Class(1); c < NumClasses; c++ {
-		for w := s.classes[c].order.head; w != nil && now.Sub(w.entered) >= s.o.PromoteAfter; w = s.classes[c].order.head {
+		var next *Waiter
+		for w := s.classes[c].order.head; w != nil && now.Sub(w.entered) >= s.o.PromoteAfter; w = next {
+			next = w.o.next
+			if c-1 < w.ceiling {
+				continue
+			}
 			s.remove(w)
 			w.fl = s.flow(c-1, w.fl.key.tenant, w.fl.weight)
 			w.class, w.entered = c-1, now

@@ -247,6 +247,44 @@ func TestPromotion(t *testing.T) {
 	}
 }
 
+// Promotion never lifts a request above its ceiling (its tenant's max_priority), however long it
+// waits — nor so into the slots reserved for critical work: a batch tenant's request that waited
+// many promotion periods is still batch, still waiting, while a request whose ceiling allows it
+// rises and takes the reserved slot.
+func TestPromotionStopsAtTheCeiling(t *testing.T) {
+	o := opts(2)
+	o.Reserved[Critical] = 1
+	o.PromoteAfter = 10 * time.Millisecond
+	s := New(o)
+	h := hold(t, s) // one slot taken; the other is critical's
+	q := newQueueing(t, s)
+	q.add(t.Context(), "capped", Request{Tenant: "a", Class: Batch, Ceiling: Batch})
+	for range 10 {
+		time.Sleep(15 * time.Millisecond)
+		s.Tick()
+	}
+	if s.Waiting(Batch) != 1 || s.InUse() != 1 {
+		t.Fatalf("after 10 promotion periods: waiting in batch %d, in use %d; want the capped request still waiting in batch", s.Waiting(Batch), s.InUse())
+	}
+	q.add(t.Context(), "free", Request{Tenant: "b", Class: Batch, Ceiling: Critical})
+	for deadline := time.Now().Add(5 * time.Second); s.InUse() < 2 && time.Now().Before(deadline); {
+		time.Sleep(15 * time.Millisecond)
+		s.Tick()
+	}
+	q.waitN(1)
+	if q.last() != "free" || q.tickets["free"].Class != Critical {
+		t.Fatalf("served %s in %s, want the request allowed critical, promoted into the reserved slot", q.last(), q.tickets[q.last()].Class)
+	}
+	h.Release(0, 0)
+	q.release("free", 0, 0) // two slots free, one beyond the reserve: the capped request's, as batch
+	q.waitN(2)
+	if tk := q.tickets["capped"]; tk.Class != Batch {
+		t.Errorf("the capped request was served in %s", tk.Class)
+	}
+	q.release("capped", 0, 0)
+	q.wg.Wait()
+}
+
 // Reserved slots: a burst of batch work cannot take the slots kept for critical requests.
 func TestReservedSlots(t *testing.T) {
 	o := opts(3)

@@ -109,7 +109,7 @@ func TestAdminAPIAddPatchDrain(t *testing.T) {
 			t.Errorf("key %q: %d %s", key, status, body)
 		}
 	}
-	// GET /workers answers to either key (it always answered to the inference key).
+	// GET /workers answers to either key: --api-key alone is the fleet's one client.
 	listWorkers(t, gw.URL, "sk-inference")
 
 	status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", fmt.Sprintf(`{"url":%q,"worker_type":"regular","labels":{"zone":"a"}}`, b.URL()))

@@ -32,16 +32,23 @@ func simEngine(t *testing.T, c sim.Config) *sim.Engine {
 // sglangPD starts an SGLang prefill and decode pair and a PD gateway over them.
 func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...func(*config.Config)) (p, d *sim.Engine, g *Gateway, url string) {
 	t.Helper()
-	pc.Engine, pc.Role = sim.EngineSGLang, sim.RolePrefill
-	dc.Engine, dc.Role = sim.EngineSGLang, sim.RoleDecode
-	p, d = simEngine(t, pc), simEngine(t, dc)
-	cfg := config.Default()
-	cfg.PDDisaggregation = true
-	port := p.BootstrapPort()
-	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+	cfg, p, d := sglangPair(t, pc, dc)
 	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
 	g, srv := startGateway(t, cfg, tweak...)
 	return p, d, g, srv.URL
+}
+
+// sglangPair starts an SGLang prefill and decode pair and returns a PD configuration over them.
+func sglangPair(t *testing.T, pc, dc sim.Config) (cfg config.Config, p, d *sim.Engine) {
+	t.Helper()
+	pc.Engine, pc.Role = sim.EngineSGLang, sim.RolePrefill
+	dc.Engine, dc.Role = sim.EngineSGLang, sim.RoleDecode
+	p, d = simEngine(t, pc), simEngine(t, dc)
+	cfg = config.Default()
+	cfg.PDDisaggregation = true
+	port := p.BootstrapPort()
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+	return cfg, p, d
 }
 
 // postTimeout posts with a client deadline, so a leg left waiting for a partner fails the test

@@ -21,6 +21,16 @@ import (
 // vllmPD starts a vLLM prefill and decode pair and a PD gateway over them.
 func vllmPD(t *testing.T, connector string, pc, dc sim.Config, tweak ...func(*config.Config)) (p, d *sim.Engine, g *Gateway, url string) {
 	t.Helper()
+	cfg, p, d := vllmPair(t, connector, pc, dc)
+	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
+	g, srv := startGateway(t, cfg, tweak...)
+	return p, d, g, srv.URL
+}
+
+// vllmPair starts a vLLM prefill and decode pair handing off through connector, and returns a
+// PD configuration over them.
+func vllmPair(t *testing.T, connector string, pc, dc sim.Config) (cfg config.Config, p, d *sim.Engine) {
+	t.Helper()
 	pc.Engine, pc.Role = sim.EngineVLLM, sim.RolePrefill
 	dc.Engine, dc.Role = sim.EngineVLLM, sim.RoleDecode
 	if pc.KVConnector == "" {
@@ -34,16 +44,14 @@ func vllmPD(t *testing.T, connector string, pc, dc sim.Config, tweak ...func(*co
 		pc.EngineID = "engine-p"
 	}
 	p, d = simEngine(t, pc), simEngine(t, dc)
-	cfg := config.Default()
+	cfg = config.Default()
 	cfg.PDDisaggregation = true
 	pw := config.Worker{URL: p.URL(), Role: config.RolePrefill, KVConnector: connector, KVEngineID: pc.EngineID}
 	if bp := p.BootstrapPort(); bp != 0 {
 		pw.BootstrapPort = &bp
 	}
 	cfg.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode}}
-	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
-	g, srv := startGateway(t, cfg, tweak...)
-	return p, d, g, srv.URL
+	return cfg, p, d
 }
 
 var vllmCases = []struct{ name, route, body string }{

@@ -32,13 +32,7 @@ func tenantReq(t *testing.T, url, key, body string) (*http.Response, string) {
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	return resp, string(b)
+	return tenantDo(t, req)
 }
 
 // charged is what the gateway charged a tenant's rule so far (GET /tenants' tokens_charged).
@@ -189,22 +183,13 @@ forward_sim_faults: true
 
 // nixlPDFleet is a PD configuration over a simulated vLLM NIXL pair.
 func nixlPDFleet(t *testing.T) config.Config {
-	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineID: "p"})
-	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
-	cfg := config.Default()
-	cfg.PDDisaggregation = true
-	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
+	cfg, _, _ := vllmPair(t, "NixlConnector", sim.Config{}, sim.Config{})
 	return cfg
 }
 
 // sglangPDFleet is a PD configuration over a simulated SGLang pair.
 func sglangPDFleet(t *testing.T) config.Config {
-	p := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RolePrefill})
-	d := simEngine(t, sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
-	cfg := config.Default()
-	cfg.PDDisaggregation = true
-	port := p.BootstrapPort()
-	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
+	cfg, _, _ := sglangPair(t, sim.Config{}, sim.Config{})
 	return cfg
 }
 

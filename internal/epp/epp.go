@@ -344,7 +344,7 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 // sends the body, so that picks cannot read the model or the prompt.
 func (x *exchange) headersOnly() {
 	if x.s.Log != nil && !x.s.warned.Swap(true) {
-		x.s.Log.Warn("epp: the proxy sends the request body only after the headers are answered (request_body_mode "+x.reqMode.String()+"): picks see no model and no prompt; configure the ext_proc filter with FULL_DUPLEX_STREAMED",
+		x.s.Log.Warn("epp: the proxy sends the request body only after the headers are answered (request_body_mode "+x.reqMode.String()+"): picks see no model and no prompt, and the fields Baton owns in a client's body (priority, kv_transfer_params, bootstrap_*) cannot be removed — on engines scheduling by priority a client's own priority outranks every class; configure the ext_proc filter with FULL_DUPLEX_STREAMED",
 			"path", x.req.Path)
 	}
 }

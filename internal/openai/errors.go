@@ -52,8 +52,10 @@ const (
 	CodeOverloaded               = "overloaded"
 	// A tenant's limits: requests or tokens per minute, requests at once; the shared store that
 	// counts them cannot be reached (failing closed).
-	CodeTenantRateLimit           = "tenant_rate_limit_exceeded"
-	CodeTenantConcurrency         = "tenant_concurrency_exceeded"
+	CodeTenantRateLimit   = "tenant_rate_limit_exceeded"
+	CodeTenantConcurrency = "tenant_concurrency_exceeded"
+	// A request that could not fit in its tenant's whole token bucket: never retryable.
+	CodeTenantRequestTooLarge     = "tenant_request_too_large"
 	CodeRateLimitStoreUnavailable = "rate_limit_store_unavailable"
 	// Admission: a priority class's queue is full, or a request waited its timeout in it; a
 	// priority header Baton does not know.
@@ -71,6 +73,8 @@ const (
 	CodeWorkerNotFound = "worker_not_found"
 	CodeBadRequest     = "bad_request"
 	CodeAdminDisabled  = "admin_disabled"
+	// A tenant's key on a route that shows the whole fleet (GET /workers on the API port).
+	CodeAdminKeyRequired = "admin_key_required"
 	// CodeUnsupportedMedia: an admin write whose body is not declared JSON.
 	CodeUnsupportedMedia = "unsupported_media_type"
 
@@ -93,6 +97,9 @@ type Error struct {
 
 	// RetryAfter, when set, is sent as the Retry-After header.
 	RetryAfter string
+	// NoRetry sends x-should-retry: false, which OpenAI's SDKs obey: a retry of the same
+	// request cannot succeed, whatever its status says.
+	NoRetry bool
 }
 
 // Error implements error.
@@ -170,6 +177,9 @@ func WriteError(w http.ResponseWriter, e *Error) {
 	h.Set(HeaderErrorCode, e.Code)
 	if e.RetryAfter != "" {
 		h.Set("Retry-After", e.RetryAfter)
+	}
+	if e.NoRetry {
+		h.Set(HeaderShouldRetry, "false")
 	}
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(body)

@@ -14,6 +14,8 @@ const (
 	HeaderBatonPrefix = "X-Baton-"
 	// HeaderErrorCode repeats the code of an error Baton minted.
 	HeaderErrorCode = "X-Baton-Error-Code"
+	// HeaderShouldRetry is OpenAI's: its SDKs do not retry an answer that says false.
+	HeaderShouldRetry = "X-Should-Retry"
 	// HeaderModel names the model that served the request: the workers' name for it, a
 	// fallback's when one served.
 	HeaderModel = "X-Baton-Model"

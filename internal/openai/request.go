@@ -50,11 +50,15 @@ func (r *Request) Get(key string) ([]byte, bool) {
 // may set them: a client's kv_transfer_params would make a vLLM engine with a KV connector pin
 // blocks for minutes (do_remote_decode) or connect to a host of the client's choosing
 // (do_remote_prefill); SGLang's bootstrap and DP rank fields would send KV to, or wait on, a
-// rendezvous the client names. ParseRequest removes them from every client body, on every route.
+// rendezvous the client names. "priority" is the engines' scheduling priority: on an engine
+// scheduling by it a client's value would outrank every class and every tenant's ceiling; Baton
+// writes its own (the request's class) for workers marked forward_priority. ParseRequest removes
+// them from every client body, on every route.
 var OwnedFields = []string{
 	"kv_transfer_params",
 	"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
 	"routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank",
+	"priority",
 }
 
 // SetBody makes b, an edit of r's body by Baton (a field it set), r's body, and indexes it again,

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
+
 	"net/http"
 	"strconv"
 	"strings"
@@ -16,6 +16,7 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -176,6 +177,9 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 		}
 		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
 		pu = readPrefillUsage(body)
+		if pu.ok {
+			record.From(s.r.Context()).EnginePrompt = pu.prompt
+		}
 		params, handoff = s.handoff(body, params)
 	}
 	if err := s.x.report(s.r, s.req, s.pair, s.plan.conn, handoff); err != nil {
@@ -258,13 +262,6 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 	return started, err
 }
 
-// unreached reports whether err is a failure to open a connection to the worker: the request
-// never left Baton, so no engine saw it or its kv_transfer_params.
-func unreached(err error) bool {
-	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "dial"
-}
-
 // retryableLeg reports whether a leg's failure before its first byte may succeed elsewhere.
 func retryableLeg(err error) bool {
 	var f *outcome.Failure
@@ -280,9 +277,14 @@ func (s *sequence) prefill() ([]byte, error) {
 	leg.OnRank(s.plan.prefillRank - 1)
 	defer leg.Excuse()
 	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: s.plan.probe, Header: s.plan.prefillHeader})
+	rec := record.From(s.r.Context())
 	if err != nil {
+		// Connected but unanswered (the client left, the deadline passed): the prefill was
+		// computing the prompt, and its tenant is charged it.
+		rec.PrefillComputed = rec.PrefillComputed || !proxy.Unreached(err)
 		return nil, s.x.Proxy.Failure(s.r, leg, err)
 	}
+	rec.PrefillComputed = rec.PrefillComputed || resp.StatusCode < 300
 	defer resp.Body.Close()
 	body, err := proxy.ReadBody(resp.Body)
 	if err != nil {
@@ -308,7 +310,7 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 		leg.OnRank(rank)
 	}
 	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr})
-	s.unreached = err != nil && unreached(err)
+	s.unreached = err != nil && proxy.Unreached(err)
 	if err != nil {
 		return false, s.x.Proxy.Failure(s.r, leg, err)
 	}

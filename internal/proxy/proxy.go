@@ -224,7 +224,9 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	out.Header.Set("Content-Type", "application/json")
 	out.ContentLength = int64(len(c.Body))
 	if !tracing.Enabled() {
-		return informational(p.Transport.RoundTrip(out))
+		resp, err := informational(p.Transport.RoundTrip(out))
+		given(ctx, leg, resp, err)
+		return resp, err
 	}
 	name := "upstream"
 	if leg.Name != "" {
@@ -238,12 +240,32 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
 	resp, err := informational(p.Transport.RoundTrip(out))
+	given(ctx, leg, resp, err)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, err.Error())
 	} else {
 		leg.span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode), attribute.Float64("baton.ttfb_ms", float64(time.Since(start))/1e6))
 	}
 	return resp, err
+}
+
+// given notes on the request's record that a leg that generates (a regular or decode leg) was
+// given the request and did not refuse it: a connection was made, and no answer came (the
+// client left, the deadline passed, the engine failed) or a 2xx did — so the engine computed
+// for it and the tenant is charged (record.Charge). A prefill leg is the PD executor's to note:
+// SGLang's runs on a goroutine of its own, and the record has one writer.
+func given(ctx context.Context, leg *Leg, resp *http.Response, err error) {
+	if leg.Name == "prefill" || Unreached(err) || err == nil && resp.StatusCode >= 300 {
+		return
+	}
+	record.From(ctx).AnswerComputed = true
+}
+
+// Unreached reports whether err is a failure to open a connection to the worker: the request
+// never left Baton, so no engine saw it.
+func Unreached(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
 }
 
 // payload is an upstream request's body: the bytes Baton holds, readable as a stream by

@@ -69,6 +69,7 @@ func accounting(rec *record.Record, inner func([]byte) []byte) (func([]byte) []b
 		if u, okP, okC := openai.EventUsage(ev); okP || okC {
 			if okP {
 				seen.u.Prompt, seen.u.Cached, seen.p = u.Prompt, u.Cached, true
+				rec.EnginePrompt = u.Prompt // the engine's count, should the stream not end
 			}
 			if okC {
 				seen.u.Completion, seen.c = u.Completion, true

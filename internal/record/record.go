@@ -67,6 +67,15 @@ type Record struct {
 	HoldRefusals bool
 	// Who is the tenant Baton identified (Tenant is its name).
 	Who *tenant.Tenant
+
+	// What the engines did with the request, for charging one that ended without usage (see
+	// Charge). PrefillComputed: a prefill leg was given the request (a connection was made) and
+	// did not refuse it (no answer, or a 2xx); AnswerComputed: likewise a leg that generates (a
+	// regular or decode leg). Each stays true once set, whatever a retry meets later.
+	// EnginePrompt is the prompt tokens an engine reported before the answer ended (a prefill
+	// leg's usage, a stream's first usage event), 0 when none did.
+	PrefillComputed, AnswerComputed bool
+	EnginePrompt                    int
 }
 
 type key struct{}
@@ -88,4 +97,36 @@ func From(ctx context.Context) *Record {
 // NextAttempt clears what one attempt learned, as the next starts.
 func (r *Record) NextAttempt() {
 	r.Worker, r.Prefill, r.Decode, r.Handoff, r.Decisions = "", "", "", "", ""
+}
+
+// Charge is what a request cost, in prompt and completion tokens, by what the engines did
+// (the table "What a request is charged" of the README's "Tenants and limits"):
+//
+//   - the engine's usage, when the answer carried it whole;
+//   - when a leg that generates was given the request and did not refuse it: the prompt (the
+//     count an engine reported, else the estimate) and, for a stream, one completion token per
+//     token event relayed; a non-streamed answer shows no progress before it ends, so one that
+//     did not end (the client left, the deadline passed, the engine failed) is charged the
+//     completion it asked for, completionEstimate (what the reservation covered);
+//   - when only a prefill leg computed it (the decode refused it or never started): the prompt;
+//   - nothing when no engine was given it (refused before dispatch, no connection made) or
+//     every engine given it refused it with an error status.
+func (r *Record) Charge(promptEstimate, completionEstimate int) (prompt, completion int) {
+	if r.UsageKnown {
+		return r.Usage.Prompt, r.Usage.Completion
+	}
+	if !r.AnswerComputed && !r.PrefillComputed {
+		return 0, 0
+	}
+	prompt = promptEstimate
+	if r.EnginePrompt > 0 {
+		prompt = r.EnginePrompt
+	}
+	switch {
+	case !r.AnswerComputed:
+		return prompt, 0
+	case r.CountEvents:
+		return prompt, r.Events
+	}
+	return prompt, completionEstimate
 }

@@ -65,7 +65,7 @@ func (s *Server) AdminHandler() http.Handler {
 func (s *Server) adminRoutes(mux *http.ServeMux, own bool) {
 	list := s.adminAuthed(http.HandlerFunc(s.serveWorkers))
 	if !own {
-		list = s.adminOr(s.authed(http.HandlerFunc(s.serveWorkers)), http.HandlerFunc(s.serveWorkers))
+		list = s.apiWorkers()
 	}
 	mux.Handle("GET /workers", list)
 	mux.Handle("GET /tenants", s.adminAuthed(http.HandlerFunc(s.serveTenants)))
@@ -76,6 +76,24 @@ func (s *Server) adminRoutes(mux *http.ServeMux, own bool) {
 	mux.Handle("POST /workers", s.adminAuthed(http.HandlerFunc(s.addWorker)))
 	mux.Handle("PATCH /workers/{id}", s.adminAuthed(http.HandlerFunc(s.patchWorker)))
 	mux.Handle("DELETE /workers/{id}", s.adminAuthed(http.HandlerFunc(s.deleteWorker)))
+}
+
+// apiWorkers is GET /workers on the API listener: the whole fleet — every engine's URL, model
+// and adapter — so the operator's. With the admin key it answers; where the fleet has one
+// client, unrestricted (no tenants: none or --api-key's alone), it answers that client, as it
+// always has; a key of one tenant among several (or of one limited to some models) is 403
+// admin_key_required: a tenant sees only its own models (GET /v1/models), never the fleet
+// behind them.
+func (s *Server) apiWorkers() http.Handler {
+	list := http.HandlerFunc(s.serveWorkers)
+	return s.adminOr(s.authed(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if ts := s.tenants().Tenants(); len(ts) > 1 || len(ts) == 1 && len(ts[0].Models()) > 0 {
+			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminKeyRequired,
+				Message: "GET /workers shows the whole fleet: it takes the admin API key (--admin-api-key), not a tenant's key"})
+			return
+		}
+		list(w, r)
+	})), list)
 }
 
 // adminKeyOK reports whether r carries the admin key (false when none is set).

@@ -86,7 +86,7 @@ func (a *admission) drain() {
 // wrap admits requests to next, for routes without a body to read first.
 func (a *admission) wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		release, ok := a.acquire(w, r, admit.Default, 0, 0)
+		release, ok := a.acquire(w, r, admit.Default, admit.Default, 0, 0)
 		if !ok {
 			return
 		}
@@ -100,7 +100,7 @@ func (a *admission) wrap(next http.Handler) http.Handler {
 // or false after answering the client itself, or when the client left or its deadline passed
 // while it waited. Inference handlers call it after reading the body, so that a slot covers
 // upstream work only: a client slow to send cannot hold one.
-func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class admit.Class, in, out int) (release func(), ok bool) {
+func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class, ceiling admit.Class, in, out int) (release func(), ok bool) {
 	if a == nil {
 		return func() {}, true
 	}
@@ -110,7 +110,7 @@ func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class admit.
 		weight = rec.Who.Weight
 	}
 	a.metrics.QueueDepth.WithLabelValues(class.String()).Inc()
-	t, err := a.s.Acquire(r.Context(), admit.Request{Tenant: rec.Tenant, Weight: weight, Class: class, In: in, Out: out})
+	t, err := a.s.Acquire(r.Context(), admit.Request{Tenant: rec.Tenant, Weight: weight, Class: class, Ceiling: ceiling, In: in, Out: out})
 	a.metrics.QueueDepth.WithLabelValues(class.String()).Dec()
 	rec.QueueWait = t.Waited
 	if t.Waited > 0 || err != nil {
@@ -121,13 +121,7 @@ func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class admit.
 		if t.Class != class {
 			rec.Class = t.Class.String() // promoted while it waited
 		}
-		return func() {
-			if rec.UsageKnown {
-				t.Release(rec.Usage.Prompt, rec.Usage.Completion)
-			} else {
-				t.Release(-1, -1)
-			}
-		}, true
+		return func() { t.Release(rec.Charge(in, out)) }, true
 	case admit.ErrQueueFull:
 		a.reject(w, openai.CodeQueueFull, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeQueueFull,
 			Message: fmt.Sprintf("every slot is taken and the %s queue is full", class)})
@@ -150,14 +144,14 @@ func (a *admission) reject(w http.ResponseWriter, reason string, e *openai.Error
 // priorityOf is the request's class: its X-Baton-Priority (or smg's X-Smg-Priority), else
 // default, clamped to its tenant's max_priority; echoed in the response's X-Baton-Priority. An
 // unknown value is 400 naming the valid ones.
-func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (admit.Class, bool) {
+func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (class, ceiling admit.Class, ok bool) {
 	class, e := headerClass(r.Header)
 	if e != nil {
 		openai.WriteError(w, e)
-		return 0, false
+		return 0, 0, false
 	}
 	rec := record.From(r.Context())
-	ceiling := admit.Interactive
+	ceiling = admit.Interactive
 	if rec.Who != nil {
 		ceiling, _ = admit.ParseClass(rec.Who.MaxPriority)
 	}
@@ -166,7 +160,7 @@ func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (admit.Class
 	}
 	rec.Class = class.String()
 	w.Header()[HeaderPriority] = []string{rec.Class}
-	return class, true
+	return class, ceiling, true
 }
 
 // headerClass is the class a request's X-Baton-Priority (or smg's X-Smg-Priority) names,
@@ -291,18 +285,18 @@ func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, preq *pd.R
 		openai.WriteError(w, e)
 		return a, false
 	}
-	class, ok := s.priorityOf(w, r)
+	class, ceiling, ok := s.priorityOf(w, r)
 	if !ok {
 		return a, false
 	}
 	est := tokenEstimate{s: s, preq: preq}
-	if a.ls, ok = s.admitTenant(w, r, req, r.URL.Path, &est); !ok {
+	if a.ls, ok = s.admitTenant(w, r, preq, &est); !ok {
 		return a, false
 	}
 	if s.admit == nil {
 		return a, true
 	}
 	in, out := est.get()
-	a.release, ok = s.admit.acquire(w, r, class, in, out)
+	a.release, ok = s.admit.acquire(w, r, class, ceiling, in, out)
 	return a, ok
 }

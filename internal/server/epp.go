@@ -175,8 +175,15 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 	rec.Worker = dest.URL
 	if parsed != nil {
 		// The workers' name for the model: the default model, an alias's target, SGLang's
-		// base:adapter. Other bytes stay as the client sent them.
+		// base:adapter; the fields Baton owns removed (parseRequest), and the engine's priority
+		// written for a worker marked forward_priority (and, for a pair, its prefill alike).
+		// Other bytes stay as the client sent them.
 		out := withModel(parsed.Body, parsed.Model, workerModel(sreq, dest))
+		if prefill != nil {
+			out = withPriority(out, rec.Class, prefill, dest)
+		} else {
+			out = withPriority(out, rec.Class, dest)
+		}
 		if len(out) != len(req.Body) || len(out) > 0 && &out[0] != &req.Body[0] {
 			pick.Body = out
 		}

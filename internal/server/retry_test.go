@@ -58,26 +58,26 @@ func TestAdmission(t *testing.T) {
 	m := metrics.New(worker.NewRegistry())
 	a := newAdmission(Admission{Max: 1, QueueSize: 1, QueueTimeout: 50 * time.Millisecond}, m)
 	r := httptest.NewRequest(http.MethodPost, "/", nil)
-	release, ok := a.acquire(httptest.NewRecorder(), r, admit.Default, 10, 10)
+	release, ok := a.acquire(httptest.NewRecorder(), r, admit.Default, admit.Default, 10, 10)
 	if !ok {
 		t.Fatal("the first request was not admitted")
 	}
 	// One may wait; it times out with 504 queue_timeout and Retry-After.
 	rec := httptest.NewRecorder()
-	if _, ok := a.acquire(rec, r, admit.Default, 10, 10); ok || rec.Code != 504 || rec.Header().Get("Retry-After") == "" || errorCode(t, rec.Body.String()) != openai.CodeQueueTimeout {
+	if _, ok := a.acquire(rec, r, admit.Default, admit.Default, 10, 10); ok || rec.Code != 504 || rec.Header().Get("Retry-After") == "" || errorCode(t, rec.Body.String()) != openai.CodeQueueTimeout {
 		t.Errorf("queued past its timeout: admitted %v, %d %q %s", ok, rec.Code, rec.Header().Get("Retry-After"), rec.Body)
 	}
 	// While one waits, the next finds the queue full.
 	waiting := make(chan bool)
 	go func() {
-		_, ok := a.acquire(httptest.NewRecorder(), r, admit.Default, 10, 10)
+		_, ok := a.acquire(httptest.NewRecorder(), r, admit.Default, admit.Default, 10, 10)
 		waiting <- ok
 	}()
 	for a.s.Waiting(admit.Default) == 0 {
 		time.Sleep(time.Millisecond)
 	}
 	rec = httptest.NewRecorder()
-	if _, ok := a.acquire(rec, r, admit.Default, 10, 10); ok || rec.Code != 503 || errorCode(t, rec.Body.String()) != openai.CodeQueueFull {
+	if _, ok := a.acquire(rec, r, admit.Default, admit.Default, 10, 10); ok || rec.Code != 503 || errorCode(t, rec.Body.String()) != openai.CodeQueueFull {
 		t.Errorf("queue full: admitted %v, %d", ok, rec.Code)
 	}
 	release()
@@ -88,14 +88,14 @@ func TestAdmission(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	rec = httptest.NewRecorder()
-	if _, ok := a.acquire(rec, r.WithContext(ctx), admit.Default, 10, 10); ok || rec.Body.Len() != 0 {
+	if _, ok := a.acquire(rec, r.WithContext(ctx), admit.Default, admit.Default, 10, 10); ok || rec.Body.Len() != 0 {
 		t.Errorf("a gone client: admitted %v, answered %q", ok, rec.Body.String())
 	}
 	// Drain: a waiting request gets 503 server_draining at once.
 	done := make(chan *httptest.ResponseRecorder)
 	go func() {
 		rec := httptest.NewRecorder()
-		a.acquire(rec, r, admit.Batch, 1, 1)
+		a.acquire(rec, r, admit.Batch, admit.Batch, 1, 1)
 		done <- rec
 	}()
 	for a.s.Waiting(admit.Batch) == 0 {
@@ -105,7 +105,7 @@ func TestAdmission(t *testing.T) {
 	if rec := <-done; rec.Code != 503 || errorCode(t, rec.Body.String()) != openai.CodeDraining {
 		t.Errorf("drained: %d %s", rec.Code, rec.Body)
 	}
-	if release, ok := (*admission)(nil).acquire(httptest.NewRecorder(), r, admit.Default, 0, 0); !ok || release == nil {
+	if release, ok := (*admission)(nil).acquire(httptest.NewRecorder(), r, admit.Default, admit.Default, 0, 0); !ok || release == nil {
 		t.Error("no admission limit refused a request")
 	}
 }

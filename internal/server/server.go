@@ -176,8 +176,7 @@ func (s *Server) Handler() http.Handler {
 	}
 	mux.Handle("GET /v1/models", s.authed(http.HandlerFunc(s.serveModels)))
 	if s.opts.Admin.Separate {
-		list := http.HandlerFunc(s.serveWorkers)
-		mux.Handle("GET /workers", s.adminOr(s.authed(list), list))
+		mux.Handle("GET /workers", s.apiWorkers())
 	} else {
 		s.adminRoutes(mux, false)
 	}

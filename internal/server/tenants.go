@@ -101,17 +101,22 @@ func cutBearer(h string) (string, bool) {
 
 // lease is a request's reservation against its tenant's limits, settled when it ends.
 type lease struct {
-	l        *tenant.Lease
-	estimate int // the prompt tokens it was reserved
+	l *tenant.Lease
+	// The prompt and completion tokens it was reserved: what a request that ended without the
+	// engine's usage is charged from (record.Charge).
+	estimate, completion int
 }
 
 // admitTenant checks the request against its tenant: a model the tenant may not use is 404
 // model_not_found, the answer of a model nobody serves (a tenant cannot learn another's
-// models); past a limit it is 429 with Retry-After and nothing is dispatched. An admitted
-// request of a limited tenant carries OpenAI's rate-limit headers, and, streamed without usage
-// asked for, asks the engine for it (the relay keeps the usage event from the client). The
-// lease returned is settled by settleTenant.
-func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai.Request, path string, est *tokenEstimate) (*lease, bool) {
+// models); past a limit it is 429 with Retry-After and nothing is dispatched. Under a token
+// limit the completion reserved is the request's own (completionBudget): a request that could
+// not fit in the tenant's whole bucket is refused at once, and one naming no cap gets the
+// default written into its body. An admitted request of a limited tenant carries OpenAI's
+// rate-limit headers, and, streamed without usage asked for, asks the engine for it (the relay
+// keeps the usage event from the client). The lease returned is settled by settleTenant.
+func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Request, est *tokenEstimate) (*lease, bool) {
+	req, path := preq.Request, preq.Path
 	rec := record.From(r.Context())
 	t := rec.Who
 	if t == nil {
@@ -124,6 +129,13 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 	rule := t.Rule(req.Model)
 	if rule == nil {
 		return nil, true
+	}
+	if rule.TPM > 0 {
+		if e := s.budget(preq, est, rule, t.Name); e != nil {
+			s.metrics.TenantRejections.WithLabelValues(t.Name, tenant.ReasonTokens).Inc()
+			openai.WriteError(w, e)
+			return nil, false
+		}
 	}
 	prompt, completion := est.get()
 	reserved := prompt + completion
@@ -159,17 +171,62 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, req *openai
 			}
 		}
 	}
-	return &lease{l: l, estimate: prompt}, true
+	return &lease{l: l, estimate: prompt, completion: completion}, true
+}
+
+// budget bounds a request of a tenant under a token limit by what its reservation covers: the
+// completion reserved is the request's own cap (completionBudget) times its prompts and
+// samples, uncapped; a request naming no cap gets the route's default written into the body the
+// engines get, so that none generates more than was reserved. A request that could not fit in
+// the tenant's whole bucket (its completion alone, or with its prompt) is refused: 429 naming
+// the field, with x-should-retry false (OpenAI's SDKs do not retry it) and no Retry-After —
+// waiting cannot help it.
+func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string) *openai.Error {
+	req, path := preq.Request, preq.Path
+	b := completionBudget(req, path, s.opts.Tenancy.MaxTokens)
+	if b.invalid {
+		// An engine may still read it (pydantic takes "100" and 1e5 as integers), and another
+		// cap, smaller, would be reserved instead.
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field,
+			Message: fmt.Sprintf("%s must be a non-negative integer", b.field)}
+	}
+	if b.missing {
+		if b.required {
+			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field,
+				Message: fmt.Sprintf("%s is required on %s", b.field, path)}
+		}
+		body, err := writeBudget(req.Body, path, b)
+		if err != nil || req.SetBody(body) != nil {
+			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field,
+				Message: fmt.Sprintf("%s could not be set on this request: give it", b.field)}
+		}
+	}
+	copies := max(1, preq.Batch) * max(1, preq.Samples)
+	est.completion, est.budgeted = min(b.tokens, math.MaxInt32)*copies, true
+	prompt, completion := est.get()
+	e := &openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeTenantRequestTooLarge, Param: b.field, NoRetry: true}
+	switch {
+	case completion > rule.TPM:
+		e.Message = fmt.Sprintf("%s %d (× %d prompts and samples) asks more tokens than tenant %s's whole limit of %d tokens per minute: lower %s",
+			b.field, b.tokens, copies, name, rule.TPM, b.field)
+	case prompt+completion > rule.TPM:
+		e.Message = fmt.Sprintf("this request needs about %d tokens (a prompt of about %d and %s %d), more than tenant %s's whole limit of %d tokens per minute: shorten the prompt or lower %s",
+			prompt+completion, prompt, b.field, completion, name, rule.TPM, b.field)
+	default:
+		return nil
+	}
+	return e
 }
 
 // tokenEstimate is a request's prompt and completion tokens before it is served, worked out the
 // first time something needs it (a tenant's limit, a full fleet's queue): the prompt's count
 // when the engines' tokenizer answer for it is cached, else its body's bytes / 4; the
-// completion's max_tokens (capped) times its prompts and samples.
+// completion's max_tokens (capped) times its prompts and samples, or — budgeted, under a
+// tenant's token limit — the request's own budget.
 type tokenEstimate struct {
 	s                  *Server
 	preq               *pd.Request
-	done               bool
+	done, budgeted     bool
 	prompt, completion int
 }
 
@@ -182,32 +239,114 @@ func (e *tokenEstimate) get() (prompt, completion int) {
 				e.prompt = n
 			}
 		}
-		e.completion = e.s.completionEstimate(req, path) * max(1, e.preq.Batch) * max(1, e.preq.Samples)
+		if !e.budgeted {
+			limit := e.s.opts.Tenancy.MaxTokens
+			c := limit
+			if b := completionBudget(req, path, limit); !b.invalid {
+				c = min(b.tokens, limit)
+			}
+			e.completion = c * max(1, e.preq.Batch) * max(1, e.preq.Samples)
+		}
 		e.done = true
 	}
 	return e.prompt, e.completion
 }
 
-// completionEstimate is the completion tokens a request is reserved: its max_tokens (or the
-// route's spelling of it), at most the configured estimate, which is also what a request
-// without one is reserved.
-func (s *Server) completionEstimate(req *openai.Request, path string) int {
-	limit := s.opts.Tenancy.MaxTokens
-	for _, key := range []string{"max_completion_tokens", "max_tokens", "max_output_tokens"} {
+// capKeys are the members that cap a request's completion, on every route: the largest present
+// is the request's budget (an engine reading another of them generates no more than it).
+var capKeys = []string{"max_completion_tokens", "max_tokens", "max_output_tokens"}
+
+// A budgetOf is the completion tokens a request may generate per prompt and sample, and the
+// member that says so.
+type budgetOf struct {
+	tokens int
+	field  string
+	// missing: the request names no cap, and tokens is the default to write (writeBudget);
+	// required: the route's protocol makes the cap required (Anthropic's messages); invalid:
+	// field holds something other than a non-negative integer (or null).
+	missing, required, invalid bool
+}
+
+// completionBudget is the completion a request asks for per prompt and sample: the largest of
+// its caps (or, on SGLang's /generate, sampling_params.max_new_tokens). Without one: on
+// /v1/completions OpenAI's default of 16, on /generate SGLang's default of 128 (its
+// docs/backend/sampling_params.md), elsewhere def — to be written into the body, so that the
+// engine is held to it.
+func completionBudget(req *openai.Request, path string, def int) budgetOf {
+	if path == "/generate" {
+		const field = "sampling_params.max_new_tokens"
+		if raw, ok := req.Get("sampling_params"); ok {
+			if v, ok := openai.Get(raw, "max_new_tokens"); ok {
+				n, valid := capValue(v)
+				switch {
+				case !valid:
+					return budgetOf{field: field, invalid: true}
+				case n >= 0:
+					return budgetOf{tokens: n, field: field}
+				}
+			}
+		}
+		return budgetOf{tokens: 128, field: field, missing: true}
+	}
+	b := budgetOf{tokens: -1}
+	for _, key := range capKeys {
 		if raw, ok := req.Get(key); ok {
-			if n, err := strconv.Atoi(string(bytes.TrimSpace(raw))); err == nil && n >= 0 {
-				return min(n, limit)
+			n, valid := capValue(raw)
+			if !valid {
+				return budgetOf{field: key, invalid: true}
+			}
+			if n > b.tokens {
+				b.tokens, b.field = n, key
 			}
 		}
 	}
-	if raw, ok := req.Get("sampling_params"); ok && path == "/generate" {
-		if v, ok := openai.Get(raw, "max_new_tokens"); ok {
-			if n, err := strconv.Atoi(string(bytes.TrimSpace(v))); err == nil && n >= 0 {
-				return min(n, limit)
-			}
-		}
+	if b.tokens >= 0 {
+		return b
 	}
-	return limit
+	b = budgetOf{tokens: def, field: routes.Of(path).Cap, missing: true}
+	switch path {
+	case "/v1/completions":
+		b.tokens = 16
+	case "/v1/messages":
+		b.required = true
+	}
+	if b.field == "" {
+		b.field = "max_tokens"
+	}
+	return b
+}
+
+// capValue reads a cap's raw value: a non-negative integer literal, or null (-1: as if absent);
+// anything else is not valid.
+func capValue(raw []byte) (n int, valid bool) {
+	raw = bytes.TrimSpace(raw)
+	if bytes.Equal(raw, []byte("null")) {
+		return -1, true
+	}
+	n, err := strconv.Atoi(string(raw))
+	return n, err == nil && n >= 0 && raw[0] != '+'
+}
+
+// writeBudget writes b, a default cap, into body: the route's cap member, or SGLang's
+// sampling_params.max_new_tokens (its object made when absent; a list of them is left alone:
+// each needs its own). Every other byte is unchanged.
+func writeBudget(body []byte, path string, b budgetOf) ([]byte, error) {
+	n := []byte(strconv.Itoa(b.tokens))
+	if path != "/generate" {
+		return openai.Set(body, b.field, n)
+	}
+	sp, ok := openai.Get(body, "sampling_params")
+	if sp = bytes.TrimSpace(sp); !ok || bytes.Equal(sp, []byte("null")) {
+		sp = []byte("{}")
+	}
+	if len(sp) == 0 || sp[0] != '{' {
+		return nil, errors.New("sampling_params is not an object")
+	}
+	sp, err := openai.Set(sp, "max_new_tokens", n)
+	if err != nil {
+		return nil, err
+	}
+	return openai.Set(body, "sampling_params", sp)
 }
 
 // askUsage returns body with stream_options.include_usage true, and whether Baton had to set it
@@ -229,23 +368,15 @@ func askUsage(body []byte) ([]byte, bool) {
 	return out, err == nil
 }
 
-// settleTenant settles a request's lease with what it used: the engine's usage when the answer
-// carried one; nothing when no answer began (nothing was generated for it); for a stream that
-// ended without usage (its client left, or the engine cut it), its prompt estimate and one token
-// per token event relayed.
+// settleTenant settles a request's lease with what it cost by what the engines did
+// (record.Charge): the engine's usage when the answer carried one; nothing when no engine was
+// given the request; otherwise its prompt and what was generated for it.
 func (s *Server) settleTenant(r *http.Request, ls *lease) {
-	rec := record.From(r.Context())
-	used := 0
-	switch {
-	case rec.UsageKnown:
-		used = rec.Usage.Prompt + rec.Usage.Completion
-	case rec.FirstByte.IsZero():
-	default:
-		used = ls.estimate + rec.Events
+	if ls == nil || ls.l == nil {
+		return
 	}
-	if ls != nil && ls.l != nil {
-		s.opts.Tenancy.Limiter.Settle(ls.l, used)
-	}
+	prompt, completion := record.From(r.Context()).Charge(ls.estimate, ls.completion)
+	s.opts.Tenancy.Limiter.Settle(ls.l, prompt+completion)
 }
 
 // counterCache keeps the tenant metrics' series of each tenant, model and status, so that a
