@@ -306,7 +306,8 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens}
+	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens,
+		CountPrompt: kv.CountPromptTokens}
 	parts.Notices = func() []server.Notice { return append(disc.notices(), tenants.notices()...) }
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)

@@ -107,8 +107,8 @@ func TestTenantPrefillLegAloneIsChargedItsPrompt(t *testing.T) {
 		t.Fatalf("answered %d before the cut", status)
 	}
 	got := settled(t, g, 0)
-	if got < 400 || got >= 500+100 {
-		t.Errorf("a PD request cut during its prefill was charged %d tokens, want its prompt (about 500) and no completion", got)
+	if got < 1000 || got >= 1000+100 {
+		t.Errorf("a PD request cut during its prefill was charged %d tokens, want its prompt (1,000 tokens, as the prefill engine counts it) and no completion", got)
 	}
 	if n := d.Stats().RequestsReceived; n != 0 {
 		t.Errorf("the decode saw %d requests; the test means one whose decode never started", n)
@@ -327,6 +327,13 @@ func TestTenantKeyOnEveryReadOnlyRoute(t *testing.T) {
 	if status, body := get("/workers", "sk-admin"); status != 200 || !strings.Contains(body, a.URL()) {
 		t.Errorf("GET /workers with the admin key: %d %s", status, body)
 	}
+	// The open probe names no model of the private fleet; the admin key sees them.
+	if status, body := get("/readiness", ""); status != 200 || strings.Contains(body, `"m"`) || !strings.Contains(body, `"models":1`) {
+		t.Errorf("GET /readiness without a key: %d %s", status, body)
+	}
+	if status, body := get("/readiness", "sk-admin"); status != 200 || !strings.Contains(body, `"models":["m"]`) {
+		t.Errorf("GET /readiness with the admin key: %d %s", status, body)
+	}
 	_, unknown := tenantReq(t, gw.URL+"/v1/completions", "sk-b", `{"model":"nope","prompt":"hi","max_tokens":1}`)
 	resp, other := tenantReq(t, gw.URL+"/v1/completions", "sk-b", `{"model":"m","prompt":"hi","max_tokens":1}`)
 	if resp.StatusCode != 404 || strings.ReplaceAll(other, `\"m\"`, `\"nope\"`) != unknown {
@@ -448,5 +455,84 @@ func TestTenantCapsMustBeIntegers(t *testing.T) {
 	}
 	if n := e.Stats().RequestsReceived; n != 0 {
 		t.Errorf("%d refused requests reached the engine", n)
+	}
+}
+
+// Caps and counts hidden from Baton in ways an engine still reads are refused for a tenant
+// under a token limit: a member named twice inside sampling_params or stream_options (Baton
+// and the engine would read different ones), a cap in another letter case (an engine decoding
+// without regard to case reads it), best_of as a string. Nothing reaches the engine.
+func TestTenantCannotHideACapFromBaton(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	cfg := testConfig(e.URL())
+	hostileTenant(&cfg)
+	_, gw := startGateway(t, cfg)
+	for _, c := range []struct{ path, body, code string }{
+		{"/generate", `{"text":"hello world","sampling_params":{"max_new_tokens":5,"ignore_eos":true,"max_new_tokens":1000}}`, "duplicate_key"},
+		{"/generate", `{"text":"hello world","sampling_params":{"max_new_tokens":5,"max_new_t\u006fkens":400}}`, "duplicate_key"},
+		{"/generate", `{"text":"hello world","sampling_params":{"max_new_tokens":5,"MAX_NEW_TOKENS":800}}`, "duplicate_key"},
+		{"/generate", `{"text":"hello world","sampling_params":{"MAX_NEW_TOKENS":800}}`, "invalid_request"},
+		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true,"include_usage":false},"max_tokens":10}`, "duplicate_key"},
+		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"MAX_TOKENS":1200}`, "duplicate_key"},
+		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"MAX_TOKENS":1200}`, "invalid_request"},
+		{"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5,"N":3}`, "invalid_request"},
+		{"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":500,"best_of":"10"}`, "invalid_request"},
+	} {
+		resp, b := tenantReq(t, gw.URL+c.path, "sk-hostile", c.body)
+		if resp.StatusCode != 400 || !strings.Contains(b, c.code) {
+			t.Errorf("%s %s: %d %s, want 400 %s", c.path, c.body, resp.StatusCode, b, c.code)
+		}
+	}
+	if n := e.Stats().RequestsReceived; n != 0 {
+		t.Errorf("%d refused requests reached the engine", n)
+	}
+}
+
+// A request cut before any usage came is charged the prompt as the engine counts it (its
+// /tokenize), not the body's bytes / 4: a prompt of one-letter words is about twice the tokens
+// its bytes suggest.
+func TestTenantCutRequestIsChargedTheEnginesPromptCount(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, PrefillPerToken: 2 * time.Millisecond})
+	cfg := testConfig(e.URL())
+	cfg.Tenants = []config.Tenant{{Name: "hostile", Keys: []string{config.HashKey("sk-hostile")},
+		Limits: &config.Limits{TokensPerMinute: intp(100_000)}}}
+	g, gw := startGateway(t, cfg)
+	body := `{"model":"m","prompt":"` + words(2000) + `","max_tokens":10,"stream":true}` // 2,000 tokens in about 4 KB
+	if status := cutAfter(t, gw.URL+"/v1/completions", body, 300*time.Millisecond); status != 0 {
+		t.Fatalf("answered %d before the cut", status)
+	}
+	var got int64
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if got = charged(t, g, "hostile"); got >= 2000 {
+			break
+		}
+	}
+	if got < 2000 {
+		t.Errorf("a stream cut during the prefill of a 2,000-token prompt was charged %d tokens", got)
+	}
+}
+
+// The fields Baton owns never reach an engine in another letter case or spelling either: an
+// engine decoding JSON without regard to case would read "PRIORITY" as priority.
+func TestOwnedFieldsInAnySpellingNeverReachAnEngine(t *testing.T) {
+	var mu sync.Mutex
+	var got string
+	engine := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		got = string(b)
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+	})
+	_, gw := startGateway(t, testConfig(engine.URL))
+	body := `{"model":"m","prompt":"hi","PRIORITY":-1000,"Kv_Transfer_Params":{"do_remote_prefill":true},"bootstr\u0061p_room":7,"x":1}`
+	if resp, b := tenantReq(t, gw.URL+"/v1/completions", "", body); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got != `{"model":"m","prompt":"hi","x":1}` {
+		t.Errorf("the engine got %s", got)
 	}
 }

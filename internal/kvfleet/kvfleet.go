@@ -368,6 +368,21 @@ func (k *KVEvents) PromptTokens(model, path string, body []byte) (int, bool) {
 	return k.tokenizer.Count(model, path, body)
 }
 
+// CountPromptTokens asks the worker at workerURL (the one that computed the request) for the
+// token count of its prompt — its /tokenize, or the tokenizer's cached answer — within ctx.
+// False when the worker is gone or cannot tell (a route /tokenize does not take, a failure).
+func (k *KVEvents) CountPromptTokens(ctx context.Context, workerURL, model, path string, body []byte) (int, bool) {
+	if k.reg == nil {
+		return 0, false
+	}
+	w := k.reg.Snapshot().Get(workerURL)
+	if w == nil {
+		return 0, false
+	}
+	toks, ok := k.tokenizer.Tokens(ctx, w.URL, w.APIKey, model, path, body)
+	return len(toks), ok
+}
+
 // SetTokenizeClient sets the HTTP client the tokenizer asks engines' /tokenize with.
 func (k *KVEvents) SetTokenizeClient(c *http.Client) { k.tokenizer.Client = c }
 

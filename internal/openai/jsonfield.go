@@ -344,3 +344,48 @@ func appendKey(out []byte, key string) []byte {
 	out = append(out, k...)
 	return append(out, ':')
 }
+
+// eachElement calls fn with the raw bytes of each element of the JSON array raw, in order,
+// until fn returns false; anything that is not an array has none.
+func eachElement(raw []byte, fn func(el []byte) bool) error {
+	i := skipWS(raw, 0)
+	if i >= len(raw) || raw[i] != '[' {
+		return ErrNotObject
+	}
+	i = skipWS(raw, i+1)
+	if i < len(raw) && raw[i] == ']' {
+		return nil
+	}
+	for i < len(raw) {
+		end, err := skipValue(raw, i)
+		if err != nil {
+			return err
+		}
+		if !fn(raw[i:end]) {
+			return nil
+		}
+		i = skipWS(raw, end)
+		if i >= len(raw) || raw[i] != ',' {
+			return nil
+		}
+		i = skipWS(raw, i+1)
+	}
+	return nil
+}
+
+// Misspelled returns the first member of the JSON object obj whose key is one of keys in
+// another letter case ("MAX_TOKENS" for max_tokens), "" when none is: an engine decoding JSON
+// without regard to case reads it as the key, one that does not ignores it.
+func Misspelled(obj []byte, keys ...string) string {
+	var found string
+	_ = eachMember(obj, func(k []byte, _ member) bool {
+		for _, key := range keys {
+			if len(k) == len(key) && string(k) != key && bytes.EqualFold(k, []byte(key)) {
+				found = string(k)
+				return false
+			}
+		}
+		return true
+	})
+	return found
+}

@@ -91,6 +91,12 @@ func TestParseRequest(t *testing.T) {
 			t.Errorf("ParseRequest(%q): want error", bad)
 		}
 	}
+	// The members Baton owns are removed in any letter case or escape: an engine decoding JSON
+	// without regard to case reads "PRIORITY" as priority.
+	r, err = ParseRequest([]byte(`{"model":"m","PRIORITY":5,"Kv_Transfer_Params":{},"bootstr\u0061p_room":1,"x":2}`))
+	if err != nil || string(r.Body) != `{"model":"m","x":2}` {
+		t.Errorf("owned members in other spellings: %s, %v", r.Body, err)
+	}
 }
 
 // FuzzMembers checks the scanner against encoding/json on every valid object: same keys, same
@@ -240,8 +246,10 @@ func hasOwned(b []byte) bool {
 }
 
 // A repeated top-level key is a DuplicateKeyError naming it, among few members or many (the
-// set turns into a map past 16), spelled alike or through escapes; nested objects are not
-// Baton's to judge.
+// set turns into a map past 16), spelled alike, through escapes or in another letter case (an
+// engine decoding JSON without regard to case reads them as one); inside sampling_params (an
+// object or a list of them) and stream_options, whose members Baton reads, too; other nested
+// objects are not Baton's to judge.
 func TestParseRequestRefusesDuplicateKeys(t *testing.T) {
 	many := func(extra string) string {
 		var b strings.Builder
@@ -257,6 +265,14 @@ func TestParseRequestRefusesDuplicateKeys(t *testing.T) {
 		many(`,"k39":0`):                 "k39",
 		many(`,"k3":0`):                  "k3",
 		`{"` + strings.Repeat("x", 100) + `":1,"` + strings.Repeat("x", 100) + `":2}`: strings.Repeat("x", 64) + "…",
+		`{"a":1,"A":2}`:                      "A",
+		many(`,"K3":0`):                      "K3",
+		`{"max_tokens":5,"MAX_TOKENS":1200}`: "MAX_TOKENS",
+		`{"sampling_params":{"max_new_tokens":5,"max_new_tokens":1000}}`:                "sampling_params.max_new_tokens",
+		`{"sampling_params":[{"n":1},{"n":1,"n":4}]}`:                                   "sampling_params.n",
+		`{"sampling_params":{"max_new_tokens":5,"max_new_t\u006fkens":400}}`:            "sampling_params.max_new_tokens",
+		`{"stream":true,"stream_options":{"include_usage":true,"include_usage":false}}`: "stream_options.include_usage",
+		`{"stream":true,"stream_options":{"include_usage":true,"Include_Usage":false}}`: "stream_options.Include_Usage",
 	} {
 		_, err := ParseRequest([]byte(body))
 		var dk *DuplicateKeyError
@@ -264,7 +280,7 @@ func TestParseRequestRefusesDuplicateKeys(t *testing.T) {
 			t.Errorf("%.60s: %v, want the duplicate %q", body, err, key)
 		}
 	}
-	for _, body := range []string{many(""), `{"a":{"b":1,"b":2},"c":[{"d":1,"d":2}]}`, `{"a":1,"A":2}`} {
+	for _, body := range []string{many(""), `{"a":{"b":1,"b":2},"c":[{"d":1,"d":2}]}`, `{"sampling_params":{"a":{"b":1,"b":2}}}`} {
 		if _, err := ParseRequest([]byte(body)); err != nil {
 			t.Errorf("%.60s: %v", body, err)
 		}

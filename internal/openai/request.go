@@ -83,7 +83,7 @@ func ParseRequest(body []byte) (*Request, error) {
 	r := &Request{Body: body}
 	r.members = r.fixed[:0]
 	var perr error
-	owned := false
+	var owned []string // the spellings of the owned members present
 	var seen repeats
 	err := eachMember(body, func(key []byte, m member) bool {
 		if seen.in(r.members, key) {
@@ -117,8 +117,17 @@ func ParseRequest(body []byte) (*Request, error) {
 				perr = fmt.Errorf(`"n" must be a positive integer`)
 				return false
 			}
+		case "sampling_params", "stream_options":
+			// Baton reads members of these (max_new_tokens, n, include_usage): one named twice
+			// would be read one way by Baton and another by the engine.
+			if k, dup := nestedDuplicate(raw); dup {
+				perr = &DuplicateKeyError{Key: truncateKey(string(key) + "." + k)}
+				return false
+			}
 		default:
-			owned = owned || isOwned(key)
+			if isOwned(key) {
+				owned = append(owned, string(key))
+			}
 		}
 		return true
 	})
@@ -128,8 +137,8 @@ func ParseRequest(body []byte) (*Request, error) {
 	if perr != nil {
 		return nil, perr
 	}
-	if owned {
-		if r.Body, err = Edit(body, nil, OwnedFields); err != nil {
+	if len(owned) > 0 {
+		if r.Body, err = Edit(body, nil, owned); err != nil {
 			return nil, err
 		}
 		r.members = r.members[:0] // the edit moved the members: index the new body
@@ -159,7 +168,8 @@ func truncateKey(k string) string {
 	return k
 }
 
-// repeats says whether a key is already among the members indexed so far: a look along the
+// repeats says whether a key is already among the members indexed so far, in any letter case
+// (an engine decoding JSON without regard to case reads "MAX_TOKENS" as max_tokens): a look along the
 // index for the usual dozen members, a map of it past 16, so that a body of many members costs
 // linear time.
 type repeats struct{ many map[string]struct{} }
@@ -168,7 +178,7 @@ type repeats struct{ many map[string]struct{} }
 func (d *repeats) in(members []indexed, key []byte) bool {
 	if len(members) <= 16 {
 		for _, m := range members {
-			if bytes.Equal(m.key, key) {
+			if bytes.EqualFold(m.key, key) {
 				return true
 			}
 		}
@@ -177,19 +187,52 @@ func (d *repeats) in(members []indexed, key []byte) bool {
 	if d.many == nil {
 		d.many = make(map[string]struct{}, 2*len(members))
 		for _, m := range members[:len(members)-1] {
-			d.many[string(m.key)] = struct{}{}
+			d.many[string(bytes.ToLower(m.key))] = struct{}{}
 		}
 	}
-	d.many[string(members[len(members)-1].key)] = struct{}{} // the member added since the last look
-	_, ok := d.many[string(key)]
+	d.many[string(bytes.ToLower(members[len(members)-1].key))] = struct{}{} // the member added since the last look
+	_, ok := d.many[string(bytes.ToLower(key))]
 	return ok
 }
 
+// isOwned reports whether key is an owned member in any letter case: an engine decoding JSON
+// without regard to case (Go's encoding/json does) reads "PRIORITY" as priority.
 func isOwned(key []byte) bool {
 	for _, f := range OwnedFields {
-		if string(key) == f {
+		if len(key) == len(f) && bytes.EqualFold(key, []byte(f)) {
 			return true
 		}
 	}
 	return false
+}
+
+// nestedDuplicate reports a key named twice (in any letter case, escaped or not) in the object
+// raw, or in any object of the array raw; other values have none.
+func nestedDuplicate(raw []byte) (string, bool) {
+	var dup string
+	check := func(obj []byte) {
+		var keys [][]byte
+		_ = eachMember(obj, func(k []byte, _ member) bool {
+			for _, p := range keys {
+				if bytes.EqualFold(p, k) {
+					dup = string(k)
+					return false
+				}
+			}
+			keys = append(keys, k)
+			return len(keys) < 1024 || dup != ""
+		})
+	}
+	switch {
+	case len(raw) > 0 && raw[0] == '{':
+		check(raw)
+	case len(raw) > 0 && raw[0] == '[':
+		_ = eachElement(raw, func(el []byte) bool {
+			if len(el) > 0 && el[0] == '{' {
+				check(el)
+			}
+			return dup == ""
+		})
+	}
+	return dup, dup != ""
 }

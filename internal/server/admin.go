@@ -87,13 +87,20 @@ func (s *Server) adminRoutes(mux *http.ServeMux, own bool) {
 func (s *Server) apiWorkers() http.Handler {
 	list := http.HandlerFunc(s.serveWorkers)
 	return s.adminOr(s.authed(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if ts := s.tenants().Tenants(); len(ts) > 1 || len(ts) == 1 && len(ts[0].Models()) > 0 {
+		if s.fleetPrivate() {
 			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminKeyRequired,
 				Message: "GET /workers shows the whole fleet: it takes the admin API key (--admin-api-key), not a tenant's key"})
 			return
 		}
 		list(w, r)
 	})), list)
+}
+
+// fleetPrivate reports whether the fleet is more than one client's to see: there are tenants
+// (more than one, or one limited to some models), each of which sees only its own models.
+func (s *Server) fleetPrivate() bool {
+	ts := s.tenants().Tenants()
+	return len(ts) > 1 || len(ts) == 1 && len(ts[0].Models()) > 0
 }
 
 // adminKeyOK reports whether r carries the admin key (false when none is set).

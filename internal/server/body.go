@@ -317,4 +317,4 @@ func (s *Server) Start(ctx context.Context) {
 }
 
 // Wait waits for the background work Start began.
-func (s *Server) Wait() { s.bg.Wait() }
+func (s *Server) Wait() { s.bg.Wait(); s.settling.Wait() }

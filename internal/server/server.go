@@ -142,6 +142,7 @@ type Server struct {
 	uploads  uploads      // request bodies being read
 	bodies   bodyBudget   // request body bytes held
 	bg       sync.WaitGroup
+	settling sync.WaitGroup // tenants' settlements waiting on a worker's count of a prompt
 	// tenantCounters keeps the tenant metrics' series by tenant, model and status.
 	tenantCounters counterCache
 }
@@ -975,18 +976,30 @@ func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
 // serveReadiness answers 200 when every model the workers name can be served — a ready worker
 // of it, or in PD a ready prefill and a ready decode of it that can hand KV to each other —
 // and 503 naming, per model, what is missing (or that the server is draining).
-func (s *Server) serveReadiness(w http.ResponseWriter, _ *http.Request) {
+//
+// The probe needs no key; where the fleet is private (there are tenants, each seeing only its
+// models) it names no model unless asked with the admin key: the count of models, and of those
+// it cannot serve.
+func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 	if s.draining.Load() {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining, Message: "shutting down"})
 		return
 	}
 	models, missing := s.readiness()
+	private := s.fleetPrivate() && !s.adminKeyOK(r)
 	if len(missing) > 0 {
-		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
-			Message: "not ready: " + strings.Join(missing, "; ")})
+		msg := "not ready: " + strings.Join(missing, "; ")
+		if private {
+			msg = fmt.Sprintf("not ready: %d of %d models cannot be served now (the admin key shows which)", len(missing), max(1, len(models)))
+		}
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: msg})
 		return
 	}
-	body := openai.MarshalJSON(map[string]any{"status": "ready", "models": models})
+	var listed any = models
+	if private {
+		listed = len(models)
+	}
+	body := openai.MarshalJSON(map[string]any{"status": "ready", "models": listed})
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(body)
 }

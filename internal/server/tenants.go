@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -38,7 +39,14 @@ type Tenancy struct {
 	// PromptTokens, when set, gives a prompt's token count when the engines' tokenizer answer
 	// for it is cached (cache_aware asked for it already); else the prompt is estimated.
 	PromptTokens func(model, path string, body []byte) (int, bool)
+	// CountPrompt, when set, asks the worker at workerURL for the token count of a prompt (its
+	// /tokenize): a request that ended without the engine's usage is charged the engine's own
+	// count of the prompt it computed, not an estimate from the body's bytes.
+	CountPrompt func(ctx context.Context, workerURL, model, path string, body []byte) (int, bool)
 }
+
+// countPromptTimeout bounds the ask for a prompt's token count when a request is settled.
+const countPromptTimeout = 2 * time.Second
 
 // tenants returns the tenant set now.
 func (s *Server) tenants() *tenant.Set { return s.opts.Tenancy.Set() }
@@ -105,6 +113,10 @@ type lease struct {
 	// The prompt and completion tokens it was reserved: what a request that ended without the
 	// engine's usage is charged from (record.Charge).
 	estimate, completion int
+	// counted: estimate is the engines' own count (a cached /tokenize answer), not the body's
+	// bytes / 4.
+	counted bool
+	req     *pd.Request
 }
 
 // admitTenant checks the request against its tenant: a model the tenant may not use is 404
@@ -171,7 +183,7 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 			}
 		}
 	}
-	return &lease{l: l, estimate: prompt, completion: completion}, true
+	return &lease{l: l, estimate: prompt, completion: completion, counted: est.counted, req: preq}, true
 }
 
 // budget bounds a request of a tenant under a token limit by what its reservation covers: the
@@ -183,6 +195,28 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 // waiting cannot help it.
 func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string) *openai.Error {
 	req, path := preq.Request, preq.Path
+	if k := openai.Misspelled(req.Body, budgetKeys...); k != "" {
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: k,
+			Message: fmt.Sprintf("%q is spelled in another letter case than the engines' field: spell it in lower case", k)}
+	}
+	if sp, ok := req.Get("sampling_params"); ok {
+		if k := openai.Misspelled(sp, "max_new_tokens", "n"); k != "" {
+			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: "sampling_params." + k,
+				Message: fmt.Sprintf("sampling_params.%s is spelled in another letter case than the engines' field: spell it in lower case", k)}
+		}
+		if v, ok := openai.Get(sp, "n"); ok {
+			if _, valid := capValue(v); !valid {
+				return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: "sampling_params.n",
+					Message: "sampling_params.n must be a non-negative integer"}
+			}
+		}
+	}
+	if v, ok := req.Get("best_of"); ok {
+		if _, valid := capValue(v); !valid {
+			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: "best_of",
+				Message: "best_of must be a non-negative integer"}
+		}
+	}
 	b := completionBudget(req, path, s.opts.Tenancy.MaxTokens)
 	if b.invalid {
 		// An engine may still read it (pydantic takes "100" and 1e5 as integers), and another
@@ -224,10 +258,10 @@ func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule,
 // completion's max_tokens (capped) times its prompts and samples, or — budgeted, under a
 // tenant's token limit — the request's own budget.
 type tokenEstimate struct {
-	s                  *Server
-	preq               *pd.Request
-	done, budgeted     bool
-	prompt, completion int
+	s                       *Server
+	preq                    *pd.Request
+	done, budgeted, counted bool
+	prompt, completion      int
 }
 
 func (e *tokenEstimate) get() (prompt, completion int) {
@@ -236,7 +270,7 @@ func (e *tokenEstimate) get() (prompt, completion int) {
 		e.prompt = (len(req.Body) + 3) / 4
 		if f := e.s.opts.Tenancy.PromptTokens; f != nil {
 			if n, ok := f(req.Model, path, req.Body); ok {
-				e.prompt = n
+				e.prompt, e.counted = n, true
 			}
 		}
 		if !e.budgeted {
@@ -251,6 +285,10 @@ func (e *tokenEstimate) get() (prompt, completion int) {
 	}
 	return e.prompt, e.completion
 }
+
+// budgetKeys are the top-level members a request's reservation is worked out from: an engine
+// reading one of them in another letter case would generate more than was reserved.
+var budgetKeys = []string{"max_completion_tokens", "max_tokens", "max_output_tokens", "n", "best_of", "sampling_params"}
 
 // capKeys are the members that cap a request's completion, on every route: the largest present
 // is the request's budget (an engine reading another of them generates no more than it).
@@ -371,12 +409,35 @@ func askUsage(body []byte) ([]byte, bool) {
 // settleTenant settles a request's lease with what it cost by what the engines did
 // (record.Charge): the engine's usage when the answer carried one; nothing when no engine was
 // given the request; otherwise its prompt and what was generated for it.
+//
+// A request charged its prompt estimate (no usage came, no engine reported its prompt) is
+// settled once the worker that computed it has counted that prompt (its /tokenize), so that a
+// prompt the body's bytes underestimate (short words, CJK) is charged what the engine computed;
+// the ask runs after the request ended, and a worker that cannot count leaves the estimate.
 func (s *Server) settleTenant(r *http.Request, ls *lease) {
 	if ls == nil || ls.l == nil {
 		return
 	}
-	prompt, completion := record.From(r.Context()).Charge(ls.estimate, ls.completion)
-	s.opts.Tenancy.Limiter.Settle(ls.l, prompt+completion)
+	rec := record.From(r.Context())
+	if rec.UsageKnown || rec.EnginePrompt > 0 || ls.counted || !rec.AnswerComputed && !rec.PrefillComputed || s.opts.Tenancy.CountPrompt == nil {
+		prompt, completion := rec.Charge(ls.estimate, ls.completion)
+		s.opts.Tenancy.Limiter.Settle(ls.l, prompt+completion)
+		return
+	}
+	snap := *rec // the record's facts now; the reporters read rec itself
+	worker := cmp.Or(rec.Prefill, rec.Worker)
+	model := cmp.Or(rec.Served, rec.Model)
+	body, path := bytes.Clone(ls.req.Request.Body), ls.req.Path
+	s.settling.Go(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), countPromptTimeout)
+		defer cancel()
+		estimate := ls.estimate
+		if n, ok := s.opts.Tenancy.CountPrompt(ctx, worker, model, path, body); ok && n > 0 {
+			estimate = n
+		}
+		prompt, completion := snap.Charge(estimate, ls.completion)
+		s.opts.Tenancy.Limiter.Settle(ls.l, prompt+completion)
+	})
 }
 
 // counterCache keeps the tenant metrics' series of each tenant, model and status, so that a

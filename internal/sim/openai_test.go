@@ -226,3 +226,34 @@ func TestPrefixCache(t *testing.T) {
 		t.Errorf("stats %+v", s)
 	}
 }
+
+// The engines read requests with pydantic: a field matches in its one letter case, and
+// "MAX_TOKENS" is an unknown member, ignored — not Go's case-insensitive max_tokens. A member
+// named twice keeps its last value, as Python's json does. vLLM refuses a priority it does not
+// schedule by (vllm/v1/engine/processor.py); SGLang's /generate answer ends with its meta_info.
+func TestRequestsReadAsTheEnginesReadThem(t *testing.T) {
+	e := start(t, Config{Engine: EngineVLLM, Model: "m"})
+	r := post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":3,"ignore_eos":true,"MAX_TOKENS":50,"Max_Tokens":60}`)
+	if r.status != 200 || num(path(r.json, "usage", "completion_tokens")) != 3 {
+		t.Errorf("a cap in another letter case was read: %d %s", r.status, r.raw)
+	}
+	r = post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":3,"ignore_eos":true,"max_tokens":5}`)
+	if num(path(r.json, "usage", "completion_tokens")) != 5 {
+		t.Errorf("a member named twice: %s, want the last value read", r.raw)
+	}
+	if r = post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":3,"priority":-1}`); r.status != 400 || !strings.Contains(r.raw, "Priority scheduling is not enabled") {
+		t.Errorf("vLLM without priority scheduling took a priority: %d %s", r.status, r.raw)
+	}
+	if r = post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":3,"PRIORITY":-1}`); r.status != 200 {
+		t.Errorf("PRIORITY, an unknown member to vLLM: %d %s", r.status, r.raw)
+	}
+	p := start(t, Config{Engine: EngineVLLM, Model: "m", SchedulingPolicy: SchedulingPriority})
+	if r = post(t, p.URL()+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":3,"priority":-1}`); r.status != 200 || p.Stats().LastPriority != -1 {
+		t.Errorf("vLLM scheduling by priority: %d %s, last priority %d", r.status, r.raw, p.Stats().LastPriority)
+	}
+	g := start(t, Config{Engine: EngineSGLang, Model: "m"})
+	r = post(t, g.URL()+"/generate", `{"text":"hi","sampling_params":{"max_new_tokens":400,"ignore_eos":true,"MAX_NEW_TOKENS":1}}`)
+	if i := strings.LastIndex(r.raw, `"meta_info":`); r.status != 200 || i < 0 || len(r.raw)-i > 512 || num(path(r.json, "meta_info", "completion_tokens")) != 400 {
+		t.Errorf("/generate: %d, meta_info at %d of %d bytes", r.status, i, len(r.raw))
+	}
+}

@@ -138,7 +138,7 @@ func (e *Engine) messageObject(j *job, results []itemResult, final bool) map[str
 }
 
 // generateObject is SGLang's /generate answer after k tokens of choice ch.
-func (e *Engine) generateObject(j *job, res itemResult, ch choice, k int, final bool, index int) map[string]any {
+func (e *Engine) generateObject(j *job, res itemResult, ch choice, k int, final bool, index int) generateOut {
 	meta := map[string]any{"id": fmt.Sprintf("%s-%d", j.id, index), "prompt_tokens": res.promptTokens,
 		"completion_tokens": k, "cached_tokens": res.cached, "finish_reason": nil, "e2e_latency": 0.0}
 	if final {
@@ -159,11 +159,20 @@ func (e *Engine) generateObject(j *job, res itemResult, ch choice, k int, final 
 		}
 		meta["output_token_logprobs"] = out
 	}
-	o := map[string]any{"text": Detokenize(ch.tokens[:k]), "output_ids": ch.tokens[:k], "meta_info": meta}
+	o := generateOut{Text: Detokenize(ch.tokens[:k]), OutputIDs: ch.tokens[:k], MetaInfo: meta}
 	if len(j.items) > 1 || j.n > 1 {
-		o["index"] = index
+		o.Index = &index
 	}
 	return o
+}
+
+// generateOut is one /generate answer, its members in SGLang's order (the tokenizer manager
+// builds text, output_ids, then meta_info): the usage comes last.
+type generateOut struct {
+	Text      string         `json:"text"`
+	OutputIDs []uint32       `json:"output_ids"`
+	MetaInfo  map[string]any `json:"meta_info"`
+	Index     *int           `json:"index,omitempty"`
 }
 
 // sse writes events, flushing each, and drops the connection after dropAfter events (fault).

@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"reflect"
 	"strconv"
+	"strings"
 )
 
 type route int
@@ -103,10 +105,73 @@ type rawRequest struct {
 	template
 }
 
+// caseSensitive returns body without the members an engine would not read: the engines parse
+// requests with Python (pydantic), whose field names match in their one letter case, where Go's
+// encoding/json would take "MAX_TOKENS" for max_tokens. A member named in another case than a
+// field's (at the top level, in sampling_params and stream_options) is dropped; a member named
+// twice keeps its last value, as Python's json does. A body that is no object is left as it is.
+func caseSensitive(body []byte) []byte {
+	var top map[string]json.RawMessage
+	if json.Unmarshal(body, &top) != nil || top == nil {
+		return body
+	}
+	keep(top, fieldsOf[rawRequest]())
+	for _, nested := range []struct {
+		key    string
+		fields map[string]bool
+	}{{"sampling_params", fieldsOf[rawSampling]()}, {"stream_options", map[string]bool{"include_usage": true}}} {
+		var obj map[string]json.RawMessage
+		if raw, ok := top[nested.key]; ok && json.Unmarshal(raw, &obj) == nil && obj != nil {
+			keep(obj, nested.fields)
+			top[nested.key], _ = json.Marshal(obj)
+		}
+	}
+	out, err := json.Marshal(top)
+	if err != nil {
+		return body
+	}
+	return out
+}
+
+// keep drops from obj the members named like one of fields in another letter case.
+func keep(obj map[string]json.RawMessage, fields map[string]bool) {
+	for k := range obj {
+		if fields[k] {
+			continue
+		}
+		for f := range fields {
+			if strings.EqualFold(k, f) {
+				delete(obj, k)
+				break
+			}
+		}
+	}
+}
+
+// fieldsOf returns the JSON field names of struct T (and of its embedded structs).
+func fieldsOf[T any]() map[string]bool {
+	out := map[string]bool{}
+	var walk func(t reflect.Type)
+	walk = func(t reflect.Type) {
+		for i := range t.NumField() {
+			f := t.Field(i)
+			if f.Anonymous && f.Type.Kind() == reflect.Struct {
+				walk(f.Type)
+				continue
+			}
+			if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
+				out[name] = true
+			}
+		}
+	}
+	walk(reflect.TypeFor[T]())
+	return out
+}
+
 // parse reads a request body into a job, validating it the way the engine would.
 func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError) {
 	var raw rawRequest
-	dec := json.NewDecoder(bytes.NewReader(body))
+	dec := json.NewDecoder(bytes.NewReader(caseSensitive(body)))
 	dec.UseNumber()
 	if err := dec.Decode(&raw); err != nil {
 		return nil, errorf(400, "invalid request body: %v", err)
