@@ -73,18 +73,12 @@ func (r *runner) tenants(ctx context.Context) error {
 		}{"redis", 3})
 	}
 	for _, row := range rows {
-		var bs []*proc
-		for i := 0; i < row.replicas; i++ {
-			args := []string{"--config", file, "--access-log=false"}
-			if row.store == "redis" {
-				args = append(args, "--rate-limit-store", redisURL)
-			}
-			b, err := startBaton(r.o.Binary, 1, args...)
-			if err != nil {
-				return err
-			}
+		bs, err := r.tenantReplicas(file, row.store, redisURL, row.replicas)
+		for _, b := range bs {
 			defer b.stop()
-			bs = append(bs, b)
+		}
+		if err != nil {
+			return err
 		}
 		admitted, refused, last := r.hammer(ctx, bs, "sk-bench-a", run)
 		allowed := tpm * (1 + last.Minutes())
@@ -181,10 +175,13 @@ func (r *runner) tenants(ctx context.Context) error {
 		rate, rate/1, refused.Load(), sent.Load(), nb)
 	fmt.Fprintln(r.out, "| tenant b | TTFT p50 ms | TTFT p99 ms | p99 vs alone |")
 	fmt.Fprintln(r.out, "|---|---:|---:|---:|")
-	ms := func(d time.Duration) string { return fmt.Sprintf("%.2f", float64(d)/float64(time.Millisecond)) }
-	fmt.Fprintf(r.out, "| alone | %s | %s | 1.00× |\n", ms(alone.s.TTFT.P50), ms(alone.s.TTFT.P99))
-	fmt.Fprintf(r.out, "| beside a, far over its limit | %s | %s | %.2f× |\n\n", ms(under.s.TTFT.P50), ms(under.s.TTFT.P99), float64(under.s.TTFT.P99)/float64(alone.s.TTFT.P99))
-	return nil
+	msf := func(d time.Duration) string { return fmt.Sprintf("%.2f", ms(d)) }
+	fmt.Fprintf(r.out, "| alone | %s | %s | 1.00× |\n", msf(alone.s.TTFT.P50), msf(alone.s.TTFT.P99))
+	fmt.Fprintf(r.out, "| beside a, far over its limit | %s | %s | %.2f× |\n\n", msf(under.s.TTFT.P50), msf(under.s.TTFT.P99), float64(under.s.TTFT.P99)/float64(alone.s.TTFT.P99))
+	b.stop()
+
+	// 4. The hostile tenant.
+	return r.hostileTenant(ctx, dir, redisURL)
 }
 
 // keyed sends the workload's completions with a tenant's key (none: the plain request, or req).
@@ -235,6 +232,24 @@ func (r *runner) hammer(ctx context.Context, bs []*proc, key string, d time.Dura
 	}
 	wg.Wait()
 	return adm.Load(), ref.Load(), time.Duration(lastNs.Load())
+}
+
+// tenantReplicas starts n Batons over the configuration file, counting tenants' limits in memory or
+// (store redis) in the Redis at redisURL. Those started are returned even on an error, to stop.
+func (r *runner) tenantReplicas(file, store, redisURL string, n int) ([]*proc, error) {
+	var bs []*proc
+	for range n {
+		args := []string{"--config", file, "--access-log=false"}
+		if store == "redis" {
+			args = append(args, "--rate-limit-store", redisURL)
+		}
+		b, err := startBaton(r.o.Binary, 1, args...)
+		if err != nil {
+			return bs, err
+		}
+		bs = append(bs, b)
+	}
+	return bs, nil
 }
 
 // freePort is a TCP port free on 127.0.0.1 now.
