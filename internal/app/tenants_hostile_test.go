@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -535,4 +536,74 @@ func TestOwnedFieldsInAnySpellingNeverReachAnEngine(t *testing.T) {
 	if got != `{"model":"m","prompt":"hi","x":1}` {
 		t.Errorf("the engine got %s", got)
 	}
+}
+
+// The rules of the charge table for a request that ends without usage, each by its cause: the
+// deadline passing before the answer (non-streamed: the prompt and the completion asked for),
+// an engine failing after it accepted the request (the connection closed mid-answer, the stream
+// cut by the engine: the prompt and the tokens relayed), and an engine refusing it (nothing).
+func TestTenantChargeRules(t *testing.T) {
+	prompt := words(400)
+	for _, c := range []struct {
+		name     string
+		engine   func(t *testing.T) string
+		tune     func(*config.Config)
+		body     string
+		min, max int64 // what the request is charged, inclusive
+	}{
+		{"deadline passed before the answer", func(t *testing.T) string {
+			return simEngine(t, sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 50 * time.Millisecond}).URL()
+		}, requestTimeout(300 * time.Millisecond), `{"model":"m","prompt":"` + prompt + `","max_tokens":100,"ignore_eos":true}`, 400 + 100, 400 + 100},
+		{"engine closed the connection after accepting", func(t *testing.T) string {
+			return hangUp(t, 300*time.Millisecond).URL
+		}, nil, `{"model":"m","prompt":"` + prompt + `","max_tokens":100}`, 200, 400 + 100},
+		{"engine cut its stream", func(t *testing.T) string {
+			return simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{DropAfter: 5}}).URL()
+		}, nil, `{"model":"m","prompt":"` + prompt + `","max_tokens":100,"ignore_eos":true,"stream":true}`, 400 + 3, 400 + 6},
+		{"engine refused it", func(t *testing.T) string {
+			return simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Status: 400}}).URL()
+		}, nil, `{"model":"m","prompt":"` + prompt + `","max_tokens":100}`, 0, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := testConfig(c.engine(t))
+			cfg.Retry.Disable = true
+			cfg.Tenants = []config.Tenant{{Name: "hostile", Keys: []string{config.HashKey("sk-hostile")},
+				Limits: &config.Limits{TokensPerMinute: intp(100_000)}}}
+			if c.tune != nil {
+				c.tune(&cfg)
+			}
+			g, gw := startGateway(t, cfg)
+			cutAfter(t, gw.URL+"/v1/completions", c.body, 5*time.Second)
+			var got int64
+			for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+				if got = charged(t, g, "hostile"); got >= c.min && got > 0 {
+					break
+				}
+			}
+			time.Sleep(50 * time.Millisecond) // a settlement that was to come has come
+			if got = charged(t, g, "hostile"); got < c.min || got > c.max {
+				t.Errorf("charged %d, want %d to %d", got, c.min, c.max)
+			}
+		})
+	}
+}
+
+// hangUp is an engine that lists model m, accepts every request, and closes the connection
+// after d without answering.
+func hangUp(t *testing.T, d time.Duration) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
+			return
+		}
+		_, _ = io.ReadAll(r.Body)
+		time.Sleep(d)
+		conn, _, err := http.NewResponseController(w).Hijack()
+		if err == nil {
+			conn.Close()
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv
 }
