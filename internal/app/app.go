@@ -102,6 +102,7 @@ func NewLogger(cfg config.Config, w io.Writer) *slog.Logger {
 // Gateway is a wired, not yet listening Baton: what Serve runs, and what tests drive in-process.
 type Gateway struct {
 	Config   config.Config
+	cert     *certificate // the API's TLS certificate; nil: HTTP
 	Registry *worker.Registry
 	Metrics  *metrics.Metrics
 	Server   *server.Server
@@ -326,6 +327,13 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_config_reloads_total",
 		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused, or settings that need a restart changed) or invalid (nothing changed)."}, []string{"result"})
 	m.Registry.MustRegister(reloads)
+	var cert *certificate
+	if cfg.TLSCertPath != "" {
+		cert = &certificate{certPath: cfg.TLSCertPath, keyPath: cfg.TLSKeyPath}
+		if err := cert.load(); err != nil {
+			return nil, err
+		}
+	}
 	return &Gateway{
 		Health:     health,
 		Config:     cfg,
@@ -347,6 +355,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Adapters:   adapters,
 		KVEvents:   kv,
 		Log:        log,
+		cert:       cert,
 	}, nil
 }
 
@@ -393,7 +402,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 		attempts = 1
 	}
 	o := parts
-	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.APIKey, cfg.KVConnector
+	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.ClientAPIKey, cfg.KVConnector
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
 	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
 	o.RouteHeader = cfg.RouteHeader
@@ -409,7 +418,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o.NoWorkerWait = ad.NoWorkerWait
 
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
-	o.Admin.Key, o.Admin.Separate = cfg.AdminAPIKey, cfg.AdminPort >= 0
+	o.Admin.Keys, o.Admin.Separate = cfg.AdminKeys(), cfg.AdminPort >= 0
 	// Keyless only on a loopback listener of its own: a proxy on the same host in front of the
 	// API listener makes every client look local.
 	o.Admin.Open = o.Admin.Separate && config.IsLoopback(cfg.AdminHost)
@@ -573,15 +582,22 @@ type listeners struct {
 	apiLn              net.Listener
 	metrics, admin     *http.Server
 	metricsLn, adminLn net.Listener
+	scheme             string // the API's and the admin API's: http, or https with a certificate
 }
 
 // listen opens every listener the configuration asks for, or none: a failure closes those
 // already open.
 func (g *Gateway) listen(cfg config.Config, log *slog.Logger) (*listeners, error) {
-	ls := &listeners{}
+	ls := &listeners{scheme: "http"}
+	if g.cert != nil {
+		ls.scheme = "https"
+	}
 	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
 	if err != nil {
 		return nil, fmt.Errorf("listen: %w", err)
+	}
+	if g.cert != nil {
+		ln = g.cert.listener(ln)
 	}
 	var refused func() uint64
 	ls.api, ls.apiLn, refused = apiServer(cfg, ln, g.Server.Handler(), log)
@@ -599,6 +615,9 @@ func (g *Gateway) listen(cfg config.Config, log *slog.Logger) (*listeners, error
 		if ls.adminLn, err = net.Listen("tcp", net.JoinHostPort(cfg.AdminHost, strconv.Itoa(cfg.AdminPort))); err != nil {
 			ls.close()
 			return nil, fmt.Errorf("listen for the admin API: %w", err)
+		}
+		if g.cert != nil {
+			ls.adminLn = g.cert.listener(ls.adminLn)
 		}
 		ls.admin = &http.Server{Handler: g.Server.AdminHandler(), ReadHeaderTimeout: 10 * time.Second,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
@@ -638,13 +657,13 @@ func (ls *listeners) serve(stdout io.Writer) <-chan error {
 	go func() { errc <- ls.api.Serve(ls.apiLn) }()
 	if ls.admin != nil {
 		go func() { errc <- ls.admin.Serve(ls.adminLn) }()
-		fmt.Fprintf(stdout, "baton admin API on http://%s\n", ls.adminLn.Addr())
+		fmt.Fprintf(stdout, "baton admin API on %s://%s\n", ls.scheme, ls.adminLn.Addr())
 	}
 	if ls.metrics != nil {
 		go func() { errc <- ls.metrics.Serve(ls.metricsLn) }()
-		fmt.Fprintf(stdout, "baton serving on http://%s (metrics on http://%s/metrics)\n", ls.apiLn.Addr(), ls.metricsLn.Addr())
+		fmt.Fprintf(stdout, "baton serving on %s://%s (metrics on http://%s/metrics)\n", ls.scheme, ls.apiLn.Addr(), ls.metricsLn.Addr())
 	} else {
-		fmt.Fprintf(stdout, "baton serving on http://%s\n", ls.apiLn.Addr())
+		fmt.Fprintf(stdout, "baton serving on %s://%s\n", ls.scheme, ls.apiLn.Addr())
 	}
 	return errc
 }
@@ -680,6 +699,10 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 	}
 	logAdmin(log, cfg)
 	logTenants(log, cfg, g.tenants)
+	if g.tenants.set.Load().Open() && !config.IsLoopback(cfg.Host) {
+		log.Warn("no client authentication: anyone who reaches "+net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))+" may use the fleet; give --client-api-key (or the tenants' keys). smg's --api-key is the engines' key here too, never the clients'",
+			"host", cfg.Host)
+	}
 }
 
 // httpServer is the API listener's server: Baton's own (internal/h1) or net/http's.
@@ -729,7 +752,7 @@ func logAdmin(log *slog.Logger, cfg config.Config) {
 		where, host = "its own listener", cfg.AdminHost
 	}
 	switch {
-	case cfg.AdminAPIKey != "":
+	case len(cfg.AdminKeys()) > 0:
 		log.Info("admin API (worker routes) on "+where+", behind the admin API key", "host", host)
 	case cfg.AdminPort >= 0 && config.IsLoopback(host):
 		log.Info("admin API (worker routes) on its own loopback listener, no key", "host", host)

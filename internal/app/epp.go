@@ -115,7 +115,7 @@ func (g *Gateway) listenEPP(cfg config.Config) (*eppListener, error) {
 		return nil, fmt.Errorf("listen for the Endpoint Picker: %w", err)
 	}
 	srv, hs := g.NewEPP(cfg)
-	if cfg.APIKey != "" || len(cfg.Tenants) > 0 || cfg.Admission.MaxConcurrentRequests > 0 {
+	if cfg.ClientAPIKey != "" || len(cfg.Tenants) > 0 || cfg.Admission.MaxConcurrentRequests > 0 {
 		g.Log.Warn("epp: the Endpoint Picker checks no API key, tenant limit or admission slot (the HTTP listener's proxy still does): the gateway in front authenticates and limits")
 	}
 	return &eppListener{srv: srv, ln: ln, health: hs, ready: g.EPPReady, log: g.Log}, nil

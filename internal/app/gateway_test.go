@@ -211,7 +211,7 @@ func TestAuth(t *testing.T) {
 	})
 	t.Run("on", func(t *testing.T) {
 		cfg := testConfig(up.URL)
-		cfg.APIKey = "sekret"
+		cfg.ClientAPIKey = "sekret"
 		_, gw := startGateway(t, cfg)
 		wantEnvelope(t, post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`), 401, "invalid_api_key")
 		wantEnvelope(t, post(t, gw.URL+"/v1/chat/completions", `{"model":"m"}`, "Authorization", "Bearer wrong"), 401, "invalid_api_key")

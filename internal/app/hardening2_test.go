@@ -192,7 +192,7 @@ func TestAdminNeverOpenByAccident(t *testing.T) {
 
 	// The API listener on loopback, a same-host nginx in front, no admin key.
 	cfg := testConfig(e.URL())
-	cfg.Host, cfg.APIKey = "127.0.0.1", "sk-inference"
+	cfg.Host, cfg.ClientAPIKey = "127.0.0.1", "sk-inference"
 	_, gw := startGateway(t, cfg)
 	ng, err := bench.StartNginx(gw.URL)
 	switch {

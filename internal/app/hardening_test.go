@@ -27,9 +27,14 @@ import (
 )
 
 // anyModelEngine is an engine whose /v1/models lists nothing: it serves whatever model it is
-// asked. Registration probes other than /v1/models get 404; the runtime comes from the config.
+// asked. Its /get_model_info names a model path (an engine's info route: it is one); other
+// registration probes get 404; the runtime comes from the config.
 func anyModelEngine(t *testing.T, handle http.HandlerFunc) string {
 	return fakeEngine(t, "", nil, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet && r.URL.Path == "/get_model_info" {
+			io.WriteString(w, `{"model_path":"/models/any"}`) // an engine, though its /v1/models lists nothing
+			return
+		}
 		if r.Method == http.MethodGet && !strings.HasPrefix(r.URL.Path, "/health") {
 			http.NotFound(w, r)
 			return
@@ -538,7 +543,7 @@ func TestHealthGenerateIsGuarded(t *testing.T) {
 	}
 	cfg := config.Default()
 	cfg.PDDisaggregation = true
-	cfg.APIKey = "gateway-key"
+	cfg.ClientAPIKey = "gateway-key"
 	cfg.Admission.MaxConcurrentRequests, cfg.Admission.QueueSize = 1, 0
 	cfg.Workers = []config.Worker{
 		{URL: anyModelEngine(t, h), Role: config.RolePrefill, Runtime: config.RuntimeSGLang},

@@ -55,6 +55,11 @@ func (g *Gateway) Reload() error {
 		g.reloads.WithLabelValues("invalid").Inc()
 		return err
 	}
+	if g.cert != nil {
+		if err := g.cert.load(); err != nil {
+			g.Log.Error("reload: the TLS certificate could not be read; the one served stays", "err", err)
+		}
+	}
 	werr := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig)
 	if policies != nil {
 		g.Selector.SetPolicies(policies, modelPolicies)

@@ -39,7 +39,7 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-var addrLine = regexp.MustCompile(`baton serving on (http://\S+) \(metrics on (http://\S+)/metrics\)`)
+var addrLine = regexp.MustCompile(`baton serving on (https?://\S+) \(metrics on (http://\S+)/metrics\)`)
 
 // runBaton runs Run in the background and returns the API and metrics base URLs, a stop
 // function (as SIGTERM would) and a channel with Run's result.
@@ -309,7 +309,7 @@ func TestServeListenersAndAccessLog(t *testing.T) {
 		w.Header().Set("Content-Type", "application/json")
 		io.WriteString(w, `{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":5,"completion_tokens":2}}`)
 	})
-	r := startRun(t, "--worker-urls", up.URL, "--api-key", "sk-inference-secret", "--admin-port", "0", "--admin-host", "127.0.0.1")
+	r := startRun(t, "--worker-urls", up.URL, "--client-api-key", "sk-inference-secret", "--admin-port", "0", "--admin-host", "127.0.0.1")
 	m := adminLine.FindStringSubmatch(r.out.String())
 	if m == nil {
 		t.Fatalf("no admin listener announced: %q", r.out.String())

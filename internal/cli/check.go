@@ -97,6 +97,9 @@ type checkReport struct {
 	Verdict string         `json:"verdict"`
 	Pairs   []pairResult   `json:"pairs"`
 	Workers []workerResult `json:"workers"`
+	// Unservable are the models the configuration or the engines name that no request could be
+	// sent for now, each with why (what /readiness says).
+	Unservable []string `json:"unservable,omitempty"`
 }
 
 type pairResult struct {
@@ -114,7 +117,11 @@ type workerResult struct {
 	Role   string `json:"role"`
 	Status int    `json:"status,omitempty"` // a regular worker's answer
 	OK     bool   `json:"ok"`
-	Reason string `json:"reason,omitempty"` // why it is not OK
+	// Cause names why it is not OK, for programs: wrong_key, refused, timeout, not_an_engine,
+	// unreachable (its registration), model_missing (its configuration names a model its engine
+	// does not serve), answer (its check request failed), no_partner, pair_failed, role_unused.
+	Cause  string `json:"cause,omitempty"`
+	Reason string `json:"reason,omitempty"` // why it is not OK, in words
 }
 
 // check sends every pair that can meet (pd) and every regular worker one request, and says of
@@ -137,16 +144,26 @@ func check(ctx context.Context, g *app.Gateway, pd bool) checkReport {
 		r := workerResult{URL: config.RedactURL(w.URL), Role: w.Role}
 		switch {
 		case !w.Registered():
-			r.Reason = "unreachable, or never registered (its engine did not answer /v1/models or its info route)"
+			r.Cause, r.Reason = "unreachable", "never registered (its engine did not answer /v1/models or its info route)"
+			if e := w.LastRegistrationError(); e != nil {
+				r.Cause, r.Reason = e.Cause, e.Message
+			}
+		case len(w.Info().Unserved) > 0:
+			r.Cause, r.Reason = "model_missing", fmt.Sprintf("its configuration names %s, which its engine does not serve (GET /v1/models)", strings.Join(w.Info().Unserved, ", "))
 		case w.Role == config.RoleRegular:
 			r.Status, r.Reason = checkWorker(ctx, g, w)
 			r.OK = r.Reason == ""
+			if !r.OK {
+				r.Cause = "answer"
+			}
 		case !pd:
-			r.Reason = "a " + w.Role + " worker without --pd-disaggregation: nothing routes to it"
+			r.Cause, r.Reason = "role_unused", "a "+w.Role+" worker without --pd-disaggregation: nothing routes to it"
 		case good[w]:
 			r.OK = true
+		case partners[w] != "":
+			r.Cause, r.Reason = "no_partner", partners[w]
 		default:
-			r.Reason = cmp.Or(partners[w], "its pairs fail (see the pairs)")
+			r.Cause, r.Reason = "pair_failed", "its pairs fail (see the pairs)"
 		}
 		rep.Workers = append(rep.Workers, r)
 	}
@@ -159,7 +176,12 @@ func check(ctx context.Context, g *app.Gateway, pd bool) checkReport {
 			failed++
 		}
 	}
+	if ok, why := g.Server.Ready(); !ok {
+		rep.Unservable = strings.Split(why, "; ")
+	}
 	switch {
+	case len(rep.Unservable) > 0 && checked > 0 && bad == 0 && failed == 0:
+		rep.Verdict = fmt.Sprintf("%d model(s) cannot be served: %s", len(rep.Unservable), strings.Join(rep.Unservable, "; "))
 	case checked == 0:
 		rep.Verdict = "nothing could be checked: no pair of a prefill and a decode that can meet, and no regular worker answered (see each worker's reason)"
 	case bad > 0:
@@ -250,13 +272,16 @@ func (rep checkReport) write(out io.Writer) {
 		}
 		fmt.Fprintln(tw)
 	}
-	fmt.Fprintln(tw, "WORKER\tROLE\tOK\tWHY NOT")
+	fmt.Fprintln(tw, "WORKER\tROLE\tOK\tCAUSE\tWHY NOT")
 	for _, w := range rep.Workers {
 		ok := "yes"
 		if !w.OK {
 			ok = "no"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", w.URL, w.Role, ok, w.Reason)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", w.URL, w.Role, ok, w.Cause, w.Reason)
+	}
+	for _, m := range rep.Unservable {
+		fmt.Fprintf(tw, "\nUNSERVABLE\t%s\n", m)
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(out, rep.Verdict)

@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -299,7 +301,7 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	}{
 		{"no decode", nil, []string{"has no decode worker"}}, // refused with the configuration already
 		{"vLLM prefill, SGLang decode", []string{"--decode", sd.URL()}, []string{"nothing could be checked", "no registered prefill it can hand KV to or from"}},
-		{"decode down", []string{"--decode", gone.URL()}, []string{"nothing could be checked", "unreachable, or never registered"}},
+		{"decode down", []string{"--decode", gone.URL()}, []string{"nothing could be checked", "refused", "connection refused"}},
 	} {
 		var out bytes.Buffer
 		err := Run(t.Context(), append(slices.Clone(base), c.args...), &out, io.Discard)
@@ -335,6 +337,56 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	}
 	if err := json.Unmarshal(out.Bytes(), &rep); err != nil || !rep.OK || len(rep.Workers) != 1 || rep.Workers[0].Status != 200 || !rep.Workers[0].OK {
 		t.Errorf("--json: %v %+v\n%s", err, rep, out.String())
+	}
+}
+
+// baton check says what it knows of each worker, in the table and in --json alike: the engine
+// wants another key, the connection was refused, the host is no engine, its configuration names
+// a model its engine does not serve — and a model the configuration names that no engine serves
+// fails the check.
+func TestCheckSaysWhy(t *testing.T) {
+	t.Parallel()
+	keyed := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(401) }))
+	t.Cleanup(keyed.Close)
+	notEngine := httptest.NewServer(http.HandlerFunc(http.NotFound))
+	t.Cleanup(notEngine.Close)
+	gone := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	gone.Close()
+	ok := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	dir := t.TempDir()
+	file := filepath.Join(dir, "baton.yaml")
+	yaml := fmt.Sprintf("workers:\n  - {url: %s}\n  - {url: %s}\n  - {url: %s}\n  - {url: %s, models: [m, ghost]}\nmodels:\n  chat: {serve: nowhere}\n",
+		keyed.URL, notEngine.URL, gone.URL(), ok.URL())
+	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var table, js bytes.Buffer
+	if err := Run(t.Context(), []string{"check", "--wait", "2s", "--disable-health-check", "--config", file}, &table, io.Discard); err == nil {
+		t.Fatalf("check passed:\n%s", table.String())
+	}
+	if err := Run(t.Context(), []string{"check", "--json", "--wait", "2s", "--disable-health-check", "--config", file}, &js, io.Discard); err == nil {
+		t.Fatalf("check --json passed:\n%s", js.String())
+	}
+	var rep struct {
+		Workers []struct {
+			URL, Cause, Reason string
+		}
+		Unservable []string
+	}
+	if err := json.Unmarshal(js.Bytes(), &rep); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone.URL(): "refused", ok.URL(): "model_missing"}
+	for _, w := range rep.Workers {
+		if w.Cause != want[w.URL] || w.Reason == "" {
+			t.Errorf("%s: cause %q (%s), want %s", w.URL, w.Cause, w.Reason, want[w.URL])
+		}
+		if !strings.Contains(table.String(), want[w.URL]) {
+			t.Errorf("the table lacks %s's cause %s:\n%s", w.URL, want[w.URL], table.String())
+		}
+	}
+	if u := strings.Join(rep.Unservable, "; "); !strings.Contains(u, `"ghost"`) || !strings.Contains(u, `"nowhere"`) || !strings.Contains(table.String(), "nowhere") {
+		t.Errorf("unservable %q; table:\n%s", u, table.String())
 	}
 }
 

@@ -55,8 +55,12 @@ var Policies = []string{PolicyRoundRobin, PolicyRandom, PolicyLeastLoad, PolicyP
 // duration the unit of smg's integer alias (unit: --<flag>-secs N, <key>_secs: N). Rules that
 // tie settings together are in Validate.
 type Config struct {
-	Host        string `json:"host" flag:"host" default:"0.0.0.0" help:"address to bind"`
-	Port        int    `json:"port" flag:"port" default:"30000" check:"0..65535" help:"API port; 0 picks a free port"`
+	Host string `json:"host" flag:"host" default:"0.0.0.0" help:"address to bind"`
+	Port int    `json:"port" flag:"port" default:"30000" check:"0..65535" help:"API port; 0 picks a free port"`
+	// TLSCertPath and TLSKeyPath, both set, serve the API (and the admin API's own listener)
+	// over TLS with this PEM certificate chain and key; re-read on every reload. Empty: HTTP.
+	TLSCertPath string `json:"tls_cert_path" flag:"tls-cert-path" help:"PEM certificate (chain) to serve the API over TLS with (with --tls-key-path); re-read on reload"`
+	TLSKeyPath  string `json:"tls_key_path" flag:"tls-key-path" help:"PEM private key of --tls-cert-path"`
 	MetricsPort int    `json:"metrics_port" flag:"metrics-port" default:"29000" check:"-1..65535" help:"Prometheus /metrics port; 0 picks a free port, -1 disables"`
 	// WorkerURLs are regular workers given by URL only.
 	WorkerURLs []string `json:"worker_urls" flag:"worker-urls" help:"regular workers by URL (space- or comma-separated)"`
@@ -107,7 +111,12 @@ type Config struct {
 	BodyTimeout          time.Duration `json:"body_timeout" flag:"body-timeout" unit:"secs" default:"2m" check:">0" help:"a request body must arrive whole within this"`
 	MaxBatchSize         int           `json:"max_batch_size" flag:"max-batch-size" default:"1024" check:">=1" help:"largest n, and most prompts in one request; 400 past it"`
 	StalledClientTimeout time.Duration `json:"stalled_client_timeout" flag:"stalled-client-timeout" unit:"secs" default:"1m" check:">0" help:"drop a client that sends no body bytes or accepts no response bytes for this long"`
-	APIKey               string        `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"require 'Authorization: Bearer KEY' on inference routes"`
+	// ClientAPIKey is the key clients send when the fleet has one client (tenant default's key);
+	// tenants: gives each team its own. It is Baton's: never sent to an engine.
+	ClientAPIKey string `json:"client_api_key" flag:"client-api-key" secret:"BATON_CLIENT_API_KEY" help:"require 'Authorization: Bearer KEY' on inference routes (tenant default's key; tenants: gives each team its own)"`
+	// APIKey is smg's --api-key: the key sent to every engine, as worker_api_key (the two may
+	// not differ). It is never checked on clients.
+	APIKey string `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"smg's meaning: send 'Authorization: Bearer KEY' to every engine, as --worker-api-key (clients' key: --client-api-key)"`
 	// Models are names clients use: an alias of a model the workers serve, and the models to
 	// fall back to (YAML models:). DefaultModel is the model of a request that names none.
 	Models       map[string]ModelConfig `json:"models"`
@@ -122,6 +131,16 @@ type Config struct {
 	// --tenant-api-key TENANT:KEY, flag only (a file holds hashes, never keys).
 	Tenants       []Tenant `json:"tenants"`
 	TenantAPIKeys []string `json:"-"`
+	// DefaultMaxPriority is the ceiling of a tenant whose configuration gives none (and of
+	// every request where no tenant has keys); smg's --priority-scheduler-default-max-class,
+	// its names system and bulk taken as critical and batch.
+	DefaultMaxPriority string `json:"default_max_priority" flag:"priority-scheduler-default-max-class" default:"interactive" help:"the highest priority class of a tenant without max_priority (critical, interactive, default, batch; smg's system and bulk too)"`
+	// PrioritySchedulerEnabled is smg's switch for its priority scheduler: Baton's classes are
+	// on whenever requests are bounded (--max-concurrent-requests); the flag only checks that.
+	PrioritySchedulerEnabled bool `json:"priority_scheduler_enabled" flag:"priority-scheduler-enabled" help:"smg's: priority classes order the requests waiting for a slot; they need --max-concurrent-requests (on with it, whatever this says)"`
+	// ControlPlaneKeys are further admin API keys, from smg's --control-plane-api-keys
+	// ID:NAME:ROLE:KEY (role admin; flag only).
+	ControlPlaneKeys []string `json:"-"`
 	// RateLimitStore is where tenants' counts live: memory (this replica) or a Redis URL shared by
 	// replicas (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; REDIS_PASSWORD when the URL
 	// has none).
@@ -397,9 +416,18 @@ func (c *Config) AllWorkers() []Worker {
 // WithEngineKey gives w the fleet's engine key (worker_api_key) when it has none of its own.
 func (c *Config) WithEngineKey(w Worker) Worker {
 	if w.APIKey == "" {
-		w.APIKey = c.WorkerAPIKey
+		w.APIKey = cmp.Or(c.WorkerAPIKey, c.APIKey)
 	}
 	return w
+}
+
+// AdminKeys are the keys the admin API takes: admin_api_key and smg's control-plane keys.
+func (c *Config) AdminKeys() []string {
+	var out []string
+	if c.AdminAPIKey != "" {
+		out = append(out, c.AdminAPIKey)
+	}
+	return append(out, c.ControlPlaneKeys...)
 }
 
 // Validate reports every problem in c at once, joined.
@@ -410,6 +438,9 @@ func (c *Config) Validate() error {
 		if err := settings[i].validate(c); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if (c.TLSCertPath == "") != (c.TLSKeyPath == "") {
+		bad("tls_cert_path and tls_key_path go together: give both, or neither")
 	}
 	if c.ServiceDiscovery {
 		if len(c.Selector)+len(c.PrefillSelector)+len(c.DecodeSelector) == 0 {
@@ -442,8 +473,26 @@ func (c *Config) Validate() error {
 	if c.AdminPort > 0 && (c.AdminPort == c.Port || c.AdminPort == c.MetricsPort) {
 		bad("admin_port %d must differ from port and metrics_port", c.AdminPort)
 	}
-	if c.AdminAPIKey != "" && c.AdminAPIKey == c.APIKey {
-		bad("admin_api_key must differ from api_key: a client with the inference key would control the fleet")
+	switch c.DefaultMaxPriority {
+	case "system":
+		c.DefaultMaxPriority = PriorityCritical
+	case "bulk":
+		c.DefaultMaxPriority = PriorityBatch
+	}
+	if !slices.Contains(PriorityClasses, c.DefaultMaxPriority) {
+		bad("default_max_priority %q: want one of %s (smg's system and bulk too)", c.DefaultMaxPriority, strings.Join(PriorityClasses, ", "))
+	}
+	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 {
+		bad("priority_scheduler_enabled: priority classes order the requests waiting for a slot: give --max-concurrent-requests (Baton's classes are on whenever it is set)")
+	}
+	for _, k := range c.AdminKeys() {
+		if k == c.ClientAPIKey {
+			bad("admin keys (admin_api_key, --control-plane-api-keys) must differ from client_api_key: a client with the inference key would control the fleet")
+			break
+		}
+	}
+	if c.APIKey != "" && c.WorkerAPIKey != "" && c.APIKey != c.WorkerAPIKey {
+		bad("api_key (smg's: the key sent to the engines) and worker_api_key differ: give one of them")
 	}
 	if c.MetricsPort > 0 && c.MetricsPort == c.Port {
 		bad("metrics_port %d must differ from port", c.MetricsPort)
@@ -891,6 +940,8 @@ func CheckWorkerURL(raw string) error {
 		return fmt.Errorf("url does not parse: %v", err)
 	}
 	switch {
+	case u.Scheme == "grpc" || u.Scheme == "grpcs":
+		return fmt.Errorf("url scheme must be http or https: Baton speaks HTTP to the engines (start vLLM or SGLang with their OpenAI-compatible HTTP server, not the gRPC one)")
 	case u.Scheme != "http" && u.Scheme != "https":
 		return fmt.Errorf("url scheme must be http or https")
 	case u.User != nil:

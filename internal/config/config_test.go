@@ -303,12 +303,12 @@ func TestKeysFromFilesAndTheEnvironment(t *testing.T) {
 	os.WriteFile(key, []byte("sk-from-file\n"), 0o600)
 	t.Setenv("BATON_WORKER_API_KEY", "sk-engine-from-env")
 	t.Setenv("BATON_ADMIN_API_KEY", "sk-admin-from-env")
-	c, err := Parse([]string{"--api-key-file", key, "--admin-api-key", "sk-admin-flag", "--worker-urls", "http://a:1"}, io.Discard)
+	c, err := Parse([]string{"--client-api-key-file", key, "--admin-api-key", "sk-admin-flag", "--worker-urls", "http://a:1"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.APIKey != "sk-from-file" || c.WorkerAPIKey != "sk-engine-from-env" || c.AdminAPIKey != "sk-admin-flag" {
-		t.Errorf("keys %q %q %q", c.APIKey, c.WorkerAPIKey, c.AdminAPIKey)
+	if c.ClientAPIKey != "sk-from-file" || c.WorkerAPIKey != "sk-engine-from-env" || c.AdminAPIKey != "sk-admin-flag" {
+		t.Errorf("keys %q %q %q", c.ClientAPIKey, c.WorkerAPIKey, c.AdminAPIKey)
 	}
 	// The fleet's engine key goes to every worker without one of its own.
 	c.Workers = []Worker{{URL: "http://b:1", APIKey: "sk-own"}}
@@ -319,7 +319,7 @@ func TestKeysFromFilesAndTheEnvironment(t *testing.T) {
 	}
 	two := filepath.Join(dir, "two")
 	os.WriteFile(two, []byte("a\nb\n"), 0o600)
-	if _, err := Parse([]string{"--api-key-file", two}, io.Discard); err == nil || strings.Contains(err.Error(), "a\nb") {
+	if _, err := Parse([]string{"--client-api-key-file", two}, io.Discard); err == nil || strings.Contains(err.Error(), "a\nb") {
 		t.Errorf("a file of two lines: %v", err)
 	}
 }

@@ -75,6 +75,9 @@ func buildFlags() []flag {
 		if s.flag == "api-key" {
 			fs = append(fs, tenantKeyFlag)
 		}
+		if s.flag == "admin-api-key" {
+			fs = append(fs, controlPlaneKeyFlag)
+		}
 		if s.flag == "default-model" {
 			fs = append(fs, modelAliasFlag)
 		}
@@ -108,6 +111,23 @@ var tenantKeyFlag = flag{name: "tenant-api-key", arg: "TENANT:KEY",
 	help: "a key of a tenant (repeatable, smg's form; the tenant is created when the configuration has none of that name); prefer the hashed keys of the tenants: section",
 	apply: func(c *Config, v []string) error {
 		c.TenantAPIKeys = append(c.TenantAPIKeys, v[0])
+		return nil
+	}}
+
+// controlPlaneKeyFlag is smg's --control-plane-api-keys ID:NAME:ROLE:KEY: an admin API key.
+// smg's admin role is Baton's one admin role; its user role has no equivalent in Baton's admin
+// API (clients' keys are tenants' keys), so it is refused.
+var controlPlaneKeyFlag = flag{name: "control-plane-api-keys", arg: "ID:NAME:ROLE:KEY",
+	help: "an admin API key in smg's form (repeatable; role admin): as --admin-api-key",
+	apply: func(c *Config, v []string) error {
+		parts := strings.SplitN(v[0], ":", 4)
+		if len(parts) != 4 || parts[3] == "" {
+			return fmt.Errorf("--control-plane-api-keys: want ID:NAME:ROLE:KEY (smg's form)")
+		}
+		if role := strings.ToLower(parts[2]); role != "admin" {
+			return fmt.Errorf("--control-plane-api-keys %s:%s: role %q: Baton's admin API has one role, admin (a client's key belongs in tenants:, or --client-api-key)", parts[0], parts[1], parts[2])
+		}
+		c.ControlPlaneKeys = append(c.ControlPlaneKeys, parts[3])
 		return nil
 	}}
 

@@ -183,12 +183,16 @@ func (s *setting) set(c *Config, vals []string) error {
 		if v.IsNil() {
 			v.Set(reflect.MakeMap(s.typ))
 		}
-		for _, kv := range vals {
-			k, val, ok := strings.Cut(kv, "=")
-			if !ok || k == "" {
-				return fmt.Errorf("%s: %q is not key=value", name, kv)
+		for _, arg := range vals {
+			// key=value pairs, separated by spaces (smg's documented form) or commas
+			// (Kubernetes' selector form, also in smg's guides): app=sglang,role=prefill.
+			for kv := range strings.SplitSeq(arg, ",") {
+				k, val, ok := strings.Cut(strings.TrimSpace(kv), "=")
+				if !ok || k == "" {
+					return fmt.Errorf("%s: %q is not key=value (pairs separated by spaces or commas: app=sglang role=prefill)", name, kv)
+				}
+				v.SetMapIndex(reflect.ValueOf(k), reflect.ValueOf(val))
 			}
-			v.SetMapIndex(reflect.ValueOf(k), reflect.ValueOf(val))
 		}
 	case s.typ.Kind() == reflect.Slice:
 		v.Set(reflect.AppendSlice(v, reflect.ValueOf(splitURLs(vals))))

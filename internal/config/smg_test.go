@@ -8,31 +8,28 @@ import (
 	"time"
 )
 
-// smgFlags is smg's router command line (its configuration reference: the launch, routing,
-// policy, resilience, health, discovery, metrics and worker flags).
-var smgFlags = []string{
-	"api-key", "assignment-mode", "backend", "balance-abs-threshold", "balance-rel-threshold", "balance-token-usage-threshold",
-	"block-size", "bootstrap-port-annotation", "cache-boundaries", "cache-index", "cache-match-threshold", "cache-threshold", "cache-ttl-secs",
-	"cb-failure-threshold", "cb-success-threshold", "cb-timeout-duration-secs", "cb-window-duration-secs", "cors-allowed-origins",
-	"decode", "decode-policy", "decode-selector", "disable-circuit-breaker", "disable-health-check", "disable-retries", "dp-aware",
-	"dp-minimum-tokens-scheduler", "drain-settle-secs", "enable-igw", "enable-trace", "eviction-interval", "grpc-mode",
-	"health-check-endpoint", "health-check-interval-secs", "health-check-port", "health-check-timeout-secs", "health-failure-threshold",
-	"health-success-threshold", "host", "least-load-default-throughput", "least-load-kv-pressure-weight", "least-load-max-waiting-requests",
-	"least-load-mean-prefill-tokens", "load-monitor-interval", "log-dir", "log-json", "log-level", "max-concurrent-requests", "max-idle-secs",
-	"max-payload-size", "max-tree-size", "model-id-from", "overlap-decay", "overload-token-usage-threshold", "pd-disaggregation", "policy",
-	"port", "prefill", "prefill-policy", "prefill-selector", "prefix-hash-balance-abs-threshold", "prefix-hash-load-factor",
-	"prefix-token-count", "prometheus-duration-buckets", "prometheus-host", "prometheus-port", "queue-size", "queue-timeout-secs",
-	"rate-limit-tokens-per-second", "remove-unhealthy-workers", "request-id-headers", "request-timeout-secs", "retry-backoff-multiplier",
-	"retry-initial-backoff-ms", "retry-jitter-factor", "retry-max-backoff-ms", "retry-max-retries", "routing-key-headers",
-	"routing-key-override", "selection-temperature", "selector", "service-discovery", "service-discovery-namespace", "service-discovery-port",
-	"sticky-key-idle-secs", "sticky-sessions", "upstream-http2", "upstream-pool-idle-timeout-secs", "worker-overload-protection",
-	"worker-overload-token-usage", "worker-overload-waiting-requests", "worker-startup-check-interval", "worker-startup-delay",
-	"worker-startup-timeout-secs", "worker-urls",
-}
+// smgFlags is smg's router command line, every long flag and alias, as its source at a named
+// commit declares them (testdata/smg-flags.txt).
+var smgFlags = func() []string {
+	b, err := os.ReadFile("testdata/smg-flags.txt")
+	if err != nil {
+		panic(err)
+	}
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "#") {
+			out = append(out, line)
+		}
+	}
+	return out
+}()
 
-// Every smg flag works in Baton with the same meaning, or is refused with one line naming
-// Baton's way: none is merely "unknown".
-func TestEverySmgFlagWorksOrHints(t *testing.T) {
+// Every flag of smg's command line works in Baton with the same meaning, or is refused with one
+// line naming Baton's way: none is merely "unknown".
+func TestEverySmgFlagIsAccountedFor(t *testing.T) {
+	if len(smgFlags) < 150 {
+		t.Fatalf("testdata/smg-flags.txt lists %d flags: not smg's whole command line", len(smgFlags))
+	}
 	for _, name := range smgFlags {
 		_, err := Parse([]string{"--" + name + "=1"}, io.Discard)
 		if err == nil {
@@ -48,12 +45,13 @@ func TestEverySmgFlagWorksOrHints(t *testing.T) {
 // smg's spellings that mean the same in Baton work as they do in smg.
 func TestSmgSpellings(t *testing.T) {
 	c, err := Parse([]string{"--prometheus-port", "9100", "--worker-urls", "http://a:1,http://b:1", "http://c:1", "--eviction-interval", "120",
-		"--cache-match-threshold", "0.5"}, io.Discard)
+		"--cache-match-threshold", "0.5", "--spill-abs-threshold", "7", "--spill-rel-threshold", "2.5"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.MetricsPort != 9100 || len(c.WorkerURLs) != 3 || c.EvictionInterval != 2*time.Minute || c.CacheThreshold != 0.5 {
-		t.Errorf("config %d %v %v %v", c.MetricsPort, c.WorkerURLs, c.EvictionInterval, c.CacheThreshold)
+	if c.MetricsPort != 9100 || len(c.WorkerURLs) != 3 || c.EvictionInterval != 2*time.Minute || c.CacheThreshold != 0.5 ||
+		c.BalanceAbsThreshold != 7 || c.BalanceRelThreshold != 2.5 {
+		t.Errorf("config %d %v %v %v %v %v", c.MetricsPort, c.WorkerURLs, c.EvictionInterval, c.CacheThreshold, c.BalanceAbsThreshold, c.BalanceRelThreshold)
 	}
 	for _, tc := range []struct {
 		args []string
@@ -103,8 +101,8 @@ func TestSmgDifferences(t *testing.T) {
 		}
 		return strings.Join(SmgDifferences(c), "; ")
 	}
-	got := parse("--worker-urls", "http://a:8000", "--api-key", "sk-1")
-	for _, want := range []string{"policy=round_robin (smg: cache_aware)", "api_key is checked on clients", "--worker-api-key"} {
+	got := parse("--worker-urls", "http://a:8000", "--api-key", "sk-1", "--max-concurrent-requests", "8")
+	for _, want := range []string{"policy=round_robin (smg: cache_aware)", "503 queue_full", "504 queue_timeout", "(smg: 429 and 408)"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("%q lacks %q", got, want)
 		}
@@ -121,7 +119,42 @@ func TestSmgDifferences(t *testing.T) {
 	if strings.Contains(got, "policy=") {
 		t.Errorf("names the policy given: %q", got)
 	}
-	if got := parse("--policy", "cache_aware", "--max-tree-size", "67108864", "--api-key", "k", "--worker-api-key", "w"); got != "" {
+	if got := parse("--policy", "cache_aware", "--max-tree-size", "67108864", "--api-key", "k", "--worker-api-key", "k"); got != "" {
 		t.Errorf("differences named with smg's values given: %q", got)
+	}
+}
+
+// smg's --api-key is the key sent to the engines (smg's docs/configuration/authentication.md:
+// the gateway adds it to requests to workers): a command line copied from smg sends it on and
+// checks no client with it; --client-api-key is the clients' key. It may not disagree with
+// --worker-api-key.
+func TestSmgAPIKeyIsTheEnginesKey(t *testing.T) {
+	c, err := Parse([]string{"--worker-urls", "http://a:8000", "--api-key", "worker-secret"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ws := c.AllWorkers(); len(ws) != 1 || ws[0].APIKey != "worker-secret" || c.ClientAPIKey != "" {
+		t.Errorf("workers %+v, client key %q", ws, c.ClientAPIKey)
+	}
+	if _, err := Parse([]string{"--api-key", "a", "--worker-api-key", "b"}, io.Discard); err == nil || !strings.Contains(err.Error(), "differ") {
+		t.Errorf("two engine keys that differ: %v", err)
+	}
+}
+
+// smg's selectors are key=value pairs separated by spaces; the comma form (Kubernetes', in
+// smg's guides too) names the same pairs instead of one label whose value holds commas.
+func TestSelectorsSpaceOrComma(t *testing.T) {
+	for _, args := range [][]string{
+		{"--service-discovery", "--selector", "app=sglang", "role=prefill"},
+		{"--service-discovery", "--selector", "app=sglang,role=prefill"},
+		{"--service-discovery", "--selector", "app=sglang, role=prefill"},
+	} {
+		c, err := Parse(args, io.Discard)
+		if err != nil || len(c.Selector) != 2 || c.Selector["app"] != "sglang" || c.Selector["role"] != "prefill" {
+			t.Errorf("%v: %v %v", args, c.Selector, err)
+		}
+	}
+	if _, err := Parse([]string{"--service-discovery", "--selector", "app=sglang,role"}, io.Discard); err == nil || !strings.Contains(err.Error(), "separated by spaces or commas") {
+		t.Errorf("a pair without =: %v", err)
 	}
 }

@@ -165,8 +165,8 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 			checkLimits(l, where, bad)
 		}
 	}
-	if c.APIKey != "" {
-		h := sha256.Sum256([]byte(c.APIKey))
+	if c.ClientAPIKey != "" {
+		h := sha256.Sum256([]byte(c.ClientAPIKey))
 		if i, ok := byName[DefaultTenant]; ok {
 			tenants[i].Hashes = append(tenants[i].Hashes, h) // --api-key names the tenant default
 		} else {

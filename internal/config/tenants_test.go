@@ -71,7 +71,7 @@ func TestTenantErrorsAllAtOnce(t *testing.T) {
 // --api-key is tenant default's key; smg's --tenant-api-key adds tenants; a default tenant
 // with limits and no key holds for everyone.
 func TestTenantsFromFlags(t *testing.T) {
-	c, err := Parse([]string{"--api-key", "sk-1", "--tenant-api-key", "team:sk-2", "--tenant-api-key", "team:sk-3"}, io.Discard)
+	c, err := Parse([]string{"--client-api-key", "sk-1", "--tenant-api-key", "team:sk-2", "--tenant-api-key", "team:sk-3"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}

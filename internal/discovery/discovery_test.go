@@ -79,7 +79,7 @@ func TestPodKeyFromBatonsEnvironment(t *testing.T) {
 	if w, err := d.workerOf(pod(""), config.RoleRegular, 8000); err != nil || w.APIKey != "" {
 		t.Errorf("no annotation: key %q, %v", w.APIKey, err)
 	}
-	for _, name := range []string{"BATON_API_KEY", "BATON_ADMIN_API_KEY", "BATON_WORKER_KEY_", "HOME"} {
+	for _, name := range []string{"BATON_API_KEY", "BATON_CLIENT_API_KEY", "BATON_ADMIN_API_KEY", "BATON_WORKER_KEY_", "HOME"} {
 		if _, err := d.workerOf(pod(name), config.RoleRegular, 8000); err == nil || !strings.Contains(err.Error(), "must start with BATON_WORKER_KEY_") {
 			t.Errorf("%s: %v", name, err)
 		}

@@ -4,6 +4,7 @@ package h1
 
 import (
 	"errors"
+	"net"
 	"sync"
 	"syscall"
 
@@ -109,7 +110,11 @@ func (w *watcher) add(c *conn) {
 	if w.err != nil {
 		return
 	}
-	sc, ok := c.rwc.(syscall.Conn)
+	under := c.rwc
+	if tc, ok := under.(interface{ NetConn() net.Conn }); ok {
+		under = tc.NetConn() // TLS: the peer closing shows on the socket beneath
+	}
+	sc, ok := under.(syscall.Conn)
 	if !ok {
 		c.s.warnUnwatched(errors.New("the listener's connections have no file descriptor"))
 		return

@@ -28,9 +28,9 @@ type Fleet interface {
 
 // Admin is the admin API's configuration.
 type Admin struct {
-	// Key, when set, is required as "Authorization: Bearer <key>" on the admin routes (it is
-	// not the inference key).
-	Key string
+	// Keys, when any is set, are what the admin routes require as "Authorization: Bearer
+	// <key>" (one of them; none is the inference key).
+	Keys []string
 	// Open allows the admin routes without a key: they have a listener of their own, on
 	// loopback only — never the API listener, which a proxy on the same host makes look local
 	// for everyone. Even then a keyless request that came through a proxy or from a web page
@@ -105,9 +105,17 @@ func (s *Server) fleetPrivate() bool {
 
 // adminKeyOK reports whether r carries the admin key (false when none is set).
 func (s *Server) adminKeyOK(r *http.Request) bool {
-	key := s.opts.Admin.Key
 	got := r.Header["Authorization"]
-	return key != "" && len(got) == 1 && subtle.ConstantTimeCompare([]byte(got[0]), []byte("Bearer "+key)) == 1
+	return len(got) == 1 && s.isAdminKey(strings.TrimPrefix(got[0], "Bearer ")) && strings.HasPrefix(got[0], "Bearer ")
+}
+
+// isAdminKey reports whether key is one of the admin keys, comparing each in constant time.
+func (s *Server) isAdminKey(key string) bool {
+	ok := 0
+	for _, k := range s.opts.Admin.Keys {
+		ok |= subtle.ConstantTimeCompare([]byte(key), []byte(k))
+	}
+	return ok == 1
 }
 
 // adminOr serves admin with the admin key, else other.
@@ -134,15 +142,15 @@ func (s *Server) adminAuthed(next http.Handler) http.Handler {
 			return
 		}
 		switch {
-		case a.Key != "" && !s.adminKeyOK(r):
+		case len(a.Keys) > 0 && !s.adminKeyOK(r):
 			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
 				Message: "missing or invalid admin API key: send 'Authorization: Bearer <admin key>'"})
 			return
-		case a.Key == "" && !a.Open:
+		case len(a.Keys) == 0 && !a.Open:
 			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminDisabled,
 				Message: "the admin API needs --admin-api-key, or a listener of its own on loopback only (--admin-host 127.0.0.1 --admin-port N)"})
 			return
-		case a.Key == "" && (proxied(r.Header) || !loopbackHost(r.Host)):
+		case len(a.Keys) == 0 && (proxied(r.Header) || !loopbackHost(r.Host)):
 			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminDisabled,
 				Message: "a keyless admin request must come straight from this host: this one came through a proxy or from a web page (Origin, Forwarded, X-Forwarded-*, Via) or names another host; send the admin API key"})
 			return

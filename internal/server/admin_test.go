@@ -86,7 +86,7 @@ func TestAdminAPI(t *testing.T) {
 	s, _, _ := gateway(t, nil, func(o *Options) {
 		f.reg = o.Registry
 		o.APIKey = "sk-inference"
-		o.Admin = Admin{Key: "sk-admin", Separate: true, Fleet: f}
+		o.Admin = Admin{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}
 	})
 	srv := httptest.NewServer(s.AdminHandler())
 	t.Cleanup(srv.Close)
@@ -145,7 +145,7 @@ func TestAdminAPI(t *testing.T) {
 // key, as a bearer token or a browser's Basic password.
 func TestModelsAndStatus(t *testing.T) {
 	e := engine(t, completion)
-	s, gw, ws := gateway(t, []string{e, e + "/"}, func(o *Options) { o.Admin.Key = "sk-admin" })
+	s, gw, ws := gateway(t, []string{e, e + "/"}, func(o *Options) { o.Admin.Keys = []string{"sk-admin"} })
 	ws[1].SetReady(false)
 	resp, err := http.Get(gw + "/v1/models")
 	if err != nil {

@@ -152,8 +152,12 @@ func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (class, ceil
 	}
 	rec := record.From(r.Context())
 	ceiling = admit.Interactive
-	if rec.Who != nil {
-		ceiling, _ = admit.ParseClass(rec.Who.MaxPriority)
+	who := rec.Who
+	if set := s.tenants(); who == nil && set.Open() {
+		who = set.Identify("") // every request is tenant default's
+	}
+	if who != nil {
+		ceiling, _ = admit.ParseClass(who.MaxPriority)
 	}
 	if class < ceiling {
 		class = ceiling

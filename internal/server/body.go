@@ -301,6 +301,7 @@ func sweepEvery(stall time.Duration) time.Duration { return min(stall/8, time.Se
 // request bodies. Wait waits for it.
 func (s *Server) Start(ctx context.Context) {
 	s.admit.start(ctx)
+	s.bg.Go(func() { s.warnUnservable(ctx) })
 	every := sweepEvery(s.opts.StalledClientTimeout)
 	s.bg.Go(func() {
 		t := time.NewTicker(every)
@@ -318,3 +319,26 @@ func (s *Server) Start(ctx context.Context) {
 
 // Wait waits for the background work Start began.
 func (s *Server) Wait() { s.bg.Wait(); s.settling.Wait() }
+
+// warnUnservable says once, in a WARN, which models the configuration or the engines name that
+// no request could be sent for, once the workers' first registrations are settled (each
+// registered, or a minute passed): a model named in the configuration that no engine serves, an
+// alias to nothing, a role missing.
+func (s *Server) warnUnservable(ctx context.Context) {
+	deadline := time.Now().Add(time.Minute)
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if s.reg.Snapshot().Pending() == 0 || time.Now().After(deadline) {
+			if _, missing := s.readiness(); len(missing) > 0 {
+				s.log.Warn("models that no request can be sent for (readiness fails until they can)", "unservable", missing)
+			}
+			return
+		}
+	}
+}

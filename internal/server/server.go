@@ -4,8 +4,10 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
+	"slices"
 
 	"crypto/rand"
 	"encoding/hex"
@@ -1016,20 +1018,38 @@ func (s *Server) Ready() (bool, string) {
 	return true, ""
 }
 
-// readiness returns the models the fleet serves and, per model it cannot serve, why.
+// readiness returns the models the fleet serves — those its workers list or their
+// configuration names, and those Baton's configuration names (a models: entry, an alias's
+// target, the default model) — and, per model it cannot serve now, why.
 func (s *Server) readiness() (models []string, missing []string) {
 	snap := s.reg.Snapshot()
 	models = snap.Models()
+	if cfg, def := s.models(); len(cfg) > 0 || def != "" {
+		for name, m := range cfg {
+			models = append(models, cmp.Or(m.Serve, name))
+		}
+		if def != "" {
+			models = append(models, s.modelChain(def)[0])
+		}
+		slices.Sort(models)
+		models = slices.Compact(models)
+	}
 	if len(models) == 0 {
 		models = []string{""} // workers that take any model, or none registered yet
 	}
+	unserved := snap.Unserved()
 	for _, m := range models {
-		if why := s.unservable(snap, m); why != "" {
-			if m != "" {
-				why = fmt.Sprintf("model %q: %s", m, why)
-			}
-			missing = append(missing, why)
+		why := s.unservable(snap, m)
+		switch {
+		case why == "":
+			continue
+		case slices.Contains(unserved, m):
+			why = "named in the configuration of workers whose engines do not serve it"
 		}
+		if m != "" {
+			why = fmt.Sprintf("model %q: %s", m, why)
+		}
+		missing = append(missing, why)
 	}
 	if models[0] == "" {
 		models = []string{}
@@ -1037,30 +1057,46 @@ func (s *Server) readiness() (models []string, missing []string) {
 	return models, missing
 }
 
-// unservable says why no request for model could be served now ("" when one can).
+// unservable says why no request for model could be dispatched now ("" when one could): a
+// worker of it ready with its circuit not open — with PD, a prefill and a decode that are, and
+// can hand KV to each other.
 func (s *Server) unservable(snap *worker.Snapshot, model string) string {
-	ready := func(role string) []*worker.Worker {
+	open := false // a ready worker was left out for its open circuit
+	available := func(role string) []*worker.Worker {
 		ws, _ := s.candidates(snap, role, model)
 		var out []*worker.Worker
 		for _, w := range ws {
-			if w.Ready() {
+			switch {
+			case w.Available():
 				out = append(out, w)
+			case w.Ready():
+				open = true
 			}
 		}
 		return out
 	}
+	why := func(what string) string {
+		if open {
+			return fmt.Sprintf("no available %s (the circuit of every ready one is open: its engine failed requests)", what)
+		}
+		if ws, _ := s.candidates(snap, config.RoleRegular, model); len(ws) == 0 && !s.opts.PD {
+			return "no worker serves it"
+		}
+		return fmt.Sprintf("no ready %s (unreachable, still registering, unhealthy or drained)", what)
+	}
 	if !s.opts.PD {
-		if len(ready(config.RoleRegular)) == 0 {
-			return "no ready worker (unreachable, still registering, unhealthy or drained)"
+		if len(available(config.RoleRegular)) == 0 {
+			return why("worker")
 		}
 		return ""
 	}
-	prefills, decodes := ready(config.RolePrefill), ready(config.RoleDecode)
-	switch {
-	case len(prefills) == 0:
-		return "no ready prefill worker (unreachable, still registering, unhealthy or drained)"
-	case len(decodes) == 0:
-		return "no ready decode worker (unreachable, still registering, unhealthy or drained)"
+	prefills := available(config.RolePrefill)
+	if len(prefills) == 0 {
+		return why("prefill worker")
+	}
+	decodes := available(config.RoleDecode)
+	if len(decodes) == 0 {
+		return why("decode worker")
 	}
 	for _, p := range prefills {
 		for _, d := range decodes {
@@ -1069,7 +1105,7 @@ func (s *Server) unservable(snap *worker.Snapshot, model string) string {
 			}
 		}
 	}
-	return "no ready prefill and decode can hand KV to each other (their runtimes or KV connectors differ)"
+	return "no available prefill and decode can hand KV to each other (their runtimes or KV connectors differ)"
 }
 
 func newRequestID() string {

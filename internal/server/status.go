@@ -1,7 +1,6 @@
 package server
 
 import (
-	"crypto/subtle"
 	_ "embed"
 	"math/rand/v2"
 	"net/http"
@@ -210,10 +209,9 @@ func (s *Server) AdminOnly(next http.Handler) http.Handler { return s.statusAuth
 
 func (s *Server) statusAuth(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		key := s.opts.Admin.Key
-		if key != "" {
+		if len(s.opts.Admin.Keys) > 0 {
 			_, pass, basic := r.BasicAuth()
-			if !(basic && subtle.ConstantTimeCompare([]byte(pass), []byte(key)) == 1) && !s.adminKeyOK(r) {
+			if !(basic && s.isAdminKey(pass)) && !s.adminKeyOK(r) {
 				w.Header().Set("WWW-Authenticate", `Basic realm="baton status", charset="UTF-8"`)
 				adminError(w, http.StatusUnauthorized, openai.CodeInvalidAPIKey, "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')")
 				return

@@ -55,7 +55,7 @@ func (s *Server) tenants() *tenant.Set { return s.opts.Tenancy.Set() }
 // without it every request is tenant default; nothing is limited.
 func defaultTenancy(apiKey string) Tenancy {
 	cfg := config.Default()
-	cfg.APIKey = apiKey
+	cfg.ClientAPIKey = apiKey
 	set, err := tenant.Build(cfg, os.Getenv)
 	if err != nil {
 		panic("server: the default tenants: " + err.Error())

@@ -4,6 +4,7 @@
 package tenant
 
 import (
+	"cmp"
 	"crypto/sha256"
 	"slices"
 	"strings"
@@ -45,7 +46,7 @@ func Build(cfg config.Config, getenv func(string) string) (*Set, error) {
 	}
 	s := &Set{byKey: map[[32]byte]*Tenant{}}
 	for _, c := range ts {
-		t := &Tenant{Name: c.Name, Weight: 1, MaxPriority: config.PriorityInteractive, models: c.Models}
+		t := &Tenant{Name: c.Name, Weight: 1, MaxPriority: cmp.Or(cfg.DefaultMaxPriority, config.PriorityInteractive), models: c.Models}
 		if c.Weight != nil {
 			t.Weight = *c.Weight
 		}
@@ -66,7 +67,7 @@ func Build(cfg config.Config, getenv func(string) string) (*Set, error) {
 		s.tenants = append(s.tenants, t)
 	}
 	if len(s.byKey) == 0 {
-		s.open = &Tenant{Name: config.DefaultTenant, Weight: 1, MaxPriority: config.PriorityInteractive}
+		s.open = &Tenant{Name: config.DefaultTenant, Weight: 1, MaxPriority: cmp.Or(cfg.DefaultMaxPriority, config.PriorityInteractive)}
 		for _, t := range s.tenants {
 			if t.Name == config.DefaultTenant {
 				s.open = t

@@ -25,6 +25,10 @@ var ErrUnreachable = errors.New("engine not reachable")
 // ErrNeedsKey is an engine that refuses Baton's requests (401, 403): it wants a key Baton does not send.
 var ErrNeedsKey = errors.New("engine wants a key")
 
+// ErrNotEngine is a host that answers HTTP but not as an engine does: its /v1/models lists no
+// model, and no engine info route (SGLang's /get_model_info, /server_info) names one.
+var ErrNotEngine = errors.New("not an inference engine")
+
 // probeTimeout bounds each registration probe.
 const probeTimeout = 5 * time.Second
 
@@ -87,17 +91,21 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 		return nil, fmt.Errorf("%w: GET /v1/models answered %d", ErrUnreachable, status)
 	}
 	if status == http.StatusUnauthorized || status == http.StatusForbidden {
-		hint := "give the engines their key with --worker-api-key (or the worker's api_key): Baton's --api-key is the clients' key and, unlike smg's, is never sent to an engine"
+		hint := "give the engines their key with --api-key or --worker-api-key (or the worker's api_key)"
 		if w.APIKey != "" {
 			hint = "the key Baton sends it (--worker-api-key or its api_key) is not the engine's"
 		}
 		return nil, fmt.Errorf("%w: GET /v1/models answered %d: %s", ErrNeedsKey, status, hint)
 	}
 	ownedBy := ""
+	var reported []Model
 	if status == http.StatusOK {
-		var reported []Model
 		reported, ownedBy = parseModels(body)
 		in.Models = w.modelsOf(reported)
+		in.Unserved = unserved(w.configured.Models, reported)
+	}
+	if len(reported) == 0 && !namesAModel(ctx, client, w) {
+		return nil, fmt.Errorf("%w: GET /v1/models answered %d with no model, and no engine info route (/get_model_info, /server_info) names one", ErrNotEngine, status)
 	}
 	if in.Runtime != "" {
 		return in, nil
@@ -122,6 +130,37 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 	}
 	in.Runtime = config.RuntimeGeneric
 	return in, nil
+}
+
+// unserved are the configured models the engine's own list (reported) lacks: a request for
+// one would be the engine's 404. None when nothing is configured.
+func unserved(configured []string, reported []Model) []string {
+	var out []string
+	for _, id := range configured {
+		if !slices.ContainsFunc(reported, func(m Model) bool { return m.ID == id }) {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// namesAModel reports whether an engine info route of w's names the model it serves (SGLang's
+// /get_model_info, /server_info and /get_server_info give model_path): an engine whose
+// /v1/models lists none.
+func namesAModel(ctx context.Context, client *http.Client, w *Worker) bool {
+	for _, p := range []string{"/get_model_info", "/server_info", "/get_server_info"} {
+		status, body, err := probe(ctx, client, w, p)
+		if err != nil || status != http.StatusOK {
+			continue
+		}
+		var v struct {
+			ModelPath string `json:"model_path"`
+		}
+		if json.Unmarshal(body, &v) == nil && v.ModelPath != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // parseModels reads a /v1/models answer: each card's model (with its parent, for an adapter)
@@ -207,7 +246,7 @@ func (r *Registry) RefreshModels(ctx context.Context, client *http.Client, w *Wo
 		return false, nil
 	}
 	next := *old
-	next.Models = models
+	next.Models, next.Unserved = models, unserved(w.configured.Models, reported)
 	w.SetInfo(&next)
 	r.Rebuild()
 	return true, nil
@@ -225,12 +264,12 @@ func probe(ctx context.Context, client *http.Client, w *Worker, path string) (in
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return 0, nil, fmt.Errorf("%w: %v", ErrUnreachable, err)
+		return 0, nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
 	if err != nil {
-		return 0, nil, fmt.Errorf("%w: %v", ErrUnreachable, err)
+		return 0, nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}
 	return resp.StatusCode, body, nil
 }
@@ -286,6 +325,7 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 			return
 		}
 		in, err := Detect(ctx, r.Client, w)
+		w.noteRegistration(err)
 		if err == nil {
 			w.SetInfo(in)
 			// What the hook learns (a Mooncake prefill's engine ids) is known before the
@@ -300,10 +340,14 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 				ids[i] = m.ID
 			}
 			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
+			if len(in.Unserved) > 0 {
+				r.Log.Warn("worker's configuration names models its engine does not serve: requests for them are not sent to it, and /readiness fails for any no engine serves",
+					"worker", w.URL, "unserved", in.Unserved)
+			}
 			return
 		}
 		switch {
-		case attempt == 1 && errors.Is(err, ErrNeedsKey):
+		case attempt == 1 && (errors.Is(err, ErrNeedsKey) || errors.Is(err, ErrNotEngine)):
 			r.Log.Error("worker refuses Baton's requests; it takes no traffic until it answers", "worker", w.URL, "err", err)
 		case attempt == 1:
 			r.Log.Warn("worker not reachable yet; registering it in the background", "worker", w.URL, "err", err)

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -46,9 +47,8 @@ func TestDetect(t *testing.T) {
 		{"sglang by owned_by", map[string]string{"/v1/models": models("sglang")}, config.Worker{}, "sglang", []string{"m1", "m2"}},
 		{"vllm by /version", map[string]string{"/v1/models": models("someone"), "/version": `{"version":"0.11"}`}, config.Worker{}, "vllm", []string{"m1", "m2"}},
 		{"sglang by /server_info", map[string]string{"/v1/models": models("x"), "/server_info": `{}`}, config.Worker{}, "sglang", []string{"m1", "m2"}},
-		{"sglang by /get_server_info", map[string]string{"/get_server_info": `{}`}, config.Worker{}, "sglang", nil},
+		{"sglang by /get_server_info", map[string]string{"/get_server_info": `{"model_path":"/models/llama"}`}, config.Worker{}, "sglang", nil},
 		{"generic", map[string]string{"/v1/models": models("openai")}, config.Worker{}, "generic", []string{"m1", "m2"}},
-		{"generic without models", map[string]string{}, config.Worker{}, "generic", nil},
 		{"configured wins", map[string]string{"/v1/models": models("vllm")}, config.Worker{Runtime: "sglang", Models: []string{"only"}}, "sglang", []string{"only"}},
 	}
 	for _, tc := range tests {
@@ -111,8 +111,11 @@ func TestRegistrarRetriesUntilReachable(t *testing.T) {
 	if w.Ready() || w.Registered() {
 		t.Fatal("worker ready before its engine started")
 	}
-	if c, pending := reg.Snapshot().Candidates(config.RoleRegular, "m1"); len(c) != 0 || !pending {
+	if c, pending := reg.Snapshot().Candidates(config.RoleRegular, ""); len(c) != 0 || !pending {
 		t.Fatalf("candidates %v pending %v before registration, want none and pending", c, pending)
+	}
+	if _, pending := reg.Snapshot().Candidates(config.RoleRegular, "m1"); !pending {
+		t.Fatal("before any worker registered, any model may be a registering worker's")
 	}
 	up.Store(true)
 	deadline := time.Now().Add(10 * time.Second)
@@ -249,5 +252,42 @@ func TestDetectNamesTheEngineKey(t *testing.T) {
 	in, err := Detect(context.Background(), srv.Client(), New(config.Worker{URL: srv.URL, APIKey: "sk-engine"}))
 	if err != nil || in.Runtime != config.RuntimeVLLM {
 		t.Errorf("with the key: %+v %v", in, err)
+	}
+}
+
+// A host is a worker only when it answers as an engine does: a /v1/models with a model, or an
+// engine info route naming one. A server answering 404 (or an empty 200) to every path is not
+// one, whatever its configuration says; a configured model its engine does not list is
+// unserved.
+func TestDetectRefusesWhatIsNoEngine(t *testing.T) {
+	for name, routes := range map[string]map[string]string{
+		"404 everywhere":      {},
+		"200 to everything":   {"/v1/models": `ok`, "/server_info": `ok`, "/get_model_info": `{}`},
+		"an empty model list": {"/v1/models": `{"object":"list","data":[]}`},
+	} {
+		t.Run(name, func(t *testing.T) {
+			srv := engine(t, routes)
+			_, err := Detect(context.Background(), srv.Client(), New(config.Worker{URL: srv.URL, Models: []string{"m"}}))
+			if !errors.Is(err, ErrNotEngine) {
+				t.Errorf("got %v, want ErrNotEngine", err)
+			}
+		})
+	}
+	srv := engine(t, map[string]string{"/v1/models": `{"data":[{"id":"llama","owned_by":"vllm"}]}`})
+	in, err := Detect(context.Background(), srv.Client(), New(config.Worker{URL: srv.URL, Models: []string{"llama", "ghost"}}))
+	if err != nil || !slices.Equal(in.Unserved, []string{"ghost"}) {
+		t.Fatalf("unserved %v, %v; want [ghost]", in.Unserved, err)
+	}
+	w := New(config.Worker{URL: srv.URL, Models: []string{"llama", "ghost"}})
+	w.SetInfo(in)
+	snap := NewRegistry(w).Snapshot()
+	if c, _ := snap.Candidates(config.RoleRegular, "ghost"); len(c) != 0 {
+		t.Error("a worker is a candidate for a model its engine does not serve")
+	}
+	if c, _ := snap.Candidates(config.RoleRegular, "llama"); len(c) != 1 {
+		t.Error("the worker is no candidate for the model its engine serves")
+	}
+	if got := snap.Unserved(); !slices.Equal(got, []string{"ghost"}) {
+		t.Errorf("Unserved() = %v", got)
 	}
 }

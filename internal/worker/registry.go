@@ -24,6 +24,23 @@ type Snapshot struct {
 	anyModel []*Worker            // registered workers that accept any model
 	pending  []*Worker            // workers whose registration has not succeeded yet
 	parents  map[string]string    // LoRA adapter -> its base model, as the engines list them
+	unserved map[string]bool      // models configured on workers whose engines do not serve them
+}
+
+// Pending is how many workers have not registered yet.
+func (s *Snapshot) Pending() int { return len(s.pending) }
+
+// Unserved are the models workers' configurations name that their engines do not serve, and
+// that no worker serves: each a readiness failure.
+func (s *Snapshot) Unserved() []string {
+	var out []string
+	for m := range s.unserved {
+		if len(s.byModel[m]) == 0 {
+			out = append(out, m)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // NewRegistry returns a registry holding ws.
@@ -109,6 +126,15 @@ func build(ws []*Worker) *Snapshot {
 			s.anyModel = append(s.anyModel, w)
 		default:
 			for _, m := range in.Models {
+				if slices.Contains(in.Unserved, m.ID) {
+					// Configured, but its engine does not serve it: no candidate for it. The
+					// model stays known (readiness names it as served by no engine).
+					if s.unserved == nil {
+						s.unserved = map[string]bool{}
+					}
+					s.unserved[m.ID] = true
+					continue
+				}
 				s.byModel[m.ID] = append(s.byModel[m.ID], w)
 				if m.Parent != "" {
 					if s.parents == nil {
@@ -123,8 +149,8 @@ func build(ws []*Worker) *Snapshot {
 }
 
 // Candidates returns the registered workers of role that serve model (all of role when model is
-// empty), whatever their readiness, and whether some worker of role is still registering and
-// might serve it.
+// empty), whatever their readiness, and whether some worker of role is still registering that
+// may serve it.
 func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bool) {
 	add := func(list []*Worker) {
 		for _, w := range list {
@@ -143,8 +169,16 @@ func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bo
 		add(s.byModel[model])
 		add(s.anyModel)
 	}
+	// A worker still registering may serve model when its configuration names it, or — while
+	// no worker has registered yet, so that nothing is known of any model — when it names none.
+	// Once some worker told its models, a model no worker names is unknown: a 404, not a 503
+	// that OpenAI's SDKs retry while an engine that is down keeps registering.
+	known := len(s.pending) < len(s.Workers)
 	for _, w := range s.pending {
-		if w.Role == role {
+		if w.Role != role {
+			continue
+		}
+		if cm := w.Configured().Models; model == "" || slices.Contains(cm, model) || len(cm) == 0 && !known {
 			maybePending = true
 			break
 		}

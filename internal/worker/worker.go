@@ -5,14 +5,17 @@ package worker
 
 import (
 	"cmp"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"net"
 	"net/url"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -32,6 +35,9 @@ type Model struct {
 type Info struct {
 	Runtime string  // vllm, sglang or generic
 	Models  []Model // empty means the worker accepts any model
+	// Unserved are models the worker's configuration names that its engine's /v1/models does
+	// not list: the worker is not a candidate for them.
+	Unserved []string
 	// DPSize is the data parallel size the engine reports (SGLang /server_info), 0 if unknown.
 	DPSize int
 	// KVEvents is the KV events publisher the engine reports (SGLang /server_info kv_events),
@@ -80,7 +86,8 @@ type Worker struct {
 	KVEventsEndpoint, KVEventsReplayEndpoint string
 
 	configured config.Worker
-	info       atomic.Pointer[Info] // nil until registration succeeds
+	info       atomic.Pointer[Info]              // nil until registration succeeds
+	regErr     atomic.Pointer[RegistrationError] // the last registration attempt's failure; nil after success
 	engineIDs  atomic.Pointer[map[int]string]
 	engineLoad atomic.Pointer[EngineLoad]
 	ready      atomic.Bool
@@ -262,6 +269,44 @@ func (w *Worker) Leave(probe bool) {
 // SetInfo records what registration learned about the worker; the registry indexes it on its
 // next Rebuild.
 func (w *Worker) SetInfo(in *Info) { w.info.Store(in) }
+
+// RegistrationError is why a worker's last registration attempt failed: a Cause a program can
+// branch on, and the message.
+type RegistrationError struct {
+	// Cause is one of wrong_key (the engine refuses Baton's key, or wants one), refused (the
+	// connection was refused), timeout, not_an_engine (it answers HTTP, not as an engine),
+	// unreachable (any other failure to get an answer).
+	Cause, Message string
+}
+
+// LastRegistrationError is why w's last registration attempt failed, nil when it registered
+// (or has not been tried).
+func (w *Worker) LastRegistrationError() *RegistrationError { return w.regErr.Load() }
+
+// noteRegistration records a registration attempt's failure (nil: it succeeded).
+func (w *Worker) noteRegistration(err error) {
+	if err == nil {
+		w.regErr.Store(nil)
+		return
+	}
+	w.regErr.Store(&RegistrationError{Cause: registrationCause(err), Message: err.Error()})
+}
+
+// registrationCause names the cause of a registration failure.
+func registrationCause(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, ErrNeedsKey):
+		return "wrong_key"
+	case errors.Is(err, ErrNotEngine):
+		return "not_an_engine"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "refused"
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	}
+	return "unreachable"
+}
 
 // Record takes one outcome of a request this worker served: its status, or the error that kept
 // it from answering; package outcome says whether it is a sample and a failure.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -232,8 +233,13 @@ func TestChartRendersAndApplies(t *testing.T) {
 					t.Errorf("%s is not read from a Secret", n)
 				}
 			}
-			if name == "pd-vllm" && (keyEnv["BATON_WORKER_KEY_TEAM_A"] != "team-a-engine" || keyEnv["BATON_API_KEY"] != "baton-keys") {
+			if name == "pd-vllm" && (keyEnv["BATON_WORKER_KEY_TEAM_A"] != "team-a-engine" || keyEnv["BATON_CLIENT_API_KEY"] != "baton-keys") {
 				t.Errorf("key variables %v", keyEnv)
+			}
+			// HTTPS from a TLS Secret: Baton's flags name the mounted files, the probes use HTTPS.
+			if name == "tenants" && (!slices.Contains(args, "--tls-cert-path") || cfg.TLSCertPath != "/etc/baton-tls/tls.crt" || cfg.TLSKeyPath != "/etc/baton-tls/tls.key" ||
+				!strings.Contains(eppObjects, "scheme:HTTPS")) {
+				t.Errorf("the TLS example: args %q, probes HTTPS %v", args, strings.Contains(eppObjects, "scheme:HTTPS"))
 			}
 			if name == "scale-from-zero" && kinds["ScaledObject"] != 1 {
 				t.Errorf("the KEDA example rendered %d ScaledObjects", kinds["ScaledObject"])

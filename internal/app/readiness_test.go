@@ -1,0 +1,205 @@
+package app
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// readiness is /readiness's status and body.
+func readiness(t *testing.T, gw string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, gw+"/readiness", nil)
+	return do(t, req)
+}
+
+// Probes fail when serving fails: an engine answering 500 opens its circuit after the
+// threshold, and from then /readiness is 503 naming the open circuit (it was 200 while every
+// request was refused).
+func TestReadinessFailsWhenTheCircuitIsOpen(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Status: 500}})
+	cfg := testConfig(e.URL())
+	cfg.CircuitBreaker.FailureThreshold = 2
+	cfg.Retry.Disable = true
+	_, gw := startGateway(t, cfg)
+	if status, body := readiness(t, gw.URL); status != 200 {
+		t.Fatalf("before any request: %d %s", status, body)
+	}
+	for range 2 {
+		post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"p","max_tokens":1}`).Body.Close()
+	}
+	status, body := readiness(t, gw.URL)
+	if status != 503 || !strings.Contains(body, "circuit") || !strings.Contains(body, `model \"m\"`) {
+		t.Errorf("every request refused, circuit open: readiness %d %s", status, body)
+	}
+}
+
+// A PD pair whose decode's circuit is open can serve nothing: readiness says so.
+func TestReadinessFailsWhenTheDecodesCircuitIsOpen(t *testing.T) {
+	cfg, _, _ := vllmPair(t, "NixlConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 500}})
+	cfg.CircuitBreaker.FailureThreshold = 2
+	cfg.Retry.Disable = true
+	_, gw := startGateway(t, cfg)
+	for range 2 {
+		post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"p","max_tokens":1}`).Body.Close()
+	}
+	if status, body := readiness(t, gw.URL); status != 503 || !strings.Contains(body, "decode") || !strings.Contains(body, "circuit") {
+		t.Errorf("the decode's circuit open: readiness %d %s", status, body)
+	}
+}
+
+// A model the configuration names that no engine serves — on a worker whose engine lists
+// another, or as an alias's target — fails readiness (naming it) and is never sent to the
+// worker: its requests are Baton's 404, not the engine's.
+func TestReadinessFailsForAModelNoEngineServes(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	for name, tune := range map[string]func(*config.Config){
+		"worker models": func(c *config.Config) {
+			c.Workers = []config.Worker{{URL: e.URL(), Models: []string{"m", "ghost"}}}
+		},
+		"alias": func(c *config.Config) {
+			c.WorkerURLs = []string{e.URL()}
+			c.Models = map[string]config.ModelConfig{"chat": {Serve: "ghost"}}
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := config.Default()
+			tune(&cfg)
+			_, gw := startGateway(t, cfg)
+			status, body := readiness(t, gw.URL)
+			if status != 503 || !strings.Contains(body, `\"ghost\"`) || strings.Contains(body, `\"m\"`) {
+				t.Errorf("readiness %d %s, want 503 naming ghost alone", status, body)
+			}
+			before := e.Stats().RequestsReceived
+			model := "ghost"
+			if name == "alias" {
+				model = "chat"
+			}
+			resp := post(t, gw.URL+"/v1/completions", `{"model":"`+model+`","prompt":"p","max_tokens":1}`)
+			wantEnvelope(t, resp, 404, "model_not_found")
+			if e.Stats().RequestsReceived != before {
+				t.Error("a request for a model the engine does not serve reached it")
+			}
+		})
+	}
+}
+
+// A host that answers HTTP but not as an engine (404 to every path, or 200 with nothing) is no
+// worker: it never registers, readiness stays 503, and `baton check` would name the cause.
+func TestAHostThatIsNoEngineIsNoWorker(t *testing.T) {
+	for name, h := range map[string]http.HandlerFunc{
+		"404 everywhere": http.NotFound,
+		"200 everywhere": func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(200) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			host := httptest.NewServer(h)
+			t.Cleanup(host.Close)
+			g := runGateway(t, testConfig(host.URL))
+			gw := serveAPI(t, g.Config, g.Server.Handler())
+			w := g.Registry.Snapshot().Workers[0]
+			poll.Until(t, "the registration attempt", func() bool { return w.LastRegistrationError() != nil })
+			if e := w.LastRegistrationError(); e.Cause != "not_an_engine" || w.Registered() {
+				t.Errorf("registered %v, cause %+v", w.Registered(), e)
+			}
+			if status, body := readiness(t, gw.URL); status != 503 {
+				t.Errorf("readiness %d %s", status, body)
+			}
+		})
+	}
+}
+
+// A model nobody names is 404 model_not_found even while a worker is still registering (it was
+// a 503 that OpenAI's SDKs retry); a model a registering worker's configuration names is 503.
+func TestUnknownModelIs404WhileWorkersRegister(t *testing.T) {
+	hang := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select { // an engine still loading: no answer until the prober gives up
+		case <-r.Context().Done():
+		case <-time.After(10 * time.Second):
+		}
+	}))
+	t.Cleanup(hang.Close)
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := config.Default()
+	cfg.Workers = []config.Worker{{URL: e.URL()}, {URL: hang.URL, Models: []string{"later"}}}
+	g := runGateway(t, cfg)
+	gw := serveAPI(t, g.Config, g.Server.Handler())
+	poll.Until(t, "the sim registered", func() bool { return g.Registry.Snapshot().Workers[0].Ready() })
+	wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"typo","prompt":"p","max_tokens":1}`), 404, "model_not_found")
+	wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"later","prompt":"p","max_tokens":1}`), 503, "no_available_workers")
+}
+
+// A command line copied from smg keeps smg's meaning of --api-key: the key Baton sends the
+// engines, never checked on clients; listening beyond loopback with no client key at all is one
+// WARN at startup.
+func TestSmgAPIKeyReachesTheEngines(t *testing.T) {
+	var got atomic.Value
+	eng := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		got.Store(r.Header.Get("Authorization"))
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+	})
+	r := startRun(t, "--host", "0.0.0.0", "--worker-urls", eng.URL, "--api-key", "worker-secret-key")
+	api := "http://127.0.0.1:" + r.api[strings.LastIndex(r.api, ":")+1:]
+	poll.Until(t, "the worker ready", func() bool { return getStatus(t, api+"/readiness") == 200 })
+	resp := post(t, api+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`)
+	if b := readAll(t, resp.Body); resp.StatusCode != 200 {
+		t.Fatalf("a client without a key: %d %s", resp.StatusCode, b)
+	}
+	if got.Load() != "Bearer worker-secret-key" {
+		t.Errorf("the engine got Authorization %q", got.Load())
+	}
+	if !strings.Contains(r.logs.String(), "no client authentication") {
+		t.Errorf("no WARN about the open API:\n%s", r.logs.String())
+	}
+}
+
+// smg's --control-plane-api-keys ID:NAME:admin:KEY is an admin API key; smg's user role has no
+// equivalent and is refused at startup with Baton's way.
+func TestSmgControlPlaneKeysAreAdminKeys(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	r := startRun(t, "--worker-urls", e.URL(), "--control-plane-api-keys", "admin1:PlatformAdmin:admin:super-secret-key",
+		"--control-plane-api-keys", "admin2:Ops:ADMIN:other-secret")
+	for key, want := range map[string]int{"super-secret-key": 202, "other-secret": 202, "": 401, "nope": 401} {
+		status, body := admin(t, http.MethodPost, r.api+"/workers", key, `{"url":"http://127.0.0.1:9"}`)
+		if status == 409 {
+			status = 202 // added by the other key already
+		}
+		if status != want && !(want == 401 && status == 403) {
+			t.Errorf("key %q: %d %s, want %d", key, status, body, want)
+		}
+	}
+	if _, err := config.Parse([]string{"--control-plane-api-keys", "u1:Reader:user:k"}, io.Discard); err == nil || !strings.Contains(err.Error(), "one role, admin") {
+		t.Errorf("smg's user role: %v", err)
+	}
+}
+
+// smg's priority scheduler flags mean what they mean in smg: --priority-scheduler-default-max-class
+// is the ceiling of requests of no configured ceiling (its system and bulk names too), and
+// --priority-scheduler-enabled needs the bound on requests at once the classes order.
+func TestSmgPrioritySchedulerFlags(t *testing.T) {
+	c, err := config.Parse([]string{"--priority-scheduler-enabled", "--max-concurrent-requests", "4", "--priority-scheduler-default-max-class", "bulk"}, io.Discard)
+	if err != nil || c.DefaultMaxPriority != config.PriorityBatch {
+		t.Fatalf("%v, default max %q", err, c.DefaultMaxPriority)
+	}
+	if _, err := config.Parse([]string{"--priority-scheduler-enabled"}, io.Discard); err == nil || !strings.Contains(err.Error(), "--max-concurrent-requests") {
+		t.Errorf("enabled with no bound: %v", err)
+	}
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := testConfig(e.URL())
+	cfg.DefaultMaxPriority = config.PriorityBatch
+	cfg.Admission.MaxConcurrentRequests = 4
+	_, gw := startGateway(t, cfg)
+	resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"p","max_tokens":1}`, "X-Smg-Priority", "system")
+	readAll(t, resp.Body)
+	if got := resp.Header.Get("X-Baton-Priority"); resp.StatusCode != 200 || got != "batch" {
+		t.Errorf("a request asking system under a default ceiling of bulk: %d, served as %q", resp.StatusCode, got)
+	}
+}

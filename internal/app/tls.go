@@ -1,0 +1,38 @@
+package app
+
+import (
+	"crypto/tls"
+	"fmt"
+	"net"
+	"sync/atomic"
+)
+
+// certificate is the API's TLS certificate, read from its files at startup and again on every
+// reload, so that a renewed certificate (cert-manager rewriting a mounted Secret) is served to
+// the next connection without a restart. A reload whose files do not load keeps the one served.
+type certificate struct {
+	certPath, keyPath string
+	current           atomic.Pointer[tls.Certificate]
+}
+
+// load reads the certificate and key files.
+func (c *certificate) load() error {
+	cert, err := tls.LoadX509KeyPair(c.certPath, c.keyPath)
+	if err != nil {
+		return fmt.Errorf("tls: %w", err)
+	}
+	c.current.Store(&cert)
+	return nil
+}
+
+// listener serves TLS on ln with the current certificate (HTTP/1.1: both of Baton's HTTP
+// servers speak it).
+func (c *certificate) listener(ln net.Listener) net.Listener {
+	return tls.NewListener(ln, &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		NextProtos: []string{"http/1.1"},
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+			return c.current.Load(), nil
+		},
+	})
+}

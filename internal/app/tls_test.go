@@ -1,0 +1,107 @@
+package app
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// writeCert writes a self-signed certificate for 127.0.0.1 named cn, and its key, to the two
+// paths, and returns it.
+func writeCert(t *testing.T, certPath, keyPath, cn string) *x509.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, BasicConstraintsValid: true, IsCA: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(certPath, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(keyPath, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, _ := x509.ParseCertificate(der)
+	return c
+}
+
+// Baton serves its API over TLS with smg's --tls-cert-path and --tls-key-path (on whichever
+// HTTP server the suite runs), refuses plain HTTP on that port, and serves a renewed
+// certificate after a reload without a restart.
+func TestServesTLSAndRereadsTheCertificate(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	dir := t.TempDir()
+	certPath, keyPath := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	first := writeCert(t, certPath, keyPath, "first")
+	file := filepath.Join(dir, "baton.yaml")
+	if err := os.WriteFile(file, []byte(fmt.Sprintf("worker_urls: [%s]\n", e.URL())), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--config", file, "--watch-config", "--tls-cert-path", certPath, "--tls-key-path", keyPath}
+	if v := testHTTPServer(); v != "" {
+		args = append(args, "--http-server", v)
+	}
+	r := startRun(t, args...)
+	if !strings.HasPrefix(r.api, "https://") {
+		t.Fatalf("serving on %s", r.api)
+	}
+	// served is the certificate the API presents with a 200 answer, nil until it answers 200.
+	served := func() *x509.Certificate {
+		t.Helper()
+		client := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}, Timeout: 10 * time.Second}
+		defer client.CloseIdleConnections()
+		resp, err := client.Post(r.api+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hi","max_tokens":2}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		_, _ = io.ReadAll(resp.Body)
+		if resp.StatusCode != 200 {
+			return nil
+		}
+		return resp.TLS.PeerCertificates[0]
+	}
+	poll.Until(t, "an answer over TLS", func() bool { return served() != nil })
+	if c := served(); !c.Equal(first) {
+		t.Errorf("served %s, want the configured certificate", c.Subject.CommonName)
+	}
+	if resp, err := http.Get(strings.Replace(r.api, "https://", "http://", 1) + "/v1/models"); err == nil {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode == 200 {
+			t.Errorf("plain HTTP on the TLS port answered 200: %s", b)
+		}
+	}
+	second := writeCert(t, certPath, keyPath, "second")
+	if err := os.WriteFile(file, []byte(fmt.Sprintf("worker_urls: [%s]\n# renewed\n", e.URL())), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	poll.Until(t, "the renewed certificate served", func() bool { c := served(); return c != nil && c.Equal(second) })
+}
