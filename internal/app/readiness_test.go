@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -201,5 +203,40 @@ func TestSmgPrioritySchedulerFlags(t *testing.T) {
 	readAll(t, resp.Body)
 	if got := resp.Header.Get("X-Baton-Priority"); resp.StatusCode != 200 || got != "batch" {
 		t.Errorf("a request asking system under a default ceiling of bulk: %d, served as %q", resp.StatusCode, got)
+	}
+}
+
+// --queue-answers smg answers a full queue 429 and a wait past its timeout 408, as smg's
+// priority scheduler does (codes and Retry-After as Baton's); the default stays 503 and 504.
+func TestQueueAnswersAsSmg(t *testing.T) {
+	for _, c := range []struct {
+		answers    string
+		full, wait int
+	}{{"smg", 429, 408}, {"baton", 503, 504}} {
+		t.Run(c.answers, func(t *testing.T) {
+			e := simEngine(t, sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 20 * time.Millisecond})
+			cfg := testConfig(e.URL())
+			cfg.Admission.MaxConcurrentRequests, cfg.Admission.QueueSize, cfg.Admission.QueueTimeout = 1, 1, 300*time.Millisecond
+			cfg.Admission.QueueAnswers = c.answers
+			g, gw := startGateway(t, cfg)
+			go func() { // holds the one slot for about 2 s
+				if resp, err := http.Post(gw.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"p","max_tokens":100,"ignore_eos":true}`)); err == nil {
+					resp.Body.Close()
+				}
+			}()
+			poll.Until(t, "the slot taken", func() bool { return e.Stats().RequestsReceived == 1 })
+			waited := make(chan *http.Response, 1)
+			go func() { waited <- post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"q","max_tokens":1}`) }()
+			poll.Until(t, "the second request queued", func() bool {
+				return testutil.ToFloat64(g.Metrics.QueueDepth.WithLabelValues("default")) == 1
+			})
+			full := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"r","max_tokens":1}`)
+			wantEnvelope(t, full, c.full, "queue_full")
+			w := <-waited
+			wantEnvelope(t, w, c.wait, "queue_timeout")
+			if full.Header.Get("Retry-After") == "" || w.Header.Get("Retry-After") == "" {
+				t.Error("no Retry-After")
+			}
+		})
 	}
 }

@@ -260,6 +260,9 @@ type Admission struct {
 	// (an engine scaling up from zero), at most this long; 0: no_available_workers at once.
 	NoWorkerWait time.Duration `json:"no_worker_wait" flag:"no-worker-wait" unit:"secs" default:"0s" check:">=0" help:"hold a request for a known model without a ready worker this long for one to become ready (0: refuse at once)"`
 	PromoteAfter time.Duration `json:"queue_promote_after" flag:"queue-promote-after" unit:"secs" default:"30s" check:">=0" help:"a request waiting this long moves up one priority class (0: never)"`
+	// QueueAnswers are the statuses of a full queue and a wait past its timeout: baton (503
+	// queue_full, 504 queue_timeout) or smg (429 and 408, smg's priority scheduler's).
+	QueueAnswers string `json:"queue_answers" flag:"queue-answers" default:"baton" help:"statuses of a full queue and a wait past its timeout: baton (503, 504) or smg (429, 408); Retry-After either way"`
 	// The Virtual Token Counter's weights of prompt and completion tokens.
 	FairInputWeight  float64 `json:"fair_input_weight" flag:"fair-input-weight" default:"1" check:">=0" help:"weight of a prompt token in a tenant's share of a full fleet"`
 	FairOutputWeight float64 `json:"fair_output_weight" flag:"fair-output-weight" default:"2" check:">=0" help:"weight of a completion token in a tenant's share of a full fleet"`
@@ -484,6 +487,9 @@ func (c *Config) Validate() error {
 	}
 	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 {
 		bad("priority_scheduler_enabled: priority classes order the requests waiting for a slot: give --max-concurrent-requests (Baton's classes are on whenever it is set)")
+	}
+	if c.Admission.QueueAnswers != "baton" && c.Admission.QueueAnswers != "smg" {
+		bad("admission.queue_answers %q: want baton (503, 504) or smg (429, 408)", c.Admission.QueueAnswers)
 	}
 	for _, k := range c.AdminKeys() {
 		if k == c.ClientAPIKey {

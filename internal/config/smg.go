@@ -226,8 +226,8 @@ func SmgDifferences(c Config) []string {
 	if c.ServiceDiscovery && c.ServiceDiscoveryNamespace == "" {
 		out = append(out, "service_discovery_namespace=Baton's own (smg: every namespace)")
 	}
-	if c.Admission.MaxConcurrentRequests > 0 {
-		out = append(out, "max_concurrent_requests bounds requests at once with a queue per priority class: past --queue-size 503 queue_full, past --queue-timeout 504 queue_timeout, both with Retry-After (smg: 429 and 408)")
+	if c.Admission.MaxConcurrentRequests > 0 && c.Admission.QueueAnswers == defaults.Admission.QueueAnswers {
+		out = append(out, "queue_answers=baton: past --queue-size 503 queue_full, past --queue-timeout 504 queue_timeout, both with Retry-After (smg: 429 and 408; --queue-answers smg)")
 	}
 	return out
 }

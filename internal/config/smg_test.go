@@ -102,7 +102,7 @@ func TestSmgDifferences(t *testing.T) {
 		return strings.Join(SmgDifferences(c), "; ")
 	}
 	got := parse("--worker-urls", "http://a:8000", "--api-key", "sk-1", "--max-concurrent-requests", "8")
-	for _, want := range []string{"policy=round_robin (smg: cache_aware)", "503 queue_full", "504 queue_timeout", "(smg: 429 and 408)"} {
+	for _, want := range []string{"policy=round_robin (smg: cache_aware)", "503 queue_full", "504 queue_timeout", "(smg: 429 and 408; --queue-answers smg)"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("%q lacks %q", got, want)
 		}

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -35,6 +36,7 @@ type admission struct {
 	s       *admit.Scheduler
 	o       admit.Options
 	metrics *metrics.Metrics
+	smg     bool // smg's statuses: 429 for a full queue, 408 past the timeout
 }
 
 // newAdmission returns admission for a; nil when requests are not bounded.
@@ -52,7 +54,7 @@ func newAdmission(a Admission, m *metrics.Metrics) *admission {
 			o.Timeout[c] = a.Timeout[c]
 		}
 	}
-	ad := &admission{s: admit.New(o), o: o, metrics: m}
+	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers}
 	return ad
 }
 
@@ -123,16 +125,24 @@ func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class, ceili
 		}
 		return func() { t.Release(rec.Charge(in, out)) }, true
 	case admit.ErrQueueFull:
-		a.reject(w, openai.CodeQueueFull, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeQueueFull,
+		a.reject(w, openai.CodeQueueFull, &openai.Error{Status: cmp.Or(a.smgStatus(http.StatusTooManyRequests), http.StatusServiceUnavailable), Code: openai.CodeQueueFull,
 			Message: fmt.Sprintf("every slot is taken and the %s queue is full", class)})
 	case admit.ErrTimeout:
-		a.reject(w, openai.CodeQueueTimeout, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeQueueTimeout,
+		a.reject(w, openai.CodeQueueTimeout, &openai.Error{Status: cmp.Or(a.smgStatus(http.StatusRequestTimeout), http.StatusGatewayTimeout), Code: openai.CodeQueueTimeout,
 			Message: fmt.Sprintf("waited %s in the %s queue for a slot", a.o.Timeout[t.Class].Round(time.Millisecond), t.Class)})
 	case admit.ErrDraining:
 		a.reject(w, "draining", &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeDraining,
 			Message: "the server is shutting down; retry on another replica"})
 	}
 	return nil, false // or the client left: nobody to answer
+}
+
+// smgStatus is status when the queue answers as smg's scheduler does, else 0.
+func (a *admission) smgStatus(status int) int {
+	if a.smg {
+		return status
+	}
+	return 0
 }
 
 func (a *admission) reject(w http.ResponseWriter, reason string, e *openai.Error) {

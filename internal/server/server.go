@@ -126,6 +126,9 @@ type Admission struct {
 	Timeout                   [admit.NumClasses]time.Duration
 	PromoteAfter              time.Duration
 	InputWeight, OutputWeight float64
+	// SmgAnswers answers a full queue 429 and a wait past its timeout 408, as smg's priority
+	// scheduler does; false: 503 and 504.
+	SmgAnswers bool
 }
 
 // Server is Baton's API server.
