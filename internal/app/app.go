@@ -325,7 +325,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	registrar := &worker.Registrar{Registry: reg, Client: client, Log: log, MaxInterval: cfg.DetectInterval, OnRegistered: onRegistered}
 	fl.Registrar, fl.OnRegistered, fl.Pairs = registrar, onRegistered, pairs
 	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_config_reloads_total",
-		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused, or settings that need a restart changed) or invalid (nothing changed)."}, []string{"result"})
+		Help: "Configuration reloads (SIGHUP or a changed file) by result: ok, partial (some workers refused, settings that need a restart changed, or the TLS certificate could not be read) or invalid (nothing changed)."}, []string{"result"})
 	m.Registry.MustRegister(reloads)
 	var cert *certificate
 	if cfg.TLSCertPath != "" {

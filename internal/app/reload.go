@@ -55,11 +55,13 @@ func (g *Gateway) Reload() error {
 		g.reloads.WithLabelValues("invalid").Inc()
 		return err
 	}
+	var certErr error
 	if g.cert != nil {
-		if err := g.cert.load(); err != nil {
-			g.Log.Error("reload: the TLS certificate could not be read; the one served stays", "err", err)
+		if certErr = g.cert.load(); certErr != nil {
+			g.Log.Error("reload: the TLS certificate could not be read; the one served stays", "err", certErr)
 		}
 	}
+	defer g.Server.WarnUnservable("reload: models that no request can be sent for (readiness fails until they can)")
 	werr := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig)
 	if policies != nil {
 		g.Selector.SetPolicies(policies, modelPolicies)
@@ -81,6 +83,10 @@ func (g *Gateway) Reload() error {
 		g.reloads.WithLabelValues("partial").Inc()
 		g.Log.Error("reload: some workers could not be applied", append(attrs, "err", werr, "need_restart", strings.Join(restart, ", "))...)
 		return werr
+	case certErr != nil:
+		g.reloads.WithLabelValues("partial").Inc()
+		g.Log.Warn("reload: applied, but not the TLS certificate: the one served stays", attrs...)
+		return certErr
 	case len(restart) > 0:
 		g.reloads.WithLabelValues("partial").Inc()
 		g.Log.Warn("reload: applied; these changed settings take effect only after a restart", append(attrs, "need_restart", strings.Join(restart, ", "))...)
@@ -101,12 +107,16 @@ func (g *Gateway) watchReload(ctx context.Context, interval time.Duration) {
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
 	var tick <-chan time.Time
-	var last, pending []byte
-	if g.Config.WatchConfig && g.Config.File != "" {
+	var last, pending, lastCert, pendingCert []byte
+	watchFile := g.Config.WatchConfig && g.Config.File != ""
+	if watchFile || g.cert != nil {
 		t := time.NewTicker(interval)
 		defer t.Stop()
 		tick = t.C
 		last = g.Config.FileSum
+		if g.cert != nil {
+			lastCert = g.cert.sum()
+		}
 	}
 	for {
 		select {
@@ -116,6 +126,21 @@ func (g *Gateway) watchReload(ctx context.Context, interval time.Duration) {
 			g.Log.Info("reload: SIGHUP")
 			_ = g.Reload()
 		case <-tick:
+			if g.cert != nil { // a renewed certificate (cert-manager rewriting its Secret) is reloaded
+				switch sum := g.cert.sum(); {
+				case sum == nil || bytes.Equal(sum, lastCert):
+					pendingCert = nil
+				case !bytes.Equal(sum, pendingCert):
+					pendingCert = sum
+				default:
+					lastCert, pendingCert = sum, nil
+					g.Log.Info("reload: the TLS certificate files changed", "cert", g.Config.TLSCertPath)
+					_ = g.Reload()
+				}
+			}
+			if !watchFile {
+				continue
+			}
 			sum := fileSum(g.Config.File)
 			switch {
 			case sum == nil || bytes.Equal(sum, last):

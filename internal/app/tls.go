@@ -8,8 +8,9 @@ import (
 )
 
 // certificate is the API's TLS certificate, read from its files at startup and again on every
-// reload, so that a renewed certificate (cert-manager rewriting a mounted Secret) is served to
-// the next connection without a restart. A reload whose files do not load keeps the one served.
+// reload — a reload follows a change of the files themselves too — so that a renewed
+// certificate (cert-manager rewriting a mounted Secret) is served to the next connection without
+// a restart. A reload whose files do not load keeps the one served.
 type certificate struct {
 	certPath, keyPath string
 	current           atomic.Pointer[tls.Certificate]
@@ -23,6 +24,16 @@ func (c *certificate) load() error {
 	}
 	c.current.Store(&cert)
 	return nil
+}
+
+// sum is the SHA-256 of the certificate and key files' content together, nil when either
+// cannot be read: what the reload watcher compares.
+func (c *certificate) sum() []byte {
+	a, b := fileSum(c.certPath), fileSum(c.keyPath)
+	if a == nil || b == nil {
+		return nil
+	}
+	return append(a, b...)
 }
 
 // listener serves TLS on ln with the current certificate (HTTP/1.1: both of Baton's HTTP

@@ -53,8 +53,8 @@ func writeCert(t *testing.T, certPath, keyPath, cn string) *x509.Certificate {
 }
 
 // Baton serves its API over TLS with smg's --tls-cert-path and --tls-key-path (on whichever
-// HTTP server the suite runs), refuses plain HTTP on that port, and serves a renewed
-// certificate after a reload without a restart.
+// HTTP server the suite runs), refuses plain HTTP on that port, and serves a certificate renewed
+// in its files without a restart.
 func TestServesTLSAndRereadsTheCertificate(t *testing.T) {
 	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
 	dir := t.TempDir()
@@ -99,9 +99,22 @@ func TestServesTLSAndRereadsTheCertificate(t *testing.T) {
 			t.Errorf("plain HTTP on the TLS port answered 200: %s", b)
 		}
 	}
+	// Renewed in place (cert-manager rewriting its Secret): the files' change is a reload.
 	second := writeCert(t, certPath, keyPath, "second")
-	if err := os.WriteFile(file, []byte(fmt.Sprintf("worker_urls: [%s]\n# renewed\n", e.URL())), 0o600); err != nil {
+	poll.Until(t, "the renewed certificate served", func() bool { c := served(); return c != nil && c.Equal(second) })
+	// A renewal that cannot be read keeps the certificate served, and the reload says so (a
+	// partial reload, not "applied"); a reload that leaves a model unservable says which.
+	if err := os.WriteFile(certPath, []byte("not a certificate"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	poll.Until(t, "the renewed certificate served", func() bool { c := served(); return c != nil && c.Equal(second) })
+	if err := os.WriteFile(file, []byte(fmt.Sprintf("worker_urls: [%s]\nmodels:\n  gpt4: {serve: gpt-4-typo}\n", e.URL())), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	poll.Until(t, "the reload's warnings", func() bool {
+		l := r.logs.String()
+		return strings.Contains(l, "not the TLS certificate") && strings.Contains(l, `gpt-4-typo\" (served for gpt4)`)
+	})
+	if c := served(); c == nil || !c.Equal(second) {
+		t.Error("a certificate that could not be read replaced the one served")
+	}
 }

@@ -151,11 +151,8 @@ func check(ctx context.Context, g *app.Gateway, pd bool) checkReport {
 		case len(w.Info().Unserved) > 0:
 			r.Cause, r.Reason = "model_missing", fmt.Sprintf("its configuration names %s, which its engine does not serve (GET /v1/models)", strings.Join(w.Info().Unserved, ", "))
 		case w.Role == config.RoleRegular:
-			r.Status, r.Reason = checkWorker(ctx, g, w)
+			r.Status, r.Cause, r.Reason = checkWorker(ctx, g, w)
 			r.OK = r.Reason == ""
-			if !r.OK {
-				r.Cause = "answer"
-			}
 		case !pd:
 			r.Cause, r.Reason = "role_unused", "a "+w.Role+" worker without --pd-disaggregation: nothing routes to it"
 		case good[w]:
@@ -237,29 +234,33 @@ func checkPairs(ctx context.Context, g *app.Gateway, partners map[*worker.Worker
 	return out
 }
 
-// checkWorker sends a regular worker one small completion; it returns the status and, when it
-// failed, why.
-func checkWorker(ctx context.Context, g *app.Gateway, w *worker.Worker) (int, string) {
+// checkWorker sends a regular worker one small completion, bounded by the request timeout (at
+// most a minute); it returns the status and, when it failed, the cause (timeout: no answer in
+// time; answer: another failure) and why.
+func checkWorker(ctx context.Context, g *app.Gateway, w *worker.Worker) (status int, cause, why string) {
 	model := ""
 	if ms := w.Info().Models; len(ms) > 0 {
 		model = ms[0].ID
 	}
 	body := fmt.Sprintf(`{"model":%q,"prompt":"baton check","max_tokens":2}`, model)
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	limit := min(time.Minute, cmp.Or(g.Config.RequestTimeout, time.Minute))
+	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
 	rec := httptest.NewRecorder()
 	err := g.Proxy.Forward(rec, in, w, "/v1/completions", []byte(body))
 	var f *outcome.Failure
 	switch {
+	case ctx.Err() != nil || errors.As(err, &f) && f.Cause != nil && outcome.IsTimeout(f.Cause):
+		return http.StatusGatewayTimeout, "timeout", fmt.Sprintf("no answer within %s (--request-timeout, at most a minute)", limit)
 	case errors.As(err, &f):
-		return f.ClientStatus(), fmt.Sprintf("answered %d", f.ClientStatus())
+		return f.ClientStatus(), "answer", fmt.Sprintf("answered %d", f.ClientStatus())
 	case err != nil:
-		return http.StatusBadGateway, "failed: " + err.Error()
+		return http.StatusBadGateway, "answer", "failed: " + err.Error()
 	case rec.Code != http.StatusOK:
-		return rec.Code, fmt.Sprintf("answered %d", rec.Code)
+		return rec.Code, "answer", fmt.Sprintf("answered %d", rec.Code)
 	}
-	return rec.Code, ""
+	return rec.Code, "", ""
 }
 
 // write prints the report as tables.

@@ -24,8 +24,11 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
 		cmd, args = args[0], args[1:]
 	}
-	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version") {
-		cmd = "version"
+	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version" || args[0] == "-V" || args[0] == "--version-verbose") {
+		cmd = "version" // smg's spellings too
+	}
+	if cmd == "launch" || cmd == "start" {
+		cmd = "serve" // smg's name for running the router (`smg launch`)
 	}
 	var err error
 	switch cmd {
@@ -46,7 +49,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "version":
 		fmt.Fprintln(stdout, app.Version())
 	default:
-		err = fmt.Errorf("unknown command %q (want serve, check, sim, demo, bench, hash-key or version)", cmd)
+		err = fmt.Errorf("unknown command %q (want serve, check, sim, demo, bench, hash-key or version; smg's launch is serve)", cmd)
 	}
 	if errors.Is(err, flag.ErrHelp) {
 		return config.ErrHelp // the usage was printed: asking for it is no failure

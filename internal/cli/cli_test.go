@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -342,8 +343,8 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 
 // baton check says what it knows of each worker, in the table and in --json alike: the engine
 // wants another key, the connection was refused, the host is no engine, its configuration names
-// a model its engine does not serve — and a model the configuration names that no engine serves
-// fails the check.
+// a model its engine does not serve, it did not answer within the request timeout — and a model
+// the configuration names that no engine serves fails the check.
 func TestCheckSaysWhy(t *testing.T) {
 	t.Parallel()
 	keyed := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(401) }))
@@ -353,10 +354,11 @@ func TestCheckSaysWhy(t *testing.T) {
 	gone := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
 	gone.Close()
 	ok := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	hang := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Hang: true}})
 	dir := t.TempDir()
 	file := filepath.Join(dir, "baton.yaml")
-	yaml := fmt.Sprintf("workers:\n  - {url: %s}\n  - {url: %s}\n  - {url: %s}\n  - {url: %s, models: [m, ghost]}\nmodels:\n  chat: {serve: nowhere}\n",
-		keyed.URL, notEngine.URL, gone.URL(), ok.URL())
+	yaml := fmt.Sprintf("request_timeout: 1s\nworkers:\n  - {url: %s}\n  - {url: %s}\n  - {url: %s}\n  - {url: %s, models: [m, ghost]}\n  - {url: %s}\nmodels:\n  chat: {serve: nowhere}\n",
+		keyed.URL, notEngine.URL, gone.URL(), ok.URL(), hang.URL())
 	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -376,7 +378,7 @@ func TestCheckSaysWhy(t *testing.T) {
 	if err := json.Unmarshal(js.Bytes(), &rep); err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone.URL(): "refused", ok.URL(): "model_missing"}
+	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone.URL(): "refused", ok.URL(): "model_missing", hang.URL(): "timeout"}
 	for _, w := range rep.Workers {
 		if w.Cause != want[w.URL] || w.Reason == "" {
 			t.Errorf("%s: cause %q (%s), want %s", w.URL, w.Cause, w.Reason, want[w.URL])
@@ -417,6 +419,23 @@ func TestHashKey(t *testing.T) {
 		Stdin = strings.NewReader(in)
 		if err := Run(t.Context(), []string{"hash-key"}, io.Discard, io.Discard); err == nil {
 			t.Errorf("hash-key of %q accepted", in)
+		}
+	}
+}
+
+// smg's ways of naming the router and asking its version work: `launch` (and `start`) run the
+// gateway as serve does; --version, --version-verbose and -V print the version.
+func TestSmgCommandNames(t *testing.T) {
+	for _, args := range [][]string{{"--version"}, {"-V"}, {"--version-verbose"}} {
+		var out bytes.Buffer
+		if err := Run(t.Context(), args, &out, io.Discard); err != nil || !strings.Contains(out.String(), "baton") {
+			t.Errorf("%v: %v %q", args, err, out.String())
+		}
+	}
+	for _, cmd := range []string{"launch", "start"} {
+		err := Run(t.Context(), []string{cmd, "--help"}, io.Discard, io.Discard)
+		if !errors.Is(err, config.ErrHelp) {
+			t.Errorf("%s --help: %v, want the serve command's help", cmd, err)
 		}
 	}
 }

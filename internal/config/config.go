@@ -491,6 +491,11 @@ func (c *Config) Validate() error {
 	if c.Admission.QueueAnswers != "baton" && c.Admission.QueueAnswers != "smg" {
 		bad("admission.queue_answers %q: want baton (503, 504) or smg (429, 408)", c.Admission.QueueAnswers)
 	}
+	for _, name := range slices.Sorted(maps.Keys(c.Models)) {
+		if target := c.Models[name].Serve; target != "" && c.Models[target].Serve != "" {
+			bad("models.%s serves %s, which is itself an alias (of %s): name the model the workers serve", name, target, c.Models[target].Serve)
+		}
+	}
 	for _, k := range c.AdminKeys() {
 		if k == c.ClientAPIKey {
 			bad("admin keys (admin_api_key, --control-plane-api-keys) must differ from client_api_key: a client with the inference key would control the fleet")
@@ -914,6 +919,8 @@ func (c *Config) Warnings() []string {
 		roles[cmp.Or(w.Role, RoleRegular)]++
 	}
 	switch {
+	case len(roles) == 0 && c.ServiceDiscovery:
+		// Discovery brings the workers.
 	case len(roles) == 0 && c.PDDisaggregation:
 		out = append(out, "no workers are configured: every request will fail with 503; give prefill workers (--prefill URL) and decode workers (--decode URL)")
 	case len(roles) == 0:

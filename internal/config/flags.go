@@ -143,6 +143,9 @@ var modelAliasFlag = flag{name: "model-alias", arg: "ALIAS=MODEL",
 			c.Models = map[string]ModelConfig{}
 		}
 		m := c.Models[alias]
+		if m.Serve != "" && m.Serve != model {
+			return fmt.Errorf("--model-alias %s: given twice, for %s and %s: give one", alias, m.Serve, model)
+		}
 		m.Serve = model
 		c.Models[alias] = m
 		return nil
@@ -195,7 +198,7 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 				errs = append(errs, fmt.Errorf("unknown flag %s: did you mean --%s?", a, n))
 				continue
 			}
-			errs = append(errs, fmt.Errorf("unexpected argument %q", a))
+			errs = append(errs, unexpected(args, i))
 			continue
 		}
 		name, val, hasVal := strings.Cut(a[2:], "=")
@@ -205,6 +208,10 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 		f, ok := byName[name]
 		if !ok {
 			errs = append(errs, errors.New(unknownFlag(name, byName)))
+			// The unknown flag's values are not arguments of their own (nor echoed: a password).
+			for !hasVal && i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") {
+				i++
+			}
 			continue
 		}
 		var vals []string
@@ -222,7 +229,7 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 				continue
 			}
 		default:
-			if i+1 >= len(args) {
+			if i+1 >= len(args) || strings.HasPrefix(args[i+1], "--") {
 				errs = append(errs, fmt.Errorf("--%s needs a value", name))
 				continue
 			}
@@ -246,6 +253,13 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 	cfg := Default()
 	cfg.Args, cfg.File = slices.Clone(args), path
 	fromEnvironment(&cfg, os.Getenv)
+	if env := os.Getenv("CONTROL_PLANE_API_KEYS"); env != "" { // smg reads its flag from it too
+		for entry := range strings.SplitSeq(env, ",") {
+			if err := controlPlaneKeyFlag.apply(&cfg, []string{strings.TrimSpace(entry)}); err != nil {
+				errs = append(errs, fmt.Errorf("CONTROL_PLANE_API_KEYS: %w", err))
+			}
+		}
+	}
 	if path != "" {
 		if err := cfg.LoadFile(path); err != nil {
 			errs = append(errs, err)
@@ -291,4 +305,13 @@ func isPortArg(s string) bool {
 	}
 	_, err := strconv.Atoi(s)
 	return err == nil
+}
+
+// unexpected is the error for args[i], an argument no flag takes. It does not echo it — it may
+// be a password or a URL with one, given to a flag Baton does not have — but says where it is.
+func unexpected(args []string, i int) error {
+	if i > 0 && strings.HasPrefix(args[i-1], "-") {
+		return fmt.Errorf("unexpected argument after %s (argument %d, not shown)", strings.SplitN(args[i-1], "=", 2)[0], i+1)
+	}
+	return fmt.Errorf("unexpected argument %d (not shown: give flags as --name value)", i+1)
 }

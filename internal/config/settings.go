@@ -186,8 +186,8 @@ func (s *setting) set(c *Config, vals []string) error {
 		for _, arg := range vals {
 			// key=value pairs, separated by spaces (smg's documented form) or commas
 			// (Kubernetes' selector form, also in smg's guides): app=sglang,role=prefill.
-			for kv := range strings.SplitSeq(arg, ",") {
-				k, val, ok := strings.Cut(strings.TrimSpace(kv), "=")
+			for kv := range strings.FieldsFuncSeq(arg, func(r rune) bool { return r == ',' || r == ' ' || r == '\t' }) {
+				k, val, ok := strings.Cut(kv, "=")
 				if !ok || k == "" {
 					return fmt.Errorf("%s: %q is not key=value (pairs separated by spaces or commas: app=sglang role=prefill)", name, kv)
 				}

@@ -69,6 +69,7 @@ var smgHints = map[string]string{
 	"load-monitor-interval":                  "use --load-poll-interval (a duration, e.g. 10s)",
 	"data-parallel-size":                     "Baton launches no engines (smg serve): start them yourself and give --worker-urls (Baton reads each one's data parallel size)",
 	"connection-mode":                        "Baton launches no engines (smg serve) and speaks HTTP to the engines it is given",
+	"served-model-name":                      "use --model-alias NAME=MODEL for each name clients may use (smg's older releases' flag)",
 	"worker-auto-recovery":                   "an unhealthy worker leaves rotation until it recovers; remove one with DELETE /workers/{id} on the admin API",
 	"runtime":                                "Baton detects each engine's runtime at registration (set runtime on a worker to pin it)",
 	"disable-load-monitoring":                "set --load-poll-interval 0 to read no engine's /metrics (least_load and the picker's shedding then see Baton's own counts only)",

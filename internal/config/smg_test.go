@@ -3,6 +3,7 @@ package config
 import (
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -156,5 +157,61 @@ func TestSelectorsSpaceOrComma(t *testing.T) {
 	}
 	if _, err := Parse([]string{"--service-discovery", "--selector", "app=sglang,role"}, io.Discard); err == nil || !strings.Contains(err.Error(), "separated by spaces or commas") {
 		t.Errorf("a pair without =: %v", err)
+	}
+}
+
+// A refused command line never echoes a value: it may be a password (an smg flag Baton does not
+// have, a mistyped key flag, a URL with credentials); a flag's value that is another flag is
+// refused, not taken.
+func TestRefusalsEchoNoSecret(t *testing.T) {
+	for _, args := range [][]string{
+		{"--oracle-password", "SECRETPW"},
+		{"--postgres-db-url", "postgres://u:SECRETPG@h/db"},
+		{"--redis-url", "redis://:SECRETREDIS@h:6379/0"},
+		{"--api-keys", "SECRETK"},
+		{"--api-key", "--client-api-key", "SECRETX"},
+		{"SECRETPOS"},
+	} {
+		_, err := Parse(args, io.Discard)
+		if err == nil {
+			t.Errorf("%q: accepted", args[0])
+			continue
+		}
+		if strings.Contains(err.Error(), "SECRET") {
+			t.Errorf("%q: the refusal shows the value: %v", args[0], err)
+		}
+	}
+	if _, err := Parse([]string{"--api-key", "--client-api-key", "x"}, io.Discard); err == nil || !strings.Contains(err.Error(), "--api-key needs a value") {
+		t.Errorf("a flag as a flag's value: %v", err)
+	}
+}
+
+// smg reads --control-plane-api-keys from CONTROL_PLANE_API_KEYS too (entries separated by
+// commas); so does Baton, with the flag's rules.
+func TestControlPlaneKeysFromTheEnvironment(t *testing.T) {
+	t.Setenv("CONTROL_PLANE_API_KEYS", "a1:Admin:admin:k1, a2:Ops:admin:k2")
+	c, err := Parse(nil, io.Discard)
+	if err != nil || !slices.Equal(c.AdminKeys(), []string{"k1", "k2"}) {
+		t.Errorf("%v, admin keys %d", err, len(c.AdminKeys()))
+	}
+	t.Setenv("CONTROL_PLANE_API_KEYS", "u1:Reader:user:k3")
+	if _, err := Parse(nil, io.Discard); err == nil || !strings.Contains(err.Error(), "CONTROL_PLANE_API_KEYS") || strings.Contains(err.Error(), "k3") {
+		t.Errorf("a user key in the environment: %v", err)
+	}
+}
+
+// An alias names a model the workers serve: an alias of an alias, and one alias given twice for
+// two models, are refused instead of answering 404 (or the last one) silently.
+func TestAliasMistakesAreRefused(t *testing.T) {
+	for _, args := range [][]string{
+		{"--model-alias", "a=b", "--model-alias", "b=m1"},
+		{"--model-alias", "foo=m1", "--model-alias", "foo=m2"},
+	} {
+		if _, err := Parse(args, io.Discard); err == nil {
+			t.Errorf("%v: accepted", args)
+		}
+	}
+	if _, err := Parse([]string{"--model-alias", "a=m1", "--model-alias", "b=m1", "--model-alias", "a=m1"}, io.Discard); err != nil {
+		t.Errorf("two aliases of one model: %v", err)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -320,6 +321,14 @@ func (s *Server) Start(ctx context.Context) {
 // Wait waits for the background work Start began.
 func (s *Server) Wait() { s.bg.Wait(); s.settling.Wait() }
 
+// WarnUnservable logs msg in a WARN with the models no request could be sent for now, each with
+// why, when there are any (at startup, once registrations settle; after a reload).
+func (s *Server) WarnUnservable(msg string) {
+	if _, missing := s.readiness(); len(missing) > 0 {
+		s.log.Warn(msg, "unservable", strings.Join(missing, "; "))
+	}
+}
+
 // warnUnservable says once, in a WARN, which models the configuration or the engines name that
 // no request could be sent for, once the workers' first registrations are settled (each
 // registered, or a minute passed): a model named in the configuration that no engine serves, an
@@ -335,9 +344,7 @@ func (s *Server) warnUnservable(ctx context.Context) {
 		case <-t.C:
 		}
 		if s.reg.Snapshot().Pending() == 0 || time.Now().After(deadline) {
-			if _, missing := s.readiness(); len(missing) > 0 {
-				s.log.Warn("models that no request can be sent for (readiness fails until they can)", "unservable", missing)
-			}
+			s.WarnUnservable("models that no request can be sent for (readiness fails until they can)")
 			return
 		}
 	}

@@ -1027,9 +1027,13 @@ func (s *Server) Ready() (bool, string) {
 func (s *Server) readiness() (models []string, missing []string) {
 	snap := s.reg.Snapshot()
 	models = snap.Models()
+	aliases := map[string][]string{} // a target -> the names clients use for it
 	if cfg, def := s.models(); len(cfg) > 0 || def != "" {
 		for name, m := range cfg {
 			models = append(models, cmp.Or(m.Serve, name))
+			if m.Serve != "" {
+				aliases[m.Serve] = append(aliases[m.Serve], name)
+			}
 		}
 		if def != "" {
 			models = append(models, s.modelChain(def)[0])
@@ -1049,7 +1053,13 @@ func (s *Server) readiness() (models []string, missing []string) {
 		case slices.Contains(unserved, m):
 			why = "named in the configuration of workers whose engines do not serve it"
 		}
-		if m != "" {
+		switch names := aliases[m]; {
+		case m == "":
+			why = "no model is known yet: " + why
+		case len(names) > 0:
+			slices.Sort(names)
+			why = fmt.Sprintf("model %q (served for %s): %s", m, strings.Join(names, ", "), why)
+		default:
 			why = fmt.Sprintf("model %q: %s", m, why)
 		}
 		missing = append(missing, why)

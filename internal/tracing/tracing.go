@@ -63,6 +63,9 @@ func Setup(ctx context.Context, cfg Config) (shutdown func(context.Context) erro
 			return none, nil
 		}
 	}
+	if !strings.Contains(endpoint, "://") {
+		endpoint = "grpc://" + endpoint // smg's form, host:port: OTLP over gRPC (its default localhost:4317)
+	}
 	u, err := url.Parse(endpoint)
 	if err != nil || u.Host == "" {
 		return none, fmt.Errorf("otlp traces endpoint %q: want http(s)://host:port or grpc://host:port", endpoint)

@@ -105,7 +105,11 @@ func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) 
 		in.Unserved = unserved(w.configured.Models, reported)
 	}
 	if len(reported) == 0 && !namesAModel(ctx, client, w) {
-		return nil, fmt.Errorf("%w: GET /v1/models answered %d with no model, and no engine info route (/get_model_info, /server_info) names one", ErrNotEngine, status)
+		hint := ""
+		if strings.HasSuffix(w.URL, "/v1") {
+			hint = " (the worker's URL ends in /v1: give the engine's base URL, Baton adds the routes' /v1)"
+		}
+		return nil, fmt.Errorf("%w: GET /v1/models answered %d with no model, and no engine info route (/get_model_info, /server_info) names one%s", ErrNotEngine, status, hint)
 	}
 	if in.Runtime != "" {
 		return in, nil

@@ -291,3 +291,20 @@ func TestDetectRefusesWhatIsNoEngine(t *testing.T) {
 		t.Errorf("Unserved() = %v", got)
 	}
 }
+
+// A model no worker names: while a worker's first registration has not answered it may be that
+// worker's (503, retried); once that worker failed to register — an engine that is down — it is
+// unknown (404), however long the engine keeps being retried.
+func TestAnUnknownModelOnceWorkersAnswered(t *testing.T) {
+	up := New(config.Worker{URL: "http://127.0.0.1:1"})
+	up.SetInfo(&Info{Runtime: config.RuntimeVLLM, Models: []Model{{ID: "m1"}}})
+	down := New(config.Worker{URL: "http://127.0.0.1:2"})
+	reg := NewRegistry(up, down)
+	if _, pending := reg.Snapshot().Candidates(config.RoleRegular, "typo"); !pending {
+		t.Error("before the second worker's first answer, any model may be its")
+	}
+	down.noteRegistration(fmt.Errorf("%w: connection refused", ErrUnreachable))
+	if _, pending := reg.Snapshot().Candidates(config.RoleRegular, "typo"); pending {
+		t.Error("a worker that failed to register makes an unknown model pending (a 503 retried for as long as it is down)")
+	}
+}

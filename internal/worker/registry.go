@@ -169,16 +169,18 @@ func (s *Snapshot) Candidates(role, model string) (ws []*Worker, maybePending bo
 		add(s.byModel[model])
 		add(s.anyModel)
 	}
-	// A worker still registering may serve model when its configuration names it, or — while
-	// no worker has registered yet, so that nothing is known of any model — when it names none.
-	// Once some worker told its models, a model no worker names is unknown: a 404, not a 503
-	// that OpenAI's SDKs retry while an engine that is down keeps registering.
+	// A worker still registering may serve model when its configuration names it, or — when it
+	// names none — while its first registration has not answered yet, or no worker has
+	// registered at all (nothing is known of any model). An engine that failed to register (it
+	// is down, and keeps being retried) makes no model known: a model no worker names is a 404,
+	// not a 503 that OpenAI's SDKs retry for as long as the engine stays down.
 	known := len(s.pending) < len(s.Workers)
 	for _, w := range s.pending {
 		if w.Role != role {
 			continue
 		}
-		if cm := w.Configured().Models; model == "" || slices.Contains(cm, model) || len(cm) == 0 && !known {
+		cm := w.Configured().Models
+		if model == "" || slices.Contains(cm, model) || len(cm) == 0 && (!known || w.LastRegistrationError() == nil) {
 			maybePending = true
 			break
 		}
