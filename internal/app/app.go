@@ -309,6 +309,9 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens,
 		CountPrompt: kv.CountPromptTokens}
+	if cfg.TrustTenantHeader {
+		parts.Tenancy.TrustHeader = cfg.TenantHeaderName
+	}
 	parts.Notices = func() []server.Notice { return append(disc.notices(), tenants.notices()...) }
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)
@@ -699,7 +702,10 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 	}
 	logAdmin(log, cfg)
 	logTenants(log, cfg, g.tenants)
-	if g.tenants.set.Load().Open() && !config.IsLoopback(cfg.Host) {
+	if cfg.TrustTenantHeader {
+		log.Warn("tenants are named by the " + cfg.TenantHeaderName + " header (--trust-tenant-header): only a proxy in front that sets or strips it may reach Baton, or any client names any tenant")
+	}
+	if g.tenants.set.Load().Open() && !config.IsLoopback(cfg.Host) && !cfg.TrustTenantHeader {
 		log.Warn("no client authentication: anyone who reaches "+net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))+" may use the fleet; give --client-api-key (or the tenants' keys). smg's --api-key is the engines' key here too, never the clients'",
 			"host", cfg.Host)
 	}

@@ -607,3 +607,48 @@ func hangUp(t *testing.T, d time.Duration) *httptest.Server {
 	t.Cleanup(srv.Close)
 	return srv
 }
+
+// smg's --trust-tenant-header: behind a proxy that sets it, the header names the tenant (its
+// limits apply), whatever key the request carries; a name no tenant has is 401; without the flag
+// the header names nobody and the key decides.
+func TestTrustedTenantHeader(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	mk := func(trust bool) string {
+		cfg := testConfig(e.URL())
+		cfg.Tenants = []config.Tenant{
+			{Name: "a", Keys: []string{config.HashKey("sk-a")}},
+			{Name: "b", Keys: []string{config.HashKey("sk-b")}, Limits: &config.Limits{RequestsPerMinute: intp(1)}},
+		}
+		cfg.TrustTenantHeader, cfg.TenantHeaderName = trust, "x-smg-tenant-id"
+		_, gw := startGateway(t, cfg)
+		return gw.URL
+	}
+	send := func(gw, key, tenant string) (int, string) {
+		req, _ := http.NewRequest(http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"p","max_tokens":1}`))
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		if tenant != "" {
+			req.Header.Set("X-Smg-Tenant-Id", tenant)
+		}
+		resp, b := tenantDo(t, req)
+		return resp.StatusCode, b
+	}
+	gw := mk(true)
+	if status, b := send(gw, "", "b"); status != 200 {
+		t.Fatalf("the header names b: %d %s", status, b)
+	}
+	if status, b := send(gw, "sk-a", "b"); status != 429 || !strings.Contains(b, "tenant b") {
+		t.Errorf("b's second request of the minute, with a's key: %d %s, want b's 429", status, b)
+	}
+	if status, _ := send(gw, "sk-a", "nobody"); status != 401 {
+		t.Errorf("a name no tenant has: %d", status)
+	}
+	if status, _ := send(gw, "sk-a", ""); status != 200 {
+		t.Errorf("no header: the key decides: %d", status)
+	}
+	gw = mk(false)
+	if status, _ := send(gw, "", "b"); status != 401 {
+		t.Errorf("untrusted header without a key: %d, want 401", status)
+	}
+}

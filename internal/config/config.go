@@ -131,6 +131,11 @@ type Config struct {
 	// --tenant-api-key TENANT:KEY, flag only (a file holds hashes, never keys).
 	Tenants       []Tenant `json:"tenants"`
 	TenantAPIKeys []string `json:"-"`
+	// TrustTenantHeader names the tenant by the TenantHeaderName header a trusted proxy in front
+	// sets (smg's --trust-tenant-header): its value is a tenant's name; a request without it is
+	// identified by its key as usual.
+	TrustTenantHeader bool   `json:"trust_tenant_header" flag:"trust-tenant-header" help:"name the tenant by the --tenant-header-name header a proxy in front sets (its value a tenant's name); only behind a proxy that sets or strips it: a client reaching Baton directly could name any tenant"`
+	TenantHeaderName  string `json:"tenant_header_name" flag:"tenant-header-name" default:"x-smg-tenant-id" help:"the header --trust-tenant-header reads"`
 	// DefaultMaxPriority is the ceiling of a tenant whose configuration gives none (and of
 	// every request where no tenant has keys); smg's --priority-scheduler-default-max-class,
 	// its names system and bulk taken as critical and batch.

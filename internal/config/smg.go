@@ -138,8 +138,6 @@ var smgHints = map[string]string{
 	"priority-scheduler-tenant-metric-top-n": "the tenant label takes only the configuration's tenants' names: bounded by the configuration",
 	"tenant-rate-limit-enabled":              "tenants' limits are on when the tenants: section gives them (limits, model_limits)",
 	"tenant-rate-limit-config":               "tenants' limits are the tenants: section of --config: tokens_per_minute, requests_per_minute, model_limits (README: Tenants and limits)",
-	"trust-tenant-header":                    "tenants are named by their keys (tenants: keys, --tenant-api-key): a header a client sets names nobody",
-	"tenant-header-name":                     "tenants are named by their keys (tenants: keys, --tenant-api-key): a header a client sets names nobody",
 }
 
 // smgPolicyHints name Baton's policy for smg's policies Baton has not.

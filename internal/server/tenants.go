@@ -39,6 +39,9 @@ type Tenancy struct {
 	// PromptTokens, when set, gives a prompt's token count when the engines' tokenizer answer
 	// for it is cached (cache_aware asked for it already); else the prompt is estimated.
 	PromptTokens func(model, path string, body []byte) (int, bool)
+	// TrustHeader, when set, is a header a trusted proxy in front sets to the tenant's name: a
+	// request carrying it is that tenant's (401 for a name no tenant has), whatever its key.
+	TrustHeader string
 	// CountPrompt, when set, asks the worker at workerURL for the token count of a prompt (its
 	// /tokenize): a request that ended without the engine's usage is charged the engine's own
 	// count of the prompt it computed, not an estimate from the body's bytes.
@@ -76,6 +79,19 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 	}
 	set := s.tenants()
 	var t *tenant.Tenant
+	if h := s.opts.Tenancy.TrustHeader; h != "" && len(r.Header.Values(h)) > 0 {
+		names := r.Header.Values(h)
+		if t = set.ByName(names[0]); len(names) > 1 || t == nil {
+			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
+				Message: fmt.Sprintf("the %s header names no tenant (one header, a configured tenant's name)", h)})
+			return false
+		}
+		r.Header.Del(h)
+		r.Header.Del("Authorization")
+		rec := record.From(r.Context())
+		rec.Who, rec.Tenant = t, t.Name
+		return true
+	}
 	if set.Open() {
 		if t = set.Identify(""); len(t.Rules()) == 0 && len(t.Models()) == 0 {
 			return true // one tenant, unbounded: nothing to name or count (the hot path stays as it was)

@@ -125,6 +125,16 @@ func (s *Set) Identify(key string) *Tenant {
 	return s.byKey[sha256.Sum256([]byte(key))]
 }
 
+// ByName returns the tenant named name, nil for none.
+func (s *Set) ByName(name string) *Tenant {
+	for _, t := range s.tenants {
+		if t.Name == name {
+			return t
+		}
+	}
+	return nil
+}
+
 // Tenants are every tenant, in the configuration's order.
 func (s *Set) Tenants() []*Tenant { return s.tenants }
 
