@@ -240,3 +240,17 @@ func TestQueueAnswersAsSmg(t *testing.T) {
 		})
 	}
 }
+
+// A model the configuration names that no engine serves is said once at startup, in a WARN
+// naming it (and the alias it serves), once the first registrations settle.
+func TestUnservableModelsAreWarnedAtStartup(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := testConfig(e.URL())
+	cfg.Models = map[string]config.ModelConfig{"chat": {Serve: "ghost"}}
+	logs := startLogged(t, cfg)
+	poll.Until(t, "the startup WARN", func() bool {
+		l := logs.String()
+		return strings.Contains(l, "level=WARN") && strings.Contains(l, "models that no request can be sent for") &&
+			strings.Contains(l, `ghost\" (served for chat)`)
+	})
+}

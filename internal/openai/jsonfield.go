@@ -379,13 +379,18 @@ func eachElement(raw []byte, fn func(el []byte) bool) error {
 func Misspelled(obj []byte, keys ...string) string {
 	var found string
 	_ = eachMember(obj, func(k []byte, _ member) bool {
-		for _, key := range keys {
-			if len(k) == len(key) && string(k) != key && bytes.EqualFold(k, []byte(key)) {
-				found = string(k)
-				return false
-			}
-		}
-		return true
+		found = misspelled(k, keys)
+		return found == ""
 	})
 	return found
+}
+
+// misspelled is k when it is one of keys in another letter case, else "".
+func misspelled(k []byte, keys []string) string {
+	for _, key := range keys {
+		if len(k) == len(key) && string(k) != key && bytes.EqualFold(k, []byte(key)) {
+			return string(k)
+		}
+	}
+	return ""
 }

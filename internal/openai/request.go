@@ -46,6 +46,20 @@ func (r *Request) Get(key string) ([]byte, bool) {
 	return nil, false
 }
 
+// Misspelled is Misspelled of the parsed body's top level, read from the index of the scan that
+// parsed it (no second scan).
+func (r *Request) Misspelled(keys ...string) string {
+	if r.members == nil {
+		return Misspelled(r.Body, keys...)
+	}
+	for _, m := range r.members {
+		if k := misspelled(m.key, keys); k != "" {
+			return k
+		}
+	}
+	return ""
+}
+
 // OwnedFields are the top-level request members that steer the engines' KV handoff. Only Baton
 // may set them: a client's kv_transfer_params would make a vLLM engine with a KV connector pin
 // blocks for minutes (do_remote_decode) or connect to a host of the client's choosing

@@ -1074,9 +1074,11 @@ func (s *Server) readiness() (models []string, missing []string) {
 // worker of it ready with its circuit not open — with PD, a prefill and a decode that are, and
 // can hand KV to each other.
 func (s *Server) unservable(snap *worker.Snapshot, model string) string {
-	open := false // a ready worker was left out for its open circuit
+	open := false   // a ready worker was left out for its open circuit
+	serves := false // some worker of the role asked serves the model at all
 	available := func(role string) []*worker.Worker {
 		ws, _ := s.candidates(snap, role, model)
+		serves = len(ws) > 0
 		var out []*worker.Worker
 		for _, w := range ws {
 			switch {
@@ -1092,7 +1094,7 @@ func (s *Server) unservable(snap *worker.Snapshot, model string) string {
 		if open {
 			return fmt.Sprintf("no available %s (the circuit of every ready one is open: its engine failed requests)", what)
 		}
-		if ws, _ := s.candidates(snap, config.RoleRegular, model); len(ws) == 0 && !s.opts.PD {
+		if !serves && !s.opts.PD {
 			return "no worker serves it"
 		}
 		return fmt.Sprintf("no ready %s (unreachable, still registering, unhealthy or drained)", what)

@@ -211,44 +211,38 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 // waiting cannot help it.
 func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string) *openai.Error {
 	req, path := preq.Request, preq.Path
-	if k := openai.Misspelled(req.Body, budgetKeys...); k != "" {
-		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: k,
-			Message: fmt.Sprintf("%q is spelled in another letter case than the engines' field: spell it in lower case", k)}
+	const lower = "is spelled in another letter case than the engines' field: spell it in lower case"
+	// A cap or count Baton cannot read as an integer: an engine may still read it (pydantic
+	// takes "100" and 1e5 as integers) while a smaller one beside it is all Baton reserved.
+	const integer = "must be a non-negative integer"
+	if k := req.Misspelled(budgetKeys...); k != "" {
+		return badField(k, lower)
 	}
 	if sp, ok := req.Get("sampling_params"); ok {
 		if k := openai.Misspelled(sp, "max_new_tokens", "n"); k != "" {
-			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: "sampling_params." + k,
-				Message: fmt.Sprintf("sampling_params.%s is spelled in another letter case than the engines' field: spell it in lower case", k)}
+			return badField("sampling_params."+k, lower)
 		}
 		if v, ok := openai.Get(sp, "n"); ok {
 			if _, valid := capValue(v); !valid {
-				return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: "sampling_params.n",
-					Message: "sampling_params.n must be a non-negative integer"}
+				return badField("sampling_params.n", integer)
 			}
 		}
 	}
 	if v, ok := req.Get("best_of"); ok {
 		if _, valid := capValue(v); !valid {
-			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: "best_of",
-				Message: "best_of must be a non-negative integer"}
+			return badField("best_of", integer)
 		}
 	}
 	b := completionBudget(req, path, s.opts.Tenancy.MaxTokens)
-	if b.invalid {
-		// An engine may still read it (pydantic takes "100" and 1e5 as integers), and another
-		// cap, smaller, would be reserved instead.
-		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field,
-			Message: fmt.Sprintf("%s must be a non-negative integer", b.field)}
-	}
-	if b.missing {
-		if b.required {
-			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field,
-				Message: fmt.Sprintf("%s is required on %s", b.field, path)}
-		}
+	switch {
+	case b.invalid:
+		return badField(b.field, integer)
+	case b.missing && b.required:
+		return badField(b.field, "is required on "+path)
+	case b.missing:
 		body, err := writeBudget(req.Body, path, b)
 		if err != nil || req.SetBody(body) != nil {
-			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field,
-				Message: fmt.Sprintf("%s could not be set on this request: give it", b.field)}
+			return badField(b.field, "could not be set on this request: give it")
 		}
 	}
 	copies := max(1, preq.Batch) * max(1, preq.Samples)
@@ -266,6 +260,11 @@ func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule,
 		return nil
 	}
 	return e
+}
+
+// badField is the 400 invalid_request of a request member that says what is wrong with it.
+func badField(field, what string) *openai.Error {
+	return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: field, Message: field + " " + what}
 }
 
 // tokenEstimate is a request's prompt and completion tokens before it is served, worked out the
@@ -377,8 +376,8 @@ func capValue(raw []byte) (n int, valid bool) {
 	if bytes.Equal(raw, []byte("null")) {
 		return -1, true
 	}
-	n, err := strconv.Atoi(string(raw))
-	return n, err == nil && n >= 0 && raw[0] != '+'
+	n, err := strconv.Atoi(string(raw)) // JSON has no leading +: the body is valid JSON
+	return n, err == nil && n >= 0
 }
 
 // writeBudget writes b, a default cap, into body: the route's cap member, or SGLang's
