@@ -57,10 +57,30 @@ type Options struct {
 	Depth   [NumClasses]int
 	Timeout [NumClasses]time.Duration
 	// PromoteAfter moves a request that has waited this long in its class up one class (0:
-	// never).
+	// never); Promote[c], when above 0, is class c's own wait.
 	PromoteAfter time.Duration
+	Promote      [NumClasses]time.Duration
 	// InputWeight and OutputWeight weigh prompt and completion tokens in a tenant's counter.
 	InputWeight, OutputWeight float64
+}
+
+// PromoteWait is how long a request waits in class c before it moves up one class; 0: never.
+func (o *Options) PromoteWait(c Class) time.Duration {
+	if o.Promote[c] > 0 {
+		return o.Promote[c]
+	}
+	return o.PromoteAfter
+}
+
+// ShortestPromoteWait is the shortest wait after which some class promotes; 0: none does.
+func (o *Options) ShortestPromoteWait() time.Duration {
+	var d time.Duration
+	for c := Class(1); c < NumClasses; c++ {
+		if w := o.PromoteWait(c); w > 0 && (d == 0 || w < d) {
+			d = w
+		}
+	}
+	return d
 }
 
 // Errors a request is refused with.
@@ -439,12 +459,13 @@ func (s *Scheduler) next() *Waiter {
 // promote moves the requests that waited PromoteAfter in their class up one class, never above
 // their ceiling: a request at its ceiling stays, however long it waits.
 func (s *Scheduler) promote(now time.Time) {
-	if s.o.PromoteAfter <= 0 {
-		return
-	}
 	for c := Class(1); c < NumClasses; c++ {
+		after := s.o.PromoteWait(c)
+		if after <= 0 {
+			continue
+		}
 		var next *Waiter
-		for w := s.classes[c].order.head; w != nil && now.Sub(w.entered) >= s.o.PromoteAfter; w = next {
+		for w := s.classes[c].order.head; w != nil && now.Sub(w.entered) >= after; w = next {
 			next = w.o.next
 			if c-1 < w.ceiling {
 				continue

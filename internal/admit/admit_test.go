@@ -247,6 +247,29 @@ func TestPromotion(t *testing.T) {
 	}
 }
 
+// A class's own promotion wait (smg's starvation_threshold_secs per class) holds over the
+// global one: batch waiters move up after theirs while default's waiters, whose wait is longer,
+// stay.
+func TestPromotionPerClass(t *testing.T) {
+	o := opts(1)
+	o.PromoteAfter = time.Hour
+	o.Promote[Batch] = 20 * time.Millisecond
+	s := New(o)
+	hold(t, s)
+	q := newQueueing(t, s)
+	q.add(t.Context(), "batch", Request{Tenant: "a", Class: Batch})
+	q.add(t.Context(), "default", Request{Tenant: "b", Class: Default})
+	time.Sleep(30 * time.Millisecond)
+	s.Tick()
+	if s.Waiting(Batch) != 0 || s.Waiting(Default) != 2 || s.Waiting(Interactive) != 0 {
+		t.Fatalf("waiting: interactive %d, default %d, batch %d; want the batch request promoted to default only",
+			s.Waiting(Interactive), s.Waiting(Default), s.Waiting(Batch))
+	}
+	if o.ShortestPromoteWait() != 20*time.Millisecond || o.PromoteWait(Default) != time.Hour {
+		t.Errorf("shortest %v, default's %v", o.ShortestPromoteWait(), o.PromoteWait(Default))
+	}
+}
+
 // Promotion never lifts a request above its ceiling (its tenant's max_priority), however long it
 // waits — nor so into the slots reserved for critical work: a batch tenant's request that waited
 // many promotion periods is still batch, still waiting, while a request whose ceiling allows it

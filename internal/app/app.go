@@ -417,7 +417,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	ad := cfg.Admission
 	o.Admission = server.Admission{Max: ad.MaxConcurrentRequests, QueueSize: ad.QueueSize, QueueTimeout: ad.QueueTimeout,
 		PromoteAfter: ad.PromoteAfter, InputWeight: ad.FairInputWeight, OutputWeight: ad.FairOutputWeight, SmgAnswers: ad.QueueAnswers == "smg"}
-	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout = server.ClassSettings(ad)
+	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout, o.Admission.Promote = server.ClassSettings(ad)
 	o.NoWorkerWait = ad.NoWorkerWait
 
 	o.AccessLog, o.Version = cfg.AccessLog, Version()

@@ -4,6 +4,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -253,4 +255,46 @@ func TestUnservableModelsAreWarnedAtStartup(t *testing.T) {
 		return strings.Contains(l, "level=WARN") && strings.Contains(l, "models that no request can be sent for") &&
 			strings.Contains(l, `ghost\" (served for chat)`)
 	})
+}
+
+// smg's policy files hold through the gateway as in smg: a tenant's model rule, and
+// default_policy for a tenant the file does not list (its own bucket); a tenant_policies ceiling
+// clamps the class a request asks.
+func TestSmgPolicyFilesHoldThroughTheGateway(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	dir := t.TempDir()
+	rl, ps := filepath.Join(dir, "rl.yaml"), filepath.Join(dir, "ps.yaml")
+	os.WriteFile(rl, []byte(`default_policy: {tokens_per_minute: 100000, requests_per_minute: 1}
+tenants:
+  - tenant_key: "auth:web"
+    tokens_per_minute: 100000
+    requests_per_minute: 50
+    model_rules:
+      - {rule_id: m-cap, matcher: {type: exact, value: m}, tokens_per_minute: 100000, requests_per_minute: 2}
+`), 0o600)
+	os.WriteFile(ps, []byte(`tenant_policies:
+  "auth:web": {max_class: bulk}
+`), 0o600)
+	r := startRun(t, "--worker-urls", e.URL(), "--tenant-api-key", "web:k-web", "--tenant-api-key", "other:k-other",
+		"--tenant-rate-limit-enabled", "--tenant-rate-limit-config", rl,
+		"--max-concurrent-requests", "4", "--priority-scheduler-enabled", "--priority-scheduler-config", ps)
+	send := func(key string) *http.Response {
+		resp := post(t, r.api+"/v1/completions", `{"model":"m","prompt":"p","max_tokens":1}`, "Authorization", "Bearer "+key, "X-Smg-Priority", "system")
+		readAll(t, resp.Body)
+		return resp
+	}
+	var statuses []int
+	for range 3 {
+		resp := send("k-web")
+		statuses = append(statuses, resp.StatusCode)
+		if resp.StatusCode == 200 && resp.Header.Get("X-Baton-Priority") != "batch" {
+			t.Errorf("web asked system under max_class bulk: served as %q", resp.Header.Get("X-Baton-Priority"))
+		}
+	}
+	if statuses[0] != 200 || statuses[1] != 200 || statuses[2] != 429 {
+		t.Errorf("web under its model rule of 2 requests a minute: %v, want 200 200 429", statuses)
+	}
+	if first, second := send("k-other"), send("k-other"); first.StatusCode != 200 || second.StatusCode != 429 || second.Header.Get("Retry-After") == "" {
+		t.Errorf("other under default_policy's 1 request a minute: %d then %d (Retry-After %q)", first.StatusCode, second.StatusCode, second.Header.Get("Retry-After"))
+	}
 }

@@ -143,6 +143,12 @@ type Config struct {
 	// PrioritySchedulerEnabled is smg's switch for its priority scheduler: Baton's classes are
 	// on whenever requests are bounded (--max-concurrent-requests); the flag only checks that.
 	PrioritySchedulerEnabled bool `json:"priority_scheduler_enabled" flag:"priority-scheduler-enabled" help:"smg's: priority classes order the requests waiting for a slot; they need --max-concurrent-requests (on with it, whatever this says)"`
+	// PrioritySchedulerConfig and TenantRateLimitConfig are smg's policy files, read into
+	// admission: and tenants: (smgfiles.go); smgNotes what they could not carry over exactly.
+	PrioritySchedulerConfig string `json:"priority_scheduler_config" flag:"priority-scheduler-config" help:"smg's priority scheduler YAML (with --priority-scheduler-enabled): its classes become admission's queue_classes and reserved_slots, its tenant_policies the tenants' max_priority"`
+	TenantRateLimitEnabled  bool   `json:"tenant_rate_limit_enabled" flag:"tenant-rate-limit-enabled" help:"smg's: read --tenant-rate-limit-config (tenants: limits in --config hold without it)"`
+	TenantRateLimitConfig   string `json:"tenant_rate_limit_config" flag:"tenant-rate-limit-config" help:"smg's tenant rate-limit YAML: default_policy and each tenant's policy become the tenants' limits and model_limits"`
+	smgNotes                []string
 	// ControlPlaneKeys are further admin API keys, from smg's --control-plane-api-keys
 	// ID:NAME:ROLE:KEY (role admin; flag only).
 	ControlPlaneKeys []string `json:"-"`
@@ -323,6 +329,9 @@ func (c *Config) Served(name string) string {
 type QueueClass struct {
 	Size    *int          `json:"size"`
 	Timeout time.Duration `json:"timeout"`
+	// PromoteAfter is this class's own queue_promote_after: a request waiting this long moves
+	// up one class (smg's starvation_threshold_secs).
+	PromoteAfter time.Duration `json:"promote_after"`
 }
 
 // PairHealth quarantines a prefill/decode pair whose requests keep failing at the seam while
@@ -629,6 +638,9 @@ func (a *Admission) check() []error {
 			if qc.Timeout < 0 {
 				errs = append(errs, fmt.Errorf("queue_classes.%s.timeout: below 0", name))
 			}
+			if qc.PromoteAfter < 0 {
+				errs = append(errs, fmt.Errorf("queue_classes.%s.promote_after: below 0", name))
+			}
 		}
 	}
 	return errs
@@ -934,6 +946,12 @@ func (c *Config) Warnings() []string {
 		out = append(out, "pd_disaggregation is on but no prefill worker is configured: every generation request will fail with 503; add one with --prefill URL")
 	case c.PDDisaggregation && roles[RoleDecode] == 0:
 		out = append(out, "pd_disaggregation is on but no decode worker is configured: every generation request will fail with 503; add one with --decode URL")
+	}
+	if c.PrioritySchedulerConfig != "" && !c.PrioritySchedulerEnabled {
+		out = append(out, "--priority-scheduler-config is ignored: as in smg, it is read only with --priority-scheduler-enabled")
+	}
+	if c.TenantRateLimitConfig != "" && !c.TenantRateLimitEnabled {
+		out = append(out, "--tenant-rate-limit-config is ignored: as in smg, it is read only with --tenant-rate-limit-enabled; no tenant limit of it holds")
 	}
 	return out
 }

@@ -270,6 +270,9 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 			errs = append(errs, err)
 		}
 	}
+	if err := cfg.applySmgFiles(); err != nil {
+		errs = append(errs, err)
+	}
 	if err := cfg.Validate(); err != nil {
 		errs = append(errs, err)
 	}

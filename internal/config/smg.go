@@ -134,10 +134,7 @@ var smgHints = map[string]string{
 	"jwt-role-claim":                         "no JWT: the admin API takes --admin-api-key, clients the tenants' keys (README: Security)",
 	"jwt-role-mapping":                       "no JWT: the admin API takes --admin-api-key, clients the tenants' keys (README: Security)",
 	"disable-audit-logging":                  "every admin API change is logged (fleet: worker added/updated/removed) and counted in baton_fleet_changes_total",
-	"priority-scheduler-config":              "classes, depths, timeouts and reserved slots are the admission: section (queue_classes, reserved_slots); tenants' ceilings max_priority",
 	"priority-scheduler-tenant-metric-top-n": "the tenant label takes only the configuration's tenants' names: bounded by the configuration",
-	"tenant-rate-limit-enabled":              "tenants' limits are on when the tenants: section gives them (limits, model_limits)",
-	"tenant-rate-limit-config":               "tenants' limits are the tenants: section of --config: tokens_per_minute, requests_per_minute, model_limits (README: Tenants and limits)",
 }
 
 // smgPolicyHints name Baton's policy for smg's policies Baton has not.
@@ -228,7 +225,13 @@ func SmgDifferences(c Config) []string {
 	if c.Admission.MaxConcurrentRequests > 0 && c.Admission.QueueAnswers == defaults.Admission.QueueAnswers {
 		out = append(out, "queue_answers=baton: past --queue-size 503 queue_full, past --queue-timeout 504 queue_timeout, both with Retry-After (smg: 429 and 408; --queue-answers smg)")
 	}
-	return out
+	if c.Admission.MaxConcurrentRequests > 0 && c.DefaultMaxPriority == defaults.DefaultMaxPriority {
+		out = append(out, "priority_scheduler_default_max_class="+c.DefaultMaxPriority+" (smg: default)")
+	}
+	if c.PrioritySchedulerEnabled && c.PrioritySchedulerConfig == "" {
+		out = append(out, "priority classes reserve no slots unless reserved_slots (or smg's file) says so (smg: system 32, interactive max(128, 25%), default 10% of capacity)")
+	}
+	return append(out, c.smgNotes...)
 }
 
 // usesPolicy reports whether any role's policy is name.

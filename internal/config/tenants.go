@@ -35,6 +35,9 @@ type Tenant struct {
 	// Hashes are the SHA-256 of every key, from Keys, KeyFile and KeyEnv (resolved by
 	// ResolveTenants).
 	Hashes [][32]byte `json:"-"`
+	// fromFlag: added by smg's policy files for a tenant whose keys are flags'; byHeader: for
+	// one the trusted header names, which needs no key.
+	fromFlag, byHeader bool
 }
 
 // Limits bound a tenant's use, per minute and at once. A limit left out is no limit.
@@ -132,7 +135,7 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 				bad("%s: key_env: the variable %s is not set", at, t.KeyEnv)
 			}
 		}
-		if len(t.Keys) == 0 && t.KeyFile == "" && t.KeyEnv == "" && t.Name != DefaultTenant {
+		if len(t.Keys) == 0 && t.KeyFile == "" && t.KeyEnv == "" && t.Name != DefaultTenant && !t.fromFlag && !t.byHeader {
 			bad("%s: no key (keys, key_file or key_env)", at)
 		}
 		for j, m := range t.Models {

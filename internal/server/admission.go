@@ -53,6 +53,7 @@ func newAdmission(a Admission, m *metrics.Metrics) *admission {
 		if a.Timeout[c] > 0 {
 			o.Timeout[c] = a.Timeout[c]
 		}
+		o.Promote[c] = a.Promote[c]
 	}
 	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers}
 	return ad
@@ -61,11 +62,11 @@ func newAdmission(a Admission, m *metrics.Metrics) *admission {
 // start runs promotions while ctx lives: a request that waited long enough moves up a class
 // even while no slot frees.
 func (a *admission) start(ctx context.Context) {
-	if a == nil || a.o.PromoteAfter <= 0 {
+	if a == nil || a.o.ShortestPromoteWait() <= 0 {
 		return
 	}
 	go func() {
-		t := time.NewTicker(max(a.o.PromoteAfter/4, 50*time.Millisecond))
+		t := time.NewTicker(max(a.o.ShortestPromoteWait()/4, 50*time.Millisecond))
 		defer t.Stop()
 		for {
 			select {
@@ -197,7 +198,7 @@ func headerClass(h http.Header) (admit.Class, *openai.Error) {
 
 // ClassSettings reads reserved_slots and queue_classes by class name (validated by the
 // configuration).
-func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [admit.NumClasses]*int, timeout [admit.NumClasses]time.Duration) {
+func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [admit.NumClasses]*int, timeout, promote [admit.NumClasses]time.Duration) {
 	for name, n := range a.ReservedSlots {
 		if c, ok := admit.ParseClass(name); ok {
 			reserved[c] = n
@@ -205,10 +206,10 @@ func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [a
 	}
 	for name, qc := range a.Classes {
 		if c, ok := admit.ParseClass(name); ok {
-			depth[c], timeout[c] = qc.Size, qc.Timeout
+			depth[c], timeout[c], promote[c] = qc.Size, qc.Timeout, qc.PromoteAfter
 		}
 	}
-	return reserved, depth, timeout
+	return reserved, depth, timeout, promote
 }
 
 // waitingRoom holds a request whose selection found no ready worker for its model, when the

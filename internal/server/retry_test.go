@@ -147,10 +147,11 @@ func TestLastWorkersAnswerWins(t *testing.T) {
 // The configuration's per-class settings reach the scheduler by class.
 func TestClassSettings(t *testing.T) {
 	size := 1000
-	reserved, depth, timeout := ClassSettings(config.Admission{ReservedSlots: map[string]int{"critical": 2},
-		Classes: map[string]config.QueueClass{"batch": {Size: &size, Timeout: 10 * time.Minute}}})
+	reserved, depth, timeout, promote := ClassSettings(config.Admission{ReservedSlots: map[string]int{"critical": 2},
+		Classes: map[string]config.QueueClass{"batch": {Size: &size, Timeout: 10 * time.Minute, PromoteAfter: 2 * time.Minute}}})
 	if reserved[admit.Critical] != 2 || reserved[admit.Batch] != 0 || depth[admit.Batch] == nil || *depth[admit.Batch] != 1000 ||
-		depth[admit.Default] != nil || timeout[admit.Batch] != 10*time.Minute || timeout[admit.Default] != 0 {
-		t.Errorf("reserved %v, depth %v, timeout %v", reserved, depth, timeout)
+		depth[admit.Default] != nil || timeout[admit.Batch] != 10*time.Minute || timeout[admit.Default] != 0 ||
+		promote[admit.Batch] != 2*time.Minute || promote[admit.Default] != 0 {
+		t.Errorf("reserved %v, depth %v, timeout %v, promote %v", reserved, depth, timeout, promote)
 	}
 }

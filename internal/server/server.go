@@ -125,6 +125,7 @@ type Admission struct {
 	Depth                     [admit.NumClasses]*int
 	Timeout                   [admit.NumClasses]time.Duration
 	PromoteAfter              time.Duration
+	Promote                   [admit.NumClasses]time.Duration // per class, over PromoteAfter
 	InputWeight, OutputWeight float64
 	// SmgAnswers answers a full queue 429 and a wait past its timeout 408, as smg's priority
 	// scheduler does; false: 503 and 504.
