@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -68,32 +67,10 @@ func render(t *testing.T, values, ns string) []*unstructured.Unstructured {
 	return objs
 }
 
-// serviceMonitorCRD is enough of the Prometheus Operator's CRD for the API server to take a
-// ServiceMonitor.
-const serviceMonitorCRD = `{"apiVersion":"apiextensions.k8s.io/v1","kind":"CustomResourceDefinition",
-"metadata":{"name":"servicemonitors.monitoring.coreos.com"},
-"spec":{"group":"monitoring.coreos.com","scope":"Namespaced",
-"names":{"plural":"servicemonitors","singular":"servicemonitor","kind":"ServiceMonitor","listKind":"ServiceMonitorList"},
-"versions":[{"name":"v1","served":true,"storage":true,"schema":{"openAPIV3Schema":{"type":"object","x-kubernetes-preserve-unknown-fields":true}}}]}}`
-
 // The chart renders with its defaults and each example's values, helm lint passes, the API
-// server accepts every object it renders (created for real, in a namespace per render), and
-// Baton accepts the configuration and flags the Deployment runs it with.
-// scaledObjectCRD is enough of KEDA's ScaledObject CRD (keda.sh/v1alpha1; the field names and
-// types of its schema) for the API server to validate the chart's ScaledObjects strictly.
-const scaledObjectCRD = `{"apiVersion":"apiextensions.k8s.io/v1","kind":"CustomResourceDefinition",
-"metadata":{"name":"scaledobjects.keda.sh"},
-"spec":{"group":"keda.sh","scope":"Namespaced",
-"names":{"plural":"scaledobjects","singular":"scaledobject","kind":"ScaledObject","listKind":"ScaledObjectList"},
-"versions":[{"name":"v1alpha1","served":true,"storage":true,"schema":{"openAPIV3Schema":{"type":"object","properties":{
- "spec":{"type":"object","required":["scaleTargetRef","triggers"],"properties":{
-  "scaleTargetRef":{"type":"object","required":["name"],"properties":{"apiVersion":{"type":"string"},"kind":{"type":"string"},"name":{"type":"string","minLength":1}}},
-  "minReplicaCount":{"type":"integer","minimum":0},"maxReplicaCount":{"type":"integer","minimum":1},
-  "pollingInterval":{"type":"integer","minimum":1},"cooldownPeriod":{"type":"integer","minimum":0},
-  "triggers":{"type":"array","minItems":1,"items":{"type":"object","required":["metadata","type"],"properties":{
-   "type":{"type":"string","minLength":1},"name":{"type":"string"},"metadata":{"type":"object","additionalProperties":{"type":"string"}}}}}}},
- "status":{"type":"object","x-kubernetes-preserve-unknown-fields":true}}}}}]}}`
-
+// server accepts every object it renders (created for real with strict field validation, in a
+// namespace per render, against the CRDs their projects publish), and Baton accepts the
+// configuration and flags the Deployment runs it with.
 func TestChartRendersAndApplies(t *testing.T) {
 	s := k8stest.Require(t, server)
 	if out, err := exec.Command(helm(t), "lint", chart).CombinedOutput(); err != nil {
@@ -101,15 +78,8 @@ func TestChartRendersAndApplies(t *testing.T) {
 	}
 	dyn := dynamic.NewForConfigOrDie(s.Config)
 	cs, _ := cluster(t)
-	for _, def := range []string{serviceMonitorCRD, scaledObjectCRD, inferencePoolCRD} {
-		crd := &unstructured.Unstructured{}
-		if err := crd.UnmarshalJSON([]byte(def)); err != nil {
-			t.Fatal(err)
-		}
-		crdRes := dyn.Resource(crd.GroupVersionKind().GroupVersion().WithResource("customresourcedefinitions"))
-		if _, err := crdRes.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-			t.Fatal(err)
-		}
+	for _, crd := range []k8stest.CRD{k8stest.ServiceMonitorCRD, k8stest.ScaledObjectCRD, k8stest.InferencePoolCRD} {
+		crd.Install(t, dyn)
 	}
 	examples, _ := filepath.Glob(chart + "/examples/*.yaml")
 	for _, values := range append([]string{""}, examples...) {

@@ -8,17 +8,14 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
@@ -30,43 +27,6 @@ import (
 	"github.com/baton-llm/baton/internal/sim"
 )
 
-// inferencePoolCRD is enough of the Gateway API Inference Extension's InferencePool CRD
-// (inference.networking.k8s.io/v1: the field names, types and bounds of its spec) for the API
-// server to validate pools strictly. A *.k8s.io group is protected: the CRD carries the
-// approval annotation GIE's own does.
-const inferencePoolCRD = `{"apiVersion":"apiextensions.k8s.io/v1","kind":"CustomResourceDefinition",
-"metadata":{"name":"inferencepools.inference.networking.k8s.io","annotations":{"api-approved.kubernetes.io":"https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173"}},
-"spec":{"group":"inference.networking.k8s.io","scope":"Namespaced",
-"names":{"plural":"inferencepools","singular":"inferencepool","kind":"InferencePool","listKind":"InferencePoolList","shortNames":["infpool"]},
-"versions":[{"name":"v1","served":true,"storage":true,"subresources":{"status":{}},"schema":{"openAPIV3Schema":{"type":"object","properties":{
- "spec":{"type":"object","required":["selector","targetPorts","endpointPickerRef"],"properties":{
-  "selector":{"type":"object","properties":{"matchLabels":{"type":"object","additionalProperties":{"type":"string"}}}},
-  "targetPorts":{"type":"array","minItems":1,"maxItems":8,"items":{"type":"object","required":["number"],"properties":{"number":{"type":"integer","minimum":1,"maximum":65535}}}},
-  "endpointPickerRef":{"type":"object","required":["name"],"properties":{"group":{"type":"string"},"kind":{"type":"string"},"name":{"type":"string"},
-   "portNumber":{"type":"integer","minimum":1,"maximum":65535},"failureMode":{"type":"string","enum":["FailOpen","FailClose"]}}}}},
- "status":{"type":"object","x-kubernetes-preserve-unknown-fields":true}}}}}]}}`
-
-var crdOnce sync.Mutex
-
-// installCRD creates a CRD once per API server and waits until it is served.
-func installCRD(t *testing.T, dyn dynamic.Interface, def string, gvr schema.GroupVersionResource) {
-	t.Helper()
-	crdOnce.Lock()
-	defer crdOnce.Unlock()
-	crd := &unstructured.Unstructured{}
-	if err := crd.UnmarshalJSON([]byte(def)); err != nil {
-		t.Fatal(err)
-	}
-	res := dyn.Resource(crd.GroupVersionKind().GroupVersion().WithResource("customresourcedefinitions"))
-	if _, err := res.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
-	poll.Until(t, "the CRD is served", func() bool {
-		_, err := dyn.Resource(gvr).Namespace("default").List(context.Background(), metav1.ListOptions{Limit: 1})
-		return err == nil
-	})
-}
-
 // pool writes (creates or replaces) an InferencePool.
 func pool(t *testing.T, dyn dynamic.Interface, ns, name string, match map[string]string, port int) {
 	t.Helper()
@@ -77,7 +37,7 @@ func pool(t *testing.T, dyn dynamic.Interface, ns, name string, match map[string
 	u := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
 		"metadata": map[string]any{"name": name},
 		"spec": map[string]any{"selector": map[string]any{"matchLabels": ml}, "targetPorts": []any{map[string]any{"number": int64(port)}},
-			"endpointPickerRef": map[string]any{"name": "baton-epp", "portNumber": int64(9002), "failureMode": "FailClose"}}}}
+			"endpointPickerRef": map[string]any{"kind": "Service", "name": "baton-epp", "port": map[string]any{"number": int64(9002)}, "failureMode": "FailClose"}}}}
 	ri := dyn.Resource(discovery.InferencePools).Namespace(ns)
 	old, err := ri.Get(context.Background(), name, metav1.GetOptions{})
 	if err == nil {
@@ -141,7 +101,7 @@ func TestInferencePoolLifecycle(t *testing.T) {
 	s := k8stest.Require(t, server)
 	cs, ns := cluster(t)
 	dyn := dynamic.NewForConfigOrDie(s.Config)
-	installCRD(t, dyn, inferencePoolCRD, discovery.InferencePools)
+	k8stest.InferencePoolCRD.Install(t, dyn)
 	es, port := poolEngines(t, 3)
 
 	cfg := config.Default()
