@@ -405,7 +405,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 		attempts = 1
 	}
 	o := parts
-	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.ClientAPIKey, cfg.KVConnector
+	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.ClientKey(), cfg.KVConnector
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
 	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
 	o.RouteHeader = cfg.RouteHeader
@@ -473,11 +473,13 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 			g.Wait()
 			return err
 		}
-		grpcErr := make(chan error, 1)
-		go func() { grpcErr <- el.srv.Serve(el.ln) }()
-		errc = either(errc, grpcErr)
+		errc = either(errc, el.serve())
 		go el.watch(bg)
+		go el.watchCert(bg, 2*time.Second)
 		fmt.Fprintf(stdout, "baton endpoint picker (ext_proc, gRPC health) on %s\n", el.ln.Addr())
+		if el.hln != nil {
+			fmt.Fprintf(stdout, "baton endpoint picker health (gRPC, plaintext) on %s\n", el.hln.Addr())
+		}
 		log.Info("endpoint picker serving", "addr", el.ln.Addr().String(), "fallbacks", cfg.EPPFallbacks, "inference_pool", cfg.InferencePool)
 	}
 	ls.logStart(cfg, g, log)
@@ -706,7 +708,7 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 		log.Warn("tenants are named by the " + cfg.TenantHeaderName + " header (--trust-tenant-header): only a proxy in front that sets or strips it may reach Baton, or any client names any tenant")
 	}
 	if g.tenants.set.Load().Open() && !config.IsLoopback(cfg.Host) && !cfg.TrustTenantHeader {
-		log.Warn("no client authentication: anyone who reaches "+net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))+" may use the fleet; give --client-api-key (or the tenants' keys). smg's --api-key is the engines' key here too, never the clients'",
+		log.Warn("no client authentication: anyone who reaches "+net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))+" may use the fleet; give --client-api-key or smg's --api-key (or the tenants' keys)",
 			"host", cfg.Host)
 	}
 }

@@ -733,3 +733,146 @@ func TestEPPHalfDuplexPicksFromHeaders(t *testing.T) {
 		}
 	}
 }
+
+// A data plane cannot hold the picker: past epp_max_streams a new stream ends at once with
+// RESOURCE_EXHAUSTED; a stream whose request is not whole within body_timeout (an idle stream,
+// headers and nothing else) is ended, and its place is free again. Both are counted.
+func TestEPPStreamsAreBounded(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL()), func(c *config.Config) { c.EPPMaxStreams, c.BodyTimeout = 4, 400*time.Millisecond })
+	client := extprocv3.NewExternalProcessorClient(conn)
+	var idle []extprocv3.ExternalProcessor_ProcessClient
+	for i := 0; i < 4; i++ {
+		st, err := client.Process(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+		idle = append(idle, st)
+	}
+	poll.Until(t, "four exchanges served", func() bool { return testutil.ToFloat64(g.Metrics.EPPStreams) == 4 })
+	extra, err := client.Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	extra.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+	if _, err := extra.Recv(); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a fifth stream: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	if n := testutil.ToFloat64(g.Metrics.EPPCut.WithLabelValues("max_streams")); n != 1 {
+		t.Errorf("max_streams counted %v", n)
+	}
+	for i, st := range idle {
+		if _, err := st.Recv(); status.Code(err) != codes.DeadlineExceeded {
+			t.Errorf("idle stream %d: %v, want DEADLINE_EXCEEDED after body_timeout", i, err)
+		}
+	}
+	poll.Until(t, "the idle streams ended and counted", func() bool {
+		return testutil.ToFloat64(g.Metrics.EPPStreams) == 0 && testutil.ToFloat64(g.Metrics.EPPCut.WithLabelValues("request_phase_timeout")) == 4
+	})
+	st := rawStream(t, context.Background(), conn, `{"model":"m","prompt":"x"}`)
+	if eps := recvPick(t, st); len(eps) == 0 {
+		t.Fatal("no pick once the places were free")
+	}
+}
+
+// Bodies a data plane streams and abandons hold at most half of max_buffered_body_bytes: the
+// HTTP listener's requests still find room, and the picker's share comes back when the
+// abandoned exchanges are ended.
+func TestEPPHoldsHalfTheBodyBudget(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL()), func(c *config.Config) {
+		c.MaxPayloadSize, c.MaxBufferedBodyBytes, c.BodyTimeout = 3<<20, 4<<20, 1500*time.Millisecond
+	})
+	client := extprocv3.NewExternalProcessorClient(conn)
+	abandon := func(n int) extprocv3.ExternalProcessor_ProcessClient {
+		st, err := client.Process(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+		st.Send(dataplane.RequestBody(bytes.Repeat([]byte(" "), n), false))
+		return st
+	}
+	first := abandon(1536 << 10)
+	take, give := g.Server.BodyBudget()
+	poll.Until(t, "the first body is held", func() bool {
+		if take(3 << 20) {
+			give(3 << 20)
+			return false
+		}
+		return true
+	})
+	second := abandon(1024 << 10)
+	if m, err := second.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 503 {
+		t.Fatalf("a body past the picker's half: %v %v", m, err)
+	}
+	srv := httptest.NewServer(g.Server.Handler())
+	defer srv.Close()
+	big := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("z", 1<<20) + `"}`
+	resp := post(t, srv.URL+"/v1/completions", big)
+	if body := readAll(t, resp.Body); resp.StatusCode != 200 {
+		t.Fatalf("the HTTP listener's request while the picker holds its half: %d %.200s", resp.StatusCode, body)
+	}
+	if _, err := first.Recv(); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("the abandoned body: %v", err)
+	}
+	st := rawStream(t, context.Background(), conn, `{"model":"m","prompt":"`+strings.Repeat("y", 1800<<10)+`"}`)
+	if eps := recvPick(t, st); len(eps) == 0 {
+		t.Fatal("no pick once the abandoned body was let go")
+	}
+}
+
+// Past epp_max_connections a new connection to the picker's port is closed at once and
+// counted; a closed one frees its place.
+func TestEPPConnectionsAreBounded(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	cfg := testConfig(a.URL())
+	cfg.EPP = true
+	g, _ := startGateway(t, cfg)
+	c := g.Config
+	c.Host, c.GRPCPort, c.GRPCHealthPort, c.EPPSecureServing, c.EPPMaxConnections = "127.0.0.1", 0, -1, false, 2
+	el, err := g.listenEPP(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	el.serve()
+	t.Cleanup(func() { el.stop(time.Now()) })
+	dial := func() *grpc.ClientConn {
+		conn, err := grpc.NewClient(el.ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return conn
+	}
+	live := func(conn *grpc.ClientConn) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "liveness"})
+		return err
+	}
+	first, second := dial(), dial()
+	defer second.Close()
+	for _, conn := range []*grpc.ClientConn{first, second} {
+		if err := live(conn); err != nil {
+			t.Fatal(err)
+		}
+	}
+	third := dial()
+	defer third.Close()
+	if err := live(third); err == nil {
+		t.Error("a third connection was served past epp_max_connections 2")
+	}
+	if n := testutil.ToFloat64(g.Metrics.EPPCut.WithLabelValues("max_connections")); n < 1 {
+		t.Errorf("max_connections counted %v", n)
+	}
+	first.Close()
+	poll.Until(t, "the closed connection's place taken by another", func() bool {
+		conn := dial()
+		defer conn.Close()
+		return live(conn) == nil
+	})
+}

@@ -153,15 +153,35 @@ func TestSmgAPIKeyReachesTheEngines(t *testing.T) {
 	r := startRun(t, "--host", "0.0.0.0", "--worker-urls", eng.URL, "--api-key", "worker-secret-key")
 	api := "http://127.0.0.1:" + r.api[strings.LastIndex(r.api, ":")+1:]
 	poll.Until(t, "the worker ready", func() bool { return getStatus(t, api+"/readiness") == 200 })
+	// smg checks its --api-key on clients too: a client without it is refused, with it served,
+	// and the engine gets the key as Baton's, never a client's header passed on.
 	resp := post(t, api+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`)
+	if b := readAll(t, resp.Body); resp.StatusCode != 401 {
+		t.Fatalf("a client without the key: %d %s", resp.StatusCode, b)
+	}
+	resp = post(t, api+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`, "Authorization", "Bearer worker-secret-key")
 	if b := readAll(t, resp.Body); resp.StatusCode != 200 {
-		t.Fatalf("a client without a key: %d %s", resp.StatusCode, b)
+		t.Fatalf("a client with the key: %d %s", resp.StatusCode, b)
 	}
 	if got.Load() != "Bearer worker-secret-key" {
 		t.Errorf("the engine got Authorization %q", got.Load())
 	}
-	if !strings.Contains(r.logs.String(), "no client authentication") {
-		t.Errorf("no WARN about the open API:\n%s", r.logs.String())
+	if strings.Contains(r.logs.String(), "no client authentication") {
+		t.Errorf("a WARN about an open API that is not open:\n%s", r.logs.String())
+	}
+	// The admin API takes it too when no admin key is given (smg's admin routes do); with
+	// --client-api-key the clients have a key of their own and --api-key is not theirs.
+	if code := getStatusKey(t, api+"/workers", "worker-secret-key"); code != 200 {
+		t.Errorf("GET /workers with --api-key: %d", code)
+	}
+	if code := getStatusKey(t, api+"/workers", ""); code != 401 {
+		t.Errorf("GET /workers without a key: %d", code)
+	}
+	r2 := startRun(t, "--worker-urls", eng.URL, "--api-key", "worker-secret-key", "--client-api-key", "client-key")
+	poll.Until(t, "the worker ready", func() bool { return getStatus(t, r2.api+"/readiness") == 200 })
+	resp = post(t, r2.api+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`, "Authorization", "Bearer worker-secret-key")
+	if b := readAll(t, resp.Body); resp.StatusCode != 401 {
+		t.Errorf("the engines' key as a client's beside --client-api-key: %d %s", resp.StatusCode, b)
 	}
 }
 

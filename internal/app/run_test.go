@@ -100,6 +100,21 @@ func getStatus(t *testing.T, url string) int {
 	return resp.StatusCode
 }
 
+// getStatusKey is getStatus with a bearer key ("" for none).
+func getStatusKey(t *testing.T, url, key string) int {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
 // Both API servers (Baton's own and net/http's) drain an open stream to its end.
 func TestGracefulDrainOfOpenStream(t *testing.T) {
 	t.Parallel()

@@ -114,6 +114,9 @@ func smgOverSims(t *testing.T, in []string, certPath, keyPath string) (args []st
 		case a == "--tls-cert-path" || a == "--tls-key-path":
 			args = append(args, a, map[string]string{"--tls-cert-path": certPath, "--tls-key-path": keyPath}[a])
 			i++
+		case a == "--api-key" && key == "": // smg checks it on clients too
+			key = in[i+1]
+			args = append(args, a)
 		case a == "--tenant-api-key":
 			if key == "" {
 				_, key, _ = strings.Cut(in[i+1], ":")

@@ -1,6 +1,7 @@
 package app
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -18,6 +19,11 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -117,4 +123,109 @@ func TestServesTLSAndRereadsTheCertificate(t *testing.T) {
 	if c := served(); c == nil || !c.Equal(second) {
 		t.Error("a certificate that could not be read replaced the one served")
 	}
+}
+
+// newCA makes a certificate authority named cn, its certificate written to path.
+func newCA(t *testing.T, path, cn string) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// signedCert is a certificate for cn signed by ca, for a client (ExtKeyUsageClientAuth) or a
+// server on 127.0.0.1.
+func signedCert(t *testing.T, ca tls.Certificate, cn string, client bool) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	parent, err := x509.ParseCertificate(ca.Certificate[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	usage := x509.ExtKeyUsageServerAuth
+	if client {
+		usage = x509.ExtKeyUsageClientAuth
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, ca.PrivateKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// The picker's gRPC port with the operator's certificate and a client CA: a data plane without a
+// client certificate, or with one another CA signed, is refused at the handshake; the gateway
+// holding one signed by the CA is served; the health port answers the kubelet in plaintext.
+func TestEPPMutualTLS(t *testing.T) {
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	dir := t.TempDir()
+	certPath, keyPath := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	caPath := filepath.Join(dir, "ca.crt")
+	server := writeCert(t, certPath, keyPath, "picker")
+	ca, other := newCA(t, caPath, "gateway-ca"), newCA(t, filepath.Join(dir, "other.crt"), "other-ca")
+
+	cfg := testConfig(e.URL())
+	cfg.EPP = true
+	g, _ := startGateway(t, cfg)
+	c := g.Config
+	c.Host, c.GRPCPort, c.GRPCHealthPort = "127.0.0.1", 0, 0
+	c.EPPSecureServing, c.EPPTLSCertPath, c.EPPTLSKeyPath, c.EPPClientCAPath = true, certPath, keyPath, caPath
+	el, err := g.listenEPP(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	el.serve()
+	ctx, cancel := context.WithCancel(context.Background())
+	go el.watch(ctx)
+	t.Cleanup(func() { cancel(); el.stop(time.Now()) })
+
+	roots := x509.NewCertPool()
+	roots.AddCert(server)
+	check := func(certs []tls.Certificate) error {
+		conn, err := grpc.NewClient(el.ln.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: roots, Certificates: certs})))
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		_, err = healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "liveness"})
+		return err
+	}
+	if err := check(nil); err == nil {
+		t.Error("a data plane without a client certificate was served")
+	}
+	if err := check([]tls.Certificate{signedCert(t, other, "intruder", true)}); err == nil {
+		t.Error("a client certificate of another CA was accepted")
+	}
+	if err := check([]tls.Certificate{signedCert(t, ca, "gateway", true)}); err != nil {
+		t.Errorf("the gateway's certificate: %v", err)
+	}
+	hconn, err := grpc.NewClient(el.hln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hconn.Close()
+	poll.Until(t, "the plaintext health port answers readiness", func() bool {
+		r, err := healthpb.NewHealthClient(hconn).Check(context.Background(), &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	})
 }

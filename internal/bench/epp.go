@@ -11,12 +11,16 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	"github.com/baton-llm/baton/internal/epp/dataplane"
 	"github.com/baton-llm/baton/internal/sim"
@@ -26,12 +30,12 @@ var eppLine = regexp.MustCompile(`baton endpoint picker \(ext_proc, gRPC health\
 
 // startEPP starts `baton epp` with args on cpu and waits until its readiness service serves.
 func startEPP(binary string, cpu int, args ...string) (*proc, *grpc.ClientConn, error) {
-	argv := append([]string{binary, "epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grpc-port", "0", "--log-level", "error", "--access-log=false"}, args...)
+	argv := append([]string{binary, "epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grpc-port", "0", "--grpc-health-port", "-1", "--epp-secure-serving=false", "--log-level", "error", "--access-log=false"}, args...)
 	p, ms, err := startUntilAll(pinned(cpu, argv...), "baton epp", servingLine, eppLine)
 	if err != nil {
 		return nil, nil, err
 	}
-	p.URL, p.MetricsURL = ms[0][1], ms[0][2]
+	p.URL, p.MetricsURL, p.grpcAddr = ms[0][1], ms[0][2], ms[1][1]
 	conn, err := grpc.NewClient(ms[1][1], grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		p.stop()
@@ -233,8 +237,88 @@ func (r *runner) epp(ctx context.Context) error {
 	fmt.Fprintf(r.out, "Added latency: %d non-streamed completions (200-byte prompt, 4 tokens), 8 clients, straight to one engine; through the test data plane (a Go reverse proxy that asks the picker over ext_proc, then forwards to the endpoint named); and through `baton serve` (Baton's own proxy) over the same engines.\n\n", m)
 	r.latencyTable([]measured{direct, through, proxied}, direct)
 
+	if err := r.eppFlood(ctx, urls); err != nil {
+		return err
+	}
 	// The routing workload through the picker, against Baton's own proxy.
 	return r.eppRouting(ctx)
+}
+
+// eppFlood opens idle ext_proc streams (request headers, then nothing) by the thousand against a
+// picker with its default bounds, and reads its memory and goroutines while they are open and
+// after they are gone.
+func (r *runner) eppFlood(ctx context.Context, urls []string) error {
+	p, conn, err := startEPP(r.o.Binary, 1, append([]string{"--worker-urls"}, urls...)...)
+	if err != nil {
+		return err
+	}
+	defer p.stop()
+	conn.Close()
+	settle := func() (int64, float64) {
+		time.Sleep(2 * time.Second)
+		return p.rssBytes(), p.metric("go_goroutines")
+	}
+	rss0, g0 := settle()
+	streams, conns := r.n(20000, 2000), 100
+	var clients []extprocv3.ExternalProcessorClient
+	var cs []*grpc.ClientConn
+	for i := 0; i < conns; i++ {
+		c, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		cs = append(cs, c)
+		clients = append(clients, extprocv3.NewExternalProcessorClient(c))
+	}
+	fctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var refused, ended atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := 0; i < streams; i++ {
+		st, err := clients[i%conns].Process(fctx)
+		if err != nil {
+			refused.Add(1)
+			continue
+		}
+		_ = st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+		wg.Go(func() {
+			if _, err := st.Recv(); status.Code(err) == codes.ResourceExhausted {
+				refused.Add(1)
+			} else if status.Code(err) != codes.Canceled {
+				ended.Add(1)
+			}
+		})
+	}
+	opened := time.Since(start)
+	var peak int64
+	var peakG float64
+	for i := 0; i < 10; i++ {
+		time.Sleep(200 * time.Millisecond)
+		peak, peakG = max(peak, p.rssBytes()), max(peakG, p.metric("go_goroutines"))
+	}
+	held := p.metric("baton_epp_streams")
+	cancel()
+	wg.Wait()
+	for _, c := range cs {
+		c.Close()
+	}
+	rss1, g1 := settle()
+	time.Sleep(5 * time.Second)
+	rss2, g2 := p.rssBytes(), p.metric("go_goroutines")
+	fmt.Fprintf(r.out, "A hostile data plane: %d idle streams (request headers, then nothing) opened over %d connections in %.1f s against `baton epp` with its default bounds (epp_max_streams 1024, 256 per connection, body_timeout 2m; plaintext here).\n\n", streams, conns, opened.Seconds())
+	fmt.Fprintln(r.out, "| moment | RSS MiB | growth MiB | goroutines | streams held | streams refused (RESOURCE_EXHAUSTED) |")
+	fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|")
+	fmt.Fprintf(r.out, "| before | %.1f | — | %.0f | 0 | — |\n", mib(rss0), g0)
+	fmt.Fprintf(r.out, "| streams open (peak) | %.1f | %.1f | %.0f | %.0f | %d |\n", mib(peak), mib(peak-rss0), peakG, held, refused.Load())
+	fmt.Fprintf(r.out, "| 2 s after they and their connections closed | %.1f | %.1f | %.0f | 0 | — |\n", mib(rss1), mib(rss1-rss0), g1)
+	fmt.Fprintf(r.out, "| 7 s after they closed | %.1f | %.1f (%+.0f %%) | %.0f | 0 | — |\n", mib(rss2), mib(rss2-rss0), 100*float64(rss2-rss0)/float64(rss0), g2)
+	fmt.Fprintln(r.out)
+	if ended.Load() > 0 {
+		r.failed = append(r.failed, fmt.Sprintf("epp flood: %d streams ended otherwise than refused or cancelled", ended.Load()))
+	}
+	return nil
 }
 
 // eppRouting runs scenario 8's workload with cache_aware through the picker and through Baton's

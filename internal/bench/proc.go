@@ -25,6 +25,7 @@ type proc struct {
 	cmd        *exec.Cmd
 	URL        string
 	MetricsURL string // Baton's /metrics, "" for nginx
+	grpcAddr   string // baton epp's gRPC listener
 	logs       *strings.Builder
 }
 

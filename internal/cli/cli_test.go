@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -52,6 +54,12 @@ func (s *syncBuffer) String() string {
 // first submatch; the command is stopped at cleanup and must return nil.
 func runUntil(t *testing.T, re *regexp.Regexp, args ...string) string {
 	t.Helper()
+	return re.FindStringSubmatch(runOut(t, re, args...))[1]
+}
+
+// runOut runs args until their output matches re, and returns the output so far.
+func runOut(t *testing.T, re *regexp.Regexp, args ...string) string {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	out := &syncBuffer{}
 	res := make(chan error, 1)
@@ -64,8 +72,8 @@ func runUntil(t *testing.T, re *regexp.Regexp, args ...string) string {
 	})
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if m := re.FindStringSubmatch(out.String()); m != nil {
-			return m[1]
+		if o := out.String(); re.MatchString(o) {
+			return o
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("no match for %s in %q", re, out.String())
@@ -114,14 +122,37 @@ func TestDemoCommand(t *testing.T) {
 	}
 }
 
-// baton epp serves the Endpoint Picker's gRPC services beside its HTTP listener: ready once its
-// worker registered, and picking it over ext_proc.
+// baton epp serves the Endpoint Picker's gRPC services beside its HTTP listener: over TLS by
+// default (a certificate made at startup, as the reference picker's), with the health services
+// on a plaintext port of their own for the kubelet; ready once its worker registered, and
+// picking it over ext_proc. A plaintext client is refused on the TLS port.
 func TestEPPCommand(t *testing.T) {
 	t.Parallel()
 	engine := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "vllm", "--port", "0", "--model", "m")
-	addr := runUntil(t, regexp.MustCompile(`endpoint picker \(ext_proc, gRPC health\) on (\S+)`), "epp", "--host", "127.0.0.1", "--port", "0",
-		"--metrics-port", "-1", "--grpc-port", "0", "--worker-urls", engine)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	out := runOut(t, regexp.MustCompile(`endpoint picker health \(gRPC, plaintext\) on (\S+)`), "epp", "--host", "127.0.0.1", "--port", "0",
+		"--metrics-port", "-1", "--grpc-port", "0", "--grpc-health-port", "0", "--worker-urls", engine)
+	addr := regexp.MustCompile(`endpoint picker \(ext_proc, gRPC health\) on (\S+)`).FindStringSubmatch(out)[1]
+	healthAddr := regexp.MustCompile(`endpoint picker health \(gRPC, plaintext\) on (\S+)`).FindStringSubmatch(out)[1]
+	plain, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+	defer cancel()
+	if _, err := healthpb.NewHealthClient(plain).Check(ctx, &healthpb.HealthCheckRequest{Service: "liveness"}); err == nil {
+		t.Error("a plaintext client was served on the TLS port")
+	}
+	hconn, err := grpc.NewClient(healthAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hconn.Close()
+	poll.Until(t, "the health port says ready", func() bool {
+		r, err := healthpb.NewHealthClient(hconn).Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	})
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{InsecureSkipVerify: true})))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +184,8 @@ func TestEPPDrains(t *testing.T) {
 	out := &syncBuffer{}
 	res := make(chan error, 1)
 	go func() {
-		res <- Run(ctx, []string{"epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grpc-port", "0", "--worker-urls", engine}, out, io.Discard)
+		res <- Run(ctx, []string{"epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grpc-port", "0", "--grpc-health-port", "-1",
+			"--epp-secure-serving=false", "--worker-urls", engine}, out, io.Discard)
 	}()
 	defer cancel()
 	var addr string

@@ -114,9 +114,10 @@ type Config struct {
 	// ClientAPIKey is the key clients send when the fleet has one client (tenant default's key);
 	// tenants: gives each team its own. It is Baton's: never sent to an engine.
 	ClientAPIKey string `json:"client_api_key" flag:"client-api-key" secret:"BATON_CLIENT_API_KEY" help:"require 'Authorization: Bearer KEY' on inference routes (tenant default's key; tenants: gives each team its own)"`
-	// APIKey is smg's --api-key: the key sent to every engine, as worker_api_key (the two may
-	// not differ). It is never checked on clients.
-	APIKey string `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"smg's meaning: send 'Authorization: Bearer KEY' to every engine, as --worker-api-key (clients' key: --client-api-key)"`
+	// APIKey is smg's --api-key, with smg's three meanings: the key sent to every engine (as
+	// worker_api_key; the two may not differ), the clients' key when client_api_key gives none
+	// (ClientKey), and the admin API's when no admin key is given (AdminKeys).
+	APIKey string `json:"api_key" flag:"api-key" secret:"BATON_API_KEY" help:"smg's meaning: the key sent to every engine (as --worker-api-key), required of clients unless --client-api-key gives theirs, and of the admin API unless --admin-api-key or --control-plane-api-keys give its own"`
 	// Models are names clients use: an alias of a model the workers serve, and the models to
 	// fall back to (YAML models:). DefaultModel is the model of a request that names none.
 	Models       map[string]ModelConfig `json:"models"`
@@ -181,7 +182,21 @@ type Config struct {
 	EPPFallbacks      int     `json:"epp_fallbacks" flag:"epp-fallbacks" default:"2" check:"0..16" help:"baton epp: endpoints named after each choice, least loaded first, for the gateway to retry down"`
 	EPPShedQueueDepth float64 `json:"epp_shed_queue_depth" flag:"epp-shed-queue-depth" default:"5" check:">=0" help:"baton epp: a batch-class request is shed (429) when every worker that could serve it queues at least this many requests (0: never on queue depth)"`
 	EPPShedKVUsage    float64 `json:"epp_shed_kv_usage" flag:"epp-shed-kv-usage" default:"0.8" check:"0..1" help:"baton epp: ... or uses at least this share of its KV cache (0: never on KV use)"`
-	InferencePool     string  `json:"inference_pool" flag:"inference-pool" help:"baton epp: the InferencePool (inference.networking.k8s.io/v1) whose selected pods and target ports are the workers, watched in --service-discovery-namespace"`
+	// Bounds on what a data plane may hold of the picker: exchanges at once in all and per
+	// connection, and connections.
+	EPPMaxStreams              int `json:"epp_max_streams" flag:"epp-max-streams" default:"1024" check:">=1" help:"baton epp: ext_proc exchanges served at once over every connection; past it a new one ends at once with RESOURCE_EXHAUSTED (counted)"`
+	EPPMaxStreamsPerConnection int `json:"epp_max_streams_per_connection" flag:"epp-max-streams-per-connection" default:"256" check:">=1" help:"baton epp: ext_proc exchanges at once on one connection (HTTP/2 max concurrent streams)"`
+	EPPMaxConnections          int `json:"epp_max_connections" flag:"epp-max-connections" default:"128" check:">=1" help:"baton epp: connections to the gRPC port at once; past it a new one is closed (counted)"`
+	// The picker's gRPC port speaks TLS unless told otherwise (as the reference picker does),
+	// with the given certificate or one made at startup; a client CA requires the data plane's
+	// certificate (mTLS). The health services are on a plaintext port of their own too, for
+	// the kubelet's gRPC probes.
+	EPPSecureServing bool   `json:"epp_secure_serving" flag:"epp-secure-serving" default:"true" help:"baton epp: TLS on the gRPC port (a self-signed certificate made at startup unless --epp-tls-cert-path gives one)"`
+	EPPTLSCertPath   string `json:"epp_tls_cert_path" flag:"epp-tls-cert-path" help:"baton epp: the gRPC port's certificate (PEM), re-read when the file changes"`
+	EPPTLSKeyPath    string `json:"epp_tls_key_path" flag:"epp-tls-key-path" help:"baton epp: its private key (PEM)"`
+	EPPClientCAPath  string `json:"epp_client_ca_path" flag:"epp-client-ca-path" help:"baton epp: require a client certificate signed by this CA (PEM) on the gRPC port: only the gateway holding one reaches the picker"`
+	GRPCHealthPort   int    `json:"grpc_health_port" flag:"grpc-health-port" default:"9003" check:"-1..65535" help:"baton epp: plaintext port of the gRPC health services alone (the kubelet's gRPC probes speak no TLS); -1: none, 0: a free one"`
+	InferencePool    string `json:"inference_pool" flag:"inference-pool" help:"baton epp: the InferencePool (inference.networking.k8s.io/v1) whose selected pods and target ports are the workers, watched in --service-discovery-namespace"`
 	// EPP is set by baton epp: serve the Endpoint Picker beside the HTTP listeners.
 	EPP bool `json:"-"`
 	// AdminAPIKey is not the inference key.
@@ -440,12 +455,24 @@ func (c *Config) WithEngineKey(w Worker) Worker {
 
 // AdminKeys are the keys the admin API takes: admin_api_key and smg's control-plane keys.
 func (c *Config) AdminKeys() []string {
+	out := c.explicitAdminKeys()
+	if len(out) == 0 && c.APIKey != "" {
+		out = append(out, c.APIKey) // smg's admin routes take its shared --api-key
+	}
+	return out
+}
+
+func (c *Config) explicitAdminKeys() []string {
 	var out []string
 	if c.AdminAPIKey != "" {
 		out = append(out, c.AdminAPIKey)
 	}
 	return append(out, c.ControlPlaneKeys...)
 }
+
+// ClientKey is the key of tenant default's clients: client_api_key, else smg's --api-key (which
+// smg checks on clients too); "" for none.
+func (c *Config) ClientKey() string { return cmp.Or(c.ClientAPIKey, c.APIKey) }
 
 // Validate reports every problem in c at once, joined.
 func (c *Config) Validate() error {
@@ -510,8 +537,8 @@ func (c *Config) Validate() error {
 			bad("models.%s serves %s, which is itself an alias (of %s): name the model the workers serve", name, target, c.Models[target].Serve)
 		}
 	}
-	for _, k := range c.AdminKeys() {
-		if k == c.ClientAPIKey {
+	for _, k := range c.explicitAdminKeys() {
+		if k == c.ClientKey() {
 			bad("admin keys (admin_api_key, --control-plane-api-keys) must differ from client_api_key: a client with the inference key would control the fleet")
 			break
 		}

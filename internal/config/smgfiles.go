@@ -263,7 +263,7 @@ func (c *Config) applySmgRateLimits(f smgRateFile, bad func(string, ...any)) {
 	// default_policy is every other tenant's, each counted on its own as smg counts each
 	// tenant key on its own.
 	names := c.smgTenantNames()
-	if c.ClientAPIKey == "" && len(c.TenantAPIKeys) == 0 && !slices.ContainsFunc(c.Tenants, func(t Tenant) bool { return len(t.Keys) > 0 || t.KeyFile != "" || t.KeyEnv != "" }) {
+	if c.ClientKey() == "" && len(c.TenantAPIKeys) == 0 && !slices.ContainsFunc(c.Tenants, func(t Tenant) bool { return len(t.Keys) > 0 || t.KeyFile != "" || t.KeyEnv != "" }) {
 		c.smgNotes = append(c.smgNotes, "default_policy: without client keys every request is tenant default and shares its limits (smg: each client address is a tenant with its own)")
 	}
 	for _, name := range names {
@@ -392,7 +392,7 @@ func (c *Config) smgTenant(key, where string, bad func(string, ...any)) *Tenant 
 // request can be it (--client-api-key's tenant, or every request's when no tenant has a key).
 func (c *Config) smgTenantNames() []string {
 	var out []string
-	keyed := c.ClientAPIKey != ""
+	keyed := c.ClientKey() != ""
 	for _, t := range c.Tenants {
 		out = append(out, t.Name)
 		keyed = keyed || len(t.Keys) > 0 || t.KeyFile != "" || t.KeyEnv != ""
@@ -403,7 +403,7 @@ func (c *Config) smgTenantNames() []string {
 			keyed = true
 		}
 	}
-	if !keyed || c.ClientAPIKey != "" {
+	if !keyed || c.ClientKey() != "" {
 		out = append(out, DefaultTenant)
 	}
 	slices.Sort(out)
@@ -425,7 +425,7 @@ func (c *Config) tenantNamed(name string) *Tenant {
 // tenantOfHash names the tenant whose key has SHA-256 h, among the keys known before the files
 // are read (flags, environment and keys: of the configuration); "" for none.
 func (c *Config) tenantOfHash(h [32]byte) string {
-	if c.ClientAPIKey != "" && sha256.Sum256([]byte(c.ClientAPIKey)) == h {
+	if c.ClientKey() != "" && sha256.Sum256([]byte(c.ClientKey())) == h {
 		return DefaultTenant
 	}
 	for _, tk := range c.TenantAPIKeys {

@@ -168,8 +168,8 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 			checkLimits(l, where, bad)
 		}
 	}
-	if c.ClientAPIKey != "" {
-		h := sha256.Sum256([]byte(c.ClientAPIKey))
+	if c.ClientKey() != "" {
+		h := sha256.Sum256([]byte(c.ClientKey()))
 		if i, ok := byName[DefaultTenant]; ok {
 			tenants[i].Hashes = append(tenants[i].Hashes, h) // --api-key names the tenant default
 		} else {

@@ -18,6 +18,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -115,9 +116,64 @@ type Server struct {
 	// Observe, when set, sees each request's refusal code ("" for a pick) and how long the
 	// choice took from the last byte of the body.
 	Observe func(code string, d time.Duration)
+	// MaxStreams bounds the exchanges served at once, over every connection (0: unbounded):
+	// past it a new stream ends at once with RESOURCE_EXHAUSTED.
+	MaxStreams int
+	// RequestPhase bounds the request path of one exchange, from the stream's start to the
+	// pick or refusal (headers and body in): past it the stream ends with DEADLINE_EXCEEDED.
+	// A data plane that opens streams and sends nothing, or a body that never ends, holds
+	// nothing longer than this.
+	RequestPhase time.Duration
+	// Cut, when set, counts a stream the picker refused or ended for its data plane's
+	// behaviour: "max_streams" or "request_phase_timeout".
+	Cut func(reason string)
+	// Streams, when set, follows the exchanges being served.
+	Streams interface{ Add(float64) }
 
-	warned atomic.Bool // the headers-only warning was logged
+	warned   atomic.Bool  // the headers-only warning was logged
+	active   atomic.Int64 // exchanges being served
+	peak     atomic.Int64 // the most exchanges at once since memory was last given back
+	released atomic.Int64 // when memory was last given back (Unix nanoseconds)
 }
+
+// A burst of at least burstStreams exchanges that ended gives the memory it took back to the
+// system (at most once per releaseEvery): a flood's memory does not stay with the process until
+// the runtime's own pace returns it.
+const (
+	burstStreams = 512
+	releaseEvery = 30 * time.Second
+	releaseDelay = 3 * time.Second
+)
+
+// ended notes an exchange's end, and gives memory back after a burst.
+func (s *Server) ended() {
+	n := s.active.Add(-1)
+	if p := s.peak.Load(); p-n < burstStreams || n > p/4 {
+		return
+	}
+	now := time.Now().UnixNano()
+	if last := s.released.Load(); now-last < int64(releaseEvery) || !s.released.CompareAndSwap(last, now) {
+		return
+	}
+	s.peak.Store(n)
+	// A little later: the burst's last streams and their connections end first.
+	time.AfterFunc(releaseDelay, func() {
+		// Twice: what the first collection moved to the pools' victim caches goes with the second.
+		debug.FreeOSMemory()
+		debug.FreeOSMemory()
+	})
+}
+
+// started notes an exchange's start and returns how many are served.
+func (s *Server) started() int64 {
+	n := s.active.Add(1)
+	for p := s.peak.Load(); n > p && !s.peak.CompareAndSwap(p, n); p = s.peak.Load() {
+	}
+	return n
+}
+
+// Active is the number of exchanges being served.
+func (s *Server) Active() int64 { return s.active.Load() }
 
 // chunkSize is the largest body chunk handed back in one message: well below gRPC's default
 // 4 MiB message bound on both sides.
@@ -132,31 +188,69 @@ const maxTail = 16 << 10
 // errProtocol is a message the protocol does not allow where it came.
 var errProtocol = errors.New("ext_proc message out of order")
 
-// Process serves one ext_proc stream: one HTTP request, for MaxDuration at most.
+// Process serves one ext_proc stream: one HTTP request, for MaxDuration at most, its request
+// path for RequestPhase at most, while fewer than MaxStreams others are served.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
-	if s.MaxDuration <= 0 {
-		return s.serve(stream)
+	if n := s.started(); s.MaxStreams > 0 && n > int64(s.MaxStreams) {
+		s.ended()
+		s.cut("max_streams")
+		return status.Errorf(codes.ResourceExhausted, "the Endpoint Picker serves %d exchanges at once (epp_max_streams)", s.MaxStreams)
+	}
+	defer s.ended()
+	if s.Streams != nil {
+		s.Streams.Add(1)
+		defer s.Streams.Add(-1)
+	}
+	x := s.newExchange(stream)
+	if s.MaxDuration <= 0 && s.RequestPhase <= 0 {
+		return x.serve()
 	}
 	res := make(chan error, 1)
-	go func() { res <- s.serve(stream) }()
-	t := time.NewTimer(s.MaxDuration)
-	defer t.Stop()
-	select {
-	case err := <-res:
-		return err
-	case <-t.C:
+	go func() { res <- x.serve() }()
+	var whole, phase <-chan time.Time
+	if s.MaxDuration > 0 {
+		t := time.NewTimer(s.MaxDuration)
+		defer t.Stop()
+		whole = t.C
+	}
+	if s.RequestPhase > 0 {
+		t := time.NewTimer(s.RequestPhase)
+		defer t.Stop()
+		phase = t.C
+	}
+	for {
 		// Returning ends the stream: serve's receive fails and the request ends with it.
-		return status.Errorf(codes.DeadlineExceeded, "the exchange outlived %s", s.MaxDuration)
+		select {
+		case err := <-res:
+			return err
+		case <-phase:
+			if !x.replied.Load() {
+				s.cut("request_phase_timeout")
+				return status.Errorf(codes.DeadlineExceeded, "the request was not whole within %s (body_timeout)", s.RequestPhase)
+			}
+			phase = nil
+		case <-whole:
+			return status.Errorf(codes.DeadlineExceeded, "the exchange outlived %s", s.MaxDuration)
+		}
 	}
 }
 
-// serve runs one stream's exchange until it ends.
-func (s *Server) serve(stream extprocv3.ExternalProcessor_ProcessServer) error {
-	x := &exchange{s: s, stream: stream, ctx: stream.Context(), reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
+func (s *Server) cut(reason string) {
+	if s.Cut != nil {
+		s.Cut(reason)
+	}
+}
+
+func (s *Server) newExchange(stream extprocv3.ExternalProcessor_ProcessServer) *exchange {
+	return &exchange{s: s, stream: stream, ctx: stream.Context(), reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 		respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
+}
+
+// serve runs one stream's exchange until it ends.
+func (x *exchange) serve() error {
 	defer x.end()
 	for {
-		m, err := stream.Recv()
+		m, err := x.stream.Recv()
 		if err == io.EOF {
 			return nil
 		}
@@ -181,8 +275,9 @@ type exchange struct {
 
 	reqMode, respMode filterv3.ProcessingMode_BodySendMode
 	observability     bool
-	started           bool // the request headers came
-	answered          bool // the request path was answered (pick or refusal)
+	started           bool        // the request headers came
+	answered          bool        // the request path was answered (pick or refusal)
+	replied           atomic.Bool // answered, as Process's timer reads it
 	req               Request
 	body              []byte
 	held              int64 // body bytes reserved in the budget
@@ -454,6 +549,7 @@ func (x *exchange) answer(atHeaders bool) error {
 		x.s.Observe("", time.Since(start))
 	}
 	x.pick, x.answered = p, true
+	x.replied.Store(true)
 	if x.observability {
 		return nil
 	}
@@ -509,6 +605,7 @@ func (x *exchange) refuse(e *openai.Error, picked bool) error {
 		x.s.Observe(e.Code, 0)
 	}
 	x.answered, x.immediate = true, true
+	x.replied.Store(true)
 	hm := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader("content-type", "application/json"), setHeader(openai.HeaderErrorCode, e.Code)}}
 	if e.RetryAfter != "" {

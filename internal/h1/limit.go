@@ -19,7 +19,9 @@ type LimitListener struct {
 	net.Listener
 	Max     int
 	Refused atomic.Uint64
-	open    atomic.Int64
+	// OnRefuse, when set, is told of each connection refused.
+	OnRefuse func()
+	open     atomic.Int64
 }
 
 func (l *LimitListener) Accept() (net.Conn, error) {
@@ -31,6 +33,9 @@ func (l *LimitListener) Accept() (net.Conn, error) {
 		if l.Max > 0 && l.open.Add(1) > int64(l.Max) {
 			l.open.Add(-1)
 			l.Refused.Add(1) // counted before the client can see the close
+			if l.OnRefuse != nil {
+				l.OnRefuse()
+			}
 			_ = c.Close()
 			continue
 		}

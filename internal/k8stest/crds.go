@@ -41,7 +41,9 @@ var (
 	ServiceMonitorCRD = CRD{"github.com/prometheus-operator/prometheus-operator", "v0.85.0",
 		"example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
 		schema.GroupVersionResource{Group: "monitoring.coreos.com", Version: "v1", Resource: "servicemonitors"}}
-	// The Gateway API's HTTPRoute (standard channel).
+	// The Gateway API's Gateway and HTTPRoute (standard channel).
+	GatewayCRD = CRD{"sigs.k8s.io/gateway-api", "v1.4.1", "config/crd/standard/gateway.networking.k8s.io_gateways.yaml",
+		schema.GroupVersionResource{Group: "gateway.networking.k8s.io", Version: "v1", Resource: "gateways"}}
 	HTTPRouteCRD = CRD{"sigs.k8s.io/gateway-api", "v1.4.1", "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml",
 		schema.GroupVersionResource{Group: "gateway.networking.k8s.io", Version: "v1", Resource: "httproutes"}}
 )

@@ -103,6 +103,10 @@ type Metrics struct {
 	EPPDecisions       *prometheus.CounterVec
 	EPPDecisionSeconds prometheus.Histogram
 	EPPServedFallback  prometheus.Counter
+	// EPPCut counts streams and connections the picker refused or ended for the data plane's
+	// behaviour, by reason; EPPStreams is the exchanges being served.
+	EPPCut     *prometheus.CounterVec
+	EPPStreams prometheus.Gauge
 
 	reg    *worker.Registry
 	mu     sync.Mutex
@@ -269,6 +273,13 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_epp_served_fallback_total",
 			Help: "Requests the proxy reports served by a fallback endpoint of the Endpoint Picker's list rather than its choice.",
 		}),
+		EPPCut: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_epp_cut_total",
+			Help: "ext_proc streams and connections the Endpoint Picker refused or ended for its data plane's behaviour, by reason: max_streams, max_connections, request_phase_timeout.",
+		}, []string{"reason"}),
+		EPPStreams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_epp_streams", Help: "ext_proc exchanges the Endpoint Picker is serving.",
+		}),
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
@@ -277,7 +288,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
 		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks, m.AdapterOps, m.AdapterLoadSeconds,
-		m.EPPDecisions, m.EPPDecisionSeconds, m.EPPServedFallback,
+		m.EPPDecisions, m.EPPDecisionSeconds, m.EPPServedFallback, m.EPPCut, m.EPPStreams,
 		&workerCollector{reg: reg},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -51,6 +51,12 @@ func render(t *testing.T, values, ns string) []*unstructured.Unstructured {
 	if err != nil {
 		t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
+	return decodeAll(t, out)
+}
+
+// decodeAll reads every object of a multi-document YAML.
+func decodeAll(t *testing.T, out []byte) []*unstructured.Unstructured {
+	t.Helper()
 	var objs []*unstructured.Unstructured
 	dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(out), 4096)
 	for {
@@ -78,9 +84,28 @@ func TestChartRendersAndApplies(t *testing.T) {
 	}
 	dyn := dynamic.NewForConfigOrDie(s.Config)
 	cs, _ := cluster(t)
-	for _, crd := range []k8stest.CRD{k8stest.ServiceMonitorCRD, k8stest.ScaledObjectCRD, k8stest.InferencePoolCRD} {
+	for _, crd := range []k8stest.CRD{k8stest.ServiceMonitorCRD, k8stest.ScaledObjectCRD, k8stest.InferencePoolCRD, k8stest.GatewayCRD, k8stest.HTTPRouteCRD} {
 		crd.Install(t, dyn)
 	}
+	// The repository's Gateway API example (a Gateway and an HTTPRoute to the pool) is taken
+	// by the Gateway API's own CRDs, strictly.
+	t.Run("gateway-api example", func(t *testing.T) {
+		_, ns := cluster(t)
+		b, err := os.ReadFile("../../examples/gateway-api/httproute.yaml")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, o := range decodeAll(t, b) {
+			gvk := o.GroupVersionKind()
+			res := k8stest.GatewayCRD.Resource
+			if gvk.Kind == "HTTPRoute" {
+				res = k8stest.HTTPRouteCRD.Resource
+			}
+			if _, err := dyn.Resource(res).Namespace(ns).Create(context.Background(), o, metav1.CreateOptions{FieldValidation: "Strict"}); err != nil {
+				t.Errorf("the API server refused %s %s: %v", gvk.Kind, o.GetName(), err)
+			}
+		}
+	})
 	examples, _ := filepath.Glob(chart + "/examples/*.yaml")
 	for _, values := range append([]string{""}, examples...) {
 		name := strings.TrimSuffix(filepath.Base(values), ".yaml")
@@ -220,8 +245,16 @@ func TestChartRendersAndApplies(t *testing.T) {
 				if kinds["InferencePool"] != 1 || kinds["Role"] != 1 || cfg.InferencePool != "llama" || cfg.GRPCPort != 9002 {
 					t.Errorf("epp: kinds %v, pool %q, grpc port %d", kinds, cfg.InferencePool, cfg.GRPCPort)
 				}
-				if !strings.Contains(eppObjects, "inferencepools") || !strings.Contains(eppObjects, "kubernetes.io/h2c") || !strings.Contains(eppObjects, "service:readiness") {
-					t.Errorf("epp: the Role, Service or probes miss the picker's parts")
+				if !strings.Contains(eppObjects, "inferencepools") || !strings.Contains(eppObjects, "grpc:{port:9003,service:readiness}") {
+					t.Errorf("epp: the Role or the probes (on the plaintext health port) miss the picker's parts")
+				}
+				// TLS on the gRPC port (a certificate made at startup), client certificates from
+				// the CA Secret, and a NetworkPolicy that admits only the gateway to it.
+				if !cfg.EPPSecureServing || cfg.GRPCHealthPort != 9003 || cfg.EPPClientCAPath != "/etc/baton-epp-ca/ca.crt" || !strings.Contains(eppObjects, "secretName:gateway-client-ca") {
+					t.Errorf("epp: secure serving %v, health port %d, client CA %q", cfg.EPPSecureServing, cfg.GRPCHealthPort, cfg.EPPClientCAPath)
+				}
+				if kinds["NetworkPolicy"] != 1 || !strings.Contains(eppObjects, "app:istio-ingressgateway") || strings.Contains(eppObjects, "kubernetes.io/h2c") {
+					t.Errorf("epp: %d NetworkPolicies, or the TLS port announced as cleartext", kinds["NetworkPolicy"])
 				}
 			}
 			if name == "tenants" && keyEnv["BATON_RATE_LIMIT_STORE"] != "baton-redis" {

@@ -58,6 +58,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- $_ := set $c "inference_pool" .Values.epp.inferencePool.name -}}
 {{- $_ := set $c "grpc_port" (int .Values.epp.grpcPort) -}}
+{{- $_ := set $c "grpc_health_port" (int .Values.epp.grpcHealthPort) -}}
+{{- $_ := set $c "epp_secure_serving" .Values.epp.secureServing -}}
+{{- if and .Values.epp.secureServing .Values.epp.tls.existingSecret -}}
+{{- $_ := set $c "epp_tls_cert_path" "/etc/baton-epp-tls/tls.crt" -}}
+{{- $_ := set $c "epp_tls_key_path" "/etc/baton-epp-tls/tls.key" -}}
+{{- end -}}
+{{- if .Values.epp.clientCA.existingSecret -}}
+{{- if not .Values.epp.secureServing -}}
+{{- fail "epp.clientCA needs epp.secureServing: client certificates are a TLS matter" -}}
+{{- end -}}
+{{- $_ := set $c "epp_client_ca_path" "/etc/baton-epp-ca/ca.crt" -}}
+{{- end -}}
 {{- $_ := set $c "service_discovery_namespace" (include "baton.discoveryNamespace" .) -}}
 {{- with .Values.serviceDiscovery.prefillSelector }}{{ $_ := set $c "prefill_selector" . }}{{ end -}}
 {{- with .Values.serviceDiscovery.decodeSelector }}{{ $_ := set $c "decode_selector" . }}{{ end -}}
