@@ -704,8 +704,11 @@ func (ls *listeners) logStart(cfg config.Config, g *Gateway, log *slog.Logger) {
 	}
 	logAdmin(log, cfg)
 	logTenants(log, cfg, g.tenants)
-	if cfg.TrustTenantHeader {
+	switch {
+	case cfg.TrustTenantHeader && g.tenants.set.Load().Open():
 		log.Warn("tenants are named by the " + cfg.TenantHeaderName + " header (--trust-tenant-header): only a proxy in front that sets or strips it may reach Baton, or any client names any tenant")
+	case cfg.TrustTenantHeader:
+		log.Warn("the " + cfg.TenantHeaderName + " header is not read (--trust-tenant-header): tenants have keys, and a key names its tenant (as in smg, the header names tenants only where no key does)")
 	}
 	if g.tenants.set.Load().Open() && !config.IsLoopback(cfg.Host) && !cfg.TrustTenantHeader {
 		log.Warn("no client authentication: anyone who reaches "+net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))+" may use the fleet; give --client-api-key or smg's --api-key (or the tenants' keys)",

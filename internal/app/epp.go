@@ -225,7 +225,7 @@ func eppTLS(cfg config.Config) (*tls.Config, *certificate, error) {
 		tc.Certificates = []tls.Certificate{c}
 	}
 	if cfg.EPPClientCAPath != "" {
-		pem, err := os.ReadFile(cfg.EPPClientCAPath)
+		pem, err := config.ReadFile(cfg.EPPClientCAPath, config.MaxSmallFile)
 		if err != nil {
 			return nil, nil, fmt.Errorf("epp: client CA: %w", err)
 		}

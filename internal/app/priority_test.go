@@ -54,6 +54,16 @@ func TestPriorityClassesThroughTheGateway(t *testing.T) {
 	if resp, b := send("sk-app", "urgent", 1); resp.StatusCode != 400 || !strings.Contains(b, "invalid_priority") {
 		t.Errorf("an unknown class: %d %s", resp.StatusCode, b)
 	}
+	// smg's header reads an unknown value as default, as smg does (admission never fails on it).
+	req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"p","max_tokens":1}`))
+	req.Header.Set("Authorization", "Bearer sk-app")
+	req.Header.Set("X-Smg-Priority", "urgent")
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 200 || resp.Header.Get("X-Baton-Priority") != "default" {
+		t.Errorf("X-Smg-Priority urgent: %v %v", resp, err)
+	} else {
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
 	// The slot is taken by a long request; a batch request queues, then an interactive one.
 	var wg sync.WaitGroup
 	var mu sync.Mutex

@@ -318,3 +318,70 @@ tenants:
 		t.Errorf("other under default_policy's 1 request a minute: %d then %d (Retry-After %q)", first.StatusCode, second.StatusCode, second.Header.Get("Retry-After"))
 	}
 }
+
+// An engine that lists its models to anyone but refuses Baton's key on every generation is a
+// failing worker, not a client error: the client is told the worker failed (never the engine's
+// 401 as if the client's key were wrong), its circuit opens, and readiness fails. Where Baton
+// sends no key of its own the client's Authorization went, and the engine's 401 is the client's.
+func TestEngineRefusingBatonsKeyFailsReadiness(t *testing.T) {
+	eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(401)
+		io.WriteString(w, `{"error":{"message":"invalid api key","type":"invalid_request_error","code":"invalid_api_key"}}`)
+	}))
+	t.Cleanup(eng.Close)
+	cfg := testConfig(eng.URL)
+	cfg.CircuitBreaker.FailureThreshold = 2
+	cfg.Retry.Disable = true
+	cfg.WorkerAPIKey = "not-the-engines"
+	_, gw := startGateway(t, cfg)
+	poll.Until(t, "the worker registered", func() bool { c, _ := readiness(t, gw.URL); return c == 200 })
+	for i := 0; i < 2; i++ {
+		resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`)
+		b := readAll(t, resp.Body)
+		if resp.StatusCode != 502 || !strings.Contains(b, "upstream_key_refused") {
+			t.Errorf("request %d: %d %s, want the worker's failure (not the client's 401)", i, resp.StatusCode, b)
+		}
+	}
+	poll.Until(t, "readiness fails with the circuit open", func() bool { c, _ := readiness(t, gw.URL); return c == 503 })
+	open := testConfig(eng.URL)
+	open.CircuitBreaker.FailureThreshold = 2
+	_, gw2 := startGateway(t, open)
+	poll.Until(t, "the worker registered", func() bool { c, _ := readiness(t, gw2.URL); return c == 200 })
+	for i := 0; i < 3; i++ {
+		resp := post(t, gw2.URL+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`, "Authorization", "Bearer clients-own")
+		if b := readAll(t, resp.Body); resp.StatusCode != 401 {
+			t.Errorf("the client's own key refused: %d %s", resp.StatusCode, b)
+		}
+	}
+	if c, _ := readiness(t, gw2.URL); c != 200 {
+		t.Errorf("clients' refused keys opened the circuit: readiness %d", c)
+	}
+}
+
+// A configured worker that never registers (its engine refuses Baton's key) is said on
+// /readiness with its cause, while the workers that serve keep it ready.
+func TestReadinessNamesUnregisteredWorkers(t *testing.T) {
+	good := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	keyed := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(401) }))
+	t.Cleanup(keyed.Close)
+	g := runGateway(t, testConfig(good.URL(), keyed.URL))
+	gw := serveAPI(t, g.Config, g.Server.Handler())
+	poll.Until(t, "the keyed worker's registration refused", func() bool {
+		for _, w := range g.Registry.Snapshot().Workers {
+			if e := w.LastRegistrationError(); e != nil && e.Cause == "wrong_key" {
+				return true
+			}
+		}
+		return false
+	})
+	poll.Until(t, "ready, naming the worker that is not", func() bool {
+		status, body := readiness(t, gw.URL)
+		return status == 200 && strings.Contains(body, `"cause":"wrong_key"`) && strings.Contains(body, keyed.URL)
+	})
+}

@@ -158,7 +158,7 @@ func (g *Gateway) watchReload(ctx context.Context, interval time.Duration) {
 
 // fileSum is the SHA-256 of a file's content, nil when it cannot be read.
 func fileSum(path string) []byte {
-	b, err := os.ReadFile(path)
+	b, err := config.ReadFile(path, config.MaxConfigFile)
 	if err != nil {
 		return nil
 	}

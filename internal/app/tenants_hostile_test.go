@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -233,6 +234,24 @@ func TestTenantDefaultCapIsWritten(t *testing.T) {
 	resp, b := tenantReq(t, gw.URL+"/v1/messages", "sk-hostile", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
 	if resp.StatusCode != 400 || !strings.Contains(b, `"param":"max_tokens"`) {
 		t.Errorf("/v1/messages without max_tokens: %d %s", resp.StatusCode, b)
+	}
+	// A bucket smaller than the default: the default written is what the bucket holds beside
+	// the prompt, not a refusal of every request that names no cap.
+	small := testConfig(engine.URL)
+	small.Tenants = []config.Tenant{{Name: "hostile", Keys: []string{config.HashKey("sk-hostile")}, Limits: &config.Limits{TokensPerMinute: intp(1000)}}}
+	_, gw2 := startGateway(t, small)
+	mu.Lock()
+	bodies = nil
+	mu.Unlock()
+	body := `{"model":"m","messages":[{"role":"user","content":"` + words(100) + `"}]}`
+	if resp, b := tenantReq(t, gw2.URL+"/v1/chat/completions", "sk-hostile", body); resp.StatusCode != 200 {
+		t.Fatalf("a 1,000-token bucket, no cap named: %d %s", resp.StatusCode, b)
+	}
+	mu.Lock()
+	got := bodies
+	mu.Unlock()
+	if len(got) != 1 || !strings.Contains(got[0], `,"max_tokens":`) || strings.Contains(got[0], `"max_tokens":1024`) {
+		t.Errorf("the engine got %q: want a cap the bucket holds", got)
 	}
 }
 
@@ -613,11 +632,11 @@ func hangUp(t *testing.T, d time.Duration) *httptest.Server {
 // the header names nobody and the key decides.
 func TestTrustedTenantHeader(t *testing.T) {
 	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
-	mk := func(trust bool) string {
+	mk := func(trust, keys bool) string {
 		cfg := testConfig(e.URL())
-		cfg.Tenants = []config.Tenant{
-			{Name: "a", Keys: []string{config.HashKey("sk-a")}},
-			{Name: "b", Keys: []string{config.HashKey("sk-b")}, Limits: &config.Limits{RequestsPerMinute: intp(1)}},
+		cfg.Tenants = []config.Tenant{{Name: "a"}, {Name: "b", Limits: &config.Limits{RequestsPerMinute: intp(1)}}}
+		if keys {
+			cfg.Tenants[0].Keys, cfg.Tenants[1].Keys = []string{config.HashKey("sk-a")}, []string{config.HashKey("sk-b")}
 		}
 		cfg.TrustTenantHeader, cfg.TenantHeaderName = trust, "x-smg-tenant-id"
 		_, gw := startGateway(t, cfg)
@@ -634,21 +653,75 @@ func TestTrustedTenantHeader(t *testing.T) {
 		resp, b := tenantDo(t, req)
 		return resp.StatusCode, b
 	}
-	gw := mk(true)
+	// No tenant has a key: the trusted proxy's header names the tenant.
+	gw := mk(true, false)
 	if status, b := send(gw, "", "b"); status != 200 {
 		t.Fatalf("the header names b: %d %s", status, b)
 	}
-	if status, b := send(gw, "sk-a", "b"); status != 429 || !strings.Contains(b, "tenant b") {
-		t.Errorf("b's second request of the minute, with a's key: %d %s, want b's 429", status, b)
+	if status, b := send(gw, "", "b"); status != 429 || !strings.Contains(b, "tenant b") {
+		t.Errorf("b's second request of the minute: %d %s, want b's 429", status, b)
 	}
-	if status, _ := send(gw, "sk-a", "nobody"); status != 401 {
+	if status, _ := send(gw, "", "nobody"); status != 401 {
 		t.Errorf("a name no tenant has: %d", status)
 	}
-	if status, _ := send(gw, "sk-a", ""); status != 200 {
-		t.Errorf("no header: the key decides: %d", status)
+	if status, _ := send(gw, "", ""); status != 200 {
+		t.Errorf("no header: tenant default: %d", status)
 	}
-	gw = mk(false)
+	// Tenants have keys: the key names the tenant, as in smg; the header neither replaces a key
+	// nor moves a request to another tenant's limits.
+	gw = mk(true, true)
+	if status, _ := send(gw, "", "b"); status != 401 {
+		t.Errorf("no key, the header naming b: %d, want 401", status)
+	}
+	if status, _ := send(gw, "sk-wrong", "a"); status != 401 {
+		t.Errorf("a wrong key, the header naming a: %d, want 401", status)
+	}
+	if status, _ := send(gw, "sk-b", "a"); status != 200 {
+		t.Errorf("b's key naming a: %d", status)
+	}
+	if status, b := send(gw, "sk-b", "a"); status != 429 || !strings.Contains(b, "tenant b") {
+		t.Errorf("b's key naming a, again: %d %s, want b's own 429", status, b)
+	}
+	gw = mk(false, true)
 	if status, _ := send(gw, "", "b"); status != 401 {
 		t.Errorf("untrusted header without a key: %d, want 401", status)
+	}
+	// Keyless tenants beside keyed ones could never be named: refused at startup.
+	cfg := testConfig(e.URL())
+	cfg.TrustTenantHeader = true
+	cfg.Tenants = []config.Tenant{{Name: "a", Keys: []string{config.HashKey("sk-a")}}, {Name: "c"}}
+	if _, err := cfg.ResolvedTenants(func(string) string { return "" }); err == nil || !strings.Contains(err.Error(), `tenant "c" has no key`) {
+		t.Errorf("a keyless tenant beside keyed ones: %v", err)
+	}
+}
+
+// A model's rule and the tenant's own limits both hold (as smg counts them): a model's rule
+// never lifts the tenant's limit, and a request refused by one rule takes nothing from another.
+func TestModelRuleAndTenantLimitBothHold(t *testing.T) {
+	engine := fakeEngine(t, "vllm", []string{"llama", "qwen"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+	})
+	cfg := testConfig(engine.URL)
+	cfg.Tenants = []config.Tenant{{Name: "red", Keys: []string{config.HashKey("sk-red")}, Limits: &config.Limits{RequestsPerMinute: intp(3)},
+		ModelLimits: []config.Limits{{Model: "llama", RequestsPerMinute: intp(2)}}}}
+	_, gw := startGateway(t, cfg)
+	send := func(model string) (int, string) {
+		resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-red", `{"model":"`+model+`","prompt":"p","max_tokens":1}`)
+		return resp.StatusCode, b
+	}
+	var got []string
+	for _, m := range []string{"llama", "llama", "llama", "qwen", "qwen"} {
+		status, b := send(m)
+		got = append(got, fmt.Sprintf("%s %d", m, status))
+		if status == 429 && m == "llama" && !strings.Contains(b, "its limit for llama") {
+			t.Errorf("llama's refusal does not name its rule: %s", b)
+		}
+	}
+	// llama: 2 by its rule; the third refused by the rule took nothing from the tenant's 3, so
+	// one qwen is admitted, the next refused by the tenant's own limit.
+	if want := "llama 200, llama 200, llama 429, qwen 200, qwen 429"; strings.Join(got, ", ") != want {
+		t.Errorf("got %s, want %s", strings.Join(got, ", "), want)
 	}
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net"
 	"sync/atomic"
+
+	"github.com/baton-llm/baton/internal/config"
 )
 
 // certificate is the API's TLS certificate, read from its files at startup and again on every
@@ -18,7 +20,15 @@ type certificate struct {
 
 // load reads the certificate and key files.
 func (c *certificate) load() error {
-	cert, err := tls.LoadX509KeyPair(c.certPath, c.keyPath)
+	certPEM, err := config.ReadFile(c.certPath, config.MaxSmallFile)
+	if err != nil {
+		return fmt.Errorf("tls: %w", err)
+	}
+	keyPEM, err := config.ReadFile(c.keyPath, config.MaxSmallFile)
+	if err != nil {
+		return fmt.Errorf("tls: %w", err)
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
 		return fmt.Errorf("tls: %w", err)
 	}

@@ -123,6 +123,17 @@ func TestServesTLSAndRereadsTheCertificate(t *testing.T) {
 	if c := served(); c == nil || !c.Equal(second) {
 		t.Error("a certificate that could not be read replaced the one served")
 	}
+	// A certificate file replaced by a link to a device that never ends is neither read whole
+	// by the watcher nor by a reload: the one served stays, and the process keeps answering.
+	os.Remove(certPath)
+	if err := os.Symlink("/dev/zero", certPath); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(file, []byte(fmt.Sprintf("worker_urls: [%s]\n", e.URL())), 0o600) // a reload too
+	poll.Until(t, "the reload that cannot read the certificate", func() bool { return strings.Contains(r.logs.String(), "is not a regular file") })
+	if c := served(); c == nil || !c.Equal(second) {
+		t.Error("after the certificate became /dev/zero: not served with the one before")
+	}
 }
 
 // newCA makes a certificate authority named cn, its certificate written to path.

@@ -253,14 +253,23 @@ func checkWorker(ctx context.Context, g *app.Gateway, w *worker.Worker) (status 
 	switch {
 	case ctx.Err() != nil || errors.As(err, &f) && f.Cause != nil && outcome.IsTimeout(f.Cause):
 		return http.StatusGatewayTimeout, "timeout", fmt.Sprintf("no answer within %s (--request-timeout, at most a minute)", limit)
+	case errors.As(err, &f) && (f.Status == http.StatusUnauthorized || f.Status == http.StatusForbidden):
+		return f.Status, "wrong_key", keyRefused(f.Status)
 	case errors.As(err, &f):
 		return f.ClientStatus(), "answer", fmt.Sprintf("answered %d", f.ClientStatus())
 	case err != nil:
 		return http.StatusBadGateway, "answer", "failed: " + err.Error()
+	case rec.Code == http.StatusUnauthorized || rec.Code == http.StatusForbidden:
+		return rec.Code, "wrong_key", keyRefused(rec.Code)
 	case rec.Code != http.StatusOK:
 		return rec.Code, "answer", fmt.Sprintf("answered %d", rec.Code)
 	}
 	return rec.Code, "", ""
+}
+
+// keyRefused says why an engine that lists its models refused a generation with status.
+func keyRefused(status int) string {
+	return fmt.Sprintf("answered %d to a generation: the engine wants a key and Baton's (--api-key, --worker-api-key or the worker's api_key) is not it", status)
 }
 
 // write prints the report as tables.

@@ -381,6 +381,16 @@ func TestCheckSaysWhy(t *testing.T) {
 	t.Parallel()
 	keyed := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(401) }))
 	t.Cleanup(keyed.Close)
+	// An engine that lists its models to anyone but wants a key to generate.
+	listsOnly := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`)
+			return
+		}
+		w.WriteHeader(401)
+	}))
+	t.Cleanup(listsOnly.Close)
 	notEngine := httptest.NewServer(http.HandlerFunc(http.NotFound))
 	t.Cleanup(notEngine.Close)
 	gone := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
@@ -389,8 +399,8 @@ func TestCheckSaysWhy(t *testing.T) {
 	hang := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Hang: true}})
 	dir := t.TempDir()
 	file := filepath.Join(dir, "baton.yaml")
-	yaml := fmt.Sprintf("request_timeout: 1s\nworkers:\n  - {url: %s}\n  - {url: %s}\n  - {url: %s}\n  - {url: %s, models: [m, ghost]}\n  - {url: %s}\nmodels:\n  chat: {serve: nowhere}\n",
-		keyed.URL, notEngine.URL, gone.URL(), ok.URL(), hang.URL())
+	yaml := fmt.Sprintf("request_timeout: 1s\nworkers:\n  - {url: %s}\n  - {url: %s}\n  - {url: %s}\n  - {url: %s, models: [m, ghost]}\n  - {url: %s}\n  - {url: %s}\nmodels:\n  chat: {serve: nowhere}\n",
+		keyed.URL, notEngine.URL, gone.URL(), ok.URL(), hang.URL(), listsOnly.URL)
 	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -410,7 +420,7 @@ func TestCheckSaysWhy(t *testing.T) {
 	if err := json.Unmarshal(js.Bytes(), &rep); err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone.URL(): "refused", ok.URL(): "model_missing", hang.URL(): "timeout"}
+	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone.URL(): "refused", ok.URL(): "model_missing", hang.URL(): "timeout", listsOnly.URL: "wrong_key"}
 	for _, w := range rep.Workers {
 		if w.Cause != want[w.URL] || w.Reason == "" {
 			t.Errorf("%s: cause %q (%s), want %s", w.URL, w.Cause, w.Reason, want[w.URL])

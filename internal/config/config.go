@@ -11,7 +11,6 @@ import (
 	"maps"
 	"net"
 	"net/url"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -406,7 +405,7 @@ func Default() Config { return defaults }
 // the wrong kind is reported at once, with its path and line. Keys absent from the file keep
 // c's values.
 func (c *Config) LoadFile(path string) error {
-	data, err := os.ReadFile(path)
+	data, err := ReadFile(path, MaxConfigFile)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
 	}

@@ -374,3 +374,19 @@ adapters:
 		}
 	}
 }
+
+// A file given as the configuration that is not one (a key file, say) is refused without its
+// content; a value under a key named like a credential is never echoed either.
+func TestConfigErrorsEchoNoSecret(t *testing.T) {
+	dir := t.TempDir()
+	for _, body := range []string{"sk-supersecret-123\n", "client_api_key: {sk-supersecret-123: 1}\nredis_url_x: 1\n", "rate_limit_store: [sk-supersecret-123]\n"} {
+		p := filepath.Join(dir, "c.yaml")
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := Parse([]string{"--config", p}, io.Discard)
+		if err == nil || strings.Contains(err.Error(), "supersecret") {
+			t.Errorf("%q: %v", body, err)
+		}
+	}
+}

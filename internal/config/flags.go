@@ -57,7 +57,7 @@ func buildFlags() []flag {
 			fs = append(fs, flag{name: s.flag + "-file", arg: "FILE", alias: true,
 				help: fmt.Sprintf("--%s read from a file (a mounted Secret); or the %s variable", s.flag, s.secret),
 				apply: func(c *Config, v []string) error {
-					b, err := os.ReadFile(v[0])
+					b, err := ReadFile(v[0], MaxSmallFile)
 					if err != nil {
 						return fmt.Errorf("--%s-file: %w", s.flag, err)
 					}

@@ -228,6 +228,11 @@ func SmgDifferences(c Config) []string {
 	if c.Admission.MaxConcurrentRequests > 0 && c.DefaultMaxPriority == defaults.DefaultMaxPriority {
 		out = append(out, "priority_scheduler_default_max_class="+c.DefaultMaxPriority+" (smg: default)")
 	}
+	if slices.ContainsFunc(c.Tenants, func(t Tenant) bool {
+		return t.Limits != nil && t.Limits.TokensPerMinute != nil || slices.ContainsFunc(t.ModelLimits, func(l Limits) bool { return l.TokensPerMinute != nil })
+	}) {
+		out = append(out, "tokens_per_minute reserves each request's own cap (max_tokens; one written into a request naming none, within the tenant's bucket) and a request past the whole bucket is 429 tenant_request_too_large (smg: reserves the prompt's estimate and settles after)")
+	}
 	if c.PrioritySchedulerEnabled && c.PrioritySchedulerConfig == "" {
 		out = append(out, "priority classes reserve no slots unless reserved_slots (or smg's file) says so (smg: system 32, interactive max(128, 25%), default 10% of capacity)")
 	}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"maps"
 	"math"
-	"os"
 	"regexp"
 	"slices"
 	"strings"
@@ -71,14 +70,7 @@ var smgRuleID = regexp.MustCompile(`^[A-Za-z0-9._-]+$`)
 // readSmgFile reads one of smg's files strictly: a key smg does not define is refused (smg's
 // scheduler file would ignore it silently), and so is a file above 1 MiB.
 func readSmgFile(flag, path string, into any) error {
-	st, err := os.Stat(path)
-	if err != nil {
-		return fmt.Errorf("--%s: %w", flag, err)
-	}
-	if st.Size() > 1<<20 {
-		return fmt.Errorf("--%s %s: %d bytes, above the 1 MiB a policy file may have", flag, path, st.Size())
-	}
-	data, err := os.ReadFile(path)
+	data, err := ReadFile(path, MaxSmallFile)
 	if err != nil {
 		return fmt.Errorf("--%s: %w", flag, err)
 	}
@@ -277,13 +269,10 @@ func (c *Config) applySmgRateLimits(f smgRateFile, bad func(string, ...any)) {
 		l := *def
 		t.Limits, t.ModelLimits = &l, slices.Clone(defRules)
 	}
-	if slices.ContainsFunc(f.Tenants, func(p smgRatePolicy) bool { return len(p.ModelRules) > 0 }) || len(defRules) > 0 {
-		c.smgNotes = append(c.smgNotes, "model_rules: a request of a model with a rule counts against the rule only, its limits the lower of the rule's and the tenant's (smg counts it against both)")
-	}
 }
 
 // smgLimits are one smg policy's limits as Baton's: the tenant's, and its model rules (exact
-// names, prefixes as name*), each rule no looser than the tenant's own limits.
+// names, prefixes as name*); as in smg, a rule holds beside the tenant's limits.
 func smgLimits(p smgRatePolicy, where string, bad func(string, ...any)) (*Limits, []Limits) {
 	positive := func(field string, v *int64) *int {
 		switch {
@@ -338,7 +327,6 @@ func smgLimits(p smgRatePolicy, where string, bad func(string, ...any)) (*Limits
 		if rt == nil || rr == nil {
 			continue
 		}
-		*rt, *rr = min(*rt, *tpm), min(*rr, *rpm)
 		rules = append(rules, Limits{Model: model, TokensPerMinute: rt, RequestsPerMinute: rr})
 	}
 	return out, rules
@@ -399,7 +387,7 @@ func (c *Config) smgTenantNames() []string {
 	}
 	for _, tk := range c.TenantAPIKeys {
 		if name, _, ok := strings.Cut(tk, ":"); ok {
-			out = append(out, name)
+			out = append(out, strings.TrimSpace(name))
 			keyed = true
 		}
 	}
@@ -429,8 +417,8 @@ func (c *Config) tenantOfHash(h [32]byte) string {
 		return DefaultTenant
 	}
 	for _, tk := range c.TenantAPIKeys {
-		if name, key, ok := strings.Cut(tk, ":"); ok && sha256.Sum256([]byte(key)) == h {
-			return name
+		if name, key, ok := strings.Cut(tk, ":"); ok && sha256.Sum256([]byte(strings.TrimSpace(key))) == h {
+			return strings.TrimSpace(name)
 		}
 	}
 	want := "sha256:" + hex.EncodeToString(h[:])

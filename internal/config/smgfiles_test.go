@@ -83,7 +83,7 @@ func TestSmgPrioritySchedulerFile(t *testing.T) {
 }
 
 // smg's tenant rate-limit file becomes the tenants' limits: a listed tenant's own, with its model
-// rules as model_limits (a rule never looser than the tenant's limits); anonymous is tenant
+// rules as model_limits (both hold, as in smg); anonymous is tenant
 // default; default_policy every other tenant's, each its own.
 func TestSmgTenantRateLimitFile(t *testing.T) {
 	_, ts := resolved(t, "--worker-urls", "http://w:8000", "--tenant-rate-limit-enabled", "--tenant-rate-limit-config", "testdata/smg-tenant-rate-limit.yaml",
@@ -96,8 +96,8 @@ func TestSmgTenantRateLimitFile(t *testing.T) {
 	for _, l := range web.ModelLimits {
 		rules[l.Model] = l
 	}
-	if r := rules["llama-70b"]; limit(r.TokensPerMinute) != 30000 || limit(r.RequestsPerMinute) != 900 {
-		t.Errorf("exact rule: tpm %d rpm %d, want 30000 and the tenant's 900", limit(r.TokensPerMinute), limit(r.RequestsPerMinute))
+	if r := rules["llama-70b"]; limit(r.TokensPerMinute) != 30000 || limit(r.RequestsPerMinute) != 2000 {
+		t.Errorf("exact rule: tpm %d rpm %d, want the rule's 30000 and 2000 (the tenant's 900 holds beside it)", limit(r.TokensPerMinute), limit(r.RequestsPerMinute))
 	}
 	if r := rules["qwen-*"]; limit(r.TokensPerMinute) != 5000 || limit(r.RequestsPerMinute) != 50 {
 		t.Errorf("prefix rule: %+v", r)

@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"os"
 	"regexp"
 	"slices"
 	"strings"
@@ -113,7 +112,7 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 			t.Hashes = append(t.Hashes, [32]byte(b))
 		}
 		if t.KeyFile != "" {
-			b, err := os.ReadFile(t.KeyFile)
+			b, err := ReadFile(t.KeyFile, MaxSmallFile)
 			if err != nil {
 				bad("%s: key_file: %v", at, err)
 			}
@@ -135,7 +134,7 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 				bad("%s: key_env: the variable %s is not set", at, t.KeyEnv)
 			}
 		}
-		if len(t.Keys) == 0 && t.KeyFile == "" && t.KeyEnv == "" && t.Name != DefaultTenant && !t.fromFlag && !t.byHeader {
+		if len(t.Keys) == 0 && t.KeyFile == "" && t.KeyEnv == "" && t.Name != DefaultTenant && !t.fromFlag && !t.byHeader && !c.TrustTenantHeader {
 			bad("%s: no key (keys, key_file or key_env)", at)
 		}
 		for j, m := range t.Models {
@@ -179,6 +178,7 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 	}
 	for _, tk := range c.TenantAPIKeys {
 		name, key, ok := strings.Cut(tk, ":")
+		name, key = strings.TrimSpace(name), strings.TrimSpace(key) // as smg reads it
 		if !ok || key == "" {
 			bad("--tenant-api-key: want TENANT:KEY")
 			continue
@@ -204,6 +204,13 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 				bad("tenant %q: a key is given twice", t.Name)
 			}
 			owner[h] = t.Name
+		}
+	}
+	if c.TrustTenantHeader && slices.ContainsFunc(tenants, func(t Tenant) bool { return len(t.Hashes) > 0 }) {
+		for _, t := range tenants {
+			if len(t.Hashes) == 0 && t.Name != DefaultTenant {
+				bad("tenant %q has no key: with --trust-tenant-header the header names tenants only when no tenant has a key (a key names its tenant first, as in smg); give it a key, or give no tenant one", t.Name)
+			}
 		}
 	}
 	if len(errs) > 0 {

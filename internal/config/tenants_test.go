@@ -1,6 +1,7 @@
 package config
 
 import (
+	"crypto/sha256"
 	"io"
 	"os"
 	"path/filepath"
@@ -103,4 +104,23 @@ func TestAdmissionClassSettings(t *testing.T) {
 			t.Errorf("errors lack %q: %v", want, err)
 		}
 	}
+}
+
+// --tenant-api-key's two parts are read trimmed, as smg reads them: a key pasted with a trailing
+// newline or space still names its tenant.
+func TestTenantAPIKeyTrimmed(t *testing.T) {
+	c, err := Parse([]string{"--tenant-api-key", " team : sk-team \n"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, err := c.ResolvedTenants(func(string) string { return "" })
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tn := range ts {
+		if tn.Name == "team" && len(tn.Hashes) == 1 && tn.Hashes[0] == sha256.Sum256([]byte("sk-team")) {
+			return
+		}
+	}
+	t.Errorf("tenants %+v: want team with sk-team's hash", ts)
 }

@@ -51,7 +51,7 @@ func durationAlias(t reflect.Type, fields map[string]reflect.StructField, k, val
 		n, err := strconv.ParseInt(val.Value, 10, 64)
 		per := int64(unitOf(unit))
 		if val.Kind != yaml.ScalarNode || err != nil || n > math.MaxInt64/per || n < math.MinInt64/per {
-			*out = append(*out, fmt.Sprintf("%s (line %d): want a whole number (of %s), got %s", where(join(path, k.Value)), val.Line, unit, describe(val)))
+			*out = append(*out, fmt.Sprintf("%s (line %d): want a whole number (of %s), got %s", where(join(path, k.Value)), val.Line, unit, describe(val, join(path, k.Value))))
 			return true
 		}
 		k.Value = name
@@ -72,7 +72,7 @@ func checkNode(n *yaml.Node, t reflect.Type, path string, out *[]string) {
 		t = t.Elem()
 	}
 	bad := func(want string) {
-		*out = append(*out, fmt.Sprintf("%s (line %d): want %s, got %s", where(path), n.Line, want, describe(n)))
+		*out = append(*out, fmt.Sprintf("%s (line %d): want %s, got %s", where(path), n.Line, want, describe(n, path)))
 	}
 	if t == durationType {
 		d, err := time.ParseDuration(n.Value)
@@ -184,14 +184,38 @@ func where(path string) string {
 }
 
 // describe names a node's value for a message: its text for a scalar, else its kind.
-func describe(n *yaml.Node) string {
+func describe(n *yaml.Node, path string) string {
 	switch n.Kind {
 	case yaml.MappingNode:
 		return "a mapping"
 	case yaml.SequenceNode:
 		return "a list"
 	}
-	return strconv.Quote(n.Value)
+	if mayEcho(path) && len(n.Value) <= 40 {
+		return strconv.Quote(n.Value)
+	}
+	switch n.Tag {
+	case "!!int", "!!float":
+		return "a number"
+	case "!!bool":
+		return "true or false"
+	}
+	return "text" // not echoed: it may be a key (a file given as the configuration, a misplaced secret)
+}
+
+// mayEcho reports whether a value at path may be shown in an error: never the document itself
+// (a key file given as the configuration), nor anything named like a credential or a URL.
+func mayEcho(path string) bool {
+	if path == "" {
+		return false
+	}
+	leaf := strings.ToLower(path[strings.LastIndexAny(path, ".]")+1:])
+	for _, w := range []string{"key", "secret", "password", "token", "url", "store", "endpoint"} {
+		if strings.Contains(leaf, w) {
+			return false
+		}
+	}
+	return true
 }
 
 // didYouMean words a suggestion ("" for none).

@@ -42,6 +42,8 @@ const (
 	CodeUpstreamStreamError = "upstream_stream_error"
 	// CodeUpstreamErrorTooLarge keeps a worker's error status whose body was too large to hold.
 	CodeUpstreamErrorTooLarge = "upstream_error_too_large"
+	// CodeUpstreamKeyRefused: the engine refused the key Baton sends it (401, 403).
+	CodeUpstreamKeyRefused = "upstream_key_refused"
 	// CodeKVHandoffUnavailable: a vLLM prefill answered without the KV transfer parameters the
 	// decode needs.
 	CodeKVHandoffUnavailable = "kv_handoff_unavailable"

@@ -61,10 +61,13 @@ func Status(status int) Verdict {
 //	cancellation (the client left, or Baton ended the leg)   no sample, not retryable
 //	Baton's own fault (ErrInternal: a recovered panic)       no sample, not retryable: internal
 //	Baton out of descriptors, ports or buffers (Local)       no sample, not retryable: local
+//	the engine refused Baton's own key (ErrKeyRefused)       retryable, failure: key_refused
 //	a deadline passing (the request's or a leg's)            retryable, failure, seam: timeout
 //	any other transport or read failure                      retryable, failure, seam: transport
 func Err(err error) Verdict {
 	switch {
+	case errors.Is(err, ErrKeyRefused):
+		return Verdict{Retryable: true, Sample: true, Failure: true, Reason: "key_refused"}
 	case errors.Is(err, context.Canceled):
 		return Verdict{Client: true}
 	case errors.Is(err, ErrInternal):
@@ -78,6 +81,11 @@ func Err(err error) Verdict {
 	}
 	return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: "transport"}
 }
+
+// ErrKeyRefused is an engine answering 401 or 403 to the key Baton sent it (a worker's api_key,
+// --worker-api-key, --api-key): every request of that worker would be refused, and the client's
+// own key had no part in it.
+var ErrKeyRefused = errors.New("the engine refused the key Baton sends it")
 
 // Local reports whether err is Baton running out of its own resources to open a connection —
 // descriptors (EMFILE, ENFILE), local ports (EADDRNOTAVAIL) or socket buffers (ENOBUFS) — which

@@ -23,6 +23,8 @@ func TestTable(t *testing.T) {
 		{400, nil, Verdict{Sample: true}},
 		{404, nil, Verdict{Sample: true}},
 		{408, nil, Verdict{Retryable: true, Sample: true, Failure: true, Reason: "status_408"}},
+		{0, ErrKeyRefused, Verdict{Retryable: true, Sample: true, Failure: true, Reason: "key_refused"}},
+		{401, nil, Verdict{Sample: true}},
 		{429, nil, Verdict{Retryable: true, Reason: "status_429"}},
 		{500, nil, Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: "status_500"}},
 		{501, nil, Verdict{Sample: true, Seam: true}},

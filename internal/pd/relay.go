@@ -87,6 +87,9 @@ func onFirstByte(body io.ReadCloser, at func()) io.ReadCloser {
 // upstreamError is the failure of a leg that answered non-2xx: judged by the leg's status, and
 // answered with that exact status, the engine's message, and a code naming the leg.
 func upstreamError(leg string, w *worker.Worker, status int, header http.Header, body []byte) *outcome.Failure {
+	if proxy.KeyRefusedBy(w, status) {
+		return proxy.KeyRefusedFailure(leg, w, status)
+	}
 	e := &openai.Error{Status: status, Code: leg + "_" + openai.CodeUpstreamError,
 		Message: fmt.Sprintf("%s worker %s answered %d: %s", leg, w.URL, status, openai.EngineMessage(body))}
 	if header != nil {

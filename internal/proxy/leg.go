@@ -8,6 +8,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -45,6 +46,9 @@ func (l *Leg) Start(w *worker.Worker, name string) {
 // Done records the worker's answer with status, or the error that kept it from answering or
 // ended its answer, and releases the worker; only the first end of a leg counts.
 func (l *Leg) Done(status int, err error) {
+	if err == nil && KeyRefusedBy(l.W, status) {
+		err = outcome.ErrKeyRefused // the worker's failure, whichever path read the answer
+	}
 	if l.ended.CompareAndSwap(false, true) {
 		if l.span == nil {
 			l.W.Record(status, err)

@@ -316,10 +316,39 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
+	if KeyRefusedBy(w, resp.StatusCode) {
+		return p.KeyRefused(&leg, resp)
+	}
 	if outcome.Status(resp.StatusCode).Retryable || resp.StatusCode == http.StatusBadRequest && record.From(r.Context()).HoldRefusals {
 		return p.HoldError(r, &leg, resp)
 	}
 	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))
+}
+
+// KeyRefusedBy reports whether status is w's engine refusing the key Baton sent it (w has one:
+// without it the client's own Authorization went, and the refusal is the client's).
+func KeyRefusedBy(w *worker.Worker, status int) bool {
+	return w.APIKey != "" && (status == http.StatusUnauthorized || status == http.StatusForbidden)
+}
+
+// KeyRefused ends a leg whose engine refused Baton's key: the worker's failure (retried
+// elsewhere, counted against its circuit), told to the client as such — 502 naming the worker,
+// never the engine's 401 as if the client's key were wrong.
+func (p *Proxy) KeyRefused(leg *Leg, resp *http.Response) error {
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxErrorBody))
+	leg.Done(0, outcome.ErrKeyRefused)
+	return KeyRefusedFailure("", leg.W, resp.StatusCode)
+}
+
+// KeyRefusedFailure is the failure of a leg (named leg, "" for a regular request) whose engine
+// refused Baton's key with status.
+func KeyRefusedFailure(leg string, w *worker.Worker, status int) *outcome.Failure {
+	what := "worker"
+	if leg != "" {
+		what = leg + " worker"
+	}
+	return &outcome.Failure{Leg: leg, Worker: w.URL, Status: status, Cause: outcome.ErrKeyRefused, Answer: &openai.Error{Status: http.StatusBadGateway, Code: openai.CodeUpstreamKeyRefused,
+		Message: fmt.Sprintf("%s %s answered %d: it refuses the key Baton sends it (--api-key, --worker-api-key or the worker's api_key)", what, w.URL, status)}}
 }
 
 // HoldError reads a retryable error answer whole, so that the request can be retried elsewhere,

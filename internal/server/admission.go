@@ -179,7 +179,8 @@ func (s *Server) priorityOf(w http.ResponseWriter, r *http.Request) (class, ceil
 }
 
 // headerClass is the class a request's X-Baton-Priority (or smg's X-Smg-Priority) names,
-// default without one; an unknown value is 400 naming the valid ones.
+// default without one; an unknown X-Baton-Priority is 400 naming the valid ones, an unknown
+// X-Smg-Priority default, as smg reads its header.
 func headerClass(h http.Header) (admit.Class, *openai.Error) {
 	for _, name := range []string{HeaderPriority, HeaderSmgPriority} {
 		v := h.Get(name)
@@ -187,6 +188,9 @@ func headerClass(h http.Header) (admit.Class, *openai.Error) {
 			continue
 		}
 		c, ok := admit.ParseClass(strings.ToLower(strings.TrimSpace(v)))
+		if !ok && name == HeaderSmgPriority {
+			return admit.Default, nil
+		}
 		if !ok {
 			return 0, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidPriority, Param: name,
 				Message: fmt.Sprintf("%s %.40q is no priority class: want critical, interactive, default or batch (smg's system and bulk too)", name, v)}

@@ -1005,7 +1005,27 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 	if private {
 		listed = len(models)
 	}
-	body := openai.MarshalJSON(map[string]any{"status": "ready", "models": listed})
+	answer := map[string]any{"status": "ready", "models": listed}
+	// Workers that have not registered are said, with why (by cause only, when the fleet is
+	// private): a worker Baton cannot reach or whose engine refuses its key serves nothing.
+	if pending := s.reg.Snapshot().PendingWorkers(); len(pending) > 0 {
+		byCause := map[string]int{}
+		var named []map[string]string
+		for _, wk := range pending {
+			cause := "pending"
+			if e := wk.LastRegistrationError(); e != nil {
+				cause = e.Cause
+			}
+			byCause[cause]++
+			named = append(named, map[string]string{"url": config.RedactURL(wk.URL), "cause": cause})
+		}
+		if private {
+			answer["unregistered"] = byCause
+		} else {
+			answer["unregistered"] = named
+		}
+	}
+	body := openai.MarshalJSON(answer)
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(body)
 }

@@ -69,7 +69,9 @@ func defaultTenancy(apiKey string) Tenancy {
 // identify names the request's tenant from its bearer key, or answers it: more than one
 // Authorization header is refused (which one would count is ambiguous); a key no tenant has is
 // 401, the same answer whatever tenants exist. A tenant's key is Baton's: it is removed from the
-// request, so it never reaches a worker. Without keys every request is tenant default.
+// request, so it never reaches a worker. Without keys every request is tenant default — or,
+// with a trusted tenant header (smg's --trust-tenant-header), the tenant the header names; where
+// tenants have keys the key names the tenant and the header is removed unread, as in smg.
 func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 	got := r.Header["Authorization"]
 	if len(got) > 1 {
@@ -79,7 +81,10 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 	}
 	set := s.tenants()
 	var t *tenant.Tenant
-	if h := s.opts.Tenancy.TrustHeader; h != "" && len(r.Header.Values(h)) > 0 {
+	if h := s.opts.Tenancy.TrustHeader; h != "" && !set.Open() {
+		r.Header.Del(h) // a key names its tenant first, as in smg: the header is not asked
+	}
+	if h := s.opts.Tenancy.TrustHeader; h != "" && set.Open() && len(r.Header.Values(h)) > 0 {
 		names := r.Header.Values(h)
 		if t = set.ByName(names[0]); len(names) > 1 || t == nil {
 			openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey,
@@ -125,7 +130,7 @@ func cutBearer(h string) (string, bool) {
 
 // lease is a request's reservation against its tenant's limits, settled when it ends.
 type lease struct {
-	l *tenant.Lease
+	ls []*tenant.Lease // one per rule that holds
 	// The prompt and completion tokens it was reserved: what a request that ended without the
 	// engine's usage is charged from (record.Charge).
 	estimate, completion int
@@ -154,12 +159,19 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 		proxy.WriteFailure(w, selectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}))
 		return nil, false
 	}
-	rule := t.Rule(req.Model)
-	if rule == nil {
+	rules := t.RulesFor(req.Model)
+	if len(rules) == 0 {
 		return nil, true
 	}
-	if rule.TPM > 0 {
-		if e := s.budget(preq, est, rule, t.Name); e != nil {
+	// The token budget is judged against the tightest token limit among the request's rules.
+	var tight *tenant.Rule
+	for _, r := range rules {
+		if r.TPM > 0 && (tight == nil || r.TPM < tight.TPM) {
+			tight = r
+		}
+	}
+	if tight != nil {
+		if e := s.budget(preq, est, tight, t.Name); e != nil {
 			s.metrics.TenantRejections.WithLabelValues(t.Name, tenant.ReasonTokens).Inc()
 			openai.WriteError(w, e)
 			return nil, false
@@ -167,39 +179,66 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 	}
 	prompt, completion := est.get()
 	reserved := prompt + completion
-	l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, reserved)
-	if errors.Is(err, tenant.ErrStoreUnavailable) {
-		s.metrics.TenantRejections.WithLabelValues(t.Name, "store_unavailable").Inc()
-		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeRateLimitStoreUnavailable, RetryAfter: "1",
-			Message: "the store that counts tenants' limits cannot be reached; retry shortly"})
-		return nil, false
-	}
-	rateLimitHeaders(w.Header(), d)
-	if l == nil {
-		s.metrics.TenantRejections.WithLabelValues(t.Name, d.Reason).Inc()
-		e := &openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeTenantRateLimit,
-			RetryAfter: strconv.Itoa(int(math.Ceil(max(d.RetryAfter, time.Second).Seconds())))}
-		switch d.Reason {
-		case tenant.ReasonConcurrency:
-			e.Code = openai.CodeTenantConcurrency
-			e.Message = fmt.Sprintf("tenant %s has %d requests in flight, its limit (max_concurrent)", t.Name, d.MaxConc)
-		case tenant.ReasonRequests:
-			e.Message = fmt.Sprintf("tenant %s reached its limit of %d requests per minute", t.Name, d.Requests.Limit)
-		default:
-			e.Message = fmt.Sprintf("tenant %s reached its limit of %d tokens per minute (this request is reserved about %d)", t.Name, d.Tokens.Limit, reserved)
+	// Every rule holds: the model's and the tenant's. A refusal by one gives back what the
+	// others took.
+	var leases []*tenant.Lease
+	var shown tenant.Decision
+	undo := func() {
+		for _, l := range leases {
+			s.opts.Tenancy.Limiter.Cancel(l)
 		}
-		openai.WriteError(w, e)
-		return nil, false
 	}
+	for i, rule := range rules {
+		l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, reserved)
+		if errors.Is(err, tenant.ErrStoreUnavailable) {
+			undo()
+			s.metrics.TenantRejections.WithLabelValues(t.Name, "store_unavailable").Inc()
+			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeRateLimitStoreUnavailable, RetryAfter: "1",
+				Message: "the store that counts tenants' limits cannot be reached; retry shortly"})
+			return nil, false
+		}
+		if l == nil {
+			undo()
+			rateLimitHeaders(w.Header(), d)
+			s.refuseTenant(w, t.Name, rule, d, reserved)
+			return nil, false
+		}
+		leases = append(leases, l)
+		if i == 0 {
+			shown = d // the most specific rule's windows go in the headers
+		}
+	}
+	rateLimitHeaders(w.Header(), shown)
 	if req.Stream {
 		rec.CountEvents = true
-		if rule.TPM > 0 && routes.Of(path).StreamOptions {
+		if tight != nil && routes.Of(path).StreamOptions {
 			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
 				rec.StripUsage = true
 			}
 		}
 	}
-	return &lease{l: l, estimate: prompt, completion: completion, counted: est.counted, req: preq}, true
+	return &lease{ls: leases, estimate: prompt, completion: completion, counted: est.counted, req: preq}, true
+}
+
+// refuseTenant answers a request one of its tenant's rules refused (d says why).
+func (s *Server) refuseTenant(w http.ResponseWriter, name string, rule *tenant.Rule, d tenant.Decision, reserved int) {
+	s.metrics.TenantRejections.WithLabelValues(name, d.Reason).Inc()
+	e := &openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeTenantRateLimit,
+		RetryAfter: strconv.Itoa(int(math.Ceil(max(d.RetryAfter, time.Second).Seconds())))}
+	of := "its limit"
+	if rule.Model != "" {
+		of = "its limit for " + rule.Model
+	}
+	switch d.Reason {
+	case tenant.ReasonConcurrency:
+		e.Code = openai.CodeTenantConcurrency
+		e.Message = fmt.Sprintf("tenant %s has %d requests in flight, %s (max_concurrent)", name, d.MaxConc, of)
+	case tenant.ReasonRequests:
+		e.Message = fmt.Sprintf("tenant %s reached %s of %d requests per minute", name, of, d.Requests.Limit)
+	default:
+		e.Message = fmt.Sprintf("tenant %s reached %s of %d tokens per minute (this request is reserved about %d)", name, of, d.Tokens.Limit, reserved)
+	}
+	openai.WriteError(w, e)
 }
 
 // budget bounds a request of a tenant under a token limit by what its reservation covers: the
@@ -240,6 +279,12 @@ func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule,
 	case b.missing && b.required:
 		return badField(b.field, "is required on "+path)
 	case b.missing:
+		// The default written is no more than what the tenant's whole bucket holds beside the
+		// prompt: a small bucket gets shorter answers, not a refusal of every request.
+		prompt, _ := est.get()
+		if fit := (rule.TPM - prompt) / (max(1, preq.Batch) * max(1, preq.Samples)); fit >= 1 && fit < b.tokens {
+			b.tokens = fit
+		}
 		body, err := writeBudget(req.Body, path, b)
 		if err != nil || req.SetBody(body) != nil {
 			return badField(b.field, "could not be set on this request: give it")
@@ -430,13 +475,13 @@ func askUsage(body []byte) ([]byte, bool) {
 // prompt the body's bytes underestimate (short words, CJK) is charged what the engine computed;
 // the ask runs after the request ended, and a worker that cannot count leaves the estimate.
 func (s *Server) settleTenant(r *http.Request, ls *lease) {
-	if ls == nil || ls.l == nil {
+	if ls == nil || len(ls.ls) == 0 {
 		return
 	}
 	rec := record.From(r.Context())
 	if rec.UsageKnown || rec.EnginePrompt > 0 || ls.counted || !rec.AnswerComputed && !rec.PrefillComputed || s.opts.Tenancy.CountPrompt == nil {
 		prompt, completion := rec.Charge(ls.estimate, ls.completion)
-		s.opts.Tenancy.Limiter.Settle(ls.l, prompt+completion)
+		ls.settle(s.opts.Tenancy.Limiter, prompt+completion)
 		return
 	}
 	snap := *rec // the record's facts now; the reporters read rec itself
@@ -451,8 +496,15 @@ func (s *Server) settleTenant(r *http.Request, ls *lease) {
 			estimate = n
 		}
 		prompt, completion := snap.Charge(estimate, ls.completion)
-		s.opts.Tenancy.Limiter.Settle(ls.l, prompt+completion)
+		ls.settle(s.opts.Tenancy.Limiter, prompt+completion)
 	})
+}
+
+// settle settles every rule's lease with what the request used.
+func (ls *lease) settle(l *tenant.Limiter, used int) {
+	for _, x := range ls.ls {
+		l.Settle(x, used)
+	}
 }
 
 // counterCache keeps the tenant metrics' series of each tenant, model and status, so that a

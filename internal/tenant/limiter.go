@@ -64,6 +64,9 @@ type store interface {
 	settle(ctx context.Context, r *Rule, id string, delta int) error
 	// peek reads r's state without changing it.
 	peek(ctx context.Context, r *Rule) (s state, now float64, err error)
+	// cancel undoes a reservation of tokens under r whole: the request, the tokens and the slot
+	// go back, as if it had never been made.
+	cancel(ctx context.Context, r *Rule, id string, tokens int) error
 }
 
 // decide turns a store's answer into a Decision.
@@ -155,6 +158,22 @@ func (m *memStore) settle(_ context.Context, r *Rule, _ string, delta int) error
 	s := m.get(r.ID)
 	if r.TPM > 0 && delta != 0 {
 		s.tokTAT = math.Max(math.Max(s.tokTAT, now)+float64(delta)*float64(period.Microseconds())/float64(r.TPM), now)
+	}
+	if r.Concurrent > 0 && s.inflight > 0 {
+		s.inflight--
+	}
+	return nil
+}
+
+func (m *memStore) cancel(_ context.Context, r *Rule, _ string, tokens int) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := m.get(r.ID)
+	if r.RPM > 0 {
+		s.reqTAT -= float64(period.Microseconds()) / float64(r.RPM)
+	}
+	if r.TPM > 0 {
+		s.tokTAT -= float64(tokens) * float64(period.Microseconds()) / float64(r.TPM)
 	}
 	if r.Concurrent > 0 && s.inflight > 0 {
 		s.inflight--
@@ -318,6 +337,22 @@ func (l *Limiter) Settle(lease *Lease, used int) {
 	l.note(err)
 	// A settle that did not reach the store is lost there: its slot expires after Hold and its
 	// tokens stay as reserved. It is not replayed in memory, where nothing was reserved.
+}
+
+// Cancel undoes an admitted lease whole, as if it had never been reserved: a request admitted
+// under one of its rules and refused under another takes nothing from the first. Settling or
+// cancelling again does nothing.
+func (l *Limiter) Cancel(lease *Lease) {
+	if lease == nil || !lease.settled.CompareAndSwap(false, true) {
+		return
+	}
+	if lease.st == store(l.mem) {
+		_ = l.mem.cancel(context.Background(), lease.rule, lease.id, lease.reserved)
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), l.Timeout)
+	defer cancel()
+	l.note(lease.st.cancel(ctx, lease.rule, lease.id, lease.reserved))
 }
 
 // Peek reads a rule's windows without reserving anything (for GET /tenants).

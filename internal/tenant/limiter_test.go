@@ -58,6 +58,28 @@ func TestRequestsPerMinute(t *testing.T) {
 	}
 }
 
+// A cancelled lease gives back everything it took — its request, its tokens and its slot — so
+// that a request admitted under one rule and refused under another costs the first nothing.
+func TestCancelGivesEverythingBack(t *testing.T) {
+	for name, l := range limiters(t) {
+		t.Run(name, func(t *testing.T) {
+			r := &Rule{ID: "cancel-" + name, RPM: 2, TPM: 1000, Concurrent: 1}
+			for i := 0; i < 10; i++ {
+				lease, d, err := l.Reserve(t.Context(), r, 600)
+				if err != nil || lease == nil {
+					t.Fatalf("reservation %d after %d cancelled: %+v %v", i+1, i, d, err)
+				}
+				l.Cancel(lease)
+				l.Cancel(lease) // a second cancel does nothing
+			}
+			d, err := l.Peek(t.Context(), r)
+			if err != nil || d.Requests.Remaining != 2 || d.Tokens.Remaining != 1000 || d.InFlight != 0 {
+				t.Errorf("after ten cancelled reservations: %+v %v", d, err)
+			}
+		})
+	}
+}
+
 // Tokens: reserve, then settle with what was used — the unused part comes back, an overrun is
 // charged — and a request larger than a whole minute is admitted once the bucket is full.
 func TestTokensReserveThenSettle(t *testing.T) {
@@ -218,9 +240,14 @@ func TestSetRulesAndKeys(t *testing.T) {
 	if a == nil || a.Name != "a" || s.Identify("key-b").Name != "b" || s.Identify("nope") != nil || s.Identify("") != nil || s.Open() {
 		t.Fatalf("identify: %v", a)
 	}
-	for model, want := range map[string]string{"llama-70b": "a/llama-70b", "llama-8b": "a/llama-*", "qwen": "a"} {
-		if r := a.Rule(model); r == nil || r.ID != want {
-			t.Errorf("rule for %s: %+v, want %s", model, r, want)
+	// The most specific model rule, and the tenant's own beside it: both hold.
+	for model, want := range map[string]string{"llama-70b": "a/llama-70b a", "llama-8b": "a/llama-* a", "qwen": "a"} {
+		var ids []string
+		for _, r := range a.RulesFor(model) {
+			ids = append(ids, r.ID)
+		}
+		if got := strings.Join(ids, " "); got != want {
+			t.Errorf("rules for %s: %s, want %s", model, got, want)
 		}
 	}
 	if !a.Allows("llama-x") || !a.Allows("qwen") || a.Allows("qwen2") || !s.Identify("key-b").Allows("anything") {

@@ -97,12 +97,36 @@ if id ~= '' then redis.call('ZREM', KEYS[2], id) end
 return 1
 `)
 
+// cancelScript: KEYS request bucket, token bucket, requests at once; ARGV period (µs), rpm, tpm,
+// tokens, reservation id. Undoes one reservation: each bucket moved back by what it took (a
+// bucket back at full is deleted), the slot freed.
+var cancelScript = redis.NewScript(`
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local period, rpm, tpm, cost, id = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local function back(key, by)
+  local v = redis.call('GET', key)
+  if not v then return end
+  local tat = tonumber(v) - by
+  if tat > now then
+    redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1000)
+  else
+    redis.call('DEL', key)
+  end
+end
+if rpm > 0 then back(KEYS[1], period / rpm) end
+if tpm > 0 then back(KEYS[2], cost * period / tpm) end
+if id ~= '' then redis.call('ZREM', KEYS[3], id) end
+return 1
+`)
+
 // peekScript: KEYS request bucket, token bucket, requests at once. Returns them and the time.
 var peekScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local r = redis.call('GET', KEYS[1]) or tostring(now)
-local k = redis.call('GET', KEYS[2]) or tostring(now)
+local ts = string.format('%.0f', now) -- tostring would keep 14 digits: tens of µs off
+local r = redis.call('GET', KEYS[1]) or ts
+local k = redis.call('GET', KEYS[2]) or ts
 local n = redis.call('ZCOUNT', KEYS[3], '(' .. string.format('%.0f', now), '+inf')
 return {r, k, n, string.format('%.0f', now)}
 `)
@@ -181,6 +205,13 @@ func (s *redisStore) settle(ctx context.Context, r *Rule, id string, delta int) 
 		id = ""
 	}
 	return settleScript.Run(ctx, s.c, []string{k[1], k[2]}, period.Microseconds(), r.TPM, delta, id).Err()
+}
+
+func (s *redisStore) cancel(ctx context.Context, r *Rule, id string, tokens int) error {
+	if r.Concurrent <= 0 {
+		id = ""
+	}
+	return cancelScript.Run(ctx, s.c, keys(r), period.Microseconds(), r.RPM, r.TPM, tokens, id).Err()
 }
 
 func (s *redisStore) peek(ctx context.Context, r *Rule) (state, float64, error) {

@@ -160,15 +160,20 @@ func (t *Tenant) Allows(model string) bool {
 	return false
 }
 
-// Rule returns the limits that hold for t's requests for model (the most specific rule), nil
-// for none.
-func (t *Tenant) Rule(model string) *Rule {
+// RulesFor returns the limits that hold for t's requests for model: the most specific of its
+// model rules that matches, then its tenant-wide rule — each present only if t has it. A
+// request is admitted only within every one.
+func (t *Tenant) RulesFor(model string) []*Rule {
+	var out []*Rule
 	for _, r := range t.rules {
-		if r.Model == "" || matches(r.Model, model) {
-			return r
+		switch {
+		case r.Model == "":
+			return append(out, r)
+		case len(out) == 0 && matches(r.Model, model):
+			out = append(out, r)
 		}
 	}
-	return nil
+	return out
 }
 
 // Rules are t's rules, most specific first.

@@ -30,6 +30,9 @@ type Snapshot struct {
 // Pending is how many workers have not registered yet.
 func (s *Snapshot) Pending() int { return len(s.pending) }
 
+// PendingWorkers are the workers that have not registered yet.
+func (s *Snapshot) PendingWorkers() []*Worker { return s.pending }
+
 // Unserved are the models workers' configurations name that their engines do not serve, and
 // that no worker serves: each a readiness failure.
 func (s *Snapshot) Unserved() []string {
