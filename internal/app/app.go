@@ -409,7 +409,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
 	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
 	o.RouteHeader = cfg.RouteHeader
-	o.PrefillerHeader = cfg.PDPrefillerHeader
+	o.PrefillerHeader, o.PrefillerAbsentPicks = cfg.PDPrefillerHeader, cfg.PDPrefillerAbsent == "pick"
 	o.RequestTimeout, o.StalledClientTimeout = cfg.RequestTimeout, cfg.StalledClientTimeout
 	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
 		Initial: rc.InitialBackoff, Max: rc.MaxBackoff,

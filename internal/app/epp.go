@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"math/big"
 	"net"
+	"net/http"
 	"os"
 	"strconv"
 	"sync/atomic"
@@ -28,6 +29,8 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
 	"github.com/baton-llm/baton/internal/h1"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/server"
 )
 
@@ -82,6 +85,8 @@ func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 		},
 	}
 	es.Reserve, es.Release = pickerShare(g.Server.BodyBudget, cfg.MaxBufferedBodyBytes)
+	es.Owned = openai.OwnedIn
+	es.Guarded = func(method, path string) bool { return method == http.MethodPost && routes.Of(path).Inference }
 	srv := grpc.NewServer(
 		// A buffered body arrives in one message: it may be as large as a request body may be.
 		grpc.MaxRecvMsgSize(int(cfg.MaxPayloadSize)+64<<10),

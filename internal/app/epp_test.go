@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -161,6 +162,15 @@ func TestEPPSubsetHint(t *testing.T) {
 		readAll(t, resp.Body)
 		if ex := dp.Last(); resp.StatusCode != 200 || ex.Header != endpointOf(b.URL()) {
 			t.Fatalf("subset of b: %d %+v", resp.StatusCode, ex)
+		}
+	}
+	// No worker's ip:port in the hint, but their IP: matched by IP, as the reference picker does.
+	for _, sub := range [][]string{{"127.0.0.1:1"}, {"127.0.0.1"}} {
+		subset = sub
+		resp := post(t, srv.URL+"/v1/completions", req)
+		readAll(t, resp.Body)
+		if ex := dp.Last(); resp.StatusCode != 200 || ex.Header == "" {
+			t.Errorf("subset %v (the workers' IP): %d %+v", sub, resp.StatusCode, ex)
 		}
 	}
 	for name, sub := range map[string][]string{"empty": {}, "ineligible": {"10.255.0.1:9", "not-an-endpoint"}} {
@@ -495,9 +505,23 @@ func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
 			}
 			resp := post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel), epp.HeaderPrefiller, "10.255.0.1:8000")
 			wantEnvelope(t, resp, 503, "no_available_workers")
+			// Without the header the picker decided the decode serves alone (llm-d's sidecar
+			// does so): a vLLM decode computes the prompt, said in the handoff header; SGLang's
+			// decode mode cannot serve without a bootstrap, so there a prefill is picked.
 			resp = post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel))
-			if readAll(t, resp.Body); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == "" {
-				t.Errorf("without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+			readAll(t, resp.Body)
+			switch {
+			case tc.engine == sim.EngineVLLM && (resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") != "" || resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill"):
+				t.Errorf("vLLM without the header: %d, prefill %q, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"), resp.Header.Get("X-Baton-Kv-Handoff"))
+			case tc.engine == sim.EngineSGLang && (resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == ""):
+				t.Errorf("SGLang without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+			}
+			// llm-d's picker may list several prefills (its sidecar samples or takes the first):
+			// the first that is one of the sidecar's prefill workers serves.
+			list := "10.255.0.1:8000, " + endpointOf(prefills[1].URL) + "," + endpointOf(prefills[0].URL)
+			resp = post(t, sidecar.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"y","max_tokens":2}`, pdModel), epp.HeaderPrefiller, list)
+			if readAll(t, resp.Body); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") != prefills[1].URL {
+				t.Errorf("a listed header %q: %d, prefill %q", list, resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
 			}
 		})
 	}
@@ -875,4 +899,103 @@ func TestEPPConnectionsAreBounded(t *testing.T) {
 		defer conn.Close()
 		return live(conn) == nil
 	})
+}
+
+// Headers and fields only Baton sets never pass the picker: a client's X-Data-Parallel-Rank is
+// removed by the pick's header mutation; in STREAMED mode (the body comes after the pick and
+// cannot be edited) a body carrying an owned field is refused at its end, one without passes;
+// in NONE mode (no body reaches the picker) an inference request with a body is refused.
+func TestEPPOwnedFieldsNeverPass(t *testing.T) {
+	t.Parallel()
+	var got sync.Map
+	engine := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		got.Store("rank", r.Header.Get("X-Data-Parallel-Rank"))
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+	})
+	_, conn := startEPP(t, testConfig(engine.URL))
+	_, srv := dataPlane(t, conn)
+	resp := post(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`, "X-Data-Parallel-Rank", "7")
+	if b := readAll(t, resp.Body); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if v, _ := got.Load("rank"); v != "" {
+		t.Errorf("the engine got the client's X-Data-Parallel-Rank %q", v)
+	}
+
+	open := func(mode filterv3.ProcessingMode_BodySendMode, method, path string, eos bool) extprocv3.ExternalProcessor_ProcessClient {
+		st, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := dataplane.RequestHeaders(method, "", path, nil, eos)
+		first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: mode}
+		st.Send(first)
+		return st
+	}
+	for _, c := range []struct {
+		name  string
+		body  string
+		owned string
+	}{
+		{"owned", `{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.9"}}`, "kv_transfer_params"},
+		{"owned, another case", `{"model":"m","prompt":"x","PRIORITY":-100}`, "PRIORITY"},
+		{"clean", `{"model":"m","prompt":"x"}`, ""},
+	} {
+		st := open(filterv3.ProcessingMode_STREAMED, http.MethodPost, "/v1/completions", false)
+		if m, err := st.Recv(); err != nil || m.GetRequestHeaders() == nil {
+			t.Fatalf("%s: the headers' answer: %v %v", c.name, m, err)
+		}
+		half := len(c.body) / 2
+		st.Send(dataplane.RequestBody([]byte(c.body[:half]), false))
+		if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
+			t.Fatalf("%s: the first chunk: %v %v", c.name, m, err)
+		}
+		st.Send(dataplane.RequestBody([]byte(c.body[half:]), true))
+		m, err := st.Recv()
+		switch {
+		case err != nil:
+			t.Fatalf("%s: %v", c.name, err)
+		case c.owned != "" && (m.GetImmediateResponse().GetStatus().GetCode() != 400 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), `"param":"`+c.owned+`"`)):
+			t.Errorf("%s: the last chunk's answer %v, want 400 naming %s", c.name, m, c.owned)
+		case c.owned == "" && m.GetRequestBody() == nil:
+			t.Errorf("%s: the last chunk's answer %v, want it let through", c.name, m)
+		}
+		st.CloseSend()
+	}
+	st := open(filterv3.ProcessingMode_NONE, http.MethodPost, "/v1/chat/completions", false)
+	if m, err := st.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 500 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), "epp_body_unread") {
+		t.Errorf("NONE mode, an inference request with a body: %v %v", m, err)
+	}
+	st = open(filterv3.ProcessingMode_NONE, http.MethodGet, "/v1/models", true)
+	if m, err := st.Recv(); err != nil || m.GetRequestHeaders() == nil {
+		t.Errorf("NONE mode, GET /v1/models: %v %v", m, err)
+	}
+}
+
+// The body the picker hands back is written for its choice: a fallback that would read it
+// otherwise (here: one worker takes Baton's priority field, the other is not marked to) is not
+// listed; two alike are.
+func TestEPPFallbacksTakeTheChoicesBody(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	b := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	cfg := testConfig()
+	cfg.Workers = []config.Worker{{URL: a.URL(), ForwardPriority: true}, {URL: b.URL()}}
+	_, conn := startEPP(t, cfg)
+	for i := 0; i < 4; i++ {
+		st := rawStream(t, context.Background(), conn, `{"model":"m","prompt":"x `+strconv.Itoa(i)+`"}`)
+		if eps := recvPick(t, st); len(eps) != 1 {
+			t.Errorf("a choice with a fallback that reads the body otherwise: %v", eps)
+		}
+		st.CloseSend()
+	}
+	alike := testConfig()
+	alike.Workers = []config.Worker{{URL: a.URL(), ForwardPriority: true}, {URL: b.URL(), ForwardPriority: true}}
+	_, conn2 := startEPP(t, alike)
+	st := rawStream(t, context.Background(), conn2, `{"model":"m","prompt":"x"}`)
+	if eps := recvPick(t, st); len(eps) != 2 {
+		t.Errorf("two workers alike: %v, want the choice and a fallback", eps)
+	}
 }

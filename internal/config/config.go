@@ -95,7 +95,10 @@ type Config struct {
 	PDRequireHandoff bool `json:"pd_require_handoff" flag:"pd-require-handoff" help:"strict mode: a PD request whose decode would recompute the prompt fails with 502"`
 	// PDPrefillerHeader makes Baton the decode-side sidecar of an Endpoint Picker that names
 	// the prefill (llm-d's x-prefiller-host-port): the prefill leg runs there.
-	PDPrefillerHeader  bool   `json:"pd_prefiller_header" flag:"pd-prefiller-header" help:"decode-side sidecar: a PD request's x-prefiller-host-port header names its prefill (one of the prefill workers, by host:port)"`
+	PDPrefillerHeader bool `json:"pd_prefiller_header" flag:"pd-prefiller-header" help:"decode-side sidecar: a PD request's x-prefiller-host-port header names its prefill (the first of the listed host:port that is one of the prefill workers); without it the request goes to a decode worker alone"`
+	// PDPrefillerAbsent is what the sidecar does with a request whose picker named no prefill:
+	// decode (alone, as llm-d's sidecar does) or pick (a prefill of Baton's choice).
+	PDPrefillerAbsent  string `json:"pd_prefiller_absent" flag:"pd-prefiller-absent" default:"decode" help:"decode-side sidecar, a PD request without x-prefiller-host-port: decode (the decode worker alone, as llm-d's sidecar does; the picker chose so) or pick (Baton picks a prefill)"`
 	PDMooncakeDispatch string `json:"pd_mooncake_dispatch" flag:"pd-mooncake-dispatch" default:"concurrent" oneof:"concurrent|sequential" help:"Mooncake legs: concurrent or sequential"`
 	// RequestTimeout: past it the client gets 504 (or, mid-stream, a broken connection).
 	RequestTimeout time.Duration `json:"request_timeout" flag:"request-timeout" unit:"secs" default:"30m" check:">0" help:"bound on one request from arrival to the end of its response, streams included"`
@@ -527,6 +530,9 @@ func (c *Config) Validate() error {
 	}
 	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 {
 		bad("priority_scheduler_enabled: priority classes order the requests waiting for a slot: give --max-concurrent-requests (Baton's classes are on whenever it is set)")
+	}
+	if c.PDPrefillerAbsent != "decode" && c.PDPrefillerAbsent != "pick" {
+		bad("pd_prefiller_absent %q: want decode or pick", c.PDPrefillerAbsent)
 	}
 	if c.Admission.QueueAnswers != "baton" && c.Admission.QueueAnswers != "smg" {
 		bad("admission.queue_answers %q: want baton (503, 504) or smg (429, 408)", c.Admission.QueueAnswers)

@@ -40,6 +40,8 @@ import (
 const (
 	HeaderDestination = "x-gateway-destination-endpoint"
 	HeaderPrefiller   = "x-prefiller-host-port"
+	// HeaderDPRank pins a vLLM request to a data parallel rank: Baton's to set, never a client's.
+	HeaderDPRank = "x-data-parallel-rank"
 	// MetadataNamespace holds the pick in the response's dynamic metadata, and the endpoint
 	// that served in the response path's metadata context.
 	MetadataNamespace = "envoy.lb"
@@ -129,6 +131,14 @@ type Server struct {
 	Cut func(reason string)
 	// Streams, when set, follows the exchanges being served.
 	Streams interface{ Add(float64) }
+	// Owned, when set, names a field of a request body that only Baton may set (kv_transfer_params,
+	// bootstrap_*, priority, ...), "" for none: in a mode where the picker cannot edit the body
+	// (STREAMED, after the pick), a body carrying one is refused at its end.
+	Owned func(body []byte) string
+	// Guarded, when set, reports whether a request's body must be read for owned fields (an
+	// inference route): with request_body_mode NONE, where no body ever reaches the picker,
+	// such a request with a body is refused.
+	Guarded func(method, path string) bool
 
 	warned   atomic.Bool  // the headers-only warning was logged
 	active   atomic.Int64 // exchanges being served
@@ -277,6 +287,7 @@ type exchange struct {
 	observability     bool
 	started           bool        // the request headers came
 	answered          bool        // the request path was answered (pick or refusal)
+	watchBody         bool        // picked before a STREAMED body: read it for owned fields
 	replied           atomic.Bool // answered, as Process's timer reads it
 	req               Request
 	body              []byte
@@ -348,6 +359,12 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 			// No body comes before the headers' answer (NONE, STREAMED): the pick is made
 			// from the headers alone, without model or prompt.
 			x.headersOnly()
+			guarded := x.s.Guarded != nil && x.s.Guarded(x.req.Method, x.req.Path)
+			if guarded && x.reqMode == filterv3.ProcessingMode_NONE {
+				return x.refuse(&openai.Error{Status: http.StatusInternalServerError, Code: openai.CodeBodyUnread,
+					Message: "the gateway's ext_proc filter sends the Endpoint Picker no request body (request_body_mode NONE): the fields Baton owns could reach the engines; configure FULL_DUPLEX_STREAMED (or STREAMED)"}, false)
+			}
+			x.watchBody = guarded && x.reqMode == filterv3.ProcessingMode_STREAMED && x.s.Owned != nil
 			return x.decide(true)
 		}
 	case *extprocv3.ProcessingRequest_RequestBody:
@@ -359,6 +376,13 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 			x.bodyDone = b.GetEndOfStream()
 			if x.immediate || x.reqMode != filterv3.ProcessingMode_STREAMED {
 				return nil // refused while the body was still coming: the rest is not read
+			}
+			if x.watchBody {
+				// Picked before the body came: the body cannot be edited, so one carrying a
+				// field Baton owns is refused at its end (its last chunk is not let through).
+				if e := x.watchChunk(b.GetBody(), x.bodyDone); e != nil {
+					return x.refuse(e, false)
+				}
 			}
 			return x.send(bodyAck()) // streamed (half duplex): every chunk is answered
 		}
@@ -435,11 +459,38 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 	}
 }
 
+// watchChunk reads one chunk of a body that comes after the pick (STREAMED): the body is held
+// (bounded as any body) until its end, then checked for a field Baton owns.
+func (x *exchange) watchChunk(chunk []byte, end bool) *openai.Error {
+	if int64(len(x.body))+int64(len(chunk)) > x.s.MaxBody {
+		return &openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
+			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.MaxBody)}
+	}
+	x.body = append(x.body, chunk...)
+	if grown := int64(cap(x.body)) - x.held; grown > 0 && x.s.Reserve != nil {
+		if !x.s.Reserve(grown) {
+			x.dropBody()
+			return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
+				Message: "request bodies held at once would exceed max_buffered_body_bytes; try again"}
+		}
+		x.held += grown
+	}
+	if !end {
+		return nil
+	}
+	defer x.dropBody()
+	if f := x.s.Owned(x.body); f != "" {
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeOwnedField, Param: f,
+			Message: f + " is a field only Baton sets, and this gateway's ext_proc filter (request_body_mode STREAMED) lets the Endpoint Picker see the body only after it chose: the request is refused rather than sent on with it"}
+	}
+	return nil
+}
+
 // headersOnly warns, once per process, that the proxy answers the request headers before it
 // sends the body, so that picks cannot read the model or the prompt.
 func (x *exchange) headersOnly() {
 	if x.s.Log != nil && !x.s.warned.Swap(true) {
-		x.s.Log.Warn("epp: the proxy sends the request body only after the headers are answered (request_body_mode "+x.reqMode.String()+"): picks see no model and no prompt, and the fields Baton owns in a client's body (priority, kv_transfer_params, bootstrap_*) cannot be removed — on engines scheduling by priority a client's own priority outranks every class; configure the ext_proc filter with FULL_DUPLEX_STREAMED",
+		x.s.Log.Warn("epp: the proxy sends the request body only after the headers are answered (request_body_mode "+x.reqMode.String()+"): picks see no model and no prompt, and a body carrying a field Baton owns (priority, kv_transfer_params, bootstrap_*) cannot be edited, so it is refused (STREAMED: at its end; NONE: every inference request with a body); configure the ext_proc filter with FULL_DUPLEX_STREAMED",
 			"path", x.req.Path)
 	}
 }
@@ -561,10 +612,12 @@ func (x *exchange) answer(atHeaders bool) error {
 		mut.SetHeaders = append(mut.SetHeaders, setHeader("content-length", strconv.Itoa(len(p.Body))))
 		bodyMut = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: p.Body}}
 	}
+	// Headers only Baton sets: a client's own never reaches the engine.
+	mut.RemoveHeaders = []string{HeaderDPRank}
 	if p.Prefill != "" {
 		mut.SetHeaders = append(mut.SetHeaders, setHeader(HeaderPrefiller, p.Prefill))
 	} else {
-		mut.RemoveHeaders = []string{HeaderPrefiller} // a client's own is never trusted
+		mut.RemoveHeaders = append(mut.RemoveHeaders, HeaderPrefiller)
 	}
 	meta := &structpb.Struct{Fields: map[string]*structpb.Value{MetadataNamespace: structpb.NewStructValue(&structpb.Struct{
 		Fields: map[string]*structpb.Value{HeaderDestination: structpb.NewStringValue(dest)}})}}

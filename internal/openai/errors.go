@@ -66,9 +66,13 @@ const (
 	// batch request shed because every worker that could serve it is saturated.
 	CodeNoEndpointInSubset = "no_endpoint_in_subset"
 	CodeRequestShed        = "request_shed"
-	CodeQueueTimeout       = "queue_timeout"
-	CodeInvalidPriority    = "invalid_priority"
-	CodeInternalError      = "internal_error"
+	// CodeOwnedField: a field only Baton sets, in a body the picker cannot edit; CodeBodyUnread:
+	// the data plane sends the picker no body at all.
+	CodeOwnedField      = "owned_field"
+	CodeBodyUnread      = "epp_body_unread"
+	CodeQueueTimeout    = "queue_timeout"
+	CodeInvalidPriority = "invalid_priority"
+	CodeInternalError   = "internal_error"
 
 	// The admin API's.
 	CodeWorkerExists   = "worker_already_exists"

@@ -209,6 +209,19 @@ func (d *repeats) in(members []indexed, key []byte) bool {
 	return ok
 }
 
+// OwnedIn names the first top-level member of body that Baton owns (OwnedFields, in any letter
+// case), "" for none or for a body that is no JSON object.
+func OwnedIn(body []byte) string {
+	var found string
+	_ = eachMember(body, func(k []byte, _ member) bool {
+		if isOwned(k) {
+			found = truncateKey(string(k))
+		}
+		return found == ""
+	})
+	return found
+}
+
 // isOwned reports whether key is an owned member in any letter case: an engine decoding JSON
 // without regard to case (Go's encoding/json does) reads "PRIORITY" as priority.
 func isOwned(key []byte) bool {

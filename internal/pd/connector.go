@@ -51,10 +51,13 @@ const (
 	HandoffNoneFailed = "none-failed"
 	// HandoffRecomputed: the decode was handed the KV, but its own usage says it computed the
 	// prompt (consumed.go).
-	HandoffRecomputed    = "recomputed"
-	HandoffNonePrefix    = "none-"
-	DefaultBootstrapPort = 8998
-	keyKVTransferParams  = "kv_transfer_params"
+	HandoffRecomputed = "recomputed"
+	// HandoffNoneLocalPrefill: the request went to a decode worker alone, by design (the
+	// picker in front named no prefill): the decode computes the prompt.
+	HandoffNoneLocalPrefill = "none-local-prefill"
+	HandoffNonePrefix       = "none-"
+	DefaultBootstrapPort    = 8998
+	keyKVTransferParams     = "kv_transfer_params"
 )
 
 // Connector is the effective KV connector of a vLLM prefill worker.
@@ -403,7 +406,7 @@ const (
 // ClassRecomputed only — not the requests that never meant to hand off, nor the failures.
 func HandoffClass(outcome string) string {
 	switch outcome {
-	case HandoffNoneN, HandoffNoneBatch, HandoffNoneRoute:
+	case HandoffNoneN, HandoffNoneBatch, HandoffNoneRoute, HandoffNoneLocalPrefill:
 		return ClassByDesign
 	case HandoffNoneFailed:
 		return ClassFailed

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -106,15 +107,11 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 
 	sreq := &policy.Request{Model: model, Path: req.Path, Body: req.Body, Parsed: parsed, Explain: s.opts.RouteHeader || tracing.Enabled()}
 	if req.HasSubset {
-		allowed := make(map[string]bool, len(req.Subset))
-		for _, e := range req.Subset {
-			allowed[e] = true
-		}
-		if len(allowed) == 0 {
+		if len(req.Subset) == 0 {
 			return refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoEndpointInSubset,
 				Message: "the proxy's subset of endpoints for this request is empty"})
 		}
-		sreq.Allow = func(w *worker.Worker) bool { return allowed[w.Endpoint] }
+		sreq.Allow = subsetAllow(req.Subset, s.reg.Snapshot().Workers)
 	}
 	disagg := s.opts.PD && rt.PD && !s.sel.HasRole(config.RoleRegular)
 	role := config.RoleRegular
@@ -163,7 +160,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 	}
 	s.noteDecisions(r, sreq)
 
-	list := append([]*worker.Worker{dest}, p.fallbacks(role, sreq, dest, prefill)...)
+	list := append([]*worker.Worker{dest}, p.fallbacks(role, rec.Class, sreq, dest, prefill)...)
 	pick := &epp.Pick{Endpoints: make([]string, len(list))}
 	for i, w := range list {
 		pick.Endpoints[i] = w.Endpoint
@@ -234,7 +231,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 // fallbacks are the endpoints after the choice: the other available workers of its role that
 // serve the request's model and route (and, for a decode, can take the prefill's KV), least
 // loaded first, at most Fallbacks.
-func (p *picker) fallbacks(role string, sreq *policy.Request, chosen, prefill *worker.Worker) []*worker.Worker {
+func (p *picker) fallbacks(role, class string, sreq *policy.Request, chosen, prefill *worker.Worker) []*worker.Worker {
 	if p.o.Fallbacks <= 0 {
 		return nil
 	}
@@ -244,8 +241,19 @@ func (p *picker) fallbacks(role string, sreq *policy.Request, chosen, prefill *w
 	}
 	cands, _ := p.s.sel.Candidates(p.s.reg.Snapshot(), role, model)
 	var out []*worker.Worker
+	spelling := workerModel(sreq, chosen)
+	cp, cmarked := chosen.EnginePriority(class)
 	for _, w := range worker.Available(cands) {
 		if w == chosen || !policy.Serves(w, sreq.Path) || sreq.Allow != nil && !sreq.Allow(w) {
+			continue
+		}
+		// The body is written once, for the chosen worker: a fallback takes it as it is, so it
+		// must spell the model alike (an SGLang adapter's base:adapter is not vLLM's name) and
+		// read the priority Baton wrote alike.
+		if workerModel(sreq, w) != spelling {
+			continue
+		}
+		if wp, marked := w.EnginePriority(class); marked != cmarked || marked && wp != cp {
 			continue
 		}
 		if prefill != nil && p.s.sel.Compatible != nil && !p.s.sel.Compatible(prefill, w) {
@@ -258,6 +266,29 @@ func (p *picker) fallbacks(role string, sreq *policy.Request, chosen, prefill *w
 	}
 	slices.SortStableFunc(out, func(a, b *worker.Worker) int { return cmp.Compare(load(a), load(b)) })
 	return out[:min(len(out), p.o.Fallbacks)]
+}
+
+// subsetAllow is the subset hint's filter: a worker whose ip:port the hint lists; when no worker
+// matches any entry exactly, a worker whose IP it lists (the reference picker matches by IP: a
+// data plane may list a pod's IP with another port, or none).
+func subsetAllow(subset []string, workers []*worker.Worker) func(*worker.Worker) bool {
+	exact := make(map[string]bool, len(subset))
+	ips := make(map[string]bool, len(subset))
+	for _, e := range subset {
+		exact[e] = true
+		if host, _, err := net.SplitHostPort(e); err == nil {
+			ips[host] = true
+		} else {
+			ips[strings.Trim(e, "[]")] = true
+		}
+	}
+	if slices.ContainsFunc(workers, func(w *worker.Worker) bool { return exact[w.Endpoint] }) {
+		return func(w *worker.Worker) bool { return exact[w.Endpoint] }
+	}
+	return func(w *worker.Worker) bool {
+		host, _, err := net.SplitHostPort(w.Endpoint)
+		return err == nil && ips[host]
+	}
 }
 
 // load is a worker's load for ordering fallbacks: Baton's requests in flight on it, or the

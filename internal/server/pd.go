@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -37,6 +38,12 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	if s.opts.PrefillerHeader && len(r.Header.Values(epp.HeaderPrefiller)) == 0 && !s.opts.PrefillerAbsentPicks && s.decodeAloneServes() {
+		// The picker in front named no prefill (a short prompt, a prefix the decode holds):
+		// the decode serves the request alone, as llm-d's sidecar does.
+		s.serveDecodeAlone(w, r, req, sreq)
+		return
+	}
 	if s.opts.PrefillerHeader && !s.prefillerNamed(w, r, sreq) {
 		return
 	}
@@ -70,34 +77,88 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
+// decodeAloneServes reports whether a decode worker can serve a request alone: a vLLM one (its
+// KV connector computes the prompt when no handoff comes); SGLang's decode mode refuses a
+// request without a bootstrap, so a fleet of SGLang decodes picks a prefill instead.
+func (s *Server) decodeAloneServes() bool {
+	for _, w := range worker.Available(s.reg.Snapshot().Workers) {
+		if w.Role == config.RoleDecode && w.Runtime() != config.RuntimeSGLang {
+			return true
+		}
+	}
+	return false
+}
+
+// serveDecodeAlone sends a PD request to a decode worker alone, as a regular request: no
+// handoff fields, the decode computes the prompt — by design, and said so (X-Baton-Kv-Handoff
+// none-local-prefill, baton_pd_kv_handoffs_total class by_design, the access log's handoff).
+func (s *Server) serveDecodeAlone(w http.ResponseWriter, r *http.Request, req *openai.Request, sreq *policy.Request) {
+	rec := record.From(r.Context())
+	rec.Handoff = pd.HandoffNoneLocalPrefill
+	s.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
+	client := req.Model
+	waited := false
+	sreq.Allow = func(w *worker.Worker) bool { return w.Runtime() != config.RuntimeSGLang }
+	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
+		return s.withContextFallbacks(r, client, func(name string) error {
+			var wk *worker.Worker
+			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
+				wk, err = s.sel.Worker(r.Context(), config.RoleDecode, sreq, avoid)
+				return err
+			}, func() []*worker.Worker { return []*worker.Worker{wk} })
+			if err != nil {
+				return err
+			}
+			defer inFlight()
+			rec.Worker, rec.Decode = wk.URL, wk.URL
+			s.noteDecisions(r, sreq)
+			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, workerModel(sreq, wk)), rec.Class, wk))
+		})
+	})
+}
+
 // maxEndpointLen bounds a host:port header value.
 const maxEndpointLen = 300
 
 // prefillerNamed holds the request, when it carries an Endpoint Picker's x-prefiller-host-port,
 // to the prefill worker that header names (by its host:port): Baton is then the decode-side
-// sidecar and runs the prefill leg where the picker chose. A header naming none of the
-// available prefill workers is answered 503 (false).
+// sidecar and runs the prefill leg where the picker chose. As llm-d's sidecar reads it, the
+// header may list several (comma-separated, or the header repeated): the first that is one of
+// the available prefill workers is taken. A header naming none of them is answered 503 (false).
 func (s *Server) prefillerNamed(w http.ResponseWriter, r *http.Request, sreq *policy.Request) bool {
 	vs := r.Header.Values(epp.HeaderPrefiller)
 	if len(vs) == 0 {
 		return true
 	}
-	hp := strings.TrimSpace(vs[0])
-	if len(vs) > 1 || hp == "" || len(hp) > maxEndpointLen {
+	var named []string
+	for _, v := range vs {
+		for e := range strings.SplitSeq(v, ",") {
+			if e = strings.TrimSpace(e); e != "" {
+				named = append(named, e)
+			}
+		}
+	}
+	if len(named) == 0 || len(named) > maxPrefillers || slices.ContainsFunc(named, func(e string) bool { return len(e) > maxEndpointLen }) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: epp.HeaderPrefiller,
-			Message: epp.HeaderPrefiller + " must be one host:port"})
+			Message: fmt.Sprintf("%s must list 1 to %d host:port", epp.HeaderPrefiller, maxPrefillers)})
 		return false
 	}
-	for _, p := range worker.Available(s.reg.Snapshot().Workers) {
-		if p.Role == config.RolePrefill && p.Endpoint == hp {
-			sreq.Allow = func(w *worker.Worker) bool { return w.Role != config.RolePrefill || w.Endpoint == hp }
-			return true
+	available := worker.Available(s.reg.Snapshot().Workers)
+	for _, hp := range named {
+		for _, p := range available {
+			if p.Role == config.RolePrefill && p.Endpoint == hp {
+				sreq.Allow = func(w *worker.Worker) bool { return w.Role != config.RolePrefill || w.Endpoint == hp }
+				return true
+			}
 		}
 	}
 	openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
-		Message: fmt.Sprintf("the prefill %s names (%.80q) is none of Baton's available prefill workers", epp.HeaderPrefiller, hp)})
+		Message: fmt.Sprintf("none of the prefills %s names (%.80q) is one of Baton's available prefill workers", epp.HeaderPrefiller, strings.Join(named, ","))})
 	return false
 }
+
+// maxPrefillers bounds the endpoints an x-prefiller-host-port header may list.
+const maxPrefillers = 16
 
 // countBatch counts the request's prompts and samples into req, and refuses a request past
 // max_batch_size (on every route: the engine would run them all).

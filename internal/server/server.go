@@ -85,8 +85,11 @@ type Options struct {
 	KVConnector string
 	// RouteHeader adds X-Baton-Route: why each worker was chosen.
 	RouteHeader bool
-	// PrefillerHeader lets a PD request's x-prefiller-host-port name its prefill worker.
-	PrefillerHeader bool
+	// PrefillerHeader lets a PD request's x-prefiller-host-port name its prefill worker; a request
+	// without it goes to a decode worker alone unless PrefillerAbsentPicks (then Baton picks a
+	// prefill itself).
+	PrefillerHeader      bool
+	PrefillerAbsentPicks bool
 	// KVEventsView, when set, gives a worker's KV event subscription for GET /workers (nil:
 	// not subscribed).
 	KVEventsView func(*worker.Worker) any
