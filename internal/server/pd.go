@@ -96,25 +96,8 @@ func (s *Server) serveDecodeAlone(w http.ResponseWriter, r *http.Request, req *o
 	rec := record.From(r.Context())
 	rec.Handoff = pd.HandoffNoneLocalPrefill
 	s.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
-	client := req.Model
-	waited := false
 	sreq.Allow = func(w *worker.Worker) bool { return w.Runtime() != config.RuntimeSGLang }
-	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		return s.withContextFallbacks(r, client, func(name string) error {
-			var wk *worker.Worker
-			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
-				wk, err = s.sel.Worker(r.Context(), config.RoleDecode, sreq, avoid)
-				return err
-			}, func() []*worker.Worker { return []*worker.Worker{wk} })
-			if err != nil {
-				return err
-			}
-			defer inFlight()
-			rec.Worker, rec.Decode = wk.URL, wk.URL
-			s.noteDecisions(r, sreq)
-			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, workerModel(sreq, wk)), rec.Class, wk))
-		})
-	})
+	s.serveOne(w, r, req, sreq, config.RoleDecode)
 }
 
 // maxEndpointLen bounds a host:port header value.

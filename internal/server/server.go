@@ -629,13 +629,19 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sreq := &policy.Request{Model: req.Model, Path: r.URL.Path, Body: req.Body, Parsed: req, Explain: s.opts.RouteHeader || tracing.Enabled()}
+	s.serveOne(w, r, req, sreq, config.RoleRegular)
+}
+
+// serveOne serves a request on one worker of role, chosen (and chosen again on a retry or a
+// fallback model) by the request's policy.
+func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Request, sreq *policy.Request, role string) {
 	client := req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
 		return s.withContextFallbacks(r, client, func(name string) error {
 			var wk *worker.Worker
 			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
-				wk, err = s.sel.Worker(r.Context(), config.RoleRegular, sreq, avoid)
+				wk, err = s.sel.Worker(r.Context(), role, sreq, avoid)
 				return err
 			}, func() []*worker.Worker { return []*worker.Worker{wk} })
 			if err != nil {
@@ -644,6 +650,9 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			defer inFlight()
 			rec := record.From(r.Context())
 			rec.Worker = wk.URL
+			if role == config.RoleDecode {
+				rec.Decode = wk.URL
+			}
 			s.noteDecisions(r, sreq)
 			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, workerModel(sreq, wk)), rec.Class, wk))
 		})
