@@ -44,12 +44,14 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		err = runBench(ctx, args, stdout, stderr)
 	case "check":
 		err = runCheck(ctx, args, stdout, stderr)
+	case "epp-conformance":
+		err = runEPPConformance(ctx, args, stdout)
 	case "hash-key":
 		err = hashKey(Stdin, stdout)
 	case "version":
 		fmt.Fprintln(stdout, app.Version())
 	default:
-		err = fmt.Errorf("unknown command %q (want serve, check, sim, demo, bench, hash-key or version; smg's launch is serve)", cmd)
+		err = fmt.Errorf("unknown command %q (want serve, epp, check, epp-conformance, sim, demo, bench, hash-key or version; smg's launch is serve)", cmd)
 	}
 	if errors.Is(err, flag.ErrHelp) {
 		return config.ErrHelp // the usage was printed: asking for it is no failure

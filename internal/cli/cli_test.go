@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -478,6 +479,78 @@ func TestSmgCommandNames(t *testing.T) {
 		err := Run(t.Context(), []string{cmd, "--help"}, io.Discard, io.Discard)
 		if !errors.Is(err, config.ErrHelp) {
 			t.Errorf("%s --help: %v, want the serve command's help", cmd, err)
+		}
+	}
+}
+
+// The conformance kit passes every case against Baton's own picker, over TLS (its default) with
+// the health services on their own port; and it fails a picker that breaks the protocol.
+func TestEPPConformanceKit(t *testing.T) {
+	t.Parallel()
+	engine := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "vllm", "--port", "0", "--model", "m")
+	engine2 := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "vllm", "--port", "0", "--model", "m")
+	out := runOut(t, regexp.MustCompile(`endpoint picker health \(gRPC, plaintext\) on (\S+)`), "epp", "--host", "127.0.0.1", "--port", "0",
+		"--metrics-port", "-1", "--grpc-port", "0", "--grpc-health-port", "0", "--max-payload-size", "16777216", "--worker-urls", engine, engine2)
+	addr := regexp.MustCompile(`endpoint picker \(ext_proc, gRPC health\) on (\S+)`).FindStringSubmatch(out)[1]
+	health := regexp.MustCompile(`endpoint picker health \(gRPC, plaintext\) on (\S+)`).FindStringSubmatch(out)[1]
+	hconn, _ := grpc.NewClient(health, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	defer hconn.Close()
+	poll.Until(t, "the picker ready", func() bool {
+		r, err := healthpb.NewHealthClient(hconn).Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	})
+	var js bytes.Buffer
+	err := Run(t.Context(), []string{"epp-conformance", "--target", addr, "--health", health, "--tls", "--model", "m", "--json"}, &js, io.Discard)
+	var results []struct {
+		Name, Detail string
+		Pass         bool
+	}
+	if jerr := json.Unmarshal(js.Bytes(), &results); jerr != nil {
+		t.Fatalf("%v: %s", jerr, js.String())
+	}
+	if len(results) < 30 {
+		t.Errorf("%d cases: want at least 30", len(results))
+	}
+	for _, r := range results {
+		if !r.Pass {
+			t.Errorf("%s: %s", r.Name, r.Detail)
+		}
+	}
+	if err != nil {
+		t.Errorf("the kit against Baton's picker: %v", err)
+	}
+	// The load mode measures picks.
+	var load bytes.Buffer
+	if err := Run(t.Context(), []string{"epp-conformance", "--target", addr, "--tls", "--model", "m", "--load", "100", "--duration", "1s"}, &load, io.Discard); err != nil || !strings.Contains(load.String(), "picked") {
+		t.Errorf("load: %v %s", err, load.String())
+	}
+	// A picker that answers every request headers at once with no pick fails the pick cases.
+	bad := grpc.NewServer()
+	extprocv3.RegisterExternalProcessorServer(bad, brokenPicker{})
+	ln, lerr := net.Listen("tcp", "127.0.0.1:0")
+	if lerr != nil {
+		t.Fatal(lerr)
+	}
+	go bad.Serve(ln)
+	defer bad.Stop()
+	var badOut bytes.Buffer
+	if err := Run(t.Context(), []string{"epp-conformance", "--target", ln.Addr().String(), "--model", "m", "--timeout", "1s"}, &badOut, io.Discard); err == nil || !strings.Contains(badOut.String(), "pick/header") {
+		t.Errorf("a broken picker passed: %v\n%s", err, badOut.String())
+	}
+}
+
+// brokenPicker answers each message with an empty headers response: no pick, ever.
+type brokenPicker struct {
+	extprocv3.UnimplementedExternalProcessorServer
+}
+
+func (brokenPicker) Process(st extprocv3.ExternalProcessor_ProcessServer) error {
+	for {
+		if _, err := st.Recv(); err != nil {
+			return nil
+		}
+		if err := st.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}}); err != nil {
+			return nil
 		}
 	}
 }

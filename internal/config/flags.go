@@ -285,6 +285,8 @@ func Parse(args []string, usage io.Writer) (Config, error) {
 func writeUsage(w io.Writer) {
 	fmt.Fprintln(w, "usage: baton [serve|check] [flags]   (check: send every PD pair one request, report its handoff)")
 	fmt.Fprintln(w, "       baton sim|demo|bench [flags]  (see 'baton sim --help')")
+	fmt.Fprintln(w, "       baton epp [flags]                 (the Endpoint Picker: these flags and --grpc-port)")
+	fmt.Fprintln(w, "       baton epp-conformance --target HOST:PORT --model NAME [--tls] [--load N]  (check any Endpoint Picker)")
 	fmt.Fprintln(w, "       baton hash-key < key.txt          (a tenant key as the configuration takes it)")
 	fmt.Fprintln(w, "       baton version")
 	fmt.Fprintln(w)
