@@ -226,7 +226,9 @@ func (k *Kit) exchange(ctx context.Context, first *extprocv3.ProcessingRequest, 
 		return st, pick{}, nil, err
 	}
 	for i, c := range chunks {
-		if err := st.Send(bodyMsg(c, i == len(chunks)-1)); err != nil {
+		m := bodyMsg(c, i == len(chunks)-1)
+		m.MetadataContext = first.MetadataContext // Envoy forwards the metadata with every message
+		if err := st.Send(m); err != nil {
 			return st, pick{}, nil, err
 		}
 	}
