@@ -384,4 +384,22 @@ func TestReadinessNamesUnregisteredWorkers(t *testing.T) {
 		status, body := readiness(t, gw.URL)
 		return status == 200 && strings.Contains(body, `"cause":"wrong_key"`) && strings.Contains(body, keyed.URL)
 	})
+	// Where clients need a key, the open probe says the causes only; the admin key shows URLs.
+	cfg := testConfig(good.URL(), keyed.URL)
+	cfg.ClientAPIKey, cfg.AdminAPIKey = "client-key", "admin-key"
+	g2 := runGateway(t, cfg)
+	gw2 := serveAPI(t, g2.Config, g2.Server.Handler())
+	poll.Until(t, "ready, with the cause only", func() bool {
+		status, body := readiness(t, gw2.URL)
+		return status == 200 && strings.Contains(body, `"wrong_key":1`) && !strings.Contains(body, keyed.URL)
+	})
+	req, _ := http.NewRequest(http.MethodGet, gw2.URL+"/readiness", nil)
+	req.Header.Set("Authorization", "Bearer admin-key")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := readAll(t, resp.Body); !strings.Contains(b, keyed.URL) {
+		t.Errorf("with the admin key: %s", b)
+	}
 }

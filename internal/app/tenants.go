@@ -53,7 +53,7 @@ func newTenancy(cfg config.Config, m *metrics.Metrics, log *slog.Logger) (*tenan
 // logTenants says at startup who may call and where their limits are counted.
 func logTenants(log *slog.Logger, cfg config.Config, t *tenancy) {
 	set := t.set.Load()
-	if set.Open() && cfg.TenantsLimited() {
+	if set.Open() && cfg.TenantsLimited() && !cfg.TrustTenantHeader {
 		log.Warn("tenants have limits but no tenant has a key: every request is tenant default, with its limits; give tenants keys to tell them apart")
 	}
 	if !set.Open() {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -12,7 +13,9 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // A tenant at 3,000 tokens per minute, for the hostile tenant's tests.
@@ -723,5 +726,23 @@ func TestModelRuleAndTenantLimitBothHold(t *testing.T) {
 	// one qwen is admitted, the next refused by the tenant's own limit.
 	if want := "llama 200, llama 200, llama 429, qwen 200, qwen 429"; strings.Join(got, ", ") != want {
 		t.Errorf("got %s, want %s", strings.Join(got, ", "), want)
+	}
+}
+
+// With a trusted tenant header and no keys, startup does not say every request is tenant
+// default: the header names the tenants.
+func TestStartupWordsOfTheTrustedHeader(t *testing.T) {
+	cfg := testConfig("http://127.0.0.1:1")
+	cfg.TrustTenantHeader = true
+	cfg.Tenants = []config.Tenant{{Name: "a", Limits: &config.Limits{RequestsPerMinute: intp(2)}}}
+	var buf strings.Builder
+	log := slog.New(slog.NewTextHandler(&buf, nil))
+	tn, err := newTenancy(cfg, metrics.New(worker.NewRegistry()), log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logTenants(log, cfg, tn)
+	if strings.Contains(buf.String(), "every request is tenant default") {
+		t.Errorf("a contradicting WARN: %s", buf.String())
 	}
 }

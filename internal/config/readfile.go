@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"syscall"
 )
 
 // Bounds on the files Baton reads: its configuration, smg's policy files, key and certificate
@@ -17,7 +18,14 @@ const (
 // directory or a pipe is refused, and so is a file past max, before more than max+1 bytes are
 // read — a file Baton reads at startup or on every reload cannot hold it.
 func ReadFile(path string, max int64) ([]byte, error) {
-	f, err := os.Open(path)
+	// Looked at before it is opened, and opened without blocking: opening a named pipe would
+	// wait for a writer for ever.
+	if st, err := os.Stat(path); err != nil {
+		return nil, err
+	} else if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}

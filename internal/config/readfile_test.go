@@ -5,11 +5,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 )
 
-// Every file Baton reads is bounded: a path linked to /dev/zero, a directory or a file past its
-// bound is refused at once, naming the flag — not read until memory runs out.
+// Every file Baton reads is bounded: a path linked to /dev/zero, a named pipe (opening one waits
+// for a writer), a directory or a file past its bound is refused at once, naming the flag — not
+// read until memory runs out, nor waited on for ever.
 func TestFilesAreBounded(t *testing.T) {
 	if _, err := os.Stat("/dev/zero"); err != nil {
 		t.Skipf("SKIP (loud): no /dev/zero on this system: %v", err)
@@ -17,6 +19,10 @@ func TestFilesAreBounded(t *testing.T) {
 	dir := t.TempDir()
 	zero := filepath.Join(dir, "zero")
 	if err := os.Symlink("/dev/zero", zero); err != nil {
+		t.Fatal(err)
+	}
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	big := filepath.Join(dir, "big")
@@ -27,6 +33,8 @@ func TestFilesAreBounded(t *testing.T) {
 	os.WriteFile(tenants, []byte("tenants:\n  - {name: a, key_file: "+zero+"}\n"), 0o600)
 	for _, args := range [][]string{
 		{"--config", zero},
+		{"--config", fifo},
+		{"--api-key-file", fifo},
 		{"--config", dir},
 		{"--client-api-key-file", zero},
 		{"--api-key-file", big},

@@ -206,6 +206,17 @@ func (c *Config) ResolvedTenants(getenv func(string) string) ([]Tenant, error) {
 			owner[h] = t.Name
 		}
 	}
+	// A client's key is never an admin key: a client with it would control the fleet. The one
+	// exception is smg's bare --api-key, which is both (smg's admin routes take its shared key).
+	implicit := len(c.explicitAdminKeys()) == 0 && c.ClientAPIKey == ""
+	for _, k := range c.AdminKeys() {
+		h := sha256.Sum256([]byte(k))
+		for _, t := range tenants {
+			if slices.Contains(t.Hashes, h) && !(implicit && k == c.APIKey && t.Name == DefaultTenant) {
+				bad("tenant %q: one of its keys is an admin key (--admin-api-key, --control-plane-api-keys, or --api-key where no other admin key is given): a client holding it would control the fleet; give the admin API a key of its own", t.Name)
+			}
+		}
+	}
 	if c.TrustTenantHeader && slices.ContainsFunc(tenants, func(t Tenant) bool { return len(t.Hashes) > 0 }) {
 		for _, t := range tenants {
 			if len(t.Hashes) == 0 && t.Name != DefaultTenant {

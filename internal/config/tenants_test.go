@@ -106,6 +106,25 @@ func TestAdmissionClassSettings(t *testing.T) {
 	}
 }
 
+// No client's key is an admin key: a tenant's key equal to the admin key, the control plane's or
+// smg's --api-key acting as the admin key is refused; smg's bare --api-key, both the clients' and
+// the admin API's as in smg, is not.
+func TestClientKeysAreNeverAdminKeys(t *testing.T) {
+	for _, args := range [][]string{
+		{"--api-key", "EKEY", "--client-api-key", "CKEY", "--tenant-api-key", "t1:EKEY"},
+		{"--admin-api-key", "ADMK", "--tenant-api-key", "t1:ADMK"},
+		{"--control-plane-api-keys", "a:b:admin:ADMK", "--tenant-api-key", "t1:ADMK"},
+		{"--api-key", "K", "--client-api-key", "K"},
+	} {
+		if _, err := Parse(args, io.Discard); err == nil || !strings.Contains(err.Error(), "is an admin key") {
+			t.Errorf("%v: %v", args, err)
+		}
+	}
+	if _, err := Parse([]string{"--api-key", "K"}, io.Discard); err != nil {
+		t.Errorf("smg's bare --api-key: %v", err)
+	}
+}
+
 // --tenant-api-key's two parts are read trimmed, as smg reads them: a key pasted with a trailing
 // newline or space still names its tenant.
 func TestTenantAPIKeyTrimmed(t *testing.T) {

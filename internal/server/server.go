@@ -1018,8 +1018,8 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 		listed = len(models)
 	}
 	answer := map[string]any{"status": "ready", "models": listed}
-	// Workers that have not registered are said, with why (by cause only, when the fleet is
-	// private): a worker Baton cannot reach or whose engine refuses its key serves nothing.
+	// Workers that have not registered are said, with why: by URL with the admin key, or where
+	// no client needs a key (anyone may read GET /workers there), else by cause only.
 	if pending := s.reg.Snapshot().PendingWorkers(); len(pending) > 0 {
 		byCause := map[string]int{}
 		var named []map[string]string
@@ -1031,10 +1031,10 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 			byCause[cause]++
 			named = append(named, map[string]string{"url": config.RedactURL(wk.URL), "cause": cause})
 		}
-		if private {
-			answer["unregistered"] = byCause
-		} else {
+		if s.adminKeyOK(r) || !private && s.tenants().Open() {
 			answer["unregistered"] = named
+		} else {
+			answer["unregistered"] = byCause
 		}
 	}
 	body := openai.MarshalJSON(answer)
