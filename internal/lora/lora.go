@@ -401,6 +401,9 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 		}
 		start := m.now()
 		err := m.post(ctx, w, "unload_lora_adapter", map[string]string{"lora_name": victim})
+		if errors.Is(err, errGone) {
+			err = nil // another replica unloaded it first: the room is there
+		}
 		if m.Observe != nil {
 			m.Observe("unload", map[bool]string{true: "ok", false: "failed"}[err == nil], m.now().Sub(start))
 		}
@@ -415,9 +418,11 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 			return fmt.Errorf("after unloading %q, the model list could not be read: %w", victim, rerr)
 		}
 	}
-	if err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path}); err != nil {
+	if err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path}); err != nil && !errors.Is(err, errAlreadyLoaded) {
 		return err
 	}
+	// Loaded, or loaded by another replica since this one last read the engine's models: its
+	// model list says which, and either way the adapter is there.
 	if _, err := m.Registry.RefreshModels(ctx, m.Client, w); err != nil {
 		return fmt.Errorf("the engine answered the load, but its model list could not be read: %w", err)
 	}
@@ -486,6 +491,15 @@ func (m *Manager) Begin(w *worker.Worker, adapter string) (end func()) {
 	}
 }
 
+// Replicas share engines: what another Baton did since this one last read an engine's models is
+// state, not failure. vLLM answers a load of an adapter it has 400 "The lora adapter 'X' has
+// already been loaded." and an unload of one it has not 404 "The lora adapter 'X' cannot be
+// found." (vllm/entrypoints/openai/serving_models.py, the load and unload checks).
+var (
+	errAlreadyLoaded = errors.New("the engine has the adapter loaded already")
+	errGone          = errors.New("the engine has no such adapter loaded")
+)
+
 // maxAnswer bounds what Baton reads of an engine's answer to a load or unload.
 const maxAnswer = 64 << 10
 
@@ -521,6 +535,12 @@ func (m *Manager) post(ctx context.Context, w *worker.Worker, op string, body ma
 	_ = json.Unmarshal(answer, &sg)
 	if resp.StatusCode == http.StatusOK && (sg.Success == nil || *sg.Success) {
 		return nil
+	}
+	switch {
+	case op == "load_lora_adapter" && resp.StatusCode == http.StatusBadRequest && bytes.Contains(answer, []byte("has already been loaded")):
+		return errAlreadyLoaded
+	case op == "unload_lora_adapter" && resp.StatusCode == http.StatusNotFound && bytes.Contains(answer, []byte("cannot be found")):
+		return errGone
 	}
 	if resp.StatusCode == http.StatusNotFound && sg.Success == nil && !bytes.Contains(answer, []byte("adapter")) {
 		return fmt.Errorf("POST %s answered 404: the engine serves no adapter endpoint (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", path)

@@ -2,6 +2,7 @@ package lora
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
@@ -110,5 +111,40 @@ func TestUnloadSkipsAdaptersInFlight(t *testing.T) {
 	}
 	if got := strings.Join(e.LoadedAdapters(), ","); got != "a2,a3" {
 		t.Fatalf("loaded %s, want a2,a3: a1 (idle) unloaded, a2 (in flight) kept", got)
+	}
+}
+
+// Another replica's load or unload is state, not failure: a load the engine answers "has already
+// been loaded" is a loaded adapter (the model list read again), and an unload of an adapter
+// already gone makes the room it was for.
+func TestReplicaRacesAreState(t *testing.T) {
+	e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "base", RuntimeLoRA: true, MaxLoRAs: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	w := worker.New(config.Worker{URL: e.URL()})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}}})
+	reg := worker.NewRegistry(w)
+	m := New(reg, http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Settings{Adapters: []config.Adapter{{Name: "x", Path: "/x", Base: "base"}}, Timeout: 5 * time.Second})
+	// Another replica loads x behind this one's back; this one's model list does not show it.
+	resp, err := http.Post(e.URL()+"/v1/load_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"x","lora_path":"/x"}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the other replica's load: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	if w.Lists("x") {
+		t.Fatal("the test needs a stale model list")
+	}
+	if err := m.Ensure(context.Background(), w, "x"); err != nil {
+		t.Fatalf("a load another replica made: %v", err)
+	}
+	if !w.Lists("x") {
+		t.Error("the model list was not read again")
+	}
+	// An unload of an adapter another replica already unloaded is the room it was for.
+	if err := m.post(context.Background(), w, "unload_lora_adapter", map[string]string{"lora_name": "gone"}); !errors.Is(err, errGone) {
+		t.Errorf("an unload of an adapter not loaded: %v", err)
 	}
 }
