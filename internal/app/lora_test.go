@@ -157,8 +157,10 @@ func TestAdapterThroughPD(t *testing.T) {
 	for _, engine := range []string{sim.EngineVLLM, sim.EngineSGLang} {
 		t.Run(engine, func(t *testing.T) {
 			t.Parallel()
-			p := simEngine(t, sim.Config{Engine: engine, Role: sim.RolePrefill, KVConnector: kvConnectorFor(engine), EngineID: "p", RuntimeLoRA: true})
-			d := simEngine(t, sim.Config{Engine: engine, Role: sim.RoleDecode, KVConnector: kvConnectorFor(engine), RuntimeLoRA: true})
+			// SGLang as its older releases: an adapter named by the model alone runs the base.
+			legacy := engine == sim.EngineSGLang
+			p := simEngine(t, sim.Config{Engine: engine, Role: sim.RolePrefill, KVConnector: kvConnectorFor(engine), EngineID: "p", RuntimeLoRA: true, SGLangModelAdapterIgnored: legacy})
+			d := simEngine(t, sim.Config{Engine: engine, Role: sim.RoleDecode, KVConnector: kvConnectorFor(engine), RuntimeLoRA: true, SGLangModelAdapterIgnored: legacy})
 			cfg := config.Default()
 			cfg.PDDisaggregation = true
 			pw := config.Worker{URL: p.URL(), Role: config.RolePrefill}
@@ -180,7 +182,8 @@ func TestAdapterThroughPD(t *testing.T) {
 					t.Errorf("%s: handoff %q", stream, h)
 				}
 			}
-			// Both legs ran the adapter (SGLang's only when named base:adapter), whole and streamed.
+			// Both legs ran the adapter, whole and streamed (SGLang's by lora_path too: never the
+			// base answering a request for the adapter).
 			if np, nd := p.AdapterRequests("sql"), d.AdapterRequests("sql"); np != 2 || nd != 2 {
 				t.Errorf("requests run by the adapter: prefill %d, decode %d, want 2 each", np, nd)
 			}
@@ -238,5 +241,29 @@ func TestAdapterLoadedOutsideBatonIsLearned(t *testing.T) {
 	poll.Until(t, "Baton learns the adapter", func() bool { return g.Registry.Snapshot().Parent("late") == "base" })
 	if resp, body := adapterReq(t, gw.URL, "late"); resp.StatusCode != 200 || e.AdapterRequests("late") != 1 {
 		t.Fatalf("after the load: %d %s", resp.StatusCode, body)
+	}
+}
+
+// An SGLang release that reads no adapter from the model name (base:adapter) would answer an
+// adapter's request from its base model with a 200: Baton names the adapter in lora_path too,
+// so the adapter runs — on every route, and a client's own lora_path is kept.
+func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base", SGLangModelAdapterIgnored: true})
+	cfg := testConfig(e.URL())
+	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+	_, gw := startGateway(t, cfg)
+	for _, path := range []string{"/v1/completions", "/v1/chat/completions"} {
+		body := `{"model":"sql","prompt":"x","max_tokens":2}`
+		if path == "/v1/chat/completions" {
+			body = `{"model":"sql","messages":[{"role":"user","content":"x"}],"max_tokens":2}`
+		}
+		resp, b := postTimeout(t, gw.URL+path, body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", path, resp.StatusCode, b)
+		}
+	}
+	if n := e.AdapterRequests("sql"); n != 2 {
+		t.Errorf("requests the adapter ran: %d of 2 (the base answered the rest)", n)
 	}
 }

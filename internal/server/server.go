@@ -654,7 +654,7 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 				rec.Decode = wk.URL
 			}
 			s.noteDecisions(r, sreq)
-			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withModel(req.Body, client, workerModel(sreq, wk)), rec.Class, wk))
+			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withLoRAPath(withModel(req.Body, client, workerModel(sreq, wk)), sreq, wk), rec.Class, wk))
 		})
 	})
 }
@@ -915,6 +915,29 @@ func workerModel(sreq *policy.Request, ws ...*worker.Worker) string {
 		}
 	}
 	return sreq.AdapterBase + ":" + sreq.Model
+}
+
+// withLoRAPath is body with SGLang's lora_path set to the adapter a request names, when every
+// worker of ws is SGLang and the body names none: SGLang releases that read no adapter from the
+// model name (base:adapter) would run the base model and answer 200 — never an adapter request
+// answered silently by its base.
+func withLoRAPath(body []byte, sreq *policy.Request, ws ...*worker.Worker) []byte {
+	if sreq.AdapterBase == "" || len(ws) == 0 {
+		return body
+	}
+	for _, w := range ws {
+		if w.Runtime() != config.RuntimeSGLang {
+			return body
+		}
+	}
+	if _, ok := openai.Get(body, "lora_path"); ok {
+		return body
+	}
+	q, _ := json.Marshal(sreq.Model)
+	if b, err := openai.Set(body, "lora_path", q); err == nil {
+		return b
+	}
+	return body
 }
 
 // withPriority is body with the engine's "priority" field set for class when the worker is

@@ -107,6 +107,10 @@ type Config struct {
 	// SGLangLegacyHashes publishes KV events as older SGLang did: each block's hash of its own
 	// tokens alone, and a parent named even for a prompt's first block.
 	SGLangLegacyHashes bool
+	// SGLangModelAdapterIgnored models SGLang releases before the base:adapter model syntax:
+	// their OpenAI routes run the base model whatever "model" names, and only lora_path selects
+	// an adapter — a request naming its adapter by model alone gets a 200 from the base model.
+	SGLangModelAdapterIgnored bool
 	// HybridKV publishes KV events as a hybrid-attention model does (vLLM): each block once per
 	// KV-cache group, full attention (group 0) and sliding window (group 1), the sliding window
 	// freeing a chain's blocks but its last at once.

@@ -366,6 +366,9 @@ func (e *Engine) served(name string) (lora string, ok bool) {
 		// SGLang's OpenAI routes take an adapter as base:adapter; a bare adapter name is no
 		// adapter to them, and the base model serves it.
 		if base, a, cut := strings.Cut(name, ":"); cut && base == e.cfg.Model && e.lora.has(a) {
+			if e.cfg.SGLangModelAdapterIgnored {
+				return "", true // an older release: the base model answers
+			}
 			return a, true
 		}
 		return "", e.lora.has(name)

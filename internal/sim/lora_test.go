@@ -107,3 +107,23 @@ func TestLoRAAdaptersSGLang(t *testing.T) {
 		t.Fatalf("vLLM's path on SGLang: %d", r.status)
 	}
 }
+
+// SGLang's OpenAI routes take lora_path too; a release that reads no adapter from the model name
+// (SGLangModelAdapterIgnored) answers base:adapter from the base model, and runs the adapter only
+// when lora_path names it.
+func TestLoRAPathOnSGLangOpenAIRoutes(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineSGLang, RuntimeLoRA: true, LoRAAdapters: []string{"a1"}, SGLangModelAdapterIgnored: true})
+	chat := func(extra string) reply {
+		return post(t, e.URL()+"/v1/chat/completions", `{"model":"`+e.cfg.Model+`:a1","messages":[{"role":"user","content":"hi"}],"max_tokens":2`+extra+`}`)
+	}
+	if r := chat(""); r.status != 200 || e.AdapterRequests("a1") != 0 {
+		t.Fatalf("base:adapter on an older release: %d %s, adapter requests %d (want the base's 200)", r.status, r.raw, e.AdapterRequests("a1"))
+	}
+	if r := chat(`,"lora_path":"a1"`); r.status != 200 || e.AdapterRequests("a1") != 1 {
+		t.Fatalf("with lora_path: %d %s, adapter requests %d", r.status, r.raw, e.AdapterRequests("a1"))
+	}
+	if r := chat(`,"lora_path":"a9"`); r.status != 400 {
+		t.Fatalf("a lora_path not loaded: %d %s", r.status, r.raw)
+	}
+}

@@ -71,7 +71,7 @@ type rawSampling struct {
 
 type rawRequest struct {
 	Model          *string         `json:"model"`
-	LoRAPath       *string         `json:"lora_path"` // SGLang /generate: the adapter, by name
+	LoRAPath       *string         `json:"lora_path"` // SGLang: the adapter, by name (every route)
 	Messages       []message       `json:"messages"`
 	Prompt         json.RawMessage `json:"prompt"`
 	Input          json.RawMessage `json:"input"`
@@ -183,7 +183,12 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 			return nil, errorf(404, "The model `%s` does not exist.", *raw.Model)
 		}
 	}
-	if raw.LoRAPath != nil && rt == routeGenerate {
+	// SGLang takes lora_path on /generate and on its OpenAI routes (protocol.py's completion and
+	// chat requests carry it); releases whose OpenAI serving reads no adapter from the model name
+	// (serving_base.py as read at sgl-project/sglang c5695a4 and 012bcb5) select one by lora_path
+	// only. That an explicit lora_path wins over a base:adapter model in newer releases is the
+	// simulator's reading of SGLang's LoRA example, not checked at source: Baton sends both alike.
+	if raw.LoRAPath != nil && e.cfg.Engine == EngineSGLang {
 		if !e.lora.has(*raw.LoRAPath) {
 			return nil, errorf(400, "LoRA adapter %s is not loaded", *raw.LoRAPath)
 		}
