@@ -746,3 +746,31 @@ func TestStartupWordsOfTheTrustedHeader(t *testing.T) {
 		t.Errorf("a contradicting WARN: %s", buf.String())
 	}
 }
+
+// SGLang's list-form sampling_params (one per prompt) is counted as SGLang runs it: the most
+// samples and the largest max_new_tokens any entry asks, times the prompts — so it cannot
+// under-reserve a tenant's tokens — and an entry naming no cap is refused (Baton writes none into a
+// list).
+func TestTenantListFormSamplingParams(t *testing.T) {
+	engine := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `[{"text":"ok","meta_info":{"prompt_tokens":1,"completion_tokens":1}},{"text":"ok","meta_info":{"prompt_tokens":1,"completion_tokens":1}}]`)
+	})
+	cfg := testConfig(engine.URL)
+	cfg.Tenants = []config.Tenant{{Name: "hostile", Keys: []string{config.HashKey("sk-hostile")}, Limits: &config.Limits{TokensPerMinute: intp(3000)}}}
+	_, gw := startGateway(t, cfg)
+	// 2 prompts × 4 samples × 400 tokens = 3,200: past the whole bucket of 3,000.
+	resp, b := tenantReq(t, gw.URL+"/generate", "sk-hostile", `{"text":["a","b"],"sampling_params":[{"n":1,"max_new_tokens":10},{"n":4,"max_new_tokens":400}]}`)
+	if resp.StatusCode != 429 || !strings.Contains(b, "tenant_request_too_large") {
+		t.Errorf("a list asking 3,200 tokens of a 3,000 bucket: %d %s", resp.StatusCode, b)
+	}
+	resp, b = tenantReq(t, gw.URL+"/generate", "sk-hostile", `{"text":["a","b"],"sampling_params":[{"max_new_tokens":10},{"n":2}]}`)
+	if resp.StatusCode != 400 || !strings.Contains(b, `sampling_params[1].max_new_tokens`) {
+		t.Errorf("an entry without a cap: %d %s", resp.StatusCode, b)
+	}
+	resp, b = tenantReq(t, gw.URL+"/generate", "sk-hostile", `{"text":["a","b"],"sampling_params":[{"max_new_tokens":10},{"max_new_tokens":20}]}`)
+	if resp.StatusCode != 200 {
+		t.Errorf("a list within the bucket: %d %s", resp.StatusCode, b)
+	}
+}

@@ -8,6 +8,7 @@
 package pd
 
 import (
+	"encoding/json"
 	"net/http"
 	"strconv"
 
@@ -145,13 +146,31 @@ func SamplesOf(req *Request) int {
 		return n
 	}
 	sp, ok := req.Get("sampling_params")
-	if !ok || len(sp) == 0 || sp[0] != '{' {
+	if !ok || len(sp) == 0 {
 		return 1
 	}
-	raw, ok := openai.Get(sp, "n")
-	if !ok {
+	if sp[0] == '[' {
+		// One sampling_params per prompt (SGLang's list form): the most samples any asks, so
+		// that prompts × samples bounds what the engine runs.
+		var each []map[string]json.RawMessage
+		if json.Unmarshal(sp, &each) != nil {
+			return 1
+		}
+		n := 1
+		for _, p := range each {
+			n = max(n, samplesIn(p["n"]))
+		}
+		return n
+	}
+	if sp[0] != '{' {
 		return 1
 	}
+	raw, _ := openai.Get(sp, "n")
+	return samplesIn(raw)
+}
+
+// samplesIn reads a sampling_params n: at least 1.
+func samplesIn(raw []byte) int {
 	n, err := strconv.Atoi(string(raw))
 	if err != nil || n < 1 {
 		return 1

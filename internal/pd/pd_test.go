@@ -57,6 +57,9 @@ func TestSamplesOf(t *testing.T) {
 		{"/generate", `{"text":"a","n":5}`, 1}, // /generate reads sampling_params.n only
 		{"/generate", `{"text":"a","sampling_params":{"n":"3"}}`, 1},
 		{"/generate", `{"text":"a","sampling_params":null}`, 1},
+		// SGLang's list form, one per prompt: the most any asks.
+		{"/generate", `{"text":["a","b"],"sampling_params":[{"n":2},{"n":4,"max_new_tokens":2}]}`, 4},
+		{"/generate", `{"text":["a"],"sampling_params":[{"max_new_tokens":2}]}`, 1},
 	} {
 		r := req(tc.path, tc.body)
 		if got := SamplesOf(r); got != tc.want {

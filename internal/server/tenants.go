@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -365,6 +366,38 @@ type budgetOf struct {
 	missing, required, invalid bool
 }
 
+// listBudget is the completion of SGLang's list-form sampling_params (one per prompt): the
+// largest max_new_tokens any names. Every entry must name one — Baton writes no cap into a list
+// — and each must be an integer, as its n must.
+func listBudget(raw []byte) budgetOf {
+	var each []map[string]json.RawMessage
+	if json.Unmarshal(raw, &each) != nil {
+		return budgetOf{field: "sampling_params", invalid: true}
+	}
+	b := budgetOf{tokens: 0, field: "sampling_params.max_new_tokens"}
+	for i, p := range each {
+		at := fmt.Sprintf("sampling_params[%d]", i)
+		if v, ok := p["n"]; ok {
+			if _, valid := capValue(v); !valid {
+				return budgetOf{field: at + ".n", invalid: true}
+			}
+		}
+		v, ok := p["max_new_tokens"]
+		if !ok {
+			return budgetOf{field: at + ".max_new_tokens", missing: true, required: true}
+		}
+		n, valid := capValue(v)
+		switch {
+		case !valid:
+			return budgetOf{field: at + ".max_new_tokens", invalid: true}
+		case n < 0: // null: the engine's default, which Baton cannot write into a list
+			return budgetOf{field: at + ".max_new_tokens", missing: true, required: true}
+		}
+		b.tokens = max(b.tokens, n)
+	}
+	return b
+}
+
 // completionBudget is the completion a request asks for per prompt and sample: the largest of
 // its caps (or, on SGLang's /generate, sampling_params.max_new_tokens). Without one: on
 // /v1/completions OpenAI's default of 16, on /generate SGLang's default of 128 (its
@@ -373,6 +406,9 @@ type budgetOf struct {
 func completionBudget(req *openai.Request, path string, def int) budgetOf {
 	if path == "/generate" {
 		const field = "sampling_params.max_new_tokens"
+		if raw, ok := req.Get("sampling_params"); ok && len(raw) > 0 && raw[0] == '[' {
+			return listBudget(raw)
+		}
 		if raw, ok := req.Get("sampling_params"); ok {
 			if v, ok := openai.Get(raw, "max_new_tokens"); ok {
 				n, valid := capValue(v)
