@@ -100,7 +100,8 @@ func TestAdapterAffinityAndSingleFlightLoad(t *testing.T) {
 // adapter. A load that fails is answered at once afterwards, not tried again in a loop.
 func TestAdapterLRUUnloadAndFailingLoad(t *testing.T) {
 	t.Parallel()
-	e := loraEngine(t, sim.Config{Model: "base", MaxLoRAs: 2, LoRAMissingPaths: []string{"/adapters/gone"}})
+	// SGLang: it refuses a load past --max-loaded-loras (vLLM never refuses one for room).
+	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base", MaxLoRAs: 2, LoRAMissingPaths: []string{"/adapters/gone"}})
 	cfg := testConfig(e.URL())
 	cfg.LoadPollInterval = 20 * time.Millisecond
 	cfg.Adapters = []config.Adapter{{Name: "a1", Path: "/adapters/a1", Base: "base"}, {Name: "a2", Path: "/adapters/a2", Base: "base"},
@@ -111,11 +112,13 @@ func TestAdapterLRUUnloadAndFailingLoad(t *testing.T) {
 			t.Fatalf("%s: %d %s", m, resp.StatusCode, body)
 		}
 	}
-	poll.Until(t, "the engine's max_lora is read", func() bool { return g.Registry.Snapshot().Workers[0].EngineLoad().MaxLoRA == 2 })
+	if in := g.Registry.Snapshot().Workers[0].Info(); in == nil || in.MaxLoadedLoRAs != 2 {
+		t.Fatalf("max_loaded_loras from /server_info: %+v", in)
+	}
 
 	resp, body := adapterReq(t, gw.URL, "a3")
 	env := wantAdapterFailure(t, resp, body)
-	if !strings.Contains(env.Error.Message, `"a3"`) || !strings.Contains(env.Error.Message, "slots are in use") {
+	if !strings.Contains(env.Error.Message, `"a3"`) || !strings.Contains(env.Error.Message, "Maximum number of loaded LoRA adapters") {
 		t.Fatalf("full without unload_lru: %s", body)
 	}
 

@@ -180,13 +180,29 @@ func (m *Manager) tierOf(w *worker.Worker, adapter string, now time.Time) Tier {
 	if f := m.loading[adapter]; f != nil && f.worker == w.URL {
 		return TierLoaded
 	}
-	if l.HasLoRA && l.MaxLoRA > 0 && len(w.Adapters()) >= l.MaxLoRA {
+	if c := loadedCap(w); c > 0 && len(w.Adapters()) >= c {
 		if m.idle(w, l, fresh) {
 			return TierFull
 		}
 		return TierBusy
 	}
+	if fresh && l.HasLoRA && l.MaxLoRA > 0 && len(l.LoRARunning) >= l.MaxLoRA {
+		// vLLM's max_lora is the adapters one batch runs: with as many others running, this
+		// one's requests would wait in the engine.
+		return TierFull
+	}
 	return TierFree
+}
+
+// loadedCap is the most adapters w's engine holds loaded: SGLang's --max-loaded-loras (from its
+// /server_info), past which it refuses a load; 0 for none known. vLLM has no such bound — it
+// never refuses a load for room (its max_lora is the adapters one batch runs) — so Baton never
+// unloads an adapter from vLLM to make room.
+func loadedCap(w *worker.Worker) int {
+	if in := w.Info(); in != nil {
+		return in.MaxLoadedLoRAs
+	}
+	return 0
 }
 
 // idle reports, with m.mu held, whether some adapter loaded on w has no request in flight
@@ -386,15 +402,48 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 		m.Refresh(ctx, w)
 	}
 	for s.UnloadLRU {
-		l := w.EngineLoad()
-		if !l.HasLoRA || l.MaxLoRA == 0 || len(w.Adapters()) < l.MaxLoRA {
+		c := loadedCap(w)
+		if c == 0 || len(w.Adapters()) < c {
 			break
 		}
-		victim := m.lru(w, l)
+		if err := m.makeRoom(ctx, w, a, c); err != nil {
+			return err
+		}
+	}
+	err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path})
+	if errors.Is(err, errNoRoom) && s.UnloadLRU {
+		// The engine is full although Baton's count said otherwise (another replica loaded one):
+		// the least recently used idle adapter goes, and the load is tried once more.
+		if _, err = m.Registry.RefreshModels(ctx, m.Client, w); err == nil {
+			err = m.makeRoom(ctx, w, a, len(w.Adapters()))
+		}
+		if err == nil {
+			err = m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path})
+		}
+	}
+	if err != nil && !errors.Is(err, errAlreadyLoaded) {
+		return err
+	}
+	// Loaded, or loaded by another replica since this one last read the engine's models: its
+	// model list says which, and either way the adapter is there.
+	if _, err := m.Registry.RefreshModels(ctx, m.Client, w); err != nil {
+		return fmt.Errorf("the engine answered the load, but its model list could not be read: %w", err)
+	}
+	if !w.Lists(a.Name) {
+		return errors.New("the engine answered the load, but does not list the adapter")
+	}
+	return nil
+}
+
+// makeRoom unloads the least recently used idle adapter of w (c its capacity, for the message),
+// waiting within ctx while every one has requests in flight.
+func (m *Manager) makeRoom(ctx context.Context, w *worker.Worker, a config.Adapter, c int) error {
+	for {
+		victim := m.lru(w, w.EngineLoad())
 		if victim == "" {
 			select {
 			case <-ctx.Done():
-				return fmt.Errorf("all %d adapter slots held adapters with requests in flight until the load timeout", l.MaxLoRA)
+				return fmt.Errorf("all %d adapters loaded had requests in flight until the load timeout", c)
 			case <-time.After(10 * time.Millisecond):
 				continue
 			}
@@ -417,19 +466,8 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 		if rerr != nil {
 			return fmt.Errorf("after unloading %q, the model list could not be read: %w", victim, rerr)
 		}
+		return nil
 	}
-	if err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path}); err != nil && !errors.Is(err, errAlreadyLoaded) {
-		return err
-	}
-	// Loaded, or loaded by another replica since this one last read the engine's models: its
-	// model list says which, and either way the adapter is there.
-	if _, err := m.Registry.RefreshModels(ctx, m.Client, w); err != nil {
-		return fmt.Errorf("the engine answered the load, but its model list could not be read: %w", err)
-	}
-	if !w.Lists(a.Name) {
-		return errors.New("the engine answered the load, but does not list the adapter")
-	}
-	return nil
 }
 
 // lru is the adapter loaded on w to unload first: none with requests in flight (Baton's, or
@@ -498,6 +536,11 @@ func (m *Manager) Begin(w *worker.Worker, adapter string) (end func()) {
 var (
 	errAlreadyLoaded = errors.New("the engine has the adapter loaded already")
 	errGone          = errors.New("the engine has no such adapter loaded")
+	// errNoRoom is SGLang refusing a load past --max-loaded-loras: "Cannot load LoRA adapter X
+	// at path P. Maximum number of loaded LoRA adapters is N. Please unload some LoRA adapters
+	// before loading new ones." (python/sglang/srt/managers/tokenizer_manager.py,
+	// load_lora_adapter; test/srt/lora/test_lora_update.py expects it).
+	errNoRoom = errors.New("the engine holds as many adapters as it may")
 )
 
 // maxAnswer bounds what Baton reads of an engine's answer to a load or unload.
@@ -541,6 +584,8 @@ func (m *Manager) post(ctx context.Context, w *worker.Worker, op string, body ma
 		return errAlreadyLoaded
 	case op == "unload_lora_adapter" && resp.StatusCode == http.StatusNotFound && bytes.Contains(answer, []byte("cannot be found")):
 		return errGone
+	case op == "load_lora_adapter" && bytes.Contains(answer, []byte("Maximum number of loaded LoRA adapters")):
+		return fmt.Errorf("%w: %s", errNoRoom, cmp.Or(sg.Message, openai.EngineMessage(answer)))
 	}
 	if resp.StatusCode == http.StatusNotFound && sg.Success == nil && !bytes.Contains(answer, []byte("adapter")) {
 		return fmt.Errorf("POST %s answered 404: the engine serves no adapter endpoint (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", path)

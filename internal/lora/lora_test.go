@@ -15,10 +15,15 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// node is a registered worker serving base with adapters loaded and the engine load l.
+// node is a registered vLLM worker serving base with adapters loaded and the engine load l.
 func node(url string, l worker.EngineLoad, adapters ...string) *worker.Worker {
+	return nodeOf(config.RuntimeVLLM, 0, url, l, adapters...)
+}
+
+// nodeOf is node of runtime, holding at most maxLoaded adapters (SGLang's --max-loaded-loras).
+func nodeOf(runtime string, maxLoaded int, url string, l worker.EngineLoad, adapters ...string) *worker.Worker {
 	w := worker.New(config.Worker{URL: url})
-	in := &worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}}}
+	in := &worker.Info{Runtime: runtime, Models: []worker.Model{{ID: "base"}}, MaxLoadedLoRAs: maxLoaded}
 	for _, a := range adapters {
 		in.Models = append(in.Models, worker.Model{ID: a, Parent: "base"})
 	}
@@ -28,8 +33,9 @@ func node(url string, l worker.EngineLoad, adapters ...string) *worker.Worker {
 }
 
 // The tiers, best first: the adapter running on an engine that queues nothing, loaded, a free
-// slot (or loaded where the engine queues), full with an idle adapter to unload, full with every
-// adapter in flight. Among load tiers, the workers with the fewest loads under way.
+// slot (or loaded where the engine queues), full — SGLang holding --max-loaded-loras with an
+// idle adapter to unload, or vLLM's batch running max_lora other adapters — and SGLang full with
+// every adapter in flight. Among load tiers, the workers with the fewest loads under way.
 func TestTiers(t *testing.T) {
 	now := time.Now()
 	fresh := func(l worker.EngineLoad) worker.EngineLoad {
@@ -40,11 +46,16 @@ func TestTiers(t *testing.T) {
 	loaded := node("http://loaded", fresh(worker.EngineLoad{}), "x")
 	queueing := node("http://queueing", fresh(worker.EngineLoad{LoRARunning: []string{"x"}, Waiting: 3}), "x")
 	free := node("http://free", fresh(worker.EngineLoad{}), "y")
-	full := node("http://full", fresh(worker.EngineLoad{}), "y", "z")
-	busy := node("http://busy", fresh(worker.EngineLoad{LoRARunning: []string{"y", "z"}}), "y", "z")
-	m := New(worker.NewRegistry(running, loaded, queueing, free, full, busy), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
+	full := nodeOf(config.RuntimeSGLang, 2, "http://full", fresh(worker.EngineLoad{}), "y", "z")
+	busy := nodeOf(config.RuntimeSGLang, 2, "http://busy", fresh(worker.EngineLoad{LoRARunning: []string{"y", "z"}}), "y", "z")
+	// vLLM holding more adapters than max_lora is no full worker (it never refuses a load);
+	// one whose batch runs max_lora others is.
+	manyIdle := node("http://many-idle", fresh(worker.EngineLoad{}), "y", "z", "w")
+	batchFull := node("http://batch-full", fresh(worker.EngineLoad{LoRARunning: []string{"y", "z"}}), "y", "z")
+	m := New(worker.NewRegistry(running, loaded, queueing, free, full, busy, manyIdle, batchFull), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Settings{Adapters: []config.Adapter{{Name: "x", Path: "/x", Base: "base"}}, Affinity: true, Timeout: time.Second})
-	for w, want := range map[*worker.Worker]Tier{running: TierRunning, loaded: TierLoaded, queueing: TierFree, free: TierFree, full: TierFull, busy: TierBusy} {
+	for w, want := range map[*worker.Worker]Tier{running: TierRunning, loaded: TierLoaded, queueing: TierFree, free: TierFree, full: TierFull, busy: TierBusy,
+		manyIdle: TierFree, batchFull: TierFull} {
 		if got := m.TierOf(w, "x", now); got != want {
 			t.Errorf("%s: %s, want %s", w.URL, got, want)
 		}
@@ -80,10 +91,10 @@ func TestTiers(t *testing.T) {
 	}
 }
 
-// Making room unloads the least recently used adapter that has no request in flight: an older
-// one still in flight stays.
+// Making room on SGLang (--max-loaded-loras, read from its /server_info) unloads the least
+// recently used adapter that has no request in flight: an older one still in flight stays.
 func TestUnloadSkipsAdaptersInFlight(t *testing.T) {
-	e, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "base", RuntimeLoRA: true, MaxLoRAs: 2, LoRAAdapters: []string{"a1", "a2"}})
+	e, err := sim.Start(sim.Config{Engine: sim.EngineSGLang, Model: "base", RuntimeLoRA: true, MaxLoRAs: 2, LoRAAdapters: []string{"a1", "a2"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,8 +105,9 @@ func TestUnloadSkipsAdaptersInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.SetInfo(in)
-	now := time.Now()
-	w.SetEngineLoad(worker.EngineLoad{HasLoRA: true, MaxLoRA: 2, At: now, Until: now.Add(time.Minute)})
+	if in.MaxLoadedLoRAs != 2 {
+		t.Fatalf("max_loaded_loras read from /server_info: %d", in.MaxLoadedLoRAs)
+	}
 	var declared []config.Adapter
 	for _, n := range []string{"a1", "a2", "a3"} {
 		declared = append(declared, config.Adapter{Name: n, Path: "/adapters/" + n, Base: "base"})
@@ -146,5 +158,62 @@ func TestReplicaRacesAreState(t *testing.T) {
 	// An unload of an adapter another replica already unloaded is the room it was for.
 	if err := m.post(context.Background(), w, "unload_lora_adapter", map[string]string{"lora_name": "gone"}); !errors.Is(err, errGone) {
 		t.Errorf("an unload of an adapter not loaded: %v", err)
+	}
+}
+
+// vLLM never refuses a load for room: with unload_lru on, a load past its max_lora unloads
+// nothing. SGLang refusing one (another replica filled it behind Baton's count) has the least
+// recently used idle adapter unloaded and the load tried once more.
+func TestCapacityAsEachEngineMeansIt(t *testing.T) {
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	declared := func(names ...string) (out []config.Adapter) {
+		for _, n := range names {
+			out = append(out, config.Adapter{Name: n, Path: "/adapters/" + n, Base: "base"})
+		}
+		return out
+	}
+	v, err := sim.Start(sim.Config{Engine: sim.EngineVLLM, Model: "base", RuntimeLoRA: true, MaxLoRAs: 1, LoRAAdapters: []string{"a1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	w := worker.New(config.Worker{URL: v.URL()})
+	in, err := worker.Detect(context.Background(), http.DefaultClient, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.SetInfo(in)
+	now := time.Now()
+	w.SetEngineLoad(worker.EngineLoad{HasLoRA: true, MaxLoRA: 1, At: now, Until: now.Add(time.Minute)})
+	m := New(worker.NewRegistry(w), http.DefaultClient, quiet, Settings{Adapters: declared("a1", "a2"), UnloadLRU: true, Timeout: 5 * time.Second})
+	if err := m.Ensure(context.Background(), w, "a2"); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(v.LoadedAdapters(), ","); got != "a1,a2" {
+		t.Errorf("vLLM: loaded %s, want a1,a2 (nothing unloaded for a batch bound)", got)
+	}
+
+	s, err := sim.Start(sim.Config{Engine: sim.EngineSGLang, Model: "base", RuntimeLoRA: true, MaxLoRAs: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	sw := worker.New(config.Worker{URL: s.URL()})
+	if in, err = worker.Detect(context.Background(), http.DefaultClient, sw); err != nil {
+		t.Fatal(err)
+	}
+	sw.SetInfo(in)
+	// Another replica fills the engine behind this one's count.
+	resp, err := http.Post(s.URL()+"/load_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"b1","lora_path":"/adapters/b1"}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the other replica's load: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	sm := New(worker.NewRegistry(sw), http.DefaultClient, quiet, Settings{Adapters: declared("b1", "b2"), UnloadLRU: true, Timeout: 5 * time.Second})
+	if err := sm.Ensure(context.Background(), sw, "b2"); err != nil {
+		t.Fatalf("SGLang full behind Baton's count: %v", err)
+	}
+	if got := strings.Join(s.LoadedAdapters(), ","); got != "b2" {
+		t.Errorf("SGLang: loaded %s, want b2 (b1, idle, unloaded to make room)", got)
 	}
 }

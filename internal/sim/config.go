@@ -87,8 +87,11 @@ type Config struct {
 	// listed in /v1/models with the base model as parent; their KV blocks are keyed apart and
 	// their KV events carry lora_name).
 	LoRAAdapters []string
-	// MaxLoRAs is how many adapters may be loaded at once (0: no limit); a load beyond it is
-	// refused. LoRALoadTime is how long a load takes.
+	// MaxLoRAs is each engine's own LoRA bound (0: none). vLLM: --max-loras, the adapters one
+	// batch may run — loads past it are taken (vLLM's load_lora_adapter checks no capacity); it is
+	// max_lora in lora_requests_info. SGLang: --max-loaded-loras, the adapters held loaded — a
+	// load past it is refused with SGLang's own words — reported in /server_info with
+	// max_loras_per_batch. LoRALoadTime is how long a load takes.
 	MaxLoRAs     int
 	LoRALoadTime time.Duration
 	// RuntimeLoRA serves the adapter load and unload endpoints (vLLM answers them only when

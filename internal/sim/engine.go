@@ -396,6 +396,9 @@ func (e *Engine) serveServerInfo(w http.ResponseWriter, _ *http.Request) {
 		"load_balance_method": "follow_bootstrap_room", "max_queued_requests": e.cfg.QueueSize,
 		"internal_states": []any{map[string]any{"last_gen_throughput": 0.0}}, "version": "0.5.0+baton.sim",
 	}
+	if e.cfg.MaxLoRAs > 0 {
+		info["max_loaded_loras"], info["max_loras_per_batch"] = e.cfg.MaxLoRAs, e.cfg.MaxLoRAs
+	}
 	// The KV events publisher descriptor SGLang reports when it binds one (endpoint_host "*"
 	// means the engine's own address). The simulator's ranks share one prefix cache and one
 	// publisher, so it describes one.

@@ -165,9 +165,12 @@ func (e *Engine) serveLoad(w http.ResponseWriter, r *http.Request) {
 		s.mu.Unlock()
 		e.loraAnswer(w, errorf(400, "The lora adapter '%s' has already been loaded.", req.Name), "")
 		return
-	case s.max > 0 && len(s.loaded)+len(s.inflight) >= s.max:
+	case e.cfg.Engine == EngineSGLang && s.max > 0 && len(s.loaded)+len(s.inflight) >= s.max:
+		// SGLang's tokenizer manager refuses past --max-loaded-loras
+		// (python/sglang/srt/managers/tokenizer_manager.py, load_lora_adapter); vLLM checks no
+		// capacity on a load (vllm/entrypoints/openai/serving_models.py).
 		s.mu.Unlock()
-		e.loraAnswer(w, errorf(400, "cannot load LoRA adapter '%s': all %d adapter slots are in use (max_loras %d); unload one first", req.Name, s.max, s.max), "")
+		e.loraAnswer(w, errorf(400, "Cannot load LoRA adapter %s at path %s. Maximum number of loaded LoRA adapters is %d. Please unload some LoRA adapters before loading new ones.", req.Name, req.Path, s.max), "")
 		return
 	}
 	s.inflight[req.Name] = true

@@ -38,22 +38,24 @@ const probeTimeout = 5 * time.Second
 func Detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
 	in, err := detect(ctx, client, w)
 	if err == nil && in.Runtime == config.RuntimeSGLang {
-		in.DPSize, in.KVEvents = sglangServerInfo(ctx, client, w)
+		in.DPSize, in.KVEvents, in.MaxLoadedLoRAs = sglangServerInfo(ctx, client, w)
 	}
 	return in, err
 }
 
-// sglangServerInfo reads the data parallel size and the KV events publisher an SGLang engine
-// reports (0 and nil when it does not).
-func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher) {
+// sglangServerInfo reads the data parallel size, the KV events publisher and the most LoRA
+// adapters an SGLang engine may hold loaded (its --max-loaded-loras) it reports (0, nil and 0
+// when it does not).
+func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher, int) {
 	for _, p := range []string{"/server_info", "/get_server_info"} {
 		status, body, err := probe(ctx, client, w, p)
 		if err != nil || status != http.StatusOK {
 			continue
 		}
 		var v struct {
-			DPSize   int `json:"dp_size"`
-			KVEvents *struct {
+			DPSize         int  `json:"dp_size"`
+			MaxLoadedLoRAs *int `json:"max_loaded_loras"`
+			KVEvents       *struct {
 				Publisher string `json:"publisher"`
 				Host      string `json:"endpoint_host"`
 				PortBase  int    `json:"endpoint_port_base"`
@@ -63,7 +65,11 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 			} `json:"kv_events"`
 		}
 		if json.Unmarshal(body, &v) != nil {
-			return 0, nil
+			return 0, nil, 0
+		}
+		maxLoaded := 0
+		if v.MaxLoadedLoRAs != nil && *v.MaxLoadedLoRAs > 0 {
+			maxLoaded = *v.MaxLoadedLoRAs
 		}
 		var pub *KVEventsPublisher
 		if k := v.KVEvents; k != nil && k.Publisher == "zmq" {
@@ -76,9 +82,9 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 				pub = &KVEventsPublisher{Endpoint: ep, BlockSize: k.BlockSize, DPSize: k.DPSize, Topic: k.Topic}
 			}
 		}
-		return v.DPSize, pub
+		return v.DPSize, pub, maxLoaded
 	}
-	return 0, nil
+	return 0, nil, 0
 }
 
 func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {

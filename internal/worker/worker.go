@@ -43,6 +43,10 @@ type Info struct {
 	// KVEvents is the KV events publisher the engine reports (SGLang /server_info kv_events),
 	// nil when it reports none.
 	KVEvents *KVEventsPublisher
+	// MaxLoadedLoRAs is the most adapters the engine holds loaded (SGLang's --max-loaded-loras,
+	// from /server_info), 0 when unbounded or unknown. vLLM has no such bound: its max_lora
+	// (lora_requests_info) is the adapters one batch may run.
+	MaxLoadedLoRAs int
 }
 
 // KVEventsPublisher is an engine's own description of its KV events publisher.
