@@ -91,6 +91,9 @@ func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 		// A buffered body arrives in one message: it may be as large as a request body may be.
 		grpc.MaxRecvMsgSize(int(cfg.MaxPayloadSize)+64<<10),
 		grpc.MaxConcurrentStreams(uint32(cfg.EPPMaxStreamsPerConnection)),
+		// A connection that does not complete its TLS and HTTP/2 handshakes within 5 s is closed
+		// (gRPC's default is 120 s): silent sockets hold a place among the connections briefly.
+		grpc.ConnectionTimeout(5*time.Second),
 		// A data plane pings at most every 10 s; a connection without streams for 10 minutes is
 		// closed, and one whose peer stopped answering pings is found within a minute.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),

@@ -3,6 +3,7 @@ package app
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
@@ -750,8 +752,8 @@ func TestEPPHalfDuplexPicksFromHeaders(t *testing.T) {
 	if err != nil || m.GetRequestHeaders() == nil || dataplane.Destination(m) != endpointOf(a.URL()) {
 		t.Fatalf("the headers' answer: %v %v", m, err)
 	}
-	for _, eos := range []bool{false, true} {
-		st.Send(dataplane.RequestBody([]byte(`{"model":"m"}`), eos))
+	for i, eos := range []bool{false, true} {
+		st.Send(dataplane.RequestBody([]byte([]string{`{"model":`, `"m"}`}[i]), eos))
 		if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
 			t.Fatalf("body chunk (end %v): %v %v", eos, m, err)
 		}
@@ -941,6 +943,9 @@ func TestEPPOwnedFieldsNeverPass(t *testing.T) {
 	}{
 		{"owned", `{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.9"}}`, "kv_transfer_params"},
 		{"owned, another case", `{"model":"m","prompt":"x","PRIORITY":-100}`, "PRIORITY"},
+		// A body the guard cannot parse but an engine's json.loads reads (a UTF-8 byte order
+		// mark): refused as invalid, as every other mode refuses it.
+		{"byte order mark", "\xef\xbb\xbf" + `{"model":"m","prompt":"x","priority":-100}`, "invalid_json"},
 		{"clean", `{"model":"m","prompt":"x"}`, ""},
 	} {
 		st := open(filterv3.ProcessingMode_STREAMED, http.MethodPost, "/v1/completions", false)
@@ -957,7 +962,9 @@ func TestEPPOwnedFieldsNeverPass(t *testing.T) {
 		switch {
 		case err != nil:
 			t.Fatalf("%s: %v", c.name, err)
-		case c.owned != "" && (m.GetImmediateResponse().GetStatus().GetCode() != 400 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), `"param":"`+c.owned+`"`)):
+		case c.owned == "invalid_json" && (m.GetImmediateResponse().GetStatus().GetCode() != 400 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), "invalid_json")):
+			t.Errorf("%s: the last chunk's answer %v, want 400 invalid_json", c.name, m)
+		case c.owned != "" && c.owned != "invalid_json" && (m.GetImmediateResponse().GetStatus().GetCode() != 400 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), `"param":"`+c.owned+`"`)):
 			t.Errorf("%s: the last chunk's answer %v, want 400 naming %s", c.name, m, c.owned)
 		case c.owned == "" && m.GetRequestBody() == nil:
 			t.Errorf("%s: the last chunk's answer %v, want it let through", c.name, m)
@@ -998,4 +1005,70 @@ func TestEPPFallbacksTakeTheChoicesBody(t *testing.T) {
 	if eps := recvPick(t, st); len(eps) != 2 {
 		t.Errorf("two workers alike: %v, want the choice and a fallback", eps)
 	}
+}
+
+// An immediate response ends the exchange: the picker does not hold the stream for a data plane
+// that keeps it open (a refusal costs no place among the exchanges); a BUFFERED_PARTIAL body
+// past the proxy's buffer is refused 413 rather than read as a whole body; a silent TCP
+// connection holds its place among the connections for the 5 s handshake bound, not gRPC's 120 s.
+func TestEPPRefusalsEndTheExchange(t *testing.T) {
+	t.Parallel()
+	a := startSim(t, sim.Config{Engine: sim.EngineVLLM, Model: "m"})
+	g, conn := startEPP(t, testConfig(a.URL()))
+	client := extprocv3.NewExternalProcessorClient(conn)
+	st, err := client.Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+	st.Send(dataplane.RequestBody([]byte("not json"), true))
+	if m, err := st.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 400 {
+		t.Fatalf("%v %v", m, err)
+	}
+	if m, err := st.Recv(); err != io.EOF { // the data plane has not closed its side
+		t.Errorf("after the refusal: %v %v, want the stream ended", m, err)
+	}
+	poll.Until(t, "no exchange held", func() bool { return testutil.ToFloat64(g.Metrics.EPPStreams) == 0 })
+
+	st, err = client.Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false)
+	first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_BUFFERED_PARTIAL}
+	st.Send(first)
+	if m, err := st.Recv(); err != nil || m.GetRequestHeaders() == nil {
+		t.Fatalf("the headers' answer: %v %v", m, err)
+	}
+	st.Send(dataplane.RequestBody([]byte(`{"model":"m","prompt":"the first part of a`), false))
+	if m, err := st.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 413 {
+		t.Errorf("a partial buffer: %v %v", m, err)
+	}
+
+	cfg := g.Config
+	cfg.Host, cfg.GRPCPort, cfg.GRPCHealthPort, cfg.EPPSecureServing, cfg.EPPMaxConnections = "127.0.0.1", 0, -1, true, 2
+	el, err := g.listenEPP(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	el.serve()
+	t.Cleanup(func() { el.stop(time.Now()) })
+	for i := 0; i < 2; i++ { // silent: not even a TLS ClientHello
+		c, err := net.Dial("tcp", el.ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+	}
+	tconn, err := grpc.NewClient(el.ln.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{InsecureSkipVerify: true})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tconn.Close()
+	poll.Until(t, "a gateway served once the silent sockets were closed (within the handshake bound)", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, err := healthpb.NewHealthClient(tconn).Check(ctx, &healthpb.HealthCheckRequest{Service: "liveness"})
+		return err == nil
+	})
 }

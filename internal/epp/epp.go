@@ -144,6 +144,7 @@ type Server struct {
 	active   atomic.Int64 // exchanges being served
 	peak     atomic.Int64 // the most exchanges at once since memory was last given back
 	released atomic.Int64 // when memory was last given back (Unix nanoseconds)
+	freed    atomic.Int64 // body bytes let go since then
 }
 
 // A burst of at least burstStreams exchanges that ended gives the memory it took back to the
@@ -151,14 +152,21 @@ type Server struct {
 // the runtime's own pace returns it.
 const (
 	burstStreams = 512
+	burstBytes   = 64 << 20
 	releaseEvery = 30 * time.Second
 	releaseDelay = 3 * time.Second
 )
 
-// ended notes an exchange's end, and gives memory back after a burst.
+// ended notes an exchange's end, and gives memory back after a burst: of at least burstStreams
+// exchanges (or half of MaxStreams, when lower), or of burstBytes of bodies let go.
 func (s *Server) ended() {
 	n := s.active.Add(-1)
-	if p := s.peak.Load(); p-n < burstStreams || n > p/4 {
+	burst := int64(burstStreams)
+	if s.MaxStreams > 0 {
+		burst = min(burst, max(int64(s.MaxStreams)/2, 8))
+	}
+	bodies := s.freed.Load() >= burstBytes
+	if p := s.peak.Load(); (p-n < burst || n > p/4) && !bodies {
 		return
 	}
 	now := time.Now().UnixNano()
@@ -166,6 +174,7 @@ func (s *Server) ended() {
 		return
 	}
 	s.peak.Store(n)
+	s.freed.Store(0)
 	// A little later: the burst's last streams and their connections end first.
 	time.AfterFunc(releaseDelay, func() {
 		// Twice: what the first collection moved to the pools' victim caches goes with the second.
@@ -274,6 +283,11 @@ func (x *exchange) serve() error {
 			}
 			return err
 		}
+		if x.immediate {
+			// An immediate response ends the exchange (the proxy answers the client with it):
+			// the stream is not held open for a peer that would keep it.
+			return nil
+		}
 	}
 }
 
@@ -309,6 +323,7 @@ func (x *exchange) dropBody() {
 	if x.held > 0 && x.s.Release != nil {
 		x.s.Release(x.held)
 	}
+	x.s.freed.Add(x.held)
 	x.held = 0
 }
 
@@ -402,6 +417,12 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 		if !b.GetEndOfStream() && x.reqMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 			return nil
 		}
+		if !b.GetEndOfStream() && x.reqMode == filterv3.ProcessingMode_BUFFERED_PARTIAL {
+			// The proxy's buffer filled: the rest of the body goes to the engine unseen, so
+			// neither the model nor the fields Baton owns can be read in it.
+			return x.refuse(&openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
+				Message: "the request body is larger than the gateway's ext_proc buffer (BUFFERED_PARTIAL): raise the filter's buffer, or use FULL_DUPLEX_STREAMED"}, false)
+		}
 		// The end of the body (a buffered body comes in one message, whole or as much as the
 		// proxy buffered).
 		x.bodyDone = true
@@ -479,6 +500,11 @@ func (x *exchange) watchChunk(chunk []byte, end bool) *openai.Error {
 		return nil
 	}
 	defer x.dropBody()
+	if !openai.Valid(x.body) {
+		// A body the guard cannot read could still carry an owned field an engine reads (a
+		// byte order mark, UTF-16): refused, as every other mode refuses it.
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: "request body is not valid JSON"}
+	}
 	if f := x.s.Owned(x.body); f != "" {
 		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeOwnedField, Param: f,
 			Message: f + " is a field only Baton sets, and this gateway's ext_proc filter (request_body_mode STREAMED) lets the Endpoint Picker see the body only after it chose: the request is refused rather than sent on with it"}

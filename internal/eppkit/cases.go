@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -241,7 +242,92 @@ var cases = []check{
 		return err
 	}},
 
+	// Headers only the picker sets.
+	{"owned/headers", "a client's x-prefiller-host-port and x-data-parallel-rank never survive the pick (removed, or replaced by the picker's own)", func(ctx context.Context, k *Kit) error {
+		client := http.Header{"x-prefiller-host-port": {"10.66.66.66:8000"}, "x-data-parallel-rank": {"7"}}
+		p, _, err := k.picked(ctx, headers(http.MethodPost, k.o.Path, client, false), k.body("owned headers"))
+		if err == nil {
+			err = wantPick(p)
+		}
+		if err != nil {
+			return err
+		}
+		for name, theirs := range map[string]string{"x-prefiller-host-port": "10.66.66.66:8000", "x-data-parallel-rank": "7"} {
+			gone := slices.ContainsFunc(p.mutation.GetRemoveHeaders(), func(h string) bool { return strings.EqualFold(h, name) })
+			for _, h := range p.mutation.GetSetHeaders() {
+				if strings.EqualFold(h.GetHeader().GetKey(), name) && string(h.GetHeader().GetRawValue()) != theirs && !appends(h) {
+					gone = true
+				}
+			}
+			if !gone {
+				return fmt.Errorf("the client's %s passes the pick", name)
+			}
+		}
+		return nil
+	}},
+
 	// Body modes.
+	{"mode/streamed", "STREAMED: the headers are answered at once with a pick, then each body chunk is answered", func(ctx context.Context, k *Kit) error {
+		st, err := k.client.Process(ctx)
+		if err != nil {
+			return err
+		}
+		defer st.CloseSend()
+		if err := st.Send(withMode(headers(http.MethodPost, k.o.Path, nil, false), filterv3.ProcessingMode_STREAMED)); err != nil {
+			return err
+		}
+		m, err := st.Recv()
+		if err != nil {
+			return err
+		}
+		if m.GetImmediateResponse() != nil {
+			return nil // a picker may refuse a mode in which it cannot read the body first
+		}
+		p, err := readPick(m)
+		if err == nil && m.GetRequestHeaders() == nil {
+			err = fmt.Errorf("the headers were answered %T", m.Response)
+		}
+		if err == nil {
+			err = wantPick(p)
+		}
+		if err != nil {
+			return err
+		}
+		if err := st.Send(bodyMsg(k.body("streamed"), true)); err != nil {
+			return err
+		}
+		if m, err = st.Recv(); err != nil {
+			return err
+		}
+		if m.GetRequestBody() == nil && m.GetImmediateResponse() == nil {
+			return fmt.Errorf("the body chunk was answered %T", m.Response)
+		}
+		return nil
+	}},
+	{"mode/none", "NONE: a request without a body is picked at its headers; one with a body is picked or refused at once, never left waiting", func(ctx context.Context, k *Kit) error {
+		for _, eos := range []bool{true, false} {
+			st, err := k.client.Process(ctx)
+			if err != nil {
+				return err
+			}
+			path := k.o.Path
+			if eos {
+				path = "/v1/models"
+			}
+			if err := st.Send(withMode(headers(http.MethodPost, path, nil, eos), filterv3.ProcessingMode_NONE)); err != nil {
+				return err
+			}
+			m, err := st.Recv()
+			_ = st.CloseSend()
+			if err != nil {
+				return fmt.Errorf("body %v: %w", !eos, err)
+			}
+			if m.GetRequestHeaders() == nil && m.GetImmediateResponse() == nil {
+				return fmt.Errorf("body %v: answered %T", !eos, m.Response)
+			}
+		}
+		return nil
+	}},
 	{"mode/buffered", "BUFFERED: the headers are answered at once, the pick rides on the body's answer", modeCase(filterv3.ProcessingMode_BUFFERED)},
 	{"mode/buffered-partial", "BUFFERED_PARTIAL: as BUFFERED", modeCase(filterv3.ProcessingMode_BUFFERED_PARTIAL)},
 
