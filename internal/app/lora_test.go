@@ -270,3 +270,31 @@ func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
 		t.Errorf("requests the adapter ran: %d of 2 (the base answered the rest)", n)
 	}
 }
+
+// An adapter another replica unloaded from a worker since this Baton last read its models: the
+// engine answers the request 404 "does not exist"; Baton loads the adapter again on the same
+// worker and sends the request once more — the client never sees the 404.
+func TestAdapterUnloadedByAnotherReplica(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Model: "base"})
+	cfg := testConfig(e.URL())
+	cfg.LoadPollInterval = time.Hour // this replica learns of the unload only from the answer
+	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+	_, gw := startGateway(t, cfg)
+	if resp, b := adapterReq(t, gw.URL, "sql"); resp.StatusCode != 200 {
+		t.Fatalf("first: %d %s", resp.StatusCode, b)
+	}
+	resp, err := http.Post(e.URL()+"/v1/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"sql"}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the other replica's unload: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	for i := 0; i < 3; i++ {
+		if resp, b := adapterReq(t, gw.URL, "sql"); resp.StatusCode != 200 {
+			t.Fatalf("after the other replica's unload, request %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+	if l, _ := e.LoRAStats(); l != 2 {
+		t.Errorf("loads %d, want 2 (the first, and once again after the unload)", l)
+	}
+}

@@ -371,6 +371,13 @@ func (m *Manager) loadOnce(ctx context.Context, w *worker.Worker, a config.Adapt
 	return err
 }
 
+// Relearn reads w's model list again (its adapters), after an answer says it changed behind
+// Baton's back.
+func (m *Manager) Relearn(ctx context.Context, w *worker.Worker) error {
+	_, err := m.Registry.RefreshModels(ctx, m.Client, w)
+	return err
+}
+
 // ForgetFailures forgets the loads that failed lately: the next request for their adapters
 // loads them again (an operator fixed what failed).
 func (m *Manager) ForgetFailures() {

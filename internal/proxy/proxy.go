@@ -319,7 +319,8 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if KeyRefusedBy(w, resp.StatusCode) {
 		return p.KeyRefused(&leg, resp)
 	}
-	if outcome.Status(resp.StatusCode).Retryable || resp.StatusCode == http.StatusBadRequest && record.From(r.Context()).HoldRefusals {
+	if rec := record.From(r.Context()); outcome.Status(resp.StatusCode).Retryable || resp.StatusCode == http.StatusBadRequest && rec.HoldRefusals ||
+		resp.StatusCode == http.StatusNotFound && rec.HoldNotFound {
 		return p.HoldError(r, &leg, resp)
 	}
 	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))

@@ -65,6 +65,9 @@ type Record struct {
 	// HoldRefusals asks the proxy to hold a worker's 400 answer (not relay it) so that it can be
 	// read: a context-window fallback is left to try.
 	HoldRefusals bool
+	// HoldNotFound asks the proxy to hold a worker's 404 (not relay it): an adapter's request
+	// whose engine had the adapter unloaded by another replica is loaded again and retried.
+	HoldNotFound bool
 	// Who is the tenant Baton identified (Tenant is its name).
 	Who *tenant.Tenant
 

@@ -4,6 +4,7 @@
 package server
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -654,9 +655,42 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 				rec.Decode = wk.URL
 			}
 			s.noteDecisions(r, sreq)
-			return s.proxy.Forward(w, r, wk, r.URL.Path, withPriority(withLoRAPath(withModel(req.Body, client, workerModel(sreq, wk)), sreq, wk), rec.Class, wk))
+			body := withPriority(withLoRAPath(withModel(req.Body, client, workerModel(sreq, wk)), sreq, wk), rec.Class, wk)
+			if sreq.AdapterBase == "" || s.opts.Adapters == nil || !declared(s.opts.Adapters, sreq.Model) {
+				return s.proxy.Forward(w, r, wk, r.URL.Path, body)
+			}
+			// An adapter another replica unloaded since this one chose: the engine's 404 is held,
+			// the adapter loaded again on the same worker, and the request sent once more.
+			rec.HoldNotFound = true
+			err = s.proxy.Forward(w, r, wk, r.URL.Path, body)
+			rec.HoldNotFound = false
+			if !adapterGone(err) {
+				return err
+			}
+			if rerr := s.opts.Adapters.Relearn(r.Context(), wk); rerr != nil {
+				return err
+			}
+			again, rerr := s.adapterReady(r, sreq.Model, wk)
+			if rerr != nil {
+				return rerr
+			}
+			defer again()
+			s.log.Info("adapter gone from its worker (another replica unloaded it): loaded again, request sent once more", "adapter", sreq.Model, "worker", wk.URL)
+			return s.proxy.Forward(w, r, wk, r.URL.Path, body)
 		})
 	})
+}
+
+func declared(m *lora.Manager, model string) bool {
+	_, ok := m.Loadable(model)
+	return ok
+}
+
+// adapterGone reports whether err is an engine's 404 for a model it does not have (vLLM: "The
+// model `X` does not exist.", vllm/entrypoints/openai/serving_engine.py's model check).
+func adapterGone(err error) bool {
+	var f *outcome.Failure
+	return errors.As(err, &f) && f.Status == http.StatusNotFound && f.Answer == nil && bytes.Contains(f.Body, []byte("does not exist"))
 }
 
 // choose runs the selection (pickModel over sel) and readies the request's adapter on the
