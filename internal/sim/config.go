@@ -205,8 +205,8 @@ func (c *Config) validate() error {
 	if c.Faults.Rate < 0 || c.Faults.Rate > 1 {
 		errs = append(errs, fmt.Errorf("fault-rate %v: want 0..1", c.Faults.Rate))
 	}
-	if c.MaxLoRAs < 0 || c.MaxLoRAs > 0 && len(c.LoRAAdapters) > c.MaxLoRAs {
-		errs = append(errs, fmt.Errorf("max-loras %d: want 0 (no limit) or at least the %d adapters of lora-modules", c.MaxLoRAs, len(c.LoRAAdapters)))
+	if c.MaxLoRAs < 0 || c.Engine == EngineSGLang && c.MaxLoRAs > 0 && len(c.LoRAAdapters) > c.MaxLoRAs {
+		errs = append(errs, fmt.Errorf("max-loras %d: want 0 (no limit), or on SGLang at least the %d adapters of lora-modules", c.MaxLoRAs, len(c.LoRAAdapters)))
 	}
 	return errors.Join(errs...)
 }

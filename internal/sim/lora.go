@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -59,10 +60,12 @@ func (s *loraSet) has(name string) bool {
 }
 
 // queued counts a request of adapter waiting for a run slot: run moves it to running, done ends
-// it wherever it is.
-func (s *loraSet) queued(adapter string) (run, done func()) {
+// it wherever it is. With batch set (vLLM's --max-loras), run waits while batch other adapters
+// run: vLLM's scheduler runs at most max_loras adapters in a batch and leaves the requests of
+// another waiting (vllm/v1/core/sched/scheduler.py, the max_loras check when scheduling).
+func (s *loraSet) queued(ctx context.Context, adapter string, batch int) (run func() error, done func()) {
 	if adapter == "" {
-		return func() {}, func() {}
+		return func() error { return nil }, func() {}
 	}
 	s.mu.Lock()
 	s.waiting[adapter]++
@@ -74,13 +77,24 @@ func (s *loraSet) queued(adapter string) (run, done func()) {
 			delete(m, adapter)
 		}
 	}
-	run = func() {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		if state == &s.waiting {
-			dec(s.waiting)
-			s.running[adapter]++
-			state = &s.running
+	run = func() error {
+		for {
+			s.mu.Lock()
+			if state != &s.waiting {
+				s.mu.Unlock()
+				return nil
+			}
+			if batch <= 0 || s.running[adapter] > 0 || len(s.running) < batch {
+				dec(s.waiting)
+				s.running[adapter]++
+				state = &s.running
+				s.mu.Unlock()
+				return nil
+			}
+			s.mu.Unlock()
+			if err := sleep(ctx, time.Millisecond); err != nil {
+				return err
+			}
 		}
 	}
 	done = func() {

@@ -136,3 +136,37 @@ func TestLoRAPathOnSGLangOpenAIRoutes(t *testing.T) {
 		t.Fatalf("a lora_path not loaded: %d %s", r.status, r.raw)
 	}
 }
+
+// vLLM runs at most --max-loras adapters in a batch: a request of another adapter waits (shown
+// among lora_requests_info's waiting adapters) until one of those running is done; the loads
+// themselves are never refused for it.
+func TestVLLMBatchRunsAtMostMaxLoRAs(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineVLLM, RuntimeLoRA: true, MaxLoRAs: 1, LoRAAdapters: []string{"a1", "a2"}, DecodePerToken: 20 * time.Millisecond})
+	done := make(chan string, 2)
+	send := func(adapter string) {
+		r := post(t, e.URL()+"/v1/completions", `{"model":"`+adapter+`","prompt":"x","max_tokens":15,"ignore_eos":true}`)
+		if r.status != 200 {
+			t.Errorf("%s: %d %s", adapter, r.status, r.raw)
+		}
+		done <- adapter
+	}
+	go send("a1")
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(get(t, e.URL()+"/metrics").raw, `running_lora_adapters="a1"`) {
+		if time.Now().After(deadline) {
+			t.Fatal("a1 never ran")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	go send("a2")
+	for !strings.Contains(get(t, e.URL()+"/metrics").raw, `running_lora_adapters="a1",waiting_lora_adapters="a2"`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("a2 did not wait while a1 ran:\n%s", get(t, e.URL()+"/metrics").raw)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if first, second := <-done, <-done; first != "a1" || second != "a2" {
+		t.Errorf("finished %s then %s, want a1 then a2", first, second)
+	}
+}

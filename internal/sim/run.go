@@ -60,11 +60,18 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 			e.writeError(w, aerr)
 			return
 		}
-		running, done := e.lora.queued(j.lora)
+		batch := 0
+		if e.cfg.Engine == EngineVLLM {
+			batch = e.cfg.MaxLoRAs
+		}
+		running, done := e.lora.queued(ctx, j.lora, batch)
 		defer done()
 		release, ok, err := e.admit(ctx)
 		if ok && err == nil {
-			running()
+			err = running()
+			if err != nil {
+				release()
+			}
 		}
 		if !ok {
 			e.stats.rejected.Add(1)
