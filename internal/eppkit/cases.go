@@ -15,6 +15,9 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/baton-llm/baton/internal/epp"
+	"github.com/baton-llm/baton/internal/epp/dataplane"
 )
 
 const fullDuplex = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
@@ -66,7 +69,7 @@ var cases = []check{
 		return nil
 	}},
 	{"pick/overwrites", "a client's own x-gateway-destination-endpoint is replaced, never appended to", func(ctx context.Context, k *Kit) error {
-		p, _, err := k.picked(ctx, headers(http.MethodPost, k.o.Path, http.Header{headerDestination: {"10.255.255.1:1"}}, false), k.body("overwrite"))
+		p, _, err := k.picked(ctx, headers(http.MethodPost, k.o.Path, http.Header{epp.HeaderDestination: {"10.255.255.1:1"}}, false), k.body("overwrite"))
 		if err == nil {
 			err = wantPick(p)
 		}
@@ -77,7 +80,7 @@ var cases = []check{
 			// ext_proc applies a set header as a replacement unless told to append (the
 			// deprecated append field true: pickers still set it) or to keep a value already
 			// there (ADD_IF_ABSENT).
-			if strings.EqualFold(h.GetHeader().GetKey(), headerDestination) && (appends(h) || h.GetAppendAction() == corev3.HeaderValueOption_ADD_IF_ABSENT) {
+			if strings.EqualFold(h.GetHeader().GetKey(), epp.HeaderDestination) && (appends(h) || h.GetAppendAction() == corev3.HeaderValueOption_ADD_IF_ABSENT) {
 				return fmt.Errorf("the header is set to append or only if absent (action %v): the client's value would stay", h.GetAppendAction())
 			}
 		}
@@ -108,7 +111,7 @@ var cases = []check{
 			return errors.New("the stream ended before the body came")
 		case <-time.After(300 * time.Millisecond):
 		}
-		if err := st.Send(bodyMsg(k.body("after body"), true)); err != nil {
+		if err := st.Send(dataplane.RequestBody(k.body("after body"), true)); err != nil {
 			return err
 		}
 		select {
@@ -234,7 +237,7 @@ var cases = []check{
 	}},
 	{"subset/other-namespace", "metadata outside envoy.lb.subset_hint is no subset: the pick is made from every endpoint", func(ctx context.Context, k *Kit) error {
 		m := headers(http.MethodPost, k.o.Path, nil, false)
-		m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"some.other.filter": {Fields: map[string]*structpb.Value{subsetKey: list("10.255.255.254:65000")}}}}
+		m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"some.other.filter": {Fields: map[string]*structpb.Value{epp.SubsetKey: list("10.255.255.254:65000")}}}}
 		p, _, err := k.picked(ctx, m, k.body("other namespace"))
 		if err == nil {
 			err = wantPick(p)
@@ -293,7 +296,7 @@ var cases = []check{
 		if err != nil {
 			return err
 		}
-		if err := st.Send(bodyMsg(k.body("streamed"), true)); err != nil {
+		if err := st.Send(dataplane.RequestBody(k.body("streamed"), true)); err != nil {
 			return err
 		}
 		if m, err = st.Recv(); err != nil {
@@ -355,7 +358,7 @@ var cases = []check{
 			chunks := [][]byte{[]byte("data: {\"choices\":[{\"text\":\"a\"}]}\n\n"), []byte("data: [DONE]\n\n")}
 			var back bytes.Buffer
 			for i, c := range chunks {
-				if err := st.Send(respBody(c, i == len(chunks)-1)); err != nil {
+				if err := st.Send(dataplane.ResponseBody(c, i == len(chunks)-1)); err != nil {
 					return err
 				}
 				m, err := st.Recv()
@@ -444,7 +447,7 @@ var cases = []check{
 		if err != nil {
 			return err
 		}
-		if err := st.Send(bodyMsg([]byte(`{}`), true)); err != nil {
+		if err := st.Send(dataplane.RequestBody([]byte(`{}`), true)); err != nil {
 			return err
 		}
 		return wantStreamError(st)
@@ -489,7 +492,7 @@ var cases = []check{
 			st, err := k.client.Process(cctx)
 			if err == nil {
 				_ = st.Send(withMode(headers(http.MethodPost, k.o.Path, nil, false), fullDuplex))
-				_ = st.Send(bodyMsg([]byte(`{"model":`), false))
+				_ = st.Send(dataplane.RequestBody([]byte(`{"model":`), false))
 			}
 			cancel()
 		}
@@ -539,7 +542,7 @@ func modeCase(mode filterv3.ProcessingMode_BodySendMode) func(context.Context, *
 		if m.GetRequestHeaders() == nil {
 			return fmt.Errorf("the headers were answered %T, not at once with a headers response", m.Response)
 		}
-		if err := st.Send(bodyMsg(k.body("buffered"), true)); err != nil {
+		if err := st.Send(dataplane.RequestBody(k.body("buffered"), true)); err != nil {
 			return err
 		}
 		if m, err = st.Recv(); err != nil {
@@ -560,18 +563,7 @@ func modeCase(mode filterv3.ProcessingMode_BodySendMode) func(context.Context, *
 }
 
 func respHeaders(code int, served string, eos bool) *extprocv3.ProcessingRequest {
-	m := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
-		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: fmt.Appendf(nil, "%d", code)},
-			{Key: "content-type", RawValue: []byte("text/event-stream")}}}, EndOfStream: eos}}}
-	if served != "" {
-		m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{metadataNamespace: {
-			Fields: map[string]*structpb.Value{servedKey: structpb.NewStringValue(served)}}}}
-	}
-	return m
-}
-
-func respBody(b []byte, eos bool) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos}}}
+	return dataplane.ResponseHeaders(code, http.Header{"Content-Type": {"text/event-stream"}}, served, eos)
 }
 
 // respond picks a request, then plays its response path with f.

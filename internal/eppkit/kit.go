@@ -14,7 +14,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"slices"
@@ -28,17 +27,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
-)
 
-// The protocol's names (004-endpoint-picker-protocol).
-const (
-	headerDestination = "x-gateway-destination-endpoint"
-	metadataNamespace = "envoy.lb"
-	subsetNamespace   = "envoy.lb.subset_hint"
-	subsetKey         = "x-gateway-destination-endpoint-subset"
-	servedKey         = "x-gateway-destination-endpoint-served"
+	"github.com/baton-llm/baton/internal/epp"
+	"github.com/baton-llm/baton/internal/epp/dataplane"
 )
 
 // Options say where the picker is and what to ask it.
@@ -146,20 +138,13 @@ func (k *Kit) body(prompt string) []byte {
 	return fmt.Appendf(nil, `{"model":%q,"prompt":%q,"max_tokens":4}`, k.o.Model, prompt)
 }
 
+// headers is a request's headers as Envoy sends them (dataplane's), with a JSON content type.
 func headers(method, path string, extra http.Header, eos bool) *extprocv3.ProcessingRequest {
-	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-		{Key: ":method", RawValue: []byte(method)}, {Key: ":path", RawValue: []byte(path)}, {Key: ":scheme", RawValue: []byte("http")},
-		{Key: ":authority", RawValue: []byte("gateway.example")}, {Key: "content-type", RawValue: []byte("application/json")}}}
+	h := http.Header{"Content-Type": {"application/json"}}
 	for k, vs := range extra {
-		for _, v := range vs {
-			hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: strings.ToLower(k), RawValue: []byte(v)})
-		}
+		h[k] = vs
 	}
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm, EndOfStream: eos}}}
-}
-
-func bodyMsg(b []byte, eos bool) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos}}}
+	return dataplane.RequestHeaders(method, "gateway.example", path, h, eos)
 }
 
 func withMode(m *extprocv3.ProcessingRequest, mode filterv3.ProcessingMode_BodySendMode) *extprocv3.ProcessingRequest {
@@ -168,7 +153,7 @@ func withMode(m *extprocv3.ProcessingRequest, mode filterv3.ProcessingMode_BodyS
 }
 
 func withSubset(m *extprocv3.ProcessingRequest, subset *structpb.Value) *extprocv3.ProcessingRequest {
-	m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{subsetNamespace: {Fields: map[string]*structpb.Value{subsetKey: subset}}}}
+	m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{epp.SubsetNamespace: {Fields: map[string]*structpb.Value{epp.SubsetKey: subset}}}}
 	return m
 }
 
@@ -204,14 +189,14 @@ func readPick(m *extprocv3.ProcessingResponse) (pick, error) {
 	}
 	p := pick{mutation: c.GetHeaderMutation()}
 	for _, h := range p.mutation.GetSetHeaders() {
-		if strings.EqualFold(h.GetHeader().GetKey(), headerDestination) {
+		if strings.EqualFold(h.GetHeader().GetKey(), epp.HeaderDestination) {
 			p.header = string(h.GetHeader().GetRawValue())
 			if p.header == "" {
 				p.header = h.GetHeader().GetValue()
 			}
 		}
 	}
-	p.metadata = m.GetDynamicMetadata().GetFields()[metadataNamespace].GetStructValue().GetFields()[headerDestination].GetStringValue()
+	p.metadata = m.GetDynamicMetadata().GetFields()[epp.MetadataNamespace].GetStructValue().GetFields()[epp.HeaderDestination].GetStringValue()
 	return p, nil
 }
 
@@ -226,7 +211,7 @@ func (k *Kit) exchange(ctx context.Context, first *extprocv3.ProcessingRequest, 
 		return st, pick{}, nil, err
 	}
 	for i, c := range chunks {
-		m := bodyMsg(c, i == len(chunks)-1)
+		m := dataplane.RequestBody(c, i == len(chunks)-1)
 		m.MetadataContext = first.MetadataContext // Envoy forwards the metadata with every message
 		if err := st.Send(m); err != nil {
 			return st, pick{}, nil, err
@@ -282,7 +267,7 @@ func wantPick(p pick) error {
 	case p.immediate != nil:
 		return fmt.Errorf("an immediate response %d (%s) instead of a pick", p.immediate.GetStatus().GetCode(), p.immediate.GetBody())
 	case p.header == "":
-		return errors.New("no " + headerDestination + " header set")
+		return errors.New("no " + epp.HeaderDestination + " header set")
 	}
 	return nil
 }
@@ -306,10 +291,7 @@ func wantStreamError(st extprocv3.ExternalProcessor_ProcessClient) error {
 	for i := 0; i < 4; i++ {
 		m, err := st.Recv()
 		if err != nil {
-			if errors.Is(err, io.EOF) || status.Code(err) != 0 {
-				return nil
-			}
-			return nil
+			return nil // ended: with an error status, or closed
 		}
 		if m.GetImmediateResponse() != nil {
 			return nil // refusing the request is also an answer to a broken exchange

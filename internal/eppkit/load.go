@@ -10,6 +10,8 @@ import (
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/baton-llm/baton/internal/epp/dataplane"
 )
 
 // LoadResult is what a load run measured: picks per second, and the pick's latency as the data
@@ -73,7 +75,7 @@ func (k *Kit) timedPick(ctx context.Context, i int) (time.Duration, error) {
 		return 0, err
 	}
 	start := time.Now()
-	if err := st.Send(bodyMsg(k.body(fmt.Sprintf("load %d: a prompt of a few words to route", i)), true)); err != nil {
+	if err := st.Send(dataplane.RequestBody(k.body(fmt.Sprintf("load %d: a prompt of a few words to route", i)), true)); err != nil {
 		return 0, err
 	}
 	m, err := st.Recv()
@@ -97,7 +99,7 @@ func (k *Kit) timedPick(ctx context.Context, i int) (time.Duration, error) {
 			break
 		}
 	}
-	for _, msg := range []*extprocv3.ProcessingRequest{respHeaders(200, "", false), respBody([]byte(`{}`), true)} {
+	for _, msg := range []*extprocv3.ProcessingRequest{respHeaders(200, "", false), dataplane.ResponseBody([]byte(`{}`), true)} {
 		if err := st.Send(msg); err != nil {
 			return 0, err
 		}
