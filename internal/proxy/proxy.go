@@ -319,11 +319,23 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if KeyRefusedBy(w, resp.StatusCode) {
 		return p.KeyRefused(&leg, resp)
 	}
-	if rec := record.From(r.Context()); outcome.Status(resp.StatusCode).Retryable || resp.StatusCode == http.StatusBadRequest && rec.HoldRefusals ||
-		resp.StatusCode == http.StatusNotFound && rec.HoldNotFound {
+	if outcome.Status(resp.StatusCode).Retryable || held(r, resp.StatusCode) {
 		return p.HoldError(r, &leg, resp)
 	}
 	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))
+}
+
+// held reports whether the request asked that an answer of status be held to be read, not
+// relayed: a 400 while a context-window fallback is left, a 404 of an adapter's request. The
+// record is looked up for those statuses only.
+func held(r *http.Request, status int) bool {
+	switch status {
+	case http.StatusBadRequest:
+		return record.From(r.Context()).HoldRefusals
+	case http.StatusNotFound:
+		return record.From(r.Context()).HoldNotFound
+	}
+	return false
 }
 
 // KeyRefusedBy reports whether status is w's engine refusing the key Baton sent it (w has one:

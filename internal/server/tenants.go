@@ -131,7 +131,7 @@ func cutBearer(h string) (string, bool) {
 
 // lease is a request's reservation against its tenant's limits, settled when it ends.
 type lease struct {
-	ls []*tenant.Lease // one per rule that holds
+	ls [2]*tenant.Lease // one per rule that holds (RulesFor's order), nil where none
 	// The prompt and completion tokens it was reserved: what a request that ended without the
 	// engine's usage is charged from (record.Charge).
 	estimate, completion int
@@ -161,13 +161,13 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 		return nil, false
 	}
 	rules := t.RulesFor(req.Model)
-	if len(rules) == 0 {
+	if rules[0] == nil && rules[1] == nil {
 		return nil, true
 	}
 	// The token budget is judged against the tightest token limit among the request's rules.
 	var tight *tenant.Rule
 	for _, r := range rules {
-		if r.TPM > 0 && (tight == nil || r.TPM < tight.TPM) {
+		if r != nil && r.TPM > 0 && (tight == nil || r.TPM < tight.TPM) {
 			tight = r
 		}
 	}
@@ -182,14 +182,18 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 	reserved := prompt + completion
 	// Every rule holds: the model's and the tenant's. A refusal by one gives back what the
 	// others took.
-	var leases []*tenant.Lease
+	var leases [2]*tenant.Lease
 	var shown tenant.Decision
+	shownSet := false
 	undo := func() {
 		for _, l := range leases {
 			s.opts.Tenancy.Limiter.Cancel(l)
 		}
 	}
 	for i, rule := range rules {
+		if rule == nil {
+			continue
+		}
 		l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, reserved)
 		if errors.Is(err, tenant.ErrStoreUnavailable) {
 			undo()
@@ -204,9 +208,9 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 			s.refuseTenant(w, t.Name, rule, d, reserved)
 			return nil, false
 		}
-		leases = append(leases, l)
-		if i == 0 {
-			shown = d // the most specific rule's windows go in the headers
+		leases[i] = l
+		if !shownSet {
+			shown, shownSet = d, true // the most specific rule's windows go in the headers
 		}
 	}
 	rateLimitHeaders(w.Header(), shown)
@@ -511,7 +515,7 @@ func askUsage(body []byte) ([]byte, bool) {
 // prompt the body's bytes underestimate (short words, CJK) is charged what the engine computed;
 // the ask runs after the request ended, and a worker that cannot count leaves the estimate.
 func (s *Server) settleTenant(r *http.Request, ls *lease) {
-	if ls == nil || len(ls.ls) == 0 {
+	if ls == nil || ls.ls[0] == nil && ls.ls[1] == nil {
 		return
 	}
 	rec := record.From(r.Context())

@@ -244,7 +244,9 @@ func TestSetRulesAndKeys(t *testing.T) {
 	for model, want := range map[string]string{"llama-70b": "a/llama-70b a", "llama-8b": "a/llama-* a", "qwen": "a"} {
 		var ids []string
 		for _, r := range a.RulesFor(model) {
-			ids = append(ids, r.ID)
+			if r != nil {
+				ids = append(ids, r.ID)
+			}
 		}
 		if got := strings.Join(ids, " "); got != want {
 			t.Errorf("rules for %s: %s, want %s", model, got, want)

@@ -161,19 +161,19 @@ func (t *Tenant) Allows(model string) bool {
 }
 
 // RulesFor returns the limits that hold for t's requests for model: the most specific of its
-// model rules that matches, then its tenant-wide rule — each present only if t has it. A
-// request is admitted only within every one.
-func (t *Tenant) RulesFor(model string) []*Rule {
-	var out []*Rule
+// model rules that matches, then its tenant-wide rule — nil where t has none. A request is
+// admitted only within every one. (An array: the request path allocates nothing for it.)
+func (t *Tenant) RulesFor(model string) (rules [2]*Rule) {
 	for _, r := range t.rules {
 		switch {
 		case r.Model == "":
-			return append(out, r)
-		case len(out) == 0 && matches(r.Model, model):
-			out = append(out, r)
+			rules[1] = r
+			return rules
+		case rules[0] == nil && matches(r.Model, model):
+			rules[0] = r
 		}
 	}
-	return out
+	return rules
 }
 
 // Rules are t's rules, most specific first.
