@@ -1,7 +1,6 @@
 package app
 
 import (
-	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -281,25 +280,20 @@ func (e *eppListener) watchCert(ctx context.Context, interval time.Duration) {
 	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
-	last, pending := e.cert.sum(), []byte(nil)
+	sums := steadySum{last: e.cert.sum()}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		switch sum := e.cert.sum(); {
-		case sum == nil || bytes.Equal(sum, last):
-			pending = nil
-		case !bytes.Equal(sum, pending):
-			pending = sum
-		default:
-			last, pending = sum, nil
-			if err := e.cert.load(); err != nil {
-				e.log.Error("epp: the gRPC port's certificate files changed but do not load; the one served stays", "err", err)
-			} else {
-				e.log.Info("epp: the gRPC port's certificate files changed: reloaded", "cert", e.certPath)
-			}
+		if !sums.changed(e.cert.sum()) {
+			continue
+		}
+		if err := e.cert.load(); err != nil {
+			e.log.Error("epp: the gRPC port's certificate files changed but do not load; the one served stays", "err", err)
+		} else {
+			e.log.Info("epp: the gRPC port's certificate files changed: reloaded", "cert", e.certPath)
 		}
 	}
 }

@@ -107,15 +107,15 @@ func (g *Gateway) watchReload(ctx context.Context, interval time.Duration) {
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
 	var tick <-chan time.Time
-	var last, pending, lastCert, pendingCert []byte
+	var file, cert steadySum
 	watchFile := g.Config.WatchConfig && g.Config.File != ""
 	if watchFile || g.cert != nil {
 		t := time.NewTicker(interval)
 		defer t.Stop()
 		tick = t.C
-		last = g.Config.FileSum
+		file.last = g.Config.FileSum
 		if g.cert != nil {
-			lastCert = g.cert.sum()
+			cert.last = g.cert.sum()
 		}
 	}
 	for {
@@ -126,34 +126,35 @@ func (g *Gateway) watchReload(ctx context.Context, interval time.Duration) {
 			g.Log.Info("reload: SIGHUP")
 			_ = g.Reload()
 		case <-tick:
-			if g.cert != nil { // a renewed certificate (cert-manager rewriting its Secret) is reloaded
-				switch sum := g.cert.sum(); {
-				case sum == nil || bytes.Equal(sum, lastCert):
-					pendingCert = nil
-				case !bytes.Equal(sum, pendingCert):
-					pendingCert = sum
-				default:
-					lastCert, pendingCert = sum, nil
-					g.Log.Info("reload: the TLS certificate files changed", "cert", g.Config.TLSCertPath)
-					_ = g.Reload()
-				}
+			// A renewed certificate (cert-manager rewriting its Secret) is reloaded.
+			if g.cert != nil && cert.changed(g.cert.sum()) {
+				g.Log.Info("reload: the TLS certificate files changed", "cert", g.Config.TLSCertPath)
+				_ = g.Reload()
 			}
-			if !watchFile {
-				continue
-			}
-			sum := fileSum(g.Config.File)
-			switch {
-			case sum == nil || bytes.Equal(sum, last):
-				pending = nil
-			case !bytes.Equal(sum, pending):
-				pending = sum // changed: apply once it holds still
-			default:
-				last, pending = sum, nil
+			if watchFile && file.changed(fileSum(g.Config.File)) {
 				g.Log.Info("reload: the configuration file changed", "file", g.Config.File)
 				_ = g.Reload()
 			}
 		}
 	}
+}
+
+// steadySum follows the content of files read every tick (their sum): a change counts once it
+// held still for a tick, so that a file caught mid-write is not applied.
+type steadySum struct{ last, pending []byte }
+
+// changed takes this tick's sum (nil: unreadable, no change) and reports a settled change.
+func (s *steadySum) changed(sum []byte) bool {
+	switch {
+	case sum == nil || bytes.Equal(sum, s.last):
+		s.pending = nil
+	case !bytes.Equal(sum, s.pending):
+		s.pending = sum
+	default:
+		s.last, s.pending = sum, nil
+		return true
+	}
+	return false
 }
 
 // fileSum is the SHA-256 of a file's content, nil when it cannot be read.
