@@ -249,25 +249,32 @@ func TestAdapterLoadedOutsideBatonIsLearned(t *testing.T) {
 
 // An SGLang release that reads no adapter from the model name (base:adapter) would answer an
 // adapter's request from its base model with a 200: Baton names the adapter in lora_path too,
-// so the adapter runs — on every route, and a client's own lora_path is kept.
+// so the adapter runs — on every route, and a client's own lora_path (null, or naming another
+// loaded adapter, which SGLang would run instead of the one Baton routed and counted) is replaced.
 func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
 	t.Parallel()
-	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base", SGLangModelAdapterIgnored: true})
+	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base", SGLangModelAdapterIgnored: true, LoRAAdapters: []string{"other"}})
 	cfg := testConfig(e.URL())
-	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}, {Name: "other", Path: "/adapters/other", Base: "base"}}
 	_, gw := startGateway(t, cfg)
-	for _, path := range []string{"/v1/completions", "/v1/chat/completions"} {
-		body := `{"model":"sql","prompt":"x","max_tokens":2}`
-		if path == "/v1/chat/completions" {
-			body = `{"model":"sql","messages":[{"role":"user","content":"x"}],"max_tokens":2}`
+	bodies := []string{
+		`{"model":"sql","prompt":"x","max_tokens":2}`,
+		`{"model":"sql","messages":[{"role":"user","content":"x"}],"max_tokens":2}`,
+		`{"model":"sql","prompt":"x","max_tokens":2,"lora_path":null}`,
+		`{"model":"sql","prompt":"x","max_tokens":2,"lora_path":"other"}`,
+	}
+	for i, body := range bodies {
+		path := "/v1/completions"
+		if i == 1 {
+			path = "/v1/chat/completions"
 		}
 		resp, b := postTimeout(t, gw.URL+path, body)
 		if resp.StatusCode != 200 {
-			t.Fatalf("%s: %d %s", path, resp.StatusCode, b)
+			t.Fatalf("%s %s: %d %s", path, body, resp.StatusCode, b)
 		}
 	}
-	if n := e.AdapterRequests("sql"); n != 2 {
-		t.Errorf("requests the adapter ran: %d of 2 (the base answered the rest)", n)
+	if n, o := e.AdapterRequests("sql"), e.AdapterRequests("other"); n != int64(len(bodies)) || o != 0 {
+		t.Errorf("requests the adapter ran: %d of %d, the client's lora_path %d (the base or another adapter answered the rest)", n, len(bodies), o)
 	}
 }
 

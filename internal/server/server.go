@@ -952,9 +952,10 @@ func workerModel(sreq *policy.Request, ws ...*worker.Worker) string {
 }
 
 // withLoRAPath is body with SGLang's lora_path set to the adapter a request names, when every
-// worker of ws is SGLang and the body names none: SGLang releases that read no adapter from the
-// model name (base:adapter) would run the base model and answer 200 — never an adapter request
-// answered silently by its base.
+// worker of ws is SGLang: SGLang releases that read no adapter from the model name
+// (base:adapter) would run the base model and answer 200 — never an adapter request answered
+// silently by its base. A client's own lora_path is replaced: SGLang runs lora_path before the
+// model name, and the adapter Baton routed, loaded and counted is the one that must run.
 func withLoRAPath(body []byte, sreq *policy.Request, ws ...*worker.Worker) []byte {
 	if sreq.AdapterBase == "" || len(ws) == 0 {
 		return body
@@ -964,10 +965,7 @@ func withLoRAPath(body []byte, sreq *policy.Request, ws ...*worker.Worker) []byt
 			return body
 		}
 	}
-	if _, ok := openai.Get(body, "lora_path"); ok {
-		return body
-	}
-	q, _ := json.Marshal(sreq.Model)
+	q, _ := json.Marshal(sreq.Model) // a client's own lora_path (another adapter, null) replaced
 	if b, err := openai.Set(body, "lora_path", q); err == nil {
 		return b
 	}
