@@ -354,10 +354,14 @@ func (m *Manager) loadOnce(ctx context.Context, w *worker.Worker, a config.Adapt
 	result := "ok"
 	if err != nil {
 		result = "failed"
+		var c contended
+		race := errors.As(err, &c)
 		err = &Error{Adapter: a.Name, Worker: w.ID, Err: err}
-		m.mu.Lock()
-		m.failed[key] = failure{err: err, at: m.now()}
-		m.mu.Unlock()
+		if !race {
+			m.mu.Lock()
+			m.failed[key] = failure{err: err, at: m.now()}
+			m.mu.Unlock()
+		}
 		m.Log.Warn("adapter not loaded", "adapter", a.Name, "worker", w.URL, "err", err)
 	} else {
 		m.mu.Lock()
@@ -427,6 +431,9 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 		if err == nil {
 			err = m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path})
 		}
+		if errors.Is(err, errNoRoom) {
+			err = contended{err} // filled again meanwhile: the next request tries anew
+		}
 	}
 	if err != nil && !errors.Is(err, errAlreadyLoaded) {
 		return err
@@ -437,7 +444,7 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 		return fmt.Errorf("the engine answered the load, but its model list could not be read: %w", err)
 	}
 	if !w.Lists(a.Name) {
-		return errors.New("the engine answered the load, but does not list the adapter")
+		return contended{errors.New("the engine answered the load, but does not list the adapter")}
 	}
 	return nil
 }
@@ -549,6 +556,14 @@ var (
 	// load_lora_adapter; test/srt/lora/test_lora_update.py expects it).
 	errNoRoom = errors.New("the engine holds as many adapters as it may")
 )
+
+// contended is a failed load another replica's change to the engine explains (it filled the
+// engine again, or unloaded the adapter, between this replica's steps): the request that met it
+// fails, but the failure is not held for failHold — one race would otherwise answer 30 s of
+// requests with it.
+type contended struct{ error }
+
+func (c contended) Unwrap() error { return c.error }
 
 // maxAnswer bounds what Baton reads of an engine's answer to a load or unload.
 const maxAnswer = 64 << 10

@@ -6,7 +6,9 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -215,5 +217,43 @@ func TestCapacityAsEachEngineMeansIt(t *testing.T) {
 	}
 	if got := strings.Join(s.LoadedAdapters(), ","); got != "b2" {
 		t.Errorf("SGLang: loaded %s, want b2 (b1, idle, unloaded to make room)", got)
+	}
+}
+
+// A load the engine answers but then does not list (another replica unloaded the adapter between
+// the load and this replica's read of the models) fails the request that met it, but is not held
+// for failHold: the next request loads again instead of getting the same 503 for 30 s.
+func TestARaceLostIsNotHeld(t *testing.T) {
+	var loads int
+	var mu sync.Mutex
+	e := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/load_lora_adapter":
+			mu.Lock()
+			loads++
+			mu.Unlock()
+			w.Write([]byte("Success: LoRA adapter 'x' added successfully."))
+		case "/v1/models": // the other replica's unload came first
+			w.Header().Set("Content-Type", "application/json")
+			w.Write([]byte(`{"object":"list","data":[{"id":"base","object":"model"}]}`))
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer e.Close()
+	w := worker.New(config.Worker{URL: e.URL})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}}})
+	m := New(worker.NewRegistry(w), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Settings{Adapters: []config.Adapter{{Name: "x", Path: "/x", Base: "base"}}, Timeout: 5 * time.Second})
+	for i := 1; i <= 2; i++ {
+		if err := m.Ensure(context.Background(), w, "x"); err == nil || !strings.Contains(err.Error(), "does not list") {
+			t.Fatalf("load %d: %v", i, err)
+		}
+		mu.Lock()
+		n := loads
+		mu.Unlock()
+		if n != i {
+			t.Fatalf("after request %d the engine saw %d loads: a lost race was held", i, n)
+		}
 	}
 }
