@@ -239,4 +239,21 @@ func TestEPPMutualTLS(t *testing.T) {
 		r, err := healthpb.NewHealthClient(hconn).Check(context.Background(), &healthpb.HealthCheckRequest{Service: "readiness"})
 		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
 	})
+
+	// The certificate files replaced (a cert-manager renewal): the port serves the new one.
+	go el.watchCert(ctx, 20*time.Millisecond)
+	client := signedCert(t, ca, "gateway", true)
+	served := func() string {
+		conn, err := tls.Dial("tcp", el.ln.Addr().String(), &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"h2"}, Certificates: []tls.Certificate{client}})
+		if err != nil {
+			return ""
+		}
+		defer conn.Close()
+		return conn.ConnectionState().PeerCertificates[0].Subject.CommonName
+	}
+	if cn := served(); cn != "picker" {
+		t.Fatalf("served %q before the renewal", cn)
+	}
+	writeCert(t, certPath, keyPath, "picker-renewed")
+	poll.Until(t, "the renewed certificate is served", func() bool { return served() == "picker-renewed" })
 }
