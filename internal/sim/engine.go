@@ -365,11 +365,11 @@ func (e *Engine) served(name string) (lora string, ok bool) {
 	if e.cfg.Engine == EngineSGLang {
 		// SGLang's OpenAI routes take an adapter as base:adapter; a bare adapter name is no
 		// adapter to them, and the base model serves it.
-		if base, a, cut := strings.Cut(name, ":"); cut && base == e.cfg.Model && e.lora.has(a) {
+		if base, a, cut := strings.Cut(name, ":"); cut && base == e.cfg.Model {
 			if e.cfg.SGLangModelAdapterIgnored {
-				return "", true // an older release: the base model answers
+				return "", e.lora.has(a) // an older release: the base model answers
 			}
-			return a, true
+			return strings.TrimSpace(a), true // acquired (or refused as not loaded) after
 		}
 		return "", e.lora.has(name)
 	}

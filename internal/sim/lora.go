@@ -33,6 +33,24 @@ type loraSet struct {
 	unloads  int64
 	served   map[string]int64 // requests taken for each adapter
 	inflight map[string]bool  // adapters being loaded now
+	update   sync.Mutex       // SGLang's lora_update_lock: one load or unload at a time
+	names    map[string]*sync.Mutex
+}
+
+// nameLock holds vLLM's per-name load lock until the returned func is called.
+func (s *loraSet) nameLock(name string) func() {
+	s.mu.Lock()
+	if s.names == nil {
+		s.names = map[string]*sync.Mutex{}
+	}
+	l := s.names[name]
+	if l == nil {
+		l = &sync.Mutex{}
+		s.names[name] = l
+	}
+	s.mu.Unlock()
+	l.Lock()
+	return l.Unlock
 }
 
 type loraAdapter struct{ name, path string }
@@ -57,6 +75,16 @@ func (s *loraSet) has(name string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.ContainsFunc(s.loaded, func(a loraAdapter) bool { return a.name == name })
+}
+
+// keys is the loaded adapters' names as SGLang's messages print its registry's keys
+// (Python's dict_keys of the names).
+func (s *loraSet) keys() string {
+	var q []string
+	for _, a := range s.list() {
+		q = append(q, "'"+a.name+"'")
+	}
+	return "dict_keys([" + strings.Join(q, ", ") + "])"
 }
 
 // queued counts a request of adapter waiting for a run slot: run moves it to running, done ends
@@ -173,18 +201,38 @@ func (e *Engine) serveLoad(w http.ResponseWriter, r *http.Request) {
 		e.loraAnswer(w, errorf(400, "Both 'lora_name' and 'lora_path' must be provided."), "")
 		return
 	}
+	if e.cfg.Engine == EngineSGLang {
+		// SGLang loads and unloads one at a time, under the tokenizer manager's
+		// lora_update_lock: a load waits for the one before it, then sees what it did.
+		s.update.Lock()
+		defer s.update.Unlock()
+	}
+	if e.cfg.Engine == EngineVLLM {
+		// vLLM loads one name at a time ("ensure atomicity based on the lora name",
+		// vllm/entrypoints/openai/serving_models.py, load_lora_adapter, under
+		// lora_resolver_lock[name]); a second load of the name waits, then is refused as loaded.
+		unlock := s.nameLock(req.Name)
+		defer unlock()
+	}
 	s.mu.Lock()
+	loaded := slices.ContainsFunc(s.loaded, func(a loraAdapter) bool { return a.name == req.Name })
 	switch {
-	case slices.ContainsFunc(s.loaded, func(a loraAdapter) bool { return a.name == req.Name }) || s.inflight[req.Name]:
-		s.mu.Unlock()
-		e.loraAnswer(w, errorf(400, "The lora adapter '%s' has already been loaded.", req.Name), "")
-		return
 	case e.cfg.Engine == EngineSGLang && s.max > 0 && len(s.loaded)+len(s.inflight) >= s.max:
-		// SGLang's tokenizer manager refuses past --max-loaded-loras
-		// (python/sglang/srt/managers/tokenizer_manager.py, load_lora_adapter); vLLM checks no
-		// capacity on a load (vllm/entrypoints/openai/serving_models.py).
+		// SGLang's tokenizer manager refuses past --max-loaded-loras before anything else — an
+		// adapter it has already included (python/sglang/srt/managers/tokenizer_manager.py,
+		// load_lora_adapter); vLLM checks no capacity on a load
+		// (vllm/entrypoints/openai/serving_models.py).
 		s.mu.Unlock()
 		e.loraAnswer(w, errorf(400, "Cannot load LoRA adapter %s at path %s. Maximum number of loaded LoRA adapters is %d. Please unload some LoRA adapters before loading new ones.", req.Name, req.Path, s.max), "")
+		return
+	case loaded && e.cfg.Engine == EngineSGLang:
+		// python/sglang/srt/lora/lora_manager.py, validate_new_adapter.
+		s.mu.Unlock()
+		e.loraAnswer(w, errorf(400, "Failed to load LoRA adapter %s because it is already loaded", req.Name), "")
+		return
+	case loaded:
+		s.mu.Unlock()
+		e.loraAnswer(w, errorf(400, "The lora adapter '%s' has already been loaded.", req.Name), "")
 		return
 	}
 	s.inflight[req.Name] = true
@@ -215,6 +263,10 @@ func (e *Engine) serveUnload(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s := e.lora
+	if e.cfg.Engine == EngineSGLang {
+		s.update.Lock()
+		defer s.update.Unlock()
+	}
 	s.mu.Lock()
 	i := slices.IndexFunc(s.loaded, func(a loraAdapter) bool { return a.name == req.Name })
 	if i >= 0 {
@@ -222,7 +274,13 @@ func (e *Engine) serveUnload(w http.ResponseWriter, r *http.Request) {
 		s.unloads++
 	}
 	s.mu.Unlock()
-	if i < 0 {
+	switch {
+	case i < 0 && e.cfg.Engine == EngineSGLang:
+		// The registry's unregister refuses a name it lacks; the endpoint answers 400
+		// (python/sglang/srt/lora/lora_registry.py; http_server.py, unload_lora_adapter).
+		e.loraAnswer(w, errorf(400, "LoRA with name %s does not exist. Loaded LoRAs: %s", req.Name, s.keys()), "")
+		return
+	case i < 0:
 		e.loraAnswer(w, errorf(404, "The lora adapter '%s' cannot be found.", req.Name), "")
 		return
 	}

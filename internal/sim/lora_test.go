@@ -137,6 +137,46 @@ func TestLoRAPathOnSGLangOpenAIRoutes(t *testing.T) {
 	}
 }
 
+// SGLang's own words for the races a shared engine meets, each cited in docs/ENGINES.md: a load
+// of an adapter it has (refused for capacity first when full), an unload of one it lacks, and a
+// request for one not loaded; and its precedence — the adapter of a base:adapter model before an
+// explicit lora_path.
+func TestSGLangAdapterAnswersAsSGLangWordsThem(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineSGLang, RuntimeLoRA: true, MaxLoRAs: 2, LoRAAdapters: []string{"a1"}})
+	if r := post(t, e.URL()+"/load_lora_adapter", `{"lora_name":"a1","lora_path":"/p/a1"}`); r.status != 400 || path(r.json, "success") != false ||
+		path(r.json, "error_message") != "Failed to load LoRA adapter a1 because it is already loaded" {
+		t.Fatalf("load of a loaded adapter: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/load_lora_adapter", `{"lora_name":"a2","lora_path":"/p/a2"}`); r.status != 200 {
+		t.Fatalf("load: %d %s", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/load_lora_adapter", `{"lora_name":"a1","lora_path":"/p/a1"}`); r.status != 400 ||
+		!strings.Contains(r.raw, "Maximum number of loaded LoRA adapters is 2") {
+		t.Fatalf("load of a loaded adapter on a full engine: %d %s (capacity is checked first)", r.status, r.raw)
+	}
+	if r := post(t, e.URL()+"/unload_lora_adapter", `{"lora_name":"a9"}`); r.status != 400 || path(r.json, "success") != false ||
+		path(r.json, "error_message") != "LoRA with name a9 does not exist. Loaded LoRAs: dict_keys(['a1', 'a2'])" {
+		t.Fatalf("unload of an adapter not loaded: %d %s", r.status, r.raw)
+	}
+	chat := func(model, extra string) reply {
+		return post(t, e.URL()+"/v1/chat/completions", `{"model":"`+model+`","messages":[{"role":"user","content":"hi"}],"max_tokens":2`+extra+`}`)
+	}
+	if r := chat(e.cfg.Model+":a9", ""); r.status != 400 || !strings.Contains(r.raw, "The following requested LoRA adapters are not loaded: a9") {
+		t.Fatalf("base:adapter not loaded: %d %s", r.status, r.raw)
+	}
+	if r := chat(e.cfg.Model+":a1", `,"lora_path":"a2"`); r.status != 200 || e.AdapterRequests("a1") != 1 || e.AdapterRequests("a2") != 0 {
+		t.Fatalf("base:adapter beside another lora_path: %d %s; a1 ran %d, a2 %d (the model's adapter wins)", r.status, r.raw, e.AdapterRequests("a1"), e.AdapterRequests("a2"))
+	}
+	if r := chat(e.cfg.Model, `,"lora_path":"a2"`); r.status != 200 || e.AdapterRequests("a2") != 1 {
+		t.Fatalf("the base model with lora_path: %d %s; a2 ran %d", r.status, r.raw, e.AdapterRequests("a2"))
+	}
+	if r := post(t, e.URL()+"/generate", `{"text":"hi","lora_path":"a9","sampling_params":{"max_new_tokens":2}}`); r.status != 400 ||
+		!strings.Contains(r.raw, "The following requested LoRA adapters are not loaded: a9") {
+		t.Fatalf("/generate, an adapter not loaded: %d %s", r.status, r.raw)
+	}
+}
+
 // vLLM runs at most --max-loras adapters in a batch: a request of another adapter waits (shown
 // among lora_requests_info's waiting adapters) until one of those running is done; the loads
 // themselves are never refused for it.

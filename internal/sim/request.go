@@ -3,6 +3,7 @@ package sim
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"reflect"
@@ -70,8 +71,10 @@ type rawSampling struct {
 }
 
 type rawRequest struct {
-	Model          *string         `json:"model"`
-	LoRAPath       *string         `json:"lora_path"` // SGLang: the adapter, by name (every route)
+	Model *string `json:"model"`
+	// LoRAPath is SGLang's adapter by name (every route): a name, null, or one per prompt of a
+	// /generate batch. vLLM has no such field and ignores it.
+	LoRAPath       json.RawMessage `json:"lora_path"`
 	Messages       []message       `json:"messages"`
 	Prompt         json.RawMessage `json:"prompt"`
 	Input          json.RawMessage `json:"input"`
@@ -168,6 +171,35 @@ func fieldsOf[T any]() map[string]bool {
 	return out
 }
 
+// oneAdapter is the adapter a lora_path names: a name, null (""), or a list naming one adapter
+// for every prompt (or none). The simulator runs one adapter per request; SGLang would run a
+// list naming several, one per prompt.
+func oneAdapter(raw json.RawMessage) (string, error) {
+	var one *string
+	if json.Unmarshal(raw, &one) == nil {
+		if one == nil {
+			return "", nil
+		}
+		return *one, nil
+	}
+	var list []*string
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return "", errors.New("want an adapter's name, null, or a list of them")
+	}
+	name := ""
+	for i, n := range list {
+		v := ""
+		if n != nil {
+			v = *n
+		}
+		if i > 0 && v != name {
+			return "", errors.New("the simulator runs one adapter per request, not one per prompt")
+		}
+		name = v
+	}
+	return name, nil
+}
+
 // parse reads a request body into a job, validating it the way the engine would.
 func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError) {
 	var raw rawRequest
@@ -184,15 +216,22 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		}
 	}
 	// SGLang takes lora_path on /generate and on its OpenAI routes (protocol.py's completion and
-	// chat requests carry it); releases whose OpenAI serving reads no adapter from the model name
-	// (serving_base.py as read at sgl-project/sglang c5695a4 and 012bcb5) select one by lora_path
-	// only. That an explicit lora_path wins over a base:adapter model in newer releases is the
-	// simulator's reading of SGLang's LoRA example, not checked at source: Baton sends both alike.
-	if raw.LoRAPath != nil && e.cfg.Engine == EngineSGLang {
-		if !e.lora.has(*raw.LoRAPath) {
-			return nil, errorf(400, "LoRA adapter %s is not loaded", *raw.LoRAPath)
+	// chat requests carry it). Its OpenAI serving takes the adapter from a base:adapter model
+	// first and from lora_path only when the model names none (serving_base.py,
+	// _resolve_lora_path, "priority: model parameter > explicit lora_path", at sgl-project/sglang
+	// main of 2026; releases before the syntax, SGLangModelAdapterIgnored, read lora_path only).
+	// An adapter not loaded is refused by the registry's acquire: 400 "The following requested
+	// LoRA adapters are not loaded: X" (python/sglang/srt/lora/lora_registry.py).
+	if e.cfg.Engine == EngineSGLang {
+		if lora == "" && raw.LoRAPath != nil {
+			var err error
+			if lora, err = oneAdapter(raw.LoRAPath); err != nil {
+				return nil, errorf(400, "lora_path: %v", err)
+			}
 		}
-		lora = *raw.LoRAPath
+		if lora != "" && !e.lora.has(lora) {
+			return nil, errorf(400, "The following requested LoRA adapters are not loaded: %s\nLoaded adapters: %s.", lora, e.lora.keys())
+		}
 	}
 	if raw.Priority != nil {
 		e.stats.priority.Add(1)
