@@ -249,8 +249,9 @@ func TestAdapterLoadedOutsideBatonIsLearned(t *testing.T) {
 
 // An SGLang release that reads no adapter from the model name (base:adapter) would answer an
 // adapter's request from its base model with a 200: Baton names the adapter in lora_path too,
-// so the adapter runs — on every route, and a client's own lora_path (null, or naming another
-// loaded adapter, which SGLang would run instead of the one Baton routed and counted) is replaced.
+// so the adapter runs — on every route, and a client's own lora_path null is replaced. One
+// naming another adapter than "model" (which SGLang would run instead of the one Baton routed
+// and counted) is refused 400 invalid_lora_path.
 func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
 	t.Parallel()
 	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base", SGLangModelAdapterIgnored: true, LoRAAdapters: []string{"other"}})
@@ -261,7 +262,7 @@ func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
 		`{"model":"sql","prompt":"x","max_tokens":2}`,
 		`{"model":"sql","messages":[{"role":"user","content":"x"}],"max_tokens":2}`,
 		`{"model":"sql","prompt":"x","max_tokens":2,"lora_path":null}`,
-		`{"model":"sql","prompt":"x","max_tokens":2,"lora_path":"other"}`,
+		`{"model":"sql","prompt":"x","max_tokens":2,"lora_path":"sql"}`,
 	}
 	for i, body := range bodies {
 		path := "/v1/completions"
@@ -273,35 +274,117 @@ func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
 			t.Fatalf("%s %s: %d %s", path, body, resp.StatusCode, b)
 		}
 	}
+	if resp, b := postTimeout(t, gw.URL+"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2,"lora_path":"other"}`); resp.StatusCode != 400 || !strings.Contains(b, "invalid_lora_path") {
+		t.Errorf("another adapter in lora_path than the model's: %d %s", resp.StatusCode, b)
+	}
 	if n, o := e.AdapterRequests("sql"), e.AdapterRequests("other"); n != int64(len(bodies)) || o != 0 {
 		t.Errorf("requests the adapter ran: %d of %d, the client's lora_path %d (the base or another adapter answered the rest)", n, len(bodies), o)
 	}
 }
 
 // An adapter another replica unloaded from a worker since this Baton last read its models: the
-// engine answers the request 404 "does not exist"; Baton loads the adapter again on the same
-// worker and sends the request once more — the client never sees the 404.
+// engine refuses the request (vLLM 404 "does not exist", SGLang 400 "… are not loaded"); Baton
+// loads the adapter again on the same worker and sends the request once more — the client never
+// sees the refusal.
 func TestAdapterUnloadedByAnotherReplica(t *testing.T) {
 	t.Parallel()
-	e := loraEngine(t, sim.Config{Model: "base"})
-	cfg := testConfig(e.URL())
-	cfg.LoadPollInterval = time.Hour // this replica learns of the unload only from the answer
-	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
-	_, gw := startGateway(t, cfg)
-	if resp, b := adapterReq(t, gw.URL, "sql"); resp.StatusCode != 200 {
-		t.Fatalf("first: %d %s", resp.StatusCode, b)
+	for _, c := range []struct{ engine, unload string }{
+		{sim.EngineVLLM, "/v1/unload_lora_adapter"},
+		{sim.EngineSGLang, "/unload_lora_adapter"},
+	} {
+		t.Run(c.engine, func(t *testing.T) {
+			t.Parallel()
+			e := loraEngine(t, sim.Config{Engine: c.engine, Model: "base"})
+			cfg := testConfig(e.URL())
+			cfg.LoadPollInterval = time.Hour // this replica learns of the unload only from the answer
+			cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+			_, gw := startGateway(t, cfg)
+			if resp, b := adapterReq(t, gw.URL, "sql"); resp.StatusCode != 200 {
+				t.Fatalf("first: %d %s", resp.StatusCode, b)
+			}
+			resp, err := http.Post(e.URL()+c.unload, "application/json", strings.NewReader(`{"lora_name":"sql"}`))
+			if err != nil || resp.StatusCode != 200 {
+				t.Fatalf("the other replica's unload: %v %v", resp, err)
+			}
+			resp.Body.Close()
+			for i := 0; i < 3; i++ {
+				if resp, b := adapterReq(t, gw.URL, "sql"); resp.StatusCode != 200 {
+					t.Fatalf("after the other replica's unload, request %d: %d %s", i, resp.StatusCode, b)
+				}
+			}
+			if l, _ := e.LoRAStats(); l != 2 {
+				t.Errorf("loads %d, want 2 (the first, and once again after the unload)", l)
+			}
+			if n := e.AdapterRequests("sql"); n != 4 {
+				t.Errorf("the adapter ran %d requests, want 4", n)
+			}
+		})
 	}
-	resp, err := http.Post(e.URL()+"/v1/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"sql"}`))
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("the other replica's unload: %v %v", resp, err)
-	}
-	resp.Body.Close()
-	for i := 0; i < 3; i++ {
-		if resp, b := adapterReq(t, gw.URL, "sql"); resp.StatusCode != 200 {
-			t.Fatalf("after the other replica's unload, request %d: %d %s", i, resp.StatusCode, b)
-		}
-	}
-	if l, _ := e.LoRAStats(); l != 2 {
-		t.Errorf("loads %d, want 2 (the first, and once again after the unload)", l)
+}
+
+// A client's own lora_path is the model it asks for: on SGLang (every route) and on vLLM alike,
+// the adapter it names is routed and loaded on demand and runs; a tenant allowed only the base
+// model cannot reach an adapter through it; a lora_path naming no adapter Baton serves, several
+// adapters in one batch, or an adapter of another base than "model" is refused 400.
+func TestClientLoRAPathIsTheModel(t *testing.T) {
+	t.Parallel()
+	for _, engine := range []string{sim.EngineSGLang, sim.EngineVLLM} {
+		t.Run(engine, func(t *testing.T) {
+			t.Parallel()
+			e := loraEngine(t, sim.Config{Engine: engine, Model: "base", LoRAAdapters: []string{"preloaded"}})
+			cfg := testConfig(e.URL())
+			cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+			cfg.Tenants = []config.Tenant{
+				{Name: "base-only", Keys: []string{config.HashKey("sk-base")}, Models: []string{"base"}},
+				{Name: "all", Keys: []string{config.HashKey("sk-all")}},
+			}
+			_, gw := startGateway(t, cfg)
+			ok := []struct{ path, body, adapter string }{
+				{"/v1/completions", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":"sql"}`, "sql"},
+				{"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"lora_path":"sql"}`, "sql"},
+				{"/v1/completions", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":"preloaded"}`, "preloaded"},
+				{"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2,"lora_path":["sql"]}`, "sql"},
+				{"/v1/completions", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":null}`, ""},
+			}
+			if engine == sim.EngineSGLang {
+				ok = append(ok, struct{ path, body, adapter string }{"/generate", `{"text":["x","y"],"lora_path":["sql","sql"],"sampling_params":{"max_new_tokens":2}}`, "sql"})
+			}
+			for _, c := range ok {
+				before := e.AdapterRequests(c.adapter)
+				resp, b := tenantReq(t, gw.URL+c.path, "sk-all", c.body)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%s %s: %d %s", c.path, c.body, resp.StatusCode, b)
+				}
+				if c.adapter != "" && e.AdapterRequests(c.adapter) == before {
+					t.Errorf("%s %s: the adapter %s did not run (the base answered)", c.path, c.body, c.adapter)
+				}
+			}
+			// A tenant allowed only the base reaches no adapter through lora_path.
+			for _, a := range []string{"sql", "preloaded"} {
+				before := e.AdapterRequests(a)
+				resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-base", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":"`+a+`"}`)
+				if resp.StatusCode == 200 || e.AdapterRequests(a) != before {
+					t.Errorf("a base-only tenant's lora_path %s: %d %s; the adapter ran %d times more", a, resp.StatusCode, b, e.AdapterRequests(a)-before)
+				}
+			}
+			if resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-base", `{"model":"base","prompt":"x","max_tokens":2}`); resp.StatusCode != 200 {
+				t.Errorf("the base-only tenant's base request: %d %s", resp.StatusCode, b)
+			}
+			for _, body := range []string{
+				`{"model":"base","prompt":"x","lora_path":"nope"}`,
+				`{"model":"base","prompt":"x","lora_path":""}`,
+				`{"model":"base","prompt":"x","lora_path":7}`,
+				`{"model":"base","prompt":"x","lora_path":{"a":"sql"}}`,
+				`{"model":"base","prompt":["x","y"],"lora_path":["sql","preloaded"]}`,
+				`{"model":"base","prompt":["x","y"],"lora_path":["sql",null]}`,
+				`{"model":"other-base","prompt":"x","lora_path":"sql"}`,
+				`{"model":"preloaded","prompt":"x","lora_path":"sql"}`,
+			} {
+				resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-all", body)
+				if resp.StatusCode != 400 || !strings.Contains(b, `"code":"invalid_lora_path"`) || !strings.Contains(b, `"param":"lora_path"`) {
+					t.Errorf("%s: %d %s", body, resp.StatusCode, b)
+				}
+			}
+		})
 	}
 }

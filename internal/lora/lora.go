@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net/http"
 	"slices"
 	"sync"
@@ -327,13 +328,32 @@ func (m *Manager) Ensure(ctx context.Context, w *worker.Worker, model string) er
 		m.mu.Unlock()
 		return nil, err
 	})
-	select {
-	case r := <-ch:
-		return r.Err
-	case <-ctx.Done():
-		return ctx.Err()
+	// While the load waits its turn (another load or unload of w under way), the adapter may
+	// appear on w — another replica loaded it, and a poll or a load read w's models: then the
+	// request goes at once. A load making room waits for an idle adapter, and the requests
+	// counted in flight on an adapter it could unload may be among those waiting here.
+	tick := time.NewTicker(listedCheck)
+	defer tick.Stop()
+	for {
+		select {
+		case r := <-ch:
+			return r.Err
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+			m.mu.Lock()
+			ready := w.Lists(model) && !m.evicting[key]
+			m.mu.Unlock()
+			if ready {
+				return nil
+			}
+		}
 	}
 }
+
+// listedCheck is how often a request waiting on a load looks whether its adapter is on the
+// worker already.
+const listedCheck = 10 * time.Millisecond
 
 // loadOnce loads a on w (unless a request before this one just did), detached from the request
 // that asked, and records the outcome.
@@ -406,6 +426,36 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 	m.mu.Unlock()
 	busy.Lock()
 	defer busy.Unlock()
+	var err error
+	for try := 0; try < maxRaces; try++ {
+		var c contended
+		if err = m.loadStep(ctx, w, a, s); !errors.As(err, &c) {
+			return err
+		}
+		// Another replica got there between this one's steps: after a short, jittered pause
+		// (replicas that collided once should not collide again in step), try again.
+		pause := min(raceBackoff<<try, 100*time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(pause/2 + rand.N(pause/2+1)):
+		}
+	}
+	return err
+}
+
+// maxRaces bounds how often one load starts over because another replica's change to the
+// engine (filled again, the adapter unloaded just after it loaded) defeated it; the load
+// timeout bounds it in time. raceBackoff is the first pause between two tries.
+const (
+	maxRaces    = 8
+	raceBackoff = 2 * time.Millisecond
+)
+
+// loadStep is one try of load, under w's load lock: room made when asked, the load sent, and the
+// engine's model list read to see the adapter there. A race with another replica lost is a
+// contended error, for load to try again.
+func (m *Manager) loadStep(ctx context.Context, w *worker.Worker, a config.Adapter, s Settings) error {
 	if w.Lists(a.Name) {
 		return nil
 	}
@@ -424,16 +474,18 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 	err := m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path})
 	if errors.Is(err, errNoRoom) && s.UnloadLRU {
 		// The engine is full although Baton's count said otherwise (another replica loaded one):
-		// the least recently used idle adapter goes, and the load is tried once more.
-		if _, err = m.Registry.RefreshModels(ctx, m.Client, w); err == nil {
-			err = m.makeRoom(ctx, w, a, len(w.Adapters()))
+		// its models read again, the least recently used idle adapter goes, and the next try
+		// loads. SGLang checks room before the name: the other replica may have loaded this one.
+		if _, rerr := m.Registry.RefreshModels(ctx, m.Client, w); rerr != nil {
+			return fmt.Errorf("the engine refused the load for room, and its model list could not be read: %w", rerr)
 		}
-		if err == nil {
-			err = m.post(ctx, w, "load_lora_adapter", map[string]string{"lora_name": a.Name, "lora_path": a.Path})
+		if w.Lists(a.Name) {
+			return nil
 		}
-		if errors.Is(err, errNoRoom) {
-			err = contended{err} // filled again meanwhile: the next request tries anew
+		if rerr := m.makeRoom(ctx, w, a, len(w.Adapters())); rerr != nil {
+			return rerr
 		}
+		return contended{err}
 	}
 	if err != nil && !errors.Is(err, errAlreadyLoaded) {
 		return err
@@ -498,13 +550,17 @@ func (m *Manager) lru(w *worker.Worker, l worker.EngineLoad) string {
 	var oldest time.Time
 	for _, name := range w.Adapters() {
 		u := m.use[key(w, name)]
-		if u != nil && u.inflight > 0 || slices.Contains(running, name) || slices.Contains(waiting, name) {
+		if u == nil {
+			// An adapter this replica never sent a request for: another replica's, or loaded
+			// outside Baton. Its use is unknown here, so it counts as used when first seen —
+			// never as the oldest: replicas would otherwise unload each other's adapters first.
+			u = &usage{last: m.now()}
+			m.use[key(w, name)] = u
+		}
+		if u.inflight > 0 || slices.Contains(running, name) || slices.Contains(waiting, name) {
 			continue
 		}
-		var last time.Time
-		if u != nil {
-			last = u.last
-		}
+		last := u.last
 		if victim == "" || last.Before(oldest) {
 			victim, oldest = name, last
 		}
@@ -546,7 +602,10 @@ func (m *Manager) Begin(w *worker.Worker, adapter string) (end func()) {
 // Replicas share engines: what another Baton did since this one last read an engine's models is
 // state, not failure. vLLM answers a load of an adapter it has 400 "The lora adapter 'X' has
 // already been loaded." and an unload of one it has not 404 "The lora adapter 'X' cannot be
-// found." (vllm/entrypoints/openai/serving_models.py, the load and unload checks).
+// found." (vllm/entrypoints/openai/serving_models.py, the load and unload checks); SGLang 400
+// "Failed to load LoRA adapter X because it is already loaded"
+// (python/sglang/srt/lora/lora_manager.py, validate_new_adapter) and 400 "LoRA with name X does
+// not exist. …" (python/sglang/srt/lora/lora_registry.py, unregister).
 var (
 	errAlreadyLoaded = errors.New("the engine has the adapter loaded already")
 	errGone          = errors.New("the engine has no such adapter loaded")
@@ -602,9 +661,11 @@ func (m *Manager) post(ctx context.Context, w *worker.Worker, op string, body ma
 		return nil
 	}
 	switch {
-	case op == "load_lora_adapter" && resp.StatusCode == http.StatusBadRequest && bytes.Contains(answer, []byte("has already been loaded")):
+	case op == "load_lora_adapter" && resp.StatusCode == http.StatusBadRequest &&
+		(bytes.Contains(answer, []byte("has already been loaded")) || bytes.Contains(answer, []byte("because it is already loaded"))):
 		return errAlreadyLoaded
-	case op == "unload_lora_adapter" && resp.StatusCode == http.StatusNotFound && bytes.Contains(answer, []byte("cannot be found")):
+	case op == "unload_lora_adapter" && resp.StatusCode == http.StatusNotFound && bytes.Contains(answer, []byte("cannot be found")),
+		op == "unload_lora_adapter" && resp.StatusCode == http.StatusBadRequest && sg.Success != nil && bytes.Contains(answer, []byte("does not exist")):
 		return errGone
 	case op == "load_lora_adapter" && bytes.Contains(answer, []byte("Maximum number of loaded LoRA adapters")):
 		return fmt.Errorf("%w: %s", errNoRoom, cmp.Or(sg.Message, openai.EngineMessage(answer)))

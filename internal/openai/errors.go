@@ -26,6 +26,9 @@ const (
 	CodeModelNotFound   = "model_not_found"
 	// CodeModelRequired: a request that names no model, without a default_model.
 	CodeModelRequired = "model_required"
+	// CodeInvalidLoRAPath: a lora_path that names no one adapter Baton can route (not a name,
+	// several adapters in one batch, no adapter known, another base than the model's).
+	CodeInvalidLoRAPath = "invalid_lora_path"
 	// CodeAdapterLoadFailed: the request's LoRA adapter could not be loaded where it was sent.
 	CodeAdapterLoadFailed  = "adapter_load_failed"
 	CodeNotFound           = "not_found"

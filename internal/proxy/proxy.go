@@ -326,14 +326,15 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 }
 
 // held reports whether the request asked that an answer of status be held to be read, not
-// relayed: a 400 while a context-window fallback is left, a 404 of an adapter's request. The
+// relayed: a 400 while a context-window fallback is left, a 404 or 400 of an adapter's request. The
 // record is looked up for those statuses only.
 func held(r *http.Request, status int) bool {
 	switch status {
 	case http.StatusBadRequest:
-		return record.From(r.Context()).HoldRefusals
+		rec := record.From(r.Context())
+		return rec.HoldRefusals || rec.HoldAdapterGone
 	case http.StatusNotFound:
-		return record.From(r.Context()).HoldNotFound
+		return record.From(r.Context()).HoldAdapterGone
 	}
 	return false
 }

@@ -65,9 +65,10 @@ type Record struct {
 	// HoldRefusals asks the proxy to hold a worker's 400 answer (not relay it) so that it can be
 	// read: a context-window fallback is left to try.
 	HoldRefusals bool
-	// HoldNotFound asks the proxy to hold a worker's 404 (not relay it): an adapter's request
-	// whose engine had the adapter unloaded by another replica is loaded again and retried.
-	HoldNotFound bool
+	// HoldAdapterGone asks the proxy to hold a worker's 404 and 400 (not relay them): an adapter's
+	// request whose engine had the adapter unloaded by another replica (vLLM's 404, SGLang's 400)
+	// is loaded again and retried.
+	HoldAdapterGone bool
 	// Who is the tenant Baton identified (Tenant is its name).
 	Who *tenant.Tenant
 

@@ -175,7 +175,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 		// base:adapter; the fields Baton owns removed (parseRequest), and the engine's priority
 		// written for a worker marked forward_priority (and, for a pair, its prefill alike).
 		// Other bytes stay as the client sent them.
-		out := withLoRAPath(withModel(parsed.Body, parsed.Model, workerModel(sreq, dest)), sreq, dest)
+		out := forWorkers(parsed.Body, req.Path, parsed.Model, sreq, dest)
 		if prefill != nil {
 			out = withPriority(out, rec.Class, prefill, dest)
 		} else {

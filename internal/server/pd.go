@@ -64,7 +64,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			// Both legs share the body: the model the workers know (an SGLang adapter as
 			// base:adapter), and the priority only for a pair whose two workers are marked
 			// forward_priority and read it alike.
-			body := withLoRAPath(withModel(orig, client, workerModel(sreq, pair.Prefill, pair.Decode)), sreq, pair.Prefill, pair.Decode)
+			body := forWorkers(orig, r.URL.Path, client, sreq, pair.Prefill, pair.Decode)
 			if b := withPriority(body, record.From(r.Context()).Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
 				if err := req.SetBody(b); err != nil {
 					return err

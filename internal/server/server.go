@@ -594,6 +594,9 @@ func (s *Server) parseRequest(body []byte, path string) (*openai.Request, *opena
 		}
 		return nil, e
 	}
+	if e := s.loraPathModel(req, path); e != nil {
+		return nil, e
+	}
 	if _, def := s.models(); req.Model == "" && path != "/generate" {
 		if def == "" {
 			return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
@@ -609,6 +612,79 @@ func (s *Server) parseRequest(body []byte, path string) (*openai.Request, *opena
 			Message: fmt.Sprintf(`"n" is %d, above the limit of %d (max_batch_size)`, req.N, s.opts.MaxBatchSize)}
 	}
 	return req, nil
+}
+
+// loraPathModel reads a client's own lora_path (SGLang's way to name an adapter, on /generate
+// and its OpenAI routes) as the model the request asks for: the adapter it names is routed,
+// loaded, counted and checked against the tenant's models like a "model" naming it — never
+// passed to an engine unseen, where it would run any adapter loaded there. Outside /generate the
+// body's "model" becomes the adapter too (vLLM runs the adapter its model names). A lora_path
+// naming no adapter Baton knows, several adapters at once, or an adapter of another base than the
+// model's is refused 400; null (or a list of nulls) is the base model.
+func (s *Server) loraPathModel(req *openai.Request, path string) *openai.Error {
+	raw, ok := req.Get("lora_path")
+	if !ok {
+		return nil
+	}
+	refuse := func(format string, a ...any) *openai.Error {
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidLoRAPath, Param: "lora_path", Message: fmt.Sprintf(format, a...)}
+	}
+	var name string
+	switch v := bytes.TrimSpace(raw); {
+	case string(v) == "null":
+		return nil
+	case len(v) > 0 && v[0] == '"':
+		if json.Unmarshal(v, &name) != nil || name == "" {
+			return refuse(`"lora_path" must name an adapter`)
+		}
+	case len(v) > 0 && v[0] == '[':
+		var names []*string
+		if json.Unmarshal(v, &names) != nil {
+			return refuse(`"lora_path" must be an adapter's name, null, or a list of them (one per prompt)`)
+		}
+		nulls := 0
+		for _, n := range names {
+			switch {
+			case n == nil:
+				nulls++
+			case *n == "" || name != "" && *n != name:
+				return refuse(`"lora_path" names more than one adapter in one batch: send one request per adapter`)
+			default:
+				name = *n
+			}
+		}
+		if name == "" {
+			return nil // the base model for every prompt
+		}
+		if nulls > 0 {
+			return refuse(`"lora_path" names the base model beside an adapter in one batch: send one request per adapter`)
+		}
+	default:
+		return refuse(`"lora_path" must be an adapter's name, null, or a list of them (one per prompt)`)
+	}
+	base := s.reg.Snapshot().Parent(name)
+	if s.opts.Adapters != nil {
+		base = s.opts.Adapters.Base(s.reg.Snapshot(), name)
+	}
+	if base == "" {
+		return refuse(`"lora_path" names %q, which is no adapter Baton serves (declared in adapters:, or listed by a worker)`, name)
+	}
+	if req.Model != "" && req.Model != name && req.Model != base && s.modelChain(req.Model)[0] != base {
+		return refuse(`"lora_path" names adapter %q of base model %q, but "model" is %q`, name, base, req.Model)
+	}
+	req.Model = name
+	if path == "/generate" {
+		return nil // SGLang's /generate takes no "model"
+	}
+	q, _ := json.Marshal(name)
+	b, err := openai.Set(req.Body, "model", q)
+	if err == nil {
+		err = req.SetBody(b)
+	}
+	if err != nil {
+		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()}
+	}
+	return nil
 }
 
 // serveInference forwards an inference request to one regular worker serving its model.
@@ -655,42 +731,61 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 				rec.Decode = wk.URL
 			}
 			s.noteDecisions(r, sreq)
-			body := withPriority(withLoRAPath(withModel(req.Body, client, workerModel(sreq, wk)), sreq, wk), rec.Class, wk)
+			body := withPriority(forWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk)
 			if sreq.AdapterBase == "" || s.opts.Adapters == nil || !declared(s.opts.Adapters, sreq.Model) {
 				return s.proxy.Forward(w, r, wk, r.URL.Path, body)
 			}
-			// An adapter another replica unloaded since this one chose: the engine's 404 is held,
-			// the adapter loaded again on the same worker, and the request sent once more.
-			rec.HoldNotFound = true
-			err = s.proxy.Forward(w, r, wk, r.URL.Path, body)
-			rec.HoldNotFound = false
-			if !adapterGone(err) {
-				return err
+			// An adapter another replica unloaded since this one chose: the engine's refusal is
+			// held, the adapter loaded again on the same worker, and the request sent once more —
+			// a bounded number of times; the last refusal reaches the client as the engine said it.
+			for try := 1; ; try++ {
+				rec.HoldAdapterGone = try < maxAdapterGone
+				err = s.proxy.Forward(w, r, wk, r.URL.Path, body)
+				rec.HoldAdapterGone = false
+				if try >= maxAdapterGone || !adapterGone(err) {
+					return err
+				}
+				if rerr := s.opts.Adapters.Relearn(r.Context(), wk); rerr != nil {
+					return err
+				}
+				again, rerr := s.adapterReady(r, sreq.Model, wk)
+				if errors.Is(rerr, lora.ErrReselect) {
+					// Loaded on another worker meanwhile; this request stays where it was sent.
+					again, rerr = s.adapterReady(r, sreq.Model, wk)
+				}
+				if errors.Is(rerr, lora.ErrReselect) {
+					return err // the engine's refusal, as it said it
+				}
+				if rerr != nil {
+					return rerr
+				}
+				defer again()
+				s.log.Info("adapter gone from its worker (another replica unloaded it): loaded again, request sent once more", "adapter", sreq.Model, "worker", wk.URL, "try", try+1)
 			}
-			if rerr := s.opts.Adapters.Relearn(r.Context(), wk); rerr != nil {
-				return err
-			}
-			again, rerr := s.adapterReady(r, sreq.Model, wk)
-			if rerr != nil {
-				return rerr
-			}
-			defer again()
-			s.log.Info("adapter gone from its worker (another replica unloaded it): loaded again, request sent once more", "adapter", sreq.Model, "worker", wk.URL)
-			return s.proxy.Forward(w, r, wk, r.URL.Path, body)
 		})
 	})
 }
+
+// maxAdapterGone bounds how often a request is sent to a worker that then answered that its
+// adapter is gone (another replica unloaded it between this one's load and the request).
+const maxAdapterGone = 6
 
 func declared(m *lora.Manager, model string) bool {
 	_, ok := m.Loadable(model)
 	return ok
 }
 
-// adapterGone reports whether err is an engine's 404 for a model it does not have (vLLM: "The
-// model `X` does not exist.", vllm/entrypoints/openai/serving_engine.py's model check).
+// adapterGone reports whether err is an engine's refusal of an adapter it does not have: vLLM's
+// 404 "The model `X` does not exist." (vllm/entrypoints/openai/serving_engine.py's model check),
+// SGLang's 400 "The following requested LoRA adapters are not loaded: X"
+// (python/sglang/srt/lora/lora_registry.py, acquire).
 func adapterGone(err error) bool {
 	var f *outcome.Failure
-	return errors.As(err, &f) && f.Status == http.StatusNotFound && f.Answer == nil && bytes.Contains(f.Body, []byte("does not exist"))
+	if !errors.As(err, &f) || f.Answer != nil {
+		return false
+	}
+	return f.Status == http.StatusNotFound && bytes.Contains(f.Body, []byte("does not exist")) ||
+		f.Status == http.StatusBadRequest && bytes.Contains(f.Body, []byte("requested LoRA adapters are not loaded"))
 }
 
 // choose runs the selection (pickModel over sel) and readies the request's adapter on the
@@ -881,6 +976,15 @@ func (s *Server) candidates(snap *worker.Snapshot, role, model string) ([]*worke
 func fallbackable(err error) bool {
 	var nw *policy.NoWorkerError
 	return errors.As(err, &nw) && nw.Route == "" && nw.Unrouted == ""
+}
+
+// forWorkers is body as ws take it: its "model" the workers' name for the request's (not on
+// SGLang's /generate, which takes none) and, on SGLang, its adapter in lora_path.
+func forWorkers(body []byte, path, client string, sreq *policy.Request, ws ...*worker.Worker) []byte {
+	if path != "/generate" {
+		body = withModel(body, client, workerModel(sreq, ws...))
+	}
+	return withLoRAPath(body, sreq, ws...)
 }
 
 // withModel is body with its "model" the workers' name for it, when that differs from the
