@@ -388,3 +388,54 @@ func TestClientLoRAPathIsTheModel(t *testing.T) {
 		})
 	}
 }
+
+// A PD leg whose engine no longer has the adapter (another replica unloaded it from the prefill
+// or the decode since this Baton loaded it) is refused by the engine before anything reaches the
+// client: the adapter is loaded again on the pair and the request sent once more.
+func TestAdapterUnloadedFromAPDLegByAnotherReplica(t *testing.T) {
+	t.Parallel()
+	for _, engine := range []string{sim.EngineVLLM, sim.EngineSGLang} {
+		t.Run(engine, func(t *testing.T) {
+			t.Parallel()
+			p := simEngine(t, sim.Config{Engine: engine, Role: sim.RolePrefill, KVConnector: kvConnectorFor(engine), EngineID: "p", RuntimeLoRA: true})
+			d := simEngine(t, sim.Config{Engine: engine, Role: sim.RoleDecode, KVConnector: kvConnectorFor(engine), RuntimeLoRA: true})
+			cfg := config.Default()
+			cfg.PDDisaggregation = true
+			cfg.LoadPollInterval = time.Hour // this replica learns of the unloads only from the answers
+			pw := config.Worker{URL: p.URL(), Role: config.RolePrefill}
+			unload := "/v1/unload_lora_adapter"
+			if engine == sim.EngineSGLang {
+				port := p.BootstrapPort()
+				pw.BootstrapPort = &port
+				unload = "/unload_lora_adapter"
+			} else {
+				pw.KVConnector = "NixlConnector"
+			}
+			cfg.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode}}
+			cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: pdModel}}
+			_, gw := startGateway(t, cfg)
+			ask := func(what string) {
+				t.Helper()
+				resp, b := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"adapter through pd"}],"max_tokens":4}`)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%s: %d %s", what, resp.StatusCode, b)
+				}
+			}
+			ask("first")
+			for _, e := range []*sim.Engine{d, p} {
+				resp, err := http.Post(e.URL()+unload, "application/json", strings.NewReader(`{"lora_name":"sql"}`))
+				if err != nil || resp.StatusCode != 200 {
+					t.Fatalf("the other replica's unload: %v %v", resp, err)
+				}
+				resp.Body.Close()
+				ask("after an unload from " + e.URL())
+			}
+			if lp, _ := p.LoRAStats(); lp != 2 {
+				t.Errorf("prefill loads %d, want 2 (the first, and again after its unload)", lp)
+			}
+			if ld, _ := d.LoRAStats(); ld != 2 {
+				t.Errorf("decode loads %d, want 2", ld)
+			}
+		})
+	}
+}

@@ -15,7 +15,9 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
+	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
@@ -72,9 +74,60 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			}
 			preq.Ranks = sreq.Ranks
 			notePair(r, pair)
-			return s.pd.Execute(w, r, preq, pair)
+			err = s.pd.Execute(w, r, preq, pair)
+			if sreq.AdapterBase == "" || s.opts.Adapters == nil || !declared(s.opts.Adapters, sreq.Model) {
+				return err
+			}
+			// A leg whose engine says the adapter is gone (another replica unloaded it since
+			// this one loaded it): nothing reached the client; the adapter is loaded again on
+			// the pair and the request sent once more, a bounded number of times.
+			for try := 1; try < maxAdapterGone; try++ {
+				gone := legAdapterGone(err, pair)
+				if gone == nil {
+					return err
+				}
+				if s.opts.Adapters.Relearn(r.Context(), gone) != nil {
+					return err
+				}
+				again, rerr := s.adapterReady(r, sreq.Model, pair.Prefill, pair.Decode)
+				if errors.Is(rerr, lora.ErrReselect) {
+					again, rerr = s.adapterReady(r, sreq.Model, pair.Prefill, pair.Decode)
+				}
+				if errors.Is(rerr, lora.ErrReselect) {
+					return err
+				}
+				if rerr != nil {
+					return rerr
+				}
+				defer again()
+				s.log.Info("adapter gone from a PD leg's worker (another replica unloaded it): loaded again, request sent once more", "adapter", sreq.Model, "worker", gone.URL, "try", try+1)
+				err = s.pd.Execute(w, r, preq, pair)
+			}
+			return err
 		})
 	})
+}
+
+// legAdapterGone is the worker of pair whose engine refused a PD leg because the request's
+// adapter is not there (vLLM's 404 "does not exist", SGLang's 400 "… are not loaded"); nil
+// for any other outcome.
+func legAdapterGone(err error, pair worker.Pair) *worker.Worker {
+	var f *outcome.Failure
+	if !errors.As(err, &f) || f.Leg == "" || f.Answer == nil {
+		return nil
+	}
+	msg := f.Answer.Message
+	if !(f.Status == http.StatusNotFound && strings.Contains(msg, "does not exist") ||
+		f.Status == http.StatusBadRequest && strings.Contains(msg, "requested LoRA adapters are not loaded")) {
+		return nil
+	}
+	switch f.Worker {
+	case pair.Prefill.URL:
+		return pair.Prefill
+	case pair.Decode.URL:
+		return pair.Decode
+	}
+	return nil
 }
 
 // decodeAloneServes reports whether a decode worker can serve a request alone: a vLLM one (its
