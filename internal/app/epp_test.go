@@ -1072,3 +1072,38 @@ func TestEPPRefusalsEndTheExchange(t *testing.T) {
 		return err == nil
 	})
 }
+
+// The data plane forwards a picked request, so an engine's refusal of an adapter another
+// replica unloaded reaches that client; the picker then reads the worker's models again, so the
+// next request for the adapter has it loaded again instead of meeting the same refusal.
+func TestEPPRelearnsAnAdapterGone(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Model: "base"})
+	cfg := testConfig(e.URL())
+	cfg.LoadPollInterval = time.Hour // the picker learns of the unload only from the answer
+	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+	_, conn := startEPP(t, cfg)
+	_, srv := dataPlane(t, conn)
+	ask := func() (int, string) {
+		resp := post(t, srv.URL+"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2}`)
+		return resp.StatusCode, readAll(t, resp.Body)
+	}
+	if st, b := ask(); st != 200 {
+		t.Fatalf("first: %d %s", st, b)
+	}
+	resp, err := http.Post(e.URL()+"/v1/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"sql"}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the other replica's unload: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	if st, b := ask(); st != 404 {
+		t.Fatalf("the request the data plane forwarded after the unload: %d %s (the engine's 404 expected)", st, b)
+	}
+	poll.Until(t, "the next request has the adapter loaded again", func() bool {
+		st, _ := ask()
+		return st == 200
+	})
+	if l, _ := e.LoRAStats(); l != 2 {
+		t.Errorf("loads %d, want 2", l)
+	}
+}

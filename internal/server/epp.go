@@ -219,6 +219,17 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 		} else {
 			serving.Record(status, nil)
 		}
+		if (status == http.StatusNotFound || status == http.StatusBadRequest) && sreq.AdapterBase != "" && s.opts.Adapters != nil && declared(s.opts.Adapters, sreq.Model) {
+			// The data plane forwards, so the picker cannot send this request again; the
+			// engine's refusal may be its adapter gone (another replica unloaded it): the
+			// worker's models are read again, so that the next request loads it again.
+			w := serving
+			s.bg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				_ = s.opts.Adapters.Relearn(ctx, w)
+			})
+		}
 		rec.FirstByte = o.FirstByte
 		if o.UsageKnown {
 			rec.Usage, rec.UsageKnown = o.Usage, true
