@@ -178,15 +178,19 @@ const loraInfoName = "vllm:lora_requests_info"
 const maxAdapterNames = 1024
 
 // loraInfo reads vLLM's lora_requests_info: its value is the time the label set was set, and
-// the gauge keeps every set it ever had, so the one with the latest time is now.
+// the gauge keeps every set it ever had, so the one with the latest time is now. A value more
+// than a day ahead of this clock is no such time (a multiprocess gauge summed over several API
+// servers reads as one far in the future) and is passed over. Baton reads the gauge as a ranking
+// hint only: one process's view under several API servers ranks a worker, never fails a request.
 func loraInfo(f *dto.MetricFamily) (running, waiting []string, maxLoRA int, ok bool) {
 	if f == nil {
 		return nil, nil, 0, false
 	}
+	horizon := float64(time.Now().Add(24*time.Hour).Unix())
 	var latest *dto.Metric
 	for _, m := range f.GetMetric() {
 		v := value(m)
-		if math.IsNaN(v) {
+		if math.IsNaN(v) || v > horizon {
 			continue
 		}
 		if latest == nil || v > value(latest) {

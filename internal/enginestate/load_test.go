@@ -63,8 +63,9 @@ sglang:num_running_reqs{dp_rank="1"} 4
 func TestParseLoRARequestsInfo(t *testing.T) {
 	l, err := Parse(strings.NewReader(`# TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",waiting_lora_adapters=""} 1.7e9
-vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.8e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.75e9
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="older",waiting_lora_adapters=""} 1.6e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="summed",waiting_lora_adapters=""} 3.5e9
 `))
 	if err != nil {
 		t.Fatal(err)
