@@ -486,6 +486,19 @@ func (e *Engine) admit(ctx context.Context) (release func(), ok bool, err error)
 	return func() { e.running.Add(-1); <-e.slots }, true, nil
 }
 
+// slot takes a run slot for a request the engine took already (no queue bound applies to it).
+func (e *Engine) slot(ctx context.Context) (release func(), err error) {
+	e.waiting.Add(1)
+	defer e.waiting.Add(-1)
+	select {
+	case e.slots <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	e.running.Add(1)
+	return func() { e.running.Add(-1); <-e.slots }, nil
+}
+
 // faults returns the engine's faults overlaid with the request's X-Sim-Fault header.
 func (e *Engine) faults(r *http.Request) Faults {
 	f := e.cfg.Faults

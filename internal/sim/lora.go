@@ -87,13 +87,13 @@ func (s *loraSet) keys() string {
 	return "dict_keys([" + strings.Join(q, ", ") + "])"
 }
 
-// queued counts a request of adapter waiting for a run slot: run moves it to running, done ends
-// it wherever it is. With batch set (vLLM's --max-loras), run waits while batch other adapters
+// queued counts a request of adapter waiting for a run slot: run moves it to running (false
+// when it may not run yet and block is false), done ends it wherever it is. With batch set (vLLM's --max-loras), run waits while batch other adapters
 // run: vLLM's scheduler runs at most max_loras adapters in a batch and leaves the requests of
 // another waiting (vllm/v1/core/sched/scheduler.py, the max_loras check when scheduling).
-func (s *loraSet) queued(ctx context.Context, adapter string, batch int) (run func() error, done func()) {
+func (s *loraSet) queued(ctx context.Context, adapter string, batch int) (run func(block bool) (bool, error), done func()) {
 	if adapter == "" {
-		return func() error { return nil }, func() {}
+		return func(bool) (bool, error) { return true, nil }, func() {}
 	}
 	s.mu.Lock()
 	s.waiting[adapter]++
@@ -105,23 +105,26 @@ func (s *loraSet) queued(ctx context.Context, adapter string, batch int) (run fu
 			delete(m, adapter)
 		}
 	}
-	run = func() error {
+	run = func(block bool) (bool, error) {
 		for {
 			s.mu.Lock()
 			if state != &s.waiting {
 				s.mu.Unlock()
-				return nil
+				return true, nil
 			}
 			if batch <= 0 || s.running[adapter] > 0 || len(s.running) < batch {
 				dec(s.waiting)
 				s.running[adapter]++
 				state = &s.running
 				s.mu.Unlock()
-				return nil
+				return true, nil
 			}
 			s.mu.Unlock()
+			if !block {
+				return false, nil
+			}
 			if err := sleep(ctx, time.Millisecond); err != nil {
-				return err
+				return false, err
 			}
 		}
 	}

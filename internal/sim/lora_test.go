@@ -178,12 +178,12 @@ func TestSGLangAdapterAnswersAsSGLangWordsThem(t *testing.T) {
 }
 
 // vLLM runs at most --max-loras adapters in a batch: a request of another adapter waits (shown
-// among lora_requests_info's waiting adapters) until one of those running is done; the loads
-// themselves are never refused for it.
+// among lora_requests_info's waiting adapters) until one of those running is done, without
+// holding a run slot another request could use; the loads themselves are never refused for it.
 func TestVLLMBatchRunsAtMostMaxLoRAs(t *testing.T) {
 	t.Parallel()
-	e := start(t, Config{Engine: EngineVLLM, RuntimeLoRA: true, MaxLoRAs: 1, LoRAAdapters: []string{"a1", "a2"}, DecodePerToken: 20 * time.Millisecond})
-	done := make(chan string, 2)
+	e := start(t, Config{Engine: EngineVLLM, RuntimeLoRA: true, MaxLoRAs: 1, LoRAAdapters: []string{"a1", "a2"}, DecodePerToken: 20 * time.Millisecond, MaxConcurrency: 2})
+	done := make(chan string, 3)
 	send := func(adapter string) {
 		r := post(t, e.URL()+"/v1/completions", `{"model":"`+adapter+`","prompt":"x","max_tokens":15,"ignore_eos":true}`)
 		if r.status != 200 {
@@ -206,7 +206,16 @@ func TestVLLMBatchRunsAtMostMaxLoRAs(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	if first, second := <-done, <-done; first != "a1" || second != "a2" {
-		t.Errorf("finished %s then %s, want a1 then a2", first, second)
+	// The waiting a2 holds no run slot: a base-model request takes the second one and finishes
+	// while a1 still runs, as vLLM's scheduler runs another request in its place.
+	go func() {
+		r := post(t, e.URL()+"/v1/completions", `{"model":"`+e.cfg.Model+`","prompt":"x","max_tokens":1}`)
+		if r.status != 200 {
+			t.Errorf("base: %d %s", r.status, r.raw)
+		}
+		done <- "base"
+	}()
+	if first, second, third := <-done, <-done, <-done; first != "base" || second != "a1" || third != "a2" {
+		t.Errorf("finished %s, %s, %s; want base, a1, a2", first, second, third)
 	}
 }

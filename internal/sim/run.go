@@ -68,8 +68,18 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 		defer done()
 		release, ok, err := e.admit(ctx)
 		if ok && err == nil {
-			err = running()
-			if err != nil {
+			var ran bool
+			if ran, err = running(false); !ran && err == nil {
+				// Its adapter may not run yet (the batch runs max_loras others): vLLM's scheduler
+				// leaves it waiting and runs another request in the slot meanwhile.
+				release()
+				e.waiting.Add(1)
+				_, err = running(true)
+				e.waiting.Add(-1)
+				if err == nil {
+					release, err = e.slot(ctx)
+				}
+			} else if err != nil {
 				release()
 			}
 		}
