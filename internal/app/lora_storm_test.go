@@ -17,7 +17,9 @@ import (
 
 // Two Baton replicas share two engines and a storm of loads and unloads: more adapters than the
 // engines hold at once (SGLang's --max-loaded-loras), every replica unloading the adapters it
-// believes idle, and on vLLM an outside hand unloading adapters at random besides. Each replica
+// believes idle and refilling the engines as fast as the other empties them (on SGLang half the
+// requests name their adapter in /generate's lora_path), and on vLLM an outside hand unloading
+// adapters at random besides. Each replica
 // learns of the other's work only from the engines' answers. Every request of a declared
 // adapter is answered 200 by its adapter: not one 503 adapter_load_failed, not one engine 404
 // or 400 for an adapter the other replica unloaded.
@@ -32,7 +34,7 @@ func TestTwoReplicasShareEnginesUnderAStorm(t *testing.T) {
 	} {
 		t.Run(c.engine, func(t *testing.T) {
 			t.Parallel()
-			const adapters, requests, clients = 6, 240, 8
+			const adapters, requests, clients = 7, 360, 24
 			var engines []*sim.Engine
 			var urls []string
 			for i := 0; i < 2; i++ {
@@ -82,8 +84,11 @@ func TestTwoReplicasShareEnginesUnderAStorm(t *testing.T) {
 					client := &http.Client{Timeout: 20 * time.Second}
 					for i := range jobs {
 						rng := rand.New(rand.NewPCG(uint64(i), 28))
-						body := fmt.Sprintf(`{"model":"a%d","prompt":"storm %d","max_tokens":3}`, rng.IntN(adapters), i)
-						resp, err := client.Post(gws[i%2]+"/v1/completions", "application/json", strings.NewReader(body))
+						path, body := "/v1/completions", fmt.Sprintf(`{"model":"a%d","prompt":"storm %d","max_tokens":3}`, rng.IntN(adapters), i)
+						if c.engine == sim.EngineSGLang && i%2 == 1 { // SGLang's own way: lora_path on /generate
+							path, body = "/generate", fmt.Sprintf(`{"text":"storm %d","lora_path":"a%d","sampling_params":{"max_new_tokens":3}}`, i, rng.IntN(adapters))
+						}
+						resp, err := client.Post(gws[(i/2)%2]+path, "application/json", strings.NewReader(body))
 						if err != nil {
 							mu.Lock()
 							failures = append(failures, failure{0, err.Error()})

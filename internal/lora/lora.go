@@ -426,30 +426,30 @@ func (m *Manager) load(ctx context.Context, w *worker.Worker, a config.Adapter, 
 	m.mu.Unlock()
 	busy.Lock()
 	defer busy.Unlock()
-	var err error
-	for try := 0; try < maxRaces; try++ {
+	for try := 0; ; try++ {
 		var c contended
-		if err = m.loadStep(ctx, w, a, s); !errors.As(err, &c) {
+		err := m.loadStep(ctx, w, a, s)
+		if !errors.As(err, &c) {
 			return err
 		}
 		// Another replica got there between this one's steps: after a short, jittered pause
-		// (replicas that collided once should not collide again in step), try again.
-		pause := min(raceBackoff<<try, 100*time.Millisecond)
+		// (replicas that collided once should not collide again in step), try again — until the
+		// load timeout (ctx) ends it.
+		pause := min(raceBackoff<<min(try, 16), maxRacePause)
 		select {
 		case <-ctx.Done():
 			return err
 		case <-time.After(pause/2 + rand.N(pause/2+1)):
 		}
 	}
-	return err
 }
 
-// maxRaces bounds how often one load starts over because another replica's change to the
-// engine (filled again, the adapter unloaded just after it loaded) defeated it; the load
-// timeout bounds it in time. raceBackoff is the first pause between two tries.
+// raceBackoff is the first pause between two tries of a load another replica's change to the
+// engine defeated (filled again, the adapter unloaded just after it loaded); the pauses double
+// up to maxRacePause, and the load timeout ends the tries.
 const (
-	maxRaces    = 8
-	raceBackoff = 2 * time.Millisecond
+	raceBackoff  = 2 * time.Millisecond
+	maxRacePause = 250 * time.Millisecond
 )
 
 // loadStep is one try of load, under w's load lock: room made when asked, the load sent, and the

@@ -237,9 +237,9 @@ func TestCapacityAsEachEngineMeansIt(t *testing.T) {
 }
 
 // A load the engine answers but then does not list (another replica unloaded the adapter between
-// the load and this replica's read of the models) is tried again, a bounded number of times; one
-// that loses every try fails the request that met it, but is not held for failHold: the next
-// request loads again instead of getting the same 503 for 30 s.
+// the load and this replica's read of the models) is tried again until the load timeout; one that
+// loses every try fails the request that met it, but is not held for failHold: the next request
+// loads again instead of getting the same 503 for 30 s.
 func TestARaceLostIsNotHeld(t *testing.T) {
 	var loads int
 	var mu sync.Mutex
@@ -261,7 +261,8 @@ func TestARaceLostIsNotHeld(t *testing.T) {
 	w := worker.New(config.Worker{URL: e.URL})
 	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}}})
 	m := New(worker.NewRegistry(w), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Settings{Adapters: []config.Adapter{{Name: "x", Path: "/x", Base: "base"}}, Timeout: 5 * time.Second})
+		Settings{Adapters: []config.Adapter{{Name: "x", Path: "/x", Base: "base"}}, Timeout: 300 * time.Millisecond})
+	last := 0
 	for i := 1; i <= 2; i++ {
 		if err := m.Ensure(context.Background(), w, "x"); err == nil || !strings.Contains(err.Error(), "does not list") {
 			t.Fatalf("load %d: %v", i, err)
@@ -269,8 +270,9 @@ func TestARaceLostIsNotHeld(t *testing.T) {
 		mu.Lock()
 		n := loads
 		mu.Unlock()
-		if n != i*maxRaces {
-			t.Fatalf("after request %d the engine saw %d loads, want %d (each tried %d times; a lost race held tries none)", i, n, i*maxRaces, maxRaces)
+		if n-last < 2 {
+			t.Fatalf("request %d: the engine saw %d loads, want more than one (tried again until the load timeout; a lost race held tries none)", i, n-last)
 		}
+		last = n
 	}
 }
