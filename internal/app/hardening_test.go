@@ -138,8 +138,9 @@ func TestModelLabelsAreBounded(t *testing.T) {
 	if !strings.Contains(m, want) {
 		t.Errorf("metrics lack %s", want)
 	}
-	if !strings.Contains(m, `baton_requests_total{model="unknown",route="POST /v1/chat/completions",status="404"} 1103`) {
-		t.Error("bogus names were not counted as unknown")
+	if !strings.Contains(m, `baton_requests_total{model="unknown",route="POST /v1/chat/completions",status="404"} 1100`) ||
+		!strings.Contains(m, `baton_requests_total{model="none",route="POST /v1/chat/completions",status="400"} 3`) {
+		t.Errorf("bogus names were not counted as unknown (names past 1,024 bytes are refused 400 invalid_model):\n%s", grepLines(m, "baton_requests_total"))
 	}
 }
 

@@ -345,6 +345,9 @@ func TestClientLoRAPathIsTheModel(t *testing.T) {
 				{"/v1/completions", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":"preloaded"}`, "preloaded"},
 				{"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2,"lora_path":["sql"]}`, "sql"},
 				{"/v1/completions", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":null}`, ""},
+				// SGLang's own spelling, base:adapter, names the adapter too.
+				{"/v1/completions", `{"model":"base:sql","prompt":"x","max_tokens":2}`, "sql"},
+				{"/v1/chat/completions", `{"model":" base : preloaded ","messages":[{"role":"user","content":"x"}],"max_tokens":2}`, "preloaded"},
 			}
 			if engine == sim.EngineSGLang {
 				ok = append(ok, struct{ path, body, adapter string }{"/generate", `{"text":["x","y"],"lora_path":["sql","sql"],"sampling_params":{"max_new_tokens":2}}`, "sql"})
@@ -359,16 +362,27 @@ func TestClientLoRAPathIsTheModel(t *testing.T) {
 					t.Errorf("%s %s: the adapter %s did not run (the base answered)", c.path, c.body, c.adapter)
 				}
 			}
-			// A tenant allowed only the base reaches no adapter through lora_path.
+			// A tenant allowed only the base reaches no adapter through lora_path, nor base:adapter.
 			for _, a := range []string{"sql", "preloaded"} {
-				before := e.AdapterRequests(a)
-				resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-base", `{"model":"base","prompt":"x","max_tokens":2,"lora_path":"`+a+`"}`)
-				if resp.StatusCode == 200 || e.AdapterRequests(a) != before {
-					t.Errorf("a base-only tenant's lora_path %s: %d %s; the adapter ran %d times more", a, resp.StatusCode, b, e.AdapterRequests(a)-before)
+				for _, body := range []string{`{"model":"base","prompt":"x","max_tokens":2,"lora_path":"` + a + `"}`, `{"model":"base:` + a + `","prompt":"x","max_tokens":2}`} {
+					before := e.AdapterRequests(a)
+					resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-base", body)
+					if resp.StatusCode == 200 || e.AdapterRequests(a) != before {
+						t.Errorf("a base-only tenant's %s: %d %s; the adapter ran %d times more", body, resp.StatusCode, b, e.AdapterRequests(a)-before)
+					}
 				}
 			}
 			if resp, b := tenantReq(t, gw.URL+"/v1/completions", "sk-base", `{"model":"base","prompt":"x","max_tokens":2}`); resp.StatusCode != 200 {
 				t.Errorf("the base-only tenant's base request: %d %s", resp.StatusCode, b)
+			}
+			if engine == sim.EngineSGLang {
+				// /generate names no model: a tenant held to some models is told to name one.
+				if resp, b := tenantReq(t, gw.URL+"/generate", "sk-base", `{"text":"x","sampling_params":{"max_new_tokens":2}}`); resp.StatusCode != 400 || !strings.Contains(b, `"code":"model_required"`) {
+					t.Errorf("the base-only tenant's /generate without a model: %d %s", resp.StatusCode, b)
+				}
+				if resp, b := tenantReq(t, gw.URL+"/generate", "sk-base", `{"model":"base","text":"x","sampling_params":{"max_new_tokens":2}}`); resp.StatusCode != 200 {
+					t.Errorf("the base-only tenant's /generate naming the base: %d %s", resp.StatusCode, b)
+				}
 			}
 			for _, body := range []string{
 				`{"model":"base","prompt":"x","lora_path":"nope"}`,
@@ -437,5 +451,28 @@ func TestAdapterUnloadedFromAPDLegByAnotherReplica(t *testing.T) {
 				t.Errorf("decode loads %d, want 2", ld)
 			}
 		})
+	}
+}
+
+// What a client names is bounded before any message quotes it: a "model" or lora_path name of
+// megabytes (invalid UTF-8 would grow threefold as U+FFFD) is refused with a small answer, and a
+// lora_path list longer than max_batch_size is refused unread.
+func TestClientNamesAreBoundedInAnswers(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base"})
+	cfg := testConfig(e.URL())
+	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+	_, gw := startGateway(t, cfg)
+	huge := strings.Repeat("\xff", 4<<20)
+	for _, c := range []struct{ path, body, code string }{
+		{"/v1/completions", `{"model":"` + huge + `","prompt":"x"}`, "invalid_model"},
+		{"/v1/completions", `{"model":"base","prompt":"x","lora_path":"` + huge + `"}`, "invalid_lora_path"},
+		{"/generate", `{"text":"x","lora_path":["` + huge + `"]}`, "invalid_lora_path"},
+		{"/generate", `{"text":"x","lora_path":[` + strings.Repeat(`"sql",`, cfg.MaxBatchSize) + `"sql"]}`, "batch_too_large"},
+	} {
+		resp, b := postTimeout(t, gw.URL+c.path, c.body)
+		if resp.StatusCode != 400 || !strings.Contains(b, `"code":"`+c.code+`"`) || len(b) > 8<<10 {
+			t.Errorf("%s %.60q…: %d, %d bytes: %.300s", c.path, c.body, resp.StatusCode, len(b), b)
+		}
 	}
 }

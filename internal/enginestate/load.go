@@ -186,7 +186,7 @@ func loraInfo(f *dto.MetricFamily) (running, waiting []string, maxLoRA int, ok b
 	if f == nil {
 		return nil, nil, 0, false
 	}
-	horizon := float64(time.Now().Add(24*time.Hour).Unix())
+	horizon := float64(time.Now().Add(24 * time.Hour).Unix())
 	var latest *dto.Metric
 	for _, m := range f.GetMetric() {
 		v := value(m)

@@ -26,6 +26,8 @@ const (
 	CodeModelNotFound   = "model_not_found"
 	// CodeModelRequired: a request that names no model, without a default_model.
 	CodeModelRequired = "model_required"
+	// CodeInvalidModel: a "model" no name could be (longer than Baton reads one).
+	CodeInvalidModel = "invalid_model"
 	// CodeInvalidLoRAPath: a lora_path that names no one adapter Baton can route (not a name,
 	// several adapters in one batch, no adapter known, another base than the model's).
 	CodeInvalidLoRAPath = "invalid_lora_path"

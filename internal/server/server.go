@@ -594,6 +594,13 @@ func (s *Server) parseRequest(body []byte, path string) (*openai.Request, *opena
 		}
 		return nil, e
 	}
+	if len(req.Model) > maxModelName {
+		return nil, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidModel, Param: "model",
+			Message: fmt.Sprintf(`"model" is longer than %d bytes: no model Baton serves has such a name`, maxModelName)}
+	}
+	if e := s.sglangAdapterModel(req, path); e != nil {
+		return nil, e
+	}
 	if e := s.loraPathModel(req, path); e != nil {
 		return nil, e
 	}
@@ -613,6 +620,10 @@ func (s *Server) parseRequest(body []byte, path string) (*openai.Request, *opena
 	}
 	return req, nil
 }
+
+// maxModelName bounds a model's (or an adapter's) name read from a request: every message that
+// names the model quotes at most this much of what the client sent.
+const maxModelName = 1024
 
 // loraPathModel reads a client's own lora_path (SGLang's way to name an adapter, on /generate
 // and its OpenAI routes) as the model the request asks for: the adapter it names is routed,
@@ -634,20 +645,24 @@ func (s *Server) loraPathModel(req *openai.Request, path string) *openai.Error {
 	case string(v) == "null":
 		return nil
 	case len(v) > 0 && v[0] == '"':
-		if json.Unmarshal(v, &name) != nil || name == "" {
-			return refuse(`"lora_path" must name an adapter`)
+		if json.Unmarshal(v, &name) != nil || name == "" || len(name) > maxModelName {
+			return refuse(`"lora_path" must name an adapter (at most %d bytes)`, maxModelName)
 		}
 	case len(v) > 0 && v[0] == '[':
 		var names []*string
 		if json.Unmarshal(v, &names) != nil {
 			return refuse(`"lora_path" must be an adapter's name, null, or a list of them (one per prompt)`)
 		}
+		if len(names) > max(s.opts.MaxBatchSize, 1) {
+			return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeBatchTooLarge, Param: "lora_path",
+				Message: fmt.Sprintf(`"lora_path" lists %d entries, above the limit of %d prompts (max_batch_size)`, len(names), s.opts.MaxBatchSize)}
+		}
 		nulls := 0
 		for _, n := range names {
 			switch {
 			case n == nil:
 				nulls++
-			case *n == "" || name != "" && *n != name:
+			case *n == "" || len(*n) > maxModelName || name != "" && *n != name:
 				return refuse(`"lora_path" names more than one adapter in one batch: send one request per adapter`)
 			default:
 				name = *n
@@ -662,19 +677,56 @@ func (s *Server) loraPathModel(req *openai.Request, path string) *openai.Error {
 	default:
 		return refuse(`"lora_path" must be an adapter's name, null, or a list of them (one per prompt)`)
 	}
-	base := s.reg.Snapshot().Parent(name)
-	if s.opts.Adapters != nil {
-		base = s.opts.Adapters.Base(s.reg.Snapshot(), name)
-	}
+	base := s.adapterBase(name)
 	if base == "" {
 		return refuse(`"lora_path" names %q, which is no adapter Baton serves (declared in adapters:, or listed by a worker)`, name)
 	}
 	if req.Model != "" && req.Model != name && req.Model != base && s.modelChain(req.Model)[0] != base {
 		return refuse(`"lora_path" names adapter %q of base model %q, but "model" is %q`, name, base, req.Model)
 	}
+	return setModel(req, name, path)
+}
+
+// adapterBase is the base model of adapter name, declared or listed by a worker; "" when name
+// is no adapter Baton knows.
+func (s *Server) adapterBase(name string) string {
+	if s.opts.Adapters != nil {
+		return s.opts.Adapters.Base(s.reg.Snapshot(), name)
+	}
+	return s.reg.Snapshot().Parent(name)
+}
+
+// sglangAdapterModel reads SGLang's own spelling of an adapter, "model": "base:adapter" (its
+// OpenAI serving splits at the first colon and trims both parts, serving_base.py,
+// _parse_model_parameter), as the adapter: a client moving from SGLang, or sending back the
+// model an answer named, asks for the adapter, routed and tenant-checked as such. A model of
+// that name that Baton or a worker knows keeps its name.
+func (s *Server) sglangAdapterModel(req *openai.Request, path string) *openai.Error {
+	base, a, ok := strings.Cut(req.Model, ":")
+	if !ok {
+		return nil
+	}
+	if models, _ := s.models(); models != nil {
+		if _, known := models[req.Model]; known {
+			return nil
+		}
+	}
+	if s.reg.Snapshot().Lists(req.Model) {
+		return nil
+	}
+	base, a = strings.TrimSpace(base), strings.TrimSpace(a)
+	if b := s.adapterBase(a); a == "" || b == "" || b != base && s.modelChain(base)[0] != b {
+		return nil // no adapter of that base: the name is left to be found, or not, as it is
+	}
+	return setModel(req, a, path)
+}
+
+// setModel makes name the model req asks for, and — but on SGLang's /generate, which takes no
+// "model" — its body's "model".
+func setModel(req *openai.Request, name, path string) *openai.Error {
 	req.Model = name
 	if path == "/generate" {
-		return nil // SGLang's /generate takes no "model"
+		return nil
 	}
 	q, _ := json.Marshal(name)
 	b, err := openai.Set(req.Body, "model", q)

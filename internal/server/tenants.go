@@ -156,6 +156,12 @@ func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Re
 	if t == nil {
 		return nil, true
 	}
+	if req.Model == "" && !t.Allows(req.Model) {
+		// SGLang's /generate names no model; a tenant held to some models must name one.
+		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
+			Message: `this key may use only some models: name one in "model" (on /generate too)`})
+		return nil, false
+	}
 	if !t.Allows(req.Model) {
 		proxy.WriteFailure(w, selectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}))
 		return nil, false
