@@ -132,7 +132,7 @@ func TestNoClientGetsAnothersAnswer(t *testing.T) {
 				for i := 0; i < 20; i++ {
 					// The stray bytes of the last answer (sent 5 ms after it) arrive meanwhile; the
 					// margin is wide for a loaded CI machine. Stray bytes later than a reuse of the
-					// connection cannot be told from its answer by any client (see the README's
+					// connection cannot be told from its answer by any client (see docs/REFERENCE.md's
 					// Security section on --upstream-client).
 					time.Sleep(100 * time.Millisecond)
 					rid := fmt.Sprintf("client-%d", i)
@@ -182,7 +182,7 @@ func TestStdLogBridgeDropsUnsolicitedBytes(t *testing.T) {
 }
 
 // High 2: keyless admin access was decided by the listener being loopback, so behind nginx on
-// the same host (what the README advises) anyone could add an engine that then receives users'
+// the same host (what docs/REFERENCE.md advises) anyone could add an engine that then receives users'
 // prompts; and a web page could POST text/plain with a foreign Origin. Keyless admin is only on
 // a loopback listener of its own, never through a proxy or from a page, and takes JSON only.
 func TestAdminNeverOpenByAccident(t *testing.T) {

@@ -148,7 +148,7 @@ func browse(t *testing.T, browser, url string, flags ...string) []byte {
 }
 
 // The status page in a real browser: its script fetches status.json and renders the workers,
-// the pair and the error. BATON_STATUS_SCREENSHOT=FILE also saves a screenshot (the README's).
+// the pair and the error. BATON_STATUS_SCREENSHOT=FILE also saves a screenshot (the one docs/REFERENCE.md shows).
 func TestStatusPageInBrowser(t *testing.T) {
 	t.Parallel()
 	browser := chromium(t)

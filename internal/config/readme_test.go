@@ -7,11 +7,11 @@ import (
 	"testing"
 )
 
-// readmeFlagRows reads the README's configuration tables: per row, the flags its first column
+// referenceFlagRows reads the reference's configuration tables (docs/REFERENCE.md): per row, the flags its first column
 // names and the values its default column shows in backticks.
-func readmeFlagRows(t *testing.T) (rows [][2][]string) {
+func referenceFlagRows(t *testing.T) (rows [][2][]string) {
 	t.Helper()
-	b, err := os.ReadFile("../../README.md")
+	b, err := os.ReadFile("../../docs/REFERENCE.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,29 +39,29 @@ func readmeFlagRows(t *testing.T) (rows [][2][]string) {
 		rows = append(rows, [2][]string{names, defs})
 	}
 	if len(rows) < 40 {
-		t.Fatalf("read %d flag rows from the README", len(rows))
+		t.Fatalf("read %d flag rows from docs/REFERENCE.md", len(rows))
 	}
 	return rows
 }
 
-// The README's flag tables and the flags agree: every flag has a row, every row names real
+// The reference's flag tables (docs/REFERENCE.md) and the flags agree: every flag has a row, every row names real
 // flags, a duration's integer alias sits in its flag's row, and a literal default in a row is
 // the flag's default.
-func TestREADMEListsEveryFlagWithItsDefault(t *testing.T) {
+func TestReferenceListsEveryFlagWithItsDefault(t *testing.T) {
 	flags := map[string]*flag{}
 	for i := range serveFlags {
 		flags[serveFlags[i].name] = &serveFlags[i]
 	}
 	documented := map[string]bool{}
 	def := Default()
-	for _, row := range readmeFlagRows(t) {
+	for _, row := range referenceFlagRows(t) {
 		var main []string
 		for _, name := range row[0] {
 			documented[name] = true
 			f := flags[name]
 			switch {
 			case f == nil:
-				t.Errorf("the README documents --%s, which is no flag", name)
+				t.Errorf("docs/REFERENCE.md documents --%s, which is no flag", name)
 			case f.alias:
 				if len(main) == 0 || !strings.HasPrefix(name, main[len(main)-1]+"-") {
 					t.Errorf("--%s, an alias, is not in the row of the flag it spells", name)
@@ -77,14 +77,14 @@ func TestREADMEListsEveryFlagWithItsDefault(t *testing.T) {
 		for i, name := range main {
 			if f := flags[name]; f.def != nil {
 				if got := f.def(&def); got != defs[i] {
-					t.Errorf("--%s: the README says the default is %q, the flag's is %q", name, defs[i], got)
+					t.Errorf("--%s: docs/REFERENCE.md says the default is %q, the flag's is %q", name, defs[i], got)
 				}
 			}
 		}
 	}
 	for name := range flags {
 		if !documented[name] {
-			t.Errorf("--%s has no row in the README's configuration tables", name)
+			t.Errorf("--%s has no row in the configuration tables of docs/REFERENCE.md", name)
 		}
 	}
 }

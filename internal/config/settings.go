@@ -14,7 +14,7 @@ import (
 //
 //	json     its YAML key (nested structs give dotted paths: health_check.interval)
 //	flag     its command line flag, kebab case; none: YAML only
-//	help     the flag's help, in --help and checked against the README's tables
+//	help     the flag's help, in --help and checked against the tables of docs/REFERENCE.md
 //	default  its default, in flag syntax ("30s", "0.3", "round_robin"); none: the zero value
 //	check    bounds: ">0", ">=N", "A..B" (numbers, or durations for a duration)
 //	oneof    its choices: "a|b|c"

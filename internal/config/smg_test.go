@@ -69,16 +69,16 @@ func TestSmgSpellings(t *testing.T) {
 	}
 }
 
-// The README's smg table names every smg flag.
-func TestREADMEHasTheSmgTable(t *testing.T) {
-	b, err := os.ReadFile("../../README.md")
+// The reference's smg table (docs/REFERENCE.md) names every smg flag.
+func TestReferenceHasTheSmgTable(t *testing.T) {
+	b, err := os.ReadFile("../../docs/REFERENCE.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := string(b)
 	i := strings.Index(s, "### Coming from smg")
 	if i < 0 {
-		t.Fatal("the README has no smg section")
+		t.Fatal("docs/REFERENCE.md has no smg section")
 	}
 	section := s[i:]
 	if j := strings.Index(section[1:], "\n## "); j >= 0 {
@@ -86,7 +86,7 @@ func TestREADMEHasTheSmgTable(t *testing.T) {
 	}
 	for _, name := range smgFlags {
 		if !strings.Contains(section, "`--"+name+"`") {
-			t.Errorf("the README's smg table lacks --%s", name)
+			t.Errorf("the smg table of docs/REFERENCE.md lacks --%s", name)
 		}
 	}
 }

@@ -41,16 +41,16 @@ func codeConstants(t *testing.T) map[string]string {
 	return codes
 }
 
-// The README lists every code a client can receive from Baton: a code added without its line
+// The reference (docs/REFERENCE.md) lists every code a client can receive from Baton: a code added without its line
 // fails here.
-func TestREADMEListsEveryErrorCode(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
+func TestReferenceListsEveryErrorCode(t *testing.T) {
+	readme, err := os.ReadFile("../../docs/REFERENCE.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for name, code := range codeConstants(t) {
 		if !strings.Contains(string(readme), "`"+code+"`") {
-			t.Errorf("README.md does not list %s (`%s`)", name, code)
+			t.Errorf("docs/REFERENCE.md does not list %s (`%s`)", name, code)
 		}
 	}
 }

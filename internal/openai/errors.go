@@ -11,7 +11,7 @@ import (
 )
 
 // Error codes Baton mints, every one of them: a client-visible code is one of these (a test
-// fails on a literal elsewhere, and on a code the README's error list misses). Upstream errors
+// fails on a literal elsewhere, and on a code docs/REFERENCE.md's error list misses). Upstream errors
 // are relayed unchanged and never use these. The PD legs prefix the upstream codes with the leg:
 // prefill_upstream_timeout, decode_upstream_unreachable, decode_upstream_error.
 const (

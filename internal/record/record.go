@@ -104,7 +104,7 @@ func (r *Record) NextAttempt() {
 }
 
 // Charge is what a request cost, in prompt and completion tokens, by what the engines did
-// (the table "What a request is charged" of the README's "Tenants and limits"):
+// (the table "What a request is charged" of docs/REFERENCE.md, "Tenants and limits"):
 //
 //   - the engine's usage, when the answer carried it whole;
 //   - when a leg that generates was given the request and did not refuse it: the prompt (the
