@@ -56,7 +56,8 @@ type Request struct {
 	Method, Path string
 	Header       http.Header
 	// Body is the whole request body: empty for a request known to have none, nil when the
-	// pick is made before the body came (the proxy's filter does not stream it first).
+	// pick is made before the body came (the proxy's filter does not stream it first). It is
+	// the exchange's: a Picker reads it during Pick only (the exchange lets it go after).
 	Body []byte
 	// Subset, when HasSubset, is the proxy's subset hint: pick only from these ip:port.
 	Subset    []string
