@@ -65,6 +65,44 @@ type NoWorkerError struct {
 	Unrouted string
 }
 
+// NoWorkerKind is what a NoWorkerError means for the request, one value per meaning: every
+// caller reads the kind, none decodes the flags.
+type NoWorkerKind int
+
+const (
+	// NoneAvailable: the model's workers exist but none is available now (unhealthy, circuits
+	// open, registering, draining): a retry, a fallback or the waiting room may find one.
+	NoneAvailable NoWorkerKind = iota
+	// ModelUnserved: no worker of any role serves the model.
+	ModelUnserved
+	// KVIncompatible: decodes are available, but none can take an available prefill's KV.
+	KVIncompatible
+	// RouteNotDisaggregated: the route cannot be served through the model's PD pairs.
+	RouteNotDisaggregated
+	// RouteSGLangOnly: an SGLang-only route asked of workers that are all vLLM.
+	RouteSGLangOnly
+)
+
+// Kind is what e means, in the order a request is answered by: a model nobody serves first,
+// then a route its workers cannot serve, then a pair that cannot meet, then none available.
+func (e *NoWorkerError) Kind() NoWorkerKind {
+	switch {
+	case e.Unserved:
+		return ModelUnserved
+	case e.Unrouted != "":
+		return RouteSGLangOnly
+	case e.Route != "":
+		return RouteNotDisaggregated
+	case e.Incompatible:
+		return KVIncompatible
+	}
+	return NoneAvailable
+}
+
+// RouteRefused reports whether e refuses the request's route (no retry, fallback or wait
+// mends it).
+func (k NoWorkerKind) RouteRefused() bool { return k == RouteNotDisaggregated || k == RouteSGLangOnly }
+
 func (e *NoWorkerError) Error() string {
 	switch {
 	case e.Unrouted != "":

@@ -221,9 +221,9 @@ func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [a
 // select again), the wait passes, or the client leaves. baton_model_waiting_requests counts the
 // requests held: what scales an engine up from zero.
 func (s *Server) waitingRoom(r *http.Request, model string, err error) bool {
-	var nw *policy.NoWorkerError
-	if s.opts.NoWorkerWait <= 0 || !errors.As(err, &nw) || nw.Route != "" || nw.Unrouted != "" || nw.Incompatible || !s.metrics.Known(model) {
-		return false
+	nw, ok := errors.AsType[*policy.NoWorkerError](err)
+	if s.opts.NoWorkerWait <= 0 || !ok || (nw.Kind() != policy.NoneAvailable && nw.Kind() != policy.ModelUnserved) || !s.metrics.Known(model) {
+		return false // only a worker's coming can mend it: not a route refused, nor pairs that cannot meet
 	}
 	g := s.metrics.ModelWaiting.WithLabelValues(s.metrics.KnownLabel(model))
 	g.Inc()

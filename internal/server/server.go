@@ -1026,8 +1026,8 @@ func (s *Server) candidates(snap *worker.Snapshot, role, model string) ([]*worke
 // fallbackable: the selection found no available worker for the model (not a route the
 // model's workers cannot serve).
 func fallbackable(err error) bool {
-	var nw *policy.NoWorkerError
-	return errors.As(err, &nw) && nw.Route == "" && nw.Unrouted == ""
+	nw, ok := errors.AsType[*policy.NoWorkerError](err)
+	return ok && !nw.Kind().RouteRefused()
 }
 
 // forWorkers is body as ws take it: its "model" the workers' name for the request's (not on
@@ -1181,14 +1181,16 @@ func (s *Server) noteDecisions(r *http.Request, req *policy.Request) {
 // selectionError is the failure of a selection: 404 for a model no worker serves, 501 for a
 // route none of its workers serves, else 503 (retried: a worker may come back).
 func selectionError(err error) *outcome.Failure {
-	var nw *policy.NoWorkerError
-	if errors.As(err, &nw) && nw.Unserved {
+	kind := policy.NoneAvailable
+	if nw, ok := errors.AsType[*policy.NoWorkerError](err); ok {
+		kind = nw.Kind()
+	}
+	switch kind {
+	case policy.ModelUnserved:
 		return outcome.Answer(&openai.Error{Status: http.StatusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()})
-	}
-	if errors.As(err, &nw) && nw.Unrouted != "" {
+	case policy.RouteSGLangOnly:
 		return outcome.FinalAnswer(&openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeRouteNotServed, Message: err.Error()})
-	}
-	if errors.As(err, &nw) && nw.Route != "" {
+	case policy.RouteNotDisaggregated:
 		return outcome.FinalAnswer(&openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD, Message: err.Error()})
 	}
 	f := outcome.Answer(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()})
