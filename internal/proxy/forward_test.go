@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -71,7 +72,7 @@ func TestForwardRelaysTheAnswer(t *testing.T) {
 			body := `{"model":"m","prompt":"x","big":18446744073709551615}`
 			in, rec := clientRequest(context.Background(), body)
 			rw := httptest.NewRecorder()
-			if err := p.Forward(rw, in, w, "/v1/completions", []byte(body)); err != nil {
+			if err := p.Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(body)}); err != nil {
 				t.Fatal(err)
 			}
 			if gotBody != body || got.URL.RawQuery != "" || got.Header.Get("Authorization") != "Bearer sk-worker" || got.Header.Get("Cookie") != "" ||
@@ -150,7 +151,7 @@ func TestForwardFailuresAreClassified(t *testing.T) {
 				}
 				in, _ := clientRequest(ctx, `{}`)
 				rw := httptest.NewRecorder()
-				err := forwardProxy(t, client).Forward(rw, in, w, "/v1/completions", []byte(`{}`))
+				err := forwardProxy(t, client).Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(`{}`)})
 				var f *outcome.Failure
 				if !errors.As(err, &f) {
 					t.Fatalf("Forward = %v, want a failure", err)
@@ -194,7 +195,7 @@ func TestForwardMidStream(t *testing.T) {
 			})
 			in, _ := clientRequest(context.Background(), `{}`)
 			rw := httptest.NewRecorder()
-			if err := forwardProxy(t, client).Forward(rw, in, broken, "/v1/completions", []byte(`{}`)); !errors.Is(err, ErrAbort) {
+			if err := forwardProxy(t, client).Forward(rw, in, broken, Call{Path: "/v1/completions", Body: []byte(`{}`)}); !errors.Is(err, ErrAbort) {
 				t.Errorf("mid-stream break: %v, want ErrAbort", err)
 			}
 			if _, failed := broken.Outcomes(); failed != 1 {
@@ -213,7 +214,7 @@ func TestForwardMidStream(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			in, _ = clientRequest(ctx, `{}`)
 			go func() { <-started; cancel() }()
-			err := forwardProxy(t, client).Forward(httptest.NewRecorder(), in, slow, "/v1/completions", []byte(`{}`))
+			err := forwardProxy(t, client).Forward(httptest.NewRecorder(), in, slow, Call{Path: "/v1/completions", Body: []byte(`{}`)})
 			if !errors.Is(err, ErrClientGone) {
 				t.Errorf("client gone: %v", err)
 			}
@@ -233,7 +234,7 @@ func TestForwardInBandError(t *testing.T) {
 	})
 	in, _ := clientRequest(context.Background(), `{}`)
 	rw := httptest.NewRecorder()
-	err := forwardProxy(t, "net").Forward(rw, in, w, "/v1/completions", []byte(`{}`))
+	err := forwardProxy(t, "net").Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(`{}`)})
 	var ib *InBandError
 	if !errors.As(err, &ib) || ib.Status != 503 || !strings.Contains(rw.Body.String(), "oom") {
 		t.Errorf("Forward = %v; relayed %q", err, rw.Body.String())
@@ -245,5 +246,28 @@ func TestForwardInBandError(t *testing.T) {
 	}
 	if lines != 4 {
 		t.Errorf("the stream was not relayed whole: %d lines", lines)
+	}
+}
+
+// A call's Hold statuses are held to be read (nothing reaches the client) — the caller's order
+// for that one call; the same answer without them is relayed as the engine sent it.
+func TestForwardHoldsWhatTheCallAsks(t *testing.T) {
+	w := engineAt(t, func(rw http.ResponseWriter, r *http.Request) {
+		rw.Header().Set("Content-Type", "application/json")
+		rw.WriteHeader(http.StatusNotFound)
+		io.WriteString(rw, `{"object":"error","message":"The model `+"`x`"+` does not exist."}`)
+	})
+	for _, hold := range [][]int{nil, {http.StatusBadRequest}, {http.StatusNotFound, http.StatusBadRequest}} {
+		in, _ := clientRequest(context.Background(), `{}`)
+		rw := httptest.NewRecorder()
+		err := forwardProxy(t, "net").Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(`{}`), Hold: hold})
+		f, held := errors.AsType[*outcome.Failure](err)
+		wantHeld := slices.Contains(hold, http.StatusNotFound)
+		if held != wantHeld || held && (f.Status != 404 || !strings.Contains(string(f.Body), "does not exist") || rw.Body.Len() != 0) {
+			t.Errorf("hold %v: err %v, relayed %q", hold, err, rw.Body.String())
+		}
+		if !wantHeld && (rw.Code != 404 || !strings.Contains(rw.Body.String(), "does not exist")) {
+			t.Errorf("hold %v: relayed %d %q", hold, rw.Code, rw.Body.String())
+		}
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -202,6 +203,10 @@ type Call struct {
 	Path   string
 	Body   []byte
 	Header http.Header
+	// Hold, for Forward, are answer statuses to hold to be read rather than relay, besides the
+	// retryable ones: a 400 while a context-window fallback is left, an adapter request's 404
+	// and 400 (its adapter gone). The caller's order for this one call.
+	Hold []int
 }
 
 // Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
@@ -304,11 +309,11 @@ func informational(resp *http.Response, err error) (*http.Response, error) {
 // write.
 //
 // The request's deadline is r's: the caller sets it once for all attempts.
-func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, path string, body []byte) error {
+func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, c Call) error {
 	var leg Leg
 	leg.Start(w, "")
 	defer leg.Excuse()
-	resp, err := p.Send(r.Context(), r, &leg, Call{Path: path, Body: body})
+	resp, err := p.Send(r.Context(), r, &leg, c)
 	if err != nil {
 		return p.Failure(r, &leg, err)
 	}
@@ -319,24 +324,10 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if KeyRefusedBy(w, resp.StatusCode) {
 		return p.KeyRefused(&leg, resp)
 	}
-	if outcome.Status(resp.StatusCode).Retryable || held(r, resp.StatusCode) {
+	if outcome.Status(resp.StatusCode).Retryable || slices.Contains(c.Hold, resp.StatusCode) {
 		return p.HoldError(r, &leg, resp)
 	}
 	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))
-}
-
-// held reports whether the request asked that an answer of status be held to be read, not
-// relayed: a 400 while a context-window fallback is left, a 404 or 400 of an adapter's request. The
-// record is looked up for those statuses only.
-func held(r *http.Request, status int) bool {
-	switch status {
-	case http.StatusBadRequest:
-		rec := record.From(r.Context())
-		return rec.HoldRefusals || rec.HoldAdapterGone
-	case http.StatusNotFound:
-		return record.From(r.Context()).HoldAdapterGone
-	}
-	return false
 }
 
 // KeyRefusedBy reports whether status is w's engine refusing the key Baton sent it (w has one:

@@ -62,13 +62,6 @@ type Record struct {
 	// Served is the model the workers know the request's by, the one that served it (an alias's
 	// target, a fallback); "" when it is the name the client gave.
 	Served string
-	// HoldRefusals asks the proxy to hold a worker's 400 answer (not relay it) so that it can be
-	// read: a context-window fallback is left to try.
-	HoldRefusals bool
-	// HoldAdapterGone asks the proxy to hold a worker's 404 and 400 (not relay them): an adapter's
-	// request whose engine had the adapter unloaded by another replica (vLLM's 404, SGLang's 400)
-	// is loaded again and retried.
-	HoldAdapterGone bool
 	// Who is the tenant Baton identified (Tenant is its name).
 	Who *tenant.Tenant
 

@@ -52,7 +52,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	orig, client := req.Body, req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		return s.withContextFallbacks(r, client, func(name string) error {
+		return s.withContextFallbacks(r, client, func(name string, _ bool) error { // a PD leg's refusal is never relayed as it is
 			var pair worker.Pair
 			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
 				pair, err = s.sel.Pair(r.Context(), sreq, avoid)

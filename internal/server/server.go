@@ -767,7 +767,7 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 	client := req.Model
 	waited := false // the waiting room holds a request once
 	s.withRetries(w, r, func(r *http.Request, avoid map[string]bool) error {
-		return s.withContextFallbacks(r, client, func(name string) error {
+		return s.withContextFallbacks(r, client, func(name string, fallbackLeft bool) error {
 			var wk *worker.Worker
 			inFlight, err := s.choose(r, name, sreq, &waited, avoid, func() (err error) {
 				wk, err = s.sel.Worker(r.Context(), role, sreq, avoid)
@@ -783,17 +783,23 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 				rec.Decode = wk.URL
 			}
 			s.noteDecisions(r, sreq)
-			body := withPriority(forWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk)
+			call := proxy.Call{Path: r.URL.Path, Body: withPriority(forWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk)}
+			if fallbackLeft {
+				call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback
+			}
 			if sreq.AdapterBase == "" || s.opts.Adapters == nil || !declared(s.opts.Adapters, sreq.Model) {
-				return s.proxy.Forward(w, r, wk, r.URL.Path, body)
+				return s.proxy.Forward(w, r, wk, call)
 			}
 			// An adapter another replica unloaded since this one chose: the engine's refusal is
 			// held, the adapter loaded again on the same worker, and the request sent once more —
 			// a bounded number of times; the last refusal reaches the client as the engine said it.
+			hold := call.Hold
 			for try := 1; ; try++ {
-				rec.HoldAdapterGone = try < maxAdapterGone
-				err = s.proxy.Forward(w, r, wk, r.URL.Path, body)
-				rec.HoldAdapterGone = false
+				call.Hold = hold
+				if try < maxAdapterGone {
+					call.Hold = append(slices.Clip(hold), http.StatusNotFound, http.StatusBadRequest)
+				}
+				err = s.proxy.Forward(w, r, wk, call)
 				if try >= maxAdapterGone || !adapterGone(err) {
 					return err
 				}
@@ -895,9 +901,9 @@ func contextOverflow(err error) bool {
 
 // withContextFallbacks runs attempt for the client's model, then — while the engine refuses the
 // prompt as longer than the model's context — for each of its context_window_fallbacks in turn
-// (a tenant's only where it may use them). The refusal is held to be read only while a fallback
-// is left; the last one reaches the client as the engine answered it.
-func (s *Server) withContextFallbacks(r *http.Request, client string, attempt func(name string) error) error {
+// (a tenant's only where it may use them). attempt holds the refusal to be read only while a
+// fallback is left (fallbackLeft); the last one reaches the client as the engine answered it.
+func (s *Server) withContextFallbacks(r *http.Request, client string, attempt func(name string, fallbackLeft bool) error) error {
 	models, _ := s.models()
 	cw := models[client].ContextWindowFallbacks
 	rec := record.From(r.Context())
@@ -906,8 +912,7 @@ func (s *Server) withContextFallbacks(r *http.Request, client string, attempt fu
 		for k < len(cw) && rec.Who != nil && !rec.Who.Allows(cw[k]) {
 			k++
 		}
-		rec.HoldRefusals = k < len(cw)
-		err := attempt(name)
+		err := attempt(name, k < len(cw))
 		if k >= len(cw) || !contextOverflow(err) {
 			return err
 		}
