@@ -49,9 +49,10 @@ type Record struct {
 	// (a stream that carried the engine's error event); an answer's own code is in its header.
 	Code string
 
-	// Room for the fleet sharing work: who asked, at what priority, and how long it queued.
-	Tenant, Class string
-	QueueWait     time.Duration
+	// Room for the fleet sharing work: at what priority the request ran, and how long it
+	// queued (who asked is Who).
+	Class     string
+	QueueWait time.Duration
 
 	// CountEvents asks the relay to count the token events of a stream into Events (a tenant's
 	// stream that ends without usage is charged by them). StripUsage: Baton asked the engine for
@@ -89,6 +90,15 @@ func From(ctx context.Context) *Record {
 		return rec
 	}
 	return &Record{}
+}
+
+// TenantName names the tenant Baton identified ("" for none): Who's name, the one reference to
+// the tenant the record keeps.
+func (r *Record) TenantName() string {
+	if r.Who == nil {
+		return ""
+	}
+	return r.Who.Name
 }
 
 // NextAttempt clears what one attempt learned, as the next starts.

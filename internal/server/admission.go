@@ -113,7 +113,7 @@ func (a *admission) acquire(w http.ResponseWriter, r *http.Request, class, ceili
 		weight = rec.Who.Weight
 	}
 	a.metrics.QueueDepth.WithLabelValues(class.String()).Inc()
-	t, err := a.s.Acquire(r.Context(), admit.Request{Tenant: rec.Tenant, Weight: weight, Class: class, Ceiling: ceiling, In: in, Out: out})
+	t, err := a.s.Acquire(r.Context(), admit.Request{Tenant: rec.TenantName(), Weight: weight, Class: class, Ceiling: ceiling, In: in, Out: out})
 	a.metrics.QueueDepth.WithLabelValues(class.String()).Dec()
 	rec.QueueWait = t.Waited
 	if t.Waited > 0 || err != nil {

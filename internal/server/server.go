@@ -398,8 +398,8 @@ func (s *Server) finish(rec *record.Record, written int64, r *http.Request, stat
 			}
 		}
 	}
-	if rec.Tenant != "" && generation {
-		c := s.tenantCounters.get(s.metrics, rec.Tenant, e.model, status)
+	if rec.TenantName() != "" && generation {
+		c := s.tenantCounters.get(s.metrics, rec.TenantName(), e.model, status)
 		c.requests.Inc()
 		if rec.UsageKnown {
 			c.prompt.Add(float64(rec.Usage.Prompt))
@@ -441,7 +441,7 @@ func endSpan(span trace.Span, e ended) {
 	span.SetName(rec.Route)
 	span.SetAttributes(attribute.String("http.route", rec.Route), attribute.Int("http.response.status_code", e.status),
 		attribute.String("gen_ai.request.model", e.model), attribute.String("baton.request_id", rec.RequestID), attribute.Int("baton.attempts", rec.Attempts),
-		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.Tenant),
+		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.TenantName()),
 		attribute.String("baton.priority", rec.Class), attribute.Float64("baton.queue_wait_ms", float64(rec.QueueWait)/1e6))
 	if rec.Worker != "" && rec.Prefill == "" {
 		span.SetAttributes(attribute.String("baton.worker", rec.Worker))
@@ -489,8 +489,8 @@ func (s *Server) accessLog(r *http.Request, e ended) {
 	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("client", r.RemoteAddr),
 		slog.String("model", e.model), slog.Int("status", e.status),
 		slog.String("request_id", rec.RequestID), slog.Float64("duration_ms", float64(e.dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", e.bytes))
-	if rec.Tenant != "" {
-		attrs = append(attrs, slog.String("tenant", rec.Tenant))
+	if rec.TenantName() != "" {
+		attrs = append(attrs, slog.String("tenant", rec.TenantName()))
 	}
 	if rec.Class != "" {
 		attrs = append(attrs, slog.String("class", rec.Class))

@@ -95,7 +95,7 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 		r.Header.Del(h)
 		r.Header.Del("Authorization")
 		rec := record.From(r.Context())
-		rec.Who, rec.Tenant = t, t.Name
+		rec.Who = t
 		return true
 	}
 	if set.Open() {
@@ -117,7 +117,7 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 		r.Header.Del("Authorization")
 	}
 	rec := record.From(r.Context())
-	rec.Who, rec.Tenant = t, t.Name
+	rec.Who = t
 	return true
 }
 
