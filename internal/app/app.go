@@ -274,6 +274,13 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 			}
 		}}
 	adapters := lora.New(reg, client, log, adapterSettings(cfg))
+	m.Declared = func(model string) bool { // the configuration's names: bounded, labels before any worker lists them
+		if _, ok := adapters.Loadable(model); ok {
+			return true
+		}
+		_, ok := models.Load().models[model]
+		return ok
+	}
 	adapters.Observe = func(op, result string, d time.Duration) {
 		m.AdapterOps.WithLabelValues(op, result).Inc()
 		m.AdapterLoadSeconds.WithLabelValues(op).Observe(d.Seconds())

@@ -151,6 +151,10 @@ func TestAdapterLRUUnloadAndFailingLoad(t *testing.T) {
 		!strings.Contains(metrics, `baton_adapter_operations_total{op="unload",result="ok"} 2`) { // a2, then one to make room for "gone"
 		t.Fatalf("adapter metrics:\n%s", grepLines(metrics, "baton_adapter_operations_total"))
 	}
+	// A declared adapter no worker lists (its load failed) is its own label, not "unknown".
+	if !strings.Contains(metrics, `baton_requests_total{model="gone",route="POST /v1/completions",status="503"} 3`) {
+		t.Errorf("the failed adapter's requests are not labelled by it:\n%s", grepLines(metrics, "baton_requests_total"))
+	}
 }
 
 // PD: both legs must have the adapter: Baton loads it on the prefill and the decode, and the

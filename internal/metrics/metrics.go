@@ -47,6 +47,10 @@ var DurationBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 // Metrics is the set of Baton's collectors.
 type Metrics struct {
 	Registry *prometheus.Registry
+	// Declared, when set, reports whether the configuration names a model (an alias, a
+	// fallback, a declared LoRA adapter): a label before any worker lists it. Set once, before
+	// serving.
+	Declared func(model string) bool
 
 	Requests       *prometheus.CounterVec   // route, model, status
 	Duration       *prometheus.HistogramVec // route, model
@@ -295,14 +299,16 @@ func New(reg *worker.Registry) *Metrics {
 }
 
 // Model returns the label value for a request's model: the model itself when some registered
-// worker lists it (and it is printable UTF-8 of at most MaxLabelLen bytes), "unknown" for any
+// worker lists it or the configuration names it (and it is printable UTF-8 of at most
+// MaxLabelLen bytes), "unknown" for any
 // other name a client sends, "none" for no model, and "other" past MaxModels distinct labels.
 // A client therefore cannot grow the label set or put unchecked bytes into a label.
 func (m *Metrics) Model(model string) string {
 	switch {
 	case model == "":
 		return ModelNone
-	case len(model) > MaxLabelLen || !m.reg.Snapshot().Lists(model) || !printable(model):
+	case len(model) > MaxLabelLen || !printable(model),
+		!m.reg.Snapshot().Lists(model) && (m.Declared == nil || !m.Declared(model)):
 		return ModelUnknown
 	}
 	m.mu.Lock()
