@@ -173,9 +173,7 @@ func New(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 // changes one of them or their parameters.
 func newPolicies(cfg config.Config, kv *kvfleet.KVEvents) (map[string]policy.Policy, map[string]map[string]policy.Policy, error) {
 	build := func(name string) (policy.Policy, error) {
-		p, err := policy.New(name, policy.Options{PrefixBytes: 4 * cfg.PrefixTokenCount, PrefixLoadFactor: cfg.PrefixHashLoadFactor,
-			CacheThreshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
-			CacheLoadCost: cfg.CacheLoadCost, CacheMaxChars: cfg.MaxTreeSize, CacheTTL: cfg.EvictionInterval})
+		p, err := policy.New(name, cfg)
 		if ca, ok := p.(*policy.CacheAware); ok && cfg.CacheAwareSource != "approx" {
 			ca.Precise = kv.Precise()
 		}

@@ -45,8 +45,17 @@ const (
 	PolicyCacheAware = "cache_aware"
 )
 
-// Policies are the selection policies Baton knows.
+// Policies are the selection policies Baton knows: its own, and any a policy registered
+// (RegisterPolicy, from the policy package's registration).
 var Policies = []string{PolicyRoundRobin, PolicyRandom, PolicyLeastLoad, PolicyPowerOfTwo, PolicyPrefixHash, PolicyCacheAware}
+
+// RegisterPolicy adds a policy's name to those the configuration accepts (from an init
+// function: Policies is read without a lock once Baton runs).
+func RegisterPolicy(name string) {
+	if !slices.Contains(Policies, name) {
+		Policies = append(Policies, name)
+	}
+}
 
 // Config is the whole of Baton's configuration. Each setting is declared once, on its field
 // (settings.go reads the tags): its YAML key (json), its flag (flag), the flag's help (help),

@@ -11,6 +11,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -19,6 +20,13 @@ const prefixBlock = 64
 
 // maxPromptBlocks bounds how much of a prompt the index looks at (64 KiB).
 const maxPromptBlocks = 1024
+
+func init() {
+	Register(Kind{Name: config.PolicyCacheAware, Reason: ReasonCacheMatch, New: func(cfg config.Config) Policy {
+		return &CacheAware{Threshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
+			LoadCost: cfg.CacheLoadCost, MaxBlocks: max(1, cfg.MaxTreeSize/prefixBlock), TTL: cfg.EvictionInterval}
+	}})
+}
 
 // CacheAware sends a request where the longest part of its prompt is likely cached, from what
 // this gateway routed before (an approximate index: blocks of the prompt's bytes, each keyed by

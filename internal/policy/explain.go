@@ -2,10 +2,10 @@ package policy
 
 import (
 	"context"
+	"reflect"
 	"strconv"
 	"strings"
 
-	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -31,21 +31,10 @@ const (
 	ReasonNoPrompt   = "no_prompt"   // cache_aware: the request had no prompt to match
 )
 
-// Name is the configured name of p.
+// Name is the configured name of p ("custom" for a policy no kind registered).
 func Name(p Policy) string {
-	switch p.(type) {
-	case *RoundRobin:
-		return config.PolicyRoundRobin
-	case Random:
-		return config.PolicyRandom
-	case LeastLoad:
-		return config.PolicyLeastLoad
-	case PowerOfTwo:
-		return config.PolicyPowerOfTwo
-	case *PrefixHash:
-		return config.PolicyPrefixHash
-	case *CacheAware:
-		return config.PolicyCacheAware
+	if n, ok := byType[reflect.TypeOf(p)]; ok {
+		return n
 	}
 	return "custom"
 }
@@ -55,14 +44,10 @@ type explainer interface {
 	explain(ctx context.Context, ws []*worker.Worker, req *Request) (*worker.Worker, Decision)
 }
 
+// reasonOf is the reason p's kind gives for a decision it does not explain.
 func reasonOf(p Policy) string {
-	switch p.(type) {
-	case *RoundRobin:
-		return ReasonTurn
-	case Random:
-		return ReasonRandom
-	case *PrefixHash:
-		return ReasonHash
+	if k, ok := kinds[Name(p)]; ok && k.Reason != "" {
+		return k.Reason
 	}
 	return ReasonLoad
 }

@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -22,6 +23,11 @@ func load(w *worker.Worker) float64 {
 		return in
 	}
 	return max(in, l.Running+l.Waiting) + l.Waiting
+}
+
+func init() {
+	Register(Kind{Name: config.PolicyLeastLoad, Reason: ReasonLoad, New: func(config.Config) Policy { return LeastLoad{} }})
+	Register(Kind{Name: config.PolicyPowerOfTwo, Reason: ReasonLoad, New: func(config.Config) Policy { return PowerOfTwo{} }})
 }
 
 // LeastLoad picks the least loaded worker, breaking ties at random (a fixed tie-break sends

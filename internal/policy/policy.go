@@ -8,8 +8,8 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"sync/atomic"
-	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/worker"
@@ -20,34 +20,44 @@ type Policy interface {
 	Pick(ctx context.Context, ws []*worker.Worker, req *Request) *worker.Worker
 }
 
-// Options are the settings of the policies that have some.
-type Options struct {
-	PrefixBytes      int     // prefix_hash: how much of the prompt it hashes
-	PrefixLoadFactor float64 // prefix_hash: the load bound, as a multiple of the mean
-	// cache_aware: see CacheAware.
-	CacheThreshold, BalanceAbs, BalanceRel, CacheLoadCost float64
-	CacheMaxChars                                         int // the index bound, in prompt characters
-	CacheTTL                                              time.Duration
+// Kind is a policy as it registers itself (from its own file's init): the name `policy:` and
+// --policy take, the reason a decision gives when the policy says nothing itself (one that
+// implements explain says why each time), and how it is built from the configuration, whose
+// settings it reads itself — nothing is copied for it elsewhere.
+type Kind struct {
+	Name   string
+	Reason string
+	New    func(cfg config.Config) Policy
 }
 
-// New returns the policy named name.
-func New(name string, o Options) (Policy, error) {
-	switch name {
-	case config.PolicyRoundRobin:
-		return &RoundRobin{}, nil
-	case config.PolicyRandom:
-		return Random{}, nil
-	case config.PolicyLeastLoad:
-		return LeastLoad{}, nil
-	case config.PolicyPowerOfTwo:
-		return PowerOfTwo{}, nil
-	case config.PolicyCacheAware:
-		return &CacheAware{Threshold: o.CacheThreshold, BalanceAbs: o.BalanceAbs, BalanceRel: o.BalanceRel,
-			LoadCost: o.CacheLoadCost, MaxBlocks: max(1, o.CacheMaxChars/prefixBlock), TTL: o.CacheTTL}, nil
-	case config.PolicyPrefixHash:
-		return &PrefixHash{PrefixBytes: max(1, o.PrefixBytes), LoadFactor: max(1, o.PrefixLoadFactor)}, nil
+var (
+	kinds  = map[string]Kind{}
+	byType = map[reflect.Type]string{}
+)
+
+// Register adds a policy kind, and its name to those the configuration accepts. Call it from
+// an init function: the registry is read without a lock once Baton runs.
+func Register(k Kind) {
+	if _, dup := kinds[k.Name]; dup || k.Name == "" || k.New == nil {
+		panic(fmt.Sprintf("policy: bad or second registration of %q", k.Name))
 	}
-	return nil, fmt.Errorf("unknown policy %q", name)
+	kinds[k.Name] = k
+	byType[reflect.TypeOf(k.New(config.Default()))] = k.Name
+	config.RegisterPolicy(k.Name)
+}
+
+// New returns the policy named name, built from cfg's settings.
+func New(name string, cfg config.Config) (Policy, error) {
+	k, ok := kinds[name]
+	if !ok {
+		return nil, fmt.Errorf("unknown policy %q", name)
+	}
+	return k.New(cfg), nil
+}
+
+func init() {
+	Register(Kind{Name: config.PolicyRoundRobin, Reason: ReasonTurn, New: func(config.Config) Policy { return &RoundRobin{} }})
+	Register(Kind{Name: config.PolicyRandom, Reason: ReasonRandom, New: func(config.Config) Policy { return Random{} }})
 }
 
 // RoundRobin cycles through the candidates with one shared counter.

@@ -42,11 +42,11 @@ func TestRandomCoversAll(t *testing.T) {
 
 func TestNew(t *testing.T) {
 	for _, name := range config.Policies {
-		if _, err := New(name, Options{}); err != nil {
+		if _, err := New(name, config.Default()); err != nil {
 			t.Errorf("New(%q): %v", name, err)
 		}
 	}
-	if _, err := New("bucket", Options{}); err == nil {
+	if _, err := New("bucket", config.Default()); err == nil {
 		t.Error("New(bucket): want error")
 	}
 }
@@ -55,7 +55,7 @@ func BenchmarkPolicies(b *testing.B) {
 	ws := fleet(16)
 	req := chat("a system prompt of some length that many requests share, followed by the user's question")
 	for _, name := range config.Policies {
-		p, _ := New(name, Options{PrefixBytes: 1024, PrefixLoadFactor: 1.25})
+		p, _ := New(name, config.Default())
 		b.Run(name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {

@@ -5,10 +5,17 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
+
+func init() {
+	Register(Kind{Name: config.PolicyPrefixHash, Reason: ReasonHash, New: func(cfg config.Config) Policy {
+		return &PrefixHash{PrefixBytes: max(1, 4*cfg.PrefixTokenCount), LoadFactor: max(1, cfg.PrefixHashLoadFactor)}
+	}})
+}
 
 // PrefixHash sends requests whose prompts begin alike to the same worker, where their prefix is
 // likely cached, with no state at all: the first PrefixBytes of the prompt are hashed and the

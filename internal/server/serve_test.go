@@ -40,7 +40,7 @@ func gateway(t *testing.T, urls []string, tune ...func(*Options)) (*Server, stri
 	reg := worker.NewRegistry(ws...)
 	m := metrics.New(reg)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	rr, err := policy.New(config.PolicyRoundRobin, policy.Options{})
+	rr, err := policy.New(config.PolicyRoundRobin, config.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -262,7 +262,7 @@ func TestServePD(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		rr, _ := policy.New(config.PolicyRoundRobin, policy.Options{})
+		rr, _ := policy.New(config.PolicyRoundRobin, config.Default())
 		o.Selector.Policies = map[string]policy.Policy{config.RolePrefill: rr, config.RoleDecode: rr}
 		par := &pd.Parallel{Proxy: o.Proxy, Metrics: o.Metrics, Log: o.Log}
 		o.PD, o.Dispatcher = true, &pd.Dispatcher{Parallel: par, Sequential: &pd.Sequential{Proxy: o.Proxy, Metrics: o.Metrics, Log: o.Log, Concurrent: par}}
