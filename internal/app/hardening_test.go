@@ -294,9 +294,10 @@ func TestStalledClientsReleaseTheirSlots(t *testing.T) {
 		name           string
 		stall, timeout time.Duration
 	}{
-		// Long enough that the third request surely finds the slots taken on a loaded machine.
-		{"stalled-client timeout", 2 * time.Second, time.Hour},
-		{"request deadline", time.Hour, 2 * time.Second},
+		// Long enough that the third request surely finds the slots taken on a loaded machine
+		// (at 2 s, the README's whole test command on 2 cores let a deadline pass first).
+		{"stalled-client timeout", 4 * time.Second, time.Hour},
+		{"request deadline", time.Hour, 4 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := testConfig(up.URL)
