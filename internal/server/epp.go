@@ -219,7 +219,7 @@ func (p *picker) Pick(ctx context.Context, req *epp.Request) (*epp.Pick, error) 
 		} else {
 			serving.Record(status, nil)
 		}
-		if (status == http.StatusNotFound || status == http.StatusBadRequest) && sreq.AdapterBase != "" && s.opts.Adapters != nil && declared(s.opts.Adapters, sreq.Model) {
+		if (status == http.StatusNotFound || status == http.StatusBadRequest) && s.declaredAdapter(sreq) {
 			// The data plane forwards, so the picker cannot send this request again; the
 			// engine's refusal may be its adapter gone (another replica unloaded it): the
 			// worker's models are read again, so that the next request loads it again.

@@ -15,7 +15,6 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
-	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
@@ -75,7 +74,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 			preq.Ranks = sreq.Ranks
 			notePair(r, pair)
 			err = s.pd.Execute(w, r, preq, pair)
-			if sreq.AdapterBase == "" || s.opts.Adapters == nil || !declared(s.opts.Adapters, sreq.Model) {
+			if !s.declaredAdapter(sreq) {
 				return err
 			}
 			// A leg whose engine says the adapter is gone (another replica unloaded it since
@@ -86,21 +85,11 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 				if gone == nil {
 					return err
 				}
-				if s.opts.Adapters.Relearn(r.Context(), gone) != nil {
-					return err
-				}
-				again, rerr := s.adapterReady(r, sreq.Model, pair.Prefill, pair.Decode)
-				if errors.Is(rerr, lora.ErrReselect) {
-					again, rerr = s.adapterReady(r, sreq.Model, pair.Prefill, pair.Decode)
-				}
-				if errors.Is(rerr, lora.ErrReselect) {
-					return err
-				}
+				again, rerr := s.readyAgain(r, sreq.Model, gone, err, pair.Prefill, pair.Decode)
 				if rerr != nil {
 					return rerr
 				}
 				defer again()
-				s.log.Info("adapter gone from a PD leg's worker (another replica unloaded it): loaded again, request sent once more", "adapter", sreq.Model, "worker", gone.URL, "try", try+1)
 				err = s.pd.Execute(w, r, preq, pair)
 			}
 			return err
@@ -113,12 +102,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 // for any other outcome.
 func legAdapterGone(err error, pair worker.Pair) *worker.Worker {
 	var f *outcome.Failure
-	if !errors.As(err, &f) || f.Leg == "" || f.Answer == nil {
-		return nil
-	}
-	msg := f.Answer.Message
-	if !(f.Status == http.StatusNotFound && strings.Contains(msg, "does not exist") ||
-		f.Status == http.StatusBadRequest && strings.Contains(msg, "requested LoRA adapters are not loaded")) {
+	if !errors.As(err, &f) || f.Leg == "" || f.Answer == nil || !goneAnswer(f.Status, f.Answer.Message) {
 		return nil
 	}
 	switch f.Worker {

@@ -3,39 +3,23 @@ package server
 import (
 	"context"
 	"errors"
-	"io"
-	"log/slog"
 	"net/http"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
-	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
-	"github.com/baton-llm/baton/internal/policy"
-	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// pickerFleet is a server over three ready vLLM workers of "m" (round robin) and its picker.
+// pickerFleet is the test gateway over three ready vLLM workers of "m", models its
+// configuration's, and its picker.
 func pickerFleet(t *testing.T, models map[string]config.ModelConfig) (*Server, epp.Picker, []*worker.Worker) {
 	t.Helper()
-	var ws []*worker.Worker
-	for _, u := range []string{"http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"} {
-		w := worker.New(config.Worker{URL: u})
-		w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "m"}}})
-		w.SetReady(true)
-		ws = append(ws, w)
-	}
-	reg := worker.NewRegistry(ws...)
-	m := metrics.New(reg)
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	sel := &policy.Selector{Registry: reg, Policies: map[string]policy.Policy{config.RoleRegular: &policy.RoundRobin{}}}
-	s := New(Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, Registry: reg, Selector: sel, Metrics: m, Log: log, MaxBatchSize: 8,
-		Proxy:  &proxy.Proxy{Transport: http.DefaultTransport, Metrics: m, Log: log},
-		Models: func() (map[string]config.ModelConfig, string) { return models, "" }})
+	s, _, ws := gateway(t, []string{"http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"}, func(o *Options) {
+		o.Models = func() (map[string]config.ModelConfig, string) { return models, "" }
+	})
 	return s, s.EndpointPicker(EPPOptions{Fallbacks: 2}), ws
 }
 

@@ -787,7 +787,7 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 			if fallbackLeft {
 				call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback
 			}
-			if sreq.AdapterBase == "" || s.opts.Adapters == nil || !declared(s.opts.Adapters, sreq.Model) {
+			if !s.declaredAdapter(sreq) {
 				return s.proxy.Forward(w, r, wk, call)
 			}
 			// An adapter another replica unloaded since this one chose: the engine's refusal is
@@ -803,25 +803,44 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 				if try >= maxAdapterGone || !adapterGone(err) {
 					return err
 				}
-				if rerr := s.opts.Adapters.Relearn(r.Context(), wk); rerr != nil {
-					return err
-				}
-				again, rerr := s.adapterReady(r, sreq.Model, wk)
-				if errors.Is(rerr, lora.ErrReselect) {
-					// Loaded on another worker meanwhile; this request stays where it was sent.
-					again, rerr = s.adapterReady(r, sreq.Model, wk)
-				}
-				if errors.Is(rerr, lora.ErrReselect) {
-					return err // the engine's refusal, as it said it
-				}
+				again, rerr := s.readyAgain(r, sreq.Model, wk, err, wk)
 				if rerr != nil {
 					return rerr
 				}
 				defer again()
-				s.log.Info("adapter gone from its worker (another replica unloaded it): loaded again, request sent once more", "adapter", sreq.Model, "worker", wk.URL, "try", try+1)
 			}
 		})
 	})
+}
+
+// declaredAdapter reports whether the request's model is an adapter Baton declares (and so
+// loads, and loads again when another replica unloaded it).
+func (s *Server) declaredAdapter(sreq *policy.Request) bool {
+	return sreq.AdapterBase != "" && s.opts.Adapters != nil && declared(s.opts.Adapters, sreq.Model)
+}
+
+// readyAgain readies model once more on ws after gone's engine refused a request because the
+// adapter is not there (refused, its refusal): gone's models are read again and the adapter
+// loaded where it is missing, ws being where the request is sent again. The returned func ends
+// the request's count in flight; an error is the request's answer — refused itself when the
+// adapter cannot be readied there (the engine's refusal, as it said it).
+func (s *Server) readyAgain(r *http.Request, model string, gone *worker.Worker, refused error, ws ...*worker.Worker) (func(), error) {
+	if s.opts.Adapters.Relearn(r.Context(), gone) != nil {
+		return nil, refused
+	}
+	again, err := s.adapterReady(r, model, ws...)
+	if errors.Is(err, lora.ErrReselect) {
+		// Loaded on another worker meanwhile; this request stays where it was sent.
+		again, err = s.adapterReady(r, model, ws...)
+	}
+	if errors.Is(err, lora.ErrReselect) {
+		return nil, refused
+	}
+	if err != nil {
+		return nil, err
+	}
+	s.log.Info("adapter gone from its worker (another replica unloaded it): loaded again, request sent once more", "adapter", model, "worker", gone.URL)
+	return again, nil
 }
 
 // maxAdapterGone bounds how often a request is sent to a worker that then answered that its
@@ -839,11 +858,14 @@ func declared(m *lora.Manager, model string) bool {
 // (python/sglang/srt/lora/lora_registry.py, acquire).
 func adapterGone(err error) bool {
 	var f *outcome.Failure
-	if !errors.As(err, &f) || f.Answer != nil {
-		return false
-	}
-	return f.Status == http.StatusNotFound && bytes.Contains(f.Body, []byte("does not exist")) ||
-		f.Status == http.StatusBadRequest && bytes.Contains(f.Body, []byte("requested LoRA adapters are not loaded"))
+	return errors.As(err, &f) && f.Answer == nil && goneAnswer(f.Status, string(f.Body))
+}
+
+// goneAnswer reports whether an engine's answer of status saying text refuses a request because
+// its adapter is not loaded there (adapterGone names the engines' words).
+func goneAnswer(status int, text string) bool {
+	return status == http.StatusNotFound && strings.Contains(text, "does not exist") ||
+		status == http.StatusBadRequest && strings.Contains(text, "requested LoRA adapters are not loaded")
 }
 
 // choose runs the selection (pickModel over sel) and readies the request's adapter on the
