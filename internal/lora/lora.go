@@ -397,9 +397,19 @@ func (m *Manager) loadOnce(ctx context.Context, w *worker.Worker, a config.Adapt
 
 // Relearn reads w's model list again (its adapters), after an answer says it changed behind
 // Baton's back.
+// Reads of one worker at once are one read: a burst of refusals (many requests meeting the
+// same unload, or a client whose requests the engine keeps refusing) asks the engine once.
 func (m *Manager) Relearn(ctx context.Context, w *worker.Worker) error {
-	_, err := m.Registry.RefreshModels(ctx, m.Client, w)
-	return err
+	ch := m.group.DoChan("models "+w.URL, func() (any, error) {
+		_, err := m.Registry.RefreshModels(context.WithoutCancel(ctx), m.Client, w)
+		return nil, err
+	})
+	select {
+	case r := <-ch:
+		return r.Err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // ForgetFailures forgets the loads that failed lately: the next request for their adapters

@@ -276,3 +276,91 @@ func TestARaceLostIsNotHeld(t *testing.T) {
 		last = n
 	}
 }
+
+// An adapter this replica never sent a request for (another replica's) counts, for the choice of
+// what to unload, as used when first seen — never as the oldest: the one this replica used long
+// ago goes first, and only once the other's has been idle longer does it go.
+func TestAnotherReplicasAdapterIsNotTheOldest(t *testing.T) {
+	clock := time.Now()
+	w := nodeOf(config.RuntimeSGLang, 2, "http://w", worker.EngineLoad{}, "mine", "theirs")
+	m := New(worker.NewRegistry(w), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)), Settings{Timeout: time.Second})
+	m.now = func() time.Time { return clock }
+	m.Begin(w, "mine")() // used, and ended, now
+	clock = clock.Add(time.Hour)
+	if got := m.lru(w, worker.EngineLoad{}); got != "mine" {
+		t.Fatalf("unloaded %q first, want mine (theirs was only just seen)", got)
+	}
+	m.forget(w, "mine")
+	clock = clock.Add(time.Hour)
+	m.Begin(w, "mine")()
+	if got := m.lru(w, worker.EngineLoad{}); got != "theirs" {
+		t.Errorf("unloaded %q, want theirs (idle since first seen, an hour before mine's last use)", got)
+	}
+}
+
+// A burst of reads of one worker's models is one read of its engine.
+func TestRelearnsOfOneWorkerAreOneRead(t *testing.T) {
+	var mu sync.Mutex
+	reads := 0
+	release := make(chan struct{})
+	e := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		reads++
+		mu.Unlock()
+		<-release
+		rw.Header().Set("Content-Type", "application/json")
+		rw.Write([]byte(`{"object":"list","data":[{"id":"base","object":"model"}]}`))
+	}))
+	defer e.Close()
+	w := worker.New(config.Worker{URL: e.URL})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}}})
+	m := New(worker.NewRegistry(w), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)), Settings{Timeout: time.Second})
+	var wg sync.WaitGroup
+	for i := 0; i < 20; i++ {
+		wg.Go(func() {
+			if err := m.Relearn(context.Background(), w); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	time.Sleep(100 * time.Millisecond) // every Relearn has joined the read in flight
+	close(release)
+	wg.Wait()
+	if reads != 1 {
+		t.Errorf("20 relearns at once read the engine %d times", reads)
+	}
+}
+
+// A request waiting its turn for a load on a worker (another load holds the worker) goes as
+// soon as its adapter appears there — another replica loaded it — not when the load ahead ends:
+// a load making room could otherwise wait on this very request's count in flight.
+func TestAWaitingRequestGoesOnceItsAdapterIsListed(t *testing.T) {
+	release := make(chan struct{})
+	e := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/load_lora_adapter" {
+			<-release // the load ahead never ends during the test
+		}
+		rw.Header().Set("Content-Type", "application/json")
+		rw.Write([]byte(`{"object":"list","data":[{"id":"base","object":"model"}]}`))
+	}))
+	defer e.Close()
+	defer close(release)
+	w := worker.New(config.Worker{URL: e.URL})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}}})
+	m := New(worker.NewRegistry(w), http.DefaultClient, slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Settings{Adapters: []config.Adapter{{Name: "a", Path: "/a", Base: "base"}, {Name: "b", Path: "/b", Base: "base"}}, Timeout: time.Minute})
+	go m.Ensure(context.Background(), w, "a")
+	time.Sleep(50 * time.Millisecond)
+	done := make(chan error, 1)
+	go func() { done <- m.Ensure(context.Background(), w, "b") }()
+	time.Sleep(50 * time.Millisecond)
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "base"}, {ID: "b", Parent: "base"}}})
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request waited for the load ahead although its adapter is on the worker")
+	}
+}
