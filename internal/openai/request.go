@@ -175,11 +175,15 @@ func (e *DuplicateKeyError) Error() string {
 }
 
 // truncateKey bounds a key quoted back to the client.
-func truncateKey(k string) string {
-	if len(k) > 64 {
-		return k[:64] + "…"
+func truncateKey(k string) string { return Clip(k, 64) }
+
+// Clip bounds what a client sent before an answer or a log line quotes it: at most n bytes,
+// marked cut.
+func Clip(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "…"
 	}
-	return k
+	return s
 }
 
 // repeats says whether a key is already among the members indexed so far, in any letter case

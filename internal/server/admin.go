@@ -55,7 +55,7 @@ func (s *Server) AdminHandler() http.Handler {
 	s.adminRoutes(mux, true)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeNotFound,
-			Message: fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path)})
+			Message: noRoute(r)})
 	})
 	return s.observe(mux)
 }

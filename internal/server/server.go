@@ -196,9 +196,15 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /readiness", s.serveReadiness)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeNotFound,
-			Message: fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path)})
+			Message: noRoute(r)})
 	})
 	return s.observe(mux)
+}
+
+// noRoute says which request no route serves, quoting at most a few hundred bytes of its
+// method and path: both are the client's, of any length its headers allow.
+func noRoute(r *http.Request) string {
+	return fmt.Sprintf("no route for %s %s", openai.Clip(r.Method, 32), openai.Clip(r.URL.Path, 256))
 }
 
 // SetDraining marks the server as shutting down: readiness answers 503 from now on.
@@ -486,7 +492,7 @@ func (s *Server) accessLog(r *http.Request, e ended) {
 	if _, path, ok := strings.Cut(route, " "); ok {
 		route = path
 	}
-	attrs := append(buf[:0], slog.String("method", r.Method), slog.String("route", route), slog.String("client", r.RemoteAddr),
+	attrs := append(buf[:0], slog.String("method", openai.Clip(r.Method, 32)), slog.String("route", route), slog.String("client", r.RemoteAddr),
 		slog.String("model", e.model), slog.Int("status", e.status),
 		slog.String("request_id", rec.RequestID), slog.Float64("duration_ms", float64(e.dur)/1e6), slog.Int("attempts", rec.Attempts), slog.Int64("bytes", e.bytes))
 	if rec.TenantName() != "" {

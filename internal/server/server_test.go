@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -86,6 +87,29 @@ func TestRequestIDIsBounded(t *testing.T) {
 		got := requestID(h)
 		if tc.keep != (len(tc.in) == 1 && got == tc.in[0]) || len(h["X-Request-Id"]) != 1 || h.Get("X-Request-Id") != got {
 			t.Errorf("requestID(%q) = %q, header %q", tc.in, got, h["X-Request-Id"])
+		}
+	}
+}
+
+// A path or method of tens of kilobytes (what the client's headers allow) is quoted back, in the
+// no-route answer, by a few hundred bytes at most.
+func TestNoRouteQuotesLittle(t *testing.T) {
+	s := testServer(t)
+	srv := httptest.NewServer(s.Handler())
+	defer srv.Close()
+	for _, c := range []struct{ method, path string }{
+		{http.MethodPost, "/" + strings.Repeat("p", 60000)},
+		{strings.Repeat("M", 60000), "/x"},
+	} {
+		req, _ := http.NewRequest(c.method, srv.URL+c.path, strings.NewReader("{}"))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNotFound && resp.StatusCode != http.StatusMethodNotAllowed && resp.StatusCode != http.StatusBadRequest || len(b) > 1024 {
+			t.Errorf("%.20s %.20s: %d, %d bytes", c.method, c.path, resp.StatusCode, len(b))
 		}
 	}
 }
