@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/fleet"
@@ -422,7 +423,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	ad := cfg.Admission
 	o.Admission = server.Admission{Max: ad.MaxConcurrentRequests, QueueSize: ad.QueueSize, QueueTimeout: ad.QueueTimeout,
 		PromoteAfter: ad.PromoteAfter, InputWeight: ad.FairInputWeight, OutputWeight: ad.FairOutputWeight, SmgAnswers: ad.QueueAnswers == "smg"}
-	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout, o.Admission.Promote = server.ClassSettings(ad)
+	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout, o.Admission.Promote = director.ClassSettings(ad)
 	o.NoWorkerWait = ad.NoWorkerWait
 
 	o.AccessLog, o.Version = cfg.AccessLog, Version()

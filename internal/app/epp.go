@@ -30,7 +30,6 @@ import (
 	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/routes"
-	"github.com/baton-llm/baton/internal/server"
 )
 
 // RunEPP runs `baton epp` with args until ctx ends: Baton as a Gateway API Inference Extension
@@ -70,7 +69,7 @@ type eppListener struct {
 // while the worker source has synced and the gateway is ready).
 func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 	es := &epp.Server{
-		Picker:  g.Server.EndpointPicker(server.EPPOptions{Fallbacks: cfg.EPPFallbacks, ShedQueueDepth: cfg.EPPShedQueueDepth, ShedKVUsage: cfg.EPPShedKVUsage}),
+		Picker:  epp.NewPicker(g.Server.Director(), g.Metrics, g.Server, epp.Options{Fallbacks: cfg.EPPFallbacks, ShedQueueDepth: cfg.EPPShedQueueDepth, ShedKVUsage: cfg.EPPShedKVUsage}),
 		MaxBody: cfg.MaxPayloadSize, MaxHeaderBytes: h1.DefaultMaxHeaderBytes, Log: g.Log,
 		MaxDuration: cfg.RequestTimeout + writeGrace, RequestPhase: cfg.BodyTimeout, MaxStreams: cfg.EPPMaxStreams,
 		Cut: func(reason string) { g.Metrics.EPPCut.WithLabelValues(reason).Inc() }, Streams: g.Metrics.EPPStreams,

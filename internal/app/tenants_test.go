@@ -38,7 +38,7 @@ func tenantReq(t *testing.T, url, key, body string) (*http.Response, string) {
 // charged is what the gateway charged a tenant's rule so far (GET /tenants' tokens_charged).
 func charged(t *testing.T, g *Gateway, tenant string) int64 {
 	t.Helper()
-	views, _ := g.Server.TenantViews(t.Context())
+	views, _ := g.Server.Director().TenantViews(t.Context())
 	for _, v := range views {
 		if v.Name == tenant && len(v.Rules) > 0 {
 			return v.Rules[0].TokensCharged

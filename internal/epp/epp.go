@@ -39,7 +39,7 @@ import (
 // prefill endpoint of a disaggregated request.
 const (
 	HeaderDestination = "x-gateway-destination-endpoint"
-	HeaderPrefiller   = "x-prefiller-host-port"
+	HeaderPrefiller   = openai.HeaderPrefiller
 	// HeaderDPRank pins a vLLM request to a data parallel rank: Baton's to set, never a client's.
 	HeaderDPRank = "x-data-parallel-rank"
 	// MetadataNamespace holds the pick in the response's dynamic metadata, and the endpoint

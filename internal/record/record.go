@@ -19,6 +19,9 @@ import (
 // Record is what Baton knows of one request.
 type Record struct {
 	RequestID string // X-Request-Id: the client's, or Baton's
+	// Method is the request's method; Client the address it came from (the connection's peer,
+	// or what a gateway in front says it saw), for the access log.
+	Method, Client string
 	// Route is the route pattern that served it ("POST /v1/completions"), "other" for none;
 	// set when the handler returned.
 	Route string

@@ -301,7 +301,7 @@ func sweepEvery(stall time.Duration) time.Duration { return min(stall/8, time.Se
 // Start runs the background work of the server until ctx ends: the sweeper that ends stalled
 // request bodies. Wait waits for it.
 func (s *Server) Start(ctx context.Context) {
-	s.admit.start(ctx)
+	s.d.Start(ctx)
 	s.bg.Go(func() { s.warnUnservable(ctx) })
 	every := sweepEvery(s.opts.StalledClientTimeout)
 	s.bg.Go(func() {
@@ -319,12 +319,12 @@ func (s *Server) Start(ctx context.Context) {
 }
 
 // Wait waits for the background work Start began.
-func (s *Server) Wait() { s.bg.Wait(); s.settling.Wait() }
+func (s *Server) Wait() { s.bg.Wait(); s.d.Wait() }
 
 // WarnUnservable logs msg in a WARN with the models no request could be sent for now, each with
 // why, when there are any (at startup, once registrations settle; after a reload).
 func (s *Server) WarnUnservable(msg string) {
-	if _, missing := s.readiness(); len(missing) > 0 {
+	if _, missing := s.d.Readiness(); len(missing) > 0 {
 		s.log.Warn(msg, "unservable", strings.Join(missing, "; "))
 	}
 }

@@ -12,7 +12,6 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
-	"github.com/baton-llm/baton/internal/record"
 
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -20,7 +19,7 @@ import (
 // serveModels answers GET /v1/models with the union of the models of every ready worker, each
 // as the card its first worker reported.
 func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
-	who := record.From(r.Context()).Who // a tenant sees only the models it may use
+	who := recordOf(r).Who // a tenant sees only the models it may use
 	seen, served := map[string]bool{}, map[string]bool{}
 	data := []json.RawMessage{}
 	for _, wk := range s.reg.Snapshot().Workers {
@@ -42,7 +41,7 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	// Aliases beside the names the workers serve, when what they name is served.
-	models, _ := s.models()
+	models, _ := s.d.Models()
 	aliases := make([]string, 0, len(models))
 	for name := range models {
 		aliases = append(aliases, name)

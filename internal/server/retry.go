@@ -30,7 +30,7 @@ type attemptFunc func(r *http.Request, avoid map[string]bool) error
 // When the tries end because no worker is left to try, the client gets the last worker's
 // answer (or failure) instead of "no available workers": the final failure is the last
 // worker's answer, unchanged.
-func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt attemptFunc) {
+func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, rec *record.Record, attempt attemptFunc) {
 	var avoid map[string]bool
 	var last *outcome.Failure // the last failure a worker answered or caused
 	for n := 1; ; n++ {
@@ -53,7 +53,7 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, attempt att
 			}
 		}
 		var again bool
-		if avoid, again = s.afterFailure(w, r, n, avoid, answer); !again {
+		if avoid, again = s.afterFailure(w, r, rec, n, avoid, answer); !again {
 			return
 		}
 	}
@@ -88,16 +88,16 @@ func retryRequest(r *http.Request, n int) *http.Request {
 // afterFailure decides what follows attempt n's failure: another attempt (after the backoff,
 // avoiding the worker that failed), or the client's answer. It is its own function so that
 // withRetries, under every open stream, keeps a small stack frame.
-func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, n int, avoid map[string]bool, err error) (map[string]bool, bool) {
+func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, n int, avoid map[string]bool, err error) (map[string]bool, bool) {
 	reason, retryable := retryReason(err)
 	if retryable && n < s.opts.Retry.Attempts {
 		s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
 		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
-		record.From(r.Context()).Attempts = n + 1
+		rec.Attempts = n + 1
 		s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
 		if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
 			avoid = failed(avoid, err)
-			record.From(r.Context()).NextAttempt()
+			rec.NextAttempt()
 			return avoid, true
 		}
 		err, retryable = context.Cause(r.Context()), false // the deadline passed or the client left
@@ -107,12 +107,11 @@ func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, n int, avo
 	}
 	if la, ok := err.(lastAnswer); ok {
 		err = la.last
-		rec := record.From(r.Context())
 		if rec.Worker == "" {
 			rec.Worker = la.last.Worker // the answer's head names the worker that gave it
 		}
 	}
-	s.writeFailure(w, r, err)
+	s.writeFailure(w, r, rec, err)
 	return avoid, false
 }
 
@@ -128,7 +127,7 @@ func failed(avoid map[string]bool, err error) map[string]bool {
 }
 
 // writeFailure answers the client for the final failure of a request.
-func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error) {
+func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, err error) {
 	var (
 		f  *outcome.Failure
 		ib *proxy.InBandError
@@ -139,7 +138,7 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, err error)
 	case errors.As(err, &ib):
 		// The stream went out whole, the engine's error event in it; the request failed. The
 		// code is for the access log and the status page (the head left long ago).
-		record.From(r.Context()).Code = openai.CodeUpstreamStreamError
+		rec.Code = openai.CodeUpstreamStreamError
 	case errors.As(err, &f):
 		proxy.WriteFailure(w, f)
 	case errors.Is(err, proxy.ErrClientGone), proxy.ClientGone(r):

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/metrics"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -84,7 +85,7 @@ func TestRequestIDIsBounded(t *testing.T) {
 		if tc.in != nil {
 			h["X-Request-Id"] = tc.in
 		}
-		got := requestID(h)
+		got := openai.RequestID(h)
 		if tc.keep != (len(tc.in) == 1 && got == tc.in[0]) || len(h["X-Request-Id"]) != 1 || h.Get("X-Request-Id") != got {
 			t.Errorf("requestID(%q) = %q, header %q", tc.in, got, h["X-Request-Id"])
 		}

@@ -9,7 +9,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/baton-llm/baton/internal/admit"
+	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 )
@@ -232,17 +232,10 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 	}
 	pairs := pairsOf(s.metrics.PairHandoffCounts())
 	notices := append([]Notice{}, s.Notices()...)
-	var queues map[string]any
-	if s.admit != nil {
-		waiting := map[string]int{}
-		for c := admit.Class(0); c < admit.NumClasses; c++ {
-			waiting[c.String()] = s.admit.s.Waiting(c)
-		}
-		queues = map[string]any{"slots": s.admit.o.Slots, "in_use": s.admit.s.InUse(), "waiting": waiting, "served": s.admit.s.Served(5)}
-	}
-	var tenants []TenantView
+	queues := s.d.Queues()
+	var tenants []director.TenantView
 	if !s.tenants().Open() || len(s.tenants().Tenants()[0].Rules()) > 0 {
-		tenants, _ = s.TenantViews(r.Context())
+		tenants, _ = s.d.TenantViews(r.Context())
 	}
 	body := openai.MarshalJSON(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),

@@ -1,71 +1,25 @@
 package server
 
 import (
-	"bytes"
-	"cmp"
-	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"math"
 	"net/http"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
-	"github.com/baton-llm/baton/internal/pd"
-	"github.com/baton-llm/baton/internal/policy"
-	"github.com/baton-llm/baton/internal/proxy"
-	"github.com/baton-llm/baton/internal/record"
-	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/tenant"
 )
 
-// Tenancy is who may call and how much: the tenants (swapped whole by a reload) and the limiter
-// that counts their use.
-type Tenancy struct {
-	// Set returns the tenants now; nil: --api-key's tenant alone (or everyone's, without one).
-	Set     func() *tenant.Set
-	Limiter *tenant.Limiter
-	// MaxTokens is the completion tokens reserved for a request without max_tokens, and the
-	// most reserved for one with it.
-	MaxTokens int
-	// PromptTokens, when set, gives a prompt's token count when the engines' tokenizer answer
-	// for it is cached (cache_aware asked for it already); else the prompt is estimated.
-	PromptTokens func(model, path string, body []byte) (int, bool)
-	// TrustHeader, when set, is a header a trusted proxy in front sets to the tenant's name: a
-	// request carrying it is that tenant's (401 for a name no tenant has), whatever its key.
-	TrustHeader string
-	// CountPrompt, when set, asks the worker at workerURL for the token count of a prompt (its
-	// /tokenize): a request that ended without the engine's usage is charged the engine's own
-	// count of the prompt it computed, not an estimate from the body's bytes.
-	CountPrompt func(ctx context.Context, workerURL, model, path string, body []byte) (int, bool)
-}
-
-// countPromptTimeout bounds the ask for a prompt's token count when a request is settled.
-const countPromptTimeout = 2 * time.Second
+// Tenancy is who may call and how much (director.Tenancy).
+type Tenancy = director.Tenancy
 
 // tenants returns the tenant set now.
 func (s *Server) tenants() *tenant.Set { return s.opts.Tenancy.Set() }
-
-// defaultTenancy is the tenancy of a server given none: --api-key names tenant default, and
-// without it every request is tenant default; nothing is limited.
-func defaultTenancy(apiKey string) Tenancy {
-	cfg := config.Default()
-	cfg.ClientAPIKey = apiKey
-	set, err := tenant.Build(cfg, os.Getenv)
-	if err != nil {
-		panic("server: the default tenants: " + err.Error())
-	}
-	return Tenancy{Set: func() *tenant.Set { return set }, Limiter: tenant.NewLimiter(nil), MaxTokens: 1024}
-}
 
 // identify names the request's tenant from its bearer key, or answers it: more than one
 // Authorization header is refused (which one would count is ambiguous); a key no tenant has is
@@ -94,8 +48,7 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 		}
 		r.Header.Del(h)
 		r.Header.Del("Authorization")
-		rec := record.From(r.Context())
-		rec.Who = t
+		recordOf(r).Who = t
 		return true
 	}
 	if set.Open() {
@@ -116,8 +69,7 @@ func (s *Server) identify(w http.ResponseWriter, r *http.Request) bool {
 		}
 		r.Header.Del("Authorization")
 	}
-	rec := record.From(r.Context())
-	rec.Who = t
+	recordOf(r).Who = t
 	return true
 }
 
@@ -127,430 +79,6 @@ func cutBearer(h string) (string, bool) {
 		return "", false
 	}
 	return h[7:], true
-}
-
-// lease is a request's reservation against its tenant's limits, settled when it ends.
-type lease struct {
-	ls [2]*tenant.Lease // one per rule that holds (RulesFor's order), nil where none
-	// The prompt and completion tokens it was reserved: what a request that ended without the
-	// engine's usage is charged from (record.Charge).
-	estimate, completion int
-	// counted: estimate is the engines' own count (a cached /tokenize answer), not the body's
-	// bytes / 4.
-	counted bool
-	req     *pd.Request
-}
-
-// admitTenant checks the request against its tenant: a model the tenant may not use is 404
-// model_not_found, the answer of a model nobody serves (a tenant cannot learn another's
-// models); past a limit it is 429 with Retry-After and nothing is dispatched. Under a token
-// limit the completion reserved is the request's own (completionBudget): a request that could
-// not fit in the tenant's whole bucket is refused at once, and one naming no cap gets the
-// default written into its body. An admitted request of a limited tenant carries OpenAI's
-// rate-limit headers, and, streamed without usage asked for, asks the engine for it (the relay
-// keeps the usage event from the client). The lease returned is settled by settleTenant.
-func (s *Server) admitTenant(w http.ResponseWriter, r *http.Request, preq *pd.Request, est *tokenEstimate) (*lease, bool) {
-	req, path := preq.Request, preq.Path
-	rec := record.From(r.Context())
-	t := rec.Who
-	if t == nil {
-		return nil, true
-	}
-	if req.Model == "" && !t.Allows(req.Model) {
-		// SGLang's /generate names no model; a tenant held to some models must name one.
-		openai.WriteError(w, &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeModelRequired, Param: "model",
-			Message: `this key may use only some models: name one in "model" (on /generate too)`})
-		return nil, false
-	}
-	if !t.Allows(req.Model) {
-		proxy.WriteFailure(w, selectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}))
-		return nil, false
-	}
-	rules := t.RulesFor(req.Model)
-	if rules[0] == nil && rules[1] == nil {
-		return nil, true
-	}
-	// The token budget is judged against the tightest token limit among the request's rules.
-	var tight *tenant.Rule
-	for _, r := range rules {
-		if r != nil && r.TPM > 0 && (tight == nil || r.TPM < tight.TPM) {
-			tight = r
-		}
-	}
-	if tight != nil {
-		if e := s.budget(preq, est, tight, t.Name); e != nil {
-			s.metrics.TenantRejections.WithLabelValues(t.Name, tenant.ReasonTokens).Inc()
-			openai.WriteError(w, e)
-			return nil, false
-		}
-	}
-	prompt, completion := est.get()
-	reserved := prompt + completion
-	// Every rule holds: the model's and the tenant's. A refusal by one gives back what the
-	// others took.
-	var leases [2]*tenant.Lease
-	var shown tenant.Decision
-	shownSet := false
-	undo := func() {
-		for _, l := range leases {
-			s.opts.Tenancy.Limiter.Cancel(l)
-		}
-	}
-	for i, rule := range rules {
-		if rule == nil {
-			continue
-		}
-		l, d, err := s.opts.Tenancy.Limiter.Reserve(r.Context(), rule, reserved)
-		if errors.Is(err, tenant.ErrStoreUnavailable) {
-			undo()
-			s.metrics.TenantRejections.WithLabelValues(t.Name, "store_unavailable").Inc()
-			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeRateLimitStoreUnavailable, RetryAfter: "1",
-				Message: "the store that counts tenants' limits cannot be reached; retry shortly"})
-			return nil, false
-		}
-		if l == nil {
-			undo()
-			rateLimitHeaders(w.Header(), d)
-			s.refuseTenant(w, t.Name, rule, d, reserved)
-			return nil, false
-		}
-		leases[i] = l
-		if !shownSet {
-			shown, shownSet = d, true // the most specific rule's windows go in the headers
-		}
-	}
-	rateLimitHeaders(w.Header(), shown)
-	if req.Stream {
-		rec.CountEvents = true
-		if tight != nil && routes.Of(path).StreamOptions {
-			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
-				rec.StripUsage = true
-			}
-		}
-	}
-	return &lease{ls: leases, estimate: prompt, completion: completion, counted: est.counted, req: preq}, true
-}
-
-// refuseTenant answers a request one of its tenant's rules refused (d says why).
-func (s *Server) refuseTenant(w http.ResponseWriter, name string, rule *tenant.Rule, d tenant.Decision, reserved int) {
-	s.metrics.TenantRejections.WithLabelValues(name, d.Reason).Inc()
-	e := &openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeTenantRateLimit,
-		RetryAfter: strconv.Itoa(int(math.Ceil(max(d.RetryAfter, time.Second).Seconds())))}
-	of := "its limit"
-	if rule.Model != "" {
-		of = "its limit for " + rule.Model
-	}
-	switch d.Reason {
-	case tenant.ReasonConcurrency:
-		e.Code = openai.CodeTenantConcurrency
-		e.Message = fmt.Sprintf("tenant %s has %d requests in flight, %s (max_concurrent)", name, d.MaxConc, of)
-	case tenant.ReasonRequests:
-		e.Message = fmt.Sprintf("tenant %s reached %s of %d requests per minute", name, of, d.Requests.Limit)
-	default:
-		e.Message = fmt.Sprintf("tenant %s reached %s of %d tokens per minute (this request is reserved about %d)", name, of, d.Tokens.Limit, reserved)
-	}
-	openai.WriteError(w, e)
-}
-
-// budget bounds a request of a tenant under a token limit by what its reservation covers: the
-// completion reserved is the request's own cap (completionBudget) times its prompts and
-// samples, uncapped; a request naming no cap gets the route's default written into the body the
-// engines get, so that none generates more than was reserved. A request that could not fit in
-// the tenant's whole bucket (its completion alone, or with its prompt) is refused: 429 naming
-// the field, with x-should-retry false (OpenAI's SDKs do not retry it) and no Retry-After —
-// waiting cannot help it.
-func (s *Server) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string) *openai.Error {
-	req, path := preq.Request, preq.Path
-	const lower = "is spelled in another letter case than the engines' field: spell it in lower case"
-	// A cap or count Baton cannot read as an integer: an engine may still read it (pydantic
-	// takes "100" and 1e5 as integers) while a smaller one beside it is all Baton reserved.
-	const integer = "must be a non-negative integer"
-	if k := req.Misspelled(budgetKeys...); k != "" {
-		return badField(k, lower)
-	}
-	if sp, ok := req.Get("sampling_params"); ok {
-		if k := openai.Misspelled(sp, "max_new_tokens", "n"); k != "" {
-			return badField("sampling_params."+k, lower)
-		}
-		if v, ok := openai.Get(sp, "n"); ok {
-			if _, valid := capValue(v); !valid {
-				return badField("sampling_params.n", integer)
-			}
-		}
-	}
-	if v, ok := req.Get("best_of"); ok {
-		if _, valid := capValue(v); !valid {
-			return badField("best_of", integer)
-		}
-	}
-	b := completionBudget(req, path, s.opts.Tenancy.MaxTokens)
-	switch {
-	case b.invalid:
-		return badField(b.field, integer)
-	case b.missing && b.required:
-		return badField(b.field, "is required on "+path)
-	case b.missing:
-		// The default written is no more than what the tenant's whole bucket holds beside the
-		// prompt: a small bucket gets shorter answers, not a refusal of every request.
-		prompt, _ := est.get()
-		if fit := (rule.TPM - prompt) / (max(1, preq.Batch) * max(1, preq.Samples)); fit >= 1 && fit < b.tokens {
-			b.tokens = fit
-		}
-		body, err := writeBudget(req.Body, path, b)
-		if err != nil || req.SetBody(body) != nil {
-			return badField(b.field, "could not be set on this request: give it")
-		}
-	}
-	copies := max(1, preq.Batch) * max(1, preq.Samples)
-	est.completion, est.budgeted = min(b.tokens, math.MaxInt32)*copies, true
-	prompt, completion := est.get()
-	e := &openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeTenantRequestTooLarge, Param: b.field, NoRetry: true}
-	switch {
-	case completion > rule.TPM:
-		e.Message = fmt.Sprintf("%s %d (× %d prompts and samples) asks more tokens than tenant %s's whole limit of %d tokens per minute: lower %s",
-			b.field, b.tokens, copies, name, rule.TPM, b.field)
-	case prompt+completion > rule.TPM:
-		e.Message = fmt.Sprintf("this request needs about %d tokens (a prompt of about %d and %s %d), more than tenant %s's whole limit of %d tokens per minute: shorten the prompt or lower %s",
-			prompt+completion, prompt, b.field, completion, name, rule.TPM, b.field)
-	default:
-		return nil
-	}
-	return e
-}
-
-// badField is the 400 invalid_request of a request member that says what is wrong with it.
-func badField(field, what string) *openai.Error {
-	return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidRequest, Param: field, Message: field + " " + what}
-}
-
-// tokenEstimate is a request's prompt and completion tokens before it is served, worked out the
-// first time something needs it (a tenant's limit, a full fleet's queue): the prompt's count
-// when the engines' tokenizer answer for it is cached, else its body's bytes / 4; the
-// completion's max_tokens (capped) times its prompts and samples, or — budgeted, under a
-// tenant's token limit — the request's own budget.
-type tokenEstimate struct {
-	s                       *Server
-	preq                    *pd.Request
-	done, budgeted, counted bool
-	prompt, completion      int
-}
-
-func (e *tokenEstimate) get() (prompt, completion int) {
-	if !e.done {
-		req, path := e.preq.Request, e.preq.Path
-		e.prompt = (len(req.Body) + 3) / 4
-		if f := e.s.opts.Tenancy.PromptTokens; f != nil {
-			if n, ok := f(req.Model, path, req.Body); ok {
-				e.prompt, e.counted = n, true
-			}
-		}
-		if !e.budgeted {
-			limit := e.s.opts.Tenancy.MaxTokens
-			c := limit
-			if b := completionBudget(req, path, limit); !b.invalid {
-				c = min(b.tokens, limit)
-			}
-			e.completion = c * max(1, e.preq.Batch) * max(1, e.preq.Samples)
-		}
-		e.done = true
-	}
-	return e.prompt, e.completion
-}
-
-// budgetKeys are the top-level members a request's reservation is worked out from: an engine
-// reading one of them in another letter case would generate more than was reserved.
-var budgetKeys = []string{"max_completion_tokens", "max_tokens", "max_output_tokens", "n", "best_of", "sampling_params"}
-
-// capKeys are the members that cap a request's completion, on every route: the largest present
-// is the request's budget (an engine reading another of them generates no more than it).
-var capKeys = []string{"max_completion_tokens", "max_tokens", "max_output_tokens"}
-
-// A budgetOf is the completion tokens a request may generate per prompt and sample, and the
-// member that says so.
-type budgetOf struct {
-	tokens int
-	field  string
-	// missing: the request names no cap, and tokens is the default to write (writeBudget);
-	// required: the route's protocol makes the cap required (Anthropic's messages); invalid:
-	// field holds something other than a non-negative integer (or null).
-	missing, required, invalid bool
-}
-
-// listBudget is the completion of SGLang's list-form sampling_params (one per prompt): the
-// largest max_new_tokens any names. Every entry must name one — Baton writes no cap into a list
-// — and each must be an integer, as its n must.
-func listBudget(raw []byte) budgetOf {
-	var each []map[string]json.RawMessage
-	if json.Unmarshal(raw, &each) != nil {
-		return budgetOf{field: "sampling_params", invalid: true}
-	}
-	b := budgetOf{tokens: 0, field: "sampling_params.max_new_tokens"}
-	for i, p := range each {
-		at := fmt.Sprintf("sampling_params[%d]", i)
-		if v, ok := p["n"]; ok {
-			if _, valid := capValue(v); !valid {
-				return budgetOf{field: at + ".n", invalid: true}
-			}
-		}
-		v, ok := p["max_new_tokens"]
-		if !ok {
-			return budgetOf{field: at + ".max_new_tokens", missing: true, required: true}
-		}
-		n, valid := capValue(v)
-		switch {
-		case !valid:
-			return budgetOf{field: at + ".max_new_tokens", invalid: true}
-		case n < 0: // null: the engine's default, which Baton cannot write into a list
-			return budgetOf{field: at + ".max_new_tokens", missing: true, required: true}
-		}
-		b.tokens = max(b.tokens, n)
-	}
-	return b
-}
-
-// completionBudget is the completion a request asks for per prompt and sample: the largest of
-// its caps (or, on SGLang's /generate, sampling_params.max_new_tokens). Without one: on
-// /v1/completions OpenAI's default of 16, on /generate SGLang's default of 128 (its
-// docs/backend/sampling_params.md), elsewhere def — to be written into the body, so that the
-// engine is held to it.
-func completionBudget(req *openai.Request, path string, def int) budgetOf {
-	if path == "/generate" {
-		const field = "sampling_params.max_new_tokens"
-		if raw, ok := req.Get("sampling_params"); ok && len(raw) > 0 && raw[0] == '[' {
-			return listBudget(raw)
-		}
-		if raw, ok := req.Get("sampling_params"); ok {
-			if v, ok := openai.Get(raw, "max_new_tokens"); ok {
-				n, valid := capValue(v)
-				switch {
-				case !valid:
-					return budgetOf{field: field, invalid: true}
-				case n >= 0:
-					return budgetOf{tokens: n, field: field}
-				}
-			}
-		}
-		return budgetOf{tokens: 128, field: field, missing: true}
-	}
-	b := budgetOf{tokens: -1}
-	for _, key := range capKeys {
-		if raw, ok := req.Get(key); ok {
-			n, valid := capValue(raw)
-			if !valid {
-				return budgetOf{field: key, invalid: true}
-			}
-			if n > b.tokens {
-				b.tokens, b.field = n, key
-			}
-		}
-	}
-	if b.tokens >= 0 {
-		return b
-	}
-	b = budgetOf{tokens: def, field: routes.Of(path).Cap, missing: true}
-	switch path {
-	case "/v1/completions":
-		b.tokens = 16
-	case "/v1/messages":
-		b.required = true
-	}
-	if b.field == "" {
-		b.field = "max_tokens"
-	}
-	return b
-}
-
-// capValue reads a cap's raw value: a non-negative integer literal, or null (-1: as if absent);
-// anything else is not valid.
-func capValue(raw []byte) (n int, valid bool) {
-	raw = bytes.TrimSpace(raw)
-	if bytes.Equal(raw, []byte("null")) {
-		return -1, true
-	}
-	n, err := strconv.Atoi(string(raw)) // JSON has no leading +: the body is valid JSON
-	return n, err == nil && n >= 0
-}
-
-// writeBudget writes b, a default cap, into body: the route's cap member, or SGLang's
-// sampling_params.max_new_tokens (its object made when absent; a list of them is left alone:
-// each needs its own). Every other byte is unchanged.
-func writeBudget(body []byte, path string, b budgetOf) ([]byte, error) {
-	n := []byte(strconv.Itoa(b.tokens))
-	if path != "/generate" {
-		return openai.Set(body, b.field, n)
-	}
-	sp, ok := openai.Get(body, "sampling_params")
-	if sp = bytes.TrimSpace(sp); !ok || bytes.Equal(sp, []byte("null")) {
-		sp = []byte("{}")
-	}
-	if len(sp) == 0 || sp[0] != '{' {
-		return nil, errors.New("sampling_params is not an object")
-	}
-	sp, err := openai.Set(sp, "max_new_tokens", n)
-	if err != nil {
-		return nil, err
-	}
-	return openai.Set(body, "sampling_params", sp)
-}
-
-// askUsage returns body with stream_options.include_usage true, and whether Baton had to set it
-// (the client had not asked for usage).
-func askUsage(body []byte) ([]byte, bool) {
-	opts, ok := openai.Get(body, "stream_options")
-	if ok && !bytes.Equal(bytes.TrimSpace(opts), []byte("null")) {
-		if v, ok := openai.Get(opts, "include_usage"); ok && bytes.Equal(bytes.TrimSpace(v), []byte("true")) {
-			return body, false
-		}
-		o, err := openai.Set(opts, "include_usage", []byte("true"))
-		if err != nil {
-			return body, false
-		}
-		out, err := openai.Set(body, "stream_options", o)
-		return out, err == nil
-	}
-	out, err := openai.Set(body, "stream_options", []byte(`{"include_usage":true}`))
-	return out, err == nil
-}
-
-// settleTenant settles a request's lease with what it cost by what the engines did
-// (record.Charge): the engine's usage when the answer carried one; nothing when no engine was
-// given the request; otherwise its prompt and what was generated for it.
-//
-// A request charged its prompt estimate (no usage came, no engine reported its prompt) is
-// settled once the worker that computed it has counted that prompt (its /tokenize), so that a
-// prompt the body's bytes underestimate (short words, CJK) is charged what the engine computed;
-// the ask runs after the request ended, and a worker that cannot count leaves the estimate.
-func (s *Server) settleTenant(r *http.Request, ls *lease) {
-	if ls == nil || ls.ls[0] == nil && ls.ls[1] == nil {
-		return
-	}
-	rec := record.From(r.Context())
-	if rec.UsageKnown || rec.EnginePrompt > 0 || ls.counted || !rec.AnswerComputed && !rec.PrefillComputed || s.opts.Tenancy.CountPrompt == nil {
-		prompt, completion := rec.Charge(ls.estimate, ls.completion)
-		ls.settle(s.opts.Tenancy.Limiter, prompt+completion)
-		return
-	}
-	snap := *rec // the record's facts now; the reporters read rec itself
-	worker := cmp.Or(rec.Prefill, rec.Worker)
-	model := cmp.Or(rec.Served, rec.Model)
-	body, path := bytes.Clone(ls.req.Request.Body), ls.req.Path
-	s.settling.Go(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), countPromptTimeout)
-		defer cancel()
-		estimate := ls.estimate
-		if n, ok := s.opts.Tenancy.CountPrompt(ctx, worker, model, path, body); ok && n > 0 {
-			estimate = n
-		}
-		prompt, completion := snap.Charge(estimate, ls.completion)
-		ls.settle(s.opts.Tenancy.Limiter, prompt+completion)
-	})
-}
-
-// settle settles every rule's lease with what the request used.
-func (ls *lease) settle(l *tenant.Limiter, used int) {
-	for _, x := range ls.ls {
-		l.Settle(x, used)
-	}
 }
 
 // counterCache keeps the tenant metrics' series of each tenant, model and status, so that a
@@ -603,83 +131,18 @@ func rateLimitHeaders(h http.Header, d tenant.Decision) {
 	if w := d.Requests; w.Limit > 0 {
 		set(0, "X-Ratelimit-Limit-Requests", strconv.Itoa(w.Limit))
 		set(1, "X-Ratelimit-Remaining-Requests", strconv.Itoa(w.Remaining))
-		set(2, "X-Ratelimit-Reset-Requests", resetString(w.Reset))
+		set(2, "X-Ratelimit-Reset-Requests", director.ResetString(w.Reset))
 	}
 	if w := d.Tokens; w.Limit > 0 {
 		set(3, "X-Ratelimit-Limit-Tokens", strconv.Itoa(w.Limit))
 		set(4, "X-Ratelimit-Remaining-Tokens", strconv.Itoa(w.Remaining))
-		set(5, "X-Ratelimit-Reset-Tokens", resetString(w.Reset))
+		set(5, "X-Ratelimit-Reset-Tokens", director.ResetString(w.Reset))
 	}
-}
-
-// resetString spells a reset as OpenAI does: "1s", "6m0s", "120ms".
-func resetString(d time.Duration) string {
-	if d < time.Second {
-		return strconv.FormatInt(max(0, d.Milliseconds()), 10) + "ms"
-	}
-	return d.Round(time.Second).String()
-}
-
-// TenantView is one tenant in GET /tenants and on the status page: never a key or its hash.
-type TenantView struct {
-	Name        string     `json:"name"`
-	Models      []string   `json:"models"`
-	Weight      float64    `json:"weight"`
-	MaxPriority string     `json:"max_priority"`
-	Rules       []RuleView `json:"limits"`
-}
-
-// RuleView is one of a tenant's rules, with its use now.
-type RuleView struct {
-	Model             string `json:"model,omitempty"`
-	RequestsPerMinute int    `json:"requests_per_minute,omitempty"`
-	TokensPerMinute   int    `json:"tokens_per_minute,omitempty"`
-	MaxConcurrent     int    `json:"max_concurrent,omitempty"`
-	// What is left now, and when the bucket is whole again.
-	RequestsRemaining *int   `json:"requests_remaining,omitempty"`
-	RequestsReset     string `json:"requests_reset,omitempty"`
-	TokensRemaining   *int   `json:"tokens_remaining,omitempty"`
-	TokensReset       string `json:"tokens_reset,omitempty"`
-	InFlight          *int   `json:"in_flight,omitempty"`
-	// TokensCharged is what this replica charged the rule since it started, after the engines'
-	// usage.
-	TokensCharged int64 `json:"tokens_charged"`
-}
-
-// TenantViews are the tenants with their limits and use now.
-func (s *Server) TenantViews(ctx context.Context) (out []TenantView, storeErr error) {
-	out = []TenantView{}
-	for _, t := range s.tenants().Tenants() {
-		v := TenantView{Name: t.Name, Models: t.Models(), Weight: t.Weight, MaxPriority: t.MaxPriority, Rules: []RuleView{}}
-		if v.Models == nil {
-			v.Models = []string{}
-		}
-		for _, r := range t.Rules() {
-			d, err := s.opts.Tenancy.Limiter.Peek(ctx, r)
-			if err != nil {
-				storeErr = err
-			}
-			rv := RuleView{Model: r.Model, RequestsPerMinute: r.RPM, TokensPerMinute: r.TPM, MaxConcurrent: r.Concurrent,
-				TokensCharged: s.opts.Tenancy.Limiter.Charged(r.ID)}
-			if r.RPM > 0 {
-				rv.RequestsRemaining, rv.RequestsReset = &d.Requests.Remaining, resetString(d.Requests.Reset)
-			}
-			if r.TPM > 0 {
-				rv.TokensRemaining, rv.TokensReset = &d.Tokens.Remaining, resetString(d.Tokens.Reset)
-			}
-			if r.Concurrent > 0 {
-				rv.InFlight = &d.InFlight
-			}
-			v.Rules = append(v.Rules, rv)
-		}
-		out = append(out, v)
-	}
-	return out, storeErr
 }
 
 // serveTenants is GET /tenants: every tenant's limits and its use now.
 func (s *Server) serveTenants(w http.ResponseWriter, r *http.Request) {
-	views, err := s.TenantViews(r.Context())
+	views, err := s.d.TenantViews(r.Context())
 	out := map[string]any{"tenants": views, "store": "memory"}
 	if s.opts.Tenancy.Limiter.Shared() {
 		out["store"], out["store_up"] = "redis", err == nil && s.opts.Tenancy.Limiter.StoreUp()

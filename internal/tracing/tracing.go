@@ -114,11 +114,12 @@ func envOr(k, def string) string {
 	return def
 }
 
-// StartServer starts a request's server span, continuing the client's traceparent.
-func StartServer(r *http.Request) (context.Context, trace.Span) {
-	ctx := prop.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
-	return tracer.Start(ctx, "baton "+r.Method, trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(attribute.String("http.request.method", r.Method), attribute.String("url.path", r.URL.Path)))
+// StartServer starts a request's server span under ctx, continuing the traceparent of the
+// client's headers h.
+func StartServer(ctx context.Context, method, path string, h http.Header) (context.Context, trace.Span) {
+	ctx = prop.Extract(ctx, propagation.HeaderCarrier(h))
+	return tracer.Start(ctx, "baton "+method, trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(attribute.String("http.request.method", method), attribute.String("url.path", path)))
 }
 
 // Start starts an internal span under ctx's.

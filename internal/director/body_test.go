@@ -1,4 +1,4 @@
-package server
+package director
 
 import (
 	"errors"
@@ -39,7 +39,7 @@ func TestBodiesForWorkers(t *testing.T) {
 		{"/v1/completions", `{"model":"base","lora_path":null}`, "base", base, []*worker.Worker{sg}, `{"model":"base","lora_path":null}`},
 		{"/v1/completions", `{"model":"alias"}`, "alias", base, []*worker.Worker{v}, `{"model":"base"}`},
 	} {
-		if got := string(forWorkers([]byte(c.body), c.path, c.client, c.sreq, c.ws...)); got != c.want {
+		if got := string(ForWorkers([]byte(c.body), c.path, c.client, c.sreq, c.ws...)); got != c.want {
 			t.Errorf("%s %s to %v: %s, want %s", c.path, c.body, c.ws, got, c.want)
 		}
 	}
@@ -64,8 +64,8 @@ func TestEngineRefusalsRead(t *testing.T) {
 		{outcome.Answer(&openai.Error{Status: 404, Message: "does not exist"}), false, false}, // Baton's own answer
 		{errors.New("not a failure"), false, false},
 	} {
-		if adapterGone(c.err) != c.gone || contextOverflow(c.err) != c.ctx {
-			t.Errorf("%v: gone %v, context %v; want %v, %v", c.err, adapterGone(c.err), contextOverflow(c.err), c.gone, c.ctx)
+		if AdapterGone(c.err) != c.gone || contextOverflow(c.err) != c.ctx {
+			t.Errorf("%v: gone %v, context %v; want %v, %v", c.err, AdapterGone(c.err), contextOverflow(c.err), c.gone, c.ctx)
 		}
 	}
 	p, d := runtimeWorker(config.RuntimeSGLang, "http://p"), runtimeWorker(config.RuntimeSGLang, "http://d")
@@ -83,7 +83,7 @@ func TestEngineRefusalsRead(t *testing.T) {
 		{leg("decode", "http://other", 404, "The model `sql` does not exist."), nil},
 		{&outcome.Failure{Worker: "http://d", Status: 404, Body: []byte("does not exist")}, nil}, // not a leg's
 	} {
-		if got := legAdapterGone(c.err, pair); got != c.want {
+		if got := LegAdapterGone(c.err, pair); got != c.want {
 			t.Errorf("%v: %v, want %v", c.err, got, c.want)
 		}
 	}

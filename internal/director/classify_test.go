@@ -1,4 +1,4 @@
-package server
+package director
 
 import (
 	"io"
@@ -12,13 +12,12 @@ import (
 	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
-	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
-// classifier is a server whose registry holds one SGLang worker of "base" with the adapter
+// classifier is a director whose registry holds one SGLang worker of "base" with the adapter
 // "listed" loaded, with "sql" declared and "alias" naming the base.
-func classifier(t *testing.T) *Server {
+func classifier(t *testing.T) *Director {
 	t.Helper()
 	w := worker.New(config.Worker{URL: "http://engine:30000"})
 	w.SetInfo(&worker.Info{Runtime: config.RuntimeSGLang, Models: []worker.Model{{ID: "base"}, {ID: "listed", Parent: "base"}, {ID: "org:model"}}})
@@ -27,8 +26,7 @@ func classifier(t *testing.T) *Server {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	adapters := lora.New(reg, http.DefaultClient, log, lora.Settings{Adapters: []config.Adapter{{Name: "sql", Path: "/a/sql", Base: "base"}}, Timeout: time.Second})
 	models := map[string]config.ModelConfig{"alias": {Serve: "base"}}
-	return New(Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, Registry: reg, Metrics: m, Log: log, MaxBatchSize: 4,
-		Proxy: &proxy.Proxy{Transport: http.DefaultTransport, Metrics: m, Log: log}, Adapters: adapters,
+	return New(Options{Registry: reg, Metrics: m, Log: log, MaxBatchSize: 4, Adapters: adapters,
 		Models: func() (map[string]config.ModelConfig, string) { return models, "" }})
 }
 
@@ -36,7 +34,7 @@ func classifier(t *testing.T) *Server {
 // ways (lora_path, base:adapter) as that adapter, the body's "model" set to match where the
 // route takes one; and each refusal with its status, code and param.
 func TestClassification(t *testing.T) {
-	s := classifier(t)
+	d := classifier(t)
 	for _, c := range []struct {
 		path, body string
 		model      string // the model asked for; "" with code set: refused
@@ -67,7 +65,7 @@ func TestClassification(t *testing.T) {
 		{"/v1/completions", `{"prompt":"x"}`, "", "", openai.CodeModelRequired},
 		{"/v1/completions", `{"model":"base","prompt":"x","n":5}`, "", "", openai.CodeBatchTooLarge},
 	} {
-		req, e := s.parseRequest([]byte(c.body), c.path)
+		req, e := d.Classify([]byte(c.body), c.path)
 		if c.code != "" {
 			if e == nil || e.Code != c.code || e.Status != http.StatusBadRequest || len(e.Message) > 2048 {
 				t.Errorf("%s %.80s: %+v, want 400 %s", c.path, c.body, e, c.code)

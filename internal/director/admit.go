@@ -1,0 +1,279 @@
+package director
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/baton-llm/baton/internal/admit"
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/metrics"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/record"
+	"github.com/baton-llm/baton/internal/tenant"
+)
+
+// Admission bounds the inference requests served at once: Max at once (0 or less: no bound),
+// QueueSize more waiting per priority class at most QueueTimeout each (Depth and Timeout override
+// them per class); Reserved slots are kept for a class and those above it; a request waiting
+// PromoteAfter moves up a class; InputWeight and OutputWeight weigh tokens in tenants' shares.
+type Admission struct {
+	Max, QueueSize            int
+	QueueTimeout              time.Duration
+	Reserved                  [admit.NumClasses]int
+	Depth                     [admit.NumClasses]*int
+	Timeout                   [admit.NumClasses]time.Duration
+	PromoteAfter              time.Duration
+	Promote                   [admit.NumClasses]time.Duration // per class, over PromoteAfter
+	InputWeight, OutputWeight float64
+	// SmgAnswers answers a full queue 429 and a wait past its timeout 408, as smg's priority
+	// scheduler does; false: 503 and 504.
+	SmgAnswers bool
+}
+
+// admission bounds the inference requests served at once: when every slot is taken a request
+// waits in its priority class's queue, and the next free slot goes to the highest class waiting,
+// the tenant served least in it, that tenant's oldest request (internal/admit). Past a class's
+// depth it is 503 queue_full, past its timeout 504 queue_timeout, both with Retry-After; a client
+// that leaves leaves the queue; on drain every waiting request gets 503 server_draining at once.
+type admission struct {
+	s       *admit.Scheduler
+	o       admit.Options
+	metrics *metrics.Metrics
+	smg     bool // smg's statuses: 429 for a full queue, 408 past the timeout
+}
+
+// newAdmission returns admission for a; nil when requests are not bounded.
+func newAdmission(a Admission, m *metrics.Metrics) *admission {
+	if a.Max <= 0 {
+		return nil
+	}
+	o := admit.Options{Slots: a.Max, PromoteAfter: a.PromoteAfter, InputWeight: a.InputWeight, OutputWeight: a.OutputWeight}
+	for c := admit.Class(0); c < admit.NumClasses; c++ {
+		o.Depth[c], o.Timeout[c], o.Reserved[c] = a.QueueSize, a.QueueTimeout, a.Reserved[c]
+		if a.Depth[c] != nil {
+			o.Depth[c] = *a.Depth[c]
+		}
+		if a.Timeout[c] > 0 {
+			o.Timeout[c] = a.Timeout[c]
+		}
+		o.Promote[c] = a.Promote[c]
+	}
+	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers}
+	return ad
+}
+
+// start runs promotions while ctx lives: a request that waited long enough moves up a class
+// even while no slot frees.
+func (a *admission) start(ctx context.Context) {
+	if a == nil || a.o.ShortestPromoteWait() <= 0 {
+		return
+	}
+	go func() {
+		t := time.NewTicker(max(a.o.ShortestPromoteWait()/4, 50*time.Millisecond))
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				a.s.Tick()
+			}
+		}
+	}()
+}
+
+// drain refuses every waiting request at once.
+func (a *admission) drain() {
+	if a != nil {
+		a.s.Drain()
+	}
+}
+
+// acquire takes a slot for the request in class, waiting in the queue if need be. It returns the
+// slot's release (which settles the tenant's share with the request's usage on its record) and
+// true, or false with the refusal to answer — none when the client left or its deadline passed
+// while it waited. Inference handlers call it after reading the body, so that a slot covers
+// upstream work only: a client slow to send cannot hold one.
+func (a *admission) acquire(ctx context.Context, rec *record.Record, class, ceiling admit.Class, in, out int) (release func(), refusal *openai.Error, ok bool) {
+	if a == nil {
+		return func() {}, nil, true
+	}
+	weight := 1.0
+	if rec.Who != nil {
+		weight = rec.Who.Weight
+	}
+	a.metrics.QueueDepth.WithLabelValues(class.String()).Inc()
+	t, err := a.s.Acquire(ctx, admit.Request{Tenant: rec.TenantName(), Weight: weight, Class: class, Ceiling: ceiling, In: in, Out: out})
+	a.metrics.QueueDepth.WithLabelValues(class.String()).Dec()
+	rec.QueueWait = t.Waited
+	if t.Waited > 0 || err != nil {
+		a.metrics.QueueWait.WithLabelValues(t.Class.String()).Observe(t.Waited.Seconds())
+	}
+	switch err {
+	case nil:
+		if t.Class != class {
+			rec.Class = t.Class.String() // promoted while it waited
+		}
+		return func() { t.Release(rec.Charge(in, out)) }, nil, true
+	case admit.ErrQueueFull:
+		return nil, a.reject(openai.CodeQueueFull, &openai.Error{Status: cmp.Or(a.smgStatus(429), statusUnavailable), Code: openai.CodeQueueFull,
+			Message: fmt.Sprintf("every slot is taken and the %s queue is full", class)}), false
+	case admit.ErrTimeout:
+		return nil, a.reject(openai.CodeQueueTimeout, &openai.Error{Status: cmp.Or(a.smgStatus(408), 504), Code: openai.CodeQueueTimeout,
+			Message: fmt.Sprintf("waited %s in the %s queue for a slot", a.o.Timeout[t.Class].Round(time.Millisecond), t.Class)}), false
+	case admit.ErrDraining:
+		return nil, a.reject("draining", &openai.Error{Status: statusUnavailable, Code: openai.CodeDraining,
+			Message: "the server is shutting down; retry on another replica"}), false
+	}
+	return nil, nil, false // the client left: nobody to answer
+}
+
+// smgStatus is status when the queue answers as smg's scheduler does, else 0.
+func (a *admission) smgStatus(status int) int {
+	if a.smg {
+		return status
+	}
+	return 0
+}
+
+func (a *admission) reject(reason string, e *openai.Error) *openai.Error {
+	a.metrics.Rejections.WithLabelValues(reason).Inc()
+	e.RetryAfter = strconv.Itoa(max(1, int(a.o.Timeout[admit.Default].Seconds()/10)))
+	return e
+}
+
+// ClassSettings reads reserved_slots and queue_classes by class name (validated by the
+// configuration).
+func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [admit.NumClasses]*int, timeout, promote [admit.NumClasses]time.Duration) {
+	for name, n := range a.ReservedSlots {
+		if c, ok := admit.ParseClass(name); ok {
+			reserved[c] = n
+		}
+	}
+	for name, qc := range a.Classes {
+		if c, ok := admit.ParseClass(name); ok {
+			depth[c], timeout[c], promote[c] = qc.Size, qc.Timeout, qc.PromoteAfter
+		}
+	}
+	return reserved, depth, timeout, promote
+}
+
+// Admitted is what Admit took for a request, given back by End.
+type Admitted struct {
+	// Class is the priority class the request was given (X-Baton-Priority), "" when its header
+	// was refused; Limits its tenant's windows now, for the rate-limit headers (none: zero).
+	Class  string
+	Limits tenant.Decision
+	// Refusal is the answer to a request Admit refused; nil when it was admitted, or when the
+	// client left while it waited (nobody to answer).
+	Refusal *openai.Error
+
+	d        *Director
+	rec      *record.Record
+	inFlight prometheus.Gauge
+	ls       *lease
+	release  func()
+}
+
+// End gives back what was taken, in the reverse order: the slot, the tenant's reservation
+// (settled with what the request used), the model's in-flight count.
+func (a *Admitted) End() {
+	if a.release != nil {
+		a.release()
+	}
+	if a.ls != nil {
+		a.d.settleTenant(a.rec, a.ls)
+	}
+	if a.inFlight != nil {
+		a.inFlight.Dec()
+	}
+}
+
+// Admit takes an inference request from its parsed body to its slot: the model's in-flight
+// count, the batch bounds, its priority class (baton and smg are its priority headers' values),
+// its tenant's models and limits (a reservation), and a slot. ok is false when one refused
+// (Refusal says how) or the client left while it waited. End is to be deferred whatever ok says.
+func (d *Director) Admit(ctx context.Context, rec *record.Record, preq *pd.Request, baton, smg string) (a *Admitted, ok bool) {
+	req := preq.Request
+	a = &Admitted{d: d, rec: rec}
+	rec.ModelLabel = d.metrics.Model(req.Model) // the report reads it too
+	a.inFlight = d.metrics.ModelInFlight.WithLabelValues(rec.ModelLabel)
+	a.inFlight.Inc()
+	if a.Refusal = d.CountBatch(preq); a.Refusal != nil {
+		return a, false
+	}
+	class, ceiling, e := d.priority(rec, baton, smg)
+	if e != nil {
+		a.Refusal = e
+		return a, false
+	}
+	a.Class = rec.Class
+	est := tokenEstimate{d: d, preq: preq}
+	if a.ls, a.Limits, a.Refusal, ok = d.admitTenant(ctx, rec, preq, &est); !ok {
+		return a, false
+	}
+	if d.admit == nil {
+		return a, true
+	}
+	in, out := est.get()
+	a.release, a.Refusal, ok = d.admit.acquire(ctx, rec, class, ceiling, in, out)
+	return a, ok
+}
+
+// priority is the request's class: its X-Baton-Priority (or smg's X-Smg-Priority), else
+// default, clamped to its tenant's max_priority, written on the record; and the tenant's
+// ceiling. An unknown value is 400 naming the valid ones.
+func (d *Director) priority(rec *record.Record, baton, smg string) (class, ceiling admit.Class, e *openai.Error) {
+	class, e = PriorityClass(baton, smg)
+	if e != nil {
+		return 0, 0, e
+	}
+	ceiling = admit.Interactive
+	who := rec.Who
+	if set := d.Tenants(); who == nil && set.Open() {
+		who = set.Identify("") // every request is tenant default's
+	}
+	if who != nil {
+		ceiling, _ = admit.ParseClass(who.MaxPriority)
+	}
+	if class < ceiling {
+		class = ceiling
+	}
+	rec.Class = class.String()
+	return class, ceiling, nil
+}
+
+// Acquire takes a slot in the default class for a request without a body to read first; see
+// Admit for what the results say.
+func (d *Director) Acquire(ctx context.Context, rec *record.Record) (release func(), refusal *openai.Error, ok bool) {
+	return d.admit.acquire(ctx, rec, admit.Default, admit.Default, 0, 0)
+}
+
+// Start runs the queue's promotions while ctx lives.
+func (d *Director) Start(ctx context.Context) { d.admit.start(ctx) }
+
+// Drain refuses every request waiting for a slot at once.
+func (d *Director) Drain() { d.admit.drain() }
+
+// Wait waits for the tenants' settlements still waiting on a worker's count of a prompt.
+func (d *Director) Wait() { d.settling.Wait() }
+
+// Queues are the slots and the queues now, for the status page; nil when requests are not
+// bounded.
+func (d *Director) Queues() map[string]any {
+	a := d.admit
+	if a == nil {
+		return nil
+	}
+	waiting := map[string]int{}
+	for c := admit.Class(0); c < admit.NumClasses; c++ {
+		waiting[c.String()] = a.s.Waiting(c)
+	}
+	return map[string]any{"slots": a.o.Slots, "in_use": a.s.InUse(), "waiting": waiting, "served": a.s.Served(5)}
+}

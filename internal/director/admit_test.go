@@ -1,0 +1,80 @@
+package director
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/admit"
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/metrics"
+	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/record"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// The queue: a slot, a wait past its timeout, a full queue, a client that left, a drain; no
+// bound at all.
+func TestAdmission(t *testing.T) {
+	m := metrics.New(worker.NewRegistry())
+	a := newAdmission(Admission{Max: 1, QueueSize: 1, QueueTimeout: 50 * time.Millisecond}, m)
+	ctx := context.Background()
+	release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 10, 10)
+	if !ok {
+		t.Fatal("the first request was not admitted")
+	}
+	// One may wait; it times out with 504 queue_timeout and Retry-After.
+	if _, e, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 10, 10); ok || e == nil || e.Status != 504 || e.RetryAfter == "" || e.Code != openai.CodeQueueTimeout {
+		t.Errorf("queued past its timeout: admitted %v, %+v", ok, e)
+	}
+	// While one waits, the next finds the queue full.
+	waiting := make(chan bool)
+	go func() {
+		_, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 10, 10)
+		waiting <- ok
+	}()
+	for a.s.Waiting(admit.Default) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	if _, e, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 10, 10); ok || e == nil || e.Status != 503 || e.Code != openai.CodeQueueFull {
+		t.Errorf("queue full: admitted %v, %+v", ok, e)
+	}
+	release()
+	if !<-waiting {
+		t.Error("the waiting request did not get the released slot")
+	}
+	// A client that leaves while waiting is answered nothing and takes no slot.
+	gone, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, e, ok := a.acquire(gone, &record.Record{}, admit.Default, admit.Default, 10, 10); ok || e != nil {
+		t.Errorf("a gone client: admitted %v, answered %+v", ok, e)
+	}
+	// Drain: a waiting request gets 503 server_draining at once.
+	done := make(chan *openai.Error)
+	go func() {
+		_, e, _ := a.acquire(ctx, &record.Record{}, admit.Batch, admit.Batch, 1, 1)
+		done <- e
+	}()
+	for a.s.Waiting(admit.Batch) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	a.drain()
+	if e := <-done; e == nil || e.Status != 503 || e.Code != openai.CodeDraining {
+		t.Errorf("drained: %+v", e)
+	}
+	if release, _, ok := (*admission)(nil).acquire(ctx, &record.Record{}, admit.Default, admit.Default, 0, 0); !ok || release == nil {
+		t.Error("no admission limit refused a request")
+	}
+}
+
+// The configuration's per-class settings reach the scheduler by class.
+func TestClassSettings(t *testing.T) {
+	size := 1000
+	reserved, depth, timeout, promote := ClassSettings(config.Admission{ReservedSlots: map[string]int{"critical": 2},
+		Classes: map[string]config.QueueClass{"batch": {Size: &size, Timeout: 10 * time.Minute, PromoteAfter: 2 * time.Minute}}})
+	if reserved[admit.Critical] != 2 || reserved[admit.Batch] != 0 || depth[admit.Batch] == nil || *depth[admit.Batch] != 1000 ||
+		depth[admit.Default] != nil || timeout[admit.Batch] != 10*time.Minute || timeout[admit.Default] != 0 ||
+		promote[admit.Batch] != 2*time.Minute || promote[admit.Default] != 0 {
+		t.Errorf("reserved %v, depth %v, timeout %v, promote %v", reserved, depth, timeout, promote)
+	}
+}
