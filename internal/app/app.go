@@ -24,6 +24,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	adminapi "github.com/baton-llm/baton/internal/admin"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/discovery"
@@ -37,7 +38,6 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
-	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/server"
 	"github.com/baton-llm/baton/internal/tracing"
 	"github.com/baton-llm/baton/internal/worker"
@@ -302,9 +302,9 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	m.Registry.MustRegister(cacheIndexCollector{sel})
 	fl := fleet.New(cfg, reg, breaker, kv, m, log, cfg.RequestTimeout+5*time.Second)
 	fl.CloseIdle = func(url string) { proxy.CloseIdle(transport, url) }
-	parts := server.Options{Registry: reg, Selector: sel, Proxy: px, Dispatcher: dispatcher, Metrics: m, Log: log, KVEventsView: kv.View,
-		Admin: server.Admin{Fleet: fl, SourceOf: fl.SourceOf}, Adapters: adapters}
-	parts.Models = func() (map[string]config.ModelConfig, string) { mn := models.Load(); return mn.models, mn.def }
+	parts := server.Options{Proxy: px, Dispatcher: dispatcher, Admin: adminapi.Options{Fleet: fl, SourceOf: fl.SourceOf, KVEventsView: kv.View},
+		Director: director.Options{Registry: reg, Selector: sel, Metrics: m, Log: log, Adapters: adapters}}
+	parts.Director.Models = func() (map[string]config.ModelConfig, string) { mn := models.Load(); return mn.models, mn.def }
 	sel.SetPolicies(policies, modelPolicies)
 	m.Registry.MustRegister(kv.Collector())
 	disc := &discoveryHealth{}
@@ -313,10 +313,10 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	parts.Tenancy = server.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens,
+	parts.Director.Tenancy = director.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens,
 		CountPrompt: kv.CountPromptTokens}
 	if cfg.TrustTenantHeader {
-		parts.Tenancy.TrustHeader = cfg.TenantHeaderName
+		parts.Director.Tenancy.TrustHeader = cfg.TenantHeaderName
 	}
 	parts.Notices = func() []server.Notice { return append(disc.notices(), tenants.notices()...) }
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
@@ -405,26 +405,15 @@ func newHealth(hc config.HealthCheck, reg *worker.Registry, client *http.Client,
 
 // serverOptions fills the server's settings from the configuration into parts.
 func serverOptions(cfg config.Config, parts server.Options) server.Options {
-	rc := cfg.Retry
-	attempts := rc.MaxRetries
-	if rc.Disable {
-		attempts = 1
-	}
 	o := parts
-	o.PD, o.APIKey, o.KVConnector = cfg.PDDisaggregation, cfg.ClientKey(), cfg.KVConnector
-	o.MaxPayloadSize, o.MaxBatchSize = cfg.MaxPayloadSize, cfg.MaxBatchSize
+	d := &o.Director
+	d.PD, d.APIKey, d.MaxBatchSize, d.RouteHeader = cfg.PDDisaggregation, cfg.ClientKey(), cfg.MaxBatchSize, cfg.RouteHeader
+	d.Admission, d.Retry = cfg.Admission, cfg.Retry
+	o.Admin.KVConnector = cfg.KVConnector
+	o.MaxPayloadSize = cfg.MaxPayloadSize
 	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
-	o.RouteHeader = cfg.RouteHeader
 	o.PrefillerHeader, o.PrefillerAbsentPicks = cfg.PDPrefillerHeader, cfg.PDPrefillerAbsent == "pick"
 	o.RequestTimeout, o.StalledClientTimeout = cfg.RequestTimeout, cfg.StalledClientTimeout
-	o.Retry = server.Retry{Attempts: attempts, Backoff: retry.Backoff{
-		Initial: rc.InitialBackoff, Max: rc.MaxBackoff,
-		Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}}
-	ad := cfg.Admission
-	o.Admission = server.Admission{Max: ad.MaxConcurrentRequests, QueueSize: ad.QueueSize, QueueTimeout: ad.QueueTimeout,
-		PromoteAfter: ad.PromoteAfter, InputWeight: ad.FairInputWeight, OutputWeight: ad.FairOutputWeight, SmgAnswers: ad.QueueAnswers == "smg"}
-	o.Admission.Reserved, o.Admission.Depth, o.Admission.Timeout, o.Admission.Promote = director.ClassSettings(ad)
-	o.NoWorkerWait = ad.NoWorkerWait
 
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Keys, o.Admin.Separate = cfg.AdminKeys(), cfg.AdminPort >= 0

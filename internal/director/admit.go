@@ -148,6 +148,14 @@ func (a *admission) reject(reason string, e *openai.Error) *openai.Error {
 	return e
 }
 
+// admissionOf is the admission settings of the configuration's section a.
+func admissionOf(a config.Admission) Admission {
+	o := Admission{Max: a.MaxConcurrentRequests, QueueSize: a.QueueSize, QueueTimeout: a.QueueTimeout,
+		PromoteAfter: a.PromoteAfter, InputWeight: a.FairInputWeight, OutputWeight: a.FairOutputWeight, SmgAnswers: a.QueueAnswers == "smg"}
+	o.Reserved, o.Depth, o.Timeout, o.Promote = ClassSettings(a)
+	return o
+}
+
 // ClassSettings reads reserved_slots and queue_classes by class name (validated by the
 // configuration).
 func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [admit.NumClasses]*int, timeout, promote [admit.NumClasses]time.Duration) {

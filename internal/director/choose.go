@@ -15,6 +15,7 @@ import (
 	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/tracing"
@@ -33,10 +34,66 @@ type Plan struct {
 	waited bool // the waiting room holds a request once
 }
 
-// NewPlan is the plan of a request whose parsed body is req, sent to path.
+// NewPlan is the plan of a request whose parsed body is req, sent to path, served by a worker
+// of role alone.
 func (d *Director) NewPlan(rec *record.Record, req *openai.Request, path, role string) *Plan {
 	return &Plan{Rec: rec, Role: role, Sel: &policy.Request{Model: req.Model, Path: path, Body: req.Body, Parsed: req, Explain: d.Explain()}}
 }
+
+// PlanRegular is the plan of a request a regular worker serves.
+func (d *Director) PlanRegular(rec *record.Record, req *openai.Request, path string) *Plan {
+	return d.NewPlan(rec, req, path, config.RoleRegular)
+}
+
+// PlanPair is the plan of a request a prefill/decode pair serves; prefiller, when set, holds
+// its prefill to the one an Endpoint Picker named (Prefiller).
+func (d *Director) PlanPair(rec *record.Record, req *openai.Request, path string, prefiller func(*worker.Worker) bool) *Plan {
+	p := d.NewPlan(rec, req, path, config.RoleDecode)
+	p.Pair, p.Sel.Allow = true, prefiller
+	return p
+}
+
+// PlanDecodeAlone is the plan of a PD request a decode worker serves alone, as a regular
+// request: no handoff fields, the decode computes the prompt — by design, and said so
+// (X-Baton-Kv-Handoff none-local-prefill, baton_pd_kv_handoffs_total class by_design, the access
+// log's handoff). SGLang's decodes refuse a request without a bootstrap: only others serve it.
+func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path string) *Plan {
+	p := d.NewPlan(rec, req, path, config.RoleDecode)
+	rec.Handoff = pd.HandoffNoneLocalPrefill
+	d.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
+	p.Sel.Allow = func(w *worker.Worker) bool { return w.Runtime() != config.RuntimeSGLang }
+	return p
+}
+
+// NoteWorker writes the worker chosen to serve the request alone on its record (a decode
+// serving alone as the decode too).
+func (p *Plan) NoteWorker(w *worker.Worker) {
+	p.Rec.Worker = w.URL
+	if p.Role == config.RoleDecode {
+		p.Rec.Decode = w.URL
+	}
+}
+
+// NotePair writes the chosen pair and its mode on the request's record. A function of its own,
+// never inlined, so that the attempt's frame, under every open PD stream, stays small.
+//
+//go:noinline
+func (p *Plan) NotePair(pair worker.Pair) {
+	p.Rec.Mode, p.Rec.Prefill, p.Rec.Decode, p.Rec.Worker = pd.Mode(pair), pair.Prefill.URL, pair.Decode.URL, pair.Decode.URL
+}
+
+// HealthPair chooses a pair for a health check end to end (GET /health_generate).
+func (d *Director) HealthPair(ctx context.Context) (worker.Pair, error) {
+	return d.sel.Pair(ctx, &policy.Request{Path: "/health"}, nil)
+}
+
+// PrefillFor chooses a prefill worker serving path (SGLang's info routes).
+func (d *Director) PrefillFor(ctx context.Context, path string) (*worker.Worker, error) {
+	return d.sel.Worker(ctx, config.RolePrefill, &policy.Request{Path: path}, nil)
+}
+
+// Serves reports whether w serves path.
+func Serves(w *worker.Worker, path string) bool { return policy.Serves(w, path) }
 
 // Explain reports whether choices are to say why they were made: for X-Baton-Route, or a trace.
 func (d *Director) Explain() bool { return d.o.RouteHeader || tracing.Enabled() }
@@ -186,13 +243,13 @@ func fallbackable(err error) bool {
 // requests held: what scales an engine up from zero.
 func (d *Director) waitingRoom(ctx context.Context, model string, err error) bool {
 	nw, ok := errors.AsType[*policy.NoWorkerError](err)
-	if d.o.NoWorkerWait <= 0 || !ok || (nw.Kind() != policy.NoneAvailable && nw.Kind() != policy.ModelUnserved) || !d.metrics.Known(model) {
+	if d.o.Admission.NoWorkerWait <= 0 || !ok || (nw.Kind() != policy.NoneAvailable && nw.Kind() != policy.ModelUnserved) || !d.metrics.Known(model) {
 		return false // only a worker's coming can mend it: not a route refused, nor pairs that cannot meet
 	}
 	g := d.metrics.ModelWaiting.WithLabelValues(d.metrics.KnownLabel(model))
 	g.Inc()
 	defer g.Dec()
-	deadline := time.NewTimer(d.o.NoWorkerWait)
+	deadline := time.NewTimer(d.o.Admission.NoWorkerWait)
 	defer deadline.Stop()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()

@@ -7,14 +7,16 @@
 package director
 
 import (
+	"context"
 	"log/slog"
 	"sync"
-	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/policy"
+	"github.com/baton-llm/baton/internal/retry"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/tenant"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -31,16 +33,16 @@ type Options struct {
 	Adapters *lora.Manager
 	// MaxBatchSize bounds "n", the prompts and the samples of one request.
 	MaxBatchSize int
-	// NoWorkerWait holds a request for a known model without a ready worker this long for one
-	// (the waiting room); 0: refused at once.
-	NoWorkerWait time.Duration
 	// RouteHeader writes each choice's reasons on the record (X-Baton-Route).
 	RouteHeader bool
 	// Tenancy is who may call and how much; zero: APIKey's tenant alone, unlimited.
 	Tenancy Tenancy
 	APIKey  string
-	// Admission bounds the inference requests served at once.
-	Admission Admission
+	// Admission bounds the inference requests served at once and holds those for a model
+	// without a ready worker (no_worker_wait); Retry is how a failed attempt is tried again.
+	// Both are the configuration's sections, read here.
+	Admission config.Admission
+	Retry     config.Retry
 
 	Registry *worker.Registry
 	Selector *policy.Selector
@@ -55,7 +57,9 @@ type Director struct {
 	sel      *policy.Selector
 	metrics  *metrics.Metrics
 	log      *slog.Logger
-	admit    *admission     // nil: requests are not bounded
+	admit    *admission // nil: requests are not bounded
+	attempts int        // tries in total, the first included
+	backoff  retry.Backoff
 	settling sync.WaitGroup // tenants' settlements waiting on a worker's count of a prompt
 }
 
@@ -70,8 +74,26 @@ func New(o Options) *Director {
 	if o.Tenancy.Limiter == nil {
 		o.Tenancy.Limiter = tenant.NewLimiter(o.Log)
 	}
-	return &Director{o: o, reg: o.Registry, sel: o.Selector, metrics: o.Metrics, log: o.Log, admit: newAdmission(o.Admission, o.Metrics)}
+	d := &Director{o: o, reg: o.Registry, sel: o.Selector, metrics: o.Metrics, log: o.Log, admit: newAdmission(admissionOf(o.Admission), o.Metrics)}
+	rc := o.Retry
+	d.attempts = rc.MaxRetries
+	if rc.Disable {
+		d.attempts = 1
+	}
+	d.backoff = retry.Backoff{Initial: rc.InitialBackoff, Max: rc.MaxBackoff, Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}
+	return d
 }
+
+// TriesLeft reports whether attempt n may be followed by another.
+func (d *Director) TriesLeft(n int) bool { return n < d.attempts }
+
+// Backoff waits the jittered exponential backoff after attempt n; false when ctx ended first.
+func (d *Director) Backoff(ctx context.Context, n int) bool {
+	return retry.Sleep(ctx, d.backoff.Delay(n))
+}
+
+// Log is the director's logger.
+func (d *Director) Log() *slog.Logger { return d.log }
 
 // Registry is the fleet the director chooses from.
 func (d *Director) Registry() *worker.Registry { return d.reg }
@@ -86,6 +108,22 @@ func (d *Director) Adapters() *lora.Manager { return d.o.Adapters }
 // on and no regular worker serves.
 func (d *Director) Disaggregated() bool {
 	return d.o.PD && !d.sel.HasRole(config.RoleRegular)
+}
+
+// Route is an inference route and how it is served: through a prefill/decode pair (PD), or
+// by one worker.
+type Route struct {
+	Path string
+	PD   bool
+}
+
+// Routes are the inference routes, each as the director serves it.
+func (d *Director) Routes() []Route {
+	var out []Route
+	for _, r := range routes.Inference() {
+		out = append(out, Route{Path: r.Path, PD: d.o.PD && r.PD})
+	}
+	return out
 }
 
 // PD reports whether the fleet runs prefill/decode disaggregation.
@@ -132,6 +170,7 @@ func (d *Director) Candidates(snap *worker.Snapshot, role, model string) ([]*wor
 // HTTP statuses of the director's refusals: the doors render them (the director speaks no HTTP).
 const (
 	statusBadRequest      = 400
+	statusUnauthorized    = 401
 	statusNotFound        = 404
 	statusTooManyRequests = 429
 	statusNotImplemented  = 501

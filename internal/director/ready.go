@@ -59,6 +59,25 @@ func (d *Director) Readiness() (models []string, missing []string) {
 	return models, missing
 }
 
+// Unregistered are the workers that have not registered, with why: each by its URL (credentials
+// redacted), and their count by cause.
+func (d *Director) Unregistered() (named []map[string]string, byCause map[string]int) {
+	pending := d.reg.Snapshot().PendingWorkers()
+	if len(pending) == 0 {
+		return nil, nil
+	}
+	byCause = map[string]int{}
+	for _, wk := range pending {
+		cause := "pending"
+		if e := wk.LastRegistrationError(); e != nil {
+			cause = e.Cause
+		}
+		byCause[cause]++
+		named = append(named, map[string]string{"url": config.RedactURL(wk.URL), "cause": cause})
+	}
+	return named, byCause
+}
+
 // unservable says why no request for model could be dispatched now ("" when one could): a
 // worker of it ready with its circuit not open — with PD, a prefill and a decode that are, and
 // can hand KV to each other.

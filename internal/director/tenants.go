@@ -10,6 +10,7 @@ import (
 	"math"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -45,6 +46,9 @@ type Tenancy struct {
 // countPromptTimeout bounds the ask for a prompt's token count when a request is settled.
 const countPromptTimeout = 2 * time.Second
 
+// Tenancy is who may call and how much.
+func (d *Director) Tenancy() Tenancy { return d.o.Tenancy }
+
 // Tenants returns the tenant set now.
 func (d *Director) Tenants() *tenant.Set { return d.o.Tenancy.Set() }
 
@@ -58,6 +62,52 @@ func DefaultTenancy(apiKey string) Tenancy {
 		panic("director: the default tenants: " + err.Error())
 	}
 	return Tenancy{Set: func() *tenant.Set { return set }, Limiter: tenant.NewLimiter(nil), MaxTokens: 1024}
+}
+
+// Identify names a request's tenant from its Authorization values (auth) and the values of the
+// trusted tenant header (trusted; read only where no tenant has a key): more than one
+// Authorization header is refused (which one would count is ambiguous); a key no tenant has is
+// 401, the same answer whatever tenants exist. key says the request carried Baton's key (or was
+// named by the trusted header): it is Baton's, to be removed before the request goes on. who is
+// nil for a fleet of one unbounded tenant (nothing to name or count: the hot path).
+func (d *Director) Identify(auth, trusted []string) (who *tenant.Tenant, key bool, e *openai.Error) {
+	if len(auth) > 1 {
+		return nil, false, &openai.Error{Status: statusBadRequest, Code: openai.CodeDuplicateHeader,
+			Message: "the request has more than one Authorization header"}
+	}
+	set := d.Tenants()
+	if h := d.o.Tenancy.TrustHeader; h != "" && set.Open() && len(trusted) > 0 {
+		if who = set.ByName(trusted[0]); len(trusted) > 1 || who == nil {
+			return nil, false, &openai.Error{Status: statusUnauthorized, Code: openai.CodeInvalidAPIKey,
+				Message: fmt.Sprintf("the %s header names no tenant (one header, a configured tenant's name)", h)}
+		}
+		return who, true, nil
+	}
+	if set.Open() {
+		if who = set.Identify(""); len(who.Rules()) == 0 && len(who.Models()) == 0 {
+			return nil, false, nil // one tenant, unbounded: nothing to name or count (the hot path stays as it was)
+		}
+		return who, false, nil
+	}
+	var k string
+	if len(auth) == 1 {
+		if b, ok := cutBearer(auth[0]); ok {
+			k = b
+		}
+	}
+	if who = set.Identify(k); who == nil {
+		return nil, false, &openai.Error{Status: statusUnauthorized, Code: openai.CodeInvalidAPIKey,
+			Message: "missing or invalid API key: send 'Authorization: Bearer <key>'"}
+	}
+	return who, true, nil
+}
+
+// cutBearer returns the key of "Bearer KEY" (the scheme in any case).
+func cutBearer(h string) (string, bool) {
+	if len(h) < 7 || !strings.EqualFold(h[:7], "bearer ") {
+		return "", false
+	}
+	return h[7:], true
 }
 
 // lease is a request's reservation against its tenant's limits, settled when it ends.
@@ -471,6 +521,27 @@ func (d *Director) settleTenant(rec *record.Record, ls *lease) {
 func (ls *lease) settle(l *tenant.Limiter, used int) {
 	for _, x := range ls.ls {
 		l.Settle(x, used)
+	}
+}
+
+// RateLimitHeaders sets OpenAI's rate-limit headers from d, for the limits the rule has: the
+// SDKs back off by them. The names are written canonical, so that setting them costs no
+// canonicalisation.
+func RateLimitHeaders(h map[string][]string, d tenant.Decision) {
+	if d.Requests.Limit == 0 && d.Tokens.Limit == 0 {
+		return
+	}
+	vals := make([]string, 6) // one backing array for the six values
+	set := func(i int, key, v string) { vals[i] = v; h[key] = vals[i : i+1 : i+1] }
+	if w := d.Requests; w.Limit > 0 {
+		set(0, "X-Ratelimit-Limit-Requests", strconv.Itoa(w.Limit))
+		set(1, "X-Ratelimit-Remaining-Requests", strconv.Itoa(w.Remaining))
+		set(2, "X-Ratelimit-Reset-Requests", ResetString(w.Reset))
+	}
+	if w := d.Tokens; w.Limit > 0 {
+		set(3, "X-Ratelimit-Limit-Tokens", strconv.Itoa(w.Limit))
+		set(4, "X-Ratelimit-Remaining-Tokens", strconv.Itoa(w.Remaining))
+		set(5, "X-Ratelimit-Reset-Tokens", ResetString(w.Reset))
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/baton-llm/baton/internal/admin"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/worker"
@@ -84,9 +85,9 @@ func send(t *testing.T, method, url, key, body string) (int, string) {
 func TestAdminAPI(t *testing.T) {
 	f := &fakeFleet{}
 	s, _, _ := gateway(t, nil, func(o *Options) {
-		f.reg = o.Registry
-		o.APIKey = "sk-inference"
-		o.Admin = Admin{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}
+		f.reg = o.Director.Registry
+		o.Director.APIKey = "sk-inference"
+		o.Admin = admin.Options{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}
 	})
 	srv := httptest.NewServer(s.AdminHandler())
 	t.Cleanup(srv.Close)

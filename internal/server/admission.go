@@ -27,7 +27,7 @@ func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, rec *recor
 	if a.Class != "" {
 		w.Header()[HeaderPriority] = []string{a.Class}
 	}
-	rateLimitHeaders(w.Header(), a.Limits)
+	director.RateLimitHeaders(w.Header(), a.Limits)
 	if !ok && a.Refusal != nil {
 		openai.WriteError(w, a.Refusal)
 	}

@@ -343,7 +343,7 @@ func (s *Server) warnUnservable(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if s.reg.Snapshot().Pending() == 0 || time.Now().After(deadline) {
+		if s.d.Registry().Snapshot().Pending() == 0 || time.Now().After(deadline) {
 			s.WarnUnservable("models that no request can be sent for (readiness fails until they can)")
 			return
 		}

@@ -12,14 +12,10 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
-	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
-	"github.com/baton-llm/baton/internal/record"
-	"github.com/baton-llm/baton/internal/worker"
 )
 
 // servePD runs a generation request through a prefill/decode pair.
@@ -40,11 +36,10 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	if s.opts.PrefillerHeader && len(named) == 0 && !s.opts.PrefillerAbsentPicks && s.d.DecodeAloneServes() {
 		// The picker in front named no prefill (a short prompt, a prefix the decode holds):
 		// the decode serves the request alone, as llm-d's sidecar does.
-		s.serveDecodeAlone(w, r, req, s.d.NewPlan(rec, req, r.URL.Path, config.RoleDecode))
+		s.serveOne(w, r, req, s.d.PlanDecodeAlone(rec, req, r.URL.Path))
 		return
 	}
-	p := s.d.NewPlan(rec, req, r.URL.Path, config.RoleDecode)
-	p.Pair = true
+	p := s.d.PlanPair(rec, req, r.URL.Path, nil)
 	if s.opts.PrefillerHeader && len(named) > 0 {
 		allow, e := s.d.Prefiller(named)
 		if e != nil {
@@ -72,7 +67,7 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 				}
 			}
 			preq.Ranks = sreq.Ranks
-			notePair(rec, pair)
+			p.NotePair(pair)
 			err = s.pd.Execute(w, r, preq, pair)
 			if !s.d.DeclaredAdapter(sreq) {
 				return err
@@ -97,19 +92,9 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-// serveDecodeAlone sends a PD request to a decode worker alone, as a regular request: no
-// handoff fields, the decode computes the prompt — by design, and said so (X-Baton-Kv-Handoff
-// none-local-prefill, baton_pd_kv_handoffs_total class by_design, the access log's handoff).
-func (s *Server) serveDecodeAlone(w http.ResponseWriter, r *http.Request, req *openai.Request, p *director.Plan) {
-	p.Rec.Handoff = pd.HandoffNoneLocalPrefill
-	s.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
-	p.Sel.Allow = func(w *worker.Worker) bool { return w.Runtime() != config.RuntimeSGLang }
-	s.serveOne(w, r, req, p)
-}
-
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.
 func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
-	pair, err := s.sel.Pair(r.Context(), &policy.Request{Path: "/health"}, nil)
+	pair, err := s.d.HealthPair(r.Context())
 	if err != nil {
 		proxy.WriteFailure(w, director.SelectionError(err))
 		return
@@ -119,7 +104,7 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 	var wg sync.WaitGroup
 	errs := make([]string, 2)
 	var panicked atomic.Bool
-	for i, wk := range []*worker.Worker{pair.Prefill, pair.Decode} {
+	for i, wk := range pair.Both() {
 		wg.Go(func() {
 			defer func() {
 				if v := recover(); v != nil {
@@ -128,7 +113,7 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 				}
 			}()
 			path := "/health_generate"
-			if !policy.Serves(wk, path) {
+			if !director.Serves(wk, path) {
 				path = "/health" // vLLM has no /health_generate: each leg's own health
 			}
 			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, wk.URL+path, nil)
@@ -161,7 +146,7 @@ func (s *Server) serveHealthGenerate(w http.ResponseWriter, r *http.Request) {
 // servePrefillInfo proxies GET /get_server_info and /get_model_info to a ready prefill worker,
 // relaying its answer unchanged.
 func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
-	prefill, err := s.sel.Worker(r.Context(), config.RolePrefill, &policy.Request{Path: r.URL.Path}, nil)
+	prefill, err := s.d.PrefillFor(r.Context(), r.URL.Path)
 	if err != nil {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoAvailableWorkers,
 			Message: "no prefill worker that serves " + r.URL.Path + " is ready (vLLM workers do not)"})
@@ -188,12 +173,4 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 			panic(http.ErrAbortHandler)
 		}
 	}
-}
-
-// notePair writes the chosen pair and its mode on the request's record. A function of its own,
-// never inlined, so that the attempt's frame, under every open PD stream, stays small.
-//
-//go:noinline
-func notePair(rec *record.Record, pair worker.Pair) {
-	rec.Mode, rec.Prefill, rec.Decode, rec.Worker = pd.Mode(pair), pair.Prefill.URL, pair.Decode.URL, pair.Decode.URL
 }

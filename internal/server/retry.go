@@ -12,7 +12,6 @@ import (
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
-	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/tracing"
 )
 
@@ -90,12 +89,12 @@ func retryRequest(r *http.Request, n int) *http.Request {
 // withRetries, under every open stream, keeps a small stack frame.
 func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, n int, avoid map[string]bool, err error) (map[string]bool, bool) {
 	reason, retryable := retryReason(err)
-	if retryable && n < s.opts.Retry.Attempts {
+	if retryable && s.d.TriesLeft(n) {
 		s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
 		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
 		rec.Attempts = n + 1
 		s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
-		if retry.Sleep(r.Context(), s.opts.Retry.Backoff.Delay(n)) {
+		if s.d.Backoff(r.Context(), n) {
 			avoid = failed(avoid, err)
 			rec.NextAttempt()
 			return avoid, true

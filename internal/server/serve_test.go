@@ -15,13 +15,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/proxy"
-	"github.com/baton-llm/baton/internal/retry"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -46,10 +46,11 @@ func gateway(t *testing.T, urls []string, tune ...func(*Options)) (*Server, stri
 	}
 	tr := proxy.NewTransport("net")
 	t.Cleanup(func() { proxy.CloseIdle(tr, "") })
-	o := Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, MaxPayloadSize: 1 << 20, MaxBatchSize: 8,
-		Retry:    Retry{Attempts: 3, Backoff: retry.Backoff{Initial: time.Millisecond, Max: time.Millisecond, Multiplier: 1}},
-		Registry: reg, Selector: &policy.Selector{Registry: reg, Policies: map[string]policy.Policy{config.RoleRegular: rr}},
-		Proxy: &proxy.Proxy{Transport: tr, Timeout: time.Minute, Metrics: m, Log: log}, Metrics: m, Log: log, AccessLog: true}
+	o := Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, MaxPayloadSize: 1 << 20,
+		Director: director.Options{MaxBatchSize: 8, Registry: reg, Metrics: m, Log: log,
+			Retry:    config.Retry{MaxRetries: 3, InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond, BackoffMultiplier: 1},
+			Selector: &policy.Selector{Registry: reg, Policies: map[string]policy.Policy{config.RoleRegular: rr}}},
+		Proxy: &proxy.Proxy{Transport: tr, Timeout: time.Minute, Metrics: m, Log: log}, AccessLog: true}
 	for _, f := range tune {
 		f(&o)
 	}
@@ -124,7 +125,7 @@ func TestServeRegular(t *testing.T) {
 func TestServeRefusesBadRequests(t *testing.T) {
 	var seen sync.Map
 	e := engine(t, func(w http.ResponseWriter, r *http.Request) { seen.Store(r.URL.Path, true); completion(w, r) })
-	_, gw, _ := gateway(t, []string{e}, func(o *Options) { o.APIKey = "sk-baton" })
+	_, gw, _ := gateway(t, []string{e}, func(o *Options) { o.Director.APIKey = "sk-baton" })
 	auth := []string{"Authorization", "Bearer sk-baton"}
 	for _, c := range []struct {
 		name, path, body string
@@ -216,7 +217,9 @@ func TestServeDeadlinesAdmissionAndReadiness(t *testing.T) {
 		t.Errorf("deadline: %d %s", resp.StatusCode, body)
 	}
 
-	s, gw, _ := gateway(t, []string{slow}, func(o *Options) { o.Admission = Admission{Max: 1, QueueSize: 0, QueueTimeout: time.Second} })
+	s, gw, _ := gateway(t, []string{slow}, func(o *Options) {
+		o.Director.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 0, QueueTimeout: time.Second}
+	})
 	go func() {
 		if resp, err := http.Post(gw+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`)); err == nil {
 			resp.Body.Close()
@@ -258,14 +261,14 @@ func TestServePD(t *testing.T) {
 		for _, w := range []*worker.Worker{pw, dw} {
 			w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "m"}}})
 			w.SetReady(true)
-			if err := o.Registry.Add(w); err != nil {
+			if err := o.Director.Registry.Add(w); err != nil {
 				t.Fatal(err)
 			}
 		}
 		rr, _ := policy.New(config.PolicyRoundRobin, config.Default())
-		o.Selector.Policies = map[string]policy.Policy{config.RolePrefill: rr, config.RoleDecode: rr}
-		par := &pd.Parallel{Proxy: o.Proxy, Metrics: o.Metrics, Log: o.Log}
-		o.PD, o.Dispatcher = true, &pd.Dispatcher{Parallel: par, Sequential: &pd.Sequential{Proxy: o.Proxy, Metrics: o.Metrics, Log: o.Log, Concurrent: par}}
+		o.Director.Selector.Policies = map[string]policy.Policy{config.RolePrefill: rr, config.RoleDecode: rr}
+		par := &pd.Parallel{Proxy: o.Proxy, Metrics: o.Director.Metrics, Log: o.Director.Log}
+		o.Director.PD, o.Dispatcher = true, &pd.Dispatcher{Parallel: par, Sequential: &pd.Sequential{Proxy: o.Proxy, Metrics: o.Director.Metrics, Log: o.Director.Log, Concurrent: par}}
 	})
 	for _, body := range []string{`{"model":"m","prompt":"hand it off","max_tokens":3}`,
 		`{"model":"m","prompt":"hand it off","max_tokens":3,"stream":true,"stream_options":{"include_usage":true}}`} {
@@ -325,7 +328,7 @@ func TestReadinessPerModel(t *testing.T) {
 		}
 		w.SetInfo(&worker.Info{Runtime: runtime, Models: ms})
 		w.SetReady(ready)
-		if err := o.Registry.Add(w); err != nil {
+		if err := o.Director.Registry.Add(w); err != nil {
 			t.Fatal(err)
 		}
 		return w
@@ -340,8 +343,8 @@ func TestReadinessPerModel(t *testing.T) {
 
 	pdFleet := func(decodeRuntime string) string {
 		_, gw, _ := gateway(t, nil, func(o *Options) {
-			o.PD = true
-			o.Selector.Compatible = func(p, d *worker.Worker) bool { return pd.Compatible(p, d, "") }
+			o.Director.PD = true
+			o.Director.Selector.Compatible = func(p, d *worker.Worker) bool { return pd.Compatible(p, d, "") }
 			add(o, "http://p:1", config.RolePrefill, config.RuntimeVLLM, []string{"m"}, true)
 			add(o, "http://d:1", config.RoleDecode, decodeRuntime, []string{"m"}, true)
 		})
@@ -356,7 +359,7 @@ func TestReadinessPerModel(t *testing.T) {
 	}
 	// No decode at all.
 	_, gw, _ = gateway(t, nil, func(o *Options) {
-		o.PD = true
+		o.Director.PD = true
 		add(o, "http://p:1", config.RolePrefill, config.RuntimeVLLM, []string{"m"}, true)
 	})
 	if code, body := get(gw); code != 503 || !strings.Contains(body, "no ready decode worker") {

@@ -23,72 +23,40 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/admin"
 	"github.com/baton-llm/baton/internal/director"
-	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
-	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
-	"github.com/baton-llm/baton/internal/retry"
-	"github.com/baton-llm/baton/internal/routes"
-	"github.com/baton-llm/baton/internal/tenant"
 	"github.com/baton-llm/baton/internal/tracing"
-	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Options are a Server's settings, converted once from the configuration, and the parts it
 // drives.
 type Options struct {
-	// PD sends the generation routes through a prefill/decode pair (Dispatcher).
-	PD bool
-	// APIKey, when set, is required as "Authorization: Bearer <key>" on API routes: tenant
-	// default's key, when Tenancy is not given.
-	APIKey string
-	// Tenancy is who may call and how much; zero: APIKey's tenant alone, unlimited.
-	Tenancy director.Tenancy
-	// NoWorkerWait holds a request for a known model without a ready worker this long for one
-	// (the waiting room); 0: refused at once.
-	NoWorkerWait time.Duration
-	// Models returns the names clients use (aliases, fallbacks) and the model of a request
-	// naming none, now (a reload swaps them); nil: none.
-	Models func() (map[string]config.ModelConfig, string)
-	// Adapters, when set, loads a declared LoRA adapter on the chosen workers before a request
-	// for it is sent, and counts its requests in flight (for least-recently-used unloading).
-	Adapters *lora.Manager
+	// Director is the middle of every request (its settings and parts: the registry, the
+	// selection, the models, adapters, tenants, admission, retries), handed to it whole.
+	Director director.Options
 	// MaxPayloadSize bounds a request body, in bytes.
 	MaxPayloadSize int64
 	// MaxBufferedBodyBytes bounds the request body bytes held at once over every request (0: no
 	// bound); BodyTimeout bounds how long a body may take to arrive (0: the request deadline).
 	MaxBufferedBodyBytes int64
 	BodyTimeout          time.Duration
-	// MaxBatchSize bounds "n" and the prompts of one request.
-	MaxBatchSize int
 	// RequestTimeout bounds one request from its arrival to its last byte.
 	RequestTimeout time.Duration
 	// StalledClientTimeout drops a client that sends or accepts no bytes for this long.
 	StalledClientTimeout time.Duration
-	// Retry is how failed attempts are retried.
-	Retry Retry
-	// Admission bounds the inference requests served at once.
-	Admission director.Admission
-	// KVConnector is the connector of vLLM prefill workers that configure none (GET /workers).
-	KVConnector string
-	// RouteHeader adds X-Baton-Route: why each worker was chosen.
-	RouteHeader bool
 	// PrefillerHeader lets a PD request's x-prefiller-host-port name its prefill worker; a request
 	// without it goes to a decode worker alone unless PrefillerAbsentPicks (then Baton picks a
 	// prefill itself).
 	PrefillerHeader      bool
 	PrefillerAbsentPicks bool
-	// KVEventsView, when set, gives a worker's KV event subscription for GET /workers (nil:
-	// not subscribed).
-	KVEventsView func(*worker.Worker) any
-	// Admin is the admin API (the worker routes).
-	Admin Admin
+	// Admin is the admin API (the worker routes, GET /workers and /tenants).
+	Admin admin.Options
 	// AccessLog writes one info line per request (never bodies or keys).
 	AccessLog bool
 	// Version is shown on the status page.
@@ -97,26 +65,15 @@ type Options struct {
 	// see (an API server discovery lost).
 	Notices func() []Notice
 
-	Registry   *worker.Registry
-	Selector   *policy.Selector
 	Proxy      *proxy.Proxy
 	Dispatcher pd.Executor // runs PD requests; nil without PD
-	Metrics    *metrics.Metrics
-	Log        *slog.Logger
-}
-
-// Retry is how a failed attempt is retried.
-type Retry struct {
-	Attempts int // in total, the first included; 1 disables retries
-	Backoff  retry.Backoff
 }
 
 // Server is Baton's API server.
 type Server struct {
 	opts     Options
 	d        *director.Director
-	reg      *worker.Registry
-	sel      *policy.Selector
+	admin    *admin.API
 	proxy    *proxy.Proxy
 	pd       pd.Executor
 	metrics  *metrics.Metrics
@@ -133,38 +90,31 @@ type Server struct {
 
 // New returns a server with o.
 func New(o Options) *Server {
-	if o.Tenancy.Set == nil {
-		o.Tenancy = director.DefaultTenancy(o.APIKey)
-	}
-	if o.Tenancy.Limiter == nil {
-		o.Tenancy.Limiter = tenant.NewLimiter(o.Log)
-	}
-	d := director.New(director.Options{PD: o.PD, Models: o.Models, Adapters: o.Adapters, MaxBatchSize: o.MaxBatchSize, NoWorkerWait: o.NoWorkerWait,
-		RouteHeader: o.RouteHeader, Tenancy: o.Tenancy, Admission: o.Admission, Registry: o.Registry, Selector: o.Selector, Metrics: o.Metrics, Log: o.Log})
-	return &Server{opts: o, d: d, reg: o.Registry, sel: o.Selector, proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Metrics, log: o.Log,
+	d := director.New(o.Director)
+	return &Server{opts: o, d: d, admin: admin.New(o.Admin, d), proxy: o.Proxy, pd: o.Dispatcher, metrics: o.Director.Metrics, log: d.Log(),
 		status: &recorder{}, bodies: bodyBudget{limit: o.MaxBufferedBodyBytes}}
 }
 
 // Handler returns the API handler with its middleware.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	for _, route := range routes.Inference() {
+	for _, route := range s.d.Routes() {
 		h := http.HandlerFunc(s.serveInference)
-		if s.opts.PD && route.PD {
+		if route.PD {
 			h = s.servePD
 		}
 		mux.Handle("POST "+route.Path, s.authed(h))
 	}
-	if s.opts.PD {
+	if s.d.PD() {
 		mux.Handle("GET /health_generate", s.authed(s.admitted(http.HandlerFunc(s.serveHealthGenerate))))
 		mux.Handle("GET /get_server_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 		mux.Handle("GET /get_model_info", s.authed(http.HandlerFunc(s.servePrefillInfo)))
 	}
 	mux.Handle("GET /v1/models", s.authed(http.HandlerFunc(s.serveModels)))
 	if s.opts.Admin.Separate {
-		mux.Handle("GET /workers", s.apiWorkers())
+		mux.Handle("GET /workers", s.admin.APIWorkers(s.authed))
 	} else {
-		s.adminRoutes(mux, false)
+		s.admin.Routes(mux, false, s.authed)
 	}
 	mux.HandleFunc("GET /health", s.serveLiveness)
 	mux.HandleFunc("GET /liveness", s.serveLiveness)
@@ -555,12 +505,12 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	if s.opts.PD && !s.sel.HasRole(config.RoleRegular) {
+	if s.d.Disaggregated() {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD,
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
-	s.serveOne(w, r, req, s.d.NewPlan(rec, req, r.URL.Path, config.RoleRegular))
+	s.serveOne(w, r, req, s.d.PlanRegular(rec, req, r.URL.Path))
 }
 
 // serveOne serves a request on one worker of the plan's role, chosen (and chosen again on a
@@ -575,10 +525,7 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 			}
 			defer c.Release()
 			wk := c.Worker
-			rec.Worker = wk.URL
-			if p.Role == config.RoleDecode {
-				rec.Decode = wk.URL
-			}
+			p.NoteWorker(wk)
 			call := proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk)}
 			if fallbackLeft {
 				call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback
@@ -628,7 +575,7 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	models, missing := s.d.Readiness()
-	private := s.fleetPrivate() && !s.adminKeyOK(r)
+	private := s.admin.FleetPrivate() && !s.admin.KeyOK(r)
 	if len(missing) > 0 {
 		msg := "not ready: " + strings.Join(missing, "; ")
 		if private {
@@ -644,18 +591,8 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 	answer := map[string]any{"status": "ready", "models": listed}
 	// Workers that have not registered are said, with why: by URL with the admin key, or where
 	// no client needs a key (anyone may read GET /workers there), else by cause only.
-	if pending := s.reg.Snapshot().PendingWorkers(); len(pending) > 0 {
-		byCause := map[string]int{}
-		var named []map[string]string
-		for _, wk := range pending {
-			cause := "pending"
-			if e := wk.LastRegistrationError(); e != nil {
-				cause = e.Cause
-			}
-			byCause[cause]++
-			named = append(named, map[string]string{"url": config.RedactURL(wk.URL), "cause": cause})
-		}
-		if s.adminKeyOK(r) || !private && s.tenants().Open() {
+	if named, byCause := s.d.Unregistered(); len(named) > 0 {
+		if s.admin.KeyOK(r) || !private && s.d.Tenants().Open() {
 			answer["unregistered"] = named
 		} else {
 			answer["unregistered"] = byCause

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/proxy"
@@ -24,7 +25,7 @@ func testServer(t *testing.T) *Server {
 	m := metrics.New(reg)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	px := &proxy.Proxy{Transport: http.DefaultTransport, Metrics: m, Log: log}
-	return New(Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, Registry: reg, Proxy: px, Metrics: m, Log: log})
+	return New(Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, Proxy: px, Director: director.Options{Registry: reg, Metrics: m, Log: log}})
 }
 
 // A panic in a handler fails that request with 500 in the OpenAI envelope, or breaks the

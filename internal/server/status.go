@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/baton-llm/baton/internal/admin"
 	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
@@ -209,11 +210,11 @@ func (s *Server) AdminOnly(next http.Handler) http.Handler { return s.statusAuth
 
 func (s *Server) statusAuth(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if len(s.opts.Admin.Keys) > 0 {
+		if s.admin.Keyed() {
 			_, pass, basic := r.BasicAuth()
-			if !(basic && s.isAdminKey(pass)) && !s.adminKeyOK(r) {
+			if !(basic && s.admin.IsKey(pass)) && !s.admin.KeyOK(r) {
 				w.Header().Set("WWW-Authenticate", `Basic realm="baton status", charset="UTF-8"`)
-				adminError(w, http.StatusUnauthorized, openai.CodeInvalidAPIKey, "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')")
+				openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey, Message: "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')"})
 				return
 			}
 		}
@@ -226,21 +227,21 @@ var started = time.Now()
 func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 	now := time.Now()
 	series, minute, errs := s.status.window(now)
-	ws := []workerView{}
-	for _, wk := range s.reg.Snapshot().Workers {
-		ws = append(ws, s.view(wk, now))
+	ws := []admin.WorkerView{}
+	for _, wk := range s.d.Registry().Snapshot().Workers {
+		ws = append(ws, s.admin.View(wk, now))
 	}
 	pairs := pairsOf(s.metrics.PairHandoffCounts())
 	notices := append([]Notice{}, s.Notices()...)
 	queues := s.d.Queues()
 	var tenants []director.TenantView
-	if !s.tenants().Open() || len(s.tenants().Tenants()[0].Rules()) > 0 {
+	if !s.d.Tenants().Open() || len(s.d.Tenants().Tenants()[0].Rules()) > 0 {
 		tenants, _ = s.d.TenantViews(r.Context())
 	}
 	body := openai.MarshalJSON(map[string]any{
 		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
-		"pd": s.opts.PD, "notices": notices, "tenants": tenants, "queues": queues,
+		"pd": s.d.PD(), "notices": notices, "tenants": tenants, "queues": queues,
 	})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))

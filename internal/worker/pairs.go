@@ -10,6 +10,9 @@ type Pair struct {
 	Prefill, Decode *Worker
 }
 
+// Both are the pair's workers, its prefill first.
+func (p Pair) Both() []*Worker { return []*Worker{p.Prefill, p.Decode} }
+
 // PairHealth quarantines a prefill/decode pair whose requests keep failing at the seam (the KV
 // handoff) while each worker may look healthy on its own. Selection then prefers other decode
 // workers for that prefill until the quarantine ends.
