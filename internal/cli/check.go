@@ -361,7 +361,7 @@ func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model stri
 		return 0, err.Error(), ""
 	}
 	rec := httptest.NewRecorder()
-	preq := &pd.Request{Request: req, Path: "/v1/completions"}
+	preq := &pd.Request{Request: req, Path: "/v1/completions", Rec: r}
 	err = g.Dispatcher.Execute(rec, in, preq, pair)
 	var f *outcome.Failure
 	if errors.As(err, &f) {

@@ -14,6 +14,7 @@ import (
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/tenant"
 )
@@ -181,6 +182,8 @@ type Admitted struct {
 	// Refusal is the answer to a request Admit refused; nil when it was admitted, or when the
 	// client left while it waited (nobody to answer).
 	Refusal *openai.Error
+	// Orders are the tenant's accounting asked of the answer's relay.
+	Orders proxy.Orders
 
 	d        *Director
 	rec      *record.Record
@@ -225,6 +228,9 @@ func (d *Director) Admit(ctx context.Context, rec *record.Record, preq *pd.Reque
 	est := tokenEstimate{d: d, preq: preq}
 	if a.ls, a.Limits, a.Refusal, ok = d.admitTenant(ctx, rec, preq, &est); !ok {
 		return a, false
+	}
+	if a.ls != nil {
+		a.Orders = proxy.Orders{CountEvents: rec.ByEvents, StripUsage: a.ls.strip}
 	}
 	if d.admit == nil {
 		return a, true

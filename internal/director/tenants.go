@@ -119,7 +119,10 @@ type lease struct {
 	// counted: estimate is the engines' own count (a cached /tokenize answer), not the body's
 	// bytes / 4.
 	counted bool
-	req     *pd.Request
+	// strip: Baton asked the engine for the stream's usage, which the client did not
+	// (proxy.Orders.StripUsage).
+	strip bool
+	req   *pd.Request
 }
 
 // admitTenant checks the request against its tenant: a model the tenant may not use is 404
@@ -192,15 +195,16 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 			shown, shownSet = dec, true // the most specific rule's windows go in the headers
 		}
 	}
+	l := &lease{ls: leases, estimate: prompt, completion: completion, counted: est.counted, req: preq}
 	if req.Stream {
-		rec.CountEvents = true
+		rec.ByEvents = true
 		if tight != nil && routes.Of(path).StreamOptions {
 			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
-				rec.StripUsage = true
+				l.strip = true
 			}
 		}
 	}
-	return &lease{ls: leases, estimate: prompt, completion: completion, counted: est.counted, req: preq}, shown, nil, true
+	return l, shown, nil, true
 }
 
 // refuseTenant is the answer to a request one of its tenant's rules refused (d says why).

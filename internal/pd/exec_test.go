@@ -116,7 +116,8 @@ func (f *pdFixture) run(t *testing.T, path, body, fault string) (*httptest.Respo
 	preq := &Request{Request: req, Path: path}
 	preq.Batch, preq.Samples = BatchSize(preq, 1024), SamplesOf(preq)
 	rec := &record.Record{}
-	in := httptest.NewRequestWithContext(record.With(context.Background(), rec), http.MethodPost, path, strings.NewReader(body))
+	preq.Rec = rec
+	in := httptest.NewRequestWithContext(context.Background(), http.MethodPost, path, strings.NewReader(body))
 	if fault != "" {
 		in.Header.Set(sim.HeaderFault, fault)
 	}

@@ -91,7 +91,7 @@ func (l *legs) startPrefill() {
 // decode sends the decode leg and relays its answer, once the prefill answered when the plan
 // needs it.
 func (l *legs) decode() error {
-	dresp, err := l.x.Proxy.Send(l.dCtx, l.r, &l.dleg, proxy.Call{Path: l.req.Path, Body: l.plan.decodeBody, Header: l.plan.decodeHeader})
+	dresp, err := l.x.Proxy.Send(l.dCtx, l.r, &l.dleg, proxy.Call{Path: l.req.Path, Body: l.plan.decodeBody, Header: l.plan.decodeHeader, Rec: l.req.Rec})
 	if err != nil {
 		return l.decodeFailed(0, err)
 	}
@@ -121,9 +121,9 @@ func (l *legs) relay(dresp *http.Response, eventT, bodyT func([]byte) []byte) er
 
 	var err error
 	if bodyT != nil && !isStream(dresp) {
-		err = relayBody(l.r, l.rw, dresp, bodyT)
+		err = relayBody(l.req.Rec, l.rw, dresp, bodyT)
 	} else {
-		err = l.x.Proxy.Relay(l.r.Context(), l.rw, dresp, eventT)
+		err = l.x.Proxy.Relay(l.r.Context(), l.rw, dresp, eventT, l.req.Rec, l.req.Orders)
 	}
 	prefillFailed := context.Cause(l.dCtx) == errPrefillFailed
 	var re *proxy.ReadError
@@ -195,7 +195,7 @@ func (x *Parallel) safePrefill(ctx context.Context, r *http.Request, req *Reques
 // prefill sends the prefill leg and reads its whole answer (keeping it when the plan needs it or
 // the leg failed), ending the leg with its outcome.
 func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, leg *proxy.Leg, plan concurrentPlan) prefillResult {
-	resp, err := x.Proxy.Send(ctx, r, leg, proxy.Call{Path: req.Path, Body: plan.prefillBody, Header: plan.prefillHeader})
+	resp, err := x.Proxy.Send(ctx, r, leg, proxy.Call{Path: req.Path, Body: plan.prefillBody, Header: plan.prefillHeader, Rec: req.Rec})
 	if err != nil {
 		return x.prefillFailed(ctx, leg, 0, err)
 	}

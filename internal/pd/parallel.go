@@ -41,6 +41,9 @@ func (x *Parallel) Wait() { x.wg.Wait() }
 
 // Execute implements Executor.
 func (x *Parallel) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
+	if req.Rec == nil {
+		req.Rec = &record.Record{} // a caller that reads nothing back
+	}
 	pBody, dBody, pRank, dRank, err := bootstrapLegs(req, pair)
 	if err != nil {
 		x.Metrics.PDBootstrapFailures.Inc()
@@ -99,11 +102,11 @@ func (p prefillResult) failed() bool {
 func (x *Parallel) run(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair, plan concurrentPlan) concurrentResult {
 	l := x.newLegs(rw, r, req, pair, plan)
 	defer l.close()
-	noteHandoff(r, plan.handoff) // its header leaves with the decode's first byte
+	noteHandoff(req.Rec, plan.handoff) // its header leaves with the decode's first byte
 	l.startPrefill()
 	l.res.err = l.decode()
 	if !l.res.decodeStarted {
-		noteHandoff(r, HandoffNoneFailed) // the client gets an error
+		noteHandoff(req.Rec, HandoffNoneFailed) // the client gets an error
 	}
 	res := l.res
 	l.ended()
@@ -171,13 +174,12 @@ func cancelled(ctx context.Context, err error) bool {
 // under an open PD stream stay small.
 //
 //go:noinline
-func noteHandoff(r *http.Request, handoff string) { record.From(r.Context()).Handoff = handoff }
+func noteHandoff(rec *record.Record, handoff string) { rec.Handoff = handoff }
 
 // noteDecode writes the decode that serves the request on its record (never inlined, as
 // noteHandoff).
 //
 //go:noinline
-func noteDecode(r *http.Request, url string) {
-	rec := record.From(r.Context())
+func noteDecode(rec *record.Record, url string) {
 	rec.Decode, rec.Worker = url, url
 }

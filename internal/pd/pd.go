@@ -14,6 +14,8 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -51,6 +53,10 @@ type Request struct {
 	// Consumed is set by a vLLM executor once the decode answered with a handoff: what the
 	// decode's own usage said of it (VerdictReceived, VerdictRecomputed, VerdictUnknown).
 	Consumed string
+	// Rec is the request's record, where the executor writes what it learns (the handoff, the
+	// decode that served, the usage); Orders are the tenant's accounting asked of the relay.
+	Rec    *record.Record
+	Orders proxy.Orders
 }
 
 // What a decode's usage said about the KV it was handed (Request.Consumed).
@@ -80,6 +86,9 @@ var _ Executor = (*Dispatcher)(nil)
 
 // Execute implements Executor.
 func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
+	if req.Rec == nil {
+		req.Rec = &record.Record{} // a caller that reads nothing back
+	}
 	if Mode(pair) == ModeSequential {
 		return d.Sequential.Execute(rw, r, req, pair)
 	}

@@ -22,15 +22,15 @@ func isStream(resp *http.Response) bool {
 }
 
 // relayBody answers with the decode's whole non-streamed body passed through transform, and
-// notes the answer's usage on r's record.
-func relayBody(r *http.Request, rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
+// notes the answer's usage on rec.
+func relayBody(rec *record.Record, rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
 	body, err := proxy.ReadBody(dresp.Body)
 	if err != nil {
 		return &proxy.ReadError{Err: err}
 	}
 	out := transform(body)
 	if dresp.StatusCode == http.StatusOK {
-		proxy.NoteUsage(record.From(r.Context()), out)
+		proxy.NoteUsage(rec, out)
 	}
 	h := rw.Header()
 	proxy.CopyResponseHeaders(h, dresp.Header)

@@ -102,6 +102,9 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 
 // Execute implements Executor.
 func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
+	if req.Rec == nil {
+		req.Rec = &record.Record{} // a caller that reads nothing back
+	}
 	plan, err := x.plan(req, pair)
 	if err != nil {
 		return outcome.Answer(&openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
@@ -150,7 +153,7 @@ func (s *sequence) run() error {
 		s.x.recomputed(s.req, s.pair, s.plan.conn.Mode, handoff)
 		handoff = HandoffRecomputed
 	}
-	noteHandoff(s.r, handoff)
+	noteHandoff(s.req.Rec, handoff)
 	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, HandoffClass(handoff), s.plan.conn.Mode).Inc()
 	return err
 }
@@ -178,7 +181,7 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
 		pu = readPrefillUsage(body)
 		if pu.ok {
-			record.From(s.r.Context()).EnginePrompt = pu.prompt
+			s.req.Rec.EnginePrompt = pu.prompt
 		}
 		params, handoff = s.handoff(body, params)
 	}
@@ -256,7 +259,7 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 		s.x.Log.Info("decode could not be reached; sending the decode alone to another worker with the same handoff",
 			"failed", s.pair.Decode.URL, "decode", d.URL, "prefill", s.pair.Prefill.URL, "err", err)
 		s.pair.Decode = d
-		noteDecode(s.r, d.URL)
+		noteDecode(s.req.Rec, d.URL)
 		started, err = s.decode(body, pu)
 	}
 	return started, err
@@ -276,8 +279,8 @@ func (s *sequence) prefill() ([]byte, error) {
 	leg.Start(s.pair.Prefill, LegPrefill)
 	leg.OnRank(s.plan.prefillRank - 1)
 	defer leg.Excuse()
-	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: s.plan.probe, Header: s.plan.prefillHeader})
-	rec := record.From(s.r.Context())
+	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: s.plan.probe, Header: s.plan.prefillHeader, Rec: s.req.Rec})
+	rec := s.req.Rec
 	if err != nil {
 		// Connected but unanswered (the client left, the deadline passed): the prefill was
 		// computing the prompt, and its tenant is charged it.
@@ -309,7 +312,7 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
 		leg.OnRank(rank)
 	}
-	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr})
+	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr, Rec: s.req.Rec})
 	s.unreached = err != nil && proxy.Unreached(err)
 	if err != nil {
 		return false, s.x.Proxy.Failure(s.r, leg, err)
@@ -332,11 +335,11 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 	}
 	switch {
 	case (pu.ok || check != nil) && !isStream(resp):
-		err = relayBody(s.r, s.rw, resp, checkedBody(s.r, check, pu))
+		err = relayBody(s.req.Rec, s.rw, resp, checkedBody(s.req.Rec, check, pu))
 	case pu.ok || check != nil:
-		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, checkedEvent(check, pu))
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, checkedEvent(check, pu), s.req.Rec, s.req.Orders)
 	default:
-		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, nil)
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, nil, s.req.Rec, s.req.Orders)
 	}
 	return started, s.x.Proxy.Finish(s.r, leg, resp.StatusCode, err)
 }
@@ -344,10 +347,10 @@ func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error
 // checkedBody returns the transform of a decode's whole answer: the decode's usage checked when
 // check is set (a recompute is noted on the record before this answer's head, which names it),
 // then rewritten to the prefill's view when pu is known.
-func checkedBody(r *http.Request, check *kvCheck, pu prefillUsage) func([]byte) []byte {
+func checkedBody(rec *record.Record, check *kvCheck, pu prefillUsage) func([]byte) []byte {
 	return func(b []byte) []byte {
 		if check != nil && check.observe(b) {
-			noteHandoff(r, HandoffRecomputed)
+			noteHandoff(rec, HandoffRecomputed)
 		}
 		if !pu.ok {
 			return b
@@ -374,7 +377,7 @@ func checkedEvent(check *kvCheck, pu prefillUsage) func([]byte) []byte {
 // it), and a log line when the decode will recompute. In strict mode a recompute is answered with 502 instead. The counter is taken
 // once the request ended, with what really happened.
 func (x *Sequential) report(r *http.Request, req *Request, pair worker.Pair, conn Connector, handoff string) error {
-	noteHandoff(r, handoff)
+	noteHandoff(req.Rec, handoff)
 	if !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		return nil
 	}
@@ -425,7 +428,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 		check: check,
 		rewrite: func(p prefillResult) (func([]byte) []byte, func([]byte) []byte) {
 			pu := readPrefillUsage(p.body)
-			return checkedEvent(check, pu), checkedBody(r, check, pu)
+			return checkedEvent(check, pu), checkedBody(req.Rec, check, pu)
 		},
 	})
 	if res.decodeStarted {
@@ -433,7 +436,7 @@ func (x *Sequential) concurrentMooncake(rw http.ResponseWriter, r *http.Request,
 	}
 	if check.recomputed() {
 		x.recomputed(req, pair, ModeMooncake, HandoffMooncake)
-		noteHandoff(r, HandoffRecomputed) // a stream's head left before its usage said so
+		noteHandoff(req.Rec, HandoffRecomputed) // a stream's head left before its usage said so
 	}
 	if !res.decodeStarted && res.outcome != OutcomePrefillFailed && res.outcome != OutcomeSuccess {
 		x.abandoned(plan.conn, pair, res.outcome)

@@ -41,7 +41,7 @@ func engineAt(t *testing.T, h http.HandlerFunc) *worker.Worker {
 
 func clientRequest(ctx context.Context, body string) (*http.Request, *record.Record) {
 	rec := &record.Record{}
-	r := httptest.NewRequestWithContext(record.With(ctx, rec), http.MethodPost, "/v1/completions?x=1", strings.NewReader(body))
+	r := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions?x=1", strings.NewReader(body))
 	r.Header.Set("Authorization", "Bearer sk-client")
 	r.Header.Set("Cookie", "session=1")
 	r.Header.Set("Connection", "X-Hop")
@@ -72,7 +72,7 @@ func TestForwardRelaysTheAnswer(t *testing.T) {
 			body := `{"model":"m","prompt":"x","big":18446744073709551615}`
 			in, rec := clientRequest(context.Background(), body)
 			rw := httptest.NewRecorder()
-			if err := p.Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(body)}); err != nil {
+			if err := p.Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(body), Rec: rec}); err != nil {
 				t.Fatal(err)
 			}
 			if gotBody != body || got.URL.RawQuery != "" || got.Header.Get("Authorization") != "Bearer sk-worker" || got.Header.Get("Cookie") != "" ||

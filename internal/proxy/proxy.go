@@ -207,6 +207,19 @@ type Call struct {
 	// retryable ones: a 400 while a context-window fallback is left, an adapter request's 404
 	// and 400 (its adapter gone). The caller's order for this one call.
 	Hold []int
+	// Rec is the request's record: what the call learns goes there (nil: nowhere); Orders are
+	// the tenant's accounting asked of the answer's relay.
+	Rec    *record.Record
+	Orders Orders
+}
+
+// Orders are what a relay is asked beyond relaying, for a tenant's accounting: CountEvents
+// counts a stream's token events into the record (a tenant's stream that ends without usage is
+// charged by them); StripUsage: Baton asked the engine for the stream's usage, which the client
+// did not: the relay reads it from the usage-only event and keeps that event from the client,
+// whose bytes stay as the engine would have sent them.
+type Orders struct {
+	CountEvents, StripUsage bool
 }
 
 // Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
@@ -230,7 +243,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	out.ContentLength = int64(len(c.Body))
 	if !tracing.Enabled() {
 		resp, err := informational(p.Transport.RoundTrip(out))
-		given(ctx, leg, resp, err)
+		given(c.Rec, leg, resp, err)
 		return resp, err
 	}
 	name := "upstream"
@@ -245,7 +258,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
 	resp, err := informational(p.Transport.RoundTrip(out))
-	given(ctx, leg, resp, err)
+	given(c.Rec, leg, resp, err)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, err.Error())
 	} else {
@@ -259,11 +272,11 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 // client left, the deadline passed, the engine failed) or a 2xx did — so the engine computed
 // for it and the tenant is charged (record.Charge). A prefill leg is the PD executor's to note:
 // SGLang's runs on a goroutine of its own, and the record has one writer.
-func given(ctx context.Context, leg *Leg, resp *http.Response, err error) {
-	if leg.Name == "prefill" || Unreached(err) || err == nil && resp.StatusCode >= 300 {
+func given(rec *record.Record, leg *Leg, resp *http.Response, err error) {
+	if rec == nil || leg.Name == "prefill" || Unreached(err) || err == nil && resp.StatusCode >= 300 {
 		return
 	}
-	record.From(ctx).AnswerComputed = true
+	rec.AnswerComputed = true
 }
 
 // Unreached reports whether err is a failure to open a connection to the worker: the request
@@ -327,7 +340,7 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 	if outcome.Status(resp.StatusCode).Retryable || slices.Contains(c.Hold, resp.StatusCode) {
 		return p.HoldError(r, &leg, resp)
 	}
-	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil))
+	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil, c.Rec, c.Orders))
 }
 
 // KeyRefusedBy reports whether status is w's engine refusing the key Baton sent it (w has one:
@@ -417,14 +430,17 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 // Written false). SSE bodies are flushed after every read; with transform set, they are split
 // into events and each is passed through transform (which may return it unchanged). A stream
 // relayed whole that carried an engine's error event returns an *InBandError (inband.go). A 200
-// answer relayed to its end leaves its usage on the request's record (ctx's).
-func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte) error {
+// answer relayed to its end leaves its usage on rec (nil: nowhere), and o asks a stream's
+// accounting of it.
+func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders) error {
 	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
 		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
-	rec := record.From(ctx)
+	if rec == nil {
+		rec = &record.Record{} // nobody reads what is learnt
+	}
 	var seen *streamUsage
-	if out.stream && resp.StatusCode == http.StatusOK && (rec.CountEvents || rec.StripUsage) {
-		transform, seen = accounting(rec, transform)
+	if out.stream && resp.StatusCode == http.StatusOK && (o.CountEvents || o.StripUsage) {
+		transform, seen = accounting(rec, o, transform)
 		out.rewrites = true
 	}
 	in := source{body: resp.Body}

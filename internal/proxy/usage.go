@@ -58,9 +58,9 @@ func NoteUsage(rec *record.Record, body []byte) {
 // accounting wraps a stream's event transform for a tenant's accounting: it reads the usage
 // the events carry (whole, or a part per event as Anthropic's stream gives it), counts the events
 // that carry tokens into rec.Events, and, when Baton asked the engine for usage the client did
-// not (rec.StripUsage), takes the usage-only event out of the stream. The usage seen is returned
+// not (o.StripUsage), takes the usage-only event out of the stream. The usage seen is returned
 // through the pointer, complete when both counts were seen.
-func accounting(rec *record.Record, inner func([]byte) []byte) (func([]byte) []byte, *streamUsage) {
+func accounting(rec *record.Record, o Orders, inner func([]byte) []byte) (func([]byte) []byte, *streamUsage) {
 	seen := &streamUsage{}
 	return func(ev []byte) []byte {
 		if inner != nil {
@@ -75,7 +75,7 @@ func accounting(rec *record.Record, inner func([]byte) []byte) (func([]byte) []b
 				seen.u.Completion, seen.c = u.Completion, true
 			}
 		}
-		if rec.StripUsage && openai.IsUsageOnlyEvent(ev) {
+		if o.StripUsage && openai.IsUsageOnlyEvent(ev) {
 			return nil
 		}
 		if openai.CarriesTokens(ev) {

@@ -57,12 +57,10 @@ type Record struct {
 	Class     string
 	QueueWait time.Duration
 
-	// CountEvents asks the relay to count the token events of a stream into Events (a tenant's
-	// stream that ends without usage is charged by them). StripUsage: Baton asked the engine for
-	// the stream's usage, which the client did not: the relay reads it from the usage-only event
-	// and keeps that event from the client, whose bytes stay as the engine would have sent them.
-	CountEvents, StripUsage bool
-	Events                  int
+	// ByEvents: the request is a tenant's stream, charged by its token events should it end
+	// without usage; Events is the token events the relay counted (proxy.Orders asks it to).
+	ByEvents bool
+	Events   int
 	// Served is the model the workers know the request's by, the one that served it (an alias's
 	// target, a fallback); "" when it is the name the client gave.
 	Served string
@@ -135,7 +133,7 @@ func (r *Record) Charge(promptEstimate, completionEstimate int) (prompt, complet
 	switch {
 	case !r.AnswerComputed:
 		return prompt, 0
-	case r.CountEvents:
+	case r.ByEvents:
 		return prompt, r.Events
 	}
 	return prompt, completionEstimate

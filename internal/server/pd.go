@@ -26,17 +26,18 @@ func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
-	preq := &pd.Request{Request: req, Path: r.URL.Path}
+	preq := &pd.Request{Request: req, Path: r.URL.Path, Rec: rec}
 	adm, ok := s.admitRequest(w, r, rec, preq)
 	defer adm.End()
 	if !ok {
 		return
 	}
+	preq.Orders = adm.Orders
 	named := r.Header.Values(openai.HeaderPrefiller)
 	if s.opts.PrefillerHeader && len(named) == 0 && !s.opts.PrefillerAbsentPicks && s.d.DecodeAloneServes() {
 		// The picker in front named no prefill (a short prompt, a prefix the decode holds):
 		// the decode serves the request alone, as llm-d's sidecar does.
-		s.serveOne(w, r, req, s.d.PlanDecodeAlone(rec, req, r.URL.Path))
+		s.serveOne(w, r, req, s.d.PlanDecodeAlone(rec, req, r.URL.Path), adm.Orders)
 		return
 	}
 	p := s.d.PlanPair(rec, req, r.URL.Path, nil)
@@ -163,7 +164,7 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 	}
 	defer resp.Body.Close()
 	recordOf(r).Worker = prefill.URL
-	if err := s.proxy.Relay(r.Context(), w, resp, nil); err != nil {
+	if err := s.proxy.Relay(r.Context(), w, resp, nil, recordOf(r), proxy.Orders{}); err != nil {
 		var re *proxy.ReadError
 		if errors.As(err, &re) && !re.Written {
 			proxy.WriteFailure(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))

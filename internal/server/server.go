@@ -499,7 +499,7 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 	if req == nil {
 		return
 	}
-	preq := &pd.Request{Request: req, Path: r.URL.Path}
+	preq := &pd.Request{Request: req, Path: r.URL.Path, Rec: rec}
 	adm, ok := s.admitRequest(w, r, rec, preq)
 	defer adm.End()
 	if !ok {
@@ -510,12 +510,12 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
 		return
 	}
-	s.serveOne(w, r, req, s.d.PlanRegular(rec, req, r.URL.Path))
+	s.serveOne(w, r, req, s.d.PlanRegular(rec, req, r.URL.Path), adm.Orders)
 }
 
 // serveOne serves a request on one worker of the plan's role, chosen (and chosen again on a
 // retry or a fallback model) by the request's policy.
-func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Request, p *director.Plan) {
+func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Request, p *director.Plan, orders proxy.Orders) {
 	client, rec, sreq := req.Model, p.Rec, p.Sel
 	s.withRetries(w, r, rec, func(r *http.Request, avoid map[string]bool) error {
 		return s.d.ContextFallbacks(rec, client, func(name string, fallbackLeft bool) error {
@@ -526,7 +526,8 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 			defer c.Release()
 			wk := c.Worker
 			p.NoteWorker(wk)
-			call := proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk)}
+			call := proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk),
+				Rec: rec, Orders: orders}
 			if fallbackLeft {
 				call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback
 			}
