@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -225,12 +226,12 @@ func (x *Parallel) prefillFailed(ctx context.Context, leg *proxy.Leg, status int
 
 // outcomeOf names how a request ended from the error that ended it; failed names a failure.
 func outcomeOf(err error, failed Outcome) Outcome {
-	switch {
-	case err == nil:
+	switch f := outcome.FailureOf(err); {
+	case f == nil:
 		return OutcomeSuccess
-	case errors.Is(err, proxy.ErrClientGone):
+	case f.Kind() == outcome.KindClientGone:
 		return OutcomeClientCancelled
-	case errors.Is(err, proxy.ErrAbort):
+	case f.Phase == outcome.Streaming:
 		return OutcomeAborted
 	}
 	return failed

@@ -147,17 +147,16 @@ func (l *legs) ended() {
 // seamFailure reports whether a PD failure is the kind a broken pair produces (the outcome
 // table's verdict), not a client error, a cancellation, or Baton's own bug or exhaustion.
 func seamFailure(err error) bool {
-	var (
-		f  *outcome.Failure
-		ib *proxy.InBandError
-	)
-	if errors.As(err, &ib) {
-		return outcome.Status(ib.Status).Seam
+	f := outcome.FailureOf(err)
+	switch {
+	case f == nil:
+		return false
+	case f.Phase == outcome.InBand:
+		return outcome.Status(f.Status).Seam
+	case f.Edge:
+		return f.Phase == outcome.Streaming // the decode failed after its first byte
 	}
-	if errors.As(err, &f) {
-		return f.Verdict().Seam
-	}
-	return errors.Is(err, proxy.ErrAbort)
+	return f.Verdict().Seam
 }
 
 // cancelled reports whether err is the cancellation of ctx (by Baton or the client), as opposed

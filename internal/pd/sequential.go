@@ -2,7 +2,6 @@ package pd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -142,8 +141,7 @@ func (s *sequence) run() error {
 	if err != nil && !started && handoff != "" && !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		handoff = HandoffNoneFailed // prepared, never consumed: nothing was handed off
 	}
-	var ib *proxy.InBandError
-	if handoff == "" || errors.As(err, &ib) {
+	if handoff == "" || err != nil && outcome.FailureOf(err).Phase == outcome.InBand {
 		handoff = HandoffNoneFailed // the prefill failed, or the decode reported a failure in its stream
 	}
 	if s.handed && started {
@@ -173,7 +171,7 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 		body, err := s.prefill()
 		if err != nil {
 			s.outcome = OutcomePrefillFailed
-			if errors.Is(err, proxy.ErrClientGone) {
+			if outcome.FailureOf(err).Kind() == outcome.KindClientGone {
 				s.outcome = OutcomeClientCancelled
 			}
 			return "", false, err
@@ -267,8 +265,7 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 
 // retryableLeg reports whether a leg's failure before its first byte may succeed elsewhere.
 func retryableLeg(err error) bool {
-	var f *outcome.Failure
-	return errors.As(err, &f) && f.Verdict().Retryable
+	return err != nil && outcome.FailureOf(err).Verdict().Retryable
 }
 
 // prefill sends the probe and returns the prefill's body. A failure is returned as the client's

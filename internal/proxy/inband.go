@@ -3,8 +3,9 @@ package proxy
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"net/http"
+
+	"github.com/baton-llm/baton/internal/outcome"
 )
 
 // Engines that answered a stream with 200 report a later failure inside it: vLLM writes
@@ -15,16 +16,8 @@ import (
 // messages streams {"type": "error", "error": {…}}. Baton relays these bytes as they are — the
 // client's SDK reads them — and counts the request as failed.
 
-// InBandError is an engine's error event inside a stream it had answered 200: the whole stream
-// reached the client as the engine sent it, and the request failed.
-type InBandError struct {
-	Status  int    // the status the event names (500 when it names none)
-	Message string // the event's message, bounded
-}
-
-func (e *InBandError) Error() string {
-	return fmt.Sprintf("the engine reported an error inside its stream (%d): %s", e.Status, e.Message)
-}
+// InBandError is an engine's error event inside a stream it had answered 200 (outcome's).
+type InBandError = outcome.InBandError
 
 // maxErrorLine bounds an unfinished SSE line the watch keeps to read once it ends: error events
 // are short; a longer line is passed over.

@@ -33,13 +33,10 @@ import (
 	"github.com/baton-llm/baton/internal/worker"
 )
 
+// The failures of a relay, outcome's (read at the attempt boundary by outcome.FailureOf).
 var (
-	// ErrClientGone means the client went away; nothing more can be written.
-	ErrClientGone = errors.New("client disconnected")
-	// ErrAbort means the upstream failed after the first byte reached the client: the handler
-	// must abort the client connection (panic(http.ErrAbortHandler)) so the client sees a broken
-	// response, never a silently truncated one.
-	ErrAbort = errors.New("upstream failed after the first byte")
+	ErrClientGone = outcome.ErrClientGone
+	ErrAbort      = outcome.ErrAbort
 )
 
 // WriteFailure answers the client for a failure: Baton's envelope, or the worker's own error
@@ -85,7 +82,7 @@ func InternalError() *openai.Error {
 }
 
 // ClientGone reports whether the client of r went away (as opposed to a deadline passing).
-func ClientGone(r *http.Request) bool { return errors.Is(r.Context().Err(), context.Canceled) }
+func ClientGone(r *http.Request) bool { return r.Context().Err() == context.Canceled }
 
 // maxErrorBody bounds an error answer held back for a retry. A longer one is not relayed cut
 // short as if complete: the client gets the worker's status with a minted envelope instead.
@@ -110,15 +107,8 @@ func ReadBody(r io.Reader) ([]byte, error) {
 // MaxResponseHeaderBytes bounds the headers of a worker's answer.
 const MaxResponseHeaderBytes = 64 << 10
 
-// ReadError is an upstream body read failure during Relay. Written reports whether any byte of
-// the response had reached the client; when not, the caller can still answer with a status.
-type ReadError struct {
-	Err     error
-	Written bool
-}
-
-func (e *ReadError) Error() string { return "reading upstream response: " + e.Err.Error() }
-func (e *ReadError) Unwrap() error { return e.Err }
+// ReadError is an upstream body read failure during Relay (outcome.ReadError).
+type ReadError = outcome.ReadError
 
 // NewTransport returns the pooled upstream transport Baton uses for every worker: client "net"
 // (the default) is net/http's transport (StdTransport), which reads every idle connection in
@@ -390,25 +380,23 @@ func (p *Proxy) HoldError(r *http.Request, leg *Leg, resp *http.Response) error 
 // returns its *InBandError (nothing more can be written); a read failure before the first byte is a failure like a send failure
 // (nothing was written: the caller may retry); after it the connection must be aborted.
 func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
-	var (
-		re *ReadError
-		ib *InBandError
-	)
+	f := outcome.FailureOf(err)
 	switch {
-	case err == nil:
+	case f == nil:
 		leg.Done(status, nil)
 		return nil
-	case errors.As(err, &ib):
+	case f.Phase == outcome.InBand:
+		ib := f.Event()
 		// Every byte reached the client; the engine's own verdict is the leg's outcome.
 		leg.Done(ib.Status, nil)
 		p.countError(leg.W, metrics.KindInBand)
 		p.Log.Warn("the engine reported an error inside its stream; relayed as sent", "worker", leg.W.URL, "leg", leg.Name, "status", ib.Status, "message", ib.Message)
 		return err
-	case errors.Is(err, ErrClientGone), ClientGone(r):
+	case f.Kind() == outcome.KindClientGone, ClientGone(r):
 		leg.Excuse()
 		return ErrClientGone
-	case errors.As(err, &re) && !re.Written:
-		return p.Failure(r, leg, re.Err)
+	case f.Unread() != nil:
+		return p.Failure(r, leg, f.Unread())
 	}
 	w := leg.W
 	if outcome.IsTimeout(err) {

@@ -3,7 +3,6 @@ package server
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/proxy"
 )
@@ -164,13 +164,11 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 	}
 	defer resp.Body.Close()
 	recordOf(r).Worker = prefill.URL
-	if err := s.proxy.Relay(r.Context(), w, resp, nil, recordOf(r), proxy.Orders{}); err != nil {
-		var re *proxy.ReadError
-		if errors.As(err, &re) && !re.Written {
-			proxy.WriteFailure(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, err))
-			return
-		}
-		if !errors.Is(err, proxy.ErrClientGone) {
+	if f := outcome.FailureOf(s.proxy.Relay(r.Context(), w, resp, nil, recordOf(r), proxy.Orders{})); f != nil {
+		switch {
+		case f.Unread() != nil:
+			proxy.WriteFailure(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, f.Cause))
+		case f.Kind() != outcome.KindClientGone:
 			panic(http.ErrAbortHandler)
 		}
 	}

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"strconv"
 
@@ -23,8 +22,8 @@ type attemptFunc func(r *http.Request, avoid map[string]bool) error
 // withRetries runs attempt until it succeeds, fails for good, or runs out of tries or time:
 // retries happen only on 408/429/500/502/503/504 and transport errors, only before any byte
 // reached the client, after a jittered exponential wait, each retry re-selecting the worker and
-// avoiding those that failed, all within the request deadline r carries. The final failure is
-// written here.
+// avoiding those that failed, all within the request deadline r carries. Every attempt's error
+// is read once, as the failure it is (outcome.FailureOf); the final one is written here.
 //
 // When the tries end because no worker is left to try, the client gets the last worker's
 // answer (or failure) instead of "no available workers": the final failure is the last
@@ -37,36 +36,19 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, rec *record
 		if n > 1 {
 			ar = retryRequest(r, n)
 		}
-		err := attempt(ar, avoid)
-		if err == nil {
+		f := outcome.FailureOf(attempt(ar, avoid))
+		if f == nil {
 			return
 		}
-		var f *outcome.Failure
-		answer := err
-		if errors.As(err, &f) {
-			switch {
-			case f.Worker != "":
-				last = f
-			case f.NoWorker && last != nil:
-				answer = lastAnswer{err: err, last: last}
-			}
+		if f.Worker != "" {
+			last = f
 		}
 		var again bool
-		if avoid, again = s.afterFailure(w, r, rec, n, avoid, answer); !again {
+		if avoid, again = s.afterFailure(w, r, rec, n, avoid, f, last); !again {
 			return
 		}
 	}
 }
-
-// lastAnswer is a selection that found no worker, after a worker's failure: it is retried as
-// the selection's failure, and answered as the worker's.
-type lastAnswer struct {
-	err  error
-	last *outcome.Failure
-}
-
-func (e lastAnswer) Error() string { return e.err.Error() }
-func (e lastAnswer) Unwrap() error { return e.err }
 
 // retryRequest is r for attempt n > 1: its own copy of the headers, with a fresh engine request
 // id — the client's X-Request-Id suffixed "-retry-<n>" — so that no engine sees one id twice
@@ -84,88 +66,59 @@ func retryRequest(r *http.Request, n int) *http.Request {
 	return ar
 }
 
-// afterFailure decides what follows attempt n's failure: another attempt (after the backoff,
-// avoiding the worker that failed), or the client's answer. It is its own function so that
-// withRetries, under every open stream, keeps a small stack frame.
-func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, n int, avoid map[string]bool, err error) (map[string]bool, bool) {
-	reason, retryable := retryReason(err)
-	if retryable && s.d.TriesLeft(n) {
-		s.metrics.Retries.WithLabelValues(r.Pattern, reason).Inc()
-		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", reason))
+// afterFailure decides what follows attempt n's failure f: another attempt (after the backoff,
+// avoiding the worker that failed), or the client's answer — last, the last worker's failure,
+// when f is a selection that found no worker left. It is its own function so that withRetries,
+// under every open stream, keeps a small stack frame.
+func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, n int, avoid map[string]bool, f, last *outcome.Failure) (map[string]bool, bool) {
+	v := f.Verdict()
+	if v.Retryable && s.d.TriesLeft(n) {
+		s.metrics.Retries.WithLabelValues(r.Pattern, v.Reason).Inc()
+		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", v.Reason))
 		rec.Attempts = n + 1
-		s.log.Debug("retrying", "route", r.Pattern, "reason", reason, "attempt", n, "err", err)
+		s.log.Debug("retrying", "route", r.Pattern, "reason", v.Reason, "attempt", n, "err", f)
 		if s.d.Backoff(r.Context(), n) {
-			avoid = failed(avoid, err)
+			if f.Worker != "" {
+				if avoid == nil {
+					avoid = map[string]bool{}
+				}
+				avoid[f.Worker] = true
+			}
 			rec.NextAttempt()
 			return avoid, true
 		}
-		err, retryable = context.Cause(r.Context()), false // the deadline passed or the client left
+		f, v.Retryable = outcome.FailureOf(context.Cause(r.Context())), false // the deadline passed or the client left
 	}
-	if retryable {
+	if v.Retryable {
 		s.metrics.RetriesExhausted.WithLabelValues(r.Pattern).Inc()
 	}
-	if la, ok := err.(lastAnswer); ok {
-		err = la.last
+	if f.NoWorker && last != nil {
+		f = last
 		if rec.Worker == "" {
-			rec.Worker = la.last.Worker // the answer's head names the worker that gave it
+			rec.Worker = last.Worker // the answer's head names the worker that gave it
 		}
 	}
-	s.writeFailure(w, r, rec, err)
+	s.writeFailure(w, r, rec, f)
 	return avoid, false
 }
 
-// failed adds the worker err belongs to, if known, to avoid.
-func failed(avoid map[string]bool, err error) map[string]bool {
-	if u := failedWorker(err); u != "" {
-		if avoid == nil {
-			avoid = map[string]bool{}
-		}
-		avoid[u] = true
-	}
-	return avoid
-}
-
-// writeFailure answers the client for the final failure of a request.
-func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, err error) {
-	var (
-		f  *outcome.Failure
-		ib *proxy.InBandError
-	)
+// writeFailure answers the client for the final failure of a request, by its phase and kind.
+func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, rec *record.Record, f *outcome.Failure) {
 	switch {
-	case errors.Is(err, proxy.ErrAbort):
+	case f.Phase == outcome.Streaming:
 		panic(http.ErrAbortHandler)
-	case errors.As(err, &ib):
+	case f.Phase == outcome.InBand:
 		// The stream went out whole, the engine's error event in it; the request failed. The
 		// code is for the access log and the status page (the head left long ago).
 		rec.Code = openai.CodeUpstreamStreamError
-	case errors.As(err, &f):
+	case !f.Edge:
 		proxy.WriteFailure(w, f)
-	case errors.Is(err, proxy.ErrClientGone), proxy.ClientGone(r):
-	case outcome.IsTimeout(err):
+	case f.Kind() == outcome.KindClientGone, proxy.ClientGone(r):
+	case f.Kind() == outcome.KindTimeout:
 		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
 			Message: "the request did not complete within request_timeout_secs"})
 	default:
-		s.log.Error("request failed with an unclassified error", "err", err)
+		s.log.Error("request failed with an unclassified error", "err", f.Cause)
 		openai.WriteError(w, proxy.InternalError())
 	}
-}
-
-// retryReason reports whether err may be retried and why (a metrics label): the outcome
-// table's verdict on the failure.
-func retryReason(err error) (string, bool) {
-	var f *outcome.Failure
-	if !errors.As(err, &f) {
-		return "", false
-	}
-	v := f.Verdict()
-	return v.Reason, v.Retryable
-}
-
-// failedWorker returns the URL of the worker a failure belongs to, if known.
-func failedWorker(err error) string {
-	var f *outcome.Failure
-	if errors.As(err, &f) {
-		return f.Worker
-	}
-	return ""
 }

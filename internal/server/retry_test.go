@@ -45,9 +45,10 @@ func TestRetryReason(t *testing.T) {
 		{proxy.ErrClientGone, "", false, ""},
 		{outcome.ErrRequestTimeout, "", false, ""},
 	} {
-		reason, ok := retryReason(tc.err)
-		if reason != tc.reason || ok != tc.retryable || failedWorker(tc.err) != tc.worker {
-			t.Errorf("retryReason(%v) = %q, %v, worker %q; want %q, %v, %q", tc.err, reason, ok, failedWorker(tc.err), tc.reason, tc.retryable, tc.worker)
+		f := outcome.FailureOf(tc.err)
+		v := f.Verdict()
+		if v.Reason != tc.reason || v.Retryable != tc.retryable || f.Worker != tc.worker {
+			t.Errorf("%v: verdict %q, %v, worker %q; want %q, %v, %q", tc.err, v.Reason, v.Retryable, f.Worker, tc.reason, tc.retryable, tc.worker)
 		}
 	}
 }
