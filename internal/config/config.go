@@ -300,6 +300,8 @@ type Admission struct {
 	// QueueAnswers are the statuses of a full queue and a wait past its timeout: baton (503
 	// queue_full, 504 queue_timeout) or smg (429 and 408, smg's priority scheduler's).
 	QueueAnswers string `json:"queue_answers" flag:"queue-answers" default:"baton" help:"statuses of a full queue and a wait past its timeout: baton (503, 504) or smg (429, 408); Retry-After either way"`
+	// QueueRetryAfter is the Retry-After of the queue's refusals; 0: a tenth of queue_timeout.
+	QueueRetryAfter time.Duration `json:"queue_retry_after" flag:"queue-retry-after" default:"0s" check:"0s..1h" help:"Retry-After of a full queue's, a wait's past its timeout and a drain's refusals, rounded up to seconds (0: a tenth of queue_timeout, at least 1 s)"`
 	// The Virtual Token Counter's weights of prompt and completion tokens.
 	FairInputWeight  float64 `json:"fair_input_weight" flag:"fair-input-weight" default:"1" check:">=0" help:"weight of a prompt token in a tenant's share of a full fleet"`
 	FairOutputWeight float64 `json:"fair_output_weight" flag:"fair-output-weight" default:"2" check:">=0" help:"weight of a completion token in a tenant's share of a full fleet"`

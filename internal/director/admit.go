@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -35,6 +36,9 @@ type Admission struct {
 	// SmgAnswers answers a full queue 429 and a wait past its timeout 408, as smg's priority
 	// scheduler does; false: 503 and 504.
 	SmgAnswers bool
+	// RetryAfter is the Retry-After of the queue's refusals; 0: a tenth of the default class's
+	// timeout, at least a second.
+	RetryAfter time.Duration
 }
 
 // admission bounds the inference requests served at once: when every slot is taken a request
@@ -47,6 +51,8 @@ type admission struct {
 	o       admit.Options
 	metrics *metrics.Metrics
 	smg     bool // smg's statuses: 429 for a full queue, 408 past the timeout
+	// retryAfter is the Retry-After of a refusal (0: a tenth of the default class's timeout).
+	retryAfter time.Duration
 }
 
 // newAdmission returns admission for a; nil when requests are not bounded.
@@ -65,7 +71,7 @@ func newAdmission(a Admission, m *metrics.Metrics) *admission {
 		}
 		o.Promote[c] = a.Promote[c]
 	}
-	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers}
+	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter}
 	return ad
 }
 
@@ -145,14 +151,19 @@ func (a *admission) smgStatus(status int) int {
 
 func (a *admission) reject(reason string, e *openai.Error) *openai.Error {
 	a.metrics.Rejections.WithLabelValues(reason).Inc()
-	e.RetryAfter = strconv.Itoa(max(1, int(a.o.Timeout[admit.Default].Seconds()/10)))
+	after := a.retryAfter
+	if after <= 0 {
+		after = a.o.Timeout[admit.Default] / 10
+	}
+	e.RetryAfter = strconv.Itoa(max(1, int(math.Ceil(after.Seconds()))))
 	return e
 }
 
 // admissionOf is the admission settings of the configuration's section a.
 func admissionOf(a config.Admission) Admission {
 	o := Admission{Max: a.MaxConcurrentRequests, QueueSize: a.QueueSize, QueueTimeout: a.QueueTimeout,
-		PromoteAfter: a.PromoteAfter, InputWeight: a.FairInputWeight, OutputWeight: a.FairOutputWeight, SmgAnswers: a.QueueAnswers == "smg"}
+		PromoteAfter: a.PromoteAfter, InputWeight: a.FairInputWeight, OutputWeight: a.FairOutputWeight, SmgAnswers: a.QueueAnswers == "smg",
+		RetryAfter: a.QueueRetryAfter}
 	o.Reserved, o.Depth, o.Timeout, o.Promote = ClassSettings(a)
 	return o
 }

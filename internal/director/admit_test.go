@@ -78,3 +78,29 @@ func TestClassSettings(t *testing.T) {
 		t.Errorf("reserved %v, depth %v, timeout %v, promote %v", reserved, depth, timeout, promote)
 	}
 }
+
+// queue_retry_after is the Retry-After of every refusal of the queue, rounded up to seconds;
+// without it, a tenth of the timeout (at least a second).
+func TestQueueRetryAfter(t *testing.T) {
+	m := metrics.New(worker.NewRegistry())
+	ctx := context.Background()
+	for _, c := range []struct {
+		after, timeout time.Duration
+		want           string
+	}{
+		{0, time.Minute, "6"},
+		{0, 50 * time.Millisecond, "1"},
+		{1500 * time.Millisecond, time.Minute, "2"},
+		{2 * time.Minute, time.Minute, "120"},
+	} {
+		a := newAdmission(admissionOf(config.Admission{MaxConcurrentRequests: 1, QueueSize: 0, QueueTimeout: c.timeout, QueueRetryAfter: c.after}), m)
+		release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1)
+		if !ok {
+			t.Fatal("the first request was not admitted")
+		}
+		if _, e, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1); ok || e == nil || e.Code != openai.CodeQueueFull || e.RetryAfter != c.want {
+			t.Errorf("queue_retry_after %v, timeout %v: %+v; want Retry-After %s", c.after, c.timeout, e, c.want)
+		}
+		release()
+	}
+}
