@@ -118,3 +118,64 @@ func isIdent(e ast.Expr, name string) bool {
 	id, ok := e.(*ast.Ident)
 	return ok && id.Name == name
 }
+
+// renderCodeDocs is the reference's error table, rendered from CodeDocs (indented: the table sits
+// in a list item).
+func renderCodeDocs() string {
+	var b strings.Builder
+	b.WriteString("  | status | code | when |\n  |---|---|---|\n")
+	for _, d := range CodeDocs {
+		quoted := make([]string, len(d.Codes))
+		for i, c := range d.Codes {
+			quoted[i] = "`" + c + "`"
+		}
+		codes := strings.Join(quoted, ", ")
+		if d.Note != "" {
+			codes += " " + d.Note
+		}
+		b.WriteString("  | " + d.Status + " | " + codes + " | " + d.When + " |\n")
+	}
+	return b.String()
+}
+
+// The reference's error table is generated from CodeDocs, which has a row for every code of
+// errors.go: a code added without its row, or an edit of the table by hand, fails here.
+// BATON_UPDATE_DOCS=1 writes the table from CodeDocs.
+func TestErrorTableIsGenerated(t *testing.T) {
+	documented := map[string]bool{}
+	for _, d := range CodeDocs {
+		for _, c := range d.Codes {
+			documented[c] = true
+		}
+	}
+	for name, code := range codeConstants(t) {
+		if !documented[code] {
+			t.Errorf("%s (%q) has no row in CodeDocs", name, code)
+		}
+	}
+	const path = "../../docs/REFERENCE.md"
+	const begin, end = "<!-- error codes: generated", "<!-- end of error codes -->"
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(b)
+	i := strings.Index(doc, begin)
+	j := strings.Index(doc, end)
+	if i < 0 || j < i {
+		t.Fatalf("%s has no generated error table (%q … %q)", path, begin, end)
+	}
+	i += strings.IndexByte(doc[i:], '\n') + 1
+	j = strings.LastIndexByte(doc[:j], '\n') + 1
+	want := renderCodeDocs()
+	if doc[i:j] == want {
+		return
+	}
+	if os.Getenv("BATON_UPDATE_DOCS") == "1" {
+		if err := os.WriteFile(path, []byte(doc[:i]+want+doc[j:]), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	t.Errorf("%s's error table is not CodeDocs' (edit internal/openai/codedocs.go, then BATON_UPDATE_DOCS=1 go test ./internal/openai)", path)
+}
