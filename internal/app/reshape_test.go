@@ -90,7 +90,7 @@ func TestGenericPairIsLabelledByItsExecutor(t *testing.T) {
 			}
 		}
 	}
-	if !modes[pd.ModeParallel] || modes[pd.ModeSequential] {
+	if !modes[string(pd.ModeParallel)] || modes[string(pd.ModeSequential)] {
 		t.Errorf("TTFT modes %v: the bootstrap executor's request must be labelled %s", modes, pd.ModeParallel)
 	}
 }

@@ -369,10 +369,10 @@ func checkPair(ctx context.Context, g *app.Gateway, pair worker.Pair, model stri
 		if f.Answer != nil {
 			code = f.Answer.Code
 		}
-		return f.ClientStatus(), r.Handoff + " (" + code + ")", ""
+		return f.ClientStatus(), string(r.Handoff) + " (" + code + ")", ""
 	}
 	if err != nil {
-		return http.StatusBadGateway, r.Handoff + " (" + err.Error() + ")", ""
+		return http.StatusBadGateway, string(r.Handoff) + " (" + err.Error() + ")", ""
 	}
-	return rec.Code, r.Handoff, preq.Consumed
+	return rec.Code, string(r.Handoff), preq.Consumed
 }

@@ -125,7 +125,7 @@ func (a *admission) acquire(ctx context.Context, rec *record.Record, class, ceil
 	switch err {
 	case nil:
 		if t.Class != class {
-			rec.Class = t.Class.String() // promoted while it waited
+			rec.Class = record.Class(t.Class.String()) // promoted while it waited
 		}
 		return func() { t.Release(rec.Charge(in, out)) }, nil, true
 	case admit.ErrQueueFull:
@@ -188,7 +188,7 @@ func ClassSettings(a config.Admission) (reserved [admit.NumClasses]int, depth [a
 type Admitted struct {
 	// Class is the priority class the request was given (X-Baton-Priority), "" when its header
 	// was refused; Limits its tenant's windows now, for the rate-limit headers (none: zero).
-	Class  string
+	Class  record.Class
 	Limits tenant.Decision
 	// Refusal is the answer to a request Admit refused; nil when it was admitted, or when the
 	// client left while it waited (nobody to answer).
@@ -270,7 +270,7 @@ func (d *Director) priority(rec *record.Record, baton, smg string) (class, ceili
 	if class < ceiling {
 		class = ceiling
 	}
-	rec.Class = class.String()
+	rec.Class = record.Class(class.String())
 	return class, ceiling, nil
 }
 

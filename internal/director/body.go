@@ -7,6 +7,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/policy"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -73,10 +74,10 @@ func withLoRAPath(body []byte, sreq *policy.Request, ws ...*worker.Worker) []byt
 
 // WithPriority is body with the engine's "priority" field set for class when the worker is
 // marked forward_priority (the client's own value replaced); body as it is otherwise.
-func WithPriority(body []byte, class string, ws ...*worker.Worker) []byte {
+func WithPriority(body []byte, class record.Class, ws ...*worker.Worker) []byte {
 	v, ok := 0, len(ws) > 0
 	for i, w := range ws {
-		wv, marked := w.EnginePriority(class)
+		wv, marked := w.EnginePriority(string(class))
 		if !marked || i > 0 && wv != v {
 			return body // a worker not marked, or legs that read it differently: none is sent
 		}

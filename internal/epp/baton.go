@@ -83,7 +83,7 @@ func (p *picker) Pick(ctx context.Context, req *Request) (*Pick, error) {
 	if tracing.Enabled() {
 		ctx, span = tracing.StartServer(ctx, method, req.Path, req.Header)
 	}
-	rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1, Start: start, Route: "other",
+	rec := &record.Record{RequestID: rid, Mode: record.ModeRegular, Attempts: 1, Start: start, Route: "other",
 		Method: method, Client: clientOf(req.Header.Get("x-forwarded-for"))}
 	rt := routes.Of(req.Path)
 	if rt.Path != "" {
@@ -110,12 +110,12 @@ func (p *picker) Pick(ctx context.Context, req *Request) (*Pick, error) {
 	if e != nil {
 		return refuse(e)
 	}
-	rec.Class = max(class, admit.Interactive).String() // critical is a tenant's to give
+	rec.Class = record.Class(max(class, admit.Interactive).String()) // critical is a tenant's to give
 
 	disagg := rt.PD && p.d.Disaggregated()
 	role := config.RoleRegular
 	if disagg {
-		role, rec.Mode = config.RoleDecode, "pd"
+		role, rec.Mode = config.RoleDecode, record.ModePD
 	}
 	plan := &director.Plan{Rec: rec, Role: role, Pair: disagg,
 		Sel: &policy.Request{Model: model, Path: req.Path, Body: req.Body, Parsed: parsed, Explain: p.d.Explain()}}
@@ -242,7 +242,7 @@ func validMethod(m string) bool {
 // fallbacks are the endpoints after the choice: the other available workers of its role that
 // serve the request's model and route (and, for a decode, can take the prefill's KV), least
 // loaded first, at most Fallbacks.
-func (p *picker) fallbacks(role, class string, sreq *policy.Request, chosen, prefill *worker.Worker) []*worker.Worker {
+func (p *picker) fallbacks(role string, class record.Class, sreq *policy.Request, chosen, prefill *worker.Worker) []*worker.Worker {
 	if p.o.Fallbacks <= 0 {
 		return nil
 	}
@@ -253,7 +253,7 @@ func (p *picker) fallbacks(role, class string, sreq *policy.Request, chosen, pre
 	cands, _ := p.sel.Candidates(p.reg.Snapshot(), role, model)
 	var out []*worker.Worker
 	spelling := director.WorkerModel(sreq, chosen)
-	cp, cmarked := chosen.EnginePriority(class)
+	cp, cmarked := chosen.EnginePriority(string(class))
 	for _, w := range worker.Available(cands) {
 		if w == chosen || !policy.Serves(w, sreq.Path) || sreq.Allow != nil && !sreq.Allow(w) {
 			continue
@@ -264,7 +264,7 @@ func (p *picker) fallbacks(role, class string, sreq *policy.Request, chosen, pre
 		if director.WorkerModel(sreq, w) != spelling {
 			continue
 		}
-		if wp, marked := w.EnginePriority(class); marked != cmarked || marked && wp != cp {
+		if wp, marked := w.EnginePriority(string(class)); marked != cmarked || marked && wp != cp {
 			continue
 		}
 		if prefill != nil && p.sel.Compatible != nil && !p.sel.Compatible(prefill, w) {

@@ -156,7 +156,7 @@ func everyStrategy(t *testing.T, client string) {
 			if strings.Contains(c.body, `"stream":true`) && (!strings.HasSuffix(rw.Body.String(), "data: [DONE]\n\n") || strings.Count(rw.Body.String(), "data: ") < 3) {
 				t.Errorf("the stream was not relayed whole: %q", rw.Body.String())
 			}
-			if rw.Code != 200 || rec.Handoff != c.handoff {
+			if rw.Code != 200 || string(rec.Handoff) != c.handoff {
 				t.Fatalf("%d, handoff %q (want %q): %s", rw.Code, rec.Handoff, c.handoff, rw.Body.String())
 			}
 			if c.eng == config.RuntimeVLLM && preq.Consumed != VerdictReceived {

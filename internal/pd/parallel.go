@@ -173,7 +173,7 @@ func cancelled(ctx context.Context, err error) bool {
 // under an open PD stream stay small.
 //
 //go:noinline
-func noteHandoff(rec *record.Record, handoff string) { rec.Handoff = handoff }
+func noteHandoff(rec *record.Record, handoff string) { rec.Handoff = record.Handoff(handoff) }
 
 // noteDecode writes the decode that serves the request on its record (never inlined, as
 // noteHandoff).

@@ -99,13 +99,13 @@ func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Reque
 // decode with its KV transfer parameters) and the parallel bootstrap (both legs at once,
 // meeting by bootstrap room: SGLang, and engines Baton cannot tell apart from it).
 const (
-	ModeSequential = "pd_vllm"
-	ModeParallel   = "pd_sglang"
+	ModeSequential = record.ModePDVLLM
+	ModeParallel   = record.ModePDSGLang
 )
 
 // Mode is how pair serves a request: the one rule that chooses both the executor and the
 // label its metrics carry.
-func Mode(pair worker.Pair) string {
+func Mode(pair worker.Pair) record.Mode {
 	if pair.Prefill.Runtime() == config.RuntimeVLLM {
 		return ModeSequential
 	}

@@ -28,13 +28,13 @@ type Record struct {
 	Model string // the model the client asked for ("" until the body is read)
 	// ModelLabel is Model's metric label (metrics.Model), once worked out for the request.
 	ModelLabel string
-	Mode       string // regular, pd_sglang or pd_vllm: how it was served
-	Attempts   int    // tries made, the first included
+	Mode       Mode // how it was served
+	Attempts   int  // tries made, the first included
 
 	// The attempt that answered: a regular worker, or a PD pair and its KV handoff outcome
 	// (pd.Handoff*). Cleared between attempts (NextAttempt).
 	Worker, Prefill, Decode string
-	Handoff                 string
+	Handoff                 Handoff
 
 	// Decisions is why each worker of the attempt was chosen (X-Baton-Route; only when asked for).
 	Decisions string
@@ -54,7 +54,7 @@ type Record struct {
 
 	// Room for the fleet sharing work: at what priority the request ran, and how long it
 	// queued (who asked is Who).
-	Class     string
+	Class     Class
 	QueueWait time.Duration
 
 	// ByEvents: the request is a tenant's stream, charged by its token events should it end
@@ -76,6 +76,23 @@ type Record struct {
 	PrefillComputed, AnswerComputed bool
 	EnginePrompt                    int
 }
+
+// Mode is how a request was served: by one worker, or through a pair (SGLang's style or
+// vLLM's; the Endpoint Picker's pairs are "pd", the style being the data plane's sidecar's).
+type Mode string
+
+const (
+	ModeRegular  Mode = "regular"
+	ModePD       Mode = "pd"
+	ModePDSGLang Mode = "pd_sglang"
+	ModePDVLLM   Mode = "pd_vllm"
+)
+
+// Handoff is a PD request's KV handoff outcome (X-Baton-Kv-Handoff): pd's Handoff* values.
+type Handoff string
+
+// Class is the priority class a request ran at (X-Baton-Priority): admit.Class's names.
+type Class string
 
 type key struct{}
 

@@ -25,7 +25,7 @@ type Admission = director.Admission
 func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, rec *record.Record, preq *pd.Request) (*director.Admitted, bool) {
 	a, ok := s.d.Admit(r.Context(), rec, preq, r.Header.Get(HeaderPriority), r.Header.Get(HeaderSmgPriority))
 	if a.Class != "" {
-		w.Header()[HeaderPriority] = []string{a.Class}
+		w.Header()[HeaderPriority] = []string{string(a.Class)}
 	}
 	director.RateLimitHeaders(w.Header(), a.Limits)
 	if !ok && a.Refusal != nil {

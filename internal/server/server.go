@@ -227,7 +227,7 @@ func renderHead(h http.Header, rec *record.Record) {
 	}
 	set(openai.HeaderWorker, rec.Worker)
 	set(openai.HeaderModel, rec.Served)
-	set(openai.HeaderKVHandoff, rec.Handoff)
+	set(openai.HeaderKVHandoff, string(rec.Handoff))
 	set(openai.HeaderRoute, rec.Decisions)
 }
 
@@ -241,7 +241,7 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 		w.rec.FirstByte = now
 		// A stream's gaps between writes are its inter-token latency.
 		if w.status == http.StatusOK && w.metrics != nil && strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream") {
-			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.rec.Model), w.rec.Mode)
+			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.rec.Model), string(w.rec.Mode))
 		}
 	} else if w.itl != nil {
 		w.itl.Observe(now.Sub(w.lastWrite).Seconds())
@@ -273,7 +273,7 @@ func (s *Server) observe(next http.Handler) http.Handler {
 		}
 		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
 		defer cancel()
-		rec := &record.Record{RequestID: rid, Mode: "regular", Attempts: 1, Start: start, Method: r.Method, Client: r.RemoteAddr}
+		rec := &record.Record{RequestID: rid, Mode: record.ModeRegular, Attempts: 1, Start: start, Method: r.Method, Client: r.RemoteAddr}
 		r = r.WithContext(record.With(ctx, rec))
 		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
 			rec: rec, metrics: s.metrics}
@@ -320,7 +320,7 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 	generation := rec.Method == http.MethodPost && rec.Route != "other" && !strings.HasPrefix(rec.Route, "POST /workers")
 	if generation && status == http.StatusOK && !rec.FirstByte.IsZero() {
 		e.ttft = rec.FirstByte.Sub(rec.Start)
-		s.metrics.TTFT.WithLabelValues(e.model, rec.Mode).Observe(e.ttft.Seconds())
+		s.metrics.TTFT.WithLabelValues(e.model, string(rec.Mode)).Observe(e.ttft.Seconds())
 		if e.usage = rec.UsageKnown; e.usage && !aborted {
 			s.metrics.Tokens.WithLabelValues(e.model, "prompt").Add(float64(rec.Usage.Prompt))
 			s.metrics.Tokens.WithLabelValues(e.model, "completion").Add(float64(rec.Usage.Completion))
@@ -341,7 +341,7 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 		}
 	}
 	if rec.Prefill != "" && rec.Decode != "" && rec.Handoff != "" {
-		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, rec.Handoff).Inc()
+		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, string(rec.Handoff)).Inc()
 	}
 	if rec.Route != "other" {
 		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft)
@@ -372,8 +372,8 @@ func endSpan(span trace.Span, e ended) {
 	span.SetName(rec.Route)
 	span.SetAttributes(attribute.String("http.route", rec.Route), attribute.Int("http.response.status_code", e.status),
 		attribute.String("gen_ai.request.model", e.model), attribute.String("baton.request_id", rec.RequestID), attribute.Int("baton.attempts", rec.Attempts),
-		attribute.String("baton.mode", rec.Mode), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.TenantName()),
-		attribute.String("baton.priority", rec.Class), attribute.Float64("baton.queue_wait_ms", float64(rec.QueueWait)/1e6))
+		attribute.String("baton.mode", string(rec.Mode)), attribute.Int64("http.response.body.size", e.bytes), attribute.String("baton.tenant", rec.TenantName()),
+		attribute.String("baton.priority", string(rec.Class)), attribute.Float64("baton.queue_wait_ms", float64(rec.QueueWait)/1e6))
 	if rec.Worker != "" && rec.Prefill == "" {
 		span.SetAttributes(attribute.String("baton.worker", rec.Worker))
 	}
@@ -381,7 +381,7 @@ func endSpan(span trace.Span, e ended) {
 		span.SetAttributes(attribute.String("baton.prefill_worker", rec.Prefill), attribute.String("baton.decode_worker", rec.Decode))
 	}
 	if rec.Handoff != "" {
-		span.SetAttributes(attribute.String("baton.pd.handoff", rec.Handoff))
+		span.SetAttributes(attribute.String("baton.pd.handoff", string(rec.Handoff)))
 	}
 	if e.ttft > 0 {
 		span.SetAttributes(attribute.Float64("baton.ttft_ms", float64(e.ttft)/1e6))
@@ -424,7 +424,7 @@ func (s *Server) accessLog(ctx context.Context, e ended) {
 		attrs = append(attrs, slog.String("tenant", rec.TenantName()))
 	}
 	if rec.Class != "" {
-		attrs = append(attrs, slog.String("class", rec.Class))
+		attrs = append(attrs, slog.String("class", string(rec.Class)))
 	}
 	if rec.QueueWait > 0 {
 		attrs = append(attrs, slog.Float64("queue_wait_ms", float64(rec.QueueWait)/1e6))
@@ -435,7 +435,7 @@ func (s *Server) accessLog(ctx context.Context, e ended) {
 		attrs = append(attrs, slog.String("worker", rec.Worker))
 	}
 	if rec.Handoff != "" {
-		attrs = append(attrs, slog.String("handoff", rec.Handoff))
+		attrs = append(attrs, slog.String("handoff", string(rec.Handoff)))
 	}
 	if e.ttft > 0 {
 		attrs = append(attrs, slog.Float64("ttft_ms", float64(e.ttft)/1e6))
