@@ -82,11 +82,11 @@ func (d *Director) Unregistered() (named []map[string]string, byCause map[string
 // worker of it ready with its circuit not open — with PD, a prefill and a decode that are, and
 // can hand KV to each other.
 func (d *Director) unservable(snap *worker.Snapshot, model string) string {
-	open := false   // a ready worker was left out for its open circuit
+	open := false   // a ready worker of the role asked was left out for its open circuit
 	serves := false // some worker of the role asked serves the model at all
 	available := func(role string) []*worker.Worker {
 		ws, _ := d.Candidates(snap, role, model)
-		serves = len(ws) > 0
+		serves, open = len(ws) > 0, false // what is said is of this role's workers alone
 		var out []*worker.Worker
 		for _, w := range ws {
 			switch {

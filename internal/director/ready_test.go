@@ -277,3 +277,16 @@ func TestPriorityClass(t *testing.T) {
 		}
 	}
 }
+
+// A prefill's open circuit says nothing of the decodes: with a healthy prefill beside it and no
+// decode at all, readiness says there is no decode, not that every decode's circuit is open.
+func TestReadinessNamesTheRoleThatIsMissing(t *testing.T) {
+	open := tripped(engineWorker("http://p1:8000", config.RolePrefill, config.RuntimeVLLM, "m"))
+	ok := engineWorker("http://p2:8000", config.RolePrefill, config.RuntimeVLLM, "m")
+	f := newFleet(t, []*worker.Worker{open, ok}, func(o *Options) { o.PD = true })
+	_, missing := f.d.Readiness()
+	want := []string{`model "m": no ready decode worker (unreachable, still registering, unhealthy or drained)`}
+	if !slices.Equal(missing, want) {
+		t.Errorf("missing %q, want %q", missing, want)
+	}
+}
