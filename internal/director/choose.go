@@ -432,8 +432,10 @@ const MaxAdapterGone = 6
 // ReadyAgain readies model once more on ws after gone's engine refused a request because the
 // adapter is not there (refused, its refusal): gone's models are read again and the adapter
 // loaded where it is missing, ws being where the request is sent again. The returned func ends
-// the request's count in flight; an error is the request's answer — refused itself when the
-// adapter cannot be readied there (the engine's refusal, as it said it).
+// the request's count in flight; an error is the request's answer: refused itself (the engine's
+// refusal, as it said it) when gone's models cannot be read again or another load keeps taking
+// the adapter elsewhere, the load's failure (503 adapter_load_failed) when it cannot be loaded
+// there.
 func (d *Director) ReadyAgain(ctx context.Context, model string, gone *worker.Worker, refused error, ws ...*worker.Worker) (func(), error) {
 	if d.o.Adapters.Relearn(ctx, gone) != nil {
 		return nil, refused

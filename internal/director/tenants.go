@@ -160,7 +160,9 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 	}
 	if tight != nil {
 		if e := d.budget(preq, est, tight, t.Name); e != nil {
-			d.metrics.TenantRejections.WithLabelValues(t.Name, tenant.ReasonTokens).Inc()
+			if e.Status == statusTooManyRequests { // the limit refused it; a 400 is a malformed request
+				d.metrics.TenantRejections.WithLabelValues(t.Name, tenant.ReasonTokens).Inc()
+			}
 			return nil, shown, e, false
 		}
 	}

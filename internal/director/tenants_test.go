@@ -503,6 +503,11 @@ func TestAdmitRefusesUnreadableCaps(t *testing.T) {
 	if d := f.peek(t, f.ruleOf(t, "a", "")); d.Tokens.Remaining != 100000 {
 		t.Errorf("refused requests took tokens: %d remain", d.Tokens.Remaining)
 	}
+	// A malformed request is no rejection by the tenant's limit: the operator's rejection count
+	// (and its alerts) stays on requests the limit refused.
+	if n := testutil.CollectAndCount(f.m.TenantRejections); n != 0 {
+		t.Errorf("%d rejection series counted for malformed requests", n)
+	}
 }
 
 // The completion reserved is the cap times the prompts and samples: best_of, n, a batch of
