@@ -61,6 +61,7 @@ func TestPriorityClassesThroughTheGateway(t *testing.T) {
 			config.Tenant{Name: "app", Keys: []string{config.HashKey("sk-app")}, MaxPriority: "critical"},
 			config.Tenant{Name: "etl", Keys: []string{config.HashKey("sk-etl")}, MaxPriority: "batch"})
 	})
+	t.Cleanup(e.release) // before the gateway closes: it waits for a held request's handler
 	send := func(key, priority, prompt string, maxTokens int) (*http.Response, string) {
 		req, _ := http.NewRequest(http.MethodPost, gw+"/v1/completions", strings.NewReader(
 			`{"model":"m","prompt":"`+prompt+`","max_tokens":`+strconv.Itoa(maxTokens)+`,"ignore_eos":true}`))
@@ -251,6 +252,7 @@ func TestDrainAnswersTheQueuedAtOnce(t *testing.T) {
 		o.Director.Admission = config.Default().Admission
 		o.Director.Admission.MaxConcurrentRequests, o.Director.Admission.QueueSize = 1, 10
 	})
+	t.Cleanup(e.release) // before the gateway closes: it waits for the holder's handler
 	holder := make(chan string, 1)
 	go func() {
 		resp, err := http.Post(gw+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"holder","max_tokens":30,"ignore_eos":true}`))
