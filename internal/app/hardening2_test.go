@@ -5,7 +5,6 @@ package app
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"io"
 	"log/slog"
@@ -240,47 +239,6 @@ func TestAdminNeverOpenByAccident(t *testing.T) {
 	}
 }
 
-// High 3: request bodies had no total bound — each could be max_payload_size (then 512 MiB),
-// admission came after the body, and a trickle kept a buffer for the whole request deadline:
-// six clients holding 200 MB bodies took 1.8 GB. Bodies held at once are bounded (503 before
-// more is read), and a body must arrive whole within the body timeout.
-func TestRequestBodiesAreBoundedInTotal(t *testing.T) {
-	// Not parallel: it measures the process's allocations.
-	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
-	cfg := testConfig(up.URL)
-	cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 8<<20, 20<<20
-	g, gw := startGateway(t, cfg, stalledTimeout(5*time.Second), func(c *config.Config) { c.BodyTimeout = 5 * time.Second })
-	addr := strings.TrimPrefix(gw.URL, "http://")
-	head := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8388000\r\n\r\n"
-	part := append([]byte(`{"model":"m","pad":"`), bytes.Repeat([]byte("x"), 7<<20)...) // the rest never comes
-	var conns []net.Conn
-	a := allocated(func() {
-		for i := 0; i < 6; i++ {
-			conns = append(conns, rawRequest(t, addr, head, part))
-		}
-		// Two bodies fit in 20 MiB; the others are refused once their buffers would pass it.
-		poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.Rejections.WithLabelValues("body_budget")) == 4 })
-	})
-	// Two bodies grown by doubling allocate ≈ 16 MiB each (what they outgrew included); six
-	// unbounded ones ≈ 96 MiB.
-	if a > 64<<20 {
-		t.Errorf("six 8 MB bodies under a 20 MiB budget allocated %d MiB", a>>20)
-	}
-	refused := 0
-	for _, c := range conns[2:] {
-		c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-		if line, _ := bufio.NewReader(c).ReadString('\n'); strings.Contains(line, "503") {
-			refused++
-		}
-	}
-	if refused < 3 {
-		t.Errorf("%d of the bodies past the budget were answered 503", refused)
-	}
-	for _, c := range conns {
-		c.Close()
-	}
-}
-
 // A trickle, each byte inside the stalled-client timeout, is cut at the body timeout, on both
 // API servers. On net/http's, the 408 never came: the server reads what is left of a small body
 // before answering, with no deadline, so the trickle held the connection and its handler.
@@ -307,27 +265,6 @@ func TestTrickledBodyIsCutAtTheBodyTimeout(t *testing.T) {
 				t.Errorf("a trickled body answered %q, want 408 at the body timeout", got)
 			}
 		})
-	}
-}
-
-// Low 13: --max-batch-size bounded prompt lists and samples on PD routes only; on regular routes
-// a prompt list, best_of or /generate's sampling_params.n of any size reached the engine.
-func TestBatchBoundOnRegularRoutes(t *testing.T) {
-	t.Parallel()
-	e := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
-	cfg := testConfig(e.URL())
-	cfg.MaxBatchSize = 4
-	_, gw := startGateway(t, cfg)
-	for _, tc := range []struct{ route, body string }{
-		{"/v1/completions", `{"model":"m","prompt":["a","b","c","d","e"],"max_tokens":1}`},
-		{"/v1/completions", `{"model":"m","prompt":"a","best_of":9,"max_tokens":1}`},
-		{"/generate", `{"text":"a","sampling_params":{"n":9,"max_new_tokens":1}}`},
-		{"/generate", `{"text":["a","b","c","d","e"],"sampling_params":{"max_new_tokens":1}}`},
-	} {
-		wantEnvelope(t, post(t, gw.URL+tc.route, tc.body), 400, "batch_too_large")
-	}
-	if resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":["a","b"],"max_tokens":1}`); resp.StatusCode != 200 {
-		t.Errorf("a list within the bound: %d %s", resp.StatusCode, body)
 	}
 }
 

@@ -2,11 +2,13 @@ package server
 
 import (
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +18,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/director"
+	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
@@ -55,9 +58,33 @@ func gateway(t *testing.T, urls []string, tune ...func(*Options)) (*Server, stri
 		f(&o)
 	}
 	s := New(o)
-	srv := httptest.NewServer(s.Handler())
-	t.Cleanup(srv.Close)
-	return s, srv.URL, ws
+	return s, listen(t, s.Handler()), ws
+}
+
+// listen serves h on a loopback port for the test and returns its URL: on Baton's own HTTP/1.1
+// server, as the gateway serves its API, or on net/http's when BATON_TEST_HTTP_SERVER=net (the
+// README's test command runs the package both ways).
+func listen(t *testing.T, h http.Handler) string {
+	t.Helper()
+	if os.Getenv("BATON_TEST_HTTP_SERVER") == "net" || !h1.Supported() {
+		srv := httptest.NewServer(h)
+		t.Cleanup(srv.Close)
+		return srv.URL
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &h1.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute, Log: slog.New(slog.DiscardHandler)}
+	done := make(chan error, 1)
+	go func() { done <- hs.Serve(ln) }()
+	t.Cleanup(func() {
+		hs.Close()
+		if err := <-done; err != nil && !errors.Is(err, http.ErrServerClosed) {
+			t.Errorf("the API server: %v", err)
+		}
+	})
+	return "http://" + ln.Addr().String()
 }
 
 // engine is a fake OpenAI-compatible engine answering with h.
