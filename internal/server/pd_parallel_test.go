@@ -1,4 +1,7 @@
-package app
+package server
+
+// SGLang's parallel dispatch through the HTTP door: both legs at once, met at the prefill's
+// bootstrap server, over a fleet of simulated engines.
 
 import (
 	"context"
@@ -16,40 +19,33 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
-const pdModel = "m"
-
-func simEngine(t *testing.T, c sim.Config) *sim.Engine {
-	t.Helper()
-	c.Model = pdModel
-	if c.BootstrapTimeout == 0 {
-		c.BootstrapTimeout = 30 * time.Second // long: a test passes only if Baton cancels, not the engine's timeout
-	}
-	return startSim(t, c)
-}
-
-// sglangPD starts an SGLang prefill and decode pair and a PD gateway over them.
-func sglangPD(t *testing.T, pc, dc sim.Config, tweak ...func(*config.Config)) (p, d *sim.Engine, g *Gateway, url string) {
-	t.Helper()
-	cfg, p, d := sglangPair(t, pc, dc)
-	cfg.Retry.Disable = true // these tests look at one attempt; retries are tested on their own
-	g, srv := startGateway(t, cfg, tweak...)
-	return p, d, g, srv.URL
-}
-
-// sglangPair starts an SGLang prefill and decode pair and returns a PD configuration over them.
-func sglangPair(t *testing.T, pc, dc sim.Config) (cfg config.Config, p, d *sim.Engine) {
+// sglangPD starts a simulated SGLang prefill (pc) and decode (dc) and a PD gateway over them,
+// retries off (these cases look at one attempt); tune changes the options after the fleet.
+func sglangPD(t *testing.T, pc, dc sim.Config, tune ...func(*Options)) (p, d *sim.Engine, s *Server, url string) {
 	t.Helper()
 	pc.Engine, pc.Role = sim.EngineSGLang, sim.RolePrefill
 	dc.Engine, dc.Role = sim.EngineSGLang, sim.RoleDecode
-	p, d = simEngine(t, pc), simEngine(t, dc)
-	cfg = config.Default()
-	cfg.PDDisaggregation = true
+	p, d = pdSim(t, pc), pdSim(t, dc)
 	port := p.BootstrapPort()
-	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, BootstrapPort: &port}, {URL: d.URL(), Role: config.RoleDecode}}
-	return cfg, p, d
+	fleet := pdFleet(t, config.Worker{URL: p.URL(), Runtime: config.RuntimeSGLang, BootstrapPort: &port, Models: []string{"m"}},
+		config.Worker{URL: d.URL(), Runtime: config.RuntimeSGLang, Models: []string{"m"}})
+	s, url, _ = gateway(t, nil, append([]func(*Options){noRetries, fleet}, tune...)...)
+	return p, d, s, url
 }
+
+// dpSizes configures the fleet's prefill and decode (in that order) with DP ranks.
+func dpSizes(p, d int) func(*Options) {
+	return func(o *Options) {
+		ws := o.Director.Registry.Snapshot().Workers
+		ws[0].DPSize, ws[1].DPSize = p, d
+	}
+}
+
+// workersOf is s's fleet: in a PD fleet, the prefill then the decode.
+func workersOf(s *Server) []*worker.Worker { return s.opts.Director.Registry.Snapshot().Workers }
 
 // postTimeout posts with a client deadline, so a leg left waiting for a partner fails the test
 // instead of hanging it.
@@ -125,6 +121,11 @@ func answerText(t *testing.T, body string) string {
 	return v["text"].(string)
 }
 
+var idField = regexp.MustCompile(`"id":"[^"]*"`)
+
+// stripIDs removes response ids (made from each request's id) so answers can be compared.
+func stripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }
+
 var pdCases = []struct{ name, route, body string }{
 	{"chat", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"relay race baton"}],"max_tokens":7}`},
 	{"chat stream", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"relay race baton"}],"max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}`},
@@ -138,7 +139,7 @@ var pdCases = []struct{ name, route, body string }{
 func TestPDParallelSameTextAsAggregated(t *testing.T) {
 	t.Parallel()
 	p, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
-	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	agg := pdSim(t, sim.Config{Engine: sim.EngineSGLang})
 	for _, tc := range pdCases {
 		t.Run(tc.name, func(t *testing.T) {
 			_, want := postTimeout(t, agg.URL()+tc.route, tc.body)
@@ -161,7 +162,7 @@ func TestPDParallelSameTextAsAggregated(t *testing.T) {
 		})
 	}
 	// The last prefill leg may still be finishing after its decode answered.
-	poll.Until(t, "the condition", func() bool { return p.Stats().RequestsOK == int64(len(pdCases)) })
+	poll.Until(t, "every prefill leg answered", func() bool { return p.Stats().RequestsOK == int64(len(pdCases)) })
 	if s := p.Stats(); s.RequestsCancelled != 0 {
 		t.Errorf("prefill stats %+v", s)
 	}
@@ -170,7 +171,7 @@ func TestPDParallelSameTextAsAggregated(t *testing.T) {
 func TestPDParallelBatch(t *testing.T) {
 	t.Parallel()
 	_, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
-	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	agg := pdSim(t, sim.Config{Engine: sim.EngineSGLang})
 	for _, body := range []string{
 		`{"text":["alpha beta","gamma delta epsilon"],"sampling_params":{"max_new_tokens":3}}`,
 		`{"input_ids":[[1,2,3],[4,5]],"sampling_params":{"max_new_tokens":3}}`,
@@ -192,9 +193,7 @@ func TestPDParallelBatch(t *testing.T) {
 
 func TestPDParallelDPRanks(t *testing.T) {
 	t.Parallel()
-	p, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, func(c *config.Config) {
-		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
-	})
+	p, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, dpSizes(2, 2))
 	ranks := map[string]bool{}
 	for i := 0; i < 4; i++ {
 		resp, body := postTimeout(t, gw+"/generate", `{"text":"dp ranks","sampling_params":{"max_new_tokens":2}}`)
@@ -206,13 +205,13 @@ func TestPDParallelDPRanks(t *testing.T) {
 	if len(ranks) != 2 {
 		t.Errorf("decode ranks used %v, want both", ranks)
 	}
-	poll.Until(t, "the condition", func() bool { return p.Stats().RequestsOK == 4 })
+	poll.Until(t, "every prefill leg answered", func() bool { return p.Stats().RequestsOK == 4 })
 }
 
 func TestPDParallelLogprobMerge(t *testing.T) {
 	t.Parallel()
 	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
-	agg := simEngine(t, sim.Config{Engine: sim.EngineSGLang})
+	agg := pdSim(t, sim.Config{Engine: sim.EngineSGLang})
 	body := `{"text":"a b c d e f","sampling_params":{"max_new_tokens":3,"ignore_eos":true},"return_logprob":true}`
 	inputLP := func(s string) string {
 		var v map[string]any
@@ -261,14 +260,14 @@ func TestPDParallelFailures(t *testing.T) {
 		{"decode 404", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 404}}, 404, "decode_upstream_error", "none", "prefill"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p, d, g, gw := sglangPD(t, tc.pc, tc.dc)
+			p, d, s, gw := sglangPD(t, tc.pc, tc.dc)
 			for _, stream := range []bool{false, true} {
 				b := body
 				if stream {
 					b = strings.Replace(body, "{", `{"stream":true,`, 1)
 				}
 				resp, got := postTimeout(t, gw+"/generate", b)
-				var e envelope
+				var e refusal
 				if resp.StatusCode != tc.status || json.Unmarshal([]byte(got), &e) != nil || e.Error.Code != tc.code {
 					t.Fatalf("stream=%v: %d %s, want %d %s", stream, resp.StatusCode, got, tc.status, tc.code)
 				}
@@ -276,39 +275,39 @@ func TestPDParallelFailures(t *testing.T) {
 			// The other leg was cancelled: every request it received ended cancelled (a leg
 			// cancelled before it was sent never reaches the engine).
 			other := map[string]*sim.Engine{"prefill": p, "decode": d}[tc.cancelledOther]
-			poll.Until(t, "the condition", func() bool { s := other.Stats(); return s.RequestsCancelled == s.RequestsReceived })
+			poll.Until(t, "the other leg's requests ended", func() bool { s := other.Stats(); return s.RequestsCancelled == s.RequestsReceived })
 			if s := other.Stats(); s.RequestsOK != 0 || s.RequestsFailed != 0 {
 				t.Errorf("%s leg not cancelled: %+v", tc.cancelledOther, s)
 			}
-			ws := g.Registry.Snapshot().Workers
+			ws := workersOf(s)
 			_, pf := ws[0].Outcomes()
 			_, df := ws[1].Outcomes()
 			want := map[string][2]int64{"prefill": {2, 0}, "decode": {0, 2}, "none": {0, 0}}[tc.penalised]
 			if pf != want[0] || df != want[1] {
 				t.Errorf("failures prefill=%d decode=%d, want %v", pf, df, want)
 			}
-			poll.Until(t, "the condition", func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
+			poll.Until(t, "no leg in flight", func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
 		})
 	}
 }
 
 func TestPDParallelPrefillDown(t *testing.T) {
 	t.Parallel()
-	p, d, g, gw := sglangPD(t, sim.Config{}, sim.Config{})
+	p, d, s, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	p.Close() // the prefill dies after registration: connection refused
 	resp, got := postTimeout(t, gw+"/generate", `{"text":"anyone there","sampling_params":{"max_new_tokens":2}}`)
-	var e envelope
+	var e refusal
 	json.Unmarshal([]byte(got), &e)
 	if resp.StatusCode != 502 || e.Error.Code != "prefill_upstream_unreachable" {
 		t.Fatalf("%d %s", resp.StatusCode, got)
 	}
 	// The decode either was cancelled by Baton or failed on its own to reach the dead bootstrap
 	// server; it never answered with a result.
-	poll.Until(t, "the condition", func() bool {
+	poll.Until(t, "the decode's requests ended without a result", func() bool {
 		s := d.Stats()
 		return s.RequestsCancelled+s.RequestsFailed == s.RequestsReceived && s.RequestsOK == 0
 	})
-	ws := g.Registry.Snapshot().Workers
+	ws := workersOf(s)
 	if _, f := ws[0].Outcomes(); f != 1 {
 		t.Errorf("prefill failures %d, want 1", f)
 	}
@@ -319,7 +318,7 @@ func TestPDParallelPrefillDown(t *testing.T) {
 
 func TestPDParallelClientDisconnectCancelsBoth(t *testing.T) {
 	t.Parallel()
-	p, d, g, gw := sglangPD(t, sim.Config{}, sim.Config{DecodePerToken: 200 * time.Millisecond})
+	_, d, s, gw := sglangPD(t, sim.Config{}, sim.Config{DecodePerToken: 200 * time.Millisecond})
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/generate", strings.NewReader(`{"text":"long answer","sampling_params":{"max_new_tokens":50},"stream":true}`))
 	resp, err := http.DefaultClient.Do(req)
@@ -330,60 +329,62 @@ func TestPDParallelClientDisconnectCancelsBoth(t *testing.T) {
 	resp.Body.Read(buf) // the stream is flowing
 	cancel()
 	resp.Body.Close()
-	poll.Until(t, "the condition", func() bool { return d.Stats().RequestsCancelled == 1 })
-	ws := g.Registry.Snapshot().Workers
-	poll.Until(t, "the condition", func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
+	poll.Until(t, "the decode cancelled", func() bool { return d.Stats().RequestsCancelled == 1 })
+	ws := workersOf(s)
+	poll.Until(t, "no leg in flight", func() bool { return ws[0].InFlight() == 0 && ws[1].InFlight() == 0 })
 	if _, f := ws[1].Outcomes(); f != 0 {
 		t.Errorf("client cancel counted against decode: %d", f)
 	}
-	_ = p
 }
 
 func TestPDHealthAndInfo(t *testing.T) {
 	t.Parallel()
 	_, _, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
-	resp, err := http.Get(gw + "/health_generate")
-	if err != nil {
-		t.Fatal(err)
+	get := func(path string) (*http.Response, string) {
+		t.Helper()
+		resp, err := http.Get(gw + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, string(b)
 	}
-	if body := readAll(t, resp.Body); resp.StatusCode != 200 || !strings.Contains(body, "prefill=") {
+	if resp, body := get("/health_generate"); resp.StatusCode != 200 || !strings.Contains(body, "prefill=") {
 		t.Errorf("health_generate: %d %s", resp.StatusCode, body)
 	}
-	resp, _ = http.Get(gw + "/get_server_info")
-	if body := readAll(t, resp.Body); !strings.Contains(body, `"disaggregation_mode":"prefill"`) {
+	if _, body := get("/get_server_info"); !strings.Contains(body, `"disaggregation_mode":"prefill"`) {
 		t.Errorf("get_server_info: %s", body)
 	}
-	if s := getStatus(t, gw+"/readiness"); s != 200 {
-		t.Errorf("readiness %d", s)
+	if resp, _ := get("/readiness"); resp.StatusCode != 200 {
+		t.Errorf("readiness %d", resp.StatusCode)
 	}
 	// Non-PD routes without regular workers: 501.
-	wantEnvelope(t, post(t, gw+"/v1/embeddings", `{"model":"m","input":"x"}`), 501, "not_implemented_in_pd_mode")
-	wantEnvelope(t, post(t, gw+"/v1/chat/completions", `{"model":"nope","messages":[]}`), 404, "model_not_found")
+	resp, body := post(t, gw+"/v1/embeddings", `{"model":"m","input":"x"}`)
+	wantRefusal(t, resp, body, 501, "not_implemented_in_pd_mode")
+	resp, body = post(t, gw+"/v1/chat/completions", `{"model":"nope","messages":[]}`)
+	wantRefusal(t, resp, body, 404, "model_not_found")
 }
 
 func TestBootstrapInjection(t *testing.T) {
 	t.Parallel()
 	got := make(chan string, 4)
-	engine := func(role string) *config.Worker {
-		srv := fakeEngine(t, "sglang", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
+	leg := func(role string) string {
+		return engine(t, func(w http.ResponseWriter, r *http.Request) {
 			b, _ := io.ReadAll(r.Body)
-			if r.Method == http.MethodPost { // not the registration's GETs
+			if r.Method == http.MethodPost {
 				got <- role + " " + string(b)
 			}
 			io.WriteString(w, `{"text":"x","meta_info":{}}`)
 		})
-		return &config.Worker{URL: srv.URL, Role: role}
 	}
-	pw, dw := engine("prefill"), engine("decode")
 	port := 9001
-	pw.BootstrapPort, pw.DPSize, dw.DPSize = &port, 4, 2
-	cfg := config.Default()
-	cfg.PDDisaggregation = true
-	cfg.Workers = []config.Worker{*pw, *dw}
-	_, gw := startGateway(t, cfg)
+	pw := config.Worker{URL: leg("prefill"), Runtime: config.RuntimeSGLang, BootstrapPort: &port, DPSize: 4, Models: []string{"m"}}
+	dw := config.Worker{URL: leg("decode"), Runtime: config.RuntimeSGLang, DPSize: 2, Models: []string{"m"}}
+	_, gw, _ := gateway(t, nil, pdFleet(t, pw, dw))
 	body := `{"zeta":1,"text":["a","b"],"bootstrap_room":5,"seed":9007199254740993}`
-	if resp := post(t, gw.URL+"/generate", body); resp.StatusCode != 200 {
-		t.Fatal(resp.StatusCode)
+	if resp, out := post(t, gw+"/generate", body); resp.StatusCode != 200 {
+		t.Fatal(resp.StatusCode, out)
 	}
 	legs := map[string]map[string]json.RawMessage{}
 	raws := map[string]string{}
@@ -425,38 +426,31 @@ func TestBootstrapInjection(t *testing.T) {
 	}
 }
 
-var idField = regexp.MustCompile(`"id":"[^"]*"`)
-
-// stripIDs removes response ids (made from each request's id) so answers can be compared.
-func stripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }
-
 func TestPDParallelMetrics(t *testing.T) {
 	t.Parallel()
-	_, _, g, gw := sglangPD(t, sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503, Rate: 0}})
+	_, _, s, gw := sglangPD(t, sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503, Rate: 0}})
 	// The outcome is counted as the handler returns, which may be just after the client has
 	// read the whole answer.
 	postTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
-	poll.Until(t, "the condition", func() bool {
-		return testutil.ToFloat64(g.Metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")) == 1
+	poll.Until(t, "the failed request counted", func() bool {
+		return testutil.ToFloat64(s.metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")) == 1
 	})
-	_, _, g2, gw2 := sglangPD(t, sim.Config{}, sim.Config{})
+	_, _, s2, gw2 := sglangPD(t, sim.Config{}, sim.Config{})
 	postTimeout(t, gw2+"/generate", `{"text":"x","model":"m"}`)
-	poll.Until(t, "the condition", func() bool {
-		return testutil.ToFloat64(g2.Metrics.PDRequests.WithLabelValues("m", "parallel", "success")) == 1
+	poll.Until(t, "the request counted", func() bool {
+		return testutil.ToFloat64(s2.metrics.PDRequests.WithLabelValues("m", "parallel", "success")) == 1
 	})
-	if n := testutil.CollectAndCount(g2.Metrics.PDTTFT); n != 1 {
+	if n := testutil.CollectAndCount(s2.metrics.PDTTFT); n != 1 {
 		t.Errorf("ttft series %d", n)
 	}
-	poll.Until(t, "the condition", func() bool { return testutil.CollectAndCount(g2.Metrics.PDPrefillDuration) == 1 })
+	poll.Until(t, "the prefill's duration observed", func() bool { return testutil.CollectAndCount(s2.metrics.PDPrefillDuration) == 1 })
 }
 
 // Baton counts its legs per DP rank and sends new work to the idle rank: while a long stream
 // holds one decode rank, requests go to the other; when all end, every count is back to zero.
 func TestPDDPRankFollowsLoad(t *testing.T) {
 	t.Parallel()
-	_, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2, DecodePerToken: 5 * time.Millisecond}, func(c *config.Config) {
-		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
-	})
+	_, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2, DecodePerToken: 5 * time.Millisecond}, dpSizes(2, 2))
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/generate",
@@ -475,7 +469,7 @@ func TestPDDPRankFollowsLoad(t *testing.T) {
 	}
 	cancel()
 	resp.Body.Close()
-	poll.Until(t, "the condition", func() bool {
+	poll.Until(t, "every rank's count back to zero", func() bool {
 		r, err := http.Get(gw + "/workers")
 		if err != nil {
 			return false
