@@ -20,11 +20,11 @@ import (
 	"github.com/baton-llm/baton/internal/tenant"
 )
 
-// Admission bounds the inference requests served at once: Max at once (0 or less: no bound),
+// queueSettings bound the inference requests served at once: Max at once (0 or less: no bound),
 // QueueSize more waiting per priority class at most QueueTimeout each (Depth and Timeout override
 // them per class); Reserved slots are kept for a class and those above it; a request waiting
 // PromoteAfter moves up a class; InputWeight and OutputWeight weigh tokens in tenants' shares.
-type Admission struct {
+type queueSettings struct {
 	Max, QueueSize            int
 	QueueTimeout              time.Duration
 	Reserved                  [admit.NumClasses]int
@@ -56,7 +56,7 @@ type admission struct {
 }
 
 // newAdmission returns admission for a; nil when requests are not bounded.
-func newAdmission(a Admission, m *metrics.Metrics) *admission {
+func newAdmission(a queueSettings, m *metrics.Metrics) *admission {
 	if a.Max <= 0 {
 		return nil
 	}
@@ -160,8 +160,8 @@ func (a *admission) reject(reason string, e *openai.Error) *openai.Error {
 }
 
 // admissionOf is the admission settings of the configuration's section a.
-func admissionOf(a config.Admission) Admission {
-	o := Admission{Max: a.MaxConcurrentRequests, QueueSize: a.QueueSize, QueueTimeout: a.QueueTimeout,
+func admissionOf(a config.Admission) queueSettings {
+	o := queueSettings{Max: a.MaxConcurrentRequests, QueueSize: a.QueueSize, QueueTimeout: a.QueueTimeout,
 		PromoteAfter: a.PromoteAfter, InputWeight: a.FairInputWeight, OutputWeight: a.FairOutputWeight, SmgAnswers: a.QueueAnswers == "smg",
 		RetryAfter: a.QueueRetryAfter}
 	o.Reserved, o.Depth, o.Timeout, o.Promote = ClassSettings(a)

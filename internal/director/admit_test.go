@@ -17,7 +17,7 @@ import (
 // bound at all.
 func TestAdmission(t *testing.T) {
 	m := metrics.New(worker.NewRegistry())
-	a := newAdmission(Admission{Max: 1, QueueSize: 1, QueueTimeout: 50 * time.Millisecond}, m)
+	a := newAdmission(queueSettings{Max: 1, QueueSize: 1, QueueTimeout: 50 * time.Millisecond}, m)
 	ctx := context.Background()
 	release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 10, 10)
 	if !ok {

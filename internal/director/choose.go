@@ -34,21 +34,21 @@ type Plan struct {
 	waited bool // the waiting room holds a request once
 }
 
-// NewPlan is the plan of a request whose parsed body is req, sent to path, served by a worker
+// newPlan is the plan of a request whose parsed body is req, sent to path, served by a worker
 // of role alone.
-func (d *Director) NewPlan(rec *record.Record, req *openai.Request, path, role string) *Plan {
+func (d *Director) newPlan(rec *record.Record, req *openai.Request, path, role string) *Plan {
 	return &Plan{Rec: rec, Role: role, Sel: &policy.Request{Model: req.Model, Path: path, Body: req.Body, Parsed: req, Explain: d.Explain()}}
 }
 
 // PlanRegular is the plan of a request a regular worker serves.
 func (d *Director) PlanRegular(rec *record.Record, req *openai.Request, path string) *Plan {
-	return d.NewPlan(rec, req, path, config.RoleRegular)
+	return d.newPlan(rec, req, path, config.RoleRegular)
 }
 
 // PlanPair is the plan of a request a prefill/decode pair serves; prefiller, when set, holds
 // its prefill to the one an Endpoint Picker named (Prefiller).
 func (d *Director) PlanPair(rec *record.Record, req *openai.Request, path string, prefiller func(*worker.Worker) bool) *Plan {
-	p := d.NewPlan(rec, req, path, config.RoleDecode)
+	p := d.newPlan(rec, req, path, config.RoleDecode)
 	p.Pair, p.Sel.Allow = true, prefiller
 	return p
 }
@@ -58,7 +58,7 @@ func (d *Director) PlanPair(rec *record.Record, req *openai.Request, path string
 // (X-Baton-Kv-Handoff none-local-prefill, baton_pd_kv_handoffs_total class by_design, the access
 // log's handoff). SGLang's decodes refuse a request without a bootstrap: only others serve it.
 func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path string) *Plan {
-	p := d.NewPlan(rec, req, path, config.RoleDecode)
+	p := d.newPlan(rec, req, path, config.RoleDecode)
 	rec.Handoff = pd.HandoffNoneLocalPrefill
 	d.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
 	p.Sel.Allow = func(w *worker.Worker) bool { return w.Runtime() != config.RuntimeSGLang }
@@ -142,7 +142,7 @@ func (d *Director) Choose(ctx context.Context, p *Plan, name string, avoid map[s
 		err := d.pickModel(ctx, p, name, avoid, sel)
 		end(sreq, err)
 		if err != nil {
-			return Choice{}, selectionError(err)
+			return Choice{}, SelectionError(err)
 		}
 		if sreq.AdapterBase != "" {
 			c.end, err = d.adapterReady(ctx, sreq.Model, c.Workers()...)
@@ -310,9 +310,10 @@ func (d *Director) selectSpan(ctx context.Context) func(*policy.Request, error) 
 	}
 }
 
-// selectionError is the failure of a selection: 404 for a model no worker serves, 501 for a
-// route none of its workers serves, else 503 (retried: a worker may come back).
-func selectionError(err error) *outcome.Failure {
+// SelectionError is the failure of a selection, the director's or one a door ran itself: 404
+// for a model no worker serves, 501 for a route none of its workers serves, else 503 (retried:
+// a worker may come back).
+func SelectionError(err error) *outcome.Failure {
 	kind := policy.NoneAvailable
 	if nw, ok := errors.AsType[*policy.NoWorkerError](err); ok {
 		kind = nw.Kind()
@@ -329,9 +330,6 @@ func selectionError(err error) *outcome.Failure {
 	f.NoWorker = true
 	return f
 }
-
-// SelectionError is the failure a door renders for err, an error of a selection it ran itself.
-func SelectionError(err error) *outcome.Failure { return selectionError(err) }
 
 // contextPhrases are how the engines refuse a prompt longer than the model's context (400):
 // vLLM ("This model's maximum context length is N tokens. However, …", "… is longer than the

@@ -32,7 +32,7 @@ func TestNoWorkerKindsAnswerOneWay(t *testing.T) {
 			if k := c.err.Kind(); k != c.kind || k.RouteRefused() != c.routeRefuse {
 				t.Errorf("%v: kind %v (route refused %v), want %v", c.err, k, k.RouteRefused(), c.kind)
 			}
-			f := selectionError(err)
+			f := SelectionError(err)
 			if f.Answer == nil || f.Answer.Status != c.status || f.Answer.Code != c.code || f.Final != c.final {
 				t.Errorf("%v: answered %+v (final %v), want %d %s final %v", err, f.Answer, f.Final, c.status, c.code, c.final)
 			}

@@ -145,7 +145,7 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 			Message: `this key may use only some models: name one in "model" (on /generate too)`}, false
 	}
 	if !t.Allows(req.Model) {
-		return nil, shown, selectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}).Answer, false
+		return nil, shown, SelectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}).Answer, false
 	}
 	rules := t.RulesFor(req.Model)
 	if rules[0] == nil && rules[1] == nil {

@@ -9,23 +9,14 @@ import (
 	"github.com/baton-llm/baton/internal/record"
 )
 
-// Priority headers: Baton's, and smg's (with its class names system and bulk) for switchers.
-const (
-	HeaderPriority    = openai.HeaderPriority
-	HeaderSmgPriority = openai.HeaderSmgPriority
-)
-
-// Admission bounds the inference requests served at once (director.Admission).
-type Admission = director.Admission
-
 // admitRequest admits an inference request through the director (its batch, priority class,
 // tenant and slot), rendering what the director decided: the class in X-Baton-Priority, the
 // tenant's windows in OpenAI's rate-limit headers, a refusal as its error. Its End is to be
 // deferred whatever ok says.
 func (s *Server) admitRequest(w http.ResponseWriter, r *http.Request, rec *record.Record, preq *pd.Request) (*director.Admitted, bool) {
-	a, ok := s.d.Admit(r.Context(), rec, preq, r.Header.Get(HeaderPriority), r.Header.Get(HeaderSmgPriority))
+	a, ok := s.d.Admit(r.Context(), rec, preq, r.Header.Get(openai.HeaderPriority), r.Header.Get(openai.HeaderSmgPriority))
 	if a.Class != "" {
-		w.Header()[HeaderPriority] = []string{string(a.Class)}
+		w.Header()[openai.HeaderPriority] = []string{string(a.Class)}
 	}
 	director.RateLimitHeaders(w.Header(), a.Limits)
 	if !ok && a.Refusal != nil {

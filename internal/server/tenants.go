@@ -7,13 +7,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 )
-
-// Tenancy is who may call and how much (director.Tenancy).
-type Tenancy = director.Tenancy
 
 // identify names the request's tenant from its bearer key, or answers it: more than one
 // Authorization header is refused (which one would count is ambiguous); a key no tenant has is
