@@ -17,6 +17,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/discovery"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/redistest"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -88,7 +89,7 @@ func exported(t *testing.T) map[string]bool {
 	g, gw := startGateway(t, cfg)
 	waitHealthy(t, []*sim.Engine{p}, g)
 	for i := 0; i < 3; i++ {
-		postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"dashboards %d","max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`, pdModel, i))
+		gwtest.PostTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"dashboards %d","max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`, pdModel, i))
 	}
 	req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(fmt.Sprintf(`{"model":%q,"prompt":"x","max_tokens":2}`, pdModel)))
 	req.Header.Set("X-Sim-Fault", "status=503")
@@ -109,7 +110,7 @@ func exported(t *testing.T) map[string]bool {
 	var wg sync.WaitGroup
 	for i := 0; i < 4; i++ { // one runs, one waits, the rest are refused: queue_full
 		wg.Go(func() {
-			postTimeout(t, rgw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"q","max_tokens":8}`, pdModel))
+			gwtest.PostTimeout(t, rgw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"q","max_tokens":8}`, pdModel))
 		})
 	}
 	wg.Wait()

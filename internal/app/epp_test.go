@@ -30,6 +30,7 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
 	"github.com/baton-llm/baton/internal/epp/dataplane"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -575,7 +576,7 @@ func TestEPPReplicasAgreeThroughKVEvents(t *testing.T) {
 	for p := 0; p < 6; p++ {
 		prompt := fmt.Sprintf("team %d: %s", p, strings.Repeat("a long shared system prompt for this team ", 8))
 		home := es[p%len(es)]
-		resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		resp, body := gwtest.PostTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/bench"
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -261,7 +262,7 @@ func TestTrickledBodyIsCutAtTheBodyTimeout(t *testing.T) {
 					}
 				}
 			}()
-			if got := readStatus(t, c); !strings.Contains(got, "408") {
+			if got := gwtest.ReadStatus(t, c); !strings.Contains(got, "408") {
 				t.Errorf("a trickled body answered %q, want 408 at the body timeout", got)
 			}
 		})
@@ -422,7 +423,7 @@ func TestEarlyAnswerIsRelayed(t *testing.T) {
 		cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 128<<20
 		_, gw := startGateway(t, cfg)
 		big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", big)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", big)
 		if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
 			t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
 		}

@@ -4,7 +4,6 @@ package app
 // checks that Baton stays up, bounded and honest.
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"io"
@@ -12,7 +11,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/poll"
@@ -68,17 +66,6 @@ func rawRequest(t *testing.T, addr, head string, body []byte) net.Conn {
 		c.Write(body)
 	}
 	return c
-}
-
-// readStatus reads the status line of the answer on c.
-func readStatus(t *testing.T, c net.Conn) string {
-	t.Helper()
-	c.SetReadDeadline(time.Now().Add(15 * time.Second))
-	line, err := bufio.NewReader(c).ReadString('\n')
-	if err != nil {
-		t.Fatalf("reading the answer: %v", err)
-	}
-	return strings.TrimSpace(line)
 }
 
 // Item 7: credentials in a worker URL showed in headers, GET /workers, metrics and logs. They

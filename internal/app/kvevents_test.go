@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/poll"
@@ -33,7 +34,7 @@ func freeAddr(t *testing.T) string {
 func warmUntil(t *testing.T, e *sim.Engine, cond func() bool) {
 	t.Helper()
 	poll.Until(t, "the condition", func() bool {
-		resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
+		resp, _ := gwtest.PostTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
 		return resp.StatusCode == 200 && cond()
 	})
 }
@@ -63,13 +64,13 @@ func homeHits(t *testing.T, g *Gateway, url string, es []*sim.Engine, n int, hea
 	for p := 0; p < n; p++ {
 		prompt := fmt.Sprintf("tenant %d: %s", p, strings.Repeat("a long shared system prompt for this tenant ", 8))
 		home := es[p%len(es)]
-		resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		resp, body := gwtest.PostTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 		keys := kvevents.Keys(pdModel, "", sim.Tokenize(prompt), 16)
 		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-		resp, body = postTimeout(t, url+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4}`, pdModel, prompt+" and a question"))
+		resp, body = gwtest.PostTimeout(t, url+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4}`, pdModel, prompt+" and a question"))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
@@ -147,7 +148,7 @@ func TestKVEventsFromSGLangServerInfo(t *testing.T) {
 	}
 	warmUntil(t, e, func() bool { v, _ := g.KVEvents.View(w).(*kvfleet.KVEventsView); return v.Healthy })
 	prompt := strings.Repeat("sglang publishes blocks too ", 12)
-	resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+	resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 	if resp.StatusCode != 200 {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}

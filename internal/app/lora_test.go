@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -34,7 +35,7 @@ func loads(es ...*sim.Engine) (n int64) {
 
 func adapterReq(t *testing.T, gw, model string) (*http.Response, string) {
 	t.Helper()
-	return postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"an adapter's request","max_tokens":2}`, model))
+	return gwtest.PostTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"an adapter's request","max_tokens":2}`, model))
 }
 
 // Adapter affinity: an adapter's requests go where it is loaded, never to a worker of another
@@ -181,7 +182,7 @@ func TestAdapterThroughPD(t *testing.T) {
 			cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: pdModel}}
 			_, gw := startGateway(t, cfg)
 			for _, stream := range []string{"", `,"stream":true`} {
-				resp, b := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"adapter through pd"}],"max_tokens":4`+stream+`}`)
+				resp, b := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"adapter through pd"}],"max_tokens":4`+stream+`}`)
 				if resp.StatusCode != 200 {
 					t.Fatalf("%s: %d %s", stream, resp.StatusCode, b)
 				}
@@ -242,7 +243,7 @@ func TestAdapterLoadedOutsideBatonIsLearned(t *testing.T) {
 	if resp, _ := adapterReq(t, gw.URL, "late"); resp.StatusCode != http.StatusNotFound {
 		t.Fatalf("before the load: %d", resp.StatusCode)
 	}
-	if resp, body := postTimeout(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"late","lora_path":"/adapters/late"}`); resp.StatusCode != 200 {
+	if resp, body := gwtest.PostTimeout(t, e.URL()+"/v1/load_lora_adapter", `{"lora_name":"late","lora_path":"/adapters/late"}`); resp.StatusCode != 200 {
 		t.Fatalf("load on the engine: %d %s", resp.StatusCode, body)
 	}
 	poll.Until(t, "Baton learns the adapter", func() bool { return g.Registry.Snapshot().Parent("late") == "base" })
@@ -273,12 +274,12 @@ func TestSGLangAdapterNeverAnsweredByTheBase(t *testing.T) {
 		if i == 1 {
 			path = "/v1/chat/completions"
 		}
-		resp, b := postTimeout(t, gw.URL+path, body)
+		resp, b := gwtest.PostTimeout(t, gw.URL+path, body)
 		if resp.StatusCode != 200 {
 			t.Fatalf("%s %s: %d %s", path, body, resp.StatusCode, b)
 		}
 	}
-	if resp, b := postTimeout(t, gw.URL+"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2,"lora_path":"other"}`); resp.StatusCode != 400 || !strings.Contains(b, "invalid_lora_path") {
+	if resp, b := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2,"lora_path":"other"}`); resp.StatusCode != 400 || !strings.Contains(b, "invalid_lora_path") {
 		t.Errorf("another adapter in lora_path than the model's: %d %s", resp.StatusCode, b)
 	}
 	if n, o := e.AdapterRequests("sql"), e.AdapterRequests("other"); n != int64(len(bodies)) || o != 0 {
@@ -434,7 +435,7 @@ func TestAdapterUnloadedFromAPDLegByAnotherReplica(t *testing.T) {
 			_, gw := startGateway(t, cfg)
 			ask := func(what string) {
 				t.Helper()
-				resp, b := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"adapter through pd"}],"max_tokens":4}`)
+				resp, b := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"adapter through pd"}],"max_tokens":4}`)
 				if resp.StatusCode != 200 {
 					t.Fatalf("%s: %d %s", what, resp.StatusCode, b)
 				}
@@ -474,7 +475,7 @@ func TestClientNamesAreBoundedInAnswers(t *testing.T) {
 		{"/generate", `{"text":"x","lora_path":["` + huge + `"]}`, "invalid_lora_path"},
 		{"/generate", `{"text":"x","lora_path":[` + strings.Repeat(`"sql",`, cfg.MaxBatchSize) + `"sql"]}`, "batch_too_large"},
 	} {
-		resp, b := postTimeout(t, gw.URL+c.path, c.body)
+		resp, b := gwtest.PostTimeout(t, gw.URL+c.path, c.body)
 		if resp.StatusCode != 400 || !strings.Contains(b, `"code":"`+c.code+`"`) || len(b) > 8<<10 {
 			t.Errorf("%s %.60q…: %d, %d bytes: %.300s", c.path, c.body, resp.StatusCode, len(b), b)
 		}

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -19,7 +20,7 @@ func TestModelAliasThroughPD(t *testing.T) {
 			cfg.Models = map[string]config.ModelConfig{"alias": {Serve: pdModel}}
 			_, gw := startGateway(t, cfg)
 			for _, stream := range []string{"", `,"stream":true`} {
-				resp, b := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":"alias","prompt":"alias through pd","max_tokens":4%s}`, stream))
+				resp, b := gwtest.PostTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":"alias","prompt":"alias through pd","max_tokens":4%s}`, stream))
 				if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Model") != pdModel || !strings.Contains(b, `"model":"`+pdModel+`"`) {
 					t.Errorf("%s: %d %v %s", stream, resp.StatusCode, resp.Header, b)
 				}
@@ -45,7 +46,7 @@ func TestModelPolicyAndReload(t *testing.T) {
 	write(base + "models:\n  big: {policy: least_load}\n  fast: {serve: small}\n")
 	g, gw := startGateway(t, cfgOf(t, file))
 	policyOf := func(model string) (string, string) {
-		resp, _ := postTimeout(t, gw.URL+"/v1/completions", `{"model":"`+model+`","prompt":"x","max_tokens":1}`)
+		resp, _ := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"`+model+`","prompt":"x","max_tokens":1}`)
 		_, p, _ := strings.Cut(resp.Header.Get("X-Baton-Route"), "policy=")
 		p, _, _ = strings.Cut(p, ";")
 		return p, resp.Header.Get("X-Baton-Model")

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/pd"
@@ -68,12 +69,12 @@ func TestPDDecodeAnswerStartsOverWithANewPrefill(t *testing.T) {
 			const n = 6
 			for i := 0; i < n; i++ {
 				body := `{"model":"m","prompt":"decode again ` + strings.Repeat("w", i) + `","max_tokens":4}`
-				_, want := postTimeout(t, agg.URL()+"/v1/completions", body)
-				resp, got := postTimeout(t, gw+"/v1/completions", body)
+				_, want := gwtest.PostTimeout(t, agg.URL()+"/v1/completions", body)
+				resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", body)
 				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote || resp.Header.Get("X-Baton-Decode-Worker") != ds[1].URL() {
 					t.Fatalf("request %d: %d, KV %q, decode %s: %s", i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), resp.Header.Get("X-Baton-Decode-Worker"), got)
 				}
-				if stripIDs(got) != stripIDs(want) {
+				if gwtest.StripIDs(got) != gwtest.StripIDs(want) {
 					t.Fatalf("request %d: PD answer\n%s\nwant (aggregated)\n%s", i, got, want)
 				}
 			}
@@ -107,7 +108,7 @@ func TestPDDecodeUnreachableRetriedAlone(t *testing.T) {
 			g.Fleet.CloseIdle(ds[0].URL())
 			const n = 6
 			for i := 0; i < n; i++ {
-				resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"unreachable `+strings.Repeat("u", i)+`","max_tokens":2}`)
+				resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"unreachable `+strings.Repeat("u", i)+`","max_tokens":2}`)
 				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 					t.Fatalf("request %d: %d, KV %q: %s", i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), body)
 				}
@@ -144,7 +145,7 @@ func TestClientNeverSetsHandoffFields(t *testing.T) {
 		`"x":18446744073709551617,"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7,"bootstrap_pair_key":"k",` +
 		`"routed_dp_rank":1,"disagg_prefill_dp_rank":1,"data_parallel_rank":1,"u":"\u00e9"}`
 	for _, route := range []string{"/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages"} {
-		resp, answer := postTimeout(t, gw.URL+route, body)
+		resp, answer := gwtest.PostTimeout(t, gw.URL+route, body)
 		if resp.StatusCode != 200 {
 			t.Fatalf("%s: %d %s", route, resp.StatusCode, answer)
 		}
@@ -160,14 +161,14 @@ func TestClientNeverSetsHandoffFields(t *testing.T) {
 func TestPDSGLangResponsesRefused(t *testing.T) {
 	t.Parallel()
 	p, d, _, gw := sglangPD(t, sim.Config{}, sim.Config{})
-	resp, body := postTimeout(t, gw+"/v1/responses", `{"model":"m","input":"hello","max_output_tokens":3}`)
+	resp, body := gwtest.PostTimeout(t, gw+"/v1/responses", `{"model":"m","input":"hello","max_output_tokens":3}`)
 	if resp.StatusCode != 501 || !strings.Contains(body, "not_implemented_in_pd_mode") || !strings.Contains(body, "bootstrap") {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
 	if p.Stats().RequestsReceived+d.Stats().RequestsReceived != 0 {
 		t.Error("a leg was sent")
 	}
-	if resp, body := postTimeout(t, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`); resp.StatusCode != 200 {
+	if resp, body := gwtest.PostTimeout(t, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`); resp.StatusCode != 200 {
 		t.Errorf("chat on the same pair: %d %s", resp.StatusCode, body)
 	}
 }
@@ -177,11 +178,11 @@ func TestPDSGLangResponsesRefused(t *testing.T) {
 func TestPDPromptEmbedsListIsABatch(t *testing.T) {
 	t.Parallel()
 	p, _, _, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) { c.MaxBatchSize = 2 })
-	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt_embeds":["QUFB","QkJC","Q0ND"],"max_tokens":2}`)
+	resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt_embeds":["QUFB","QkJC","Q0ND"],"max_tokens":2}`)
 	if resp.StatusCode != 400 || !strings.Contains(body, "batch_too_large") {
 		t.Fatalf("3 prompt_embeds with max_batch_size 2: %d %s", resp.StatusCode, body)
 	}
-	resp, body = postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"x","prompt_embeds":["QUFB"],"max_tokens":2}`)
+	resp, body = gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"x","prompt_embeds":["QUFB"],"max_tokens":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-batch" {
 		t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
 	}
@@ -202,11 +203,11 @@ func TestPDDecodeThatComputedThePromptIsARecompute(t *testing.T) {
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
 	g, gw := startGateway(t, cfg)
-	resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"computed again after all","max_tokens":2}`)
+	resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"computed again after all","max_tokens":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "recomputed" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRecompute {
 		t.Fatalf("%d, handoff %q, KV %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 	}
-	resp, body = postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"again"}],"max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`)
+	resp, body = gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"again"}],"max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`)
 	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") {
 		t.Fatalf("stream: %d %s", resp.StatusCode, body)
 	}
@@ -239,7 +240,7 @@ func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
 		cfg := testConfig(engine.URL)
 		cfg.CircuitBreaker.Disable = true
 		g, gw := startGateway(t, cfg)
-		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[],"stream":true}`)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[],"stream":true}`)
 		if resp.StatusCode != 200 || body != stream {
 			t.Fatalf("%d, the client got\n%q\nwant the engine's bytes\n%q", resp.StatusCode, body, stream)
 		}
@@ -258,7 +259,7 @@ func TestStreamErrorsInsideTheStreamAreFailures(t *testing.T) {
 		cfg.PDDisaggregation = true
 		cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL, Role: config.RoleDecode}}
 		g, gw := startGateway(t, cfg)
-		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}`)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}`)
 		if resp.StatusCode != 200 || body != stream {
 			t.Fatalf("%d, the client got\n%q\nwant the engine's bytes\n%q", resp.StatusCode, body, stream)
 		}
@@ -291,11 +292,11 @@ func TestPDSGLangSamplesOnDataParallelRanks(t *testing.T) {
 		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"two choices"}],"n":2,"max_tokens":3}`},
 	} {
 		for i := 0; i < 4; i++ { // rooms are random: several tries meet both parities
-			resp, got := postTimeout(t, gw+tc.route, tc.body)
+			resp, got := gwtest.PostTimeout(t, gw+tc.route, tc.body)
 			if resp.StatusCode != 200 {
 				t.Fatalf("%s %s: %d %s", tc.route, tc.body, resp.StatusCode, got)
 			}
-			if _, want := postTimeout(t, agg.URL()+tc.route, tc.body); stripIDs(got) != stripIDs(want) {
+			if _, want := gwtest.PostTimeout(t, agg.URL()+tc.route, tc.body); gwtest.StripIDs(got) != gwtest.StripIDs(want) {
 				t.Fatalf("%s %s: PD answer\n%s\nwant (aggregated)\n%s", tc.route, tc.body, got, want)
 			}
 		}
@@ -316,17 +317,17 @@ func TestCacheAwareChatWithToolsFollowsEngineEvents(t *testing.T) {
 			return fmt.Sprintf(`{"model":%q,"tools":%s,"chat_template_kwargs":{"thinking":%v},"messages":[{"role":"system","content":"agent %d"},{"role":"user","content":%q}],"max_tokens":2}`,
 				pdModel, tools, p%3 == 0, p, question)
 		}
-		if resp, body := postTimeout(t, home.URL()+"/v1/chat/completions", chat("first")); resp.StatusCode != 200 {
+		if resp, body := gwtest.PostTimeout(t, home.URL()+"/v1/chat/completions", chat("first")); resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
-		_, tok := postTimeout(t, home.URL()+"/tokenize", chat("first"))
+		_, tok := gwtest.PostTimeout(t, home.URL()+"/tokenize", chat("first"))
 		var v struct{ Tokens []uint32 }
 		if err := json.Unmarshal([]byte(tok), &v); err != nil || len(v.Tokens) < 64 {
 			t.Fatalf("tokenize: %v %s", err, tok)
 		}
 		keys := kvevents.Keys(pdModel, "", v.Tokens, 16)
 		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-		resp, body := postTimeout(t, gw+"/v1/chat/completions", chat("first"))
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/chat/completions", chat("first"))
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() || !strings.Contains(resp.Header.Get("X-Baton-Route"), "reason=cache_match") {
 			t.Fatalf("agent %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
 				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
@@ -385,12 +386,12 @@ func routesHome(t *testing.T, g *Gateway, gw string, es []*sim.Engine, model, lo
 	for p, h := range []int{1, 1, 0, 0, 1, 0} {
 		home := es[h]
 		prompt := fmt.Sprintf("home %d: %s", p, strings.Repeat("a long shared system prompt for this agent ", 8))
-		if resp, body := postTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, model, prompt)); resp.StatusCode != 200 {
+		if resp, body := gwtest.PostTimeout(t, home.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, model, prompt)); resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 		keys := kvevents.Keys(pdModel, lora, sim.Tokenize(prompt), 16)
 		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.Match(keys)[home.URL()] == len(keys) })
-		resp, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, model, prompt+" and a question"))
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, model, prompt+" and a question"))
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != home.URL() {
 			t.Fatalf("prompt %d: %d, sent to %s, not to %s that holds its prefix (route %s): %s", p, resp.StatusCode,
 				resp.Header.Get("X-Baton-Worker"), home.URL(), resp.Header.Get("X-Baton-Route"), body)
@@ -459,7 +460,7 @@ func TestPDMessagesFirstTokenEOS(t *testing.T) {
 	var prompt string
 	for i := 0; i < 400 && prompt == ""; i++ {
 		p := fmt.Sprintf("ends at once %d", i)
-		_, b := postTimeout(t, agg.URL()+"/v1/messages", fmt.Sprintf(`{"model":"m","max_tokens":1,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, p))
+		_, b := gwtest.PostTimeout(t, agg.URL()+"/v1/messages", fmt.Sprintf(`{"model":"m","max_tokens":1,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, p))
 		if strings.Contains(b, `"stop_reason":"end_turn"`) {
 			prompt = p
 		}
@@ -468,17 +469,17 @@ func TestPDMessagesFirstTokenEOS(t *testing.T) {
 		t.Fatal("no prompt whose first token ends the sequence")
 	}
 	body := fmt.Sprintf(`{"model":"m","max_tokens":8,"messages":[{"role":"user","content":%q}]}`, prompt)
-	_, want := postTimeout(t, agg.URL()+"/v1/messages", body)
+	_, want := gwtest.PostTimeout(t, agg.URL()+"/v1/messages", body)
 	for _, strict := range []bool{false, true} {
 		_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) { c.PDRequireHandoff = strict })
-		resp, got := postTimeout(t, gw+"/v1/messages", body)
+		resp, got := gwtest.PostTimeout(t, gw+"/v1/messages", body)
 		if strict {
 			if resp.StatusCode != 502 || !strings.Contains(got, "kv_handoff_unavailable") {
 				t.Errorf("strict: %d %s", resp.StatusCode, got)
 			}
 			continue
 		}
-		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" || stripIDs(got) != stripIDs(want) {
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" || gwtest.StripIDs(got) != gwtest.StripIDs(want) {
 			t.Errorf("%d, handoff %q:\n%s\nwant\n%s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got, want)
 		}
 		if v := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-missing-params", pd.HandoffClass("none-missing-params"), "nixl")); v != 1 {
@@ -499,7 +500,7 @@ func TestMooncakeEngineIDsFromBothQueryShapes(t *testing.T) {
 			func(c *config.Config) { c.Workers[0].KVEngineID = "" },
 			func(c *config.Config) { c.HealthCheck.Interval = time.Hour }) // no probe to learn it later
 		for i := 0; i < 4; i++ {
-			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"by engine id `+strings.Repeat("q", i)+`","max_tokens":2}`)
+			resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"by engine id `+strings.Repeat("q", i)+`","max_tokens":2}`)
 			if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "mooncake" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 				t.Fatalf("dp %d request %d: %d, handoff %q, KV %q: %s", dp, i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 			}
@@ -525,7 +526,7 @@ func TestPDConnectorVariantsAndMultiConnector(t *testing.T) {
 		{URL: pull.URL(), Role: config.RoleDecode, KVConnector: "NixlPullConnector"}, {URL: push.URL(), Role: config.RoleDecode, KVConnector: "NixlPushConnector"}}
 	_, gw := startGateway(t, cfg)
 	for i := 0; i < 6; i++ {
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"variants `+strings.Repeat("x", i)+`","max_tokens":2}`)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"variants `+strings.Repeat("x", i)+`","max_tokens":2}`)
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" || resp.Header.Get("X-Baton-Decode-Worker") != pull.URL() {
 			t.Fatalf("request %d: %d, handoff %q, decode %s: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get("X-Baton-Decode-Worker"), body)
 		}
@@ -556,11 +557,11 @@ func TestCacheAwareOlderSGLangHashesFallBack(t *testing.T) {
 	}
 	for p := 0; p < 6; p++ {
 		prompt := fmt.Sprintf("legacy %d: %s", p, strings.Repeat("a long shared system prompt for this tenant ", 8))
-		first, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		first, body := gwtest.PostTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 		if first.StatusCode != 200 {
 			t.Fatalf("%d %s", first.StatusCode, body)
 		}
-		again, body := postTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
+		again, body := gwtest.PostTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt+" and a question"))
 		if again.StatusCode != 200 || again.Header.Get("X-Baton-Worker") != first.Header.Get("X-Baton-Worker") ||
 			!strings.Contains(again.Header.Get("X-Baton-Route"), "reason=cache_match") {
 			t.Fatalf("prompt %d: sent to %s, then to %s (route %s): %s", p, first.Header.Get("X-Baton-Worker"),
@@ -596,7 +597,7 @@ func TestPDPrefillRankFollowsTheCachedPrefix(t *testing.T) {
 		holder := kvevents.Holder{Worker: p.URL(), Rank: home}
 		poll.Until(t, "the condition", func() bool { return g.KVEvents.Index.MatchHolders(keys)[holder] == len(keys) })
 		before := p.Stats().PrefixCacheHits
-		resp2, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
+		resp2, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, pdModel, prompt+" and a question"))
 		if resp2.StatusCode != 200 {
 			t.Fatalf("%d %s", resp2.StatusCode, body)
 		}

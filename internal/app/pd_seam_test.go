@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -33,12 +34,12 @@ func TestPDSequentialPromptListIsNotHandedOff(t *testing.T) {
 				`{"model":"m","prompt":["first of two","second of two"],"max_tokens":4}`,
 				`{"model":"m","prompt":[[11,12,13],[21,22]],"max_tokens":4}`,
 			} {
-				_, want := postTimeout(t, agg.URL()+"/v1/completions", body)
-				resp, got := postTimeout(t, gw+"/v1/completions", body)
+				_, want := gwtest.PostTimeout(t, agg.URL()+"/v1/completions", body)
+				resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", body)
 				if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-batch" {
 					t.Fatalf("%s: %d, handoff %q: %s", body, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got)
 				}
-				if stripIDs(got) != stripIDs(want) {
+				if gwtest.StripIDs(got) != gwtest.StripIDs(want) {
 					t.Errorf("PD answer\n%s\nwant (aggregated)\n%s", got, want)
 				}
 			}
@@ -72,7 +73,7 @@ func TestPDSequentialEchoedTagIsNoHandoff(t *testing.T) {
 	cfg.Retry.Disable = true
 	cfg.Workers = []config.Worker{{URL: echo.URL, Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
 	_, gw := startGateway(t, cfg)
-	resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"echo echo","max_tokens":3}`)
+	resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"echo echo","max_tokens":3}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-invalid-params" {
 		t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
 	}
@@ -88,7 +89,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 	t.Run("sglang prefill fails", func(t *testing.T) {
 		t.Parallel()
 		_, _, g, gw := sglangPD(t, sim.Config{Faults: sim.Faults{Status: 503}}, sim.Config{})
-		resp, body := postTimeout(t, gw+"/generate", `{"text":"fail me","sampling_params":{"max_new_tokens":2}}`)
+		resp, body := gwtest.PostTimeout(t, gw+"/generate", `{"text":"fail me","sampling_params":{"max_new_tokens":2}}`)
 		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
 			t.Fatalf("%d, handoff %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), body)
 		}
@@ -117,7 +118,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 		cfg.Retry.Disable = true
 		cfg.Workers = []config.Worker{{URL: prefill, Role: config.RolePrefill, Runtime: config.RuntimeSGLang}, {URL: decode, Role: config.RoleDecode, Runtime: config.RuntimeSGLang}}
 		g, gw := startGateway(t, cfg)
-		resp, _ := postTimeout(t, gw.URL+"/generate", `{"text":"late failure"}`)
+		resp, _ := gwtest.PostTimeout(t, gw.URL+"/generate", `{"text":"late failure"}`)
 		close(release)
 		if resp.StatusCode != 200 {
 			t.Fatalf("status %d", resp.StatusCode)
@@ -132,7 +133,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 	t.Run("vllm prefill fails", func(t *testing.T) {
 		t.Parallel()
 		_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Status: 503}}, sim.Config{})
-		resp, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail me","max_tokens":2}`)
+		resp, _ := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail me","max_tokens":2}`)
 		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
 			t.Fatalf("%d, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"))
 		}
@@ -143,7 +144,7 @@ func TestPDOutcomesAreTrue(t *testing.T) {
 	t.Run("vllm decode fails", func(t *testing.T) {
 		t.Parallel()
 		_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503}})
-		resp, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail me","max_tokens":2}`)
+		resp, _ := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail me","max_tokens":2}`)
 		if resp.StatusCode != 503 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
 			t.Fatalf("%d, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"))
 		}
@@ -163,7 +164,7 @@ func TestConnectorNamesAndLoudMisconfiguration(t *testing.T) {
 		t.Errorf("an unknown connector name: %v", err)
 	}
 	_, _, _, gw := vllmPD(t, "nixlCONNECTOR", sim.Config{}, sim.Config{}, func(c *config.Config) { c.KVConnector = "Nixl" })
-	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"any case","max_tokens":2}`)
+	resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"any case","max_tokens":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 		t.Errorf("connector nixlCONNECTOR: %d, handoff %q, KV %q: %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 	}
@@ -205,7 +206,7 @@ func TestPDPairsWithinAConnector(t *testing.T) {
 	}
 	_, gw := startGateway(t, cfg)
 	for i := 0; i < 12; i++ {
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"pair me `+strings.Repeat("x", i)+`","max_tokens":2}`)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"pair me `+strings.Repeat("x", i)+`","max_tokens":2}`)
 		if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 			t.Fatalf("request %d: %d, handoff %q, KV %q: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 		}
@@ -237,7 +238,7 @@ func TestSGLangRoutesSkipVLLMWorkers(t *testing.T) {
 	}
 	_, gw := startGateway(t, cfg)
 	for i := 0; i < 6; i++ {
-		resp, body := postTimeout(t, gw.URL+"/generate", `{"text":"sglang only","sampling_params":{"max_new_tokens":2}}`)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/generate", `{"text":"sglang only","sampling_params":{"max_new_tokens":2}}`)
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") != sp.URL() {
 			t.Fatalf("/generate %d: %d via %s: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"), body)
 		}
@@ -253,7 +254,7 @@ func TestSGLangRoutesSkipVLLMWorkers(t *testing.T) {
 	// Generation routes both runtimes serve pair within a runtime: a vLLM prefill's params never
 	// go to an SGLang decode, nor a bootstrap room to a vLLM decode.
 	for i := 0; i < 8; i++ {
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"runtime pairs `+strings.Repeat("v", i)+`","max_tokens":2}`)
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"runtime pairs `+strings.Repeat("v", i)+`","max_tokens":2}`)
 		if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 			t.Fatalf("completion %d: %d, handoff %q, KV %q: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 		}
@@ -280,12 +281,12 @@ func TestPDParallelRoomFollowsTheRank(t *testing.T) {
 		c.Workers[0].DPSize, c.Workers[1].DPSize = 2, 2
 	})
 	for i := 0; i < 16; i++ {
-		resp, body := postTimeout(t, gw+"/generate", `{"text":"rank and room `+strings.Repeat("y", i)+`","sampling_params":{"max_new_tokens":2}}`)
+		resp, body := gwtest.PostTimeout(t, gw+"/generate", `{"text":"rank and room `+strings.Repeat("y", i)+`","sampling_params":{"max_new_tokens":2}}`)
 		if resp.StatusCode != 200 {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
 		}
 	}
-	resp, body := postTimeout(t, gw+"/generate", `{"text":["a","b","c"],"sampling_params":{"max_new_tokens":1}}`)
+	resp, body := gwtest.PostTimeout(t, gw+"/generate", `{"text":["a","b","c"],"sampling_params":{"max_new_tokens":1}}`)
 	if resp.StatusCode != 200 {
 		t.Fatalf("a batch: %d %s", resp.StatusCode, body)
 	}
@@ -317,7 +318,7 @@ func TestMooncakeEngineIDsAreLearned(t *testing.T) {
 			c.Workers[0].KVEngineID = "" // nothing configured: as from --prefill URL PORT --kv-connector MooncakeConnector
 		})
 		for i := 0; i < 4; i++ {
-			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"learned `+strings.Repeat("z", i)+`","max_tokens":2}`)
+			resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"learned `+strings.Repeat("z", i)+`","max_tokens":2}`)
 			if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "mooncake" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 				t.Fatalf("dp %d request %d: %d, handoff %q, KV %q: %s", dp, i, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), body)
 			}
@@ -348,7 +349,7 @@ func TestMooncakeEngineIDsRelearnedAfterARestart(t *testing.T) {
 		{URL: d.URL(), Role: config.RoleDecode, KVConnector: "MooncakeConnector"}}
 	_, gw := startGateway(t, cfg, func(c *config.Config) { c.HealthCheck.Interval = 50 * time.Millisecond })
 	handsOff := func() bool {
-		resp, _ := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"restart","max_tokens":2}`)
+		resp, _ := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"restart","max_tokens":2}`)
 		return resp.StatusCode == 200 && resp.Header.Get(sim.HeaderKVSource) == sim.SourceRemote
 	}
 	if !handsOff() {

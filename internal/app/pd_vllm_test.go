@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -57,7 +58,7 @@ func TestPDSequentialNoEngineIDLearned(t *testing.T) {
 	_, _, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{}, sim.Config{}, func(c *config.Config) {
 		c.Workers[0].KVEngineID, c.Workers[0].BootstrapPort = "", &closed
 	})
-	if resp, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"no id","max_tokens":2}`); resp.Header.Get("X-Baton-Kv-Handoff") != "none-no-engine-id" {
+	if resp, _ := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"no id","max_tokens":2}`); resp.Header.Get("X-Baton-Kv-Handoff") != "none-no-engine-id" {
 		t.Errorf("no engine id: %q", resp.Header.Get("X-Baton-Kv-Handoff"))
 	}
 }

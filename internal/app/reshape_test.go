@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -39,7 +40,7 @@ func TestDuplicateTopLevelKeysAreRefused(t *testing.T) {
 			t.Errorf("%s: the answer does not name %q: %+v", tc.body, tc.key, env)
 		}
 	}
-	if resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":["a","b"],"max_tokens":1,"x":{"prompt":1,"prompt":2}}`); resp.StatusCode != 200 {
+	if resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":["a","b"],"max_tokens":1,"x":{"prompt":1,"prompt":2}}`); resp.StatusCode != 200 {
 		t.Errorf("a repeated key inside a nested object is the engine's business: %d %s", resp.StatusCode, body)
 	}
 }
@@ -67,7 +68,7 @@ func TestGenericPairIsLabelledByItsExecutor(t *testing.T) {
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: prefill.URL, Role: config.RolePrefill}, {URL: decode.URL, Role: config.RoleDecode}}
 	g, gw := startGateway(t, cfg)
-	if resp, body := postTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`); resp.StatusCode != 200 {
+	if resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`); resp.StatusCode != 200 {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
 	if !sawRoom.Load() {
@@ -111,7 +112,7 @@ func TestStreamedRecomputeReachesThePairCounter(t *testing.T) {
 	}
 	cfg.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode, KVConnector: "MooncakeConnector"}}
 	g, gw := startGateway(t, cfg)
-	resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"again"}],"max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`)
+	resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"again"}],"max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`)
 	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") {
 		t.Fatalf("stream: %d %s", resp.StatusCode, body)
 	}

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -49,8 +50,8 @@ func TestRetriesOverAFailingWorker(t *testing.T) {
 	_, g, gw := simFleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
 	for i := 0; i < 100; i++ {
 		prompt := fmt.Sprintf("retry me %d", i)
-		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`)
-		if resp.StatusCode != 200 || answerText(t, body) != expectedCompletion(prompt, 4) {
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`)
+		if resp.StatusCode != 200 || gwtest.AnswerText(t, body) != expectedCompletion(prompt, 4) {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
 		}
 	}
@@ -143,7 +144,7 @@ func TestWorkerKilledMidStream(t *testing.T) {
 		}
 	}
 	for i := 0; i < 6; i++ {
-		r, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"after","max_tokens":2}`)
+		r, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"after","max_tokens":2}`)
 		if r.StatusCode != 200 || r.Header.Get("X-Baton-Worker") != es[1].URL() {
 			t.Fatalf("request after the kill: %d via %q: %s", r.StatusCode, r.Header.Get("X-Baton-Worker"), body)
 		}
@@ -169,7 +170,7 @@ func TestWorkerRestartRejoins(t *testing.T) {
 	t.Cleanup(back.Close)
 	poll.Until(t, "the condition", func() bool { return ws[0].Ready() })
 	poll.Until(t, "the condition", func() bool {
-		r, _ := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"welcome back","max_tokens":2}`)
+		r, _ := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"welcome back","max_tokens":2}`)
 		return r.Header.Get("X-Baton-Worker") == back.URL()
 	})
 }
@@ -177,7 +178,7 @@ func TestWorkerRestartRejoins(t *testing.T) {
 func TestHangingWorkerTimesOut(t *testing.T) {
 	noLeaks(t)
 	_, g, gw := simFleet(t, []sim.Config{{Faults: sim.Faults{Hang: true}}}, requestTimeout(200*time.Millisecond))
-	resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?","max_tokens":2}`)
+	resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?","max_tokens":2}`)
 	var e envelope
 	json.Unmarshal([]byte(body), &e)
 	if resp.StatusCode != 504 || !strings.Contains(e.Error.Code, "timeout") {
@@ -199,7 +200,7 @@ func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
 			p, d, g, gw = vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Status: 500}}, sim.Config{}, tweak)
 		}
 		for i := 0; i < 3; i++ {
-			resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`)
+			resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`)
 			if resp.StatusCode != 500 && resp.StatusCode != 503 {
 				t.Fatalf("%s: %d %s", engine, resp.StatusCode, body)
 			}
@@ -269,7 +270,7 @@ func TestOverload(t *testing.T) {
 	}()
 	defer func() { <-first }()
 	poll.Until(t, "the condition", func() bool { return es2[0].Stats().RequestsReceived == 1 })
-	r2, body := postTimeout(t, gw2+"/v1/completions", slow)
+	r2, body := gwtest.PostTimeout(t, gw2+"/v1/completions", slow)
 	if r2.StatusCode != 504 || !strings.Contains(body, "queue_timeout") || r2.Header.Get("Retry-After") == "" {
 		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
 	}
@@ -288,7 +289,7 @@ func TestPairQuarantine(t *testing.T) {
 	_, srv := startGateway(t, cfg)
 	fails := 0
 	for i := 0; i < 12; i++ {
-		resp, _ := postTimeout(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"pairs","max_tokens":2}`)
+		resp, _ := gwtest.PostTimeout(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"pairs","max_tokens":2}`)
 		if resp.StatusCode != 200 {
 			fails++
 		}
@@ -340,7 +341,7 @@ func TestLoadWithFaults(t *testing.T) {
 					if stream && !strings.HasSuffix(string(b), "data: [DONE]\n\n") {
 						t.Errorf("request %d: stream truncated without an error: %q", i, b)
 					}
-					if got, want := answerText(t, string(b)), expectedCompletion(prompt, 6); got != want {
+					if got, want := gwtest.AnswerText(t, string(b)), expectedCompletion(prompt, 6); got != want {
 						t.Errorf("request %d: text %q, want %q", i, got, want)
 					}
 					ok.Add(1)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -31,7 +32,7 @@ func TestPrefixHashRouting(t *testing.T) {
 	_, _, gw := simFleet(t, []sim.Config{{}, {}, {}}, func(c *config.Config) { c.Policy = config.PolicyPrefixHash })
 	home := ""
 	for i := 0; i < 10; i++ {
-		resp, body := postTimeout(t, gw+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("question %d", i)))
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("question %d", i)))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
@@ -43,7 +44,7 @@ func TestPrefixHashRouting(t *testing.T) {
 	}
 	seen := map[string]bool{}
 	for i := 0; i < 30; i++ {
-		resp, _ := postTimeout(t, gw+"/v1/chat/completions", chatWith(fmt.Sprintf("system prompt of group %d", i), "hi"))
+		resp, _ := gwtest.PostTimeout(t, gw+"/v1/chat/completions", chatWith(fmt.Sprintf("system prompt of group %d", i), "hi"))
 		seen[resp.Header.Get("X-Baton-Worker")] = true
 	}
 	if len(seen) < 2 {
@@ -66,7 +67,7 @@ func TestPDPrefixHashAndPowerOfTwo(t *testing.T) {
 	_, gw := startGateway(t, cfg)
 	home := ""
 	for i := 0; i < 8; i++ {
-		resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("q%d", i)))
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("q%d", i)))
 		if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 			t.Fatalf("%d %q: %s", resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), body)
 		}
@@ -100,7 +101,7 @@ func TestLeastLoadSeesEngineReportedLoad(t *testing.T) {
 	}
 	poll.Until(t, "the condition", func() bool { l := g.Registry.Snapshot().Workers[0].EngineLoad(); return l.Waiting >= 2 })
 	for i := 0; i < 10; i++ {
-		resp, body := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"route me","max_tokens":2}`)
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"route me","max_tokens":2}`)
 		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") != idle.URL() {
 			t.Fatalf("request %d went to %s (%d): %s", i, resp.Header.Get("X-Baton-Worker"), resp.StatusCode, body)
 		}
@@ -155,7 +156,7 @@ func TestCacheAwareRaisesEngineCacheHits(t *testing.T) {
 		for round := 0; round < 6; round++ {
 			for g := 0; g < 7; g++ { // seven: round_robin over four is not sticky by accident
 				system := fmt.Sprintf("group %d. %s", g, strings.Repeat(longPrompt, 4))
-				resp, body := postTimeout(t, gw+"/v1/chat/completions", chatWith(system, fmt.Sprintf("question %d", round)))
+				resp, body := gwtest.PostTimeout(t, gw+"/v1/chat/completions", chatWith(system, fmt.Sprintf("question %d", round)))
 				if resp.StatusCode != 200 {
 					t.Fatalf("%s: %d %s", policy, resp.StatusCode, body)
 				}
@@ -203,7 +204,7 @@ func TestPDCacheAwareBothStyles(t *testing.T) {
 			g, gw := startGateway(t, cfg)
 			home := ""
 			for i := 0; i < 8; i++ {
-				resp, body := postTimeout(t, gw.URL+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("q%d", i)))
+				resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/chat/completions", chatWith(longPrompt, fmt.Sprintf("q%d", i)))
 				if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 					t.Fatalf("%d %q: %s", resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), body)
 				}
@@ -253,7 +254,7 @@ func TestCacheAwareSpreadsAHotPrefix(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := 0; i < each; i++ {
-				resp, body := postTimeout(t, gw+"/v1/chat/completions",
+				resp, body := gwtest.PostTimeout(t, gw+"/v1/chat/completions",
 					fmt.Sprintf(`{"model":"m","messages":[{"role":"system","content":%q},{"role":"user","content":"c%d q%d"}],"max_tokens":8,"ignore_eos":true}`, hot, c, i))
 				if resp.StatusCode != 200 {
 					t.Errorf("%d %s", resp.StatusCode, body)
@@ -291,13 +292,13 @@ func TestKVEventsSubscription(t *testing.T) {
 	}
 	// ZMQ drops what is published before the subscriber joins: send until the index sees blocks.
 	poll.Until(t, "the condition", func() bool {
-		resp, _ := postTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
+		resp, _ := gwtest.PostTimeout(t, e.URL()+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"warm %d %s","max_tokens":1}`, pdModel, time.Now().UnixNano(), strings.Repeat("w ", 40)))
 		n, _ := g.KVEvents.Index.Size()
 		return resp.StatusCode == 200 && n > 0
 	})
 	prompt := strings.Repeat("the baton passes from hand to hand ", 10)
 	for i := 0; i < 2; i++ { // round robin: one of the two reaches the publishing engine
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
@@ -374,7 +375,7 @@ func TestReplicasAgreeThroughEngineEvents(t *testing.T) {
 		for round := 0; round < 6; round++ {
 			for g := 0; g < 8; g++ {
 				prompt := fmt.Sprintf("group %d. %s question %d", g, strings.Repeat("shared system prompt words for the group ", 80), round)
-				resp, body := postTimeout(t, urls[n%replicas]+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
+				resp, body := gwtest.PostTimeout(t, urls[n%replicas]+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":1}`, pdModel, prompt))
 				if resp.StatusCode != 200 {
 					t.Fatalf("%d %s", resp.StatusCode, body)
 				}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -32,7 +33,7 @@ func statusFleet(t *testing.T, adminKey string) (status *httptest.Server, worker
 		{URL: r.URL(), Models: []string{"other"}}}
 	g, gw := startGateway(t, cfg)
 	for i := 0; i < 6; i++ {
-		resp, body := postTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"status page %d","max_tokens":4,"stream":true}`, pdModel, i))
+		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"status page %d","max_tokens":4,"stream":true}`, pdModel, i))
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/poll"
@@ -121,17 +122,6 @@ func rawRequest(t *testing.T, url, head string, body []byte) net.Conn {
 		c.Write(body)
 	}
 	return c
-}
-
-// readStatus reads the status line of the answer on c.
-func readStatus(t *testing.T, c net.Conn) string {
-	t.Helper()
-	c.SetReadDeadline(time.Now().Add(15 * time.Second))
-	line, err := bufio.NewReader(c).ReadString('\n')
-	if err != nil {
-		t.Fatalf("reading the answer: %v", err)
-	}
-	return strings.TrimSpace(line)
 }
 
 // refusal decodes a gateway-minted OpenAI error, failing the test unless it has status and code
@@ -300,7 +290,7 @@ func TestContentLengthIsNotAnAllocation(t *testing.T) {
 	}
 	// They stall: each is dropped with 408 after the stalled-client timeout.
 	for _, c := range conns {
-		if got := readStatus(t, c); !strings.Contains(got, "408") {
+		if got := gwtest.ReadStatus(t, c); !strings.Contains(got, "408") {
 			t.Errorf("stalled upload answered %q, want 408", got)
 		}
 	}
@@ -323,7 +313,7 @@ func TestDrainCutsUnfinishedUploads(t *testing.T) {
 	poll.Until(t, "the server reading the four uploads", func() bool { return s.InFlight() == 4 })
 	s.SetDraining()
 	for _, c := range conns {
-		if got := readStatus(t, c); !strings.Contains(got, "503") {
+		if got := gwtest.ReadStatus(t, c); !strings.Contains(got, "503") {
 			t.Errorf("an upload cut by the drain answered %q, want 503", got)
 		}
 	}

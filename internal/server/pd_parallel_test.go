@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
@@ -47,85 +47,6 @@ func dpSizes(p, d int) func(*Options) {
 // workersOf is s's fleet: in a PD fleet, the prefill then the decode.
 func workersOf(s *Server) []*worker.Worker { return s.opts.Director.Registry.Snapshot().Workers }
 
-// postTimeout posts with a client deadline, so a leg left waiting for a partner fails the test
-// instead of hanging it.
-func postTimeout(t *testing.T, url, body string) (*http.Response, string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("POST %s: %v", url, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("reading %s: %v", url, err)
-	}
-	return resp, string(b)
-}
-
-// answerText extracts the generated text of any route's answer, streamed or not.
-func answerText(t *testing.T, body string) string {
-	t.Helper()
-	if strings.HasPrefix(body, "data: ") || strings.HasPrefix(body, "event: ") {
-		var sb strings.Builder
-		for _, ev := range strings.Split(body, "\n\n") {
-			for _, line := range strings.Split(ev, "\n") {
-				d, ok := strings.CutPrefix(line, "data: ")
-				if !ok || d == "[DONE]" {
-					continue
-				}
-				var v map[string]any
-				json.Unmarshal([]byte(d), &v)
-				if ch, _ := v["choices"].([]any); len(ch) > 0 {
-					c := ch[0].(map[string]any)
-					if delta, ok := c["delta"].(map[string]any); ok {
-						s, _ := delta["content"].(string)
-						sb.WriteString(s)
-					} else if s, ok := c["text"].(string); ok {
-						sb.WriteString(s)
-					}
-				} else if s, ok := v["delta"].(string); ok {
-					sb.WriteString(s)
-				} else if d, ok := v["delta"].(map[string]any); ok { // messages: content_block_delta
-					s, _ := d["text"].(string)
-					sb.WriteString(s)
-				} else if s, ok := v["text"].(string); ok { // /generate: cumulative
-					sb.Reset()
-					sb.WriteString(s)
-				}
-			}
-		}
-		return sb.String()
-	}
-	var v map[string]any
-	if err := json.Unmarshal([]byte(body), &v); err != nil {
-		t.Fatalf("answer %q: %v", body, err)
-	}
-	if ch, _ := v["choices"].([]any); len(ch) > 0 {
-		c := ch[0].(map[string]any)
-		if m, ok := c["message"].(map[string]any); ok {
-			return m["content"].(string)
-		}
-		return c["text"].(string)
-	}
-	if out, ok := v["output"].([]any); ok {
-		return out[0].(map[string]any)["content"].([]any)[0].(map[string]any)["text"].(string)
-	}
-	if blocks, ok := v["content"].([]any); ok && len(blocks) > 0 { // messages
-		return blocks[0].(map[string]any)["text"].(string)
-	}
-	return v["text"].(string)
-}
-
-var idField = regexp.MustCompile(`"id":"[^"]*"`)
-
-// stripIDs removes response ids (made from each request's id) so answers can be compared.
-func stripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }
-
 var pdCases = []struct{ name, route, body string }{
 	{"chat", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"relay race baton"}],"max_tokens":7}`},
 	{"chat stream", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"relay race baton"}],"max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}`},
@@ -142,12 +63,12 @@ func TestPDParallelSameTextAsAggregated(t *testing.T) {
 	agg := pdSim(t, sim.Config{Engine: sim.EngineSGLang})
 	for _, tc := range pdCases {
 		t.Run(tc.name, func(t *testing.T) {
-			_, want := postTimeout(t, agg.URL()+tc.route, tc.body)
-			resp, got := postTimeout(t, gw+tc.route, tc.body)
+			_, want := gwtest.PostTimeout(t, agg.URL()+tc.route, tc.body)
+			resp, got := gwtest.PostTimeout(t, gw+tc.route, tc.body)
 			if resp.StatusCode != 200 {
 				t.Fatalf("status %d: %s", resp.StatusCode, got)
 			}
-			if a, b := answerText(t, got), answerText(t, want); a != b || a == "" {
+			if a, b := gwtest.AnswerText(t, got), gwtest.AnswerText(t, want); a != b || a == "" {
 				t.Errorf("PD text %q, aggregated %q", a, b)
 			}
 			if src := resp.Header.Get(sim.HeaderKVSource); src != sim.SourceRemote {
@@ -176,14 +97,14 @@ func TestPDParallelBatch(t *testing.T) {
 		`{"text":["alpha beta","gamma delta epsilon"],"sampling_params":{"max_new_tokens":3}}`,
 		`{"input_ids":[[1,2,3],[4,5]],"sampling_params":{"max_new_tokens":3}}`,
 	} {
-		_, want := postTimeout(t, agg.URL()+"/generate", body)
-		resp, got := postTimeout(t, gw+"/generate", body)
-		if resp.StatusCode != 200 || stripIDs(got) != stripIDs(want) {
+		_, want := gwtest.PostTimeout(t, agg.URL()+"/generate", body)
+		resp, got := gwtest.PostTimeout(t, gw+"/generate", body)
+		if resp.StatusCode != 200 || gwtest.StripIDs(got) != gwtest.StripIDs(want) {
 			t.Errorf("batch %s: %d\n got %s\nwant %s", body, resp.StatusCode, got, want)
 		}
 	}
-	_, want := postTimeout(t, agg.URL()+"/v1/completions", `{"model":"m","prompt":["a b","c d"],"max_tokens":3}`)
-	if resp, got := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":["a b","c d"],"max_tokens":3}`); resp.StatusCode != 200 || !strings.Contains(got, answerText(t, want)) {
+	_, want := gwtest.PostTimeout(t, agg.URL()+"/v1/completions", `{"model":"m","prompt":["a b","c d"],"max_tokens":3}`)
+	if resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":["a b","c d"],"max_tokens":3}`); resp.StatusCode != 200 || !strings.Contains(got, gwtest.AnswerText(t, want)) {
 		t.Errorf("completions batch: %d %s", resp.StatusCode, got)
 	}
 	if d.Stats().RequestsOK != 3 {
@@ -196,7 +117,7 @@ func TestPDParallelDPRanks(t *testing.T) {
 	p, _, _, gw := sglangPD(t, sim.Config{DPSize: 2}, sim.Config{DPSize: 2}, dpSizes(2, 2))
 	ranks := map[string]bool{}
 	for i := 0; i < 4; i++ {
-		resp, body := postTimeout(t, gw+"/generate", `{"text":"dp ranks","sampling_params":{"max_new_tokens":2}}`)
+		resp, body := gwtest.PostTimeout(t, gw+"/generate", `{"text":"dp ranks","sampling_params":{"max_new_tokens":2}}`)
 		if resp.StatusCode != 200 {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
 		}
@@ -219,13 +140,13 @@ func TestPDParallelLogprobMerge(t *testing.T) {
 		b, _ := json.Marshal(v["meta_info"].(map[string]any)["input_token_logprobs"])
 		return string(b)
 	}
-	_, want := postTimeout(t, agg.URL()+"/generate", body)
-	resp, got := postTimeout(t, gw+"/generate", body)
+	_, want := gwtest.PostTimeout(t, agg.URL()+"/generate", body)
+	resp, got := gwtest.PostTimeout(t, gw+"/generate", body)
 	if resp.StatusCode != 200 || inputLP(got) != inputLP(want) {
 		t.Fatalf("merged %s\nwant %s", inputLP(got), inputLP(want))
 	}
 	sbody := strings.Replace(body, `"return_logprob":true`, `"return_logprob":true,"stream":true`, 1)
-	resp, got = postTimeout(t, gw+"/generate", sbody)
+	resp, got = gwtest.PostTimeout(t, gw+"/generate", sbody)
 	events := 0
 	for _, ev := range strings.Split(strings.TrimSpace(got), "\n\n") {
 		d := strings.TrimPrefix(ev, "data: ")
@@ -266,7 +187,7 @@ func TestPDParallelFailures(t *testing.T) {
 				if stream {
 					b = strings.Replace(body, "{", `{"stream":true,`, 1)
 				}
-				resp, got := postTimeout(t, gw+"/generate", b)
+				resp, got := gwtest.PostTimeout(t, gw+"/generate", b)
 				var e refusal
 				if resp.StatusCode != tc.status || json.Unmarshal([]byte(got), &e) != nil || e.Error.Code != tc.code {
 					t.Fatalf("stream=%v: %d %s, want %d %s", stream, resp.StatusCode, got, tc.status, tc.code)
@@ -295,7 +216,7 @@ func TestPDParallelPrefillDown(t *testing.T) {
 	t.Parallel()
 	p, d, s, gw := sglangPD(t, sim.Config{}, sim.Config{})
 	p.Close() // the prefill dies after registration: connection refused
-	resp, got := postTimeout(t, gw+"/generate", `{"text":"anyone there","sampling_params":{"max_new_tokens":2}}`)
+	resp, got := gwtest.PostTimeout(t, gw+"/generate", `{"text":"anyone there","sampling_params":{"max_new_tokens":2}}`)
 	var e refusal
 	json.Unmarshal([]byte(got), &e)
 	if resp.StatusCode != 502 || e.Error.Code != "prefill_upstream_unreachable" {
@@ -431,12 +352,12 @@ func TestPDParallelMetrics(t *testing.T) {
 	_, _, s, gw := sglangPD(t, sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503, Rate: 0}})
 	// The outcome is counted as the handler returns, which may be just after the client has
 	// read the whole answer.
-	postTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
+	gwtest.PostTimeout(t, gw+"/generate", `{"text":"x","model":"m"}`)
 	poll.Until(t, "the failed request counted", func() bool {
 		return testutil.ToFloat64(s.metrics.PDRequests.WithLabelValues("m", "parallel", "decode_failed")) == 1
 	})
 	_, _, s2, gw2 := sglangPD(t, sim.Config{}, sim.Config{})
-	postTimeout(t, gw2+"/generate", `{"text":"x","model":"m"}`)
+	gwtest.PostTimeout(t, gw2+"/generate", `{"text":"x","model":"m"}`)
 	poll.Until(t, "the request counted", func() bool {
 		return testutil.ToFloat64(s2.metrics.PDRequests.WithLabelValues("m", "parallel", "success")) == 1
 	})
@@ -462,7 +383,7 @@ func TestPDDPRankFollowsLoad(t *testing.T) {
 	busy := resp.Header.Get(sim.HeaderDPRank)
 	defer resp.Body.Close()
 	for i := 0; i < 6; i++ {
-		r, body := postTimeout(t, gw+"/generate", `{"text":"short","sampling_params":{"max_new_tokens":1}}`)
+		r, body := gwtest.PostTimeout(t, gw+"/generate", `{"text":"short","sampling_params":{"max_new_tokens":1}}`)
 		if r.StatusCode != 200 || r.Header.Get(sim.HeaderDPRank) == busy {
 			t.Fatalf("request %d: %d on decode rank %q while rank %q streams: %s", i, r.StatusCode, r.Header.Get(sim.HeaderDPRank), busy, body)
 		}

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
@@ -147,12 +148,12 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 				// vLLM's ResponsesRequest carries no kv_transfer_params: that route is not
 				// handed off, visibly, and its decode recomputes the prompt.
 				handsOff := tc.route != "/v1/responses"
-				_, want := postTimeout(t, agg.URL()+tc.route, tc.body)
-				resp, got := postTimeout(t, gw+tc.route, tc.body)
+				_, want := gwtest.PostTimeout(t, agg.URL()+tc.route, tc.body)
+				resp, got := gwtest.PostTimeout(t, gw+tc.route, tc.body)
 				if resp.StatusCode != 200 {
 					t.Fatalf("%s: %d %s", tc.name, resp.StatusCode, got)
 				}
-				if a, b := answerText(t, got), answerText(t, want); a != b || a == "" {
+				if a, b := gwtest.AnswerText(t, got), gwtest.AnswerText(t, want); a != b || a == "" {
 					t.Errorf("%s: PD text %q, aggregated %q", tc.name, a, b)
 				}
 				wantSource, wantHandoff := sim.SourceRemote, mode
@@ -191,7 +192,7 @@ func TestPDSequentialEndToEnd(t *testing.T) {
 func TestPDSequentialNGreaterThanOne(t *testing.T) {
 	t.Parallel()
 	p, d, s, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, nil)
-	resp, got := postTimeout(t, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"two answers"}],"max_tokens":3,"n":2}`)
+	resp, got := gwtest.PostTimeout(t, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"two answers"}],"max_tokens":3,"n":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-n>1" || strings.Count(got, `"index"`) != 2 {
 		t.Fatalf("%d %q %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got)
 	}
@@ -212,7 +213,7 @@ func TestPDSequentialDPRankPinning(t *testing.T) {
 		p, d, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{DPSize: 2, EngineID: "mc"}, sim.Config{},
 			func(w *config.Worker) { w.DPSize = 2 }, mooncakeDispatch(dispatch))
 		for i := 0; i < 4; i++ {
-			resp, got := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"ranks and ids","max_tokens":2}`)
+			resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"ranks and ids","max_tokens":2}`)
 			if resp.StatusCode != 200 || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRemote {
 				t.Fatalf("%s request %d: %d %q %s", dispatch, i, resp.StatusCode, resp.Header.Get(sim.HeaderKVSource), got)
 			}
@@ -231,7 +232,7 @@ func TestPDSequentialInvalidDPSizeFailsClosed(t *testing.T) {
 	t.Parallel()
 	p, d, _, gw := vllmPD(t, "MooncakeConnector", sim.Config{EngineID: "mc"}, sim.Config{},
 		func(w *config.Worker) { w.Labels = map[string]string{"dp_size": "zero"} })
-	resp, got := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail closed","max_tokens":2}`)
+	resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"fail closed","max_tokens":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-no-engine-id" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRecompute {
 		t.Fatalf("%d %q %q %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), resp.Header.Get(sim.HeaderKVSource), got)
 	}
@@ -245,7 +246,7 @@ func TestPDSequentialPassthroughAndStrict(t *testing.T) {
 	// No connector configured: the prefill is untagged, returns no params, the decode recomputes
 	// — visibly.
 	_, _, s, gw := vllmPD(t, "", sim.Config{}, sim.Config{}, nil)
-	resp, got := postTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"silent no more","max_tokens":2}`)
+	resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"silent no more","max_tokens":2}`)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" || resp.Header.Get(sim.HeaderKVSource) != sim.SourceRecompute {
 		t.Fatalf("%d %q %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), got)
 	}
@@ -254,7 +255,7 @@ func TestPDSequentialPassthroughAndStrict(t *testing.T) {
 	}
 	// Strict mode: the would-be recompute is a 502.
 	_, d2, _, gw2 := vllmPD(t, "", sim.Config{}, sim.Config{}, nil, func(o *Options) { sequentialOf(o).RequireHandoff = true })
-	resp, got = postTimeout(t, gw2+"/v1/completions", `{"model":"m","prompt":"strict","max_tokens":2}`)
+	resp, got = gwtest.PostTimeout(t, gw2+"/v1/completions", `{"model":"m","prompt":"strict","max_tokens":2}`)
 	var e refusal
 	json.Unmarshal([]byte(got), &e)
 	if resp.StatusCode != 502 || e.Error.Code != "kv_handoff_unavailable" || resp.Header.Get("X-Baton-Kv-Handoff") != "none-missing-params" {
@@ -265,7 +266,7 @@ func TestPDSequentialPassthroughAndStrict(t *testing.T) {
 	}
 	// A default connector for vLLM prefill workers: --kv-connector.
 	_, _, _, gw3 := vllmPD(t, "", sim.Config{}, sim.Config{}, nil, defaultConnector("NixlConnector"))
-	if resp, _ := postTimeout(t, gw3+"/v1/completions", `{"model":"m","prompt":"default connector","max_tokens":2}`); resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" {
+	if resp, _ := gwtest.PostTimeout(t, gw3+"/v1/completions", `{"model":"m","prompt":"default connector","max_tokens":2}`); resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" {
 		t.Errorf("--kv-connector default: %q", resp.Header.Get("X-Baton-Kv-Handoff"))
 	}
 }
@@ -346,7 +347,7 @@ func TestPDSequentialFailures(t *testing.T) {
 	const body = `{"model":"m","prompt":"failure branches","max_tokens":3}`
 	for _, status := range []int{408, 429, 503} {
 		_, d, s, gw := vllmPD(t, "NixlConnector", sim.Config{Faults: sim.Faults{Status: status}}, sim.Config{}, nil)
-		resp, got := postTimeout(t, gw+"/v1/completions", body)
+		resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", body)
 		var e refusal
 		json.Unmarshal([]byte(got), &e)
 		if resp.StatusCode != status || e.Error.Code != "prefill_upstream_error" || !strings.Contains(e.Error.Message, "injected fault") {
@@ -365,7 +366,7 @@ func TestPDSequentialFailures(t *testing.T) {
 	t.Run("prefill transport error", func(t *testing.T) {
 		p, d, s, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, nil)
 		p.Close()
-		resp, got := postTimeout(t, gw+"/v1/completions", body)
+		resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", body)
 		if resp.StatusCode != 502 || !strings.Contains(got, "prefill_upstream_unreachable") || d.Stats().RequestsReceived != 0 {
 			t.Errorf("%d %s", resp.StatusCode, got)
 		}
@@ -375,7 +376,7 @@ func TestPDSequentialFailures(t *testing.T) {
 	})
 	t.Run("decode failure after a good prefill", func(t *testing.T) {
 		p, _, s, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 500}}, nil)
-		resp, got := postTimeout(t, gw+"/v1/completions", body)
+		resp, got := gwtest.PostTimeout(t, gw+"/v1/completions", body)
 		if resp.StatusCode != 500 || !strings.Contains(got, "decode_upstream_error") {
 			t.Errorf("%d %s", resp.StatusCode, got)
 		}

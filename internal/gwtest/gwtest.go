@@ -1,0 +1,107 @@
+// Package gwtest holds what the gateway's tests share when they talk HTTP to it: a POST with a
+// client deadline, the generated text of any route's answer, answers compared without their
+// ids, the status line read off a raw connection.
+package gwtest
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+// PostTimeout posts with a client deadline, so a leg left waiting for a partner fails the test
+// instead of hanging it.
+func PostTimeout(t *testing.T, url, body string) (*http.Response, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading %s: %v", url, err)
+	}
+	return resp, string(b)
+}
+
+// AnswerText extracts the generated text of any route's answer, streamed or not.
+func AnswerText(t *testing.T, body string) string {
+	t.Helper()
+	if strings.HasPrefix(body, "data: ") || strings.HasPrefix(body, "event: ") {
+		var sb strings.Builder
+		for _, ev := range strings.Split(body, "\n\n") {
+			for _, line := range strings.Split(ev, "\n") {
+				d, ok := strings.CutPrefix(line, "data: ")
+				if !ok || d == "[DONE]" {
+					continue
+				}
+				var v map[string]any
+				json.Unmarshal([]byte(d), &v)
+				if ch, _ := v["choices"].([]any); len(ch) > 0 {
+					c := ch[0].(map[string]any)
+					if delta, ok := c["delta"].(map[string]any); ok {
+						s, _ := delta["content"].(string)
+						sb.WriteString(s)
+					} else if s, ok := c["text"].(string); ok {
+						sb.WriteString(s)
+					}
+				} else if s, ok := v["delta"].(string); ok {
+					sb.WriteString(s)
+				} else if d, ok := v["delta"].(map[string]any); ok { // messages: content_block_delta
+					s, _ := d["text"].(string)
+					sb.WriteString(s)
+				} else if s, ok := v["text"].(string); ok { // /generate: cumulative
+					sb.Reset()
+					sb.WriteString(s)
+				}
+			}
+		}
+		return sb.String()
+	}
+	var v map[string]any
+	if err := json.Unmarshal([]byte(body), &v); err != nil {
+		t.Fatalf("answer %q: %v", body, err)
+	}
+	if ch, _ := v["choices"].([]any); len(ch) > 0 {
+		c := ch[0].(map[string]any)
+		if m, ok := c["message"].(map[string]any); ok {
+			return m["content"].(string)
+		}
+		return c["text"].(string)
+	}
+	if out, ok := v["output"].([]any); ok {
+		return out[0].(map[string]any)["content"].([]any)[0].(map[string]any)["text"].(string)
+	}
+	if blocks, ok := v["content"].([]any); ok && len(blocks) > 0 { // messages
+		return blocks[0].(map[string]any)["text"].(string)
+	}
+	return v["text"].(string)
+}
+
+var idField = regexp.MustCompile(`"id":"[^"]*"`)
+
+// StripIDs removes response ids (made from each request's id) so answers can be compared.
+func StripIDs(s string) string { return idField.ReplaceAllString(s, `"id":""`) }
+
+// ReadStatus reads the status line of the answer on c.
+func ReadStatus(t *testing.T, c net.Conn) string {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(15 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		t.Fatalf("reading the answer: %v", err)
+	}
+	return strings.TrimSpace(line)
+}
