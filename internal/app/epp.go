@@ -13,23 +13,17 @@ import (
 	"log/slog"
 	"math/big"
 	"net"
-	"net/http"
 	"os"
 	"strconv"
-	"sync/atomic"
 	"time"
 
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/keepalive"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp"
 	"github.com/baton-llm/baton/internal/h1"
-	"github.com/baton-llm/baton/internal/openai"
-	"github.com/baton-llm/baton/internal/routes"
 )
 
 // RunEPP runs `baton epp` with args until ctx ends: Baton as a Gateway API Inference Extension
@@ -43,12 +37,6 @@ func RunEPP(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	cfg.EPP = true
 	return Serve(ctx, cfg, stdout, stderr)
 }
-
-// The gRPC health services of an Endpoint Picker (004-endpoint-picker-protocol, v1.0.0).
-const (
-	HealthLiveness  = "liveness"
-	HealthReadiness = "readiness"
-)
 
 // eppListener is the Endpoint Picker's gRPC server and its health, and the plaintext health
 // server on a port of its own (nil: none).
@@ -68,80 +56,8 @@ type eppListener struct {
 // and the health services (liveness always serving; readiness and ExternalProcessor serving
 // while the worker source has synced and the gateway is ready).
 func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
-	es := &epp.Server{
-		Picker:  epp.NewPicker(g.Server.Director(), g.Metrics, g.Server, epp.Options{Fallbacks: cfg.EPPFallbacks, ShedQueueDepth: cfg.EPPShedQueueDepth, ShedKVUsage: cfg.EPPShedKVUsage}),
-		MaxBody: cfg.MaxPayloadSize, MaxHeaderBytes: h1.DefaultMaxHeaderBytes, Log: g.Log,
-		MaxDuration: cfg.RequestTimeout + writeGrace, RequestPhase: cfg.BodyTimeout, MaxStreams: cfg.EPPMaxStreams,
-		Cut: func(reason string) { g.Metrics.EPPCut.WithLabelValues(reason).Inc() }, Streams: g.Metrics.EPPStreams,
-		Observe: func(code string, d time.Duration) {
-			if code == "" {
-				g.Metrics.EPPDecisions.WithLabelValues("picked").Inc()
-				g.Metrics.EPPDecisionSeconds.Observe(d.Seconds())
-				return
-			}
-			g.Metrics.EPPDecisions.WithLabelValues(code).Inc()
-		},
-	}
-	es.Reserve, es.Release = pickerShare(g.Server.BodyBudget, cfg.MaxBufferedBodyBytes)
-	es.Owned = openai.OwnedIn
-	es.Guarded = func(method, path string) bool { return method == http.MethodPost && routes.Of(path).Inference }
-	srv := grpc.NewServer(
-		// A buffered body arrives in one message: it may be as large as a request body may be.
-		grpc.MaxRecvMsgSize(int(cfg.MaxPayloadSize)+64<<10),
-		grpc.MaxConcurrentStreams(uint32(cfg.EPPMaxStreamsPerConnection)),
-		// A connection that does not complete its TLS and HTTP/2 handshakes within 5 s is closed
-		// (gRPC's default is 120 s): silent sockets hold a place among the connections briefly.
-		grpc.ConnectionTimeout(5*time.Second),
-		// A data plane pings at most every 10 s; a connection without streams for 10 minutes is
-		// closed, and one whose peer stopped answering pings is found within a minute.
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 10 * time.Minute, Time: 30 * time.Second, Timeout: 20 * time.Second}),
-	)
-	extprocv3.RegisterExternalProcessorServer(srv, es)
-	hs := health.NewServer()
-	healthpb.RegisterHealthServer(srv, hs)
-	hs.SetServingStatus(HealthLiveness, healthpb.HealthCheckResponse_SERVING)
-	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	setReady(hs, false)
-	return srv, hs
-}
-
-// pickerShare is the body budget's part the picker may hold: at most half of
-// max_buffered_body_bytes, so that bodies a data plane streams and abandons never leave the
-// HTTP listener's requests without room.
-func pickerShare(budget func() (func(int64) bool, func(int64)), total int64) (take func(int64) bool, give func(int64)) {
-	t, gv := budget()
-	var held atomic.Int64
-	limit := total / 2
-	take = func(n int64) bool {
-		if held.Add(n) > limit {
-			held.Add(-n)
-			return false
-		}
-		if !t(n) {
-			held.Add(-n)
-			return false
-		}
-		return true
-	}
-	give = func(n int64) {
-		held.Add(-n)
-		gv(n)
-	}
-	return take, give
-}
-
-// writeGrace is how long past the request deadline an exchange may still relay its response.
-const writeGrace = 2 * time.Second
-
-// setReady sets the readiness and ExternalProcessor services.
-func setReady(hs *health.Server, ok bool) {
-	st := healthpb.HealthCheckResponse_NOT_SERVING
-	if ok {
-		st = healthpb.HealthCheckResponse_SERVING
-	}
-	hs.SetServingStatus(HealthReadiness, st)
-	hs.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, st)
+	return epp.NewGRPC(epp.Port{Director: g.Server.Director(), Metrics: g.Metrics, Host: g.Server,
+		BodyBudget: g.Server.BodyBudget, Log: g.Log, Config: cfg})
 }
 
 // EPPReady reports whether the Endpoint Picker can pick: the worker source synced (discovery
@@ -297,29 +213,8 @@ func (e *eppListener) watchCert(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// watch keeps the readiness services in step with ready until ctx ends; a change is logged.
-func (e *eppListener) watch(ctx context.Context) {
-	t := time.NewTicker(250 * time.Millisecond)
-	defer t.Stop()
-	was, wasWhy := false, ""
-	for {
-		ok, why := e.ready()
-		setReady(e.health, ok)
-		if ok != was || why != wasWhy {
-			if ok {
-				e.log.Info("epp: ready")
-			} else {
-				e.log.Info("epp: not ready", "why", why)
-			}
-			was, wasWhy = ok, why
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
-}
+// watch keeps the readiness services in step with the gateway until ctx ends.
+func (e *eppListener) watch(ctx context.Context) { epp.WatchReady(ctx, e.health, e.ready, e.log) }
 
 // stop ends the gRPC server: readiness off (the gateway stops asking), the streams of
 // requests still answering given until deadline, then cut.
