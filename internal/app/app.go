@@ -266,12 +266,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	models.Store(&modelNames{models: cfg.Models, def: cfg.DefaultModel})
 	sel := &policy.Selector{Registry: reg, Policies: policies, Pairs: pairs,
 		Compatible: func(p, d *worker.Worker) bool { return pd.Compatible(p, d, cfg.KVConnector) },
-		Observe: func(d policy.Decision) {
-			m.RouteDecisions.WithLabelValues(d.Role, d.Policy, d.Reason).Inc()
-			if d.Match >= 0 {
-				m.RouteMatch.WithLabelValues(d.Role).Observe(d.Match)
-			}
-		}}
+		Observe:    m.ObserveRoute}
 	adapters := lora.New(reg, client, log, adapterSettings(cfg))
 	m.Declared = func(model string) bool { // the configuration's names: bounded, labels before any worker lists them
 		if _, ok := adapters.Loadable(model); ok {
@@ -289,13 +284,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	sel.Adapters = adapters
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
-		sequential.Redecode = func(ctx context.Context, prefill *worker.Worker, req *pd.Request, avoid map[string]bool) (*worker.Worker, error) {
-			d, err := sel.Decode(ctx, prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body, Parsed: req.Request}, avoid)
-			if err == nil {
-				err = adapters.Ensure(ctx, d, req.Model) // the new decode must have the adapter too
-			}
-			return d, err
-		}
+		sequential.Redecode = pd.RedecodeOver(sel)
 	}
 	dispatcher := &pd.Dispatcher{Sequential: sequential, Parallel: parallel}
 	kv.SetTokenizeClient(client)

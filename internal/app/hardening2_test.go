@@ -4,7 +4,6 @@ package app
 // before it.
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"log/slog"
@@ -28,52 +27,6 @@ import (
 	"github.com/baton-llm/baton/internal/sim"
 )
 
-// rawEngine is a raw-socket engine serving model m: registration probes get plain answers, and
-// each POST goes to post, its body unread, which writes whatever it likes on the connection and
-// says whether the connection goes on. It returns the engine's URL.
-func rawEngine(t *testing.T, post func(c net.Conn, req *http.Request) bool) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				br := bufio.NewReader(c)
-				for {
-					req, err := http.ReadRequest(br)
-					if err != nil {
-						return
-					}
-					if req.Method == http.MethodPost {
-						if !post(c, req) {
-							return
-						}
-						io.Copy(io.Discard, req.Body) // what post left unread
-						continue
-					}
-					io.Copy(io.Discard, req.Body)
-					switch {
-					case req.URL.Path == "/v1/models":
-						body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
-						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-					default:
-						io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-					}
-				}
-			}()
-		}
-	}()
-	return "http://" + ln.Addr().String()
-}
-
 // eachClient runs f as a parallel subtest for each upstream client, net/http's and Baton's.
 func eachClient(t *testing.T, f func(t *testing.T, client string)) {
 	for _, client := range []string{"net", "baton"} {
@@ -89,7 +42,7 @@ func eachClient(t *testing.T, f func(t *testing.T, client string)) {
 // second answer, "204" an answer without body followed by one, "past" bytes past the
 // Content-Length. Each answer names the request's X-Request-Id.
 func strayEngine(t *testing.T, stray string) string {
-	return rawEngine(t, func(c net.Conn, req *http.Request) bool {
+	return gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
 		rid := req.Header.Get("X-Request-Id")
 		body := fmt.Sprintf(`{"answer_for":%q}`, rid)
 		leak := fmt.Sprintf(`{"answer_for":"LEAK of %s"}`, rid)
@@ -148,27 +101,6 @@ func TestNoClientGetsAnothersAnswer(t *testing.T) {
 			})
 		}
 	}
-}
-
-// High 1, the message: an answer that is not HTTP was quoted in the client's 502 (the bytes may
-// be another request's). The message names the kind of failure only; net/http's own log line
-// that quotes unasked bytes is counted and said without them.
-func TestNoUpstreamBytesInMessages(t *testing.T) {
-	t.Parallel()
-	eachClient(t, func(t *testing.T, client string) {
-		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-			io.WriteString(c, "SECRET completion of someone else\r\n\r\n")
-			return false
-		})
-		cfg := testConfig(url)
-		cfg.UpstreamClient = client
-		cfg.Retry.Disable = true
-		_, gw := startGateway(t, cfg)
-		e := wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`), 502, "upstream_unreachable")
-		if strings.Contains(e.Error.Message, "SECRET") {
-			t.Errorf("the client's message quotes the engine's bytes: %s", e.Error.Message)
-		}
-	})
 }
 
 func TestStdLogBridgeDropsUnsolicitedBytes(t *testing.T) {
@@ -269,54 +201,6 @@ func TestTrickledBodyIsCutAtTheBodyTimeout(t *testing.T) {
 	}
 }
 
-// Medium 10: an engine's unasked 101 Switching Protocols was relayed and the connection kept as
-// HTTP; behind an nginx that passes Upgrade, the client's next bytes would tunnel past its
-// rules. Any final status below 200 from an engine is a 502.
-func TestEngineSwitchingProtocolsIsRefused(t *testing.T) {
-	t.Parallel()
-	for _, client := range []string{"net", "baton"} {
-		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-			io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-			io.Copy(io.Discard, c)
-			return false
-		})
-		cfg := testConfig(url)
-		cfg.UpstreamClient = client
-		cfg.Retry.Disable = true
-		_, gw := startGateway(t, cfg)
-		wantEnvelope(t, post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`), 502, "upstream_unreachable")
-	}
-}
-
-// Medium 5: a POST whose reused connection closed after the engine read it was sent to the
-// engine again, unlogged, even with retries off. It is sent once; the failure is the retry
-// policy's.
-func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
-	t.Parallel()
-	eachClient(t, func(t *testing.T, client string) {
-		var posts atomic.Int32
-		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-			if posts.Add(1) == 2 {
-				return false // read, and closed without an answer
-			}
-			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-			return true
-		})
-		cfg := testConfig(url)
-		cfg.UpstreamClient = client
-		cfg.Retry.Disable = true
-		cfg.LoadPollInterval = time.Minute
-		_, gw := startGateway(t, cfg)
-		if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"one"}`); resp.StatusCode != 200 {
-			t.Fatalf("first: %d", resp.StatusCode)
-		}
-		resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"two"}`) // on the reused connection
-		if resp.StatusCode != 502 || posts.Load() != 2 {
-			t.Errorf("status %d, the engine got %d POSTs for 2 requests with retries off", resp.StatusCode, posts.Load())
-		}
-	})
-}
-
 // Also: with an admin key set, the metrics listener's pprof needed none (its heap profiles show
 // memory contents); it takes the admin key like the status page.
 func TestPprofNeedsTheAdminKey(t *testing.T) {
@@ -399,33 +283,4 @@ func TestAdminURLsAreNormalised(t *testing.T) {
 	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:70000"}`); status != 400 {
 		t.Errorf("a port out of range: %d %s", status, body)
 	}
-}
-
-// Medium 11: an engine that answered 413 before reading a large body, then stopped reading,
-// had its answer lost: the write failed, the client got 502, the body was sent again up to the
-// retry limit, and three such requests opened the breaker for everyone. The answer that arrived
-// is relayed: a 4xx is the client's.
-func TestEarlyAnswerIsRelayed(t *testing.T) {
-	t.Parallel()
-	eachClient(t, func(t *testing.T, client string) {
-		var posts atomic.Int32
-		url := rawEngine(t, func(c net.Conn, _ *http.Request) bool {
-			posts.Add(1)
-			body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
-			fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
-			c.(*net.TCPConn).CloseWrite()
-			time.Sleep(300 * time.Millisecond) // then it goes, the body unread
-			return false
-		})
-		cfg := testConfig(url)
-		cfg.UpstreamClient = client
-		cfg.CircuitBreaker.Disable = true
-		cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes = 64<<20, 128<<20
-		_, gw := startGateway(t, cfg)
-		big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
-		resp, body := gwtest.PostTimeout(t, gw.URL+"/v1/completions", big)
-		if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
-			t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
-		}
-	})
 }

@@ -45,46 +45,6 @@ func expectedCompletion(prompt string, maxTokens int) string {
 	return sim.Detokenize(toks)
 }
 
-func TestRetriesOverAFailingWorker(t *testing.T) {
-	t.Parallel()
-	_, g, gw := simFleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
-	for i := 0; i < 100; i++ {
-		prompt := fmt.Sprintf("retry me %d", i)
-		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`)
-		if resp.StatusCode != 200 || gwtest.AnswerText(t, body) != expectedCompletion(prompt, 4) {
-			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
-		}
-	}
-	if n := testutil.ToFloat64(g.Metrics.Retries.WithLabelValues("POST /v1/completions", "status_503")); n == 0 {
-		t.Error("no retry was counted")
-	}
-}
-
-// The body of a retried request is the client's bytes again, byte for byte.
-func TestRetryReplaysTheBody(t *testing.T) {
-	t.Parallel()
-	var calls atomic.Int32
-	got := make(chan string, 2)
-	up := fakeEngine(t, "vllm", []string{"m"}, func(w http.ResponseWriter, r *http.Request) {
-		b, _ := io.ReadAll(r.Body)
-		got <- string(b)
-		if calls.Add(1) == 1 {
-			c, _, _ := w.(http.Hijacker).Hijack() // the first attempt dies before answering
-			c.Close()
-			return
-		}
-		io.WriteString(w, `{"ok":true}`)
-	})
-	_, gw := startGateway(t, testConfig(up.URL))
-	body := `{"model":"m","seed":9007199254740993,"s":"\u00e9"}`
-	if resp := post(t, gw.URL+"/v1/completions", body); resp.StatusCode != 200 {
-		t.Fatalf("status %d", resp.StatusCode)
-	}
-	if a, b := <-got, <-got; a != body || b != body {
-		t.Errorf("attempts got %q and %q, want %q twice", a, b, body)
-	}
-}
-
 func TestWorkerKilledMidStream(t *testing.T) {
 	t.Parallel()
 	es, g, gw := simFleet(t, []sim.Config{{DecodePerToken: 20 * time.Millisecond}, {}}, func(c *config.Config) {
@@ -213,66 +173,6 @@ func TestPDPrefillFailingLeavesDecodeBreakerAlone(t *testing.T) {
 			t.Errorf("%s: decode penalised: %d failures, breaker %d", engine, f, ws[1].BreakerState())
 		}
 		_, _ = p, d
-	}
-}
-
-func TestOverload(t *testing.T) {
-	t.Parallel()
-	es, g, gw := simFleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, func(c *config.Config) {
-		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 1, QueueTimeout: 2 * time.Second}
-	})
-	slow := `{"model":"m","prompt":"slow","max_tokens":5,"ignore_eos":true}`
-	var wg sync.WaitGroup
-	statuses := make(chan int, 2)
-	for i := 0; i < 2; i++ { // one runs, one waits in the queue
-		wg.Go(func() {
-			resp, err := http.Post(gw+"/v1/completions", "application/json", strings.NewReader(slow))
-			if err != nil {
-				statuses <- 0
-				return
-			}
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			statuses <- resp.StatusCode
-		})
-		if i == 0 {
-			poll.Until(t, "the condition", func() bool { return es[0].Stats().RequestsReceived == 1 }) // running
-		} else {
-			poll.Until(t, "the condition", func() bool { return testutil.ToFloat64(g.Metrics.QueueDepth.WithLabelValues("default")) == 1 }) // queued
-		}
-	}
-	resp := post(t, gw+"/v1/completions", slow) // the queue is full
-	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
-		t.Fatalf("overflow: %d retry-after %q", resp.StatusCode, resp.Header.Get("Retry-After"))
-	}
-	wantEnvelope(t, resp, 503, "queue_full")
-	wg.Wait()
-	close(statuses)
-	for s := range statuses {
-		if s != 200 {
-			t.Errorf("admitted request: %d", s)
-		}
-	}
-	if v := testutil.ToFloat64(g.Metrics.Rejections.WithLabelValues("queue_full")); v != 1 {
-		t.Errorf("rejections %v", v)
-	}
-	// A request that waits longer than the queue timeout is refused, not kept forever.
-	es2, _, gw2 := simFleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, func(c *config.Config) {
-		c.Admission = config.Admission{MaxConcurrentRequests: 1, QueueSize: 5, QueueTimeout: time.Second}
-	})
-	first := make(chan struct{})
-	go func() {
-		defer close(first)
-		if resp, err := http.Post(gw2+"/v1/completions", "application/json", strings.NewReader(slow)); err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		}
-	}()
-	defer func() { <-first }()
-	poll.Until(t, "the condition", func() bool { return es2[0].Stats().RequestsReceived == 1 })
-	r2, body := gwtest.PostTimeout(t, gw2+"/v1/completions", slow)
-	if r2.StatusCode != 504 || !strings.Contains(body, "queue_timeout") || r2.Header.Get("Retry-After") == "" {
-		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
 	}
 }
 

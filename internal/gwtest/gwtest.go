@@ -1,6 +1,6 @@
 // Package gwtest holds what the gateway's tests share when they talk HTTP to it: a POST with a
 // client deadline, the generated text of any route's answer, answers compared without their
-// ids, the status line read off a raw connection.
+// ids, the status line read off a raw connection, an engine that writes raw bytes on its socket.
 package gwtest
 
 import (
@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -104,4 +105,50 @@ func ReadStatus(t *testing.T, c net.Conn) string {
 		t.Fatalf("reading the answer: %v", err)
 	}
 	return strings.TrimSpace(line)
+}
+
+// SocketEngine is a raw-socket engine serving model "m": its model list and other GETs get
+// plain answers (registration probes pass), and each POST goes to post, its body unread, which
+// writes whatever it likes on the connection and says whether the connection goes on. It
+// returns the engine's URL.
+func SocketEngine(t testing.TB, post func(c net.Conn, req *http.Request) bool) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for {
+					req, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					if req.Method == http.MethodPost {
+						if !post(c, req) {
+							return
+						}
+						io.Copy(io.Discard, req.Body) // what post left unread
+						continue
+					}
+					io.Copy(io.Discard, req.Body)
+					if req.URL.Path == "/v1/models" {
+						body := `{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}`
+						io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "+strconv.Itoa(len(body))+"\r\n\r\n"+body)
+						continue
+					}
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+				}
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String()
 }

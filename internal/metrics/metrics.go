@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -463,5 +464,14 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 		ok, failed := w.Outcomes()
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(ok), w.URL, w.Role, "success")
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(failed), w.URL, w.Role, "failure")
+	}
+}
+
+// ObserveRoute counts a routing decision and, where the policy measured one, its prefix match:
+// the selector's Observe hook.
+func (m *Metrics) ObserveRoute(d policy.Decision) {
+	m.RouteDecisions.WithLabelValues(d.Role, d.Policy, d.Reason).Inc()
+	if d.Match >= 0 {
+		m.RouteMatch.WithLabelValues(d.Role).Observe(d.Match)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/routes"
@@ -46,6 +47,18 @@ type Sequential struct {
 }
 
 var _ Executor = (*Sequential)(nil)
+
+// RedecodeOver is a Redecode that chooses through sel: another decode worker for the prefill
+// (its connector and runtime), the request's adapter loaded on it when sel manages adapters.
+func RedecodeOver(sel *policy.Selector) func(ctx context.Context, prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
+	return func(ctx context.Context, prefill *worker.Worker, req *Request, avoid map[string]bool) (*worker.Worker, error) {
+		d, err := sel.Decode(ctx, prefill, &policy.Request{Model: req.Model, Path: req.Path, Body: req.Body, Parsed: req.Request}, avoid)
+		if err == nil && sel.Adapters != nil {
+			err = sel.Adapters.Ensure(ctx, d, req.Model) // the new decode must have the adapter too
+		}
+		return d, err
+	}
+}
 
 // handoffPlan is what Baton will do about the KV of one request.
 type handoffPlan struct {

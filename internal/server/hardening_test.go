@@ -45,20 +45,34 @@ func running(t *testing.T, s *Server) {
 // registrar leaves workers whose engines answered), its PD requests dispatched as Baton
 // dispatches them. Workers that name no models serve whatever model they are asked.
 func pdFleet(t *testing.T, p, d config.Worker) func(*Options) {
+	p.Role, d.Role = config.RolePrefill, config.RoleDecode
+	return pdFleetOf(t, config.PolicyRoundRobin, config.PolicyRoundRobin, p, d)
+}
+
+// pdFleetOf makes the gateway's fleet the workers ws (each with its role), prefills chosen by
+// prefillPolicy and decodes by decodePolicy, pairs within a connector and a runtime as Baton
+// pairs them.
+func pdFleetOf(t *testing.T, prefillPolicy, decodePolicy string, ws ...config.Worker) func(*Options) {
 	return func(o *Options) {
-		p.Role, d.Role = config.RolePrefill, config.RoleDecode
-		serving(t, o, p)
-		serving(t, o, d)
-		rr, err := policy.New(config.PolicyRoundRobin, config.Default())
-		if err != nil {
-			t.Fatal(err)
+		for _, w := range ws {
+			serving(t, o, w)
 		}
-		o.Director.Selector.Policies = map[string]policy.Policy{config.RolePrefill: rr, config.RoleDecode: rr}
+		o.Director.Selector.Policies = map[string]policy.Policy{config.RolePrefill: policyOf(t, prefillPolicy), config.RoleDecode: policyOf(t, decodePolicy)}
 		o.Director.Selector.Compatible = func(p, d *worker.Worker) bool { return pd.Compatible(p, d, "") }
 		par := &pd.Parallel{Proxy: o.Proxy, Metrics: o.Director.Metrics, Log: o.Director.Log}
 		o.Director.PD, o.Dispatcher = true, &pd.Dispatcher{Parallel: par,
 			Sequential: &pd.Sequential{Proxy: o.Proxy, Metrics: o.Director.Metrics, Log: o.Director.Log, Concurrent: par}}
 	}
+}
+
+// policyOf is the routing policy name, with the configuration's defaults.
+func policyOf(t *testing.T, name string) policy.Policy {
+	t.Helper()
+	p, err := policy.New(name, config.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
 
 // noRetries turns retries off: these cases look at one attempt.

@@ -52,7 +52,7 @@ func gateway(t *testing.T, urls []string, tune ...func(*Options)) (*Server, stri
 	o := Options{RequestTimeout: time.Minute, StalledClientTimeout: time.Minute, MaxPayloadSize: 1 << 20,
 		Director: director.Options{MaxBatchSize: 8, Registry: reg, Metrics: m, Log: log,
 			Retry:    config.Retry{MaxRetries: 3, InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond, BackoffMultiplier: 1},
-			Selector: &policy.Selector{Registry: reg, Policies: map[string]policy.Policy{config.RoleRegular: rr}}},
+			Selector: &policy.Selector{Registry: reg, Policies: map[string]policy.Policy{config.RoleRegular: rr}, Observe: m.ObserveRoute}},
 		Proxy: &proxy.Proxy{Transport: tr, Timeout: time.Minute, Metrics: m, Log: log}, AccessLog: true}
 	for _, f := range tune {
 		f(&o)

@@ -1,0 +1,146 @@
+package server
+
+// Failing and overloaded engines through the HTTP door: retries that give the exact answer,
+// bodies replayed byte for byte, and an admission queue that refuses what it cannot hold.
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// simulatedFleet is a gateway over simulated vLLM engines serving "m"; tune changes the options.
+func simulatedFleet(t *testing.T, engines []sim.Config, tune ...func(*Options)) ([]*sim.Engine, *Server, string) {
+	t.Helper()
+	var es []*sim.Engine
+	var urls []string
+	for _, c := range engines {
+		c.Engine, c.Model = sim.EngineVLLM, "m"
+		e := startSim(t, c)
+		es = append(es, e)
+		urls = append(urls, e.URL())
+	}
+	s, gw, _ := gateway(t, urls, tune...)
+	return es, s, gw
+}
+
+// Over a worker that refuses half of its requests, every request gets the simulator's exact
+// answer, and the retries are counted.
+func TestRetriesOverAFailingWorker(t *testing.T) {
+	t.Parallel()
+	_, s, gw := simulatedFleet(t, []sim.Config{{}, {Faults: sim.Faults{Status: 503, Rate: 0.5}}})
+	for i := range 100 {
+		prompt := fmt.Sprintf("retry me %d", i)
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`)
+		toks, _ := sim.Generate(sim.Digest(sim.Tokenize(prompt)), sim.Sampling{MaxTokens: 4, IgnoreEOS: true})
+		if resp.StatusCode != 200 || gwtest.AnswerText(t, body) != sim.Detokenize(toks) {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	if n := testutil.ToFloat64(s.metrics.Retries.WithLabelValues("POST /v1/completions", "status_503")); n == 0 {
+		t.Error("no retry was counted")
+	}
+}
+
+// The body of a retried request is the client's bytes again, byte for byte.
+func TestRetryReplaysTheBody(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int32
+	got := make(chan string, 2)
+	up := engine(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got <- string(b)
+		if calls.Add(1) == 1 {
+			c, _, _ := w.(http.Hijacker).Hijack() // the first attempt dies before answering
+			c.Close()
+			return
+		}
+		io.WriteString(w, `{"ok":true}`)
+	})
+	_, gw, _ := gateway(t, []string{up})
+	body := `{"model":"m","seed":9007199254740993,"s":"\u00e9"}`
+	if resp, b := post(t, gw+"/v1/completions", body); resp.StatusCode != 200 {
+		t.Fatalf("status %d %s", resp.StatusCode, b)
+	}
+	if a, b := <-got, <-got; a != body || b != body {
+		t.Errorf("attempts got %q and %q, want %q twice", a, b, body)
+	}
+}
+
+// admitting bounds the requests served at once and the queue behind them.
+func admitting(running, queue int, timeout time.Duration) func(*Options) {
+	return func(o *Options) {
+		o.Director.Admission = config.Default().Admission
+		o.Director.Admission.MaxConcurrentRequests, o.Director.Admission.QueueSize, o.Director.Admission.QueueTimeout = running, queue, timeout
+	}
+}
+
+// One request runs, one waits: a third finds the queue full (503 queue_full with Retry-After,
+// counted) and both admitted ones are served. A request that waits past the queue timeout is
+// refused (504 queue_timeout with Retry-After), not kept forever.
+func TestOverload(t *testing.T) {
+	t.Parallel()
+	es, s, gw := simulatedFleet(t, []sim.Config{{DecodePerToken: 100 * time.Millisecond}}, admitting(1, 1, 2*time.Second))
+	slow := `{"model":"m","prompt":"slow","max_tokens":5,"ignore_eos":true}`
+	var wg sync.WaitGroup
+	statuses := make(chan int, 2)
+	for i := range 2 { // one runs, one waits in the queue
+		wg.Go(func() {
+			resp, err := http.Post(gw+"/v1/completions", "application/json", strings.NewReader(slow))
+			if err != nil {
+				statuses <- 0
+				return
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			statuses <- resp.StatusCode
+		})
+		if i == 0 {
+			poll.Until(t, "running", func() bool { return es[0].Stats().RequestsReceived == 1 })
+		} else {
+			poll.Until(t, "queued", func() bool { return testutil.ToFloat64(s.metrics.QueueDepth.WithLabelValues("default")) == 1 })
+		}
+	}
+	resp, body := post(t, gw+"/v1/completions", slow) // the queue is full
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || errorCode(t, body) != "queue_full" {
+		t.Fatalf("overflow: %d retry-after %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	wg.Wait()
+	close(statuses)
+	for st := range statuses {
+		if st != 200 {
+			t.Errorf("admitted request: %d", st)
+		}
+	}
+	if v := testutil.ToFloat64(s.metrics.Rejections.WithLabelValues("queue_full")); v != 1 {
+		t.Errorf("rejections %v", v)
+	}
+
+	es2, _, gw2 := simulatedFleet(t, []sim.Config{{DecodePerToken: 400 * time.Millisecond}}, admitting(1, 5, time.Second))
+	first := make(chan struct{})
+	go func() {
+		defer close(first)
+		if resp, err := http.Post(gw2+"/v1/completions", "application/json", strings.NewReader(slow)); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	defer func() { <-first }()
+	poll.Until(t, "running", func() bool { return es2[0].Stats().RequestsReceived == 1 })
+	r2, body := gwtest.PostTimeout(t, gw2+"/v1/completions", slow)
+	if r2.StatusCode != 504 || !strings.Contains(body, "queue_timeout") || r2.Header.Get("Retry-After") == "" {
+		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
+	}
+}

@@ -1,0 +1,124 @@
+package server
+
+// What an engine sends on its socket, however broken, reaches a client only as an answer to
+// that client's request or as a clean error — under both upstream clients, net/http's and
+// Baton's.
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/proxy"
+)
+
+// upstreamClient sends the gateway's requests to the engines with client ("net" or "baton").
+func upstreamClient(t *testing.T, client string) func(*Options) {
+	return func(o *Options) {
+		tr := proxy.NewTransport(client)
+		t.Cleanup(func() { proxy.CloseIdle(tr, "") })
+		o.Proxy.Transport = tr
+	}
+}
+
+// eachUpstream runs f as a parallel subtest for each upstream client.
+func eachUpstream(t *testing.T, f func(t *testing.T, client string)) {
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) {
+			t.Parallel()
+			f(t, client)
+		})
+	}
+}
+
+// An answer that is not HTTP is never quoted in the client's 502 (the bytes may be another
+// request's): the message names the kind of failure only.
+func TestNoUpstreamBytesInMessages(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		url := gwtest.SocketEngine(t, func(c net.Conn, _ *http.Request) bool {
+			io.WriteString(c, "SECRET completion of someone else\r\n\r\n")
+			return false
+		})
+		_, gw, _ := gateway(t, []string{url}, noRetries, upstreamClient(t, client))
+		resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`)
+		if resp.StatusCode != 502 || errorCode(t, body) != "upstream_unreachable" {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		if strings.Contains(body, "SECRET") {
+			t.Errorf("the client's message quotes the engine's bytes: %s", body)
+		}
+	})
+}
+
+// An engine's unasked 101 Switching Protocols is never relayed, nor the connection kept as HTTP
+// (behind an nginx that passes Upgrade, the client's next bytes would tunnel past its rules):
+// any final status below 200 from an engine is a 502.
+func TestEngineSwitchingProtocolsIsRefused(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		url := gwtest.SocketEngine(t, func(c net.Conn, _ *http.Request) bool {
+			io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+			io.Copy(io.Discard, c)
+			return false
+		})
+		_, gw, _ := gateway(t, []string{url}, noRetries, upstreamClient(t, client))
+		if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 502 || errorCode(t, body) != "upstream_unreachable" {
+			t.Errorf("%d %s", resp.StatusCode, body)
+		}
+	})
+}
+
+// A POST whose reused connection closed after the engine read it is sent once, even by the
+// upstream client's own retry: the failure is the retry policy's (here: off).
+func TestPostIsNeverResentBehindTheRetryPolicy(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		var posts atomic.Int32
+		url := gwtest.SocketEngine(t, func(c net.Conn, _ *http.Request) bool {
+			if posts.Add(1) == 2 {
+				return false // read, and closed without an answer
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+			return true
+		})
+		_, gw, _ := gateway(t, []string{url}, noRetries, upstreamClient(t, client))
+		if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"one"}`); resp.StatusCode != 200 {
+			t.Fatalf("first: %d %s", resp.StatusCode, body)
+		}
+		resp, _ := post(t, gw+"/v1/completions", `{"model":"m","prompt":"two"}`) // on the reused connection
+		if resp.StatusCode != 502 || posts.Load() != 2 {
+			t.Errorf("status %d, the engine got %d POSTs for 2 requests with retries off", resp.StatusCode, posts.Load())
+		}
+	})
+}
+
+// An engine that answers 413 before reading a large body, then stops reading: the answer that
+// arrived is relayed (a 4xx is the client's), not lost to the failed write as a 502, and the
+// body is not sent again (retries on).
+func TestEarlyAnswerIsRelayed(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		var posts atomic.Int32
+		url := gwtest.SocketEngine(t, func(c net.Conn, _ *http.Request) bool {
+			posts.Add(1)
+			body := `{"error":{"message":"the request is too large","type":"BadRequestError","code":413}}`
+			fmt.Fprintf(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
+			c.(*net.TCPConn).CloseWrite()
+			time.Sleep(300 * time.Millisecond) // then it goes, the body unread
+			return false
+		})
+		_, gw, _ := gateway(t, []string{url}, upstreamClient(t, client), func(o *Options) { o.MaxPayloadSize = 64 << 20 })
+		big := `{"model":"m","prompt":"` + strings.Repeat("x", 16<<20) + `"}`
+		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", big)
+		if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
+			t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
+		}
+	})
+}
