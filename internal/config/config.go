@@ -74,7 +74,7 @@ type Config struct {
 	WorkerURLs []string `json:"worker_urls" flag:"worker-urls" help:"regular workers by URL (space- or comma-separated)"`
 	// Workers are workers with full settings (YAML), or --prefill and --decode.
 	Workers []Worker `json:"workers"`
-	Policy  string   `json:"policy" reload:"live" flag:"policy" default:"round_robin" help:"worker selection policy: round_robin | random | least_load | power_of_two | prefix_hash | cache_aware"`
+	Policy  string   `json:"policy" reload:"live" flag:"policy" default:"round_robin" help:"worker selection policy: {policies}"`
 	// A worker with an explicit kv_events_endpoint is subscribed to either way.
 	KVEvents       bool   `json:"kv_events" flag:"kv-events" help:"subscribe to every worker's KV events at its kv_events_endpoint or tcp://<host>:5557 (GET /workers shows their health)"`
 	KVEventsListen string `json:"kv_events_listen" flag:"kv-events-listen" help:"listen for KV events from engines that connect out (tcp://host:port, * for every interface); each publishes on the topic kv@<ip>:<port>@<model>"`

@@ -293,7 +293,7 @@ func writeUsage(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	d := Default()
 	for _, f := range serveFlags {
-		help := f.help
+		help := strings.ReplaceAll(f.help, "{policies}", strings.Join(Policies, " | ")) // every registered one
 		if f.def != nil {
 			if v := f.def(&d); v != "" && v != "0" && v != "false" {
 				help += " (default " + v + ")"

@@ -50,7 +50,7 @@ var referenceTables = [...][]refRow{
 		{Keys: []string{"epp_max_streams", "epp_max_streams_per_connection", "epp_max_connections"}, Meaning: "`baton epp`: exchanges at once in all (past it a new stream ends at once with `RESOURCE_EXHAUSTED`), on one connection (HTTP/2's max concurrent streams), and connections at once (past it one is closed); each refusal counted in `baton_epp_cut_total`"},
 		{Keys: []string{"epp_fallbacks"}, Meaning: "`baton epp`: endpoints named after each choice, least loaded first, for the gateway to retry down"},
 		{Keys: []string{"epp_shed_queue_depth", "epp_shed_kv_usage"}, Meaning: "`baton epp`: a `batch`-class request is shed (429) when every worker that could serve it queues this many requests or uses this share of its KV cache (0: that measure off)"},
-		{Keys: []string{"policy"}, Meaning: "`round_robin`, `random`, `least_load`, `power_of_two`, `prefix_hash`, `cache_aware` (see Routing policies)"},
+		{Keys: []string{"policy"}, Meaning: "a policy of the table in Routing policies, each registered one listed there"},
 		{Keys: []string{"load_poll_interval"}, Meaning: "how often each engine's `/metrics` is read for its load; a reading older than three intervals is ignored"},
 		{Keys: []string{"prefix_token_count"}, Meaning: "`prefix_hash`: how much of the prompt it hashes (×4 characters)"},
 		{Keys: []string{"prefix_hash_load_factor"}, Meaning: "`prefix_hash`: a worker loaded above this times the mean is passed over"},

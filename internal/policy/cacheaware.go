@@ -25,7 +25,9 @@ func init() {
 	Register(Kind{Name: config.PolicyCacheAware, Reason: ReasonCacheMatch, New: func(cfg config.Config) Policy {
 		return &CacheAware{Threshold: cfg.CacheThreshold, BalanceAbs: cfg.BalanceAbsThreshold, BalanceRel: cfg.BalanceRelThreshold,
 			LoadCost: cfg.CacheLoadCost, MaxBlocks: max(1, cfg.MaxTreeSize/prefixBlock), TTL: cfg.EvictionInterval}
-	}})
+	},
+		Chooses: "the cheapest worker, cost = prompt blocks it has not seen (from an index of what Baton routed: 64-byte blocks, LRU-bounded by `max_tree_size`, forgotten after `eviction_interval_secs`) + `cache_load_cost` × its load; a prompt cached nowhere above `cache_threshold`, or an imbalanced fleet, goes to the least loaded worker with the fewest indexed blocks",
+		GoodFor: "many distinct long prefixes: matches the longest cached part, not a fixed-length hash, and spreads a hot prefix to a second worker as its first one's queue grows. The approximate index is per replica; with KV events (see KV events) every replica reads the engines' own view and they agree"})
 }
 
 // CacheAware sends a request where the longest part of its prompt is likely cached, from what

@@ -26,8 +26,10 @@ func load(w *worker.Worker) float64 {
 }
 
 func init() {
-	Register(Kind{Name: config.PolicyLeastLoad, Reason: ReasonLoad, New: func(config.Config) Policy { return LeastLoad{} }})
-	Register(Kind{Name: config.PolicyPowerOfTwo, Reason: ReasonLoad, New: func(config.Config) Policy { return PowerOfTwo{} }})
+	Register(Kind{Name: config.PolicyLeastLoad, Reason: ReasonLoad, New: func(config.Config) Policy { return LeastLoad{} },
+		Chooses: "the least loaded worker, ties at random", GoodFor: "uneven request lengths"})
+	Register(Kind{Name: config.PolicyPowerOfTwo, Reason: ReasonLoad, New: func(config.Config) Policy { return PowerOfTwo{} },
+		Chooses: "the less loaded of two random workers", GoodFor: "near least_load at constant cost; decode legs"})
 }
 
 // LeastLoad picks the least loaded worker, breaking ties at random (a fixed tie-break sends

@@ -23,11 +23,14 @@ type Policy interface {
 // Kind is a policy as it registers itself (from its own file's init): the name `policy:` and
 // --policy take, the reason a decision gives when the policy says nothing itself (one that
 // implements explain says why each time), and how it is built from the configuration, whose
-// settings it reads itself — nothing is copied for it elsewhere.
+// settings it reads itself — nothing is copied for it elsewhere. Chooses and GoodFor are its
+// row in the reference's table of policies (docs/REFERENCE.md, generated from the registry).
 type Kind struct {
-	Name   string
-	Reason string
-	New    func(cfg config.Config) Policy
+	Name    string
+	Reason  string
+	New     func(cfg config.Config) Policy
+	Chooses string
+	GoodFor string
 }
 
 var (
@@ -38,7 +41,7 @@ var (
 // Register adds a policy kind, and its name to those the configuration accepts. Call it from
 // an init function: the registry is read without a lock once Baton runs.
 func Register(k Kind) {
-	if _, dup := kinds[k.Name]; dup || k.Name == "" || k.New == nil {
+	if _, dup := kinds[k.Name]; dup || k.Name == "" || k.New == nil || k.Chooses == "" || k.GoodFor == "" {
 		panic(fmt.Sprintf("policy: bad or second registration of %q", k.Name))
 	}
 	kinds[k.Name] = k
@@ -56,8 +59,10 @@ func New(name string, cfg config.Config) (Policy, error) {
 }
 
 func init() {
-	Register(Kind{Name: config.PolicyRoundRobin, Reason: ReasonTurn, New: func(config.Config) Policy { return &RoundRobin{} }})
-	Register(Kind{Name: config.PolicyRandom, Reason: ReasonRandom, New: func(config.Config) Policy { return Random{} }})
+	Register(Kind{Name: config.PolicyRoundRobin, Reason: ReasonTurn, New: func(config.Config) Policy { return &RoundRobin{} },
+		Chooses: "the next worker in turn", GoodFor: "identical workers, even traffic"})
+	Register(Kind{Name: config.PolicyRandom, Reason: ReasonRandom, New: func(config.Config) Policy { return Random{} },
+		Chooses: "a worker at random", GoodFor: "the same, with many gateway replicas"})
 }
 
 // RoundRobin cycles through the candidates with one shared counter.

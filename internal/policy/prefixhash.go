@@ -14,7 +14,9 @@ import (
 func init() {
 	Register(Kind{Name: config.PolicyPrefixHash, Reason: ReasonHash, New: func(cfg config.Config) Policy {
 		return &PrefixHash{PrefixBytes: max(1, 4*cfg.PrefixTokenCount), LoadFactor: max(1, cfg.PrefixHashLoadFactor)}
-	}})
+	},
+		Chooses: "the worker a hash of the prompt's first `prefix_token_count` tokens ranks first (rendezvous hashing), passing over one loaded above `prefix_hash_load_factor` × the mean",
+		GoodFor: "shared system prompts and multi-turn chats: their prefix stays cached on one worker; stateless, so every replica chooses alike, and a worker joining or leaving moves only its own prefixes"})
 }
 
 // PrefixHash sends requests whose prompts begin alike to the same worker, where their prefix is
