@@ -95,3 +95,30 @@ func TestTheHouseKeepsItsShape(t *testing.T) {
 		t.Errorf("%d lines of errors.Is/As in server, pd and proxy: the request path's errors are read at the attempt boundary (outcome.FailureOf), 15 at most", errorChecks)
 	}
 }
+
+// Behaviour is tested at its seam: the whole gateway's package keeps the cases that need all
+// of it, under a quarter of the test lines.
+func TestTheWholeGatewayKeepsAQuarterOfTheTests(t *testing.T) {
+	var app, all int
+	for _, dir := range []string{"cmd", "internal", "test"} {
+		err := filepath.WalkDir(filepath.Join("../..", dir), func(path string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(path, "_test.go") {
+				return err
+			}
+			b, err := os.ReadFile(path)
+			n := strings.Count(string(b), "\n")
+			all += n
+			if filepath.Dir(path) == filepath.Join("../..", "internal", "app") {
+				app += n
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if all == 0 || 4*app >= all {
+		t.Errorf("internal/app holds %d of %d test lines (%.1f %%): test behaviour in the package that owns it, under 25 %%", app, all, 100*float64(app)/float64(max(all, 1)))
+	}
+	t.Logf("internal/app: %d of %d test lines (%.1f %%)", app, all, 100*float64(app)/float64(all))
+}
