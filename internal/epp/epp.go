@@ -244,12 +244,13 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		case err := <-res:
 			return err
 		case <-phase:
-			if !x.replied.Load() {
+			if !x.whole.Load() {
 				s.cut("request_phase_timeout")
 				return status.Errorf(codes.DeadlineExceeded, "the request was not whole within %s (body_timeout)", s.RequestPhase)
 			}
 			phase = nil
 		case <-whole:
+			s.cut("max_duration")
 			return status.Errorf(codes.DeadlineExceeded, "the exchange outlived %s", s.MaxDuration)
 		}
 	}
@@ -300,16 +301,19 @@ type exchange struct {
 
 	reqMode, respMode filterv3.ProcessingMode_BodySendMode
 	observability     bool
-	started           bool        // the request headers came
-	answered          bool        // the request path was answered (pick or refusal)
-	watchBody         bool        // picked before a STREAMED body: read it for owned fields
-	replied           atomic.Bool // answered, as Process's timer reads it
-	req               Request
-	body              []byte
-	held              int64 // body bytes reserved in the budget
-	bodyDone          bool
-	pick              *Pick
-	immediate         bool
+	started           bool // the request headers came
+	answered          bool // the request path was answered (pick or refusal)
+	watchBody         bool // picked before a STREAMED body: read it for owned fields
+	// whole: the request path is over — answered, and its body (when one passes the picker)
+	// ended — as Process's request-phase timer reads it. A STREAMED body that comes after the
+	// pick keeps the phase open until its end.
+	whole     atomic.Bool
+	req       Request
+	body      []byte
+	held      int64 // body bytes reserved in the budget
+	bodyDone  bool
+	pick      *Pick
+	immediate bool
 
 	out      Outcome
 	tail     []byte
@@ -390,6 +394,9 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 		b := r.RequestBody
 		if x.answered {
 			x.bodyDone = b.GetEndOfStream()
+			if x.bodyDone {
+				x.whole.Store(true)
+			}
 			if x.immediate || x.reqMode != filterv3.ProcessingMode_STREAMED {
 				return nil // refused while the body was still coming: the rest is not read
 			}
@@ -436,6 +443,16 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 			x.bodyDone = true
 			if err := x.decide(false); err != nil {
 				return err
+			}
+		}
+		if !x.bodyDone && x.answered && !x.immediate {
+			// The body ended with trailers after the pick (STREAMED): the watched body's end.
+			x.bodyDone = true
+			x.whole.Store(true)
+			if x.watchBody {
+				if e := x.watchChunk(nil, true); e != nil {
+					return x.refuse(e, false)
+				}
 			}
 		}
 		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}})
@@ -627,7 +644,9 @@ func (x *exchange) answer(atHeaders bool) error {
 		x.s.Observe("", time.Since(start))
 	}
 	x.pick, x.answered = p, true
-	x.replied.Store(true)
+	if x.bodyDone || x.reqMode != filterv3.ProcessingMode_STREAMED {
+		x.whole.Store(true) // NONE: no body passes the picker
+	}
 	if x.observability {
 		return nil
 	}
@@ -685,7 +704,7 @@ func (x *exchange) refuse(e *openai.Error, picked bool) error {
 		x.s.Observe(e.Code, 0)
 	}
 	x.answered, x.immediate = true, true
-	x.replied.Store(true)
+	x.whole.Store(true)
 	hm := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader("content-type", "application/json"), setHeader(openai.HeaderErrorCode, e.Code)}}
 	if e.RetryAfter != "" {

@@ -62,7 +62,7 @@ func NewGRPC(p Port) (*grpc.Server, *health.Server) {
 			m.EPPDecisions.WithLabelValues(code).Inc()
 		},
 		Owned:   openai.OwnedIn,
-		Guarded: func(method, path string) bool { return method == http.MethodPost && routes.Of(path).Inference },
+		Guarded: guarded,
 	}
 	if p.BodyBudget != nil {
 		es.Reserve, es.Release = share(p.BodyBudget, cfg.MaxBufferedBodyBytes)
@@ -86,6 +86,18 @@ func NewGRPC(p Port) (*grpc.Server, *health.Server) {
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	SetReady(hs, false)
 	return srv, hs
+}
+
+// guarded reports whether a request's body must be read for the fields Baton owns: every POST
+// but one to a route Baton knows as no inference route. A path spelled otherwise than the route
+// table's (escaped, doubled slashes, a trailing slash or parameters) is guarded: an engine's
+// server may still route it to an inference handler.
+func guarded(method, path string) bool {
+	if method != http.MethodPost {
+		return false
+	}
+	r := routes.Of(path)
+	return r.Path == "" || r.Inference
 }
 
 // share is the body budget's part the picker may hold: at most half of total

@@ -322,6 +322,9 @@ func TestPortBoundsTheExchange(t *testing.T) {
 		t.Fatalf("a silent exchange: %v", err)
 	}
 	poll.Until(t, "the request ended", func() bool { return w.InFlight() == 0 })
+	if n := testutil.ToFloat64(p.metrics.EPPCut.WithLabelValues("max_duration")); n != 1 {
+		t.Errorf("max_duration counted %v", n)
+	}
 
 	flood := http.Header{}
 	for i := range 300 {
@@ -662,4 +665,94 @@ func TestPortRefusalsEndTheExchange(t *testing.T) {
 	if m, err := st.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 413 {
 		t.Errorf("a partial buffer: %v %v", m, err)
 	}
+}
+
+// A STREAMED body that ends with trailers after the pick is still checked at its end: one
+// carrying a field Baton owns is refused, not let through because no chunk said end of stream.
+func TestPortOwnedFieldsNeverPassBehindTrailers(t *testing.T) {
+	t.Parallel()
+	p := startPicker(t, []config.Worker{simulated(t)})
+	st, err := p.client().Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := dataplane.RequestHeaders(http.MethodPost, "", "/v1/chat/completions", nil, false)
+	first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_STREAMED}
+	st.Send(first)
+	if m, err := st.Recv(); err != nil || m.GetRequestHeaders() == nil {
+		t.Fatalf("the headers' answer: %v %v", m, err)
+	}
+	body := `{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"do_remote_prefill":true},"priority":-1000}`
+	for _, part := range []string{body[:40], body[40:]} {
+		st.Send(dataplane.RequestBody([]byte(part), false))
+		if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
+			t.Fatalf("a chunk: %v %v", m, err)
+		}
+	}
+	st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
+	m, err := st.Recv()
+	if err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 400 || !strings.Contains(string(m.GetImmediateResponse().GetBody()), "owned_field") {
+		t.Fatalf("the trailers' answer: %v %v, want 400 owned_field", m, err)
+	}
+}
+
+// The guard is not a matter of spelling: a POST to a path an engine's server may route to an
+// inference handler (escaped, doubled or trailing slashes, parameters) is guarded as the route
+// itself — refused at the end of a STREAMED body carrying an owned field, refused unread in NONE.
+func TestPortGuardsEverySpellingOfARoute(t *testing.T) {
+	t.Parallel()
+	p := startPicker(t, []config.Worker{simulated(t)})
+	open := func(mode filterv3.ProcessingMode_BodySendMode, path string) extprocv3.ExternalProcessor_ProcessClient {
+		st, err := p.client().Process(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := dataplane.RequestHeaders(http.MethodPost, "", path, nil, false)
+		first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: mode}
+		st.Send(first)
+		return st
+	}
+	for _, path := range []string{"/v1/%63hat/completions", "/v1/chat%2Fcompletions", "//v1/chat/completions", "/v1/chat/completions/", "/v1/chat/completions;x", "/v1/./chat/completions"} {
+		st := open(filterv3.ProcessingMode_STREAMED, path)
+		if m, err := st.Recv(); err != nil || m.GetRequestHeaders() == nil {
+			t.Fatalf("%s: the headers' answer: %v %v", path, m, err)
+		}
+		st.Send(dataplane.RequestBody([]byte(`{"model":"m","messages":[],"priority":-1000}`), true))
+		if m, err := st.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 400 {
+			t.Errorf("STREAMED %s with an owned field: %v %v, want 400", path, m, err)
+		}
+		st = open(filterv3.ProcessingMode_NONE, path)
+		if m, err := st.Recv(); err != nil || m.GetImmediateResponse().GetStatus().GetCode() != 500 {
+			t.Errorf("NONE %s with a body: %v %v, want 500 epp_body_unread", path, m, err)
+		}
+	}
+}
+
+// A STREAMED body that comes after the pick is part of the request path: one not whole within
+// body_timeout ends the stream (counted), and the picked worker's count in flight with it.
+func TestPortStreamedBodyEndsAtTheBodyTimeout(t *testing.T) {
+	t.Parallel()
+	a := simulated(t)
+	p := startPicker(t, []config.Worker{a}, func(c *config.Config) { c.BodyTimeout, c.RequestTimeout = 400*time.Millisecond, time.Minute })
+	st, err := p.client().Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false)
+	first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_STREAMED}
+	st.Send(first)
+	if m, err := st.Recv(); err != nil || m.GetRequestHeaders() == nil {
+		t.Fatalf("the headers' answer: %v %v", m, err)
+	}
+	st.Send(dataplane.RequestBody([]byte(`{"model":"m",`), false)) // and the rest never comes
+	if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
+		t.Fatalf("the chunk's answer: %v %v", m, err)
+	}
+	if _, err := st.Recv(); status.Code(err) != codes.DeadlineExceeded || !strings.Contains(err.Error(), "body_timeout") {
+		t.Fatalf("a body that never ends: %v, want DEADLINE_EXCEEDED at body_timeout", err)
+	}
+	if n := testutil.ToFloat64(p.metrics.EPPCut.WithLabelValues("request_phase_timeout")); n != 1 {
+		t.Errorf("request_phase_timeout counted %v", n)
+	}
+	poll.Until(t, "the request ended", p.idle)
 }

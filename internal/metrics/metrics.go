@@ -280,7 +280,7 @@ func New(reg *worker.Registry) *Metrics {
 		}),
 		EPPCut: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_epp_cut_total",
-			Help: "ext_proc streams and connections the Endpoint Picker refused or ended for its data plane's behaviour, by reason: max_streams, max_connections, request_phase_timeout.",
+			Help: "ext_proc streams and connections the Endpoint Picker refused or ended for its data plane's behaviour, by reason: max_streams, max_connections, request_phase_timeout, max_duration.",
 		}, []string{"reason"}),
 		EPPStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_epp_streams", Help: "ext_proc exchanges the Endpoint Picker is serving.",

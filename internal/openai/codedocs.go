@@ -33,7 +33,7 @@ var CodeDocs = []CodeDoc{
 	{Status: "413", Codes: []string{CodePayloadTooLarge}, When: "the body past `--max-payload-size`"},
 	{Status: "415", Codes: []string{CodeUnsupportedMedia}, When: "admin API: a write not declared JSON"},
 	{Status: "417", Codes: []string{CodeExpectationFailed}, When: "an `Expect` other than `100-continue`"},
-	{Status: "431", Codes: []string{CodeHeadersTooLarge}, When: "the request head past 64 KiB or 128 fields"},
+	{Status: "431", Codes: []string{CodeHeadersTooLarge}, When: "the request head past 64 KiB or 128 fields (through the Endpoint Picker: 256 fields, the data plane's own included)"},
 	{Status: "429", Codes: []string{CodeTenantRateLimit, CodeTenantConcurrency}, When: "a tenant's requests or tokens per minute, or requests at once ([Tenants and limits](#tenants-and-limits)); `Retry-After` in seconds"},
 	{Status: "429", Codes: []string{CodeTenantRequestTooLarge}, When: "a request whose completion cap (or cap and prompt) exceeds its tenant's whole token bucket; `param` names the field, `x-should-retry: false`, no `Retry-After`"},
 	{Status: "500", Codes: []string{CodeInternalError}, When: "a panic while serving (the stack is logged)"},
