@@ -752,7 +752,7 @@ func logAdmin(log *slog.Logger, cfg config.Config) {
 	case cfg.AdminPort >= 0 && config.IsLoopback(host):
 		log.Info("admin API (worker routes) on its own loopback listener, no key", "host", host)
 	default:
-		log.Warn("admin API (worker routes) refused (403): without --admin-api-key it answers only on a loopback listener of its own (--admin-host 127.0.0.1 --admin-port N); GET /workers on the API port still answers the API's one client (with tenants, only the admin key)", "host", host)
+		log.Info("admin API (worker routes) off (403): without --admin-api-key it answers only on a loopback listener of its own (--admin-host 127.0.0.1 --admin-port N); GET /workers on the API port still answers the API's one client (with tenants, only the admin key)", "host", host)
 	}
 }
 

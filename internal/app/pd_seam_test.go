@@ -152,3 +152,15 @@ func startLogged(t *testing.T, cfg config.Config) *syncBuffer {
 	t.Cleanup(g.Wait)
 	return logs
 }
+
+// A start with nothing amiss warns of nothing: a WARN at startup means something to act on (so
+// that the misconfigurations above are heard).
+func TestAHealthyStartWarnsOfNothing(t *testing.T) {
+	t.Parallel()
+	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
+	r := startRun(t, "--worker-urls", e.URL())
+	poll.Until(t, "the worker registered", func() bool { return strings.Contains(r.logs.String(), "worker registered") })
+	if strings.Contains(r.logs.String(), "level=WARN") {
+		t.Errorf("a healthy start warned:\n%s", r.logs.String())
+	}
+}

@@ -123,14 +123,15 @@ func (f *fleet) peek(t *testing.T, r *tenant.Rule) tenant.Decision {
 	return d
 }
 
-// A tenant held to some models: another model is the 404 of a model nobody serves, /generate
-// naming none is 400 model_required; a model it may use is admitted, with no limits to show.
+// A tenant held to some models: another model is the 404 of a model nobody serves, its message
+// true whether or not a worker serves it (never "not served" of a served model); /generate naming
+// none is 400 model_required; a model it may use is admitted, with no limits to show.
 func TestAdmitTenantModels(t *testing.T) {
 	f := tenantFleet(t, tenantsOf(keyedTenant("a", func(c *config.Tenant) { c.Models = []string{"m", "sm*"} })), 1024)
 	x := f.admitAs(t, "key-a", "/v1/chat/completions", `{"model":"big","messages":[]}`, "", "")
 	x.a.End()
 	if e := x.a.Refusal; x.ok || e.Status != http.StatusNotFound || e.Code != openai.CodeModelNotFound || e.Param != "model" ||
-		strings.Contains(e.Message, "sm*") {
+		strings.Contains(e.Message, "sm*") || strings.Contains(e.Message, "not served") || !strings.Contains(e.Message, "may not use") {
 		t.Errorf("a model the tenant may not use: %+v", e)
 	}
 	x = f.admitAs(t, "key-a", "/generate", `{"text":"hi"}`, "", "")
