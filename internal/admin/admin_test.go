@@ -294,3 +294,21 @@ func TestWorkersOnTheAPIListener(t *testing.T) {
 		}
 	}
 }
+
+// GET /workers says whose answers are proven their requests' before they are relayed: none
+// until the worker's engine was seen echoing Baton's X-Request-Id.
+func TestWorkersSayWhoseAnswersAreProven(t *testing.T) {
+	f := &fakeFleet{reg: worker.NewRegistry()}
+	admin := serve(t, Options{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}, f.reg, tenantsOf(t), true)
+	w := worker.New(config.Worker{URL: "http://10.0.0.1:8000"})
+	if err := f.reg.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); !strings.Contains(body, `"correlation":"none"`) {
+		t.Errorf("before any echo: %s", body)
+	}
+	w.NoteEcho()
+	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); !strings.Contains(body, `"correlation":"x-request-id"`) {
+		t.Errorf("after an echo: %s", body)
+	}
+}

@@ -254,6 +254,9 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		return nil, err
 	}
 	transport := proxy.NewTransport(cfg.UpstreamClient)
+	if cfg.UpstreamReuse == "off" {
+		transport = proxy.WithoutReuse(transport)
+	}
 	px := &proxy.Proxy{Transport: transport, Timeout: cfg.RequestTimeout, Metrics: m, Log: log}
 	if cfg.ForwardSimFaults {
 		px.ExtraHeaders = []string{"X-Sim-Fault"}

@@ -240,7 +240,11 @@ type Config struct {
 	HTTPServer string `json:"http_server" flag:"http-server" default:"baton" oneof:"baton|net" help:"server of the API listener: baton (Baton's own HTTP/1.1 server; Linux) or net (Go's net/http)"`
 	// UpstreamClient baton reuses a connection without watching it, so stray bytes from a
 	// misbehaving engine or proxy could become another request's answer.
-	UpstreamClient      string        `json:"upstream_client" flag:"upstream-client" default:"net" oneof:"net|baton" help:"HTTP client to the engines: net (Go's net/http transport; drops a connection an engine writes to unasked) or baton (Baton's own, less memory per stream)"`
+	UpstreamClient string `json:"upstream_client" flag:"upstream-client" default:"net" oneof:"net|baton" help:"HTTP client to the engines: net (Go's net/http transport; drops a connection an engine writes to unasked) or baton (Baton's own, less memory per stream)"`
+	// UpstreamReuse off gives every upstream request a connection of its own: no answer can be
+	// out of step with its request, at the cost of a connect per request (for workers whose
+	// engines echo no X-Request-Id; GET /workers says which).
+	UpstreamReuse       string        `json:"upstream_reuse" flag:"upstream-reuse" default:"on" oneof:"on|off" help:"keep connections to the engines for reuse (on), or open one per request (off: no answer can be another request's even from an engine that echoes no X-Request-Id)"`
 	ShutdownGracePeriod time.Duration `json:"shutdown_grace_period" flag:"shutdown-grace-period" unit:"secs" default:"3m" check:">=0" help:"how long in-flight requests may drain on SIGTERM"`
 	DetectInterval      time.Duration `json:"detect_interval" flag:"detect-interval" unit:"secs" default:"10s" check:">0" help:"longest wait between registration attempts for an unreachable worker"`
 

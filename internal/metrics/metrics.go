@@ -38,6 +38,7 @@ const (
 	KindTransport = "transport"  // connection refused, reset before response
 	KindTimeout   = "timeout"    // request deadline passed
 	KindStatus    = "status"     // upstream answered 5xx
+	KindMismatch  = "mismatch"   // an answer naming another request's id: closed, never relayed
 	KindMidStream = "mid_stream" // upstream failed after the first byte reached the client
 	KindInBand    = "in_band"    // upstream reported an error inside a stream it answered 200
 )
@@ -134,7 +135,7 @@ func New(reg *worker.Registry) *Metrics {
 		}, []string{"route", "model"}),
 		UpstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_upstream_errors_total",
-			Help: "Failed upstream requests by worker and kind (transport, timeout, status, mid_stream).",
+			Help: "Failed upstream requests by worker and kind (transport, timeout, status, mid_stream, mismatch: an answer naming another request's X-Request-Id, closed and never relayed).",
 		}, []string{"worker", "kind"}),
 		PDRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_requests_total",

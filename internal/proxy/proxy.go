@@ -125,6 +125,21 @@ func NewTransport(client string) http.RoundTripper {
 	return StdTransport()
 }
 
+// WithoutReuse makes t open a connection for every request and close it after the answer
+// (--upstream-reuse off): no answer on a connection can be another request's.
+func WithoutReuse(t http.RoundTripper) http.RoundTripper {
+	switch t := t.(type) {
+	case *upstream.Transport:
+		t.MaxIdlePerHost = 0
+		if f, ok := t.Fallback.(*http.Transport); ok {
+			f.DisableKeepAlives = true
+		}
+	case *http.Transport:
+		t.DisableKeepAlives = true
+	}
+	return t
+}
+
 // CloseIdle closes the idle connections t keeps to the worker at url: Baton's own client those
 // to its host alone; net/http's transport, which cannot single one host out, every idle
 // connection (a worker leaving is rare; the others reconnect once).
@@ -233,6 +248,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	out.ContentLength = int64(len(c.Body))
 	if !tracing.Enabled() {
 		resp, err := informational(p.Transport.RoundTrip(out))
+		resp, err = p.correlate(out, leg.W, resp, err)
 		given(c.Rec, leg, resp, err)
 		return resp, err
 	}
@@ -248,6 +264,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
 	resp, err := informational(p.Transport.RoundTrip(out))
+	resp, err = p.correlate(out, leg.W, resp, err)
 	given(c.Rec, leg, resp, err)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, err.Error())
@@ -255,6 +272,41 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		leg.span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode), attribute.Float64("baton.ttfb_ms", float64(time.Since(start))/1e6))
 	}
 	return resp, err
+}
+
+// ErrAnotherAnswer is an answer naming another request's X-Request-Id than the one Baton sent:
+// an answer out of step on a reused connection (an engine, or something before it, that sent a
+// request's answer twice or late). It is closed with its connection and never relayed: a
+// failure of the worker's, retried before the client got a byte.
+var ErrAnotherAnswer = errors.New("the worker answered with another request's answer (its X-Request-Id is not the one sent); the connection is closed")
+
+// correlate proves an answer is its request's before a byte of it is relayed, where the worker's
+// engine echoes X-Request-Id (vLLM's --enable-request-id-headers): an engine once seen echoing
+// the id Baton sent must echo this request's. An answer naming another is closed before its end
+// — its connection with it, so nothing that follows on it reaches another request — and is
+// ErrAnotherAnswer. A worker never seen echoing Baton's id (an engine that echoes nothing, or a
+// proxy before it that sets its own) is not judged: GET /workers says which workers are.
+func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Response, err error) (*http.Response, error) {
+	if err != nil {
+		return resp, err
+	}
+	got := resp.Header.Get(openai.HeaderRequestID)
+	if got == "" {
+		return resp, nil
+	}
+	sent := out.Header.Get(openai.HeaderRequestID)
+	if got == sent {
+		w.NoteEcho()
+		return resp, nil
+	}
+	if !w.Echoes() {
+		return resp, nil
+	}
+	resp.Body.Close() // before its end: the connection is closed, never reused
+	if p.Log != nil {
+		p.Log.Error("an answer for another request arrived on a connection to the worker: closed, not relayed", "worker", w.URL, "sent_request_id", sent, "answer_request_id", got)
+	}
+	return nil, ErrAnotherAnswer
 }
 
 // given notes on the request's record that a leg that generates (a regular or decode leg) was
@@ -590,7 +642,7 @@ func safeCause(err error) string {
 		return op.Op + ": " + op.Err.Error()
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return "the connection closed before a whole answer"
-	case errors.Is(err, ErrBodyTooLarge), errors.Is(err, upstream.ErrHeaderTooLarge), errors.Is(err, ErrInformational):
+	case errors.Is(err, ErrBodyTooLarge), errors.Is(err, upstream.ErrHeaderTooLarge), errors.Is(err, ErrInformational), errors.Is(err, ErrAnotherAnswer):
 		return err.Error()
 	case strings.Contains(err.Error(), "server response headers exceeded"): // net/http's, unexported
 		return fmt.Sprintf("its answer's headers exceed %d bytes", MaxResponseHeaderBytes)
@@ -616,8 +668,11 @@ func (p *Proxy) Failure(r *http.Request, leg *Leg, err error) error {
 	f := Classify(w, leg.Name, p.Timeout, err)
 	leg.Done(0, err)
 	kind := metrics.KindTransport
-	if outcome.IsTimeout(err) {
+	switch {
+	case outcome.IsTimeout(err):
 		kind = metrics.KindTimeout
+	case errors.Is(err, ErrAnotherAnswer):
+		kind = metrics.KindMismatch
 	}
 	p.countError(w, kind)
 	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg.Name, "status", f.ClientStatus(), "err", err)

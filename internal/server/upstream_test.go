@@ -10,11 +10,15 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/proxy"
 )
 
@@ -119,6 +123,76 @@ func TestEarlyAnswerIsRelayed(t *testing.T) {
 		resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", big)
 		if resp.StatusCode != 413 || !strings.Contains(body, "too large") || posts.Load() != 1 {
 			t.Errorf("%d after %d POSTs: %.200s", resp.StatusCode, posts.Load(), body)
+		}
+	})
+}
+
+// shiftingEngine answers every completion twice on its connection: its answer, then the same
+// answer again just before its answer to the next request on that connection — a delayed
+// duplicate that lands after the next request was written, shifting every later answer by one.
+// Each answer names the request id it was for in its body, and in X-Request-Id when echo is set.
+func shiftingEngine(t *testing.T, echo bool) string {
+	var mu sync.Mutex
+	pending := map[net.Conn]string{}
+	return gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+		rid := req.Header.Get("X-Request-Id")
+		answer := func(rid string) string {
+			body := fmt.Sprintf(`{"answer_for":%q}`, rid)
+			head := "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+			if echo {
+				head += "X-Request-Id: " + rid + "\r\n"
+			}
+			return fmt.Sprintf("%sContent-Length: %d\r\n\r\n%s", head, len(body), body)
+		}
+		mu.Lock()
+		dup := pending[c]
+		pending[c] = answer(rid)
+		mu.Unlock()
+		_, err := io.WriteString(c, dup+answer(rid))
+		return err == nil
+	})
+}
+
+// An answer out of step on a reused connection never reaches a client where the worker's engine
+// echoes X-Request-Id: the answer naming another request is closed with its connection, counted
+// and retried, and every client gets its own answer — under both upstream clients.
+func TestAnAnswerOutOfStepNeverReachesAClient(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		s, gw, ws := gateway(t, []string{shiftingEngine(t, true)}, upstreamClient(t, client))
+		for i := range 12 {
+			rid := fmt.Sprintf("client-%d", i)
+			resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"mine"}`, "X-Request-Id", rid)
+			// Its own answer, to its first attempt or to a retry (<id>-retry-<n>).
+			if resp.StatusCode != 200 || body != fmt.Sprintf(`{"answer_for":%q}`, rid) && !strings.HasPrefix(body, `{"answer_for":"`+rid+`-retry-`) {
+				t.Fatalf("request %d (%s): %d %s", i, rid, resp.StatusCode, body)
+			}
+		}
+		if !ws[0].Echoes() {
+			t.Error("the worker is not known to echo X-Request-Id")
+		}
+		if n := testutil.ToFloat64(s.metrics.UpstreamErrors.WithLabelValues(ws[0].URL, metrics.KindMismatch)); n == 0 {
+			t.Error("no answer out of step was counted")
+		}
+	})
+}
+
+// Where the engine echoes nothing, an answer out of step cannot be told from the request's own:
+// with reuse off every request has a connection of its own, and every client gets its own answer.
+func TestUpstreamReuseOffKeepsAnswersInStep(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		_, gw, ws := gateway(t, []string{shiftingEngine(t, false)}, upstreamClient(t, client),
+			func(o *Options) { o.Proxy.Transport = proxy.WithoutReuse(o.Proxy.Transport) })
+		for i := range 8 {
+			rid := fmt.Sprintf("client-%d", i)
+			resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"mine"}`, "X-Request-Id", rid)
+			if resp.StatusCode != 200 || body != fmt.Sprintf(`{"answer_for":%q}`, rid) {
+				t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+			}
+		}
+		if ws[0].Echoes() {
+			t.Error("a worker that echoes nothing is said to")
 		}
 	})
 }

@@ -62,6 +62,10 @@ type Config struct {
 	BootstrapTimeout time.Duration // SGLang: a leg whose partner never arrives fails; 0 means 10 s
 	KVLoadFailure    string        // decode whose KV cannot be loaded: fail (500) or recompute
 	PrefixCache      bool          // keep computed prompts' KV in a block prefix cache (LRU)
+	// EchoRequestID answers every request with its X-Request-Id header (a random one when it
+	// sent none), as vLLM does with --enable-request-id-headers
+	// (vllm/entrypoints/serve/middleware/x_request_id.py).
+	EchoRequestID bool
 	// PrefixCacheBlocks is the prefix cache's capacity in blocks of 16 tokens; 0 means 4096.
 	PrefixCacheBlocks int
 	// KVEvents publishes the prefix cache's changes as KV events on a ZMQ PUB socket (port
@@ -232,6 +236,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.DurationVar(&c.KVTimeout, "kv-timeout", 30*time.Second, "pinned prefill KV is freed after this")
 	fs.DurationVar(&c.BootstrapTimeout, "bootstrap-timeout", 10*time.Second, "SGLang: a leg whose partner never arrives fails after this")
 	fs.StringVar(&c.KVLoadFailure, "kv-load-failure-policy", PolicyFail, "fail | recompute")
+	fs.BoolVar(&c.EchoRequestID, "enable-request-id-headers", false, "answer with the request's X-Request-Id header, as vLLM does with the same flag")
 	fs.BoolVar(&c.PrefixCache, "prefix-cache", false, "keep computed prompts' KV in a block prefix cache: a prompt that starts like an earlier one computes only the rest")
 	fs.BoolVar(&c.KVEvents, "kv-events", false, "publish the prefix cache's changes as KV events on a ZMQ PUB socket, in the --engine's format (needs --prefix-cache)")
 	fs.IntVar(&c.KVEventsPort, "kv-events-port", 0, "port of the KV events publisher (0: a free one)")

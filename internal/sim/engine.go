@@ -300,6 +300,19 @@ func (e *Engine) BootstrapPort() int { return e.bootPort }
 // EngineIDs are the KV engine ids, one per DP rank.
 func (e *Engine) EngineIDs() []string { return e.engineIDs }
 
+// echoRequestID sets every answer's X-Request-Id to the request's (a random one when it sent
+// none), before the handler writes.
+func echoRequestID(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		id := r.Header.Get("X-Request-Id")
+		if id == "" {
+			id = randHex(16)
+		}
+		w.Header().Set("X-Request-Id", id)
+		h.ServeHTTP(w, r)
+	})
+}
+
 func (e *Engine) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", e.inference(routeChat))
@@ -332,6 +345,9 @@ func (e *Engine) routes() http.Handler {
 		mux.HandleFunc("GET /get_model_info", e.serveModelInfo)
 		mux.HandleFunc("GET /model_info", e.serveModelInfo)
 		mux.HandleFunc("GET /health_generate", e.serveHealth)
+	}
+	if e.cfg.EchoRequestID {
+		return echoRequestID(mux)
 	}
 	return mux
 }

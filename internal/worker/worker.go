@@ -94,6 +94,7 @@ type Worker struct {
 	regErr     atomic.Pointer[RegistrationError] // the last registration attempt's failure; nil after success
 	engineIDs  atomic.Pointer[map[int]string]
 	engineLoad atomic.Pointer[EngineLoad]
+	echoes     atomic.Bool // its engine was seen echoing the X-Request-Id Baton sent
 	ready      atomic.Bool
 	draining   atomic.Bool // being removed: takes no new requests, whatever its health
 	cordoned   atomic.Bool // its pod is not ready: no new requests until it is again
@@ -449,6 +450,19 @@ func (w *Worker) Adapters() []string {
 
 // Fresh reports whether l may still be trusted at now.
 func (l EngineLoad) Fresh(now time.Time) bool { return !l.At.IsZero() && now.Before(l.Until) }
+
+// NoteEcho records that the worker's engine answered with the X-Request-Id Baton sent it
+// (vLLM's --enable-request-id-headers): from then on an answer naming another id is one out of
+// step on its connection.
+func (w *Worker) NoteEcho() {
+	if !w.echoes.Load() {
+		w.echoes.Store(true)
+	}
+}
+
+// Echoes reports whether the worker's engine was seen echoing Baton's X-Request-Id: its answers
+// are proven to be their requests' before a byte is relayed.
+func (w *Worker) Echoes() bool { return w.echoes.Load() }
 
 // SetEngineLoad records what the engine last reported of its load.
 func (w *Worker) SetEngineLoad(l EngineLoad) { w.engineLoad.Store(&l) }
