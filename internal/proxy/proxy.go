@@ -278,30 +278,31 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 // an answer out of step on a reused connection (an engine, or something before it, that sent a
 // request's answer twice or late). It is closed with its connection and never relayed: a
 // failure of the worker's, retried before the client got a byte.
-var ErrAnotherAnswer = errors.New("the worker answered with another request's answer (its X-Request-Id is not the one sent); the connection is closed")
+var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (its X-Request-Id is another's, or missing); the connection is closed")
 
 // correlate proves an answer is its request's before a byte of it is relayed, where the worker's
 // engine echoes X-Request-Id (vLLM's --enable-request-id-headers): an engine once seen echoing
 // the id Baton sent must echo this request's. An answer naming another is closed before its end
 // — its connection with it, so nothing that follows on it reaches another request — and is
-// ErrAnotherAnswer. A worker never seen echoing Baton's id (an engine that echoes nothing, or a
+// ErrAnotherAnswer, and so is one without an id (its engine adds one to every answer). A worker
+// not seen echoing Baton's id since it last registered (an engine that echoes nothing, or a
 // proxy before it that sets its own) is not judged: GET /workers says which workers are.
 func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Response, err error) (*http.Response, error) {
 	if err != nil {
 		return resp, err
 	}
-	got := resp.Header.Get(openai.HeaderRequestID)
-	if got == "" {
+	got, sent := resp.Header.Get(openai.HeaderRequestID), out.Header.Get(openai.HeaderRequestID)
+	switch {
+	case sent == "":
 		return resp, nil
-	}
-	sent := out.Header.Get(openai.HeaderRequestID)
-	if got == sent {
+	case got == sent:
 		w.NoteEcho()
 		return resp, nil
-	}
-	if !w.Echoes() {
+	case !w.Echoes():
 		return resp, nil
 	}
+	// A worker that echoes every answer's id gave this one another id, or none: bytes that are
+	// no answer of its to this request (a duplicate, or stray bytes read as an answer).
 	resp.Body.Close() // before its end: the connection is closed, never reused
 	if p.Log != nil {
 		p.Log.Error("an answer for another request arrived on a connection to the worker: closed, not relayed", "worker", w.URL, "sent_request_id", sent, "answer_request_id", got)
