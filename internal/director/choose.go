@@ -314,13 +314,16 @@ func (d *Director) selectSpan(ctx context.Context) func(*policy.Request, error) 
 // for a model no worker serves, 501 for a route none of its workers serves, else 503 (retried:
 // a worker may come back).
 func SelectionError(err error) *outcome.Failure {
-	kind := policy.NoneAvailable
+	kind, model := policy.NoneAvailable, ""
 	if nw, ok := errors.AsType[*policy.NoWorkerError](err); ok {
-		kind = nw.Kind()
+		kind, model = nw.Kind(), nw.Model
 	}
 	switch kind {
 	case policy.ModelUnserved:
-		return outcome.Answer(&openai.Error{Status: statusNotFound, Code: openai.CodeModelNotFound, Param: "model", Message: err.Error()})
+		// The answer of a model nobody serves is the answer of a model the caller's tenant may
+		// not use (a tenant cannot learn another's models), so it says what is true of both.
+		return outcome.Answer(&openai.Error{Status: statusNotFound, Code: openai.CodeModelNotFound, Param: "model",
+			Message: fmt.Sprintf("the model %q does not exist or you do not have access to it", model)})
 	case policy.RouteSGLangOnly:
 		return outcome.FinalAnswer(&openai.Error{Status: statusNotImplemented, Code: openai.CodeRouteNotServed, Message: err.Error()})
 	case policy.RouteNotDisaggregated:

@@ -145,11 +145,7 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 			Message: `this key may use only some models: name one in "model" (on /generate too)`}, false
 	}
 	if !t.Allows(req.Model) {
-		// The answer of a model nobody serves, its message true of both (served or not, the
-		// tenant cannot tell).
-		e := *SelectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}).Answer
-		e.Message = fmt.Sprintf("the model %q does not exist or this key may not use it", req.Model)
-		return nil, shown, &e, false
+		return nil, shown, SelectionError(&policy.NoWorkerError{Role: config.RoleRegular, Model: req.Model, Unserved: true}).Answer, false
 	}
 	rules := t.RulesFor(req.Model)
 	if rules[0] == nil && rules[1] == nil {

@@ -131,7 +131,7 @@ func TestAdmitTenantModels(t *testing.T) {
 	x := f.admitAs(t, "key-a", "/v1/chat/completions", `{"model":"big","messages":[]}`, "", "")
 	x.a.End()
 	if e := x.a.Refusal; x.ok || e.Status != http.StatusNotFound || e.Code != openai.CodeModelNotFound || e.Param != "model" ||
-		strings.Contains(e.Message, "sm*") || strings.Contains(e.Message, "not served") || !strings.Contains(e.Message, "may not use") {
+		strings.Contains(e.Message, "sm*") || strings.Contains(e.Message, "not served") || !strings.Contains(e.Message, "does not exist or you do not have access to it") {
 		t.Errorf("a model the tenant may not use: %+v", e)
 	}
 	x = f.admitAs(t, "key-a", "/generate", `{"text":"hi"}`, "", "")
