@@ -238,9 +238,10 @@ type Config struct {
 	// HTTPServer baton: less CPU per request and memory per open stream; Linux only, elsewhere
 	// net is used.
 	HTTPServer string `json:"http_server" flag:"http-server" default:"baton" oneof:"baton|net" help:"server of the API listener: baton (Baton's own HTTP/1.1 server; Linux) or net (Go's net/http)"`
-	// UpstreamClient baton reuses a connection without watching it, so stray bytes from a
-	// misbehaving engine or proxy could become another request's answer.
-	UpstreamClient string `json:"upstream_client" flag:"upstream-client" default:"net" oneof:"net|baton" help:"HTTP client to the engines: net (Go's net/http transport; drops a connection an engine writes to unasked) or baton (Baton's own, less memory per stream)"`
+	// UpstreamClient baton checks an idle connection for stray bytes when it reuses it rather
+	// than watching it; an answer out of step that arrives later is caught by correlation where
+	// the engine echoes X-Request-Id, under either client (docs/REFERENCE.md, Security).
+	UpstreamClient string `json:"upstream_client" flag:"upstream-client" default:"baton" oneof:"net|baton" help:"HTTP client to the engines: baton (Baton's own HTTP/1.1 client: less CPU and memory per request and open stream) or net (Go's net/http transport; watches idle connections)"`
 	// UpstreamReuse off gives every upstream request a connection of its own: no answer can be
 	// out of step with its request, at the cost of a connect per request (for workers whose
 	// engines echo no X-Request-Id; GET /workers says which).
