@@ -371,9 +371,10 @@ type WorkerView struct {
 	// Engine is the load the engine last reported; Fresh says whether routing still trusts it.
 	Engine *engineView `json:"engine_load,omitempty"`
 	// Correlation is how an answer of the worker's is proven its request's before it is
-	// relayed: "x-request-id" (its engine echoes the id Baton sends), or "none" (not seen
-	// echoing: an answer out of step on a reused connection cannot be told; --upstream-reuse off
-	// gives each request a connection of its own).
+	// relayed: "x-request-id" (its engine echoes the id Baton sends), "answer-id" (its engine
+	// names its answers after it: chatcmpl-<id>), or "none" (neither seen: an answer out of step
+	// on a reused connection cannot be told; --upstream-reuse off gives each request a
+	// connection of its own).
 	Correlation string `json:"correlation"`
 	// KVEvents is Baton's subscription to the engine's KV events, when it has one.
 	KVEvents any `json:"kv_events,omitempty"`
@@ -426,8 +427,11 @@ func (s *API) View(wk *worker.Worker, now time.Time) WorkerView {
 	v := WorkerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Cordoned: wk.Cordoned(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
 		Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
 		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now), Correlation: "none"}
-	if wk.Echoes() {
+	switch {
+	case wk.Echoes():
 		v.Correlation = "x-request-id"
+	case wk.IDEchoes():
+		v.Correlation = "answer-id"
 	}
 	if s.o.SourceOf != nil {
 		v.Source = s.o.SourceOf(wk.URL)

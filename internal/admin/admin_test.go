@@ -307,6 +307,10 @@ func TestWorkersSayWhoseAnswersAreProven(t *testing.T) {
 	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); !strings.Contains(body, `"correlation":"none"`) {
 		t.Errorf("before any echo: %s", body)
 	}
+	w.NoteIDEcho()
+	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); !strings.Contains(body, `"correlation":"answer-id"`) {
+		t.Errorf("after an answer named after Baton's id: %s", body)
+	}
 	w.NoteEcho()
 	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); !strings.Contains(body, `"correlation":"x-request-id"`) {
 		t.Errorf("after an echo: %s", body)

@@ -110,14 +110,14 @@ const MaxResponseHeaderBytes = 64 << 10
 // ReadError is an upstream body read failure during Relay (outcome.ReadError).
 type ReadError = outcome.ReadError
 
-// NewTransport returns the pooled upstream transport Baton uses for every worker: client "net"
-// (the default) is net/http's transport (StdTransport), which reads every idle connection in
-// the background and drops one an engine writes to unasked — bytes sent after an answer (a
-// duplicate answer, a body after a 204, bytes past its Content-Length) can never become the next
-// request's answer; "baton" is Baton's own HTTP/1.1 client (package upstream: no goroutines per
-// connection, one write per request, less memory per open stream), with net/http's transport
-// behind it for https workers. Compression is left to the engines and clients: Baton never asks
-// for it, so bodies pass through untouched.
+// NewTransport returns the pooled upstream transport Baton uses for every worker: client "baton"
+// (the default) is Baton's own HTTP/1.1 client (package upstream: no goroutines per connection,
+// one write per request, less memory per open stream; it checks a connection for stray bytes
+// when it reuses it), with net/http's transport behind it for https workers; "net" is net/http's
+// transport (StdTransport), which reads every idle connection in the background and drops one
+// an engine writes to unasked. Under either, an answer out of step is caught where the engine
+// names its answers after the request id (correlate). Compression is left to the engines and
+// clients: Baton never asks for it, so bodies pass through untouched.
 func NewTransport(client string) http.RoundTripper {
 	if client == "baton" {
 		return upstream.New(StdTransport(), MaxResponseHeaderBytes)
@@ -272,42 +272,6 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		leg.span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode), attribute.Float64("baton.ttfb_ms", float64(time.Since(start))/1e6))
 	}
 	return resp, err
-}
-
-// ErrAnotherAnswer is an answer naming another request's X-Request-Id than the one Baton sent:
-// an answer out of step on a reused connection (an engine, or something before it, that sent a
-// request's answer twice or late). It is closed with its connection and never relayed: a
-// failure of the worker's, retried before the client got a byte.
-var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (its X-Request-Id is another's, or missing); the connection is closed")
-
-// correlate proves an answer is its request's before a byte of it is relayed, where the worker's
-// engine echoes X-Request-Id (vLLM's --enable-request-id-headers): an engine once seen echoing
-// the id Baton sent must echo this request's. An answer naming another is closed before its end
-// — its connection with it, so nothing that follows on it reaches another request — and is
-// ErrAnotherAnswer, and so is one without an id (its engine adds one to every answer). A worker
-// not seen echoing Baton's id since it last registered (an engine that echoes nothing, or a
-// proxy before it that sets its own) is not judged: GET /workers says which workers are.
-func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Response, err error) (*http.Response, error) {
-	if err != nil {
-		return resp, err
-	}
-	got, sent := resp.Header.Get(openai.HeaderRequestID), out.Header.Get(openai.HeaderRequestID)
-	switch {
-	case sent == "":
-		return resp, nil
-	case got == sent:
-		w.NoteEcho()
-		return resp, nil
-	case !w.Echoes():
-		return resp, nil
-	}
-	// A worker that echoes every answer's id gave this one another id, or none: bytes that are
-	// no answer of its to this request (a duplicate, or stray bytes read as an answer).
-	resp.Body.Close() // before its end: the connection is closed, never reused
-	if p.Log != nil {
-		p.Log.Error("an answer for another request arrived on a connection to the worker: closed, not relayed", "worker", w.URL, "sent_request_id", sent, "answer_request_id", got)
-	}
-	return nil, ErrAnotherAnswer
 }
 
 // given notes on the request's record that a leg that generates (a regular or decode leg) was

@@ -132,18 +132,23 @@ func TestEarlyAnswerIsRelayed(t *testing.T) {
 // duplicate that lands after the next request was written, shifting every later answer by one.
 // Each answer names the request id it was for in its body, and in X-Request-Id when echo is set.
 func shiftingEngine(t *testing.T, echo bool) string {
+	return shifting(t, func(rid string) string {
+		body := fmt.Sprintf(`{"answer_for":%q}`, rid)
+		head := "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+		if echo {
+			head += "X-Request-Id: " + rid + "\r\n"
+		}
+		return fmt.Sprintf("%sContent-Length: %d\r\n\r\n%s", head, len(body), body)
+	})
+}
+
+// shifting is an engine that answers each request on a connection with answer, and the previous
+// request's answer again just before it.
+func shifting(t *testing.T, answer func(rid string) string) string {
 	var mu sync.Mutex
 	pending := map[net.Conn]string{}
 	return gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
 		rid := req.Header.Get("X-Request-Id")
-		answer := func(rid string) string {
-			body := fmt.Sprintf(`{"answer_for":%q}`, rid)
-			head := "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-			if echo {
-				head += "X-Request-Id: " + rid + "\r\n"
-			}
-			return fmt.Sprintf("%sContent-Length: %d\r\n\r\n%s", head, len(body), body)
-		}
 		mu.Lock()
 		dup := pending[c]
 		pending[c] = answer(rid)
@@ -195,4 +200,42 @@ func TestUpstreamReuseOffKeepsAnswersInStep(t *testing.T) {
 			t.Error("a worker that echoes nothing is said to")
 		}
 	})
+}
+
+// Where the engine names its answers after the request id (vLLM's cmpl-<X-Request-Id>, with no
+// echo of the header), a delayed duplicate is caught by its id, whole or streamed, under both
+// clients: every client gets its own answer, the worker is said to be proven by its answers' id,
+// and the out-of-step answers are counted.
+func TestAnAnswerOutOfStepIsCaughtByItsID(t *testing.T) {
+	t.Parallel()
+	for _, stream := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
+			t.Parallel()
+			eachUpstream(t, func(t *testing.T, client string) {
+				engine := shifting(t, func(rid string) string {
+					if stream {
+						body := fmt.Sprintf("data: {\"id\":\"cmpl-%s\",\"choices\":[{\"text\":\"for %s\"}]}\n\ndata: [DONE]\n\n", rid, rid)
+						return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+					}
+					body := fmt.Sprintf(`{"id":"cmpl-%s","choices":[{"text":"for %s"}]}`, rid, rid)
+					return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+				})
+				s, gw, ws := gateway(t, []string{engine}, upstreamClient(t, client))
+				for i := range 10 {
+					rid := fmt.Sprintf("client-%d", i)
+					resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"mine"}`, "X-Request-Id", rid)
+					// Its own answer, to its first attempt or to a retry (<id>-retry-<n>).
+					if resp.StatusCode != 200 || !strings.Contains(body, `"cmpl-`+rid+`"`) && !strings.Contains(body, `"cmpl-`+rid+`-retry-`) {
+						t.Fatalf("request %d (%s): %d %s", i, rid, resp.StatusCode, body)
+					}
+				}
+				if !ws[0].IDEchoes() || ws[0].Echoes() {
+					t.Errorf("proven by its answers' id %v, by the header %v", ws[0].IDEchoes(), ws[0].Echoes())
+				}
+				if n := testutil.ToFloat64(s.metrics.UpstreamErrors.WithLabelValues(ws[0].URL, metrics.KindMismatch)); n == 0 {
+					t.Error("no answer out of step was counted")
+				}
+			})
+		})
+	}
 }

@@ -95,6 +95,7 @@ type Worker struct {
 	engineIDs  atomic.Pointer[map[int]string]
 	engineLoad atomic.Pointer[EngineLoad]
 	echoes     atomic.Bool // its engine was seen echoing the X-Request-Id Baton sent
+	idEchoes   atomic.Bool // its engine was seen naming its answer after that id (chatcmpl-<id>)
 	ready      atomic.Bool
 	draining   atomic.Bool // being removed: takes no new requests, whatever its health
 	cordoned   atomic.Bool // its pod is not ready: no new requests until it is again
@@ -463,6 +464,18 @@ func (w *Worker) NoteEcho() {
 // Echoes reports whether the worker's engine was seen echoing Baton's X-Request-Id: its answers
 // are proven to be their requests' before a byte is relayed.
 func (w *Worker) Echoes() bool { return w.echoes.Load() }
+
+// NoteIDEcho records that the worker's engine named an answer after the X-Request-Id Baton sent
+// (vLLM's chatcmpl-<id> and cmpl-<id>, with or without --enable-request-id-headers).
+func (w *Worker) NoteIDEcho() {
+	if !w.idEchoes.Load() {
+		w.idEchoes.Store(true)
+	}
+}
+
+// IDEchoes reports whether the worker's engine was seen naming its answers after Baton's
+// X-Request-Id: an answer named after another request is one out of step.
+func (w *Worker) IDEchoes() bool { return w.idEchoes.Load() }
 
 // SetEngineLoad records what the engine last reported of its load.
 func (w *Worker) SetEngineLoad(l EngineLoad) { w.engineLoad.Store(&l) }
