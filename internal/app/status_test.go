@@ -77,8 +77,8 @@ func TestStatusJSON(t *testing.T) {
 	}
 	var s struct {
 		Workers []struct {
-			URL, Role, Runtime, Health, Breaker string
-			Connector                           string `json:"kv_connector"`
+			URL, Role, Runtime, Health, Breaker, Correlation string
+			Connector                                        string `json:"kv_connector"`
 		}
 		Pairs []struct {
 			Prefill, Decode string
@@ -98,7 +98,8 @@ func TestStatusJSON(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &s); err != nil {
 		t.Fatal(err)
 	}
-	if len(s.Workers) != 3 || s.Workers[0].Connector != "nixl" || s.Workers[0].Runtime != "vllm" || s.Workers[0].Health != "ready" || s.Workers[0].Breaker != "closed" {
+	if len(s.Workers) != 3 || s.Workers[0].Connector != "nixl" || s.Workers[0].Runtime != "vllm" || s.Workers[0].Health != "ready" || s.Workers[0].Breaker != "closed" ||
+		s.Workers[1].Correlation != "answer-id" {
 		t.Errorf("workers: %+v", s.Workers)
 	}
 	if len(s.Pairs) != 1 || s.Pairs[0].Prefill != workers[0] || s.Pairs[0].Decode != workers[1] || s.Pairs[0].Handoffs["nixl"] != 6 {
@@ -160,7 +161,8 @@ func TestStatusPageInBrowser(t *testing.T) {
 			t.Errorf("the rendered page lacks %q", want)
 		}
 	}
-	for _, want := range []string{`class="pill bad">503<`, `class="pill ok">closed<`, `id="rps">`} {
+	// The simulated vLLM pair names its answers after Baton's request ids: proven by id.
+	for _, want := range []string{`class="pill bad">503<`, `class="pill ok">closed<`, `id="rps">`, `class="pill ok">by answer-id<`} {
 		if !bytes.Contains(dom, []byte(want)) {
 			t.Errorf("the rendered page lacks %s", want)
 		}

@@ -593,7 +593,7 @@ func (e *Engine) writeError(w http.ResponseWriter, ae *apiError) {
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	b, _ := json.Marshal(v)
+	b := marshalIDFirst(v)
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(status)
@@ -607,3 +607,31 @@ func randHex(n int) string {
 }
 
 var errDropped = errors.New("connection dropped by fault injection")
+
+// marshalIDFirst encodes v as JSON, an object's "id" key first: vLLM's response models declare
+// id as their first field (CompletionResponse, ChatCompletionResponse and their stream chunks in
+// vllm/entrypoints/openai/protocol.py), so its answers and events begin {"id":... — where Baton
+// reads an answer's id to prove it is its request's. Other keys follow in Go's order.
+func marshalIDFirst(v any) []byte {
+	m, ok := v.(map[string]any)
+	id, has := m["id"]
+	if !ok || !has {
+		b, _ := json.Marshal(v)
+		return b
+	}
+	rest := make(map[string]any, len(m)-1)
+	for k, x := range m {
+		if k != "id" {
+			rest[k] = x
+		}
+	}
+	ib, _ := json.Marshal(id)
+	rb, _ := json.Marshal(rest)
+	out := append([]byte(`{"id":`), ib...)
+	if len(rb) > 2 {
+		out = append(append(out, ','), rb[1:]...)
+	} else {
+		out = append(out, '}')
+	}
+	return out
+}

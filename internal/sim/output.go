@@ -2,7 +2,6 @@ package sim
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -188,7 +187,7 @@ func (s *sse) event(name string, v any) error {
 		return errDropped
 	}
 	s.n++
-	b, _ := json.Marshal(v)
+	b := marshalIDFirst(v)
 	var err error
 	if name != "" {
 		_, err = fmt.Fprintf(s.w, "event: %s\ndata: %s\n\n", name, b)
