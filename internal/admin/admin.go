@@ -426,13 +426,7 @@ func (s *API) View(wk *worker.Worker, now time.Time) WorkerView {
 	ok, failed := wk.Outcomes()
 	v := WorkerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Cordoned: wk.Cordoned(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
 		Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
-		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now), Correlation: "none"}
-	switch {
-	case wk.Echoes():
-		v.Correlation = "x-request-id"
-	case wk.IDEchoes():
-		v.Correlation = "answer-id"
-	}
+		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now), Correlation: wk.Correlation()}
 	if s.o.SourceOf != nil {
 		v.Source = s.o.SourceOf(wk.URL)
 	}

@@ -338,8 +338,7 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 		w.noteRegistration(err)
 		if err == nil {
 			w.SetInfo(in)
-			w.echoes.Store(false) // a new registration: the engine (restarted, reconfigured) is seen anew
-			w.idEchoes.Store(false)
+			w.correlation.Store(correlatedNone) // a new registration: the engine (restarted, reconfigured) is seen anew
 			// What the hook learns (a Mooncake prefill's engine ids) is known before the
 			// worker takes traffic.
 			if r.OnRegistered != nil {

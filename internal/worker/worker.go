@@ -94,18 +94,19 @@ type Worker struct {
 	regErr     atomic.Pointer[RegistrationError] // the last registration attempt's failure; nil after success
 	engineIDs  atomic.Pointer[map[int]string]
 	engineLoad atomic.Pointer[EngineLoad]
-	echoes     atomic.Bool // its engine was seen echoing the X-Request-Id Baton sent
-	idEchoes   atomic.Bool // its engine was seen naming its answer after that id (chatcmpl-<id>)
-	ready      atomic.Bool
-	draining   atomic.Bool // being removed: takes no new requests, whatever its health
-	cordoned   atomic.Bool // its pod is not ready: no new requests until it is again
-	removed    atomic.Bool // out of the registry: registration and subscriptions stop
-	inflight   atomic.Int64
-	rank       atomic.Uint64 // rotates the start of the rank search, so ties go round robin
-	rankLoad   [MaxTrackedRanks]atomic.Int64
-	successes  atomic.Int64
-	failures   atomic.Int64
-	breaker    *breaker // nil: always closed
+	// correlation is how its engine was seen naming its answers after the X-Request-Id Baton
+	// sent, since it registered: correlatedNone, correlatedByID or correlatedByHeader.
+	correlation atomic.Uint32
+	ready       atomic.Bool
+	draining    atomic.Bool // being removed: takes no new requests, whatever its health
+	cordoned    atomic.Bool // its pod is not ready: no new requests until it is again
+	removed     atomic.Bool // out of the registry: registration and subscriptions stop
+	inflight    atomic.Int64
+	rank        atomic.Uint64 // rotates the start of the rank search, so ties go round robin
+	rankLoad    [MaxTrackedRanks]atomic.Int64
+	successes   atomic.Int64
+	failures    atomic.Int64
+	breaker     *breaker // nil: always closed
 
 	// health check state, owned by the HealthChecker
 	healthFails, healthOKs atomic.Int32
@@ -452,30 +453,47 @@ func (w *Worker) Adapters() []string {
 // Fresh reports whether l may still be trusted at now.
 func (l EngineLoad) Fresh(now time.Time) bool { return !l.At.IsZero() && now.Before(l.Until) }
 
+// How a worker's answers are proven their requests', the strongest seen since it registered.
+const (
+	correlatedNone     uint32 = iota
+	correlatedByID            // its answers' id is named after the X-Request-Id Baton sent
+	correlatedByHeader        // its answers echo that X-Request-Id
+)
+
+// noteCorrelation raises the worker's correlation to c (never lowers it until it registers again).
+func (w *Worker) noteCorrelation(c uint32) {
+	for old := w.correlation.Load(); old < c && !w.correlation.CompareAndSwap(old, c); old = w.correlation.Load() {
+	}
+}
+
 // NoteEcho records that the worker's engine answered with the X-Request-Id Baton sent it
 // (vLLM's --enable-request-id-headers): from then on an answer naming another id is one out of
 // step on its connection.
-func (w *Worker) NoteEcho() {
-	if !w.echoes.Load() {
-		w.echoes.Store(true)
-	}
-}
+func (w *Worker) NoteEcho() { w.noteCorrelation(correlatedByHeader) }
 
 // Echoes reports whether the worker's engine was seen echoing Baton's X-Request-Id: its answers
 // are proven to be their requests' before a byte is relayed.
-func (w *Worker) Echoes() bool { return w.echoes.Load() }
+func (w *Worker) Echoes() bool { return w.correlation.Load() == correlatedByHeader }
 
 // NoteIDEcho records that the worker's engine named an answer after the X-Request-Id Baton sent
 // (vLLM's chatcmpl-<id> and cmpl-<id>, with or without --enable-request-id-headers).
-func (w *Worker) NoteIDEcho() {
-	if !w.idEchoes.Load() {
-		w.idEchoes.Store(true)
-	}
-}
+func (w *Worker) NoteIDEcho() { w.noteCorrelation(correlatedByID) }
 
 // IDEchoes reports whether the worker's engine was seen naming its answers after Baton's
 // X-Request-Id: an answer named after another request is one out of step.
-func (w *Worker) IDEchoes() bool { return w.idEchoes.Load() }
+func (w *Worker) IDEchoes() bool { return w.correlation.Load() >= correlatedByID }
+
+// Correlation names how the worker's answers are proven, as GET /workers shows it:
+// "x-request-id", "answer-id" or "none".
+func (w *Worker) Correlation() string {
+	switch w.correlation.Load() {
+	case correlatedByHeader:
+		return "x-request-id"
+	case correlatedByID:
+		return "answer-id"
+	}
+	return "none"
+}
 
 // SetEngineLoad records what the engine last reported of its load.
 func (w *Worker) SetEngineLoad(l EngineLoad) { w.engineLoad.Store(&l) }
