@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -282,5 +283,35 @@ func TestAdminURLsAreNormalised(t *testing.T) {
 	}
 	if status, body := admin(t, http.MethodPost, gw.URL+"/workers", "sk-admin", `{"url":"http://127.0.0.1:70000"}`); status != 400 {
 		t.Errorf("a port out of range: %d %s", status, body)
+	}
+}
+
+// --upstream-reuse off reaches the upstream client: every request goes on a connection of its own
+// (with reuse on, they share one).
+func TestUpstreamReuseOffIsWired(t *testing.T) {
+	t.Parallel()
+	for reuse, want := range map[string]int{"on": 1, "off": 4} {
+		var mu sync.Mutex
+		conns := map[net.Conn]bool{}
+		url := gwtest.SocketEngine(t, func(c net.Conn, _ *http.Request) bool {
+			mu.Lock()
+			conns[c] = true
+			mu.Unlock()
+			_, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+			return err == nil
+		})
+		cfg := testConfig(url)
+		cfg.UpstreamReuse, cfg.LoadPollInterval = reuse, time.Hour
+		_, gw := startGateway(t, cfg)
+		for range 4 {
+			if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+				t.Fatalf("reuse %s: %d", reuse, resp.StatusCode)
+			}
+		}
+		mu.Lock()
+		if len(conns) != want {
+			t.Errorf("reuse %s: 4 requests on %d connections, want %d", reuse, len(conns), want)
+		}
+		mu.Unlock()
 	}
 }
