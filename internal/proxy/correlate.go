@@ -7,6 +7,7 @@ import (
 	"net/http"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -24,10 +25,13 @@ var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (na
 //     echoing the id must echo this request's, and an answer naming another, or none, is closed
 //     before its end — its connection with it, so that nothing that follows on it reaches another
 //     request — and is ErrAnotherAnswer;
-//   - else in the answer's id (vLLM's chatcmpl-<id> and cmpl-<id>): an engine once seen doing so
-//     must name this answer after this request; the first bytes of a 200 are read for it before
-//     the relay writes anything, and one named after another request ends the body with
-//     ErrAnotherAnswer (a failure before the client's head: retried).
+//   - else in the answer's id (vLLM's chatcmpl-<id> and cmpl-<id>, on the routes that build it):
+//     an engine once seen doing so must begin every 200 of those routes with this request's id.
+//     The first bytes are held (at most idWindow) until they hold a whole leading id or cannot,
+//     before the relay writes anything; an answer named after another request, or without the
+//     leading id its engine writes first, ends the body with ErrAnotherAnswer (a failure before
+//     the client's head: retried). An error (an answer that is not a 200, or a stream whose first
+//     event is an error object) carries no id to judge it by: only the header proves those.
 //
 // A worker not seen doing either since it last registered (an engine that names answers its own
 // way, or a proxy before it that sets its own id) is not judged: GET /workers says which are.
@@ -53,7 +57,11 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Respon
 	case resp.StatusCode != http.StatusOK:
 		return resp, nil
 	}
-	pr := &prover{ReadCloser: resp.Body, p: p, w: w, sent: sent}
+	prefix := routes.Of(out.URL.Path).AnswerID
+	if prefix == "" {
+		return resp, nil
+	}
+	pr := &prover{ReadCloser: resp.Body, p: p, w: w, sent: sent, prefix: prefix}
 	if v, ok := resp.Body.(viewer); ok {
 		resp.Body = &provingViewer{prover: pr, v: v}
 	} else {
@@ -68,47 +76,86 @@ func (p *Proxy) mismatch(w *worker.Worker, sent, got string) {
 	}
 }
 
-// prover reads an answer's id in its first bytes (the relay's first read, before it writes).
+// idWindow bounds the first bytes of an answer read for its leading id (vLLM's ids are a prefix,
+// the request id Baton sent, at most a few dozen bytes, and a stream's "data: ").
+const idWindow = 512
+
+// prover judges an answer by the id its first bytes begin with, before any of them is relayed.
 type prover struct {
 	io.ReadCloser
 	p       *Proxy
 	w       *worker.Worker
 	sent    string
-	checked bool
+	prefix  string // the route's: chatcmpl- or cmpl-
+	decided bool
+	held    []byte // the first bytes, read while they could not be judged yet
+	heldErr error  // the read error that came with the last of them
 }
 
-// check judges the answer by the id in its first bytes b.
-func (r *prover) check(b []byte) error {
-	r.checked = true
-	id, ok := answerID(b)
-	if !ok {
-		return nil // no id where the engines put it: nothing to judge by
+// judge decides on the first bytes b of the answer (all of it when end). It is undecided
+// (false, nil) while b could still begin with a whole id.
+func (r *prover) judge(b []byte, end bool) (bool, error) {
+	id, v := answerID(b)
+	if v == idIncomplete && !end {
+		return false, nil
 	}
-	for _, prefix := range []string{"chatcmpl-", "cmpl-"} {
-		if rest, found := bytes.CutPrefix(id, []byte(prefix)); found {
-			if string(rest) == r.sent {
-				r.w.NoteIDEcho()
-				return nil
-			}
-			if r.w.IDEchoes() {
-				r.ReadCloser.Close() // before its end: the connection is closed, never reused
-				r.p.mismatch(r.w, r.sent, string(id))
-				return ErrAnotherAnswer
-			}
-			return nil
-		}
+	r.decided = true
+	switch {
+	case v == idError:
+		return true, nil // an error carries no id: not judged
+	case v == idFound && string(id) == r.prefix+r.sent:
+		r.w.NoteIDEcho()
+		return true, nil
+	case !r.w.IDEchoes():
+		return true, nil // an engine not known to name its answers after the request
 	}
-	return nil
+	// A worker whose engine begins every answer with the request's id began this one with
+	// another's, or with none: bytes that are no answer of its to this request.
+	r.ReadCloser.Close() // before its end: the connection is closed, never reused
+	got := string(id)
+	if v != idFound {
+		got = "(none)"
+	}
+	r.p.mismatch(r.w, r.sent, got)
+	return true, ErrAnotherAnswer
 }
 
 func (r *prover) Read(b []byte) (int, error) {
-	n, err := r.ReadCloser.Read(b)
-	if !r.checked && n > 0 {
-		if cerr := r.check(b[:n]); cerr != nil {
-			return 0, cerr
+	if r.decided {
+		if r.held == nil {
+			return r.ReadCloser.Read(b)
 		}
+		n := copy(b, r.held)
+		r.held = r.held[n:]
+		if len(r.held) > 0 {
+			return n, nil
+		}
+		r.held = nil
+		return n, r.heldErr
 	}
-	return n, err
+	n, err := r.ReadCloser.Read(b)
+	if n == 0 && err == nil {
+		return 0, nil
+	}
+	ok, jerr := r.judge(b[:n], err != nil)
+	if jerr != nil {
+		return 0, jerr
+	}
+	if ok {
+		return n, err
+	}
+	// A first read too short to judge (a tiny first chunk, a split segment): hold it and read on.
+	r.held = append(make([]byte, 0, idWindow), b[:n]...)
+	for !ok {
+		m, err := r.ReadCloser.Read(r.held[len(r.held):cap(r.held)])
+		r.held = r.held[:len(r.held)+m]
+		if ok, jerr = r.judge(r.held, err != nil); jerr != nil {
+			r.held = nil
+			return 0, jerr
+		}
+		r.heldErr = err
+	}
+	return r.Read(b)
 }
 
 // provingViewer is a prover over a body that lends views of its read buffer (Baton's client).
@@ -118,32 +165,110 @@ type provingViewer struct {
 }
 
 func (r *provingViewer) Next() ([]byte, error) {
-	b, err := r.v.Next()
-	if !r.checked && len(b) > 0 {
-		if cerr := r.check(b); cerr != nil {
-			return nil, cerr
+	if r.decided {
+		if r.held == nil {
+			return r.v.Next()
 		}
+		b, err := r.held, r.heldErr
+		r.held = nil
+		return b, err
 	}
-	return b, err
+	b, err := r.v.Next()
+	if len(b) == 0 && err == nil {
+		return b, nil
+	}
+	ok, jerr := r.judge(b, err != nil)
+	if jerr != nil {
+		return nil, jerr
+	}
+	if ok {
+		return b, err
+	}
+	// The view is the client's buffer until the next call: hold a copy and read on.
+	r.held = append(make([]byte, 0, idWindow), b...)
+	for !ok {
+		b, err = r.v.Next()
+		r.held = append(r.held, b...)
+		if ok, jerr = r.judge(r.held, err != nil); jerr != nil {
+			r.held = nil
+			return nil, jerr
+		}
+		r.heldErr = err
+	}
+	return r.Next()
 }
 
-// answerID finds the value of the first "id" key in the first bytes of an answer — a JSON
-// object, or the first event of a stream ("data: {...") — where OpenAI-style engines put it
-// first. ok is false when it is not there.
-func answerID(b []byte) (id []byte, ok bool) {
-	b = b[:min(len(b), 512)]
-	b = bytes.TrimPrefix(bytes.TrimLeft(b, " \r\n"), []byte("data:"))
-	b = bytes.TrimLeft(b, " ")
-	rest, found := bytes.CutPrefix(b, []byte(`{"id":"`))
-	if !found {
-		rest, found = bytes.CutPrefix(b, []byte(`{"id": "`))
+// idVerdict is what the first bytes of an answer say of its leading id.
+type idVerdict int
+
+const (
+	idNone       idVerdict = iota // the answer does not begin with an id
+	idIncomplete                  // the bytes so far could still begin with a whole id
+	idFound
+	idError // an error object (OpenAI's {"error":…}, vLLM's {"object":"error",…}): no id to judge
+)
+
+// answerID reads the id an answer begins with — the first key of a JSON answer or of a stream's
+// first event ("data: {...") — where vLLM's response models put it, written compactly
+// ({"id":"…", or {"id": "…"). An id Baton cannot read plainly (escaped), or not whole within
+// idWindow bytes, is none.
+func answerID(b []byte) ([]byte, idVerdict) {
+	if len(b) >= idWindow {
+		id, v := leadingID(b[:idWindow])
+		if v == idIncomplete {
+			v = idNone
+		}
+		return id, v
 	}
-	if !found {
-		return nil, false
+	return leadingID(b)
+}
+
+func leadingID(b []byte) ([]byte, idVerdict) {
+	b = bytes.TrimLeft(b, " \t\r\n")
+	if rest, ok := cutPrefix(b, "data:"); !ok {
+		return nil, idIncomplete
+	} else if rest != nil {
+		b = bytes.TrimLeft(rest, " ")
+	}
+	if len(b) == 0 {
+		return nil, idIncomplete
+	}
+	for _, e := range []string{`{"error"`, `{"object":"error"`} {
+		if _, ok := cutPrefix(b, e); !ok {
+			return nil, idIncomplete // it could still become one
+		} else if bytes.HasPrefix(b, []byte(e)) {
+			return nil, idError
+		}
+	}
+	rest, ok := cutPrefix(b, `{"id":"`)
+	if rest == nil {
+		spaced, sok := cutPrefix(b, `{"id": "`)
+		switch {
+		case !ok || !sok:
+			return nil, idIncomplete
+		case spaced == nil:
+			return nil, idNone
+		}
+		rest = spaced
 	}
 	end := bytes.IndexByte(rest, '"')
-	if end < 0 || bytes.IndexByte(rest[:end], '\\') >= 0 {
-		return nil, false
+	switch {
+	case end < 0 && bytes.IndexByte(rest, '\\') < 0:
+		return nil, idIncomplete
+	case end < 0 || bytes.IndexByte(rest[:end], '\\') >= 0:
+		return nil, idNone
 	}
-	return rest[:end], true
+	return rest[:end], idFound
+}
+
+// cutPrefix is bytes.CutPrefix, telling too whether b is a proper prefix of prefix (ok false:
+// more bytes could still make it one); rest is nil when b does not begin with prefix.
+func cutPrefix(b []byte, prefix string) (rest []byte, ok bool) {
+	if len(b) < len(prefix) {
+		return nil, string(b) != prefix[:len(b)]
+	}
+	if r, found := bytes.CutPrefix(b, []byte(prefix)); found {
+		return r, true
+	}
+	return nil, true
 }

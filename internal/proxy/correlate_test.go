@@ -1,24 +1,138 @@
 package proxy
 
-import "testing"
+import (
+	"errors"
+	"io"
+	"strings"
+	"testing"
+	"testing/iotest"
 
-// An answer's id is read where OpenAI-style engines put it — the first key of a JSON answer or
-// of a stream's first event — and nowhere else; an id Baton cannot read plainly is no id.
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// An answer's id is read where vLLM puts it — the first key of a JSON answer or of a stream's
+// first event — and nowhere else; an id Baton cannot read plainly is no id, and bytes that could
+// still begin with one are not judged yet.
 func TestAnswerID(t *testing.T) {
-	for in, want := range map[string]string{
-		`{"id":"chatcmpl-abc","object":"chat.completion"}`:  "chatcmpl-abc",
-		`{"id": "cmpl-x-retry-2","choices":[]}`:             "cmpl-x-retry-2",
-		"data: {\"id\":\"cmpl-7\",\"choices\":[]}\n\n":      "cmpl-7",
-		"\r\ndata:{\"id\":\"chatcmpl-8\"}\n\n":              "chatcmpl-8",
-		`{"object":"text_completion","id":"cmpl-late"}`:     "",
-		`{"id":"cmpl-\"quoted\""}`:                          "",
-		`{"id":"cmpl-unterminated`:                          "",
-		`{"error":{"message":"x"}}`:                         "",
-		": keep-alive\n\ndata: {\"id\":\"cmpl-after\"}\n\n": "",
+	for in, want := range map[string]struct {
+		id string
+		v  idVerdict
+	}{
+		`{"id":"chatcmpl-abc","object":"chat.completion"}`:  {"chatcmpl-abc", idFound},
+		`{"id": "cmpl-x-retry-2","choices":[]}`:             {"cmpl-x-retry-2", idFound},
+		"data: {\"id\":\"cmpl-7\",\"choices\":[]}\n\n":      {"cmpl-7", idFound},
+		"\r\ndata:{\"id\":\"chatcmpl-8\"}\n\n":              {"chatcmpl-8", idFound},
+		`{"object":"text_completion","id":"cmpl-late"}`:     {"", idNone},
+		`{"id":"cmpl-\"quoted\""}`:                          {"", idNone},
+		`{"id":"cmpl-unterminated`:                          {"", idIncomplete},
+		`{"error":{"message":"x"}}`:                         {"", idError},
+		`data: {"object":"error","message":"x"}`:            {"", idError},
+		": keep-alive\n\ndata: {\"id\":\"cmpl-after\"}\n\n": {"", idNone},
+		``:         {"", idIncomplete},
+		`  `:       {"", idIncomplete},
+		`da`:       {"", idIncomplete},
+		`data: `:   {"", idIncomplete},
+		`{`:        {"", idIncomplete},
+		`{"i`:      {"", idIncomplete},
+		`{"id"`:    {"", idIncomplete},
+		`{"id": `:  {"", idIncomplete},
+		`{"o`:      {"", idIncomplete},
+		`{"ok":1}`: {"", idNone},
+		`[1]`:      {"", idNone},
+		`{"id":"` + strings.Repeat("x", 600) + `"`: {"", idNone},
 	} {
-		id, ok := answerID([]byte(in))
-		if string(id) != want || ok != (want != "") {
-			t.Errorf("answerID(%q) = %q, %v; want %q", in, id, ok, want)
+		id, v := answerID([]byte(in))
+		if string(id) != want.id || v != want.v {
+			t.Errorf("answerID(%q) = %q, %d; want %q, %d", in, id, v, want.id, want.v)
+		}
+	}
+}
+
+// oneByteViewer lends its answer a byte per view, in one buffer it overwrites on every call, as
+// Baton's client lends its read buffer.
+type oneByteViewer struct {
+	io.ReadCloser
+	rest string
+	buf  [1]byte
+}
+
+func (v *oneByteViewer) Next() ([]byte, error) {
+	if v.rest == "" {
+		return nil, io.EOF
+	}
+	v.buf[0], v.rest = v.rest[0], v.rest[1:]
+	return v.buf[:], nil
+}
+
+// readProven reads body through a prover for the request id req-1 on a completions route, over
+// a reader of a byte at a time (whichever way a body is read: Read, or views).
+func readProven(t *testing.T, w *worker.Worker, body string, views bool) (string, error) {
+	t.Helper()
+	pr := &prover{ReadCloser: io.NopCloser(iotest.OneByteReader(strings.NewReader(body))), p: &Proxy{}, w: w, sent: "req-1", prefix: "cmpl-"}
+	if !views {
+		b, err := io.ReadAll(pr)
+		return string(b), err
+	}
+	v := &oneByteViewer{ReadCloser: io.NopCloser(nil), rest: body}
+	pv := &provingViewer{prover: &prover{ReadCloser: v, p: &Proxy{}, w: w, sent: "req-1", prefix: "cmpl-"}, v: v}
+	var out []byte
+	for {
+		b, err := pv.Next()
+		out = append(out, b...)
+		if err == io.EOF {
+			return string(out), nil
+		}
+		if err != nil {
+			return string(out), err
+		}
+	}
+}
+
+// A worker whose engine names its answers after the request is judged on the id its answer
+// begins with however the first bytes arrive (a byte per read here): its own answer reaches the
+// relay whole; one named after another request, one that does not begin with an id (another key
+// order, empty) gives the relay nothing and fails as ErrAnotherAnswer; an error object is not
+// judged. A worker not yet proven is not judged, and is proven by its first answer named after
+// the request.
+func TestAProvenWorkerIsJudgedByItsAnswersFirstBytes(t *testing.T) {
+	for _, views := range []bool{false, true} {
+		proven := worker.New(config.Worker{URL: "http://proven"})
+		proven.NoteIDEcho()
+		for body, refused := range map[string]bool{
+			`{"id":"cmpl-req-1","choices":[{"text":"mine"}]}`:                  false,
+			`{"id": "cmpl-req-1","choices":[]}`:                                false,
+			"data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\ndata: [DONE]\n\n": false,
+			`{"error":{"message":"bad","code":400}}`:                           false,
+			"data: {\"object\":\"error\",\"message\":\"x\"}\n\n":               false,
+			`{"id":"cmpl-req-0","choices":[{"text":"another's"}]}`:             true,
+			"data: {\"id\":\"cmpl-req-0\",\"choices\":[]}\n\n":                 true,
+			`{"id":"chatcmpl-req-1","choices":[]}`:                             true,
+			`{"object":"text_completion","id":"cmpl-req-0"}`:                   true,
+			`{"choices":[{"text":"no id"}]}`:                                   true,
+			``:                                                                 true,
+			`{"id":"cmpl-req-1`:                                                true,
+			`{"id":"` + strings.Repeat("cmpl-", 200) + `"}`:                    true,
+		} {
+			got, err := readProven(t, proven, body, views)
+			switch {
+			case refused && (!errors.Is(err, ErrAnotherAnswer) || got != ""):
+				t.Errorf("views %v, %q: relayed %q, %v; want nothing, ErrAnotherAnswer", views, body, got, err)
+			case !refused && (err != nil || got != body):
+				t.Errorf("views %v, %q: relayed %q, %v; want it whole", views, body, got, err)
+			}
+		}
+		fresh := worker.New(config.Worker{URL: "http://fresh"})
+		for _, body := range []string{`{"object":"x"}`, `{"id":"cmpl-req-0"}`, ``} {
+			if got, err := readProven(t, fresh, body, views); err != nil || got != body {
+				t.Errorf("views %v, a worker not proven: %q relayed as %q, %v", views, body, got, err)
+			}
+		}
+		if fresh.IDEchoes() {
+			t.Fatal("proven by answers not named after the request")
+		}
+		if _, err := readProven(t, fresh, `{"id":"cmpl-req-1"}`, views); err != nil || !fresh.IDEchoes() {
+			t.Errorf("views %v: an answer named after the request did not prove its worker (%v)", views, err)
 		}
 	}
 }

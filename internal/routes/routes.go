@@ -42,6 +42,10 @@ type Route struct {
 	// templated prompt and go with it.
 	Tokenize      string
 	TokenizeExtra []string
+	// AnswerID is what vLLM puts before the request's X-Request-Id in the id of the route's
+	// answers and of its stream's every event (serving_chat.py: chatcmpl-, serving_completion.py:
+	// cmpl-); "" where answers are not named after the request.
+	AnswerID string
 }
 
 // Batch is how a route's request lists several prompts.
@@ -77,9 +81,9 @@ var chatTokenizeExtra = []string{"tools", "chat_template", "chat_template_kwargs
 var table = []Route{
 	{Path: "/v1/chat/completions", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true, StreamOptions: true,
 		Prompt: []string{"messages"}, Cap: "max_tokens", CapAlt: "max_completion_tokens",
-		Tokenize: "messages", TokenizeExtra: chatTokenizeExtra},
+		Tokenize: "messages", TokenizeExtra: chatTokenizeExtra, AnswerID: "chatcmpl-"},
 	{Path: "/v1/completions", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true, StreamOptions: true,
-		Prompt: []string{"prompt"}, Batch: BatchCompletions, Cap: "max_tokens", Tokenize: "prompt"},
+		Prompt: []string{"prompt"}, Batch: BatchCompletions, Cap: "max_tokens", Tokenize: "prompt", AnswerID: "cmpl-"},
 	{Path: "/v1/responses", Inference: true, PD: true,
 		Prompt: []string{"instructions", "input"}, Cap: "max_output_tokens", NoStore: true},
 	{Path: "/v1/messages", Inference: true, PD: true, VLLMHandoff: true, SGLangPD: true,

@@ -153,8 +153,16 @@ func shifting(t *testing.T, answer func(rid string) string) string {
 		dup := pending[c]
 		pending[c] = answer(rid)
 		mu.Unlock()
-		_, err := io.WriteString(c, dup+answer(rid))
-		return err == nil
+		// A NUL in an answer is a pause: the bytes after it come in a later segment.
+		for i, part := range strings.Split(dup+answer(rid), "\x00") {
+			if i > 0 {
+				time.Sleep(20 * time.Millisecond)
+			}
+			if _, err := io.WriteString(c, part); err != nil {
+				return false
+			}
+		}
+		return true
 	})
 }
 
@@ -203,17 +211,21 @@ func TestUpstreamReuseOffKeepsAnswersInStep(t *testing.T) {
 }
 
 // Where the engine names its answers after the request id (vLLM's cmpl-<X-Request-Id>, with no
-// echo of the header), a delayed duplicate is caught by its id, whole or streamed, under both
-// clients: every client gets its own answer, the worker is said to be proven by its answers' id,
+// echo of the header), a delayed duplicate is caught by its id — whole, streamed, or with its
+// first bytes apart from the rest of its id — under both clients: every client gets its own answer, the worker is said to be proven by its answers' id,
 // and the out-of-step answers are counted.
 func TestAnAnswerOutOfStepIsCaughtByItsID(t *testing.T) {
 	t.Parallel()
-	for _, stream := range []bool{false, true} {
-		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
+	for _, form := range []string{"whole", "stream", "split"} {
+		t.Run(form, func(t *testing.T) {
 			t.Parallel()
 			eachUpstream(t, func(t *testing.T, client string) {
 				engine := shifting(t, func(rid string) string {
-					if stream {
+					switch form {
+					case "split": // the id's first bytes alone in a chunk, and in a segment of their own
+						body := fmt.Sprintf(`d":"cmpl-%s","choices":[{"text":"for %s"}]}`, rid, rid)
+						return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"i\r\n\x00%x\r\n%s\r\n0\r\n\r\n", len(body), body)
+					case "stream":
 						body := fmt.Sprintf("data: {\"id\":\"cmpl-%s\",\"choices\":[{\"text\":\"for %s\"}]}\n\ndata: [DONE]\n\n", rid, rid)
 						return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 					}
