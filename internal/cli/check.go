@@ -249,7 +249,7 @@ func checkWorker(ctx context.Context, g *app.Gateway, w *worker.Worker) (status 
 	defer cancel()
 	in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
 	rec := httptest.NewRecorder()
-	err := g.Proxy.Forward(rec, in, w, proxy.Call{Path: "/v1/completions", Body: []byte(body)})
+	err := g.Proxy.Forward(rec, in, w, &proxy.Call{Path: "/v1/completions", Body: []byte(body)})
 	var f *outcome.Failure
 	switch {
 	case ctx.Err() != nil || errors.As(err, &f) && f.Cause != nil && outcome.IsTimeout(f.Cause):

@@ -165,10 +165,18 @@ type provingViewer struct {
 }
 
 func (r *provingViewer) Next() ([]byte, error) {
+	if r.decided && r.held == nil {
+		return r.v.Next()
+	}
+	return r.first()
+}
+
+// first serves the first bytes: read and judged, or held while they could not be judged yet.
+// (Apart from Next, so that a stream waits for its later events under a small frame.)
+//
+//go:noinline
+func (r *provingViewer) first() ([]byte, error) {
 	if r.decided {
-		if r.held == nil {
-			return r.v.Next()
-		}
 		b, err := r.held, r.heldErr
 		r.held = nil
 		return b, err
@@ -195,7 +203,7 @@ func (r *provingViewer) Next() ([]byte, error) {
 		}
 		r.heldErr = err
 	}
-	return r.Next()
+	return r.first()
 }
 
 // idVerdict is what the first bytes of an answer say of its leading id.

@@ -72,7 +72,7 @@ func TestForwardRelaysTheAnswer(t *testing.T) {
 			body := `{"model":"m","prompt":"x","big":18446744073709551615}`
 			in, rec := clientRequest(context.Background(), body)
 			rw := httptest.NewRecorder()
-			if err := p.Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(body), Rec: rec}); err != nil {
+			if err := p.Forward(rw, in, w, &Call{Path: "/v1/completions", Body: []byte(body), Rec: rec}); err != nil {
 				t.Fatal(err)
 			}
 			if gotBody != body || got.URL.RawQuery != "" || got.Header.Get("Authorization") != "Bearer sk-worker" || got.Header.Get("Cookie") != "" ||
@@ -151,7 +151,7 @@ func TestForwardFailuresAreClassified(t *testing.T) {
 				}
 				in, _ := clientRequest(ctx, `{}`)
 				rw := httptest.NewRecorder()
-				err := forwardProxy(t, client).Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(`{}`)})
+				err := forwardProxy(t, client).Forward(rw, in, w, &Call{Path: "/v1/completions", Body: []byte(`{}`)})
 				var f *outcome.Failure
 				if !errors.As(err, &f) {
 					t.Fatalf("Forward = %v, want a failure", err)
@@ -195,7 +195,7 @@ func TestForwardMidStream(t *testing.T) {
 			})
 			in, _ := clientRequest(context.Background(), `{}`)
 			rw := httptest.NewRecorder()
-			if err := forwardProxy(t, client).Forward(rw, in, broken, Call{Path: "/v1/completions", Body: []byte(`{}`)}); !errors.Is(err, ErrAbort) {
+			if err := forwardProxy(t, client).Forward(rw, in, broken, &Call{Path: "/v1/completions", Body: []byte(`{}`)}); !errors.Is(err, ErrAbort) {
 				t.Errorf("mid-stream break: %v, want ErrAbort", err)
 			}
 			if _, failed := broken.Outcomes(); failed != 1 {
@@ -214,7 +214,7 @@ func TestForwardMidStream(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			in, _ = clientRequest(ctx, `{}`)
 			go func() { <-started; cancel() }()
-			err := forwardProxy(t, client).Forward(httptest.NewRecorder(), in, slow, Call{Path: "/v1/completions", Body: []byte(`{}`)})
+			err := forwardProxy(t, client).Forward(httptest.NewRecorder(), in, slow, &Call{Path: "/v1/completions", Body: []byte(`{}`)})
 			if !errors.Is(err, ErrClientGone) {
 				t.Errorf("client gone: %v", err)
 			}
@@ -234,7 +234,7 @@ func TestForwardInBandError(t *testing.T) {
 	})
 	in, _ := clientRequest(context.Background(), `{}`)
 	rw := httptest.NewRecorder()
-	err := forwardProxy(t, "net").Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(`{}`)})
+	err := forwardProxy(t, "net").Forward(rw, in, w, &Call{Path: "/v1/completions", Body: []byte(`{}`)})
 	var ib *InBandError
 	if !errors.As(err, &ib) || ib.Status != 503 || !strings.Contains(rw.Body.String(), "oom") {
 		t.Errorf("Forward = %v; relayed %q", err, rw.Body.String())
@@ -260,7 +260,7 @@ func TestForwardHoldsWhatTheCallAsks(t *testing.T) {
 	for _, hold := range [][]int{nil, {http.StatusBadRequest}, {http.StatusNotFound, http.StatusBadRequest}} {
 		in, _ := clientRequest(context.Background(), `{}`)
 		rw := httptest.NewRecorder()
-		err := forwardProxy(t, "net").Forward(rw, in, w, Call{Path: "/v1/completions", Body: []byte(`{}`), Hold: hold})
+		err := forwardProxy(t, "net").Forward(rw, in, w, &Call{Path: "/v1/completions", Body: []byte(`{}`), Hold: hold})
 		f, held := errors.AsType[*outcome.Failure](err)
 		wantHeld := slices.Contains(hold, http.StatusNotFound)
 		if held != wantHeld || held && (f.Status != 404 || !strings.Contains(string(f.Body), "does not exist") || rw.Body.Len() != 0) {

@@ -329,25 +329,53 @@ func informational(resp *http.Response, err error) (*http.Response, error) {
 // write.
 //
 // The request's deadline is r's: the caller sets it once for all attempts.
-func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, c Call) error {
-	var leg Leg
-	leg.Start(w, "")
-	defer leg.Excuse()
-	resp, err := p.Send(r.Context(), r, &leg, c)
-	if err != nil {
-		return p.Failure(r, &leg, err)
+func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worker, c *Call) error {
+	f, err := p.forwardHead(r, w, c)
+	if f == nil {
+		return err
 	}
-	defer resp.Body.Close()
+	defer f.close()
+	return p.Finish(r, &f.leg, f.resp.StatusCode, p.Relay(r.Context(), rw, f.resp, nil, c.Rec, c.Orders))
+}
+
+// forwarding is a Forward whose answer is being relayed. It lives on the heap, so that the
+// frames a relayed stream waits under stay small (a goroutine's stack shrinks to half only when
+// it uses under a quarter of it).
+type forwarding struct {
+	leg  Leg
+	resp *http.Response
+}
+
+func (f *forwarding) close() {
+	f.resp.Body.Close()
+	f.leg.Excuse()
+}
+
+// forwardHead sends c to w and returns the answer to relay, or (nil, the call's result) when it
+// ends here: a failure to send, a refused key, an answer held to be read.
+//
+//go:noinline
+func (p *Proxy) forwardHead(r *http.Request, w *worker.Worker, c *Call) (*forwarding, error) {
+	f := &forwarding{}
+	f.leg.Start(w, "")
+	resp, err := p.Send(r.Context(), r, &f.leg, *c)
+	if err != nil {
+		defer f.leg.Excuse()
+		return nil, p.Failure(r, &f.leg, err)
+	}
 	if resp.StatusCode >= 500 {
 		p.countError(w, metrics.KindStatus)
 	}
-	if KeyRefusedBy(w, resp.StatusCode) {
-		return p.KeyRefused(&leg, resp)
+	if KeyRefusedBy(w, resp.StatusCode) || outcome.Status(resp.StatusCode).Retryable || slices.Contains(c.Hold, resp.StatusCode) {
+		defer f.leg.Excuse()
+		defer resp.Body.Close()
+		if KeyRefusedBy(w, resp.StatusCode) {
+			return nil, p.KeyRefused(&f.leg, resp)
+		}
+		return nil, p.HoldError(r, &f.leg, resp)
 	}
-	if outcome.Status(resp.StatusCode).Retryable || slices.Contains(c.Hold, resp.StatusCode) {
-		return p.HoldError(r, &leg, resp)
-	}
-	return p.Finish(r, &leg, resp.StatusCode, p.Relay(r.Context(), rw, resp, nil, c.Rec, c.Orders))
+	f.resp = resp
+	return f, nil
 }
 
 // KeyRefusedBy reports whether status is w's engine refusing the key Baton sent it (w has one:
@@ -438,63 +466,104 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 // answer relayed to its end leaves its usage on rec (nil: nowhere), and o asks a stream's
 // accounting of it.
 func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders) error {
-	out := &relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
-		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}
-	if rec == nil {
-		rec = &record.Record{} // nobody reads what is learnt
-	}
-	var seen *streamUsage
-	if out.stream && resp.StatusCode == http.StatusOK && (o.CountEvents || o.StripUsage) {
-		transform, seen = accounting(rec, o, transform)
-		out.rewrites = true
-	}
-	in := source{body: resp.Body}
-	if transform != nil && out.stream {
-		in.events, in.transform = openai.NewEventReader(resp.Body), transform
-	} else if v, ok := resp.Body.(viewer); ok && out.stream {
-		in.view = v // a stream holds no buffer while it waits for its next event
-	} else {
-		pool := &bufPool
-		if out.stream {
-			pool = &streamBufPool
-		}
-		bp := pool.Get().(*[]byte)
-		defer pool.Put(bp)
-		in.buf = *bp
-	}
-	var w watch
-	var tail usageTail
-	ended := false
-	defer func() {
-		tail.done(rec, ended)
-		if seen != nil && seen.p && seen.c && ended {
-			rec.Usage, rec.UsageKnown = seen.u, true
-		}
-	}()
+	rl := newRelay(rw, resp, transform, rec, o)
+	defer rl.done()
 	for {
-		chunk, flush, err := in.next()
-		if len(chunk) > 0 && resp.StatusCode == http.StatusOK {
-			if out.stream {
-				w.see(chunk)
-			}
-			tail.keep(chunk)
+		if err, end := rl.step(); end {
+			return err
 		}
-		if len(chunk) > 0 {
-			if werr := out.emit(chunk, flush); werr != nil {
-				return werr
-			}
+	}
+}
+
+// relay is one Relay's state. It lives on the heap, and the loop's steps are calls, so that a
+// stream waits for its next event under small frames (a goroutine's stack shrinks to half only
+// when it uses under a quarter of it).
+type relay struct {
+	out    relayOut
+	in     source
+	w      watch
+	tail   usageTail
+	rec    *record.Record
+	seen   *streamUsage
+	bp     *[]byte
+	pool   *sync.Pool
+	ended  bool
+	status int
+}
+
+//go:noinline
+func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders) *relay {
+	rl := &relay{out: relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
+		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}, rec: rec, status: resp.StatusCode}
+	if rl.rec == nil {
+		rl.rec = &record.Record{} // nobody reads what is learnt
+	}
+	if rl.out.stream && resp.StatusCode == http.StatusOK && (o.CountEvents || o.StripUsage) {
+		transform, rl.seen = accounting(rl.rec, o, transform)
+		rl.out.rewrites = true
+	}
+	rl.in.body = resp.Body
+	if transform != nil && rl.out.stream {
+		rl.in.events, rl.in.transform = openai.NewEventReader(resp.Body), transform
+	} else if v, ok := resp.Body.(viewer); ok && rl.out.stream {
+		rl.in.view = v // a stream holds no buffer while it waits for its next event
+	} else {
+		rl.pool = &bufPool
+		if rl.out.stream {
+			rl.pool = &streamBufPool
 		}
-		if err == io.EOF {
-			out.head()
-			ended = true
-			if w.err != nil {
-				return w.err
-			}
-			return nil
+		rl.bp = rl.pool.Get().(*[]byte)
+		rl.in.buf = *rl.bp
+	}
+	return rl
+}
+
+// step relays the next chunk; end is true once the relay ended, with its result err.
+func (rl *relay) step() (err error, end bool) {
+	chunk, flush, rerr := rl.in.next()
+	if len(chunk) > 0 {
+		if werr := rl.emit(chunk, flush); werr != nil {
+			return werr, true
 		}
-		if err != nil {
-			return &ReadError{Err: err, Written: out.written}
+	}
+	if rerr == nil {
+		return nil, false
+	}
+	return rl.end(rerr), true
+}
+
+// emit watches and keeps what the relay must learn of a chunk of a 200, then writes it.
+func (rl *relay) emit(chunk []byte, flush bool) error {
+	if rl.status == http.StatusOK {
+		if rl.out.stream {
+			rl.w.see(chunk)
 		}
+		rl.tail.keep(chunk)
+	}
+	return rl.out.emit(chunk, flush)
+}
+
+// end is the relay's result once its body ended with err.
+func (rl *relay) end(err error) error {
+	if err != io.EOF {
+		return &ReadError{Err: err, Written: rl.out.written}
+	}
+	rl.out.head()
+	rl.ended = true
+	if rl.w.err != nil {
+		return rl.w.err
+	}
+	return nil
+}
+
+// done learns the answer's usage once it ended, and gives the buffers back.
+func (rl *relay) done() {
+	rl.tail.done(rl.rec, rl.ended)
+	if rl.seen != nil && rl.seen.p && rl.seen.c && rl.ended {
+		rl.rec.Usage, rl.rec.UsageKnown = rl.seen.u, true
+	}
+	if rl.bp != nil {
+		rl.pool.Put(rl.bp)
 	}
 }
 

@@ -29,9 +29,11 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/tracing"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Options are a Server's settings, converted once from the configuration, and the parts it
@@ -162,6 +164,9 @@ type statusWriter struct {
 	stall    time.Duration // the stalled-client timeout
 	deadline time.Time     // the request deadline plus writeGrace
 	armed    time.Time     // when the write deadline was last moved
+
+	span   trace.Span         // the request's server span (nil without tracing)
+	cancel context.CancelFunc // ends the request's context
 }
 
 // writeGrace is how long after the request deadline writes to the client may still go on: the
@@ -260,51 +265,66 @@ func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 // the request with 500 (or aborts it after the first byte) and is logged and counted; the
 // process lives on.
 func (s *Server) observe(next http.Handler) http.Handler {
-	timeout, stall := s.opts.RequestTimeout, s.opts.StalledClientTimeout
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		start := time.Now()
-		rid := openai.RequestID(r.Header)
-		w.Header().Set(openai.HeaderRequestID, rid)
-		var span trace.Span
-		if tracing.Enabled() {
-			var tctx context.Context
-			tctx, span = tracing.StartServer(r.Context(), r.Method, r.URL.Path, r.Header)
-			r = r.WithContext(tctx)
-		}
-		ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
-		defer cancel()
-		rec := &record.Record{RequestID: rid, Mode: record.ModeRegular, Attempts: 1, Start: start, Method: r.Method, Client: r.RemoteAddr}
-		r = r.WithContext(record.With(ctx, rec))
-		sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: stall, deadline: start.Add(timeout + writeGrace),
-			rec: rec, metrics: s.metrics}
-		sw.arm(start)
-		s.inflight.Add(1)
-		defer func() {
-			v := recover()
-			if v != nil && v != http.ErrAbortHandler {
-				s.proxy.Recovered("handler", v)
-				if sw.status == 0 {
-					openai.WriteError(sw, proxy.InternalError())
-				} else {
-					v = http.ErrAbortHandler // a part of the answer went out: break it visibly
-				}
-			}
-			s.inflight.Add(-1)
-			status := sw.status
-			if r.Context().Err() != nil && status == 0 {
-				status = 499 // client closed the request
-			}
-			rec.Route = r.Pattern
-			if rec.Route == "" || rec.Route == "/" {
-				rec.Route = "other"
-			}
-			s.finish(r.Context(), sw.rec, sw.written, status, span, v == http.ErrAbortHandler)
-			if v == http.ErrAbortHandler {
-				panic(v)
-			}
-		}()
+		sw, r := s.begin(w, r)
+		defer func() { s.end(sw, r, recover()) }()
 		next.ServeHTTP(sw, r)
 	})
+}
+
+// begin starts observing a request: its id, span, deadline and record, and the writer that
+// watches its answer. (Apart from observe's handler, with end, so that a stream waits under a
+// small frame.)
+//
+//go:noinline
+func (s *Server) begin(w http.ResponseWriter, r *http.Request) (*statusWriter, *http.Request) {
+	start := time.Now()
+	rid := openai.RequestID(r.Header)
+	w.Header().Set(openai.HeaderRequestID, rid)
+	var span trace.Span
+	if tracing.Enabled() {
+		var tctx context.Context
+		tctx, span = tracing.StartServer(r.Context(), r.Method, r.URL.Path, r.Header)
+		r = r.WithContext(tctx)
+	}
+	timeout := s.opts.RequestTimeout
+	ctx, cancel := context.WithDeadlineCause(r.Context(), start.Add(timeout), outcome.ErrRequestTimeout)
+	rec := &record.Record{RequestID: rid, Mode: record.ModeRegular, Attempts: 1, Start: start, Method: r.Method, Client: r.RemoteAddr}
+	r = r.WithContext(record.With(ctx, rec))
+	sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), stall: s.opts.StalledClientTimeout, deadline: start.Add(timeout + writeGrace),
+		rec: rec, metrics: s.metrics, span: span, cancel: cancel}
+	sw.arm(start)
+	s.inflight.Add(1)
+	return sw, r
+}
+
+// end ends observing a request, given what recover returned in observe's handler.
+//
+//go:noinline
+func (s *Server) end(sw *statusWriter, r *http.Request, v any) {
+	defer sw.cancel()
+	if v != nil && v != http.ErrAbortHandler {
+		s.proxy.Recovered("handler", v)
+		if sw.status == 0 {
+			openai.WriteError(sw, proxy.InternalError())
+		} else {
+			v = http.ErrAbortHandler // a part of the answer went out: break it visibly
+		}
+	}
+	s.inflight.Add(-1)
+	status := sw.status
+	if r.Context().Err() != nil && status == 0 {
+		status = 499 // client closed the request
+	}
+	rec := sw.rec
+	rec.Route = r.Pattern
+	if rec.Route == "" || rec.Route == "/" {
+		rec.Route = "other"
+	}
+	s.finish(r.Context(), rec, sw.written, status, sw.span, v == http.ErrAbortHandler)
+	if v == http.ErrAbortHandler {
+		panic(v)
+	}
 }
 
 // finish records what a request's answer says once it ended, from its record and the body
@@ -493,24 +513,52 @@ func recordOf(r *http.Request) *record.Record { return record.From(r.Context()) 
 
 // serveInference forwards an inference request to one regular worker serving its model.
 func (s *Server) serveInference(w http.ResponseWriter, r *http.Request) {
-	rec := recordOf(r)
-	req, done := s.readRequest(w, r, rec)
-	defer done()
-	if req == nil {
-		return
+	a := s.admitRegular(w, r)
+	defer a.end()
+	if a.plan != nil {
+		s.serveOne(w, r, a.req, a.plan, a.adm.Orders)
 	}
-	preq := &pd.Request{Request: req, Path: r.URL.Path, Rec: rec}
+}
+
+// admittedRegular is a regular request read, admitted and planned (plan nil: answered already).
+type admittedRegular struct {
+	req     *openai.Request
+	plan    *director.Plan
+	adm     *director.Admitted
+	release func()
+}
+
+func (a *admittedRegular) end() {
+	if a.adm != nil {
+		a.adm.End()
+	}
+	a.release()
+}
+
+// admitRegular reads, admits and plans a regular inference request, answering it itself when
+// it goes no further. (Apart from serveInference, so that a stream waits under a small frame.)
+//
+//go:noinline
+func (s *Server) admitRegular(w http.ResponseWriter, r *http.Request) *admittedRegular {
+	rec := recordOf(r)
+	a := &admittedRegular{}
+	a.req, a.release = s.readRequest(w, r, rec)
+	if a.req == nil {
+		return a
+	}
+	preq := &pd.Request{Request: a.req, Path: r.URL.Path, Rec: rec}
 	adm, ok := s.admitRequest(w, r, rec, preq)
-	defer adm.End()
+	a.adm = adm
 	if !ok {
-		return
+		return a
 	}
 	if s.d.Disaggregated() {
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotImplemented, Code: openai.CodeNotImplementedInPD,
 			Message: fmt.Sprintf("%s is not served through prefill/decode; add regular workers to serve it", r.URL.Path)})
-		return
+		return a
 	}
-	s.serveOne(w, r, req, s.d.PlanRegular(rec, req, r.URL.Path), adm.Orders)
+	a.plan = s.d.PlanRegular(rec, a.req, r.URL.Path)
+	return a
 }
 
 // serveOne serves a request on one worker of the plan's role, chosen (and chosen again on a
@@ -519,42 +567,60 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 	client, rec, sreq := req.Model, p.Rec, p.Sel
 	s.withRetries(w, r, rec, func(r *http.Request, avoid map[string]bool) error {
 		return s.d.ContextFallbacks(rec, client, func(name string, fallbackLeft bool) error {
-			c, err := s.d.Choose(r.Context(), p, name, avoid)
+			c, call, err := s.callOne(r, req, p, name, avoid, fallbackLeft, orders)
 			if err != nil {
 				return err
 			}
 			defer c.Release()
-			wk := c.Worker
-			p.NoteWorker(wk)
-			call := proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, client, sreq, wk), rec.Class, wk),
-				Rec: rec, Orders: orders}
-			if fallbackLeft {
-				call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback
-			}
 			if !s.d.DeclaredAdapter(sreq) {
-				return s.proxy.Forward(w, r, wk, call)
+				return s.proxy.Forward(w, r, c.Worker, call)
 			}
-			// An adapter another replica unloaded since this one chose: the engine's refusal is
-			// held, the adapter loaded again on the same worker, and the request sent once more —
-			// a bounded number of times; the last refusal reaches the client as the engine said it.
-			hold := call.Hold
-			for try := 1; ; try++ {
-				call.Hold = hold
-				if try < director.MaxAdapterGone {
-					call.Hold = append(slices.Clip(hold), http.StatusNotFound, http.StatusBadRequest)
-				}
-				err = s.proxy.Forward(w, r, wk, call)
-				if try >= director.MaxAdapterGone || !director.AdapterGone(err) {
-					return err
-				}
-				again, rerr := s.d.ReadyAgain(r.Context(), sreq.Model, wk, err, wk)
-				if rerr != nil {
-					return rerr
-				}
-				defer again()
-			}
+			return s.forwardAdapter(w, r, c.Worker, sreq, call)
 		})
 	})
+}
+
+// callOne chooses the worker of one attempt of serveOne, and the call to send it.
+//
+//go:noinline
+func (s *Server) callOne(r *http.Request, req *openai.Request, p *director.Plan, name string, avoid map[string]bool, fallbackLeft bool, orders proxy.Orders) (director.Choice, *proxy.Call, error) {
+	c, err := s.d.Choose(r.Context(), p, name, avoid)
+	if err != nil {
+		return c, nil, err
+	}
+	wk, rec, sreq := c.Worker, p.Rec, p.Sel
+	p.NoteWorker(wk)
+	call := &proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, req.Model, sreq, wk), rec.Class, wk),
+		Rec: rec, Orders: orders}
+	if fallbackLeft {
+		call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback
+	}
+	return c, call, nil
+}
+
+// forwardAdapter forwards a request for a declared adapter. An adapter another replica unloaded
+// since this one chose: the engine's refusal is held, the adapter loaded again on the same
+// worker, and the request sent once more — a bounded number of times; the last refusal reaches
+// the client as the engine said it.
+//
+//go:noinline
+func (s *Server) forwardAdapter(w http.ResponseWriter, r *http.Request, wk *worker.Worker, sreq *policy.Request, call *proxy.Call) error {
+	hold := call.Hold
+	for try := 1; ; try++ {
+		call.Hold = hold
+		if try < director.MaxAdapterGone {
+			call.Hold = append(slices.Clip(hold), http.StatusNotFound, http.StatusBadRequest)
+		}
+		err := s.proxy.Forward(w, r, wk, call)
+		if try >= director.MaxAdapterGone || !director.AdapterGone(err) {
+			return err
+		}
+		again, rerr := s.d.ReadyAgain(r.Context(), sreq.Model, wk, err, wk)
+		if rerr != nil {
+			return rerr
+		}
+		defer again()
+	}
 }
 
 func (s *Server) serveLiveness(w http.ResponseWriter, _ *http.Request) {
