@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -92,15 +93,19 @@ type prover struct {
 	heldErr error  // the read error that came with the last of them
 }
 
-// judge decides on the first bytes b of the answer (all of it when end). It is undecided
-// (false, nil) while b could still begin with a whole id.
-func (r *prover) judge(b []byte, end bool) (bool, error) {
+// judge decides on the first bytes b of the answer, read with rerr (the read that ended them,
+// io.EOF at its end). It is undecided (false, nil) while b could still begin with a whole id.
+func (r *prover) judge(b []byte, rerr error) (bool, error) {
 	id, v := answerID(b)
-	if v == idIncomplete && !end {
+	if v == idIncomplete && rerr == nil {
 		return false, nil
 	}
 	r.decided = true
 	switch {
+	case v == idIncomplete && rerr != io.EOF:
+		// The answer failed (the client left, the deadline passed, the engine went) before its id
+		// was whole: its failure is what it is, no evidence of another request's answer.
+		return true, nil
 	case v == idError:
 		return true, nil // an error carries no id: not judged
 	case v == idFound && string(id) == r.prefix+r.sent:
@@ -137,7 +142,7 @@ func (r *prover) Read(b []byte) (int, error) {
 	if n == 0 && err == nil {
 		return 0, nil
 	}
-	ok, jerr := r.judge(b[:n], err != nil)
+	ok, jerr := r.judge(b[:n], err)
 	if jerr != nil {
 		return 0, jerr
 	}
@@ -149,7 +154,7 @@ func (r *prover) Read(b []byte) (int, error) {
 	for !ok {
 		m, err := r.ReadCloser.Read(r.held[len(r.held):cap(r.held)])
 		r.held = r.held[:len(r.held)+m]
-		if ok, jerr = r.judge(r.held, err != nil); jerr != nil {
+		if ok, jerr = r.judge(r.held, err); jerr != nil {
 			r.held = nil
 			return 0, jerr
 		}
@@ -185,7 +190,7 @@ func (r *provingViewer) first() ([]byte, error) {
 	if len(b) == 0 && err == nil {
 		return b, nil
 	}
-	ok, jerr := r.judge(b, err != nil)
+	ok, jerr := r.judge(b, err)
 	if jerr != nil {
 		return nil, jerr
 	}
@@ -197,7 +202,7 @@ func (r *provingViewer) first() ([]byte, error) {
 	for !ok {
 		b, err = r.v.Next()
 		r.held = append(r.held, b...)
-		if ok, jerr = r.judge(r.held, err != nil); jerr != nil {
+		if ok, jerr = r.judge(r.held, err); jerr != nil {
 			r.held = nil
 			return nil, jerr
 		}
@@ -233,18 +238,21 @@ func answerID(b []byte) ([]byte, idVerdict) {
 
 func leadingID(b []byte) ([]byte, idVerdict) {
 	b = bytes.TrimLeft(b, " \t\r\n")
+	stream := false
 	if rest, ok := cutPrefix(b, "data:"); !ok {
 		return nil, idIncomplete
 	} else if rest != nil {
-		b = bytes.TrimLeft(rest, " ")
+		b, stream = bytes.TrimLeft(rest, " "), true
 	}
 	if len(b) == 0 {
 		return nil, idIncomplete
 	}
+	// An error event may begin a stream (an engine failing before its first token); a whole 200
+	// that is an error is no answer of vLLM's, whose errors have their own status.
 	for _, e := range []string{`{"error"`, `{"object":"error"`} {
 		if _, ok := cutPrefix(b, e); !ok {
 			return nil, idIncomplete // it could still become one
-		} else if bytes.HasPrefix(b, []byte(e)) {
+		} else if stream && bytes.HasPrefix(b, []byte(e)) {
 			return nil, idError
 		}
 	}
@@ -259,14 +267,29 @@ func leadingID(b []byte) ([]byte, idVerdict) {
 		}
 		rest = spaced
 	}
-	end := bytes.IndexByte(rest, '"')
-	switch {
-	case end < 0 && bytes.IndexByte(rest, '\\') < 0:
+	// The id's end: its closing quote, past escapes (an engine writes a request id holding " or
+	// \ escaped, as JSON has it).
+	escaped := false
+	end := 0
+	for end < len(rest) && rest[end] != '"' {
+		if rest[end] == '\\' {
+			escaped = true
+			end++
+		}
+		end++
+	}
+	if end >= len(rest) {
 		return nil, idIncomplete
-	case end < 0 || bytes.IndexByte(rest[:end], '\\') >= 0:
+	}
+	if !escaped {
+		return rest[:end], idFound
+	}
+	open := len(b) - len(rest) - 1 // the id's opening quote in b
+	var id string
+	if err := json.Unmarshal(b[open:open+end+2], &id); err != nil {
 		return nil, idNone
 	}
-	return rest[:end], idFound
+	return []byte(id), idFound
 }
 
 // cutPrefix is bytes.CutPrefix, telling too whether b is a proper prefix of prefix (ok false:

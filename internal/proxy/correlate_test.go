@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"errors"
 	"io"
 	"strings"
@@ -24,9 +25,13 @@ func TestAnswerID(t *testing.T) {
 		"data: {\"id\":\"cmpl-7\",\"choices\":[]}\n\n":      {"cmpl-7", idFound},
 		"\r\ndata:{\"id\":\"chatcmpl-8\"}\n\n":              {"chatcmpl-8", idFound},
 		`{"object":"text_completion","id":"cmpl-late"}`:     {"", idNone},
-		`{"id":"cmpl-\"quoted\""}`:                          {"", idNone},
+		`{"id":"cmpl-\"quoted\""}`:                          {`cmpl-"quoted"`, idFound},
+		`{"id":"cmpl-a\u003cb\\c"}`:                         {`cmpl-a<b\c`, idFound},
+		`{"id":"cmpl-bad\q"}`:                               {"", idNone},
+		`{"id":"cmpl-a\`:                                    {"", idIncomplete},
 		`{"id":"cmpl-unterminated`:                          {"", idIncomplete},
-		`{"error":{"message":"x"}}`:                         {"", idError},
+		`{"error":{"message":"x"}}`:                         {"", idNone},
+		`data: {"error":{"message":"x"}}`:                   {"", idError},
 		`data: {"object":"error","message":"x"}`:            {"", idError},
 		": keep-alive\n\ndata: {\"id\":\"cmpl-after\"}\n\n": {"", idNone},
 		``:         {"", idIncomplete},
@@ -92,8 +97,8 @@ func readProven(t *testing.T, w *worker.Worker, body string, views bool) (string
 // A worker whose engine names its answers after the request is judged on the id its answer
 // begins with however the first bytes arrive (a byte per read here): its own answer reaches the
 // relay whole; one named after another request, one that does not begin with an id (another key
-// order, empty) gives the relay nothing and fails as ErrAnotherAnswer; an error object is not
-// judged. A worker not yet proven is not judged, and is proven by its first answer named after
+// order, empty, a whole 200 that is an error object) gives the relay nothing and fails as
+// ErrAnotherAnswer; a stream whose first event is an error is not judged. A worker not yet proven is not judged, and is proven by its first answer named after
 // the request.
 func TestAProvenWorkerIsJudgedByItsAnswersFirstBytes(t *testing.T) {
 	for _, views := range []bool{false, true} {
@@ -103,7 +108,7 @@ func TestAProvenWorkerIsJudgedByItsAnswersFirstBytes(t *testing.T) {
 			`{"id":"cmpl-req-1","choices":[{"text":"mine"}]}`:                  false,
 			`{"id": "cmpl-req-1","choices":[]}`:                                false,
 			"data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\ndata: [DONE]\n\n": false,
-			`{"error":{"message":"bad","code":400}}`:                           false,
+			`{"error":{"message":"bad","code":400}}`:                           true,
 			"data: {\"object\":\"error\",\"message\":\"x\"}\n\n":               false,
 			`{"id":"cmpl-req-0","choices":[{"text":"another's"}]}`:             true,
 			"data: {\"id\":\"cmpl-req-0\",\"choices\":[]}\n\n":                 true,
@@ -133,6 +138,72 @@ func TestAProvenWorkerIsJudgedByItsAnswersFirstBytes(t *testing.T) {
 		}
 		if _, err := readProven(t, fresh, `{"id":"cmpl-req-1"}`, views); err != nil || !fresh.IDEchoes() {
 			t.Errorf("views %v: an answer named after the request did not prove its worker (%v)", views, err)
+		}
+	}
+}
+
+// A request id holding what JSON escapes (a client's X-Request-Id may hold " and \; an engine
+// may escape < > & too) is read as the engine meant it: the answer named after it is the
+// request's, never refused as another's (which would fail a healthy worker's every attempt).
+func TestAnEscapedIDIsTheRequestsOwn(t *testing.T) {
+	proven := worker.New(config.Worker{URL: "http://proven"})
+	proven.NoteIDEcho()
+	for _, views := range []bool{false, true} {
+		for _, body := range []string{`{"id":"cmpl-a\"b\\c<d>&","choices":[]}`, `{"id":"cmpl-a\"b\\c\u003cd\u003e\u0026","choices":[]}`} {
+			pr := &prover{ReadCloser: io.NopCloser(iotest.OneByteReader(strings.NewReader(body))), p: &Proxy{}, w: proven, sent: `a"b\c<d>&`, prefix: "cmpl-"}
+			var got []byte
+			var err error
+			if views {
+				v := &oneByteViewer{ReadCloser: io.NopCloser(nil), rest: body}
+				pv := &provingViewer{prover: &prover{ReadCloser: v, p: &Proxy{}, w: proven, sent: `a"b\c<d>&`, prefix: "cmpl-"}, v: v}
+				for {
+					b, e := pv.Next()
+					got = append(got, b...)
+					if e != nil {
+						if e != io.EOF {
+							err = e
+						}
+						break
+					}
+				}
+			} else {
+				got, err = io.ReadAll(pr)
+			}
+			if err != nil || string(got) != body {
+				t.Errorf("views %v, %s: relayed %q, %v", views, body, got, err)
+			}
+		}
+	}
+}
+
+// failingReader gives its bytes, then fails with err.
+type failingReader struct {
+	b   string
+	err error
+}
+
+func (r *failingReader) Read(p []byte) (int, error) {
+	if r.b == "" {
+		return 0, r.err
+	}
+	n := copy(p, r.b)
+	r.b = r.b[n:]
+	return n, nil
+}
+
+// An answer that fails before its id is whole (the client left, the deadline passed, the engine
+// went after its head) fails as what it is — never as another request's answer, which would
+// accuse the worker and count a mismatch.
+func TestAnAnswerFailingBeforeItsIDIsNoMismatch(t *testing.T) {
+	proven := worker.New(config.Worker{URL: "http://proven"})
+	proven.NoteIDEcho()
+	for _, cause := range []error{context.Canceled, context.DeadlineExceeded, io.ErrUnexpectedEOF} {
+		for _, first := range []string{"", "data: {\"i", `{"id":"cmpl-re`} {
+			pr := &prover{ReadCloser: io.NopCloser(&failingReader{b: first, err: cause}), p: &Proxy{}, w: proven, sent: "req-1", prefix: "cmpl-"}
+			_, err := io.ReadAll(pr)
+			if !errors.Is(err, cause) || errors.Is(err, ErrAnotherAnswer) {
+				t.Errorf("%q then %v: %v", first, cause, err)
+			}
 		}
 	}
 }
