@@ -49,6 +49,9 @@ const (
 // maxRequestIDLen bounds a client's X-Request-Id; a longer one is replaced.
 const maxRequestIDLen = 128
 
+// MaxRequestIDLen is the longest X-Request-Id Baton takes from a client, and sends upstream.
+const MaxRequestIDLen = maxRequestIDLen
+
 // RequestID returns the request's id: the client's X-Request-Id when it sent exactly one of at
 // most maxRequestIDLen visible ASCII characters, else a fresh one. The header is set to it, so
 // that workers see the same id.

@@ -17,6 +17,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/proxy"
@@ -411,5 +412,37 @@ func TestPDConnectorVariantsAndMultiConnector(t *testing.T) {
 	}
 	if n := push.Stats().RequestsReceived; n != 0 {
 		t.Errorf("the push decode got %d requests of a pull prefill", n)
+	}
+}
+
+// A retry's engine request id stays within the length Baton takes from a client, however long
+// the client's own: a Baton in front of another Baton would otherwise see the inner one replace
+// its retries' ids, and refuse their echoed answers as another request's.
+func TestARetryIDStaysWithinTheIDBound(t *testing.T) {
+	t.Parallel()
+	ids := make(chan string, 8)
+	var n atomic.Int32
+	e := engine(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		ids <- r.Header.Get("X-Request-Id")
+		if n.Add(1) == 1 {
+			w.WriteHeader(503)
+			io.WriteString(w, `{"error":{"message":"busy"}}`)
+			return
+		}
+		io.WriteString(w, `{"choices":[]}`)
+	})
+	_, gw, _ := gateway(t, []string{e})
+	long := strings.Repeat("r", openai.MaxRequestIDLen)
+	if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Request-Id", long); resp.StatusCode != 200 {
+		t.Fatalf("%d: %s", resp.StatusCode, body)
+	}
+	first, second := <-ids, <-ids
+	if first != long || len(second) > openai.MaxRequestIDLen || !strings.HasSuffix(second, "-retry-2") || second == first {
+		t.Errorf("engine request ids %q then %q (%d bytes)", first, second, len(second))
+	}
+	h := http.Header{"X-Request-Id": {second}}
+	if got := openai.RequestID(h); got != second {
+		t.Errorf("a Baton behind would replace the retry's id %q with %q", second, got)
 	}
 }

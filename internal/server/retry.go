@@ -51,7 +51,7 @@ func (s *Server) withRetries(w http.ResponseWriter, r *http.Request, rec *record
 }
 
 // retryRequest is r for attempt n > 1: its own copy of the headers, with a fresh engine request
-// id — the client's X-Request-Id suffixed "-retry-<n>" — so that no engine sees one id twice
+// id — the client's X-Request-Id suffixed "-retry-<n>" (retryID) — so that no engine sees one id twice
 // (a leg of an earlier attempt may still be alive there, and engines key requests, aborts and
 // some KV handoffs by it). The client's id stays in logs and in the response.
 func retryRequest(r *http.Request, n int) *http.Request {
@@ -61,9 +61,17 @@ func retryRequest(r *http.Request, n int) *http.Request {
 	}
 	ar := r.Clone(ctx)
 	if rid := r.Header.Get(openai.HeaderRequestID); rid != "" {
-		ar.Header.Set(openai.HeaderRequestID, rid+"-retry-"+strconv.Itoa(n))
+		ar.Header.Set(openai.HeaderRequestID, retryID(rid, n))
 	}
 	return ar
+}
+
+// retryID is attempt n's engine request id for the client's id rid: rid-retry-<n>, rid cut so
+// that the whole stays within the length Baton takes from a client (a Baton in front of another
+// would otherwise see its retries' ids replaced, and refuse their answers as another request's).
+func retryID(rid string, n int) string {
+	suffix := "-retry-" + strconv.Itoa(n)
+	return rid[:min(len(rid), openai.MaxRequestIDLen-len(suffix))] + suffix
 }
 
 // afterFailure decides what follows attempt n's failure f: another attempt (after the backoff,
