@@ -243,7 +243,12 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	reg := worker.NewRegistry(ws...)
 	m := metrics.New(reg)
-	breaker := newBreaker(cfg.CircuitBreaker, m, log)
+	transport := proxy.NewTransport(cfg.UpstreamClient)
+	if cfg.UpstreamReuse == "off" {
+		transport = proxy.WithoutReuse(transport)
+	}
+	proxy.TellUnsolicited(transport, m.UpstreamUnsolicited.Inc)
+	breaker := newBreaker(cfg.CircuitBreaker, m, log, transport)
 	for _, w := range ws {
 		w.UseBreaker(breaker)
 	}
@@ -252,10 +257,6 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	policies, modelPolicies, err := newPolicies(cfg, kv)
 	if err != nil {
 		return nil, err
-	}
-	transport := proxy.NewTransport(cfg.UpstreamClient)
-	if cfg.UpstreamReuse == "off" {
-		transport = proxy.WithoutReuse(transport)
 	}
 	px := &proxy.Proxy{Transport: transport, Timeout: cfg.RequestTimeout, Metrics: m, Log: log}
 	if cfg.ForwardSimFaults {
@@ -314,6 +315,9 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)
 	if health != nil {
+		health.OnBack = func(w *worker.Worker) { proxy.Rejudge(transport, w) }
+	}
+	if health != nil {
 		count := health.OnProbe
 		health.OnProbe = func(w *worker.Worker, ok bool) {
 			count(w, ok)
@@ -365,14 +369,18 @@ func adapterSettings(cfg config.Config) lora.Settings {
 	return lora.Settings{Adapters: cfg.Adapters, UnloadLRU: cfg.UnloadLRU, Affinity: cfg.AdapterAffinity, Timeout: cfg.AdapterLoadTimeout}
 }
 
-// newBreaker is the circuit breaker every worker shares, its transitions counted and logged.
-func newBreaker(cb config.CircuitBreaker, m *metrics.Metrics, log *slog.Logger) *worker.BreakerConfig {
+// newBreaker is the circuit breaker every worker shares, its transitions counted and logged. A
+// worker whose circuit opens is seen anew (rejudged), over none of its idle connections.
+func newBreaker(cb config.CircuitBreaker, m *metrics.Metrics, log *slog.Logger, transport http.RoundTripper) *worker.BreakerConfig {
 	return &worker.BreakerConfig{
 		FailureThreshold: cb.FailureThreshold, SuccessThreshold: cb.SuccessThreshold, Timeout: cb.TimeoutDuration, Disabled: cb.Disable,
 		OnTransition: func(w *worker.Worker, from, to worker.BreakerState) {
 			f, t := from.String(), to.String()
 			m.BreakerTransitions.WithLabelValues(w.URL, f, t).Inc()
 			log.Warn("circuit breaker", "worker", w.URL, "role", w.Role, "from", f, "to", t)
+			if to == worker.BreakerOpen {
+				proxy.Rejudge(transport, w)
+			}
 		},
 	}
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/baton-llm/baton/internal/bench"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
@@ -313,5 +314,80 @@ func TestUpstreamReuseOffIsWired(t *testing.T) {
 			t.Errorf("reuse %s: 4 requests on %d connections, want %d", reuse, len(conns), want)
 		}
 		mu.Unlock()
+	}
+}
+
+// A worker proven by its X-Request-Id echo whose engine comes back without the echo (restarted
+// with other settings behind the same URL) is refused while its answers cannot be told from
+// another request's — then seen anew once its circuit opens: its idle connections closed, its
+// next answer on a new connection relayed, its correlation none. Without that it stayed refused
+// until Baton restarted.
+func TestAWorkerThatStopsEchoingIsSeenAnew(t *testing.T) {
+	t.Parallel()
+	var echo atomic.Bool
+	echo.Store(true)
+	url := gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+		head := "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+		on := echo.Load()
+		if on {
+			head += "X-Request-Id: " + req.Header.Get("X-Request-Id") + "\r\n"
+		}
+		_, err := io.WriteString(c, head+"\r\n{}")
+		return err == nil && on // restarted: every connection is new
+	})
+	cfg := testConfig(url)
+	cfg.LoadPollInterval = time.Hour
+	cfg.CircuitBreaker.FailureThreshold, cfg.CircuitBreaker.TimeoutDuration = 2, 100*time.Millisecond
+	g, gw := startGateway(t, cfg)
+	w := g.Registry.Snapshot().Workers[0]
+	if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 || w.Correlation() != "x-request-id" {
+		t.Fatalf("%d, correlation %s", resp.StatusCode, w.Correlation())
+	}
+	echo.Store(false)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
+		if resp.StatusCode == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("still %d after 10 s; correlation %s", resp.StatusCode, w.Correlation())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if w.Correlation() != "none" {
+		t.Errorf("correlation %s after the engine stopped echoing", w.Correlation())
+	}
+	if n := testutil.ToFloat64(g.Metrics.UpstreamErrors.WithLabelValues(w.URL, metrics.KindMismatch)); n == 0 {
+		t.Error("the answers without the echo before the circuit opened were not counted")
+	}
+}
+
+// An idle upstream connection dropped because its engine wrote to it unasked is counted in
+// baton_upstream_unsolicited_total under Baton's own client, as it is under net/http's (whose
+// log line the process's log bridge counts: TestStdLogBridgeDropsUnsolicitedBytes).
+func TestUnsolicitedBytesAreCountedUnderBatonsClient(t *testing.T) {
+	t.Parallel()
+	{
+		client := "baton"
+		url := gwtest.SocketEngine(t, func(c net.Conn, _ *http.Request) bool {
+			_, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+			time.Sleep(10 * time.Millisecond) // once the answer was read whole
+			io.WriteString(c, `{"duplicate":true}`)
+			return err == nil
+		})
+		cfg := testConfig(url)
+		cfg.UpstreamClient, cfg.LoadPollInterval = client, time.Hour
+		cfg.HealthCheck.Disable = true
+		g, gw := startGateway(t, cfg)
+		for range 3 {
+			if resp := post(t, gw.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+				t.Fatalf("%s: %d", client, resp.StatusCode)
+			}
+			time.Sleep(30 * time.Millisecond)
+		}
+		if n := testutil.ToFloat64(g.Metrics.UpstreamUnsolicited); n == 0 {
+			t.Errorf("%s: no unsolicited bytes counted", client)
+		}
 	}
 }

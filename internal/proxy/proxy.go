@@ -152,6 +152,24 @@ func CloseIdle(t http.RoundTripper, url string) {
 	}
 }
 
+// TellUnsolicited has Baton's own client call f for every idle connection it drops because its
+// engine wrote to it unasked (net/http's transport tells it through its log line instead).
+func TellUnsolicited(t http.RoundTripper, f func()) {
+	if t, ok := t.(*upstream.Transport); ok {
+		t.OnUnsolicited = f
+	}
+}
+
+// Rejudge sees w's engine anew — after its circuit opened, or it came back from failing its
+// health checks, when it may be another engine process with other settings (one that no longer
+// echoes X-Request-Id would otherwise have every answer refused until it registers again): its
+// idle connections are closed first, so that its next answers come on connections nothing went
+// out of step on, and its answers are not proven until it names one after its request again.
+func Rejudge(t http.RoundTripper, w *worker.Worker) {
+	CloseIdle(t, w.URL)
+	w.ForgetCorrelation()
+}
+
 // StdTransport is net/http's transport as Baton configures it.
 func StdTransport() *http.Transport {
 	return &http.Transport{

@@ -35,6 +35,9 @@ type Transport struct {
 	// MaxResponseHeaderBytes bounds an answer's status line and headers.
 	MaxResponseHeaderBytes int
 	Dialer                 *net.Dialer
+	// OnUnsolicited, when set, is called for every idle connection dropped because its engine
+	// (or a proxy before it) wrote to it unasked — not for one it closed.
+	OnUnsolicited func()
 
 	mu   sync.Mutex
 	idle map[string][]*conn // by host:port, most recently used last
@@ -316,6 +319,9 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		if !c.stray() {
 			return c, true, nil
 		}
+		if t.OnUnsolicited != nil && c.unsolicited() {
+			t.OnUnsolicited()
+		}
 		c.dropReader()
 		c.c.Close()
 		t.mu.Lock()
@@ -354,6 +360,13 @@ func (c *conn) stray() bool {
 	_ = c.c.SetReadDeadline(time.Time{})
 	var ne net.Error
 	return !errors.As(err, &ne) || !ne.Timeout()
+}
+
+// unsolicited reports whether a stray connection holds bytes, rather than its close.
+func (c *conn) unsolicited() bool {
+	_ = c.c.SetReadDeadline(time.Now().Add(50 * time.Microsecond))
+	b, _ := c.br.Peek(1)
+	return len(b) > 0
 }
 
 // readers are the connections' read buffers: an idle connection (nothing buffered) holds none.

@@ -250,6 +250,40 @@ func TestTransportStaleConnection(t *testing.T) {
 	}
 }
 
+// An idle connection its engine wrote to unasked is dropped and told (OnUnsolicited); one its
+// engine closed is dropped silently.
+func TestTransportTellsUnsolicitedBytes(t *testing.T) {
+	for stray, want := range map[string]int64{"": 0, `{"duplicate":1}`: 2} {
+		url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+			if !readRequest(br) {
+				return
+			}
+			io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			if stray != "" {
+				time.Sleep(5 * time.Millisecond) // after the answer was read whole
+				io.WriteString(conn, stray)
+			}
+			// and close: the client still holds the connection as idle
+		})
+		tr := newT()
+		var told atomic.Int64
+		tr.OnUnsolicited = func() { told.Add(1) }
+		for i := range 3 {
+			resp, err := send(t, tr, context.Background(), url, "{}")
+			if err != nil {
+				t.Fatalf("request %d: %v", i, err)
+			}
+			if b, _ := io.ReadAll(resp.Body); string(b) != "ok" {
+				t.Fatalf("%q", b)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		if told.Load() != want {
+			t.Errorf("stray %q: told %d times, want %d", stray, told.Load(), want)
+		}
+	}
+}
+
 // Cancelling the request's context ends a read blocked on a silent engine at once, and so does
 // closing the body from another goroutine; neither connection is reused. The same for a body
 // read through Next, which waits for the engine holding no buffer.

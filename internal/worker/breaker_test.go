@@ -112,10 +112,16 @@ func TestHealthChecker(t *testing.T) {
 	w := New(config.Worker{URL: srv.URL})
 	w.SetInfo(&Info{Runtime: "generic"})
 	w.SetReady(true)
-	var probes atomic.Int32
+	var probes, backs atomic.Int32
 	h := &HealthChecker{Registry: NewRegistry(w), Client: srv.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Interval: time.Hour, Timeout: time.Second, FailureThreshold: 2, SuccessThreshold: 2, Endpoint: "/health",
-		OnProbe: func(*Worker, bool) { probes.Add(1) }}
+		OnProbe: func(*Worker, bool) { probes.Add(1) },
+		OnBack: func(b *Worker) {
+			if b != w || b.Ready() {
+				t.Errorf("OnBack for %s, ready %v (before it is back in rotation)", b.URL, b.Ready())
+			}
+			backs.Add(1)
+		}}
 	ctx := context.Background()
 	healthy.Store(false)
 	h.CheckAll(ctx)
@@ -132,8 +138,12 @@ func TestHealthChecker(t *testing.T) {
 		t.Fatal("back after one good probe (threshold 2)")
 	}
 	h.CheckAll(ctx)
-	if !w.Ready() || probes.Load() != 4 {
-		t.Fatalf("ready %v after two good probes; %d probes", w.Ready(), probes.Load())
+	if !w.Ready() || probes.Load() != 4 || backs.Load() != 1 {
+		t.Fatalf("ready %v after two good probes; %d probes, back %d times", w.Ready(), probes.Load(), backs.Load())
+	}
+	h.CheckAll(ctx)
+	if backs.Load() != 1 {
+		t.Errorf("back %d times while it never left", backs.Load())
 	}
 }
 

@@ -23,6 +23,9 @@ type HealthChecker struct {
 	Endpoint         string
 	// OnProbe, when set, is called with every probe's result (for metrics).
 	OnProbe func(w *Worker, ok bool)
+	// OnBack, when set, is called when a worker that failed its health checks passes them
+	// again, before it is back in rotation.
+	OnBack func(w *Worker)
 
 	wg sync.WaitGroup
 }
@@ -84,6 +87,9 @@ func (h *HealthChecker) apply(w *Worker, ok bool) {
 	if ok {
 		w.healthFails.Store(0)
 		if n := w.healthOKs.Add(1); !w.Ready() && int(n) >= h.SuccessThreshold {
+			if h.OnBack != nil {
+				h.OnBack(w) // before it takes traffic again
+			}
 			w.SetReady(true)
 			h.Log.Info("worker healthy again; back in rotation", "worker", w.URL, "role", w.Role)
 		}

@@ -460,11 +460,15 @@ const (
 	correlatedByHeader        // its answers echo that X-Request-Id
 )
 
-// noteCorrelation raises the worker's correlation to c (never lowers it until it registers again).
+// noteCorrelation raises the worker's correlation to c (lowered only by ForgetCorrelation).
 func (w *Worker) noteCorrelation(c uint32) {
 	for old := w.correlation.Load(); old < c && !w.correlation.CompareAndSwap(old, c); old = w.correlation.Load() {
 	}
 }
+
+// ForgetCorrelation sees the worker's engine anew: its answers are not proven until it names one
+// after its request again (an engine restarted with other settings behind the same URL).
+func (w *Worker) ForgetCorrelation() { w.correlation.Store(correlatedNone) }
 
 // NoteEcho records that the worker's engine answered with the X-Request-Id Baton sent it
 // (vLLM's --enable-request-id-headers): from then on an answer naming another id is one out of
