@@ -308,18 +308,7 @@ func TestPDSGLangSamplesOnDataParallelRanks(t *testing.T) {
 // stays in the response.
 func TestRetriesUseAFreshEngineRequestID(t *testing.T) {
 	t.Parallel()
-	ids := make(chan string, 8)
-	var n atomic.Int32
-	e := engine(t, func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body)
-		ids <- r.Header.Get("X-Request-Id")
-		if n.Add(1) == 1 {
-			w.WriteHeader(503)
-			io.WriteString(w, `{"error":{"message":"busy"}}`)
-			return
-		}
-		io.WriteString(w, `{"choices":[]}`)
-	})
+	e, ids := busyOnce(t)
 	_, gw, _ := gateway(t, []string{e}) // no circuit breaker: the one worker is tried again
 	resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Request-Id", "client-id-1")
 	if resp.StatusCode != 200 || resp.Header.Get("X-Request-Id") != "client-id-1" {
@@ -415,14 +404,12 @@ func TestPDConnectorVariantsAndMultiConnector(t *testing.T) {
 	}
 }
 
-// A retry's engine request id stays within the length Baton takes from a client, however long
-// the client's own: a Baton in front of another Baton would otherwise see the inner one replace
-// its retries' ids, and refuse their echoed answers as another request's.
-func TestARetryIDStaysWithinTheIDBound(t *testing.T) {
-	t.Parallel()
+// busyOnce is an engine that answers its first request 503 and the others 200, and gives the
+// X-Request-Id of each request it got.
+func busyOnce(t *testing.T) (string, <-chan string) {
 	ids := make(chan string, 8)
 	var n atomic.Int32
-	e := engine(t, func(w http.ResponseWriter, r *http.Request) {
+	return engine(t, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
 		ids <- r.Header.Get("X-Request-Id")
 		if n.Add(1) == 1 {
@@ -431,7 +418,15 @@ func TestARetryIDStaysWithinTheIDBound(t *testing.T) {
 			return
 		}
 		io.WriteString(w, `{"choices":[]}`)
-	})
+	}), ids
+}
+
+// A retry's engine request id stays within the length Baton takes from a client, however long
+// the client's own: a Baton in front of another Baton would otherwise see the inner one replace
+// its retries' ids, and refuse their echoed answers as another request's.
+func TestARetryIDStaysWithinTheIDBound(t *testing.T) {
+	t.Parallel()
+	e, ids := busyOnce(t)
 	_, gw, _ := gateway(t, []string{e})
 	long := strings.Repeat("r", openai.MaxRequestIDLen)
 	if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Request-Id", long); resp.StatusCode != 200 {
