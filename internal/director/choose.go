@@ -364,8 +364,7 @@ func contextOverflow(err error) bool {
 // (a tenant's only where it may use them). attempt holds the refusal to be read only while a
 // fallback is left (fallbackLeft); the last one reaches the client as the engine answered it.
 func (d *Director) ContextFallbacks(rec *record.Record, client string, attempt func(name string, fallbackLeft bool) error) error {
-	models, _ := d.Models()
-	cw := models[client].ContextWindowFallbacks
+	cw := d.contextWindowFallbacks(client)
 	name := client
 	for k := 0; ; k++ {
 		for k < len(cw) && rec.Who != nil && !rec.Who.Allows(cw[k]) {
@@ -375,10 +374,25 @@ func (d *Director) ContextFallbacks(rec *record.Record, client string, attempt f
 		if k >= len(cw) || !contextOverflow(err) {
 			return err
 		}
-		d.metrics.ModelFallbacks.WithLabelValues(d.metrics.KnownLabel(d.ModelChain(client)[0]), d.metrics.KnownLabel(d.ModelChain(cw[k])[0])).Inc()
-		rec.NextAttempt()
+		d.fellBack(rec, client, cw[k])
 		name = cw[k]
 	}
+}
+
+// contextWindowFallbacks are the models client falls back to past its context window.
+//
+//go:noinline
+func (d *Director) contextWindowFallbacks(client string) []string {
+	models, _ := d.Models()
+	return models[client].ContextWindowFallbacks
+}
+
+// fellBack counts a request for client going on to the fallback model to.
+//
+//go:noinline
+func (d *Director) fellBack(rec *record.Record, client, to string) {
+	d.metrics.ModelFallbacks.WithLabelValues(d.metrics.KnownLabel(d.ModelChain(client)[0]), d.metrics.KnownLabel(d.ModelChain(to)[0])).Inc()
+	rec.NextAttempt()
 }
 
 // adapterReady loads the request's adapter (model) on ws where it is not loaded — the legs of a

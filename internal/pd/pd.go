@@ -84,6 +84,18 @@ type Dispatcher struct {
 
 var _ Executor = (*Dispatcher)(nil)
 
+// For is the executor that runs a request over pair: a Dispatcher's strategy for it, else e.
+// (The server calls the strategy itself: one frame less under every PD stream.)
+func For(e Executor, pair worker.Pair) Executor {
+	if d, ok := e.(*Dispatcher); ok {
+		if Mode(pair) == ModeSequential {
+			return d.Sequential
+		}
+		return d.Parallel
+	}
+	return e
+}
+
 // Execute implements Executor.
 func (d *Dispatcher) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
 	if req.Rec == nil {

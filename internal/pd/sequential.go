@@ -114,22 +114,42 @@ func (x *Sequential) plan(req *Request, pair worker.Pair) (handoffPlan, error) {
 
 // Execute implements Executor.
 func (x *Sequential) Execute(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) error {
+	s, err := x.start(rw, r, req, pair)
+	if s == nil {
+		return err
+	}
+	err = s.run()
+	s.count()
+	return err
+}
+
+// start plans a sequential dispatch: the sequence to run, or none and the request's result when
+// it ends here (a body the plan refuses, a Mooncake handoff sent both legs at once). (Apart
+// from Execute, like every step below, so that a stream waits under small frames: a goroutine's
+// stack shrinks to half only when it uses under a quarter of it.)
+//
+//go:noinline
+func (x *Sequential) start(rw http.ResponseWriter, r *http.Request, req *Request, pair worker.Pair) (*sequence, error) {
 	if req.Rec == nil {
 		req.Rec = &record.Record{} // a caller that reads nothing back
 	}
 	plan, err := x.plan(req, pair)
 	if err != nil {
-		return outcome.Answer(&openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
+		return nil, outcome.Answer(&openai.Error{Status: http.StatusBadRequest, Code: openai.CodeInvalidJSON, Message: err.Error()})
 	}
 	x.Metrics.PDConnectorMode.WithLabelValues(plan.conn.Mode).Inc()
 	if plan.probe != nil && plan.conn.Mode == ModeMooncake && x.MooncakeConcurrent {
-		return x.concurrentMooncake(rw, r, req, pair, plan)
+		return nil, x.concurrentMooncake(rw, r, req, pair, plan)
 	}
-	s := &sequence{x: x, rw: rw, r: r, req: req, pair: pair, plan: plan,
-		model: x.Metrics.Model(req.Model), runtime: pair.Prefill.Runtime(), start: time.Now(), outcome: OutcomeSuccess}
-	err = s.run()
-	x.Metrics.PDRequests.WithLabelValues(s.model, "sequential", string(s.outcome)).Inc()
-	return err
+	return &sequence{x: x, rw: rw, r: r, req: req, pair: pair, plan: plan,
+		model: x.Metrics.Model(req.Model), runtime: pair.Prefill.Runtime(), start: time.Now(), outcome: OutcomeSuccess}, nil
+}
+
+// count counts the dispatch by its outcome.
+//
+//go:noinline
+func (s *sequence) count() {
+	s.x.Metrics.PDRequests.WithLabelValues(s.model, "sequential", string(s.outcome)).Inc()
 }
 
 // sequence is one sequential dispatch in progress: the prefill, then the decode.
@@ -144,13 +164,22 @@ type sequence struct {
 	model, runtime string
 	start          time.Time
 	outcome        Outcome
-	unreached      bool    // the last decode leg could not connect to its worker
-	check          kvCheck // what the decode's usage says about the handoff
-	handed         bool    // the decode was given kv_transfer_params
+	unreached      bool         // the last decode leg could not connect to its worker
+	check          kvCheck      // what the decode's usage says about the handoff
+	handed         bool         // the decode was given kv_transfer_params
+	pu             prefillUsage // the prefill's usage, when it answered with one
 }
 
 func (s *sequence) run() error {
 	handoff, started, err := s.legs()
+	s.settle(handoff, started, err)
+	return err
+}
+
+// settle records the dispatch's handoff once its legs ended.
+//
+//go:noinline
+func (s *sequence) settle(handoff string, started bool, err error) {
 	if err != nil && !started && handoff != "" && !strings.HasPrefix(handoff, HandoffNonePrefix) {
 		handoff = HandoffNoneFailed // prepared, never consumed: nothing was handed off
 	}
@@ -166,7 +195,6 @@ func (s *sequence) run() error {
 	}
 	noteHandoff(s.req.Rec, handoff)
 	s.x.Metrics.PDHandoffs.WithLabelValues(handoff, HandoffClass(handoff), s.plan.conn.Mode).Inc()
-	return err
 }
 
 // recomputed says loudly that a decode computed the prompt it was handed the KV of.
@@ -178,7 +206,19 @@ func (x *Sequential) recomputed(req *Request, pair worker.Pair, mode, handoff st
 // legs runs the prefill, then the decode, and says which handoff the decode was given ("" when
 // none could be, the prefill having failed) and whether its answer began.
 func (s *sequence) legs() (handoff string, started bool, err error) {
-	var pu prefillUsage
+	dBody, handoff, err := s.beforeDecode()
+	if err != nil {
+		return handoff, false, err
+	}
+	started, err = s.decodeAgain(dBody)
+	s.afterDecode(started, err)
+	return handoff, started, err
+}
+
+// beforeDecode runs the prefill and returns the decode's body, with the handoff it carries.
+//
+//go:noinline
+func (s *sequence) beforeDecode() (dBody []byte, handoff string, err error) {
 	params, handoff := s.plan.decodeParams, s.plan.outcome
 	if s.plan.probe != nil {
 		body, err := s.prefill()
@@ -187,36 +227,41 @@ func (s *sequence) legs() (handoff string, started bool, err error) {
 			if outcome.FailureOf(err).Kind() == outcome.KindClientGone {
 				s.outcome = OutcomeClientCancelled
 			}
-			return "", false, err
+			return nil, "", err
 		}
 		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
-		pu = readPrefillUsage(body)
-		if pu.ok {
-			s.req.Rec.EnginePrompt = pu.prompt
+		s.pu = readPrefillUsage(body)
+		if s.pu.ok {
+			s.req.Rec.EnginePrompt = s.pu.prompt
 		}
 		params, handoff = s.handoff(body, params)
 	}
 	if err := s.x.report(s.r, s.req, s.pair, s.plan.conn, handoff); err != nil {
 		s.outcome = OutcomeHandoffRequired
-		return handoff, false, err
+		return nil, handoff, err
 	}
-	dBody, err := decodeBody(s.req.Body, params)
+	dBody, err = decodeBody(s.req.Body, params)
 	if err != nil {
-		return handoff, false, err
+		return nil, handoff, err
 	}
 	s.handed = params != nil
-	started, err = s.decodeAgain(dBody, pu, s.handed)
+	return dBody, handoff, nil
+}
+
+// afterDecode records the decode's outcome, on the pair's health too.
+//
+//go:noinline
+func (s *sequence) afterDecode(started bool, err error) {
 	s.outcome = outcomeOf(err, OutcomeDecodeFailed)
-	if params != nil && !started {
+	if s.handed && !started {
 		s.x.abandoned(s.plan.conn, s.pair, s.outcome)
 	}
 	switch {
 	case s.outcome == OutcomeSuccess:
 		s.x.Pairs.Record(s.pair.Prefill, s.pair.Decode, true)
-	case params != nil && seamFailure(err):
+	case s.handed && seamFailure(err):
 		s.x.Pairs.Record(s.pair.Prefill, s.pair.Decode, false) // the decode failed on a handoff
 	}
-	return handoff, started, err
 }
 
 // handoff returns the decode's kv_transfer_params and the handoff outcome once the prefill
@@ -254,10 +299,20 @@ func decodeBody(body, params []byte) ([]byte, error) {
 // decode given the same params would read blocks the prefill may already have reused — NIXL
 // cannot tell, and the answer would be 200 and wrong. Such a failure goes back to the request's
 // retry loop, which starts over with a new pair and a new prefill.
-func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool, error) {
-	started, err := s.decode(body, pu)
+func (s *sequence) decodeAgain(body []byte) (bool, error) {
+	started, err := s.decode(body)
+	if s.handed && !started && s.unreached && s.x.RedecodeAttempts > 0 && s.x.Redecode != nil && retryableLeg(err) {
+		return s.redecode(body, err)
+	}
+	return started, err
+}
+
+// redecode sends the decode again to other decode workers while it could not be reached.
+//
+//go:noinline
+func (s *sequence) redecode(body []byte, err error) (started bool, _ error) {
 	var avoid map[string]bool
-	for n := 0; handed && !started && s.unreached && n < s.x.RedecodeAttempts && s.x.Redecode != nil && retryableLeg(err); n++ {
+	for n := 0; !started && s.unreached && n < s.x.RedecodeAttempts && retryableLeg(err); n++ {
 		if avoid == nil {
 			avoid = map[string]bool{}
 		}
@@ -271,7 +326,7 @@ func (s *sequence) decodeAgain(body []byte, pu prefillUsage, handed bool) (bool,
 			"failed", s.pair.Decode.URL, "decode", d.URL, "prefill", s.pair.Prefill.URL, "err", err)
 		s.pair.Decode = d
 		noteDecode(s.req.Rec, d.URL)
-		started, err = s.decode(body, pu)
+		started, err = s.decode(body)
 	}
 	return started, err
 }
@@ -313,45 +368,76 @@ func (s *sequence) prefill() ([]byte, error) {
 
 // decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
 // started reports whether the decode's first byte arrived (the handoff was consumed).
-func (s *sequence) decode(body []byte, pu prefillUsage) (started bool, err error) {
-	leg := &proxy.Leg{}
-	leg.Start(s.pair.Decode, LegDecode)
-	defer leg.Excuse()
+func (s *sequence) decode(body []byte) (started bool, err error) {
+	d, err := s.decodeHead(body)
+	if d == nil {
+		return false, err
+	}
+	defer d.close()
+	if d.whole {
+		err = relayBody(s.req.Rec, s.rw, d.resp, d.transform)
+	} else {
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, d.resp, d.transform, s.req.Rec, s.req.Orders)
+	}
+	return d.started, s.x.Proxy.Finish(s.r, &d.leg, d.resp.StatusCode, err)
+}
+
+// decoding is a decode leg whose answer is being relayed (on the heap, like the relay's state).
+type decoding struct {
+	leg       proxy.Leg
+	resp      *http.Response
+	transform func([]byte) []byte // the usage check and rewrite, nil when neither is asked
+	whole     bool                // a whole answer, not a stream: relayed by relayBody
+	started   bool                // the answer's first byte arrived
+}
+
+func (d *decoding) close() {
+	d.resp.Body.Close()
+	d.leg.Excuse()
+}
+
+// decodeHead sends the decode leg and returns its answer to relay, or none and the leg's
+// failure.
+//
+//go:noinline
+func (s *sequence) decodeHead(body []byte) (*decoding, error) {
+	d := &decoding{}
+	d.leg.Start(s.pair.Decode, LegDecode)
 	var hdr http.Header
 	if rank, ok := s.pair.Decode.NextRank(); ok {
 		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
-		leg.OnRank(rank)
+		d.leg.OnRank(rank)
 	}
-	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr, Rec: s.req.Rec})
+	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, &d.leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr, Rec: s.req.Rec})
 	s.unreached = err != nil && proxy.Unreached(err)
 	if err != nil {
-		return false, s.x.Proxy.Failure(s.r, leg, err)
+		defer d.leg.Excuse()
+		return nil, s.x.Proxy.Failure(s.r, &d.leg, err)
 	}
-	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		defer d.leg.Excuse()
+		defer resp.Body.Close()
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		leg.Done(resp.StatusCode, nil)
+		d.leg.Done(resp.StatusCode, nil)
 		s.x.Log.Warn("decode leg failed", "decode", s.pair.Decode.URL, "prefill", s.pair.Prefill.URL, "status", resp.StatusCode)
-		return false, upstreamError(LegDecode, s.pair.Decode, resp.StatusCode, resp.Header, b)
+		return nil, upstreamError(LegDecode, s.pair.Decode, resp.StatusCode, resp.Header, b)
 	}
 	resp.Body = onFirstByte(resp.Body, func() {
-		started = true
+		d.started = true
 		s.x.Metrics.PDTTFT.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
 	})
-
+	d.resp = resp
 	check := &s.check
 	if !s.handed {
 		check = nil
 	}
 	switch {
-	case (pu.ok || check != nil) && !isStream(resp):
-		err = relayBody(s.req.Rec, s.rw, resp, checkedBody(s.req.Rec, check, pu))
-	case pu.ok || check != nil:
-		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, checkedEvent(check, pu), s.req.Rec, s.req.Orders)
-	default:
-		err = s.x.Proxy.Relay(s.r.Context(), s.rw, resp, nil, s.req.Rec, s.req.Orders)
+	case (s.pu.ok || check != nil) && !isStream(resp):
+		d.whole, d.transform = true, checkedBody(s.req.Rec, check, s.pu)
+	case s.pu.ok || check != nil:
+		d.transform = checkedEvent(check, s.pu)
 	}
-	return started, s.x.Proxy.Finish(s.r, leg, resp.StatusCode, err)
+	return d, nil
 }
 
 // checkedBody returns the transform of a decode's whole answer: the decode's usage checked when

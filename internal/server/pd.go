@@ -20,77 +20,156 @@ import (
 
 // servePD runs a generation request through a prefill/decode pair.
 func (s *Server) servePD(w http.ResponseWriter, r *http.Request) {
+	a := s.admitPD(w, r)
+	defer a.end()
+	switch {
+	case a.plan == nil: // answered
+	case a.alone:
+		s.serveOne(w, r, a.req, a.plan, a.adm.Orders)
+	default:
+		s.servePair(w, r, a)
+	}
+}
+
+// admittedPD is a PD request read, admitted and planned (plan nil: answered already; alone: the
+// decode serves it alone). preq is what the dispatch is given.
+type admittedPD struct {
+	admittedRegular
+	preq  *pd.Request
+	alone bool
+}
+
+// admitPD reads, admits and plans a PD request, answering it itself when it goes no further.
+//
+//go:noinline
+func (s *Server) admitPD(w http.ResponseWriter, r *http.Request) *admittedPD {
 	rec := recordOf(r)
-	req, done := s.readRequest(w, r, rec)
-	defer done()
-	if req == nil {
-		return
+	a := &admittedPD{}
+	a.req, a.release = s.readRequest(w, r, rec)
+	if a.req == nil {
+		return a
 	}
-	preq := &pd.Request{Request: req, Path: r.URL.Path, Rec: rec}
-	adm, ok := s.admitRequest(w, r, rec, preq)
-	defer adm.End()
+	a.preq = &pd.Request{Request: a.req, Path: r.URL.Path, Rec: rec}
+	adm, ok := s.admitRequest(w, r, rec, a.preq)
+	a.adm = adm
 	if !ok {
-		return
+		return a
 	}
-	preq.Orders = adm.Orders
+	a.preq.Orders = adm.Orders
 	named := r.Header.Values(openai.HeaderPrefiller)
 	if s.opts.PrefillerHeader && len(named) == 0 && !s.opts.PrefillerAbsentPicks && s.d.DecodeAloneServes() {
 		// The picker in front named no prefill (a short prompt, a prefix the decode holds):
 		// the decode serves the request alone, as llm-d's sidecar does.
-		s.serveOne(w, r, req, s.d.PlanDecodeAlone(rec, req, r.URL.Path), adm.Orders)
-		return
+		a.plan, a.alone = s.d.PlanDecodeAlone(rec, a.req, r.URL.Path), true
+		return a
 	}
-	p := s.d.PlanPair(rec, req, r.URL.Path, nil)
+	p := s.d.PlanPair(rec, a.req, r.URL.Path, nil)
 	if s.opts.PrefillerHeader && len(named) > 0 {
 		allow, e := s.d.Prefiller(named)
 		if e != nil {
 			openai.WriteError(w, e)
-			return
+			return a
 		}
 		p.Sel.Allow = allow
 	}
-	orig, client, sreq := req.Body, req.Model, p.Sel
-	s.withRetries(w, r, rec, func(r *http.Request, avoid map[string]bool) error {
-		return s.d.ContextFallbacks(rec, client, func(name string, _ bool) error { // a PD leg's refusal is never relayed as it is
-			c, err := s.d.Choose(r.Context(), p, name, avoid)
-			if err != nil {
-				return err
-			}
-			defer c.Release()
-			pair := c.Pair
-			// Both legs share the body: the model the workers know (an SGLang adapter as
-			// base:adapter), and the priority only for a pair whose two workers are marked
-			// forward_priority and read it alike.
-			body := director.ForWorkers(orig, r.URL.Path, client, sreq, pair.Prefill, pair.Decode)
-			if b := director.WithPriority(body, rec.Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
-				if err := req.SetBody(b); err != nil {
-					return err
-				}
-			}
-			preq.Ranks = sreq.Ranks
-			p.NotePair(pair)
-			err = s.pd.Execute(w, r, preq, pair)
-			if !s.d.DeclaredAdapter(sreq) {
-				return err
-			}
-			// A leg whose engine says the adapter is gone (another replica unloaded it since
-			// this one loaded it): nothing reached the client; the adapter is loaded again on
-			// the pair and the request sent once more, a bounded number of times.
-			for try := 1; try < director.MaxAdapterGone; try++ {
-				gone := director.LegAdapterGone(err, pair)
-				if gone == nil {
-					return err
-				}
-				again, rerr := s.d.ReadyAgain(r.Context(), sreq.Model, gone, err, pair.Prefill, pair.Decode)
-				if rerr != nil {
-					return rerr
-				}
-				defer again()
-				err = s.pd.Execute(w, r, preq, pair)
-			}
+	a.plan = p
+	return a
+}
+
+// servePair runs an admitted PD request through pairs chosen (and chosen again on a retry or a
+// fallback model) by its policy.
+func (s *Server) servePair(w http.ResponseWriter, r *http.Request, a *admittedPD) {
+	s.withRetries(w, r, a.plan.Rec, s.pairAttempts(w, a))
+}
+
+// pairAttempts returns the attempt withRetries runs for a.
+//
+//go:noinline
+func (s *Server) pairAttempts(w http.ResponseWriter, a *admittedPD) func(*http.Request, map[string]bool) error {
+	// As the client sent them: SetBody changes the request's.
+	t := &pairAttempts{s: s, w: w, a: a, orig: a.req.Body, client: a.req.Model}
+	t.modelFn = t.model
+	return t.attempt
+}
+
+// pairAttempts are a PD request's attempts (on the heap: a stream waits under small frames).
+type pairAttempts struct {
+	s      *Server
+	w      http.ResponseWriter
+	a      *admittedPD
+	orig   []byte
+	client string
+	r      *http.Request // the attempt's
+	avoid  map[string]bool
+
+	modelFn func(name string, fallbackLeft bool) error // model, made once
+}
+
+func (t *pairAttempts) attempt(r *http.Request, avoid map[string]bool) error {
+	t.r, t.avoid = r, avoid
+	return t.s.d.ContextFallbacks(t.a.plan.Rec, t.client, t.modelFn) // a PD leg's refusal is never relayed as it is
+}
+
+// model runs the attempt's dispatch for the model name (the client's, or a fallback).
+func (t *pairAttempts) model(name string, _ bool) error {
+	s, r := t.s, t.r
+	c, err := s.choosePair(r, t.a, t.orig, t.client, name, t.avoid)
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	err = pd.For(s.pd, c.Pair).Execute(t.w, r, t.a.preq, c.Pair)
+	if !s.d.DeclaredAdapter(t.a.plan.Sel) {
+		return err
+	}
+	return s.executeAdapter(t.w, r, t.a, c, err)
+}
+
+// choosePair chooses the pair of one attempt, and sets the body both legs share: the model the
+// workers know (an SGLang adapter as base:adapter), and the priority only for a pair whose two
+// workers are marked forward_priority and read it alike.
+//
+//go:noinline
+func (s *Server) choosePair(r *http.Request, a *admittedPD, orig []byte, client, name string, avoid map[string]bool) (director.Choice, error) {
+	p, req := a.plan, a.req
+	c, err := s.d.Choose(r.Context(), p, name, avoid)
+	if err != nil {
+		return c, err
+	}
+	pair := c.Pair
+	body := director.ForWorkers(orig, r.URL.Path, client, p.Sel, pair.Prefill, pair.Decode)
+	if b := director.WithPriority(body, p.Rec.Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
+		if err := req.SetBody(b); err != nil {
+			c.Release()
+			return director.Choice{}, err
+		}
+	}
+	a.preq.Ranks = p.Sel.Ranks
+	p.NotePair(pair)
+	return c, nil
+}
+
+// executeAdapter follows a dispatch for a declared adapter that ended with err: a leg whose
+// engine says the adapter is gone (another replica unloaded it since this one loaded it) reached
+// no client; the adapter is loaded again on the pair and the request sent once more, a bounded
+// number of times.
+//
+//go:noinline
+func (s *Server) executeAdapter(w http.ResponseWriter, r *http.Request, a *admittedPD, c director.Choice, err error) error {
+	pair := c.Pair
+	for try := 1; try < director.MaxAdapterGone; try++ {
+		gone := director.LegAdapterGone(err, pair)
+		if gone == nil {
 			return err
-		})
-	})
+		}
+		again, rerr := s.d.ReadyAgain(r.Context(), a.plan.Sel.Model, gone, err, pair.Prefill, pair.Decode)
+		if rerr != nil {
+			return rerr
+		}
+		defer again()
+		err = pd.For(s.pd, pair).Execute(w, r, a.preq, pair)
+	}
+	return err
 }
 
 // serveHealthGenerate checks a selected pair end to end: GET /health_generate on both.

@@ -29,11 +29,9 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/pd"
-	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/tracing"
-	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Options are a Server's settings, converted once from the configuration, and the parts it
@@ -575,7 +573,7 @@ func (s *Server) serveOne(w http.ResponseWriter, r *http.Request, req *openai.Re
 			if !s.d.DeclaredAdapter(sreq) {
 				return s.proxy.Forward(w, r, c.Worker, call)
 			}
-			return s.forwardAdapter(w, r, c.Worker, sreq, call)
+			return s.forwardAdapter(w, r, c, sreq.Model, call)
 		})
 	})
 }
@@ -604,8 +602,8 @@ func (s *Server) callOne(r *http.Request, req *openai.Request, p *director.Plan,
 // the client as the engine said it.
 //
 //go:noinline
-func (s *Server) forwardAdapter(w http.ResponseWriter, r *http.Request, wk *worker.Worker, sreq *policy.Request, call *proxy.Call) error {
-	hold := call.Hold
+func (s *Server) forwardAdapter(w http.ResponseWriter, r *http.Request, c director.Choice, adapter string, call *proxy.Call) error {
+	wk, hold := c.Worker, call.Hold
 	for try := 1; ; try++ {
 		call.Hold = hold
 		if try < director.MaxAdapterGone {
@@ -615,7 +613,7 @@ func (s *Server) forwardAdapter(w http.ResponseWriter, r *http.Request, wk *work
 		if try >= director.MaxAdapterGone || !director.AdapterGone(err) {
 			return err
 		}
-		again, rerr := s.d.ReadyAgain(r.Context(), sreq.Model, wk, err, wk)
+		again, rerr := s.d.ReadyAgain(r.Context(), adapter, wk, err, wk)
 		if rerr != nil {
 			return rerr
 		}
