@@ -14,11 +14,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/baton-llm/baton/internal/sim"
 )
 
 var binary string
@@ -40,11 +43,18 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-var addrLine = regexp.MustCompile(`baton serving on (http://\S+) `)
+var addrLine = regexp.MustCompile(`baton serving on (http://\S+) (?:\(metrics on (http://\S+)/metrics\))?`)
 
 // startBaton runs the binary with args and returns its API URL; the process gets SIGTERM at
 // cleanup and must exit 0.
 func startBaton(t *testing.T, args ...string) string {
+	t.Helper()
+	api, _ := startBatonMetrics(t, args...)
+	return api
+}
+
+// startBatonMetrics is startBaton, also returning the metrics port's base URL ("" when none).
+func startBatonMetrics(t *testing.T, args ...string) (string, string) {
 	t.Helper()
 	base := []string{"--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"}
 	// BATON_TEST_HTTP_SERVER (baton or net) runs the suite on that API server: CI runs it on both.
@@ -61,18 +71,19 @@ func startBaton(t *testing.T, args ...string) string {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	lines := make(chan string, 1)
+	lines := make(chan []string, 1)
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
 			if m := addrLine.FindStringSubmatch(sc.Text()); m != nil {
-				lines <- m[1]
+				lines <- m
 			}
 		}
 	}()
-	var api string
+	var api, metricsURL string
 	select {
-	case api = <-lines:
+	case m := <-lines:
+		api, metricsURL = m[1], m[2]
 	case <-time.After(20 * time.Second):
 		cmd.Process.Kill()
 		t.Fatalf("baton did not start; logs:\n%s", logs.String())
@@ -97,7 +108,7 @@ func startBaton(t *testing.T, args ...string) string {
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				return api
+				return api, metricsURL
 			}
 		}
 		if time.Now().After(deadline) {
@@ -212,5 +223,100 @@ func TestBenchSmoke(t *testing.T) {
 	}
 	if strings.Contains(out, " †") && !strings.Contains(out, "† below the measuring resolution") {
 		t.Errorf("a CPU figure is marked below resolution without the note:\n%s", out)
+	}
+}
+
+// metricValue reads one unlabelled sample from a Prometheus text page.
+func metricValue(t *testing.T, metricsURL, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(metricsURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), name+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return f
+		}
+	}
+	t.Fatalf("no %s on the metrics page", name)
+	return 0
+}
+
+// An open stream parks its goroutine under frames that use less than a quarter of a 16 KiB
+// stack, so that the collector halves it: 8 KiB of stack per open stream, regular and PD, on
+// Baton's own HTTP server (--http-server net has two goroutines per stream of its own). Frames
+// that grew past the quarter once doubled every open stream's stack unnoticed; this holds them.
+func TestAnOpenStreamHoldsHalfAStack(t *testing.T) {
+	const streams = 200
+	cfg := func(role string) sim.Config {
+		return sim.Config{Model: "m", Engine: sim.EngineVLLM, Role: role, KVConnector: sim.ConnectorNixl, DecodePerToken: 50 * time.Millisecond,
+			MaxConcurrency: 1000, QueueSize: 1000}
+	}
+	regular, err := sim.Start(sim.Config{Model: "m", Engine: sim.EngineVLLM, DecodePerToken: 50 * time.Millisecond, MaxConcurrency: 1000, QueueSize: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer regular.Close()
+	prefill, err := sim.Start(cfg(sim.RolePrefill))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := sim.Start(cfg(sim.RoleDecode))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer decode.Close()
+	for name, args := range map[string][]string{
+		"regular": {"--worker-urls", regular.URL()},
+		"PD":      {"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", prefill.URL(), "--decode", decode.URL()},
+	} {
+		t.Run(name, func(t *testing.T) {
+			api, metricsURL := startBatonMetrics(t, append([]string{"--http-server", "baton", "--enable-pprof", "--log-level", "error"}, args...)...)
+			held := func() (stacks, goroutines float64) {
+				for range 2 { // the second collection frees what the first let sync pools keep
+					if resp, err := http.Get(metricsURL + "/debug/pprof/heap?gc=1"); err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				}
+				return metricValue(t, metricsURL, "go_memstats_stack_inuse_bytes"), metricValue(t, metricsURL, "go_goroutines")
+			}
+			idleStacks, idleG := held()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			body := `{"model":"m","prompt":"hello there","max_tokens":400,"ignore_eos":true,"stream":true}`
+			var wg sync.WaitGroup
+			for range streams {
+				wg.Go(func() {
+					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, api+"/v1/completions", strings.NewReader(body))
+					req.Header.Set("Content-Type", "application/json")
+					if resp, err := http.DefaultClient.Do(req); err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				})
+			}
+			defer wg.Wait()
+			defer cancel()
+			deadline := time.Now().Add(15 * time.Second)
+			for metricValue(t, metricsURL, "go_goroutines") < idleG+streams {
+				if time.Now().After(deadline) {
+					t.Fatalf("%v goroutines: the streams did not all open", metricValue(t, metricsURL, "go_goroutines"))
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			time.Sleep(200 * time.Millisecond) // every stream past its first event, waiting for the next
+			stacks, _ := held()
+			if per := (stacks - idleStacks) / streams; per > 12<<10 {
+				t.Errorf("%.1f KiB of stack per open stream (16 KiB: its frames use more than a quarter of it)", per/1024)
+			}
+		})
 	}
 }
