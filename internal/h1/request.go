@@ -70,11 +70,12 @@ func (c *conn) readRequest() (*http.Request, *body, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	req := &http.Request{Header: make(http.Header, 8)}
+	fields := httpwire.NewFields(8)
+	req := &http.Request{Header: fields.H}
 	if herr := parseRequestLine(req, line); herr != nil {
 		return nil, nil, herr
 	}
-	for fields := 0; ; fields++ {
+	for n := 0; ; n++ {
 		line, err := readLine(br, &budget)
 		if err != nil {
 			return nil, nil, err
@@ -82,10 +83,10 @@ func (c *conn) readRequest() (*http.Request, *body, error) {
 		if len(line) == 0 {
 			break
 		}
-		if fields == c.s.maxHeaders() {
+		if n == c.s.maxHeaders() {
 			return nil, nil, errTooManyHeaders
 		}
-		if herr := addHeader(req.Header, line); herr != nil {
+		if herr := addHeader(&fields, line); herr != nil {
 			return nil, nil, herr
 		}
 	}
@@ -138,13 +139,13 @@ func parseRequestLine(req *http.Request, line []byte) *Refusal {
 }
 
 // addHeader adds one "Name: value" line; folded lines and bad names or values are refused.
-func addHeader(h http.Header, line []byte) *Refusal {
+func addHeader(f *httpwire.Fields, line []byte) *Refusal {
 	name, v, herr := splitHeader(line)
 	if herr != nil {
 		return herr
 	}
-	key := canonicalKey(name)
-	h[key] = append(h[key], internValue(v))
+	key := names.Key(name)
+	f.Add(key, names.Value(key, v))
 	return nil
 }
 
@@ -236,52 +237,13 @@ func validHost(h string) bool {
 	return true
 }
 
-// commonKeys are header names clients send on almost every request: matched without
-// allocating.
-var commonKeys = []string{"Host", "Content-Type", "Content-Length", "User-Agent", "Accept", "Accept-Encoding",
+// names are the header names and values clients send on almost every request: matched
+// without allocating.
+var names = httpwire.NewNames([]string{"Host", "Content-Type", "Content-Length", "User-Agent", "Accept", "Accept-Encoding",
 	"Authorization", "Connection", "Transfer-Encoding", "Expect", "Traceparent", "Tracestate", "X-Request-Id",
-	"Openai-Organization", "Openai-Project", "X-Stainless-Lang", "Api-Key", "X-Api-Key"}
-
-// canonicalKey returns name in net/http's canonical form.
-func canonicalKey(name []byte) string {
-	for _, k := range commonKeys {
-		if len(k) == len(name) && equalFold(k, name) {
-			return k
-		}
-	}
-	return http.CanonicalHeaderKey(string(name))
-}
-
-func equalFold(s string, b []byte) bool {
-	for i := 0; i < len(b); i++ {
-		x, y := s[i], b[i]
-		if x == y {
-			continue
-		}
-		if 'A' <= y && y <= 'Z' {
-			y += 'a' - 'A'
-		}
-		if 'A' <= x && x <= 'Z' {
-			x += 'a' - 'A'
-		}
-		if x != y {
-			return false
-		}
-	}
-	return true
-}
-
-var commonValues = []string{"application/json", "keep-alive", "close", "*/*", "chunked", "100-continue",
-	"gzip, deflate", "gzip, deflate, br", "gzip, deflate, zstd", "text/event-stream"}
-
-func internValue(v []byte) string {
-	for _, c := range commonValues {
-		if string(v) == c {
-			return c
-		}
-	}
-	return string(v)
-}
+	"Openai-Organization", "Openai-Project", "X-Stainless-Lang", "Api-Key", "X-Api-Key"},
+	[]string{"application/json", "keep-alive", "close", "*/*", "chunked", "100-continue",
+		"gzip, deflate", "gzip, deflate, br", "gzip, deflate, zstd", "text/event-stream"}, nil)
 
 func internMethod(m []byte) string {
 	switch string(m) {

@@ -232,7 +232,8 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			}
 			return nil, headErr(err)
 		}
-		resp := &http.Response{Request: req, Header: make(http.Header, 8)}
+		fields := httpwire.NewFields(8)
+		resp := &http.Response{Request: req, Header: fields.H}
 		if err := parseStatus(string(line), resp); err != nil {
 			return nil, err
 		}
@@ -251,8 +252,8 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			if err != nil {
 				return nil, fmt.Errorf("upstream: %w", err) // a folded line, whitespace before the colon, a control byte
 			}
-			k := http.CanonicalHeaderKey(string(name))
-			resp.Header[k] = append(resp.Header[k], string(v))
+			k := names.Key(name)
+			fields.Add(k, names.Value(k, v))
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
 			continue // 100 Continue and friends: the answer follows
@@ -260,6 +261,13 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 		return resp, nil
 	}
 }
+
+// names are the header names and values engines answer with on almost every answer (uvicorn's,
+// vLLM's and SGLang's server): matched without allocating.
+var names = httpwire.NewNames([]string{"Content-Type", "Content-Length", "Date", "Server", "X-Request-Id", "Transfer-Encoding",
+	"Connection", "Cache-Control", "Keep-Alive"},
+	[]string{"application/json", "text/event-stream", "text/event-stream; charset=utf-8", "application/json; charset=utf-8",
+		"uvicorn", "chunked", "keep-alive", "close", "no-cache"}, []string{"Date"})
 
 // headErr names a head past its bound as ErrHeaderTooLarge.
 func headErr(err error) error {
