@@ -44,17 +44,20 @@ func Of(status int, err error) Verdict {
 //	other 5xx            not retryable, success sample, seam
 //	anything else        not retryable, success sample
 func Status(status int) Verdict {
-	reason := "status_" + strconv.Itoa(status)
 	switch status {
 	case http.StatusRequestTimeout:
-		return Verdict{Retryable: true, Sample: true, Failure: true, Reason: reason}
+		return Verdict{Retryable: true, Sample: true, Failure: true, Reason: statusReason(status)}
 	case http.StatusTooManyRequests:
-		return Verdict{Retryable: true, Reason: reason}
+		return Verdict{Retryable: true, Reason: statusReason(status)}
 	case http.StatusInternalServerError, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
-		return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: reason}
+		return Verdict{Retryable: true, Sample: true, Failure: true, Seam: true, Reason: statusReason(status)}
 	}
 	return Verdict{Sample: true, Seam: status >= 500}
 }
+
+// statusReason is the retry reason of a retryable status (made only for those: every answer's
+// status is judged).
+func statusReason(status int) string { return "status_" + strconv.Itoa(status) }
 
 // Err is the verdict on an error instead of (or in the middle of) an answer:
 //

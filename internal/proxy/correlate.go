@@ -62,11 +62,11 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Respon
 	if prefix == "" {
 		return resp, nil
 	}
-	pr := &prover{ReadCloser: resp.Body, p: p, w: w, sent: sent, prefix: prefix}
+	pr := prover{ReadCloser: resp.Body, p: p, w: w, sent: sent, prefix: prefix}
 	if v, ok := resp.Body.(viewer); ok {
-		resp.Body = &provingViewer{prover: pr, v: v}
+		resp.Body = &provingViewer{prover: pr, v: v} // one allocation for both
 	} else {
-		resp.Body = pr
+		resp.Body = &pr
 	}
 	return resp, nil
 }
@@ -165,7 +165,7 @@ func (r *prover) Read(b []byte) (int, error) {
 
 // provingViewer is a prover over a body that lends views of its read buffer (Baton's client).
 type provingViewer struct {
-	*prover
+	prover
 	v viewer
 }
 

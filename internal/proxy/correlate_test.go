@@ -80,7 +80,7 @@ func readProven(t *testing.T, w *worker.Worker, body string, views bool) (string
 		return string(b), err
 	}
 	v := &oneByteViewer{ReadCloser: io.NopCloser(nil), rest: body}
-	pv := &provingViewer{prover: &prover{ReadCloser: v, p: &Proxy{}, w: w, sent: "req-1", prefix: "cmpl-"}, v: v}
+	pv := &provingViewer{prover: prover{ReadCloser: v, p: &Proxy{}, w: w, sent: "req-1", prefix: "cmpl-"}, v: v}
 	var out []byte
 	for {
 		b, err := pv.Next()
@@ -155,7 +155,7 @@ func TestAnEscapedIDIsTheRequestsOwn(t *testing.T) {
 			var err error
 			if views {
 				v := &oneByteViewer{ReadCloser: io.NopCloser(nil), rest: body}
-				pv := &provingViewer{prover: &prover{ReadCloser: v, p: &Proxy{}, w: proven, sent: `a"b\c<d>&`, prefix: "cmpl-"}, v: v}
+				pv := &provingViewer{prover: prover{ReadCloser: v, p: &Proxy{}, w: proven, sent: `a"b\c<d>&`, prefix: "cmpl-"}, v: v}
 				for {
 					b, e := pv.Next()
 					got = append(got, b...)
