@@ -555,8 +555,10 @@ func (rl *relay) emit(chunk []byte, flush bool) error {
 	if rl.status == http.StatusOK {
 		if rl.out.stream {
 			rl.w.see(chunk)
+			rl.tail.keepStream(chunk)
+		} else {
+			rl.tail.keep(chunk)
 		}
-		rl.tail.keep(chunk)
 	}
 	return rl.out.emit(chunk, flush)
 }

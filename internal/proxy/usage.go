@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"sync"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -18,7 +19,14 @@ var tailPool = sync.Pool{New: func() any { return new([usageTailLen]byte) }}
 type usageTail struct {
 	b *[usageTailLen]byte
 	n int
+	// A stream takes its buffer only from the chunk where "usage" first appears (its last
+	// event, or every event when the engine reports usage continuously): carry holds the end
+	// of the chunks before it, so that a key split between two reads is found.
+	carry [len(usageKey) - 1]byte
+	nc    int
 }
+
+const usageKey = `"usage"`
 
 // keep adds chunk to the tail.
 func (t *usageTail) keep(chunk []byte) {
@@ -35,6 +43,28 @@ func (t *usageTail) keep(chunk []byte) {
 	keep := min(t.n, usageTailLen-len(chunk))
 	copy(t.b[:keep], t.b[t.n-keep:t.n])
 	t.n = keep + copy(t.b[keep:], chunk)
+}
+
+// keepStream adds a stream's chunk to the tail once the stream mentioned its usage; until then
+// it holds no buffer, only the last bytes of what it saw.
+func (t *usageTail) keepStream(chunk []byte) {
+	if t.b == nil {
+		var joint [2 * (len(usageKey) - 1)]byte
+		n := copy(joint[:], t.carry[:t.nc])
+		n += copy(joint[n:], chunk)
+		if !bytes.Contains(joint[:n], []byte(usageKey)) && !bytes.Contains(chunk, []byte(usageKey)) {
+			if len(chunk) >= len(t.carry) {
+				t.nc = copy(t.carry[:], chunk[len(chunk)-len(t.carry):])
+			} else {
+				keep := min(t.nc, len(t.carry)-len(chunk))
+				copy(t.carry[:keep], t.carry[t.nc-keep:t.nc])
+				t.nc = keep + copy(t.carry[keep:], chunk)
+			}
+			return
+		}
+		t.keep(t.carry[:t.nc])
+	}
+	t.keep(chunk)
 }
 
 // done writes the answer's usage on rec when it ended with one, and gives the buffer back.

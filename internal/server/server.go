@@ -219,9 +219,14 @@ func (w *statusWriter) NoteErrorCode(code string) {
 
 // renderHead sets Baton's headers on h from rec.
 func renderHead(h http.Header, rec *record.Record) {
+	var vals []string // one backing array for the values (each capped at its one element)
 	set := func(k, v string) {
 		if v != "" {
-			h[k] = []string{v}
+			if vals == nil {
+				vals = make([]string, 0, 6)
+			}
+			vals = append(vals, v)
+			h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
 		}
 	}
 	if rec.Prefill != "" {
