@@ -235,6 +235,7 @@ func (s *sequence) beforeDecode() (dBody []byte, handoff string, err error) {
 			s.req.Rec.EnginePrompt = s.pu.prompt
 		}
 		params, handoff = s.handoff(body, params)
+		s.plan.probe = nil // sent: not held for the stream's life
 	}
 	if err := s.x.report(s.r, s.req, s.pair, s.plan.conn, handoff); err != nil {
 		s.outcome = OutcomeHandoffRequired
@@ -300,35 +301,38 @@ func decodeBody(body, params []byte) ([]byte, error) {
 // cannot tell, and the answer would be 200 and wrong. Such a failure goes back to the request's
 // retry loop, which starts over with a new pair and a new prefill.
 func (s *sequence) decodeAgain(body []byte) (bool, error) {
-	started, err := s.decode(body)
-	if s.handed && !started && s.unreached && s.x.RedecodeAttempts > 0 && s.x.Redecode != nil && retryableLeg(err) {
-		return s.redecode(body, err)
+	d, err := s.decodeHeadAgain(body)
+	if d == nil {
+		return false, err
 	}
-	return started, err
+	// The decode's body is not referenced past here: an open stream does not hold it.
+	return s.decode(d)
 }
 
-// redecode sends the decode again to other decode workers while it could not be reached.
+// decodeHeadAgain sends the decode leg, again to other decode workers while it could not be
+// reached, and returns its answer to relay, or none and the last leg's failure.
 //
 //go:noinline
-func (s *sequence) redecode(body []byte, err error) (started bool, _ error) {
+func (s *sequence) decodeHeadAgain(body []byte) (*decoding, error) {
+	d, err := s.decodeHead(body)
 	var avoid map[string]bool
-	for n := 0; !started && s.unreached && n < s.x.RedecodeAttempts && retryableLeg(err); n++ {
+	for n := 0; d == nil && s.handed && s.unreached && n < s.x.RedecodeAttempts && s.x.Redecode != nil && retryableLeg(err); n++ {
 		if avoid == nil {
 			avoid = map[string]bool{}
 		}
 		avoid[s.pair.Decode.URL] = true
-		d, serr := s.x.Redecode(s.r.Context(), s.pair.Prefill, s.req, avoid)
+		next, serr := s.x.Redecode(s.r.Context(), s.pair.Prefill, s.req, avoid)
 		if serr != nil {
 			break
 		}
 		s.x.Metrics.PDDecodeRetries.Inc()
 		s.x.Log.Info("decode could not be reached; sending the decode alone to another worker with the same handoff",
-			"failed", s.pair.Decode.URL, "decode", d.URL, "prefill", s.pair.Prefill.URL, "err", err)
-		s.pair.Decode = d
-		noteDecode(s.req.Rec, d.URL)
-		started, err = s.decode(body)
+			"failed", s.pair.Decode.URL, "decode", next.URL, "prefill", s.pair.Prefill.URL, "err", err)
+		s.pair.Decode = next
+		noteDecode(s.req.Rec, next.URL)
+		d, err = s.decodeHead(body)
 	}
-	return started, err
+	return d, err
 }
 
 // retryableLeg reports whether a leg's failure before its first byte may succeed elsewhere.
@@ -366,13 +370,9 @@ func (s *sequence) prefill() ([]byte, error) {
 	return body, nil
 }
 
-// decode sends the decode leg and relays its answer, rewriting usage to the prefill's view.
-// started reports whether the decode's first byte arrived (the handoff was consumed).
-func (s *sequence) decode(body []byte) (started bool, err error) {
-	d, err := s.decodeHead(body)
-	if d == nil {
-		return false, err
-	}
+// decode relays the decode leg's answer d, rewriting usage to the prefill's view. started
+// reports whether the decode's first byte arrived (the handoff was consumed).
+func (s *sequence) decode(d *decoding) (started bool, err error) {
 	defer d.close()
 	if d.whole {
 		err = relayBody(s.req.Rec, s.rw, d.resp, d.transform)
