@@ -106,7 +106,7 @@ func TestNoClientGetsAnothersAnswer(t *testing.T) {
 }
 
 func TestStdLogBridgeDropsUnsolicitedBytes(t *testing.T) {
-	var out syncBuffer
+	var out gwtest.SyncBuffer
 	c := prometheus.NewCounter(prometheus.CounterOpts{Name: "x"})
 	b := stdLogBridge{log: slog.New(slog.NewTextHandler(&out, nil)), unsolicited: c}
 	fmt.Fprintf(b, "Unsolicited response received on idle HTTP channel starting with %q; err=<nil>\n", "HTTP/1.1 200 OK\r\n\r\nSECRET")

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 )
 
@@ -111,7 +112,7 @@ func TestStartupWarnings(t *testing.T) {
 			t.Errorf("warnings %q lack %q", w, tc.want)
 		}
 	}
-	logs := &syncBuffer{}
+	logs := &gwtest.SyncBuffer{}
 	ctx, cancel := context.WithCancel(t.Context())
 	res := make(chan error, 1)
 	go func() {

@@ -139,9 +139,9 @@ func TestSimFaultsThroughTheGateway(t *testing.T) {
 
 // startLogged starts a gateway for cfg whose log is kept, without waiting for its workers, and
 // returns the log.
-func startLogged(t *testing.T, cfg config.Config) *syncBuffer {
+func startLogged(t *testing.T, cfg config.Config) *gwtest.SyncBuffer {
 	t.Helper()
-	logs := &syncBuffer{}
+	logs := &gwtest.SyncBuffer{}
 	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
 	if err != nil {
 		t.Fatal(err)

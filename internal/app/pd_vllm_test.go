@@ -73,7 +73,7 @@ func TestConnectorLoggedAtRegistration(t *testing.T) {
 	cfg := config.Default()
 	cfg.PDDisaggregation = true
 	cfg.Workers = []config.Worker{{URL: p1.URL(), Role: "prefill", KVConnector: "NixlConnector"}, {URL: p2.URL(), Role: "prefill"}, {URL: d.URL(), Role: "decode"}}
-	logs := &syncBuffer{}
+	logs := &gwtest.SyncBuffer{}
 	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
 	if err != nil {
 		t.Fatal(err)

@@ -18,26 +18,9 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 )
-
-// syncBuffer is a goroutine-safe bytes.Buffer for a running server's output.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 var addrLine = regexp.MustCompile(`baton serving on (https?://\S+) \(metrics on (http://\S+)/metrics\)`)
 
@@ -52,7 +35,7 @@ func runBaton(t *testing.T, args ...string) (api, metricsURL string, stop func()
 // running is a Baton started by startRun, with its output.
 type running struct {
 	api, metrics string
-	out, logs    *syncBuffer
+	out, logs    *gwtest.SyncBuffer
 	stop         func()
 	result       <-chan error
 }
@@ -60,7 +43,7 @@ type running struct {
 func startRun(t *testing.T, args ...string) *running {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	out, logs := &syncBuffer{}, &syncBuffer{}
+	out, logs := &gwtest.SyncBuffer{}, &gwtest.SyncBuffer{}
 	res := make(chan error, 1)
 	go func() {
 		res <- Run(ctx, append([]string{"serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"}, args...), out, logs)

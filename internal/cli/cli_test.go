@@ -17,7 +17,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -29,27 +28,10 @@ import (
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/epp/dataplane"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
 )
-
-// syncBuffer is a goroutine-safe bytes.Buffer for a running command's output.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // runUntil runs Run with args in the background until the output matches re, and returns the
 // first submatch; the command is stopped at cleanup and must return nil.
@@ -62,7 +44,7 @@ func runUntil(t *testing.T, re *regexp.Regexp, args ...string) string {
 func runOut(t *testing.T, re *regexp.Regexp, args ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	out := &syncBuffer{}
+	out := &gwtest.SyncBuffer{}
 	res := make(chan error, 1)
 	go func() { res <- Run(ctx, args, out, io.Discard) }()
 	t.Cleanup(func() {
@@ -182,7 +164,7 @@ func TestEPPDrains(t *testing.T) {
 	t.Parallel()
 	engine := runUntil(t, regexp.MustCompile(`serving on (http://\S+)`), "sim", "--engine", "vllm", "--port", "0", "--model", "m")
 	ctx, cancel := context.WithCancel(context.Background())
-	out := &syncBuffer{}
+	out := &gwtest.SyncBuffer{}
 	res := make(chan error, 1)
 	go func() {
 		res <- Run(ctx, []string{"epp", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grpc-port", "0", "--grpc-health-port", "-1",

@@ -5,6 +5,7 @@ package gwtest
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -151,4 +153,22 @@ func SocketEngine(t testing.TB, post func(c net.Conn, req *http.Request) bool) s
 		}
 	}()
 	return "http://" + ln.Addr().String()
+}
+
+// SyncBuffer is a goroutine-safe bytes.Buffer, for the log or output of something running.
+type SyncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *SyncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
