@@ -119,6 +119,8 @@ type Gateway struct {
 	// Fleet adds, updates and removes workers while Baton runs.
 	Fleet   *fleet.Fleet
 	reloads *prometheus.CounterVec
+	// traces is told of spans that never reach the OTLP collector.
+	traces *tracing.Watch
 	// reloadMu serialises reloads; applied is the configuration they compare with: Config with
 	// the settings reloads applied since.
 	reloadMu sync.Mutex
@@ -311,7 +313,10 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	if cfg.TrustTenantHeader {
 		parts.Director.Tenancy.TrustHeader = cfg.TenantHeaderName
 	}
-	parts.Notices = func() []server.Notice { return append(disc.notices(), tenants.notices()...) }
+	traces := newTraceWatch(m, log)
+	parts.Notices = func() []server.Notice {
+		return append(append(disc.notices(), tenants.notices()...), traceNotices(traces.State())...)
+	}
 	learn := func(w *worker.Worker) { learnEngineIDs(log, cfg, client, w) }
 	health := newHealth(cfg.HealthCheck, reg, client, m, log)
 	if health != nil {
@@ -341,6 +346,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	}
 	return &Gateway{
 		Health:     health,
+		traces:     traces,
 		Config:     cfg,
 		applied:    cfg,
 		discovery:  disc,
@@ -437,7 +443,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	if err != nil {
 		return err
 	}
-	stopTracing, err := tracing.Setup(ctx, tracing.Config{Endpoint: cfg.OTLPTracesEndpoint, Ratio: cfg.TraceSampleRatio, Version: Version()})
+	stopTracing, err := tracing.Setup(ctx, tracing.Config{Endpoint: cfg.OTLPTracesEndpoint, Ratio: cfg.TraceSampleRatio, Version: Version(), Watch: g.traces})
 	if err != nil {
 		ls.close()
 		return err
@@ -833,6 +839,23 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 			"worker", w.URL, "bootstrap", c.BootstrapAddr)
 	}
 	log.Info("vLLM prefill worker KV connector", "worker", w.URL, "mode", c.Mode, "detail", c.String())
+}
+
+// newTraceWatch is the watch on span export: its losses counted in m, said in log.
+func newTraceWatch(m *metrics.Metrics, log *slog.Logger) *tracing.Watch {
+	return &tracing.Watch{Log: log, Lost: func(cause string, exports, spans int) {
+		m.TraceExportFailures.Add(float64(exports))
+		m.TraceSpansLost.WithLabelValues(cause).Add(float64(spans))
+	}}
+}
+
+// traceNotices are the status page's words on span export: shown while exports fail.
+func traceNotices(s tracing.State) []server.Notice {
+	if !s.Failing {
+		return nil
+	}
+	return []server.Notice{{Level: "warn", Text: fmt.Sprintf("Trace export to %s failing since %s: %d exports failed, %d spans lost (%d dropped with the queue full) — %s",
+		s.Collector, s.FailingSince.UTC().Format(time.RFC3339), s.Failures, s.SpansLost, s.SpansDropped, s.LastError)}}
 }
 
 // stdLogBridge carries what the standard library logs (net/http's transport and servers) into

@@ -78,6 +78,10 @@ type Metrics struct {
 	// UpstreamUnsolicited counts idle upstream connections dropped because the engine wrote to
 	// them unasked.
 	UpstreamUnsolicited prometheus.Counter
+	// TraceExportFailures counts span exports to the OTLP collector that failed;
+	// TraceSpansLost the spans lost, by cause (export_failed, queue_full).
+	TraceExportFailures prometheus.Counter
+	TraceSpansLost      *prometheus.CounterVec
 
 	RouteDecisions *prometheus.CounterVec   // role, policy, reason
 	RouteMatch     *prometheus.HistogramVec // role
@@ -200,6 +204,14 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_worker_health_checks_total",
 			Help: "Active health probes by worker and result (ok, failed).",
 		}, []string{"worker", "result"}),
+		TraceExportFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_trace_export_failures_total",
+			Help: "Span exports to the OTLP collector that failed (their spans are lost).",
+		}),
+		TraceSpansLost: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_trace_spans_lost_total",
+			Help: "Sampled spans that never reached the OTLP collector, by cause: export_failed, queue_full (2,048 spans were waiting for their export).",
+		}, []string{"cause"}),
 		UpstreamUnsolicited: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_upstream_unsolicited_total",
 			Help: "Idle upstream connections dropped because the engine (or a proxy before it) sent bytes nobody asked for.",
@@ -292,6 +304,7 @@ func New(reg *worker.Registry) *Metrics {
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
+		m.TraceExportFailures, m.TraceSpansLost,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
 		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks, m.AdapterOps, m.AdapterLoadSeconds,
 		m.EPPDecisions, m.EPPDecisionSeconds, m.EPPServedFallback, m.EPPCut, m.EPPStreams,

@@ -43,6 +43,8 @@ type Config struct {
 	// Ratio is the share of new traces sampled (a client's sampled traceparent is followed).
 	Ratio   float64
 	Version string
+	// Watch, when set, is told of spans lost (and says so).
+	Watch *Watch
 }
 
 // Setup starts tracing when cfg (or the environment) names a collector, and returns the
@@ -96,7 +98,16 @@ func Setup(ctx context.Context, cfg Config) (shutdown func(context.Context) erro
 	res, _ := resource.Merge(resource.Default(), resource.NewSchemaless(
 		attribute.String("service.name", envOr("OTEL_SERVICE_NAME", "baton")), attribute.String("service.version", cfg.Version)))
 	sampler := sdktrace.ParentBased(sdktrace.TraceIDRatioBased(cfg.Ratio))
-	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp, sdktrace.WithBatchTimeout(time.Second)), sdktrace.WithResource(res), sdktrace.WithSampler(sampler))
+	w := cfg.Watch
+	if w == nil {
+		w = &Watch{}
+	}
+	w.mu.Lock()
+	w.state.Collector = u.Host
+	w.mu.Unlock()
+	bsp := sdktrace.NewBatchSpanProcessor(watchedExporter{SpanExporter: exp, w: w}, sdktrace.WithBatchTimeout(time.Second), sdktrace.WithMaxQueueSize(maxQueued))
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(boundedProcessor{SpanProcessor: bsp, w: w}), sdktrace.WithResource(res), sdktrace.WithSampler(sampler))
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(w.handle))
 	otel.SetTracerProvider(tp)
 	otel.SetTextMapPropagator(prop)
 	tracer = tp.Tracer("github.com/baton-llm/baton")

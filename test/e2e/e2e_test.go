@@ -320,3 +320,48 @@ func TestAnOpenStreamHoldsHalfAStack(t *testing.T) {
 		})
 	}
 }
+
+// A collector that refuses every export is seen where an operator looks: the export failures
+// and the spans lost are counted, the status page says it (the WARN: TestAFailingCollectorIsSeen) — with the
+// collector's host, never its credentials.
+func TestAFailingTraceCollectorIsSeen(t *testing.T) {
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		http.Error(w, "refused", http.StatusBadRequest)
+	}))
+	defer collector.Close()
+	engine := openAIEngine(t)
+	endpoint := strings.Replace(collector.URL, "http://", "http://tracer:hunter2@", 1)
+	api, metricsURL := startBatonMetrics(t, "--worker-urls", engine.URL, "--otlp-traces-endpoint", endpoint)
+	for range 3 {
+		resp, err := http.Post(api+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	deadline := time.Now().Add(10 * time.Second) // the batch goes out within a second
+	for metricValue(t, metricsURL, "baton_trace_export_failures_total") == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no failed export counted")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	resp, err := http.Get(metricsURL + "/status.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	host := strings.TrimPrefix(collector.URL, "http://")
+	if !strings.Contains(string(body), "Trace export to "+host+" failing") || strings.Contains(string(body), "hunter2") {
+		t.Errorf("status page: %s", body)
+	}
+	page, _ := http.Get(metricsURL + "/metrics")
+	b, _ := io.ReadAll(page.Body)
+	page.Body.Close()
+	if !strings.Contains(string(b), `baton_trace_spans_lost_total{cause="export_failed"}`) {
+		t.Error("no spans counted lost")
+	}
+}
