@@ -329,7 +329,9 @@ func SelectionError(err error) *outcome.Failure {
 	case policy.RouteNotDisaggregated:
 		return outcome.FinalAnswer(&openai.Error{Status: statusNotImplemented, Code: openai.CodeNotImplementedInPD, Message: err.Error()})
 	}
-	f := outcome.Answer(&openai.Error{Status: statusUnavailable, Code: openai.CodeNoAvailableWorkers, Message: err.Error()})
+	// A worker may be back within seconds (a circuit half-opens, a health check passes, an
+	// engine restarts): the client is told when to try again, as for every other 503 of Baton's.
+	f := outcome.Answer(&openai.Error{Status: statusUnavailable, Code: openai.CodeNoAvailableWorkers, RetryAfter: "1", Message: err.Error()})
 	f.NoWorker = true
 	return f
 }

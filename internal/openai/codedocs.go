@@ -55,7 +55,7 @@ var CodeDocs = []CodeDoc{
 	{Status: "400", Codes: []string{CodeInvalidModel}, When: "`model` is longer than 1,024 bytes (no model has such a name; every message naming the model stays small)"},
 	{Status: "400", Codes: []string{CodeInvalidLoRAPath}, When: "`lora_path` names no adapter Baton serves (declared, or listed by a worker), several adapters (or the base beside one) in one batch, is not a name, null or a list of them, or names an adapter of another base than `model`"},
 	{Status: "400", Codes: []string{CodeInvalidPriority}, When: "`X-Baton-Priority` is no class"},
-	{Status: "503", Codes: []string{CodeNoAvailableWorkers, CodeOverloaded, CodeDraining}, When: "nobody healthy to send to; admission full or the body budget spent; shutting down"},
+	{Status: "503", Codes: []string{CodeNoAvailableWorkers, CodeOverloaded, CodeDraining}, When: "nobody healthy to send to (`Retry-After: 1`: a worker may be back within seconds); admission full or the body budget spent; shutting down"},
 	{Status: "503", Codes: []string{CodeRateLimitStoreUnavailable}, When: "the Redis store of tenants' limits cannot be reached and `--rate-limit-store-failure closed`"},
 	{Status: "503", Codes: []string{CodeHealthGenerateFailed}, When: "`/health_generate`: the fleet could not generate"},
 	{Status: "504", Codes: []string{CodeUpstreamTimeout, "prefill_" + CodeUpstreamTimeout, "decode_" + CodeUpstreamTimeout}, When: "every timeout, PD legs included"},

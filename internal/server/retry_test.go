@@ -82,7 +82,7 @@ func TestLastWorkersAnswerWins(t *testing.T) {
 	s.observe(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		s.withRetries(w, r, recordOf(r), func(*http.Request, map[string]bool) error { return director.SelectionError(&policy.NoWorkerError{}) })
 	})).ServeHTTP(rec, r)
-	if rec.Code != 503 || !strings.Contains(rec.Body.String(), openai.CodeNoAvailableWorkers) {
-		t.Errorf("no worker ever: %d %s", rec.Code, rec.Body.String())
+	if rec.Code != 503 || !strings.Contains(rec.Body.String(), openai.CodeNoAvailableWorkers) || rec.Header().Get("Retry-After") != "1" {
+		t.Errorf("no worker ever: %d, Retry-After %q: %s", rec.Code, rec.Header().Get("Retry-After"), rec.Body.String())
 	}
 }
