@@ -17,16 +17,22 @@ import (
 
 // Options configures a benchmark run.
 type Options struct {
-	Binary    string   // the baton binary to measure; it runs as its own process
-	Baseline  string   // an earlier baton binary the hotpath scenario measures in the same run; "" none
-	Quick     bool     // small runs: checks the harness works, not for publishing
-	Streams   int      // open streams in the memory scenario; 0: 1,500 (50 with Quick)
-	Scenarios []string // names to run; empty runs all
-	Out       io.Writer
+	Binary   string        // the baton binary to measure; it runs as its own process
+	Baseline string        // an earlier baton binary the hotpath scenario measures in the same run; "" none
+	Quick    bool          // small runs: checks the harness works, not for publishing
+	Streams  int           // open streams in the memory scenario; 0: 1,500 (50 with Quick)
+	Duration time.Duration // how long the soak scenario runs; 0: 30 minutes (3 with Quick)
+	// BatonFlags are more flags for the Batons the soak scenario starts.
+	BatonFlags []string
+	Scenarios  []string // names to run; empty runs all
+	Out        io.Writer
 }
 
-// Scenario names.
-var allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora", "epp"}
+// Scenario names: all run by default; optIn only when named.
+var (
+	allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora", "epp"}
+	optIn        = []string{"soak"}
+)
 
 // runner holds what the scenarios share.
 type runner struct {
@@ -47,8 +53,8 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 	r.header()
-	for _, name := range allScenarios {
-		if len(o.Scenarios) > 0 && !contains(o.Scenarios, name) {
+	for _, name := range append(allScenarios, optIn...) {
+		if len(o.Scenarios) > 0 && !contains(o.Scenarios, name) || len(o.Scenarios) == 0 && contains(optIn, name) {
 			continue
 		}
 		start := time.Now()
@@ -82,6 +88,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.lora(ctx)
 		case "epp":
 			err = r.epp(ctx)
+		case "soak":
+			err = r.soak(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
@@ -98,12 +106,12 @@ func Run(ctx context.Context, o Options) error {
 func CheckScenarios(names []string) error {
 	var bad []string
 	for _, n := range names {
-		if !contains(allScenarios, n) {
+		if !contains(allScenarios, n) && !contains(optIn, n) {
 			bad = append(bad, fmt.Sprintf("%q", n))
 		}
 	}
 	if len(bad) > 0 {
-		return fmt.Errorf("unknown scenario %s (want some of %s)", strings.Join(bad, ", "), strings.Join(allScenarios, ","))
+		return fmt.Errorf("unknown scenario %s (want some of %s)", strings.Join(bad, ", "), strings.Join(append(allScenarios, optIn...), ","))
 	}
 	return nil
 }

@@ -19,11 +19,13 @@ const pinnedEnv = "BATON_BENCH_PINNED"
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("baton bench", stdout)
 	quick := fs.Bool("quick", false, "small runs: checks the harness works (seconds), not for publishing")
-	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening,routing,replicas,hotpath,tenants,fairness,lora,epp); default all")
+	scenarios := fs.String("scenarios", "", "comma-separated scenarios to run (latency,throughput,streaming,memory,bodysize,workers,hardening,routing,replicas,hotpath,tenants,fairness,lora,epp; soak only when named); default all")
 	out := fs.String("out", "", "also write the report to this file")
 	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
 	baseline := fs.String("baseline", "", "an earlier baton binary to measure beside it in the hotpath scenario")
 	streams := fs.Int("streams", 0, "open streams in the memory scenario (default 1500; Baton holds two file descriptors per stream)")
+	duration := fs.Duration("duration", 0, "how long the soak scenario runs (default 30m; 3m with --quick)")
+	batonFlags := fs.String("baton-flags", "", "more flags for the Batons the soak scenario starts, space-separated (e.g. \"--http-server net\")")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -64,5 +66,5 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
 	}
-	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Streams: *streams, Scenarios: names, Out: w})
+	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Streams: *streams, Duration: *duration, BatonFlags: strings.Fields(*batonFlags), Scenarios: names, Out: w})
 }

@@ -365,3 +365,27 @@ func TestAFailingTraceCollectorIsSeen(t *testing.T) {
 		t.Error("no spans counted lost")
 	}
 }
+
+// The soak's quick form: three minutes of a mixed workload through a regular and a PD Baton
+// while engines are killed, answer 500s and hang, the configuration is reloaded every 10 s and a
+// burst goes far over capacity. The harness exits non-zero on any answer with another
+// request's content, any request unanswered past its deadline, any connection closed without an
+// answer, any status no fault explains, or goroutines that do not come back after the load. On
+// the API server the suite runs on (BATON_TEST_HTTP_SERVER).
+func TestSoakQuick(t *testing.T) {
+	args := []string{"bench", "--quick", "--scenarios", "soak"}
+	if v := os.Getenv("BATON_TEST_HTTP_SERVER"); v != "" {
+		args = append(args, "--baton-flags", "--http-server "+v)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binary, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("baton %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	for _, want := range []string{"## 15. Soak", "| regular engine killed |", "| burst far over capacity |", "Goroutines once the load ended"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("report lacks %q:\n%s", want, out)
+		}
+	}
+}
