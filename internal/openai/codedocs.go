@@ -58,6 +58,6 @@ var CodeDocs = []CodeDoc{
 	{Status: "503", Codes: []string{CodeNoAvailableWorkers, CodeOverloaded, CodeDraining}, When: "nobody healthy to send to (`Retry-After: 1`: a worker may be back within seconds); admission full or the body budget spent; shutting down"},
 	{Status: "503", Codes: []string{CodeRateLimitStoreUnavailable}, When: "the Redis store of tenants' limits cannot be reached and `--rate-limit-store-failure closed`"},
 	{Status: "503", Codes: []string{CodeHealthGenerateFailed}, When: "`/health_generate`: the fleet could not generate"},
-	{Status: "504", Codes: []string{CodeUpstreamTimeout, "prefill_" + CodeUpstreamTimeout, "decode_" + CodeUpstreamTimeout}, When: "every timeout, PD legs included"},
+	{Status: "504", Codes: []string{CodeUpstreamTimeout, "prefill_" + CodeUpstreamTimeout, "decode_" + CodeUpstreamTimeout}, When: "every timeout, PD legs included (`Retry-After: 1`: the worker that did not answer is avoided)"},
 	{Status: "505", Codes: []string{CodeHTTPVersionNotSupported}, When: "a request in HTTP other than 1.0 and 1.1"},
 }

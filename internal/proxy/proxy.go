@@ -676,7 +676,7 @@ func Classify(w *worker.Worker, leg string, timeout time.Duration, err error) *o
 		f.Worker, f.Answer = "", &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
 			Message: "Baton ran out of its own connections (file descriptors or local ports): send the request again shortly"}
 	case "timeout":
-		f.Answer = &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout,
+		f.Answer = &openai.Error{Status: http.StatusGatewayTimeout, Code: prefix + openai.CodeUpstreamTimeout, RetryAfter: "1",
 			Message: fmt.Sprintf("%sworker %s did not answer within %s", legWord(leg), w.URL, timeout)}
 	default:
 		f.Answer = &openai.Error{Status: http.StatusBadGateway, Code: prefix + openai.CodeUpstreamUnreachable,

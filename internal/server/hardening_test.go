@@ -517,7 +517,8 @@ func TestLongRequestsDoNotOpenTheBreaker(t *testing.T) {
 
 // A hanging upstream was reported as 502 upstream_unreachable ("request deadline exceeded")
 // with retries off, and counted as a transport error with retries on. It is a 504
-// upstream_timeout on every path, PD legs included.
+// upstream_timeout on every path, PD legs included, with Retry-After (a client can act on it:
+// the worker that hung is avoided, its circuit opened by its timeouts).
 func TestTimeoutsAre504Everywhere(t *testing.T) {
 	shortDeadline := func(o *Options) { o.RequestTimeout, o.Proxy.Timeout = 300*time.Millisecond, 300*time.Millisecond }
 	hanging := func(t *testing.T) string {
@@ -527,8 +528,8 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 		t.Parallel()
 		s, gw, ws := gateway(t, []string{hanging(t)}, shortDeadline, noRetries)
 		resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
-		if resp.StatusCode != 504 || !strings.Contains(body, `"upstream_timeout"`) {
-			t.Fatalf("%d %s", resp.StatusCode, body)
+		if resp.StatusCode != 504 || !strings.Contains(body, `"upstream_timeout"`) || resp.Header.Get("Retry-After") != "1" {
+			t.Fatalf("%d %v %s", resp.StatusCode, resp.Header, body)
 		}
 		if n := testutil.ToFloat64(s.metrics.UpstreamErrors.WithLabelValues(ws[0].URL, "timeout")); n != 1 {
 			t.Errorf("timeout errors counted %v, want 1", n)
@@ -538,8 +539,8 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 		t.Parallel()
 		s, gw, ws := gateway(t, []string{hanging(t)}, shortDeadline)
 		resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
-		if resp.StatusCode != 504 {
-			t.Fatalf("%d %s", resp.StatusCode, body)
+		if resp.StatusCode != 504 || resp.Header.Get("Retry-After") != "1" {
+			t.Fatalf("%d %v %s", resp.StatusCode, resp.Header, body)
 		}
 		if n := testutil.ToFloat64(s.metrics.UpstreamErrors.WithLabelValues(ws[0].URL, "transport")); n != 0 {
 			t.Errorf("a timeout was counted as %v transport errors", n)
@@ -555,16 +556,16 @@ func TestTimeoutsAre504Everywhere(t *testing.T) {
 			t.Parallel()
 			_, gw, _ := gateway(t, nil, noRetries, shortDeadline, sglangSimPair(t, pc, dc))
 			resp, body := post(t, gw+"/generate", `{"model":"m","text":"hello?"}`)
-			if resp.StatusCode != 504 || !strings.Contains(body, "upstream_timeout") {
-				t.Fatalf("%d %s", resp.StatusCode, body)
+			if resp.StatusCode != 504 || !strings.Contains(body, "upstream_timeout") || resp.Header.Get("Retry-After") != "1" {
+				t.Fatalf("%d %v %s", resp.StatusCode, resp.Header, body)
 			}
 		})
 		t.Run("vllm "+leg, func(t *testing.T) {
 			t.Parallel()
 			_, gw, _ := gateway(t, nil, noRetries, shortDeadline, vllmSimPair(t, pc, dc))
 			resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"hello?"}`)
-			if resp.StatusCode != 504 || !strings.Contains(body, leg+"_upstream_timeout") {
-				t.Fatalf("%d %s", resp.StatusCode, body)
+			if resp.StatusCode != 504 || !strings.Contains(body, leg+"_upstream_timeout") || resp.Header.Get("Retry-After") != "1" {
+				t.Fatalf("%d %v %s", resp.StatusCode, resp.Header, body)
 			}
 		})
 	}

@@ -123,7 +123,7 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, rec *recor
 		proxy.WriteFailure(w, f)
 	case f.Kind() == outcome.KindClientGone, proxy.ClientGone(r):
 	case f.Kind() == outcome.KindTimeout:
-		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout,
+		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout, RetryAfter: "1",
 			Message: "the request did not complete within request_timeout_secs"})
 	default:
 		s.log.Error("request failed with an unclassified error", "err", f.Cause)
