@@ -198,6 +198,7 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 		}
 	}
 	l := &lease{ls: leases, estimate: prompt, completion: completion, counted: est.counted, req: preq}
+	rec.Reserved = true
 	if req.Stream {
 		rec.ByEvents = true
 		if tight != nil && routes.Of(path).StreamOptions {
@@ -505,6 +506,7 @@ func (d *Director) settleTenant(rec *record.Record, ls *lease) {
 	if rec.UsageKnown || rec.EnginePrompt > 0 || ls.counted || !rec.AnswerComputed && !rec.PrefillComputed || d.o.Tenancy.CountPrompt == nil {
 		prompt, completion := rec.Charge(ls.estimate, ls.completion)
 		ls.settle(d.o.Tenancy.Limiter, prompt+completion)
+		d.countCharge(rec, prompt, completion)
 		return
 	}
 	snap := *rec // the record's facts now; the reporters read rec itself
@@ -520,7 +522,28 @@ func (d *Director) settleTenant(rec *record.Record, ls *lease) {
 		}
 		prompt, completion := snap.Charge(estimate, ls.completion)
 		ls.settle(d.o.Tenancy.Limiter, prompt+completion)
+		d.countCharge(&snap, prompt, completion)
 	})
+}
+
+// countCharge counts what a reserved request was charged in its tenant's token counters
+// (baton_tenant_tokens_total): the usage of an answer that carried it, else what Charge made of
+// what the engines did — a stream the client left, an answer cut by its engine — so that the
+// counters add up to what the limits were charged, not only to the answers that ended whole.
+func (d *Director) countCharge(rec *record.Record, prompt, completion int) {
+	if d.metrics == nil || prompt+completion == 0 {
+		return
+	}
+	model := rec.ModelLabel
+	if model == "" {
+		model = d.metrics.Model(rec.Model)
+	}
+	name := rec.TenantName()
+	d.metrics.TenantTokens.WithLabelValues(name, model, "prompt").Add(float64(prompt))
+	d.metrics.TenantTokens.WithLabelValues(name, model, "completion").Add(float64(completion))
+	if rec.UsageKnown && rec.Usage.Cached > 0 {
+		d.metrics.TenantTokens.WithLabelValues(name, model, "cached").Add(float64(rec.Usage.Cached))
+	}
 }
 
 // settle settles every rule's lease with what the request used.

@@ -253,7 +253,7 @@ func New(reg *worker.Registry) *Metrics {
 		}, []string{"tenant", "model", "code"}),
 		TenantTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_tenant_tokens_total",
-			Help: "Tokens charged to tenants, by tenant, model and kind (prompt, completion, cached), from the engines' usage.",
+			Help: "Tokens charged to tenants, by tenant, model and kind (prompt, completion, cached): the engines' usage, or what a limited tenant's request that ended without it was charged.",
 		}, []string{"tenant", "model", "kind"}),
 		TenantRejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_tenant_rejections_total",

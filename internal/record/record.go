@@ -61,6 +61,10 @@ type Record struct {
 	// without usage; Events is the token events the relay counted (proxy.Orders asks it to).
 	ByEvents bool
 	Events   int
+	// Reserved: the tenant's limits reserved tokens for the request, and its charge is counted
+	// when that reservation is settled (baton_tenant_tokens_total), whether or not its answer
+	// carried usage.
+	Reserved bool
 	// Served is the model the workers know the request's by, the one that served it (an alias's
 	// target, a fallback); "" when it is the name the client gave.
 	Served string

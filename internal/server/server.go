@@ -355,7 +355,7 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 	if rec.TenantName() != "" && generation {
 		c := s.tenantCounters.get(s.metrics, rec.TenantName(), e.model, status)
 		c.requests.Inc()
-		if rec.UsageKnown {
+		if rec.UsageKnown && !rec.Reserved { // a reserved request's charge is counted as it is settled
 			c.prompt.Add(float64(rec.Usage.Prompt))
 			c.completion.Add(float64(rec.Usage.Completion))
 			if rec.Usage.Cached > 0 {

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -680,5 +681,64 @@ func TestModelRuleAndTenantLimitBothHold(t *testing.T) {
 	// one qwen is admitted, the next refused by the tenant's own limit.
 	if want := "llama 200, llama 200, llama 429, qwen 200, qwen 429"; strings.Join(got, ", ") != want {
 		t.Errorf("got %s, want %s", strings.Join(got, ", "), want)
+	}
+}
+
+// A tenant's token counters add up to what its limits were charged: an answer that ended whole
+// (its usage), a stream its client left and an answer cut while generating (what the engine did
+// for them) — not only the answers that carried usage, which left a tenant's hang-ups out of
+// baton_tenant_tokens_total while its limits were charged them.
+func TestTenantTokensCountWhatWasCharged(t *testing.T) {
+	e := simOf(t, sim.Config{Engine: sim.EngineVLLM, DecodePerToken: 20 * time.Millisecond})
+	s, gw, _ := gateway(t, []string{e.URL()}, func(o *Options) {
+		withTenants(t, o, config.Tenant{Name: "team", Keys: []string{config.HashKey("sk-team")},
+			Limits: &config.Limits{TokensPerMinute: intp(100_000_000)}})
+	})
+	if resp, b := asTenant(t, gw+"/v1/completions", "sk-team", `{"model":"m","prompt":"`+words(30)+`","max_tokens":3}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions",
+		strings.NewReader(`{"model":"m","prompt":"`+words(40)+`","max_tokens":500,"ignore_eos":true,"stream":true}`))
+	req.Header.Set("Authorization", "Bearer sk-team")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := bufio.NewReader(resp.Body)
+	for events := 0; events < 5; {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			t.Fatal(resp.Status, line, err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			events++
+		}
+	}
+	cancel()
+	resp.Body.Close()
+	cut, cancelCut := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancelCut()
+	req, _ = http.NewRequestWithContext(cut, http.MethodPost, gw+"/v1/completions",
+		strings.NewReader(`{"model":"m","prompt":"`+words(50)+`","max_tokens":100,"ignore_eos":true}`))
+	req.Header.Set("Authorization", "Bearer sk-team")
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatal("the answer cut while generating came whole")
+	}
+	charged := settledCharge(t, s, "team")
+	var counted float64
+	for _, line := range strings.Split(scrape(t, s), "\n") {
+		if strings.HasPrefix(line, "baton_tenant_tokens_total{") && strings.Contains(line, `tenant="team"`) && !strings.Contains(line, `kind="cached"`) {
+			v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+			if err != nil {
+				t.Fatal(line)
+			}
+			counted += v
+		}
+	}
+	// Charged: 33 for the whole answer, at least 45 for the stream, 150 for the cut answer.
+	if charged < 33+45+150 || int64(counted) != charged {
+		t.Errorf("baton_tenant_tokens_total counts %.0f tokens for tenant team, its limits were charged %d", counted, charged)
 	}
 }
