@@ -160,16 +160,7 @@ func TestTenantStreamLeftMidwayIsSettled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := bufio.NewReader(resp.Body)
-	for events := 0; events < 5; {
-		line, err := r.ReadString('\n')
-		if err != nil {
-			t.Fatal(err)
-		}
-		if strings.HasPrefix(line, "data: ") {
-			events++
-		}
-	}
+	readEvents(t, resp, 5)
 	cancel()
 	resp.Body.Close()
 	if got := settledCharge(t, s, "team"); got < 5 || got >= 500 {
@@ -705,16 +696,7 @@ func TestTenantTokensCountWhatWasCharged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := bufio.NewReader(resp.Body)
-	for events := 0; events < 5; {
-		line, err := r.ReadString('\n')
-		if err != nil {
-			t.Fatal(resp.Status, line, err)
-		}
-		if strings.HasPrefix(line, "data: ") {
-			events++
-		}
-	}
+	readEvents(t, resp, 5)
 	cancel()
 	resp.Body.Close()
 	cut, cancelCut := context.WithTimeout(context.Background(), 200*time.Millisecond)
@@ -740,5 +722,20 @@ func TestTenantTokensCountWhatWasCharged(t *testing.T) {
 	// Charged: 33 for the whole answer, at least 45 for the stream, 150 for the cut answer.
 	if charged < 33+45+150 || int64(counted) != charged {
 		t.Errorf("baton_tenant_tokens_total counts %.0f tokens for tenant team, its limits were charged %d", counted, charged)
+	}
+}
+
+// readEvents reads n data events of the stream resp.
+func readEvents(t *testing.T, resp *http.Response, n int) {
+	t.Helper()
+	r := bufio.NewReader(resp.Body)
+	for events := 0; events < n; {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			t.Fatal(resp.Status, line, err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			events++
+		}
 	}
 }
