@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -26,7 +27,25 @@ type proc struct {
 	URL        string
 	MetricsURL string // Baton's /metrics, "" for nginx
 	grpcAddr   string // baton epp's gRPC listener
-	logs       *strings.Builder
+	logs       *procLog
+}
+
+// procLog is a process's stderr, read while the process writes it.
+type procLog struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *procLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *procLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // pinned prefixes argv with taskset pinning it to cpu, when taskset exists and the machine has
@@ -116,7 +135,7 @@ func startUntilAll(argv []string, what string, lines ...*regexp.Regexp) (*proc, 
 	if err != nil {
 		return nil, nil, err
 	}
-	p := &proc{cmd: cmd, logs: &strings.Builder{}}
+	p := &proc{cmd: cmd, logs: &procLog{}}
 	cmd.Stderr = p.logs
 	if err := cmd.Start(); err != nil {
 		return nil, nil, err
@@ -226,7 +245,7 @@ http {
 	}
 	argv := pinned(cpu, bin, "-c", path, "-g", "daemon off;")
 	cmd := exec.Command(argv[0], argv[1:]...)
-	p := &proc{cmd: cmd, URL: "http://" + addr, logs: &strings.Builder{}}
+	p := &proc{cmd: cmd, URL: "http://" + addr, logs: &procLog{}}
 	cmd.Stderr = p.logs
 	if err := cmd.Start(); err != nil {
 		return nil, err

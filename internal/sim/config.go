@@ -130,13 +130,14 @@ type Config struct {
 }
 
 // Faults make an engine misbehave. A request may add its own with the X-Sim-Fault header, e.g.
-// "status=503,rate=0.5", "latency=200ms", "hang", "drop-after=3".
+// "status=503,rate=0.5", "latency=200ms", "hang", "drop-after=3", "hang-after=3".
 type Faults struct {
 	Status    int           // fail with this status ...
 	Rate      float64       // ... with this probability (0 means always); without Status, the probability of DropAfter
 	Latency   time.Duration // added before answering
 	Hang      bool          // never answer (until the client leaves)
 	DropAfter int           // stream: drop the connection after this many events (0: never)
+	HangAfter int           // stream: send nothing more after this many events, the connection held open (0: never)
 }
 
 func (c *Config) withDefaults() Config {
@@ -262,6 +263,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.DurationVar(&c.Faults.Latency, "fault-latency", 0, "latency added to every request")
 	fs.BoolVar(&c.Faults.Hang, "fault-hang", false, "never answer")
 	fs.IntVar(&c.Faults.DropAfter, "fault-drop-after", 0, "drop streams after this many events")
+	fs.IntVar(&c.Faults.HangAfter, "fault-hang-after", 0, "streams: send nothing more after this many events, holding the connection")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, err
 	}

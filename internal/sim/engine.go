@@ -535,6 +535,8 @@ func (e *Engine) faults(r *http.Request) Faults {
 			f.Hang = true
 		case "drop-after":
 			f.DropAfter, _ = strconv.Atoi(v)
+		case "hang-after":
+			f.HangAfter, _ = strconv.Atoi(v)
 		}
 	}
 	return f

@@ -174,17 +174,24 @@ type generateOut struct {
 	Index     *int           `json:"index,omitempty"`
 }
 
-// sse writes events, flushing each, and drops the connection after dropAfter events (fault).
+// sse writes events, flushing each; it drops the connection after dropAfter events, or holds
+// it silent after hangAfter events until the client leaves (faults).
 type sse struct {
 	w         io.Writer
 	rc        *http.ResponseController
 	n         int
 	dropAfter int
+	hangAfter int
+	ctx       context.Context
 }
 
 func (s *sse) event(name string, v any) error {
 	if s.dropAfter > 0 && s.n >= s.dropAfter {
 		return errDropped
+	}
+	if s.hangAfter > 0 && s.n >= s.hangAfter {
+		<-s.ctx.Done()
+		return s.ctx.Err()
 	}
 	s.n++
 	b := marshalIDFirst(v)
@@ -212,7 +219,7 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.WriteHeader(200)
-	s := &sse{w: w, rc: http.NewResponseController(w)}
+	s := &sse{w: w, rc: http.NewResponseController(w), hangAfter: f.HangAfter, ctx: ctx}
 	if f.drops() {
 		s.dropAfter = f.DropAfter
 	}

@@ -338,6 +338,29 @@ func TestFaultsAndQueue(t *testing.T) {
 	if rerr == nil || strings.Count(string(b[:n]), "data: ") != 2 {
 		t.Errorf("drop-after=2: read %q err %v", b[:n], rerr)
 	}
+	// hang-after: the stream goes silent after 2 events, its connection open until the client leaves.
+	hctx, hcancel := context.WithCancel(context.Background())
+	defer hcancel()
+	req3, _ := http.NewRequestWithContext(hctx, "POST", e.URL()+"/v1/chat/completions", strings.NewReader(`{"messages":[{"role":"user","content":"x"}],"max_tokens":8,"stream":true}`))
+	req3.Header.Set(HeaderFault, "hang-after=2")
+	resp, err = http.DefaultClient.Do(req3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan string, 1)
+	go func() {
+		n, _ := readAllErr(resp, b)
+		got <- string(b[:n])
+	}()
+	select {
+	case s := <-got:
+		t.Errorf("hang-after=2: the stream ended: %q", s)
+	case <-time.After(300 * time.Millisecond):
+	}
+	hcancel()
+	if s := <-got; strings.Count(s, "data: ") != 2 {
+		t.Errorf("hang-after=2: read %q", s)
+	}
 	// Queue: one running (slow), one waiting, the third is refused.
 	slow := Config{Model: "m", MaxConcurrency: 1, QueueSize: 1, DecodePerToken: 100 * time.Millisecond}
 	q := start(t, slow)
