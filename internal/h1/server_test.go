@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/poll"
 )
 
 // envelope renders a refusal as Baton does (app's renderer): the OpenAI error envelope, with a
@@ -761,6 +762,13 @@ func TestHeadAndConnectionBounds(t *testing.T) {
 	if got := exchange(t, addr, "GET / HTTP/1.1\r\nHost: x\r\n"+strings.Repeat("A: b\r\n", 20)+"\r\n", time.Second); !strings.HasPrefix(got, "HTTP/1.1 200") {
 		t.Errorf("an ordinary head: %.40q", got)
 	}
+	// The exchanges' connections, closed by the client, are gone from the server's count before
+	// the cap is filled (on a loaded machine the server sees the last close later).
+	poll.Until(t, "the earlier connections closed", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.conns) == 0
+	})
 	var open []net.Conn
 	for i := 0; i < 4; i++ {
 		c := dial(t, addr)
