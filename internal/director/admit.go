@@ -4,8 +4,10 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"log/slog"
 	"math"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -53,10 +55,18 @@ type admission struct {
 	smg     bool // smg's statuses: 429 for a full queue, 408 past the timeout
 	// retryAfter is the Retry-After of a refusal (0: a tenth of the default class's timeout).
 	retryAfter time.Duration
+	// log hears of load shed: a WARN at most once a minute while requests are refused for want
+	// of a slot, with how many were since the last.
+	log      *slog.Logger
+	shed     atomic.Int64 // refusals since the last WARN
+	lastShed atomic.Int64 // unix nanoseconds of the last WARN
 }
 
+// shedEvery is how often at most a WARN says that requests are refused for want of a slot.
+const shedEvery = time.Minute
+
 // newAdmission returns admission for a; nil when requests are not bounded.
-func newAdmission(a queueSettings, m *metrics.Metrics) *admission {
+func newAdmission(a queueSettings, m *metrics.Metrics, log *slog.Logger) *admission {
 	if a.Max <= 0 {
 		return nil
 	}
@@ -71,7 +81,10 @@ func newAdmission(a queueSettings, m *metrics.Metrics) *admission {
 		}
 		o.Promote[c] = a.Promote[c]
 	}
-	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter, log: log}
 	return ad
 }
 
@@ -151,6 +164,9 @@ func (a *admission) smgStatus(status int) int {
 
 func (a *admission) reject(reason string, e *openai.Error) *openai.Error {
 	a.metrics.Rejections.WithLabelValues(reason).Inc()
+	if reason == openai.CodeQueueFull || reason == openai.CodeQueueTimeout {
+		a.noteShed(reason)
+	}
 	after := a.retryAfter
 	if after <= 0 {
 		after = a.o.Timeout[admit.Default] / 10
@@ -301,4 +317,24 @@ func (d *Director) Queues() map[string]any {
 		waiting[c.String()] = a.s.Waiting(c)
 	}
 	return map[string]any{"slots": a.o.Slots, "in_use": a.s.InUse(), "waiting": waiting, "served": a.s.Served(5)}
+}
+
+// noteShed counts a request refused for want of a slot, and says so in a WARN at most once a
+// minute (the first at once): an operator sees load shed in the log as well as in
+// baton_rejections_total, without a line per refusal.
+func (a *admission) noteShed(reason string) {
+	n := a.shed.Add(1)
+	now := time.Now().UnixNano()
+	last := a.lastShed.Load()
+	if now-last < int64(shedEvery) || !a.lastShed.CompareAndSwap(last, now) {
+		return
+	}
+	n = a.shed.Swap(0)
+	since := "start"
+	if last != 0 {
+		since = time.Duration(now - last).Round(time.Second).String()
+	}
+	a.log.Warn("shedding load: requests refused for want of a slot (every slot taken and the queue full, or the wait past its timeout)",
+		"refused", n, "since", since, "last_reason", reason,
+		"max_concurrent_requests", a.o.Slots, "queue_size", a.o.Depth[admit.Default])
 }

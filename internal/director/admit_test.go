@@ -2,11 +2,14 @@ package director
 
 import (
 	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/baton-llm/baton/internal/admit"
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/record"
@@ -17,7 +20,7 @@ import (
 // bound at all.
 func TestAdmission(t *testing.T) {
 	m := metrics.New(worker.NewRegistry())
-	a := newAdmission(queueSettings{Max: 1, QueueSize: 1, QueueTimeout: 50 * time.Millisecond}, m)
+	a := newAdmission(queueSettings{Max: 1, QueueSize: 1, QueueTimeout: 50 * time.Millisecond}, m, nil)
 	ctx := context.Background()
 	release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 10, 10)
 	if !ok {
@@ -93,7 +96,7 @@ func TestQueueRetryAfter(t *testing.T) {
 		{1500 * time.Millisecond, time.Minute, "2"},
 		{2 * time.Minute, time.Minute, "120"},
 	} {
-		a := newAdmission(admissionOf(config.Admission{MaxConcurrentRequests: 1, QueueSize: 0, QueueTimeout: c.timeout, QueueRetryAfter: c.after}), m)
+		a := newAdmission(admissionOf(config.Admission{MaxConcurrentRequests: 1, QueueSize: 0, QueueTimeout: c.timeout, QueueRetryAfter: c.after}), m, nil)
 		release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1)
 		if !ok {
 			t.Fatal("the first request was not admitted")
@@ -102,5 +105,36 @@ func TestQueueRetryAfter(t *testing.T) {
 			t.Errorf("queue_retry_after %v, timeout %v: %+v; want Retry-After %s", c.after, c.timeout, e, c.want)
 		}
 		release()
+	}
+}
+
+// Load shed is in the log as well as in the metric: the first refusal for want of a slot logs a
+// WARN at once, the next ones within the minute none (a burst is not a line per refusal), and
+// the first after the minute one that counts every refusal since — the soak found a burst far
+// over capacity refused thousands of requests without a line.
+func TestShedLoadIsLoggedOnceAMinute(t *testing.T) {
+	var logs gwtest.SyncBuffer
+	a := newAdmission(queueSettings{Max: 1, QueueSize: 0}, metrics.New(worker.NewRegistry()), slog.New(slog.NewTextHandler(&logs, nil)))
+	ctx := context.Background()
+	release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1)
+	if !ok {
+		t.Fatal("the first request was not admitted")
+	}
+	defer release()
+	refuse := func(n int) {
+		for range n {
+			if _, e, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1); ok || e == nil || e.Code != openai.CodeQueueFull {
+				t.Fatalf("admitted %v, %+v", ok, e)
+			}
+		}
+	}
+	refuse(50)
+	if got := strings.Count(logs.String(), "shedding load"); got != 1 || !strings.Contains(logs.String(), "refused=1 ") {
+		t.Fatalf("50 refusals in a burst: %d WARN lines, want 1 for the first:\n%s", got, logs.String())
+	}
+	a.lastShed.Add(-int64(shedEvery)) // a minute on
+	refuse(1)
+	if got := strings.Count(logs.String(), "shedding load"); got != 2 || !strings.Contains(logs.String(), "refused=50 ") {
+		t.Errorf("a minute on: %d WARN lines, want a second counting the 50 refused since:\n%s", got, logs.String())
 	}
 }

@@ -74,7 +74,7 @@ func New(o Options) *Director {
 	if o.Tenancy.Limiter == nil {
 		o.Tenancy.Limiter = tenant.NewLimiter(o.Log)
 	}
-	d := &Director{o: o, reg: o.Registry, sel: o.Selector, metrics: o.Metrics, log: o.Log, admit: newAdmission(admissionOf(o.Admission), o.Metrics)}
+	d := &Director{o: o, reg: o.Registry, sel: o.Selector, metrics: o.Metrics, log: o.Log, admit: newAdmission(admissionOf(o.Admission), o.Metrics, o.Log)}
 	rc := o.Retry
 	d.attempts = rc.MaxRetries
 	if rc.Disable {
