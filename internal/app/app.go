@@ -260,7 +260,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	px := &proxy.Proxy{Transport: transport, Timeout: cfg.RequestTimeout, Metrics: m, Log: log}
+	px := &proxy.Proxy{Transport: transport, Timeout: cfg.RequestTimeout, StallTimeout: cfg.StreamStallTimeout, Metrics: m, Log: log}
 	if cfg.ForwardSimFaults {
 		px.ExtraHeaders = []string{"X-Sim-Fault"}
 	}

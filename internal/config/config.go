@@ -111,6 +111,10 @@ type Config struct {
 	PDMooncakeDispatch string `json:"pd_mooncake_dispatch" flag:"pd-mooncake-dispatch" default:"concurrent" oneof:"concurrent|sequential" help:"Mooncake legs: concurrent or sequential"`
 	// RequestTimeout: past it the client gets 504 (or, mid-stream, a broken connection).
 	RequestTimeout time.Duration `json:"request_timeout" flag:"request-timeout" unit:"secs" default:"30m" check:">0" help:"bound on one request from arrival to the end of its response, streams included"`
+	// StreamStallTimeout is nginx's proxy_read_timeout (60 s) for a stream once it began: an
+	// engine silent that long mid-stream (hung, wedged) is given up on at once rather than at the
+	// request deadline.
+	StreamStallTimeout time.Duration `json:"stream_stall_timeout" flag:"stream-stall-timeout" unit:"secs" default:"1m" check:">=0" help:"a stream whose engine sends nothing for this long after its first byte is aborted, counted (baton_upstream_errors_total{kind=\"stalled\"}) and held against the worker's circuit (0: wait until the request deadline)"`
 	// MaxPayloadSize: 32 MiB holds a million-token context (about 4 MB of text) and a few
 	// base64 images; prompt_embeds tensors or larger batches need it raised.
 	MaxPayloadSize int64 `json:"max_payload_size" flag:"max-payload-size" default:"33554432" check:">0" help:"largest request body accepted, in bytes"`

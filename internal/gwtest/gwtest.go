@@ -172,3 +172,24 @@ func (s *SyncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// ReadStream posts body (a streamed completion) to url and reads the answer to its end within
+// d: what came and the read's end (nil: a whole body). It fails t when d passed first — the
+// stream was held open.
+func ReadStream(t *testing.T, url, body string, d time.Duration) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if ctx.Err() != nil {
+		t.Fatalf("the stream was held open past %s: %q", d, b)
+	}
+	return string(b), err
+}

@@ -40,6 +40,7 @@ const (
 	KindStatus    = "status"     // upstream answered 5xx
 	KindMismatch  = "mismatch"   // an answer naming another request's id: closed, never relayed
 	KindMidStream = "mid_stream" // upstream failed after the first byte reached the client
+	KindStalled   = "stalled"    // a stream's engine sent nothing for stream_stall_timeout: aborted
 	KindInBand    = "in_band"    // upstream reported an error inside a stream it answered 200
 )
 

@@ -17,6 +17,10 @@ import (
 // passed.
 var ErrRequestTimeout = errors.New("request deadline exceeded")
 
+// ErrStalled is the cause of a stream given up on because its engine sent nothing for the
+// stream stall timeout after its first byte.
+var ErrStalled = errors.New("the engine sent nothing for the stream stall timeout")
+
 // Verdict is how Baton treats one upstream result.
 type Verdict struct {
 	Retryable bool   // a retry on another worker may succeed

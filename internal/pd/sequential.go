@@ -377,7 +377,7 @@ func (s *sequence) decode(d *decoding) (started bool, err error) {
 	if d.whole {
 		err = relayBody(s.req.Rec, s.rw, d.resp, d.transform)
 	} else {
-		err = s.x.Proxy.Relay(s.r.Context(), s.rw, d.resp, d.transform, s.req.Rec, s.req.Orders)
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, d.resp, d.transform, s.req.Rec, s.req.Orders, d.abort)
 	}
 	return d.started, s.x.Proxy.Finish(s.r, &d.leg, d.resp.StatusCode, err)
 }
@@ -389,11 +389,21 @@ type decoding struct {
 	transform func([]byte) []byte // the usage check and rewrite, nil when neither is asked
 	whole     bool                // a whole answer, not a stream: relayed by relayBody
 	started   bool                // the answer's first byte arrived
+	// abort ends a stream's decode exchange (its stall watch's); nil without one.
+	abort context.CancelCauseFunc
 }
 
 func (d *decoding) close() {
 	d.resp.Body.Close()
 	d.leg.Excuse()
+	d.end()
+}
+
+// end ends the decode exchange's own context, if it has one.
+func (d *decoding) end() {
+	if d.abort != nil {
+		d.abort(nil)
+	}
 }
 
 // decodeHead sends the decode leg and returns its answer to relay, or none and the leg's
@@ -408,13 +418,17 @@ func (s *sequence) decodeHead(body []byte) (*decoding, error) {
 		hdr = http.Header{openai.HeaderDPRank: {strconv.Itoa(rank)}}
 		d.leg.OnRank(rank)
 	}
-	resp, err := s.x.Proxy.Send(s.r.Context(), s.r, &d.leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr, Rec: s.req.Rec})
+	ctx, abort := s.x.Proxy.Streamed(s.r.Context(), s.req.Stream)
+	d.abort = abort
+	resp, err := s.x.Proxy.Send(ctx, s.r, &d.leg, proxy.Call{Path: s.req.Path, Body: body, Header: hdr, Rec: s.req.Rec})
 	s.unreached = err != nil && proxy.Unreached(err)
 	if err != nil {
+		defer d.end()
 		defer d.leg.Excuse()
 		return nil, s.x.Proxy.Failure(s.r, &d.leg, err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		defer d.end()
 		defer d.leg.Excuse()
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))

@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -198,6 +199,9 @@ type Proxy struct {
 	Transport http.RoundTripper
 	// Timeout bounds one upstream request from send to the end of its body.
 	Timeout time.Duration
+	// StallTimeout gives up on a stream whose engine sent nothing for this long after its first
+	// byte (0: never before Timeout).
+	StallTimeout time.Duration
 	// Metrics records upstream errors; nil records nothing.
 	Metrics *metrics.Metrics
 	// Log receives upstream failures.
@@ -234,6 +238,8 @@ type Call struct {
 	// the tenant's accounting asked of the answer's relay.
 	Rec    *record.Record
 	Orders Orders
+	// Stream, for Forward: the client asked a stream, which a stall watch guards once it began.
+	Stream bool
 }
 
 // Orders are what a relay is asked beyond relaying, for a tenant's accounting: CountEvents
@@ -353,7 +359,7 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 		return err
 	}
 	defer f.close()
-	return p.Finish(r, &f.leg, f.resp.StatusCode, p.Relay(r.Context(), rw, f.resp, nil, c.Rec, c.Orders))
+	return p.Finish(r, &f.leg, f.resp.StatusCode, p.Relay(r.Context(), rw, f.resp, nil, c.Rec, c.Orders, f.abort))
 }
 
 // forwarding is a Forward whose answer is being relayed. It lives on the heap, so that the
@@ -362,11 +368,26 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 type forwarding struct {
 	leg  Leg
 	resp *http.Response
+	// abort ends a stream's upstream exchange (its stall watch's); nil for a whole answer.
+	abort context.CancelCauseFunc
 }
 
 func (f *forwarding) close() {
 	f.resp.Body.Close()
 	f.leg.Excuse()
+	if f.abort != nil {
+		f.abort(nil)
+	}
+}
+
+// Streamed returns ctx, and for a stream when a stall timeout is set, ctx under a cancel that
+// the relay's stall watch may call (nil otherwise): the exchange it sends is given up on when its
+// engine goes silent mid-stream. The caller calls abort(nil) once the exchange ended.
+func (p *Proxy) Streamed(ctx context.Context, stream bool) (context.Context, context.CancelCauseFunc) {
+	if !stream || p.StallTimeout <= 0 {
+		return ctx, nil
+	}
+	return context.WithCancelCause(ctx)
 }
 
 // forwardHead sends c to w and returns the answer to relay, or (nil, the call's result) when it
@@ -376,7 +397,15 @@ func (f *forwarding) close() {
 func (p *Proxy) forwardHead(r *http.Request, w *worker.Worker, c *Call) (*forwarding, error) {
 	f := &forwarding{}
 	f.leg.Start(w, "")
-	resp, err := p.Send(r.Context(), r, &f.leg, *c)
+	ctx, abort := p.Streamed(r.Context(), c.Stream)
+	resp, err := p.Send(ctx, r, &f.leg, *c)
+	if err != nil || KeyRefusedBy(w, resp.StatusCode) || outcome.Status(resp.StatusCode).Retryable || slices.Contains(c.Hold, resp.StatusCode) {
+		if abort != nil {
+			defer abort(nil)
+		}
+	} else {
+		f.abort = abort
+	}
 	if err != nil {
 		defer f.leg.Excuse()
 		return nil, p.Failure(r, &f.leg, err)
@@ -462,6 +491,14 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 		return p.Failure(r, leg, f.Unread())
 	}
 	w := leg.W
+	if errors.Is(err, outcome.ErrStalled) {
+		// The engine went silent mid-stream: a failure of the worker's, which its circuit hears.
+		leg.Done(0, err)
+		p.countError(w, metrics.KindStalled)
+		p.Log.Warn("the engine sent nothing mid-stream for the stream stall timeout; aborting the client connection", "worker", w.URL, "leg", leg.Name,
+			"stream_stall_timeout", p.StallTimeout)
+		return ErrAbort
+	}
 	if outcome.IsTimeout(err) {
 		// The worker was producing bytes: a request longer than the deadline is no failure of
 		// the worker's, and must not open its circuit for everyone else.
@@ -482,9 +519,13 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 // into events and each is passed through transform (which may return it unchanged). A stream
 // relayed whole that carried an engine's error event returns an *InBandError (inband.go). A 200
 // answer relayed to its end leaves its usage on rec (nil: nowhere), and o asks a stream's
-// accounting of it.
-func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders) error {
+// accounting of it. abort, when set, ends the exchange of a stream whose engine sends nothing
+// for StallTimeout after its first byte: the relay then returns a ReadError of ErrStalled.
+func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders, abort context.CancelCauseFunc) error {
 	rl := newRelay(rw, resp, transform, rec, o)
+	if abort != nil && p.StallTimeout > 0 && rl.out.stream && resp.StatusCode == http.StatusOK {
+		rl.stall = &stallWatch{after: p.StallTimeout, abort: abort}
+	}
 	defer rl.done()
 	for {
 		if err, end := rl.step(); end {
@@ -507,6 +548,7 @@ type relay struct {
 	pool   *sync.Pool
 	ended  bool
 	status int
+	stall  *stallWatch // nil: no stall watch
 }
 
 //go:noinline
@@ -539,6 +581,9 @@ func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event 
 // step relays the next chunk; end is true once the relay ended, with its result err.
 func (rl *relay) step() (err error, end bool) {
 	chunk, flush, rerr := rl.in.next()
+	if rl.stall != nil && len(chunk) > 0 {
+		rl.stall.progress()
+	}
 	if len(chunk) > 0 {
 		if werr := rl.emit(chunk, flush); werr != nil {
 			return werr, true
@@ -566,6 +611,9 @@ func (rl *relay) emit(chunk []byte, flush bool) error {
 // end is the relay's result once its body ended with err.
 func (rl *relay) end(err error) error {
 	if err != io.EOF {
+		if rl.stall != nil && rl.stall.fired.Load() {
+			err = outcome.ErrStalled
+		}
 		return &ReadError{Err: err, Written: rl.out.written}
 	}
 	rl.out.head()
@@ -578,6 +626,9 @@ func (rl *relay) end(err error) error {
 
 // done learns the answer's usage once it ended, and gives the buffers back.
 func (rl *relay) done() {
+	if rl.stall != nil {
+		rl.stall.stop()
+	}
 	rl.tail.done(rl.rec, rl.ended)
 	if rl.seen != nil && rl.seen.p && rl.seen.c && rl.ended {
 		rl.rec.Usage, rl.rec.UsageKnown = rl.seen.u, true
@@ -772,5 +823,47 @@ func CopyResponseHeaders(dst, src http.Header) {
 	}
 	for _, k := range hopHeaders {
 		dst.Del(k)
+	}
+}
+
+// stallWatch gives up on a stream whose engine sends nothing for after once its first byte came:
+// a timer, armed by the first chunk, that finds the last chunk's time too old and aborts the
+// exchange (an engine hung mid-stream held its client until the request deadline, unseen).
+type stallWatch struct {
+	after       time.Duration
+	abort       context.CancelCauseFunc
+	last        atomic.Int64 // unix nanoseconds of the last chunk
+	t           atomic.Pointer[time.Timer]
+	fired, done atomic.Bool
+}
+
+// progress notes a chunk; the first arms the watch.
+func (s *stallWatch) progress() {
+	s.last.Store(time.Now().UnixNano())
+	if s.t.Load() == nil {
+		s.t.Store(time.AfterFunc(s.after, s.check))
+	}
+}
+
+// check aborts the exchange when no chunk came for after, else waits for the rest of it.
+func (s *stallWatch) check() {
+	if s.done.Load() {
+		return
+	}
+	idle := time.Duration(time.Now().UnixNano() - s.last.Load())
+	if idle < s.after {
+		if t := s.t.Load(); t != nil {
+			t.Reset(s.after - idle)
+		}
+		return
+	}
+	s.fired.Store(true)
+	s.abort(outcome.ErrStalled)
+}
+
+func (s *stallWatch) stop() {
+	s.done.Store(true)
+	if t := s.t.Load(); t != nil {
+		t.Stop()
 	}
 }

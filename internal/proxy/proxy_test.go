@@ -30,7 +30,7 @@ func TestRelayPassesTheAnswerThrough(t *testing.T) {
 	rec := httptest.NewRecorder()
 	h := http.Header{"Content-Type": {"application/json"}, "X-Engine": {"e"}, "Connection": {"X-Hop"}, "X-Hop": {"1"},
 		"Transfer-Encoding": {"chunked"}, "X-Baton-Worker": {"spoofed"}, "X-Request-Id": {"spoofed"}}
-	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil, nil, Orders{})
+	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(201, h, iotest.HalfReader(strings.NewReader(`{"big":18446744073709551615}`))), nil, nil, Orders{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,7 +49,7 @@ func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
 	body := "data: {\"n\":1}\n\n: comment\n\ndata: [DONE]\n\n"
 	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(200, h, iotest.OneByteReader(strings.NewReader(body))), func(ev []byte) []byte {
 		return []byte(strings.ReplaceAll(string(ev), `"n":1`, `"n":2`))
-	}, nil, Orders{})
+	}, nil, Orders{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,13 +64,13 @@ func TestRelayTransformsEventsAndKeepsTheRest(t *testing.T) {
 func TestRelayReportsWhetherAnythingWasWritten(t *testing.T) {
 	broken := errors.New("reset")
 	rec := httptest.NewRecorder()
-	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, iotest.ErrReader(broken)), nil, nil, Orders{})
+	err := testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, iotest.ErrReader(broken)), nil, nil, Orders{}, nil)
 	var re *ReadError
 	if !errors.As(err, &re) || re.Written || !errors.Is(err, broken) || rec.Code != 200 || rec.Body.Len() != 0 {
 		t.Errorf("failure before any byte: %v (written %v), wrote %q", err, re != nil && re.Written, rec.Body.String())
 	}
 	rec = httptest.NewRecorder()
-	err = testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil, nil, Orders{})
+	err = testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil, nil, Orders{}, nil)
 	if !errors.As(err, &re) || !re.Written {
 		t.Errorf("failure after bytes: %v, want a ReadError with Written", err)
 	}
@@ -135,7 +135,7 @@ func TestRelayNotesUsageOnTheRecord(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rec := &record.Record{}
-			_ = testProxy().Relay(context.Background(), httptest.NewRecorder(), upstreamAnswer(c.status, h, c.body), nil, rec, Orders{})
+			_ = testProxy().Relay(context.Background(), httptest.NewRecorder(), upstreamAnswer(c.status, h, c.body), nil, rec, Orders{}, nil)
 			want := record.Record{}
 			if c.want {
 				want.Usage, want.UsageKnown = openai.Usage{Prompt: 7, Completion: 3, Cached: 4}, true

@@ -243,7 +243,7 @@ func (s *Server) servePrefillInfo(w http.ResponseWriter, r *http.Request) {
 	}
 	defer resp.Body.Close()
 	recordOf(r).Worker = prefill.URL
-	if f := outcome.FailureOf(s.proxy.Relay(r.Context(), w, resp, nil, recordOf(r), proxy.Orders{})); f != nil {
+	if f := outcome.FailureOf(s.proxy.Relay(r.Context(), w, resp, nil, recordOf(r), proxy.Orders{}, nil)); f != nil {
 		switch {
 		case f.Unread() != nil:
 			proxy.WriteFailure(w, proxy.Classify(prefill, pd.LegPrefill, 30*time.Second, f.Cause))

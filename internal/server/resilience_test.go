@@ -6,6 +6,7 @@ package server
 import (
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync"
@@ -18,7 +19,9 @@ import (
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // simulatedFleet is a gateway over simulated vLLM engines serving "m"; tune changes the options.
@@ -142,5 +145,39 @@ func TestOverload(t *testing.T) {
 	r2, body := gwtest.PostTimeout(t, gw2+"/v1/completions", slow)
 	if r2.StatusCode != 504 || !strings.Contains(body, "queue_timeout") || r2.Header.Get("Retry-After") == "" {
 		t.Errorf("queue timeout: %d %s", r2.StatusCode, body)
+	}
+}
+
+// A stream whose engine goes silent after its first events is given up on after the stream
+// stall timeout, not held until the request deadline: the client's connection is aborted (no
+// [DONE]), baton_upstream_errors_total{kind="stalled"} and a WARN name the worker, and the
+// worker's circuit hears it — on both upstream clients. The soak found a hung engine held its
+// streams' clients until the deadline, unseen meanwhile.
+func TestAStreamWhoseEngineGoesSilentIsGivenUp(t *testing.T) {
+	for _, client := range []string{"net", "baton"} {
+		t.Run(client, func(t *testing.T) {
+			e := simOf(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{HangAfter: 2}})
+			var logs gwtest.SyncBuffer
+			s, gw, ws := gateway(t, []string{e.URL()}, func(o *Options) {
+				tr := proxy.NewTransport(client)
+				t.Cleanup(func() { proxy.CloseIdle(tr, "") })
+				o.Proxy.Transport, o.Proxy.StallTimeout = tr, 300*time.Millisecond
+				o.Proxy.Log = slog.New(slog.NewTextHandler(&logs, nil))
+			})
+			ws[0].UseBreaker(&worker.BreakerConfig{FailureThreshold: 1, SuccessThreshold: 1, Timeout: time.Minute})
+			b, err := gwtest.ReadStream(t, gw+"/v1/completions", `{"model":"m","prompt":"hello","max_tokens":50,"ignore_eos":true,"stream":true}`, 10*time.Second)
+			if err == nil || strings.Contains(b, "[DONE]") || strings.Count(b, "data: ") != 2 {
+				t.Errorf("want the 2 events the engine sent, then the connection aborted: %q, %v", b, err)
+			}
+			poll.Until(t, "the stall counted", func() bool {
+				return strings.Contains(scrape(t, s), `baton_upstream_errors_total{kind="stalled",worker="`+e.URL()+`"} 1`)
+			})
+			if l := logs.String(); !strings.Contains(l, "sent nothing mid-stream") || !strings.Contains(l, e.URL()) {
+				t.Errorf("no WARN naming the worker:\n%s", l)
+			}
+			if got := ws[0].BreakerState(); got != worker.BreakerOpen {
+				t.Errorf("the worker's circuit is %v after a stall at a threshold of one failure: it did not hear it", got)
+			}
+		})
 	}
 }
