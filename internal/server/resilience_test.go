@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -150,8 +151,8 @@ func TestOverload(t *testing.T) {
 
 // A stream whose engine goes silent after its first events is given up on after the stream
 // stall timeout, not held until the request deadline: the client's connection is aborted (no
-// [DONE]), baton_upstream_errors_total{kind="stalled"} and a WARN name the worker, and the
-// worker's circuit hears it — on both upstream clients. The soak found a hung engine held its
+// [DONE]), baton_upstream_errors_total{kind="stalled"}, a WARN and the status page's recent
+// errors name the worker, and the worker's circuit hears it — on both upstream clients. The soak found a hung engine held its
 // streams' clients until the deadline, unseen meanwhile.
 func TestAStreamWhoseEngineGoesSilentIsGivenUp(t *testing.T) {
 	for _, client := range []string{"net", "baton"} {
@@ -174,6 +175,12 @@ func TestAStreamWhoseEngineGoesSilentIsGivenUp(t *testing.T) {
 			})
 			if l := logs.String(); !strings.Contains(l, "sent nothing mid-stream") || !strings.Contains(l, e.URL()) {
 				t.Errorf("no WARN naming the worker:\n%s", l)
+			}
+			// The status page lists the cut answer among the recent errors, naming the worker.
+			st := httptest.NewRecorder()
+			s.StatusHandler().ServeHTTP(st, httptest.NewRequest(http.MethodGet, "/status.json", nil))
+			if j := st.Body.String(); !strings.Contains(j, `"code":"cut_mid_answer"`) || !strings.Contains(j, `"worker":"`+e.URL()+`"`) {
+				t.Errorf("the status page does not show the cut stream: %s", j)
 			}
 			if got := ws[0].BreakerState(); got != worker.BreakerOpen {
 				t.Errorf("the worker's circuit is %v after a stall at a threshold of one failure: it did not hear it", got)

@@ -367,7 +367,7 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, string(rec.Handoff)).Inc()
 	}
 	if rec.Route != "other" {
-		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft)
+		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft, aborted)
 	}
 	if span != nil {
 		endSpan(span, e)

@@ -48,13 +48,21 @@ type recentError struct {
 	Worker string    `json:"worker,omitempty"`
 }
 
-// record takes one finished request.
-func (rc *recorder) record(now time.Time, route, model string, status int, code, worker string, ttft time.Duration) {
+// codeCut names on the status page an answer cut after its head went out.
+const codeCut = "cut_mid_answer"
+
+// record takes one finished request; aborted: Baton cut its answer after the head.
+func (rc *recorder) record(now time.Time, route, model string, status int, code, worker string, ttft time.Duration, aborted bool) {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	b := rc.bucket(now)
 	b.requests++
-	failed := status >= 500 || status == 0
+	// An answer Baton cut after its head (its engine failed or stalled mid-stream, the deadline
+	// passed) failed its client whatever its status said.
+	failed := status >= 500 || status == 0 || aborted
+	if aborted && code == "" {
+		code = codeCut
+	}
 	if failed {
 		b.errors++
 	}
