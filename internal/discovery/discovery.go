@@ -218,8 +218,13 @@ func (d *Discovery) lost(err error) {
 	}
 }
 
-// probeTimeout bounds the check that the API server answers.
-const probeTimeout = 5 * time.Second
+// probeTimeout bounds the check that the API server answers; probeEvery is how often it runs
+// at most apart (a lost API server is seen within seconds: at a quarter of UnreadyRemoveAfter,
+// 15 s by default, the soak found it unseen for 10 s).
+const (
+	probeTimeout = 5 * time.Second
+	probeEvery   = 2 * time.Second
+)
 
 // probe asks the API server for one pod of the namespace. The informer alone does not tell: it
 // waits out a refused connection without a word, keeping its last view.
@@ -340,7 +345,7 @@ func (d *Discovery) Run(ctx context.Context) error {
 		return nil
 	}
 	lister := pods.Lister()
-	tick := time.NewTicker(max(d.UnreadyRemoveAfter/4, time.Second))
+	tick := time.NewTicker(min(max(d.UnreadyRemoveAfter/4, time.Second), probeEvery))
 	defer tick.Stop()
 	for {
 		list, err := lister.Pods(d.Namespace).List(labels.Everything())

@@ -312,6 +312,49 @@ func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 	}
 }
 
+// A lost API server is seen within seconds with the default settings, whatever
+// UnreadyRemoveAfter is: baton_service_discovery_connected drops to 0 within 10 s of the stop
+// (its probe ran at a quarter of UnreadyRemoveAfter, 15 s by default), and back to 1 once it
+// answers again.
+func TestALostAPIServerIsSeenWithinSeconds(t *testing.T) {
+	cs, ns := cluster(t)
+	e := engine(t, sim.Config{Engine: sim.EngineVLLM})
+	cfg := config.Default()
+	cfg.Host = "127.0.0.1"
+	g, err := app.New(cfg, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); g.Wait() })
+	if err := g.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d := &discovery.Discovery{Client: cs, Namespace: ns, Selectors: map[string]map[string]string{config.RoleRegular: {"app": "engine"}}, Port: 8000,
+		Fleet: g.Fleet, Log: slog.New(slog.DiscardHandler)} // UnreadyRemoveAfter and Settle: the defaults
+	g.UseDiscovery(d)
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	pod(t, cs, ns, "p1", map[string]string{"app": "engine"}, map[string]string{discovery.AnnotationPort: port(e)})
+	setStatus(t, cs, ns, "p1", true)
+	poll.Until(t, "p1 joins", func() bool { w := workerAt(g, e.URL()); return w != nil && w.Ready() })
+
+	server.StopAPIServer()
+	stopped := time.Now()
+	for connected(t, g) != 0 {
+		if time.Since(stopped) > 10*time.Second {
+			t.Fatal("the API server stopped 10 s ago and discovery still shows it connected")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("seen lost after %s", time.Since(stopped).Round(100*time.Millisecond))
+	if err := server.StartAPIServer(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	poll.Until(t, "the API server shown back", func() bool { return connected(t, g) == 1 })
+}
+
 // connected is baton_service_discovery_connected.
 func connected(t *testing.T, g *app.Gateway) float64 {
 	t.Helper()
