@@ -2,6 +2,7 @@ package bench
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +12,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -30,16 +32,56 @@ type proc struct {
 	logs       *procLog
 }
 
-// procLog is a process's stderr, read while the process writes it.
+// procLog is a process's stderr, read while the process writes it: its first MiB, and the
+// time each of its first lines of level WARN or ERROR came (the soak looks for them).
 type procLog struct {
-	mu sync.Mutex
-	b  strings.Builder
+	mu      sync.Mutex
+	b       strings.Builder
+	partial []byte
+	alerts  []logLine
 }
+
+// logLine is a line of a process's log and when it came.
+type logLine struct {
+	at   time.Time
+	line string
+}
+
+const (
+	procLogBytes  = 1 << 20
+	procLogAlerts = 10_000
+)
 
 func (l *procLog) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.b.Write(p)
+	if l.b.Len() < procLogBytes {
+		l.b.Write(p[:min(len(p), procLogBytes-l.b.Len())])
+	}
+	now := time.Now()
+	rest := p
+	for {
+		i := bytes.IndexByte(rest, '\n')
+		if i < 0 {
+			if len(l.partial) < 64<<10 {
+				l.partial = append(l.partial, rest...)
+			}
+			return len(p), nil
+		}
+		line := append(l.partial, rest[:i]...)
+		l.partial, rest = l.partial[:0], rest[i+1:]
+		if len(l.alerts) < procLogAlerts && (bytes.Contains(line, []byte("level=WARN")) || bytes.Contains(line, []byte("level=ERROR"))) {
+			l.alerts = append(l.alerts, logLine{now, string(line)})
+		}
+	}
+}
+
+// alertsSince returns the WARN and ERROR lines that came at or after t.
+func (l *procLog) alertsSince(t time.Time) []logLine {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	i, _ := slices.BinarySearchFunc(l.alerts, t, func(a logLine, t time.Time) int { return a.at.Compare(t) })
+	return slices.Clone(l.alerts[i:])
 }
 
 func (l *procLog) String() string {

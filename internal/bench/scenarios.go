@@ -24,8 +24,10 @@ type Options struct {
 	Duration time.Duration // how long the soak scenario runs; 0: 30 minutes (3 with Quick)
 	// BatonFlags are more flags for the Batons the soak scenario starts.
 	BatonFlags []string
-	Scenarios  []string // names to run; empty runs all
-	Out        io.Writer
+	// Plot is a PNG file the soak scenario draws its fault timeline into; "" none.
+	Plot      string
+	Scenarios []string // names to run; empty runs all
+	Out       io.Writer
 }
 
 // Scenario names: all run by default; optIn only when named.

@@ -323,13 +323,13 @@ func (d *Director) Queues() map[string]any {
 // minute (the first at once): an operator sees load shed in the log as well as in
 // baton_rejections_total, without a line per refusal.
 func (a *admission) noteShed(reason string) {
-	n := a.shed.Add(1)
+	a.shed.Add(1)
 	now := time.Now().UnixNano()
 	last := a.lastShed.Load()
 	if now-last < int64(shedEvery) || !a.lastShed.CompareAndSwap(last, now) {
 		return
 	}
-	n = a.shed.Swap(0)
+	n := a.shed.Swap(0)
 	since := "start"
 	if last != 0 {
 		since = time.Duration(now - last).Round(time.Second).String()

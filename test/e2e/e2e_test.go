@@ -22,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/sim"
 )
 
@@ -330,6 +331,43 @@ func TestAnOpenStreamHoldsHalfAStack(t *testing.T) {
 	}
 }
 
+// A PD stream whose decode engine goes silent after its first events is given up on after
+// --stream-stall-timeout, in both PD styles: the client's connection is aborted (no [DONE]) within
+// seconds, not at the request deadline, and baton_upstream_errors_total{kind="stalled"} names
+// the decode worker.
+func TestAStalledDecodeStreamIsGivenUp(t *testing.T) {
+	for _, style := range []string{"vLLM NIXL", "SGLang"} {
+		t.Run(style, func(t *testing.T) {
+			engine, connector := sim.EngineVLLM, sim.ConnectorNixl
+			if style == "SGLang" {
+				engine, connector = sim.EngineSGLang, ""
+			}
+			prefill, err := sim.Start(sim.Config{Model: "m", Engine: engine, Role: sim.RolePrefill, KVConnector: connector})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer prefill.Close()
+			decode, err := sim.Start(sim.Config{Model: "m", Engine: engine, Role: sim.RoleDecode, KVConnector: connector, Faults: sim.Faults{HangAfter: 2}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer decode.Close()
+			args := []string{"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", prefill.URL(), "--decode", decode.URL()}
+			if style == "SGLang" {
+				args = []string{"--pd-disaggregation", "--prefill", prefill.URL(), strconv.Itoa(prefill.BootstrapPort()), "--decode", decode.URL()}
+			}
+			api, metricsURL := startBatonMetrics(t, append(args, "--stream-stall-timeout", "500ms", "--request-timeout", "60s")...)
+			b, err := gwtest.ReadStream(t, api+"/v1/completions", `{"model":"m","prompt":"hello there","max_tokens":50,"ignore_eos":true,"stream":true}`, 15*time.Second)
+			if err == nil || strings.Contains(b, "[DONE]") {
+				t.Errorf("want the stream aborted: %q, %v", b, err)
+			}
+			if got := metricValue(t, metricsURL, `baton_upstream_errors_total{kind="stalled",worker="`+decode.URL()+`"}`); got != 1 {
+				t.Errorf("baton_upstream_errors_total{kind=\"stalled\"} of the decode worker: %v", got)
+			}
+		})
+	}
+}
+
 // A collector that refuses every export is seen where an operator looks: the export failures
 // and the spans lost are counted, the status page says it (the WARN: TestAFailingCollectorIsSeen) — with the
 // collector's host, never its credentials.
@@ -375,12 +413,15 @@ func TestAFailingTraceCollectorIsSeen(t *testing.T) {
 	}
 }
 
-// The soak's quick form: three minutes of a mixed workload through a regular and a PD Baton
-// while engines are killed, answer 500s and hang, the configuration is reloaded every 10 s and a
-// burst goes far over capacity. The harness exits non-zero on any answer with another
-// request's content, any request unanswered past its deadline, any connection closed without an
-// answer, any status no fault explains, or goroutines that do not come back after the load. On
-// the API server the suite runs on (BATON_TEST_HTTP_SERVER).
+// The soak's quick form: three minutes of a mixed workload (tenants over a real Redis, priority
+// classes, an adapter, cache-aware routing on KV events, streams and hang-ups) through a regular,
+// a PD vLLM, a PD SGLang and (with the Kubernetes binaries) a discovering Baton while engines are
+// killed, answer 500s and hang mid-stream, the API server, Redis and the OTLP collector stop, the
+// configuration is reloaded every 10 s and a burst goes far over capacity. The harness exits non-zero on any answer with another request's content,
+// any request unanswered past its deadline, any connection closed without an answer, any status
+// no fault explains, a refusal without Retry-After, tenants charged more than 1 % off the
+// engines' own counters, or goroutines that do not come back after the load. On the API server
+// the suite runs on (BATON_TEST_HTTP_SERVER).
 func TestSoakQuick(t *testing.T) {
 	args := []string{"bench", "--quick", "--scenarios", "soak"}
 	if v := os.Getenv("BATON_TEST_HTTP_SERVER"); v != "" {
@@ -392,7 +433,15 @@ func TestSoakQuick(t *testing.T) {
 	if err != nil {
 		t.Fatalf("baton %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
-	for _, want := range []string{"## 15. Soak", "| regular engine killed |", "| burst far over capacity |", "Goroutines once the load ended"} {
+	wants := []string{"## 15. Soak", "| regular engine killed |", "| regular engine hangs mid-stream |", "| OTLP collector stopped |",
+		"| burst far over capacity |", "**Every fault seen**", "**Tokens charged to tenants**", "Memory's slope", "Once the load ended"}
+	if os.Getenv("BATON_REQUIRE_REDIS") != "" {
+		wants = append(wants, "| Redis stopped |")
+	}
+	if os.Getenv("BATON_REQUIRE_K8S") != "" {
+		wants = append(wants, "| Kubernetes API server restarted |")
+	}
+	for _, want := range wants {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("report lacks %q:\n%s", want, out)
 		}

@@ -1,0 +1,135 @@
+package bench
+
+import (
+	"fmt"
+	"image/color"
+	"os"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+	"gonum.org/v1/plot/vg/vgimg"
+)
+
+// soakPlot draws the soak's fault timeline into a PNG at path: the answers per second (whole,
+// refused by a tenant's limit, failed) above, each Baton's RSS below, every phase's start marked
+// on both.
+func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark, names []string) error {
+	t.mu.Lock()
+	const bucket = 5 // seconds
+	var ok, limited, failed plotter.XYs
+	n := 0
+	for _, s := range t.seconds {
+		n = max(n, len(s))
+	}
+	for b := 0; b*bucket < n; b++ {
+		var o, l, f int
+		for _, secs := range t.seconds {
+			for s := b * bucket; s < min(len(secs), (b+1)*bucket); s++ {
+				o, l, f = o+secs[s].ok, l+secs[s].limited, f+secs[s].failed
+			}
+		}
+		x := float64(b*bucket+bucket/2) / 60
+		ok = append(ok, plotter.XY{X: x, Y: float64(o) / bucket})
+		limited = append(limited, plotter.XY{X: x, Y: float64(l) / bucket})
+		failed = append(failed, plotter.XY{X: x, Y: float64(f) / bucket})
+	}
+	t.mu.Unlock()
+
+	answers := plot.New()
+	answers.Title.Text = "Soak: answers per second under the fault schedule"
+	answers.X.Label.Text = "minutes"
+	answers.Y.Label.Text = "answers / s"
+	colors := []color.Color{color.RGBA{0x1b, 0x9e, 0x77, 0xff}, color.RGBA{0x75, 0x70, 0xb3, 0xff}, color.RGBA{0xd9, 0x5f, 0x02, 0xff}}
+	var top float64
+	for i, series := range []struct {
+		name string
+		xys  plotter.XYs
+	}{{"200 (whole, checked)", ok}, {"429 (tenant limit)", limited}, {"failed (503/504/502/5xx, cut)", failed}} {
+		l, err := plotter.NewLine(series.xys)
+		if err != nil {
+			return err
+		}
+		l.Color = colors[i]
+		l.Width = vg.Points(1.2)
+		answers.Add(l)
+		answers.Legend.Add(series.name, l)
+		for _, p := range series.xys {
+			top = max(top, p.Y)
+		}
+	}
+	answers.Legend.Top = true
+
+	memory := plot.New()
+	memory.Title.Text = "RSS of each Baton"
+	memory.X.Label.Text = "minutes"
+	memory.Y.Label.Text = "MiB"
+	var memTop float64
+	for k, name := range names {
+		var xys plotter.XYs
+		for _, s := range samples {
+			xys = append(xys, plotter.XY{X: s.at.Minutes(), Y: s.rssMiB[k]})
+			memTop = max(memTop, s.rssMiB[k])
+		}
+		l, err := plotter.NewLine(xys)
+		if err != nil {
+			return err
+		}
+		l.Color = colors[k%len(colors)]
+		l.Width = vg.Points(1.2)
+		memory.Add(l)
+		memory.Legend.Add(name, l)
+	}
+	memory.Legend.Top = true
+	memory.Legend.Left = true
+	memory.Y.Min = 0
+
+	// The phases: a dashed line at each start, its name along it.
+	for _, pl := range []struct {
+		p   *plot.Plot
+		top float64
+	}{{answers, top}, {memory, memTop}} {
+		var labels plotter.XYLabels
+		for i, m := range marks {
+			x := m.at.Minutes()
+			line, err := plotter.NewLine(plotter.XYs{{X: x, Y: 0}, {X: x, Y: pl.top * 1.05}})
+			if err != nil {
+				return err
+			}
+			line.Dashes = []vg.Length{vg.Points(3), vg.Points(3)}
+			line.Color = color.Gray{Y: 0x99}
+			pl.p.Add(line)
+			if pl.p == answers {
+				labels.XYs = append(labels.XYs, plotter.XY{X: x, Y: pl.top * (1.0 - 0.06*float64(i%4))})
+				labels.Labels = append(labels.Labels, fmt.Sprintf(" %d. %s", i+1, m.name))
+			}
+		}
+		if len(labels.Labels) > 0 {
+			lb, err := plotter.NewLabels(labels)
+			if err != nil {
+				return err
+			}
+			for i := range lb.TextStyle {
+				lb.TextStyle[i].Font.Size = vg.Points(7)
+			}
+			pl.p.Add(lb)
+		}
+	}
+
+	img := vgimg.New(vg.Points(1000), vg.Points(640))
+	dc := draw.New(img)
+	tiles := draw.Tiles{Rows: 2, Cols: 1, PadX: vg.Points(10), PadY: vg.Points(14), PadTop: vg.Points(6), PadBottom: vg.Points(6), PadLeft: vg.Points(6), PadRight: vg.Points(10)}
+	canvases := plot.Align([][]*plot.Plot{{answers}, {memory}}, tiles, dc)
+	answers.Draw(canvases[0][0])
+	memory.Draw(canvases[1][0])
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
