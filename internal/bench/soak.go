@@ -897,6 +897,7 @@ func (r *runner) soak(ctx context.Context) error {
 	fmt.Fprintf(r.out, "\nMemory's slope from %s on, per 10 minutes (goal ≤ 1 MB; judged on runs of 20 minutes or more): %s.\n\n", from.Round(time.Second), strings.Join(slopes, "; "))
 	// Goroutines after the burst: back to the steady phase's level within its next phase.
 	burstBack := "–"
+	var burstStayed []string
 	for k, f := range faults {
 		if f.name != "burst far over capacity" || k+1 >= len(faults) {
 			continue
@@ -916,6 +917,11 @@ func (r *runner) soak(ctx context.Context) error {
 			}
 		}
 		burstBack = fmt.Sprintf("%s against at most %s while steady", joinf("%.0f", after[:len(batons)]), joinf("%.0f", steadyMax[:len(batons)]))
+		for j := range batons {
+			if after[j] > steadyMax[j]+10 {
+				burstStayed = append(burstStayed, fmt.Sprintf("%s's goroutines %.0f after the burst, at most %.0f while steady", batonNames[j], after[j], steadyMax[j]))
+			}
+		}
 	}
 	fmt.Fprintf(r.out, "Goroutines in the first sample 3 s after the burst: %s. Once the load ended, against the start: %s.\n\n", burstBack, joinf("%+.0f", leak[:len(batons)]))
 	if r.o.Plot != "" {
@@ -941,6 +947,10 @@ func (r *runner) soak(ctx context.Context) error {
 	}
 	failed = append(failed, faultErrs...)
 	failed = append(failed, creeping...)
+	failed = append(failed, burstStayed...)
+	if len(unseen) > 0 {
+		failed = append(failed, "not seen within "+soakSeenWithin.String()+": "+strings.Join(unseen, "; "))
+	}
 	if math.Abs(runDev) > 0.01 {
 		failed = append(failed, fmt.Sprintf("tenants charged %+.2f %% against the engines' counters over the run", 100*runDev))
 	}
@@ -954,9 +964,6 @@ func (r *runner) soak(ctx context.Context) error {
 		}
 		fmt.Fprintln(r.out)
 		r.failed = append(r.failed, "soak: "+strings.Join(failed, "; "))
-	}
-	if len(unseen) > 0 {
-		fmt.Fprintf(r.out, "Not seen where an operator looks within %s: %s.\n\n", soakSeenWithin, strings.Join(unseen, "; "))
 	}
 	return nil
 }
@@ -1072,6 +1079,9 @@ func (r *runner) soakRequest(ctx context.Context, base string, q soakQuery, t *s
 		}
 		switch resp.StatusCode {
 		case http.StatusBadGateway:
+			if !strings.Contains(env.Error.Message, "worker http://") {
+				return soakUnexpect, status, lat, "a 502 that names no worker: " + env.Error.Message
+			}
 			return soakBadGW, status, lat, ""
 		case http.StatusInternalServerError:
 			if env.Error.Code == openai.CodeInternalError {
