@@ -212,6 +212,10 @@ func wantAdapterFailure(t *testing.T, resp *http.Response, body string) envelope
 	if err := json.Unmarshal([]byte(body), &e); err != nil || resp.StatusCode != http.StatusServiceUnavailable || e.Error.Code != "adapter_load_failed" {
 		t.Fatalf("want 503 adapter_load_failed, got %d %s", resp.StatusCode, body)
 	}
+	// A 503 says when to try again (the soak found this one without it).
+	if resp.Header.Get("Retry-After") == "" {
+		t.Errorf("503 adapter_load_failed without Retry-After")
+	}
 	return e
 }
 

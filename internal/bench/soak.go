@@ -589,7 +589,7 @@ func (r *runner) soak(ctx context.Context) error {
 			[]soakProbe{{p: a, metrics: []string{`baton_upstream_errors_total{kind="stalled"`}, log: regexp.MustCompile(`sent nothing mid-stream.*` + regexp.QuoteMeta(host(r1))),
 				// After the first seconds: the engine's restart into the fault cut the streams it had.
 				status: func(j string, t time.Time) bool {
-					return recentError(j, t.Add(2*time.Second), host(r1), "cut_mid_answer")
+					return recentError(j, t.Add(2*time.Second), host(r1), openai.CodeCutMidAnswer)
 				}}}},
 	}
 	if kube != nil {

@@ -422,7 +422,9 @@ func (d *Director) adapterReady(ctx context.Context, model string, ws ...*worker
 	for _, err := range errs {
 		if le, ok := errors.AsType[*lora.Error](err); ok {
 			end()
-			return nil, outcome.FinalAnswer(&openai.Error{Status: statusUnavailable, Code: openai.CodeAdapterLoadFailed, Param: "model", Message: le.Error()})
+			// A worker that lost its adapters (an engine restarted) may load it again within
+			// seconds: the client is told when to try, as for Baton's other 503s.
+			return nil, outcome.FinalAnswer(&openai.Error{Status: statusUnavailable, Code: openai.CodeAdapterLoadFailed, Param: "model", RetryAfter: "1", Message: le.Error()})
 		}
 		if err != nil {
 			end()

@@ -45,6 +45,9 @@ const (
 	CodeUpstreamError = "upstream_error"
 	// CodeUpstreamStreamError: the engine reported an error inside a stream it answered 200.
 	CodeUpstreamStreamError = "upstream_stream_error"
+	// CodeCutMidAnswer: an answer Baton cut after its head went out (its engine failed or
+	// stalled mid-stream, the deadline passed); the client sees the connection end.
+	CodeCutMidAnswer = "cut_mid_answer"
 	// CodeUpstreamErrorTooLarge keeps a worker's error status whose body was too large to hold.
 	CodeUpstreamErrorTooLarge = "upstream_error_too_large"
 	// CodeUpstreamKeyRefused: the engine refused the key Baton sends it (401, 403).

@@ -48,9 +48,6 @@ type recentError struct {
 	Worker string    `json:"worker,omitempty"`
 }
 
-// codeCut names on the status page an answer cut after its head went out.
-const codeCut = "cut_mid_answer"
-
 // record takes one finished request; aborted: Baton cut its answer after the head.
 func (rc *recorder) record(now time.Time, route, model string, status int, code, worker string, ttft time.Duration, aborted bool) {
 	rc.mu.Lock()
@@ -61,7 +58,7 @@ func (rc *recorder) record(now time.Time, route, model string, status int, code,
 	// passed) failed its client whatever its status said.
 	failed := status >= 500 || status == 0 || aborted
 	if aborted && code == "" {
-		code = codeCut
+		code = openai.CodeCutMidAnswer
 	}
 	if failed {
 		b.errors++
