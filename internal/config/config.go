@@ -1005,8 +1005,16 @@ func (c *Config) Warnings() []string {
 	if c.TenantRateLimitConfig != "" && !c.TenantRateLimitEnabled {
 		out = append(out, "--tenant-rate-limit-config is ignored: as in smg, it is read only with --tenant-rate-limit-enabled; no tenant limit of it holds")
 	}
+	if c.StreamStallTimeout > 0 && c.StreamStallTimeout < minSaneStall {
+		out = append(out, fmt.Sprintf("--stream-stall-timeout %s is under %s: every stream whose tokens come slower than that (an engine under load, a long prefill of another request sharing its step) is cut and held against its worker's circuit, which can take the fleet out of rotation; was %s meant to be seconds?",
+			formatDuration(c.StreamStallTimeout), formatDuration(minSaneStall), formatDuration(c.StreamStallTimeout)))
+	}
 	return out
 }
+
+// minSaneStall is the stream stall timeout under which Baton warns at startup: engines' token
+// gaps reach a second under load.
+const minSaneStall = time.Second
 
 // CheckWorkerURL reports what is wrong with a worker URL. Credentials in it are refused: a URL
 // is shown in headers, logs, metrics and GET /workers, so secrets go in api_key instead. Query

@@ -202,3 +202,19 @@ func TestSmgPolicyFilesRefused(t *testing.T) {
 		t.Errorf("%v, want the limit given twice refused", err)
 	}
 }
+
+// A stream stall timeout under a second is loud at startup: it would cut streams of an engine
+// under load and open its circuit (a typo of 60ms for 60s takes the fleet out).
+func TestATinyStallTimeoutIsLoud(t *testing.T) {
+	for _, c := range []struct {
+		v    time.Duration
+		loud bool
+	}{{60 * time.Millisecond, true}, {time.Nanosecond, true}, {0, false}, {time.Second, false}, {time.Minute, false}} {
+		cfg := Default()
+		cfg.WorkerURLs = []string{"http://127.0.0.1:1"}
+		cfg.StreamStallTimeout = c.v
+		if loud := strings.Contains(strings.Join(cfg.Warnings(), "; "), "--stream-stall-timeout"); loud != c.loud {
+			t.Errorf("--stream-stall-timeout %s: warned %v, want %v (%q)", c.v, loud, c.loud, cfg.Warnings())
+		}
+	}
+}

@@ -522,10 +522,11 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 // accounting of it. abort, when set, ends the exchange of a stream whose engine sends nothing
 // for StallTimeout after its first byte: the relay then returns a ReadError of ErrStalled.
 func (p *Proxy) Relay(ctx context.Context, rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders, abort context.CancelCauseFunc) error {
-	rl := newRelay(rw, resp, transform, rec, o)
-	if abort != nil && p.StallTimeout > 0 && rl.out.stream && resp.StatusCode == http.StatusOK {
-		rl.stall = &stallWatch{after: p.StallTimeout, abort: abort}
+	var stall *stallWatch
+	if abort != nil && p.StallTimeout > 0 {
+		stall = &stallWatch{after: p.StallTimeout, abort: abort}
 	}
+	rl := newRelay(rw, resp, transform, rec, o, stall)
 	defer rl.done()
 	for {
 		if err, end := rl.step(); end {
@@ -552,7 +553,7 @@ type relay struct {
 }
 
 //go:noinline
-func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders) *relay {
+func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders, stall *stallWatch) *relay {
 	rl := &relay{out: relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
 		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}, rec: rec, status: resp.StatusCode}
 	if rl.rec == nil {
@@ -563,8 +564,17 @@ func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event 
 		rl.out.rewrites = true
 	}
 	rl.in.body = resp.Body
+	if rl.out.stream && resp.StatusCode == http.StatusOK {
+		rl.stall = stall // a stream's silence is watched; a whole answer's is the deadline's
+	}
 	if transform != nil && rl.out.stream {
-		rl.in.events, rl.in.transform = openai.NewEventReader(resp.Body), transform
+		var body io.Reader = resp.Body
+		if rl.stall != nil {
+			// Events are passed on whole: the engine's progress is every byte read, however
+			// slowly an event arrives.
+			body = &stallReader{r: resp.Body, s: rl.stall}
+		}
+		rl.in.events, rl.in.transform = openai.NewEventReader(body), transform
 	} else if v, ok := resp.Body.(viewer); ok && rl.out.stream {
 		rl.in.view = v // a stream holds no buffer while it waits for its next event
 	} else {
@@ -581,11 +591,17 @@ func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event 
 // step relays the next chunk; end is true once the relay ended, with its result err.
 func (rl *relay) step() (err error, end bool) {
 	chunk, flush, rerr := rl.in.next()
-	if rl.stall != nil && len(chunk) > 0 {
-		rl.stall.progress()
-	}
 	if len(chunk) > 0 {
-		if werr := rl.emit(chunk, flush); werr != nil {
+		if rl.stall != nil {
+			rl.stall.progress()
+			rl.stall.busy.Store(true) // a client slow to take it is not the engine's silence
+		}
+		werr := rl.emit(chunk, flush)
+		if rl.stall != nil {
+			rl.stall.progress()
+			rl.stall.busy.Store(false)
+		}
+		if werr != nil {
 			return werr, true
 		}
 	}
@@ -827,14 +843,30 @@ func CopyResponseHeaders(dst, src http.Header) {
 }
 
 // stallWatch gives up on a stream whose engine sends nothing for after once its first byte came:
-// a timer, armed by the first chunk, that finds the last chunk's time too old and aborts the
+// a timer, armed by the first chunk, that finds the last byte's time too old and aborts the
 // exchange (an engine hung mid-stream held its client until the request deadline, unseen).
+// While the relay writes to the client (busy), the engine is not waited on: a client slow to
+// read is the stalled-client timeout's, never the engine's stall.
 type stallWatch struct {
-	after       time.Duration
-	abort       context.CancelCauseFunc
-	last        atomic.Int64 // unix nanoseconds of the last chunk
-	t           atomic.Pointer[time.Timer]
-	fired, done atomic.Bool
+	after             time.Duration
+	abort             context.CancelCauseFunc
+	last              atomic.Int64 // unix nanoseconds of the last byte read or written
+	t                 atomic.Pointer[time.Timer]
+	fired, done, busy atomic.Bool
+}
+
+// stallReader notes the engine's progress on every read of a body read event by event.
+type stallReader struct {
+	r io.Reader
+	s *stallWatch
+}
+
+func (r *stallReader) Read(p []byte) (int, error) {
+	n, err := r.r.Read(p)
+	if n > 0 {
+		r.s.progress()
+	}
+	return n, err
 }
 
 // progress notes a chunk; the first arms the watch.
@@ -851,7 +883,10 @@ func (s *stallWatch) check() {
 		return
 	}
 	idle := time.Duration(time.Now().UnixNano() - s.last.Load())
-	if idle < s.after {
+	if idle < s.after || s.busy.Load() {
+		if idle >= s.after {
+			idle = 0 // writing to the client: look again a whole timeout on
+		}
 		if t := s.t.Load(); t != nil {
 			t.Reset(s.after - idle)
 		}

@@ -10,9 +10,11 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -142,6 +144,57 @@ func TestRelayNotesUsageOnTheRecord(t *testing.T) {
 			}
 			if rec.Usage != want.Usage || rec.UsageKnown != want.UsageKnown {
 				t.Errorf("usage %+v known %v, want %+v %v", rec.Usage, rec.UsageKnown, want.Usage, want.UsageKnown)
+			}
+		})
+	}
+}
+
+// slowClient is a client that takes delay to accept its first write (its window full).
+type slowClient struct {
+	*httptest.ResponseRecorder
+	delay  time.Duration
+	writes int
+}
+
+func (c *slowClient) Write(b []byte) (int, error) {
+	if c.writes++; c.writes == 1 {
+		time.Sleep(c.delay)
+	}
+	return c.ResponseRecorder.Write(b)
+}
+
+// The stall watch times the engine, not the client: while a write to a slow client blocks
+// (the engine is not read meanwhile), no stall is called, however long it takes; an engine silent
+// for the stall timeout with a quick client is given up on. A hostile review cut streams of
+// clients that paused, and took their worker out of rotation.
+func TestAStallIsTheEnginesNotTheClients(t *testing.T) {
+	sse := http.Header{"Content-Type": {"text/event-stream"}}
+	for _, c := range []struct {
+		name        string
+		clientDelay time.Duration // the first write's
+		engineGap   time.Duration // after the first event
+		wantStall   bool
+	}{
+		{"a slow client", 800 * time.Millisecond, 0, false},
+		{"a silent engine", 0, 800 * time.Millisecond, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			pr, pw := io.Pipe()
+			go func() {
+				io.WriteString(pw, "data: {\"n\":1}\n\n")
+				time.Sleep(c.engineGap)
+				io.WriteString(pw, "data: {\"n\":2}\n\ndata: [DONE]\n\n")
+				pw.Close()
+			}()
+			p := testProxy()
+			p.StallTimeout = 300 * time.Millisecond
+			rw := &slowClient{ResponseRecorder: httptest.NewRecorder(), delay: c.clientDelay}
+			err := p.Relay(context.Background(), rw, upstreamAnswer(200, sse, pr), nil, nil, Orders{}, func(cause error) { pr.CloseWithError(cause) })
+			if stalled := errors.Is(err, outcome.ErrStalled); stalled != c.wantStall {
+				t.Fatalf("stalled %v (%v), want %v; relayed %q", stalled, err, c.wantStall, rw.Body.String())
+			}
+			if !c.wantStall && !strings.Contains(rw.Body.String(), "[DONE]") {
+				t.Errorf("relayed %q", rw.Body.String())
 			}
 		})
 	}

@@ -188,3 +188,34 @@ func TestAStreamWhoseEngineGoesSilentIsGivenUp(t *testing.T) {
 		})
 	}
 }
+
+// The engine's progress is every byte it sends, not every whole event: a limited tenant's
+// stream (read event by event, for its accounting) whose engine sends each event in slow pieces,
+// never silent for a stall timeout, is relayed whole.
+func TestAnEventInSlowPiecesIsNoStall(t *testing.T) {
+	up := engine(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		rc := http.NewResponseController(w)
+		for i := range 3 {
+			ev := fmt.Sprintf(`data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"t%d","finish_reason":null}]}`+"\n\n", i)
+			for _, piece := range []string{ev[:20], ev[20:40], ev[40:]} { // 600 ms an event, 200 ms between bytes
+				io.WriteString(w, piece)
+				rc.Flush()
+				time.Sleep(200 * time.Millisecond)
+			}
+		}
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	s, gw, _ := gateway(t, []string{up}, func(o *Options) {
+		o.Proxy.StallTimeout = 500 * time.Millisecond
+		withTenants(t, o, config.Tenant{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{TokensPerMinute: intp(1_000_000)}})
+	})
+	resp, b := asTenant(t, gw+"/v1/completions", "sk-team", `{"model":"m","prompt":"x","max_tokens":3,"stream":true}`)
+	if resp.StatusCode != 200 || !strings.Contains(b, "data: [DONE]") || strings.Count(b, `"text":"t`) != 3 {
+		t.Errorf("a stream sent in slow pieces was cut: %d %q", resp.StatusCode, b)
+	}
+	if m := scrape(t, s); strings.Contains(m, `kind="stalled"`) {
+		t.Error("an engine sending bytes was counted as stalled")
+	}
+}
