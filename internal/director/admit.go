@@ -7,7 +7,7 @@ import (
 	"log/slog"
 	"math"
 	"strconv"
-	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -57,9 +57,19 @@ type admission struct {
 	retryAfter time.Duration
 	// log hears of load shed: a WARN at most once a minute while requests are refused for want
 	// of a slot, with how many were since the last.
-	log      *slog.Logger
-	shed     atomic.Int64 // refusals since the last WARN
-	lastShed atomic.Int64 // unix nanoseconds of the last WARN
+	log  *slog.Logger
+	shed shedLog
+}
+
+// shedLog is what the log was told of load shed: a WARN at most every every, counting the
+// refusals since the last; a timer set by each WARN says what was refused since it once every
+// passed, so that an episode's end is in the log too.
+type shedLog struct {
+	mu    sync.Mutex
+	every time.Duration
+	last  time.Time // of the last WARN
+	n     int64     // refused since it
+	armed bool      // a summary is due
 }
 
 // shedEvery is how often at most a WARN says that requests are refused for want of a slot.
@@ -84,7 +94,7 @@ func newAdmission(a queueSettings, m *metrics.Metrics, log *slog.Logger) *admiss
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter, log: log}
+	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter, log: log, shed: shedLog{every: shedEvery}}
 	return ad
 }
 
@@ -321,20 +331,51 @@ func (d *Director) Queues() map[string]any {
 
 // noteShed counts a request refused for want of a slot, and says so in a WARN at most once a
 // minute (the first at once): an operator sees load shed in the log as well as in
-// baton_rejections_total, without a line per refusal.
+// baton_rejections_total, without a line per refusal. A minute after a WARN, one more counts what
+// was refused since, if anything was, so that an episode's end is in the log.
 func (a *admission) noteShed(reason string) {
-	a.shed.Add(1)
-	now := time.Now().UnixNano()
-	last := a.lastShed.Load()
-	if now-last < int64(shedEvery) || !a.lastShed.CompareAndSwap(last, now) {
-		return
+	l := &a.shed
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.n++
+	if l.last.IsZero() || time.Since(l.last) >= l.every {
+		a.warnShedLocked(reason)
 	}
-	n := a.shed.Swap(0)
+}
+
+// warnShedLocked logs the refusals since the last WARN, and sets the summary's timer.
+func (a *admission) warnShedLocked(reason string) {
+	l := &a.shed
 	since := "start"
-	if last != 0 {
-		since = time.Duration(now - last).Round(time.Second).String()
+	if !l.last.IsZero() {
+		since = time.Since(l.last).Round(time.Second).String()
 	}
 	a.log.Warn("shedding load: requests refused for want of a slot (every slot taken and the queue full, or the wait past its timeout)",
-		"refused", n, "since", since, "last_reason", reason,
+		"refused", l.n, "since", since, "last_reason", reason,
 		"max_concurrent_requests", a.o.Slots, "queue_size", a.o.Depth[admit.Default])
+	l.n, l.last = 0, time.Now()
+	a.armShedLocked(l.every, reason)
+}
+
+func (a *admission) armShedLocked(after time.Duration, reason string) {
+	if !a.shed.armed {
+		a.shed.armed = true
+		time.AfterFunc(after, func() { a.shedSummary(reason) })
+	}
+}
+
+// shedSummary is the timer's: the refusals since the last WARN, once it is a minute old; nothing
+// when none came (the episode ended).
+func (a *admission) shedSummary(reason string) {
+	l := &a.shed
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.armed = false
+	switch {
+	case l.n == 0:
+	case time.Since(l.last) < l.every: // a WARN came meanwhile
+		a.armShedLocked(l.every-time.Since(l.last), reason)
+	default:
+		a.warnShedLocked(reason)
+	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -132,9 +133,36 @@ func TestShedLoadIsLoggedOnceAMinute(t *testing.T) {
 	if got := strings.Count(logs.String(), "shedding load"); got != 1 || !strings.Contains(logs.String(), "refused=1 ") {
 		t.Fatalf("50 refusals in a burst: %d WARN lines, want 1 for the first:\n%s", got, logs.String())
 	}
-	a.lastShed.Add(-int64(shedEvery)) // a minute on
+	a.shed.mu.Lock()
+	a.shed.last = a.shed.last.Add(-shedEvery) // a minute on
+	a.shed.mu.Unlock()
 	refuse(1)
 	if got := strings.Count(logs.String(), "shedding load"); got != 2 || !strings.Contains(logs.String(), "refused=50 ") {
 		t.Errorf("a minute on: %d WARN lines, want a second counting the 50 refused since:\n%s", got, logs.String())
+	}
+}
+
+// An episode's end is in the log: a burst's refusals after its first are told a minute after
+// the first WARN even when no refusal comes after, and nothing more is said once none came (a
+// hostile review found the rest of a burst logged only by the next burst, or never).
+func TestTheEndOfALoadShedIsLogged(t *testing.T) {
+	var logs gwtest.SyncBuffer
+	a := newAdmission(queueSettings{Max: 1, QueueSize: 0}, metrics.New(worker.NewRegistry()), slog.New(slog.NewTextHandler(&logs, nil)))
+	a.shed.every = 100 * time.Millisecond // the minute, shortened
+	ctx := context.Background()
+	release, _, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1)
+	if !ok {
+		t.Fatal("the first request was not admitted")
+	}
+	defer release()
+	for range 30 {
+		if _, e, ok := a.acquire(ctx, &record.Record{}, admit.Default, admit.Default, 1, 1); ok || e == nil {
+			t.Fatalf("admitted %v, %+v", ok, e)
+		}
+	}
+	poll.Until(t, "the burst's rest logged", func() bool { return strings.Contains(logs.String(), "refused=29 ") })
+	time.Sleep(300 * time.Millisecond) // three more periods without a refusal
+	if got := strings.Count(logs.String(), "shedding load"); got != 2 {
+		t.Errorf("%d WARN lines for one burst, want the first and its summary:\n%s", got, logs.String())
 	}
 }
