@@ -38,10 +38,10 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 	t.mu.Unlock()
 
 	answers := plot.New()
-	answers.Title.Text = "Soak: answers per second under the fault schedule"
+	answers.Title.Text = "Soak: answers per second under the fault schedule (phases numbered as in the report)"
 	answers.X.Label.Text = "minutes"
 	answers.Y.Label.Text = "answers / s"
-	colors := []color.Color{color.RGBA{0x1b, 0x9e, 0x77, 0xff}, color.RGBA{0x75, 0x70, 0xb3, 0xff}, color.RGBA{0xd9, 0x5f, 0x02, 0xff}}
+	colors := []color.Color{color.RGBA{0x1b, 0x9e, 0x77, 0xff}, color.RGBA{0x75, 0x70, 0xb3, 0xff}, color.RGBA{0xd9, 0x5f, 0x02, 0xff}, color.RGBA{0xe7, 0x29, 0x8a, 0xff}}
 	var top float64
 	for i, series := range []struct {
 		name string
@@ -60,6 +60,7 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 		}
 	}
 	answers.Legend.Top = true
+	answers.Y.Max = top * 1.3 // room above the lines for the phases' numbers and the legend
 
 	memory := plot.New()
 	memory.Title.Text = "RSS of each Baton"
@@ -93,16 +94,16 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 		var labels plotter.XYLabels
 		for i, m := range marks {
 			x := m.at.Minutes()
-			line, err := plotter.NewLine(plotter.XYs{{X: x, Y: 0}, {X: x, Y: pl.top * 1.05}})
+			line, err := plotter.NewLine(plotter.XYs{{X: x, Y: 0}, {X: x, Y: pl.top * 1.12}})
 			if err != nil {
 				return err
 			}
 			line.Dashes = []vg.Length{vg.Points(3), vg.Points(3)}
 			line.Color = color.Gray{Y: 0x99}
 			pl.p.Add(line)
-			if pl.p == answers {
-				labels.XYs = append(labels.XYs, plotter.XY{X: x, Y: pl.top * (1.0 - 0.06*float64(i%4))})
-				labels.Labels = append(labels.Labels, fmt.Sprintf(" %d. %s", i+1, m.name))
+			if pl.p == answers { // the phase's number: the report's table names it
+				labels.XYs = append(labels.XYs, plotter.XY{X: x, Y: pl.top * 1.12})
+				labels.Labels = append(labels.Labels, fmt.Sprintf(" %d", i+1))
 			}
 		}
 		if len(labels.Labels) > 0 {
@@ -111,7 +112,7 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 				return err
 			}
 			for i := range lb.TextStyle {
-				lb.TextStyle[i].Font.Size = vg.Points(7)
+				lb.TextStyle[i].Font.Size = vg.Points(9)
 			}
 			pl.p.Add(lb)
 		}
