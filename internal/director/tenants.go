@@ -149,6 +149,13 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 	}
 	rules := t.RulesFor(req.Model)
 	if rules[0] == nil && rules[1] == nil {
+		// Nothing to limit, but the tenant's tokens are counted (baton_tenant_tokens_total): a
+		// stream not asking for usage asks the engine for it, the relay keeping it from the client.
+		if req.Stream && routes.Of(path).StreamOptions {
+			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
+				return &lease{strip: true}, shown, nil, true
+			}
+		}
 		return nil, shown, nil, true
 	}
 	// The token budget is judged against the tightest token limit among the request's rules.

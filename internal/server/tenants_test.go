@@ -739,3 +739,36 @@ func readEvents(t *testing.T, resp *http.Response, n int) {
 		}
 	}
 }
+
+// An unlimited tenant's streams are counted in its token counters too: Baton asks the engine for
+// the usage the client did not, and keeps that event from the client (a hostile review found an
+// unlimited tenant's streamed traffic, most of it, missing from baton_tenant_tokens_total).
+func TestAnUnlimitedTenantsStreamsAreCounted(t *testing.T) {
+	e := simOf(t, sim.Config{Engine: sim.EngineVLLM})
+	s, gw, _ := gateway(t, []string{e.URL()}, func(o *Options) {
+		withTenants(t, o, config.Tenant{Name: "free", Keys: []string{config.HashKey("sk-free")}},
+			config.Tenant{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{TokensPerMinute: intp(1_000_000)}})
+	})
+	resp, b := asTenant(t, gw+"/v1/completions", "sk-free", `{"model":"m","prompt":"`+words(8)+`","max_tokens":10,"ignore_eos":true,"stream":true}`)
+	if resp.StatusCode != 200 || !strings.Contains(b, "data: [DONE]") || strings.Contains(b, `"usage"`) {
+		t.Fatalf("the client did not ask for usage and must see none: %d %q", resp.StatusCode, b)
+	}
+	poll.Until(t, "the stream counted", func() bool { return s.InFlight() == 0 })
+	m := scrape(t, s)
+	for _, want := range []string{`baton_tenant_tokens_total{kind="prompt",model="m",tenant="free"} 8`, `baton_tenant_tokens_total{kind="completion",model="m",tenant="free"} 10`} {
+		if !strings.Contains(m, want) {
+			t.Errorf("no %s in:\n%s", want, grepLines(m, "baton_tenant_tokens_total"))
+		}
+	}
+}
+
+// grepLines is the lines of text containing s.
+func grepLines(text, s string) string {
+	var out []string
+	for _, l := range strings.Split(text, "\n") {
+		if strings.Contains(l, s) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
