@@ -355,7 +355,7 @@ func baseline(probes []soakProbe) [][]float64 {
 
 // watch polls the probes of a fault that began at began until each showed or 15 s passed; before
 // is their metrics from before it began.
-func watch(ctx context.Context, began time.Time, probes []soakProbe, before [][]float64) soakSeen {
+func watch(ctx context.Context, from, began time.Time, probes []soakProbe, before [][]float64) soakSeen {
 	var seen soakSeen
 	if len(probes) == 0 {
 		return seen
@@ -371,14 +371,14 @@ func watch(ctx context.Context, began time.Time, probes []soakProbe, before [][]
 				}
 			}
 			if seen.log == 0 && pr.log != nil {
-				for _, l := range pr.p.logs.alertsSince(began) {
+				for _, l := range pr.p.logs.alertsSince(from) { // a line while the fault began counts
 					if pr.log.MatchString(l.line) {
 						seen.log = max(l.at.Sub(began), time.Millisecond)
 						break
 					}
 				}
 			}
-			if seen.status == 0 && pr.status != nil && pr.status(getText(strings.TrimSuffix(pr.p.MetricsURL, "/metrics")+"/status.json"), began.Add(-time.Second)) {
+			if seen.status == 0 && pr.status != nil && pr.status(getText(strings.TrimSuffix(pr.p.MetricsURL, "/metrics")+"/status.json"), from.Add(-time.Second)) {
 				seen.status = at
 			}
 		}
@@ -522,7 +522,7 @@ func (r *runner) soak(ctx context.Context) error {
 		return err
 	}
 	common := []string{"--request-timeout", "10s", "--health-check-interval", "1s", "--max-concurrent-requests", "96", "--queue-size", "16",
-		"--queue-timeout", "2s", "--cb-timeout-duration", "2s", "--stream-stall-timeout", "3s", "--access-log=false", "--log-level", "info",
+		"--queue-timeout", "2s", "--cb-timeout-duration", "2s", "--stream-stall-timeout", "3s", "--max-tree-size", "1048576", "--access-log=false", "--log-level", "info",
 		"--otlp-traces-endpoint", "http://" + otlp.addr}
 	common = append(common, r.o.BatonFlags...)
 	a, err := startBaton(r.o.Binary, -1, append([]string{"--config", fileA}, common...)...)
@@ -583,6 +583,15 @@ func (r *runner) soak(ctx context.Context) error {
 	var burstRound sync.Mutex // held while a round of the burst's clients is under way
 	faults := []fault{
 		{"steady", -1, none, none, nil},
+		{"burst far over capacity", 0, func() error { burst.Store(true); return nil }, func() error {
+			burst.Store(false)
+			burstRound.Lock() // the round under way ends
+			defer burstRound.Unlock()
+			r.client.CloseIdleConnections() // the burst's clients are gone
+			return nil
+		},
+			[]soakProbe{{p: a, metrics: []string{"baton_rejections_total", "baton_queue_depth"}, log: regexp.MustCompile(`shedding load`),
+				status: func(j string, t time.Time) bool { return recentError(j, t, "", "queue_") }}}},
 		{"regular engine killed", 0, func() error { return r1.set(true, sim.Faults{}) }, func() error { return r1.set(false, sim.Faults{}) }, engineDown(a, r1)},
 		{"decode engine killed", 1, func() error { return dec.set(true, sim.Faults{}) }, func() error { return dec.set(false, sim.Faults{}) }, engineDown(b, dec)},
 		{"regular engine answers 500", 0, func() error { return r2.set(false, sim.Faults{Status: 500}) }, func() error { return r2.set(false, sim.Faults{}) },
@@ -613,19 +622,10 @@ func (r *runner) soak(ctx context.Context) error {
 	faults = append(faults,
 		fault{"OTLP collector stopped", -1, otlp.stop, otlp.start, []soakProbe{{p: a, metrics: []string{"baton_trace_export_failures_total"},
 			log: regexp.MustCompile(`(?i)trace export`), status: func(j string, _ time.Time) bool { return strings.Contains(j, "Trace export to") }}}},
-		fault{"burst far over capacity", 0, func() error { burst.Store(true); return nil }, func() error {
-			burst.Store(false)
-			burstRound.Lock() // the round under way ends
-			defer burstRound.Unlock()
-			r.client.CloseIdleConnections() // the burst's clients are gone
-			return nil
-		},
-			[]soakProbe{{p: a, metrics: []string{"baton_rejections_total", "baton_queue_depth"}, log: regexp.MustCompile(`shedding load`),
-				status: func(j string, t time.Time) bool { return recentError(j, t, "", "queue_") }}}},
 		fault{"steady (recovery)", -1, none, none, nil},
 	)
 	step := dur / time.Duration(len(faults))
-	fmt.Fprintf(r.out, "%s in %d phases of %s. Batons: regular (cache_aware over three vLLM engines with KV events, two of them in the configuration and the third added and removed by a reload every 10 s that also rotates a tenant's key; a LoRA adapter loaded by Baton), PD vLLM NIXL and PD SGLang; %s; %s; traces at 100 %% sampling to an OTLP collector; a stream stall timeout of 3 s. 16 clients, half streaming, 5 %% hanging up at a random moment; two tenants (alpha, limit far above the load; beta, 60,000 tokens a minute, past which it gets 429s), every request in a random priority class, a quarter of the regular Baton's requests for the adapter; request deadline %s. Every answer is checked: a 200's ids must be its request's.\n\n",
+	fmt.Fprintf(r.out, "%s in %d phases of %s. Batons: regular (cache_aware over three vLLM engines with KV events, two of them in the configuration and the third added and removed by a reload every 10 s that also rotates a tenant's key; a LoRA adapter loaded by Baton), PD vLLM NIXL and PD SGLang; %s; %s; traces at 100 %% sampling to an OTLP collector; a stream stall timeout of 3 s; a cache-aware index of 1 MiB of prompts (full within the warm-up: its growth is no creep). 16 clients, half streaming, 5 %% hanging up at a random moment; two tenants (alpha, limit far above the load; beta, 60,000 tokens a minute, past which it gets 429s), every request in a random priority class, a quarter of the regular Baton's requests for the adapter; request deadline %s. Every answer is checked: a 200's ids must be its request's.\n\n",
 		dur.Round(time.Second), len(faults), step.Round(time.Second), kubeNote, redisNote, soakRequestTO)
 
 	began := time.Now()
@@ -692,6 +692,9 @@ func (r *runner) soak(ctx context.Context) error {
 		outcome, status, lat, problem := r.soakRequest(ctx, batons[target].URL, q, tally)
 		if ctx.Err() != nil && outcome != soakOK {
 			return // cut by the harness at the run's end
+		}
+		if problem != "" {
+			problem = fmt.Sprintf("%s Baton, %s, stream %v, tenant key %s: %s", batonNames[target], q.model, q.stream, q.key, problem)
 		}
 		tally.add(target, p, outcome, status, lat, problem)
 	}
@@ -760,14 +763,14 @@ func (r *runner) soak(ctx context.Context) error {
 		}
 	})
 	for k, f := range faults {
-		before := baseline(f.probes)
+		before, from := baseline(f.probes), time.Now()
 		setPhase(f.name)
 		starts[k] = time.Since(began)
 		if err := f.begin(); err != nil {
 			faultErrs = append(faultErrs, err.Error())
 		}
 		at := time.Now() // in effect: an API server's graceful stop answers until it ends
-		watchers.Go(func() { seen[k] = watch(ctx, at, f.probes, before) })
+		watchers.Go(func() { seen[k] = watch(ctx, from, at, f.probes, before) })
 		end := began.Add(time.Duration(k+1) * step)
 		select {
 		case <-time.After(time.Until(end)):

@@ -60,7 +60,7 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 		}
 	}
 	answers.Legend.Top = true
-	answers.Y.Max = top * 1.3 // room above the lines for the phases' numbers and the legend
+	answers.Y.Max = top * 1.45 // room above the lines for the phases' numbers and the legend
 
 	memory := plot.New()
 	memory.Title.Text = "RSS of each Baton"
@@ -94,7 +94,7 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 		var labels plotter.XYLabels
 		for i, m := range marks {
 			x := m.at.Minutes()
-			line, err := plotter.NewLine(plotter.XYs{{X: x, Y: 0}, {X: x, Y: pl.top * 1.12}})
+			line, err := plotter.NewLine(plotter.XYs{{X: x, Y: 0}, {X: x, Y: pl.top * 1.08}})
 			if err != nil {
 				return err
 			}
@@ -102,7 +102,7 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 			line.Color = color.Gray{Y: 0x99}
 			pl.p.Add(line)
 			if pl.p == answers { // the phase's number: the report's table names it
-				labels.XYs = append(labels.XYs, plotter.XY{X: x, Y: pl.top * 1.12})
+				labels.XYs = append(labels.XYs, plotter.XY{X: x, Y: pl.top * 1.05})
 				labels.Labels = append(labels.Labels, fmt.Sprintf(" %d", i+1))
 			}
 		}
