@@ -30,7 +30,13 @@ type EventReader struct {
 
 	v    viewer
 	view []byte // the unread rest of the last view
+
+	progress func() // called after every read that brought bytes (OnProgress)
 }
+
+// OnProgress has f called after every read of the source that brought bytes, however far from
+// a whole event they are (a stall watch times the source, not the events).
+func (e *EventReader) OnProgress(f func()) { e.progress = f }
 
 // viewer lends views of its own read buffer, each valid until the next call.
 type viewer interface {
@@ -78,6 +84,9 @@ func (e *EventReader) Next() ([]byte, error) {
 			e.buf = append(e.buf, make([]byte, min(len(e.buf), MaxEventSize-len(e.buf)))...)[:len(e.buf)]
 		}
 		n, err := e.r.Read(e.buf[len(e.buf):cap(e.buf)])
+		if n > 0 && e.progress != nil {
+			e.progress()
+		}
 		e.buf = e.buf[:len(e.buf)+n]
 		if err != nil {
 			e.err = err
@@ -128,6 +137,9 @@ func (e *EventReader) nextView() ([]byte, error) {
 			return nil, e.err
 		}
 		v, err := e.v.Next()
+		if len(v) > 0 && e.progress != nil {
+			e.progress()
+		}
 		if err != nil {
 			e.err = err
 		}

@@ -568,13 +568,12 @@ func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event 
 		rl.stall = stall // a stream's silence is watched; a whole answer's is the deadline's
 	}
 	if transform != nil && rl.out.stream {
-		var body io.Reader = resp.Body
+		rl.in.events, rl.in.transform = openai.NewEventReader(resp.Body), transform
 		if rl.stall != nil {
 			// Events are passed on whole: the engine's progress is every byte read, however
-			// slowly an event arrives.
-			body = &stallReader{r: resp.Body, s: rl.stall}
+			// slowly an event arrives (a wrapper would hide the body's own views).
+			rl.in.events.OnProgress(rl.stall.progress)
 		}
-		rl.in.events, rl.in.transform = openai.NewEventReader(body), transform
 	} else if v, ok := resp.Body.(viewer); ok && rl.out.stream {
 		rl.in.view = v // a stream holds no buffer while it waits for its next event
 	} else {
@@ -853,20 +852,6 @@ type stallWatch struct {
 	last              atomic.Int64 // unix nanoseconds of the last byte read or written
 	t                 atomic.Pointer[time.Timer]
 	fired, done, busy atomic.Bool
-}
-
-// stallReader notes the engine's progress on every read of a body read event by event.
-type stallReader struct {
-	r io.Reader
-	s *stallWatch
-}
-
-func (r *stallReader) Read(p []byte) (int, error) {
-	n, err := r.r.Read(p)
-	if n > 0 {
-		r.s.progress()
-	}
-	return n, err
 }
 
 // progress notes a chunk; the first arms the watch.
