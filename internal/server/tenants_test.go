@@ -151,18 +151,7 @@ func TestTenantStreamLeftMidwayIsSettled(t *testing.T) {
 		withTenants(t, o, config.Tenant{Name: "team", Keys: []string{config.HashKey("sk-team")},
 			Limits: &config.Limits{TokensPerMinute: intp(100_000_000), MaxConcurrent: intp(1)}})
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/chat/completions",
-		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"a long story"}],"max_tokens":500,"stream":true}`))
-	req.Header.Set("Authorization", "Bearer sk-team")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	readEvents(t, resp, 5)
-	cancel()
-	resp.Body.Close()
+	leaveAfter(t, gw+"/v1/chat/completions", "sk-team", `{"model":"m","messages":[{"role":"user","content":"a long story"}],"max_tokens":500,"stream":true}`, 5)
 	if got := settledCharge(t, s, "team"); got < 5 || got >= 500 {
 		t.Errorf("charged %d for a stream left after 5 events of 500 tokens", got)
 	}
@@ -688,20 +677,10 @@ func TestTenantTokensCountWhatWasCharged(t *testing.T) {
 	if resp, b := asTenant(t, gw+"/v1/completions", "sk-team", `{"model":"m","prompt":"`+words(30)+`","max_tokens":3}`); resp.StatusCode != 200 {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions",
-		strings.NewReader(`{"model":"m","prompt":"`+words(40)+`","max_tokens":500,"ignore_eos":true,"stream":true}`))
-	req.Header.Set("Authorization", "Bearer sk-team")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	readEvents(t, resp, 5)
-	cancel()
-	resp.Body.Close()
+	leaveAfter(t, gw+"/v1/completions", "sk-team", `{"model":"m","prompt":"`+words(40)+`","max_tokens":500,"ignore_eos":true,"stream":true}`, 5)
 	cut, cancelCut := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancelCut()
-	req, _ = http.NewRequestWithContext(cut, http.MethodPost, gw+"/v1/completions",
+	req, _ := http.NewRequestWithContext(cut, http.MethodPost, gw+"/v1/completions",
 		strings.NewReader(`{"model":"m","prompt":"`+words(50)+`","max_tokens":100,"ignore_eos":true}`))
 	req.Header.Set("Authorization", "Bearer sk-team")
 	if resp, err := http.DefaultClient.Do(req); err == nil {
@@ -771,4 +750,19 @@ func grepLines(text, s string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// leaveAfter posts body as the tenant of key, reads n events of its stream and hangs up.
+func leaveAfter(t *testing.T, url, key, body string, n int) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	readEvents(t, resp, n)
 }

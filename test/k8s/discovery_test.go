@@ -88,7 +88,9 @@ func discovering(t *testing.T, cfg config.Config, d *discovery.Discovery) *app.G
 		t.Fatal(err)
 	}
 	d.Fleet, d.Log = g.Fleet, slog.New(slog.DiscardHandler)
-	d.Settle, d.UnreadyRemoveAfter = 20*time.Millisecond, 1500*time.Millisecond
+	if d.Settle == 0 && d.UnreadyRemoveAfter == 0 { // a test that gives its own keeps them
+		d.Settle, d.UnreadyRemoveAfter = 20*time.Millisecond, 1500*time.Millisecond
+	}
 	g.UseDiscovery(d)
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
@@ -319,23 +321,9 @@ func TestDiscoverySurvivesAPIServerRestart(t *testing.T) {
 func TestALostAPIServerIsSeenWithinSeconds(t *testing.T) {
 	cs, ns := cluster(t)
 	e := engine(t, sim.Config{Engine: sim.EngineVLLM})
-	cfg := config.Default()
-	cfg.Host = "127.0.0.1"
-	g, err := app.New(cfg, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); g.Wait() })
-	if err := g.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	d := &discovery.Discovery{Client: cs, Namespace: ns, Selectors: map[string]map[string]string{config.RoleRegular: {"app": "engine"}}, Port: 8000,
-		Fleet: g.Fleet, Log: slog.New(slog.DiscardHandler)} // UnreadyRemoveAfter and Settle: the defaults
-	g.UseDiscovery(d)
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	// discovery's own defaults: a probe every 2 s, whatever UnreadyRemoveAfter is
+	g := discovering(t, config.Default(), &discovery.Discovery{Client: cs, Namespace: ns, Port: 8000,
+		Selectors: map[string]map[string]string{config.RoleRegular: {"app": "engine"}}, Settle: 250 * time.Millisecond, UnreadyRemoveAfter: time.Minute})
 	pod(t, cs, ns, "p1", map[string]string{"app": "engine"}, map[string]string{discovery.AnnotationPort: port(e)})
 	setStatus(t, cs, ns, "p1", true)
 	poll.Until(t, "p1 joins", func() bool { w := workerAt(g, e.URL()); return w != nil && w.Ready() })
