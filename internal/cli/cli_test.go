@@ -307,8 +307,7 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	start := func(c sim.Config) *sim.Engine { return simEngine(t, c) }
 	np := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	sd := start(sim.Config{Engine: sim.EngineSGLang, Role: sim.RoleDecode})
-	gone := start(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
-	gone.Close()
+	gone := gwtest.RefusingURL(t) // a decode that is down
 	base := []string{"check", "--wait", "2s", "--pd-disaggregation", "--disable-health-check", "--kv-connector", "nixl", "--prefill", np.URL()}
 	for _, c := range []struct {
 		name string
@@ -317,7 +316,7 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	}{
 		{"no decode", nil, []string{"has no decode worker"}}, // refused with the configuration already
 		{"vLLM prefill, SGLang decode", []string{"--decode", sd.URL()}, []string{"nothing could be checked", "no registered prefill it can hand KV to or from"}},
-		{"decode down", []string{"--decode", gone.URL()}, []string{"nothing could be checked", "refused", "connection refused"}},
+		{"decode down", []string{"--decode", gone}, []string{"nothing could be checked", "refused", "connection refused"}},
 	} {
 		var out bytes.Buffer
 		err := Run(t.Context(), append(slices.Clone(base), c.args...), &out, io.Discard)
@@ -335,7 +334,7 @@ func TestCheckFailsOnBrokenFleets(t *testing.T) {
 	// Regular workers, one answering and one down; then the answering one alone, as JSON.
 	ok := start(sim.Config{Engine: sim.EngineVLLM})
 	var out bytes.Buffer
-	err := Run(t.Context(), []string{"check", "--wait", "2s", "--disable-health-check", "--worker-urls", ok.URL(), gone.URL()}, &out, io.Discard)
+	err := Run(t.Context(), []string{"check", "--wait", "2s", "--disable-health-check", "--worker-urls", ok.URL(), gone}, &out, io.Discard)
 	if err == nil || !strings.Contains(out.String(), "took part in no passing check") {
 		t.Errorf("a regular fleet with a worker down: %v\n%s", err, out.String())
 	}
@@ -376,14 +375,13 @@ func TestCheckSaysWhy(t *testing.T) {
 	t.Cleanup(listsOnly.Close)
 	notEngine := httptest.NewServer(http.HandlerFunc(http.NotFound))
 	t.Cleanup(notEngine.Close)
-	gone := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
-	gone.Close()
+	gone := gwtest.RefusingURL(t)
 	ok := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
 	hang := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{Hang: true}})
 	dir := t.TempDir()
 	file := filepath.Join(dir, "baton.yaml")
 	yaml := fmt.Sprintf("request_timeout: 1s\nworkers:\n  - {url: %s}\n  - {url: %s}\n  - {url: %s}\n  - {url: %s, models: [m, ghost]}\n  - {url: %s}\n  - {url: %s}\nmodels:\n  chat: {serve: nowhere}\n",
-		keyed.URL, notEngine.URL, gone.URL(), ok.URL(), hang.URL(), listsOnly.URL)
+		keyed.URL, notEngine.URL, gone, ok.URL(), hang.URL(), listsOnly.URL)
 	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -403,7 +401,7 @@ func TestCheckSaysWhy(t *testing.T) {
 	if err := json.Unmarshal(js.Bytes(), &rep); err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone.URL(): "refused", ok.URL(): "model_missing", hang.URL(): "timeout", listsOnly.URL: "wrong_key"}
+	want := map[string]string{keyed.URL: "wrong_key", notEngine.URL: "not_an_engine", gone: "refused", ok.URL(): "model_missing", hang.URL(): "timeout", listsOnly.URL: "wrong_key"}
 	for _, w := range rep.Workers {
 		if w.Cause != want[w.URL] || w.Reason == "" {
 			t.Errorf("%s: cause %q (%s), want %s", w.URL, w.Cause, w.Reason, want[w.URL])
