@@ -32,13 +32,18 @@ type proc struct {
 	logs       *procLog
 }
 
-// procLog is a process's stderr, read while the process writes it: its first MiB, and the
-// time each of its first lines of level WARN or ERROR came (the soak looks for them).
+// procLog is a process's stderr, read while the process writes it: its first MiB, the time
+// each of its first lines of level WARN or ERROR came (the soak looks for them), and its latest
+// lines naming a request id (a Baton's access log: the soak shows what Baton logged of a request
+// that failed).
 type procLog struct {
 	mu      sync.Mutex
 	b       strings.Builder
 	partial []byte
 	alerts  []logLine
+	byID    map[string]string
+	ids     []string // byID's keys in the order their lines came, a ring of procLogIDs
+	next    int      // the ring's oldest
 }
 
 // logLine is a line of a process's log and when it came.
@@ -50,6 +55,7 @@ type logLine struct {
 const (
 	procLogBytes  = 1 << 20
 	procLogAlerts = 10_000
+	procLogIDs    = 400_000
 )
 
 func (l *procLog) Write(p []byte) (int, error) {
@@ -73,7 +79,44 @@ func (l *procLog) Write(p []byte) (int, error) {
 		if len(l.alerts) < procLogAlerts && (bytes.Contains(line, []byte("level=WARN")) || bytes.Contains(line, []byte("level=ERROR"))) {
 			l.alerts = append(l.alerts, logLine{now, string(line)})
 		}
+		l.keepByID(line)
 	}
+}
+
+// keepByID keeps a line naming a request id (request_id=…), forgetting the oldest past
+// procLogIDs.
+func (l *procLog) keepByID(line []byte) {
+	_, rest, ok := bytes.Cut(line, []byte(" request_id="))
+	if !ok {
+		return
+	}
+	id := rest
+	if i := bytes.IndexByte(rest, ' '); i >= 0 {
+		id = rest[:i]
+	}
+	if len(id) == 0 || len(id) > 256 {
+		return
+	}
+	if l.byID == nil {
+		l.byID = map[string]string{}
+	}
+	key := string(id)
+	if len(l.ids) < procLogIDs {
+		l.ids = append(l.ids, key)
+	} else {
+		delete(l.byID, l.ids[l.next])
+		l.ids[l.next] = key
+		l.next = (l.next + 1) % procLogIDs
+	}
+	l.byID[key] = string(line)
+}
+
+// lineOf returns the latest line naming request id, if it is still held.
+func (l *procLog) lineOf(id string) (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	line, ok := l.byID[id]
+	return line, ok
 }
 
 // alertsSince returns the WARN and ERROR lines that came at or after t.

@@ -196,14 +196,22 @@ type soakTally struct {
 	seconds  [soakBatons][]soakSecond   // per Baton (regular, PD vLLM, PD SGLang, discovering), per second of the run
 	noRetry  atomic.Int64               // 429/503/504 without Retry-After
 	codes    sync.Map                   // "status code" of the refusals: *atomic.Int64
-	problems []string
+	problems []soakProblem
+}
+
+// soakProblem is a request that failed in a way no client can act on: what the client saw, and
+// whose request it was (its Baton and id, to find what that Baton logged of it).
+type soakProblem struct {
+	text   string
+	target int
+	rid    string
 }
 
 // soakSecond is one second of a Baton's answers: whole, refused by a limit (429), and failed
 // (any other outcome but the client's own hang-up).
 type soakSecond struct{ ok, limited, failed int }
 
-func (t *soakTally) add(target int, phase, outcome string, status int, lat time.Duration, problem string) {
+func (t *soakTally) add(target int, rid, phase, outcome string, status int, lat time.Duration, problem string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.counts[phase] == nil {
@@ -218,7 +226,7 @@ func (t *soakTally) add(target int, phase, outcome string, status int, lat time.
 		t.refLat[phase] = append(t.refLat[phase], lat)
 	}
 	if problem != "" && len(t.problems) < 20 {
-		t.problems = append(t.problems, fmt.Sprintf("[%s] %s: %s", phase, outcome, problem))
+		t.problems = append(t.problems, soakProblem{fmt.Sprintf("[%s] %s: %s", phase, outcome, problem), target, rid})
 	}
 	sec := int(time.Since(t.began) / time.Second)
 	for len(t.seconds[target]) <= sec {
@@ -522,7 +530,7 @@ func (r *runner) soak(ctx context.Context) error {
 		return err
 	}
 	common := []string{"--request-timeout", "10s", "--health-check-interval", "1s", "--max-concurrent-requests", "96", "--queue-size", "16",
-		"--queue-timeout", "2s", "--cb-timeout-duration", "2s", "--stream-stall-timeout", "3s", "--max-tree-size", "1048576", "--access-log=false", "--log-level", "info",
+		"--queue-timeout", "2s", "--cb-timeout-duration", "2s", "--stream-stall-timeout", "3s", "--max-tree-size", "1048576", "--log-level", "info",
 		"--otlp-traces-endpoint", "http://" + otlp.addr}
 	common = append(common, r.o.BatonFlags...)
 	a, err := startBaton(r.o.Binary, -1, append([]string{"--config", fileA}, common...)...)
@@ -696,7 +704,7 @@ func (r *runner) soak(ctx context.Context) error {
 		if problem != "" {
 			problem = fmt.Sprintf("%s Baton, %s, stream %v, tenant key %s: %s", batonNames[target], q.model, q.stream, q.key, problem)
 		}
-		tally.add(target, p, outcome, status, lat, problem)
+		tally.add(target, q.rid, p, outcome, status, lat, problem)
 	}
 	var wg sync.WaitGroup
 	for range 16 {
@@ -994,7 +1002,11 @@ func (r *runner) soak(ctx context.Context) error {
 	if len(failed) > 0 {
 		fmt.Fprintf(r.out, "**Failed**: %s\n\n", strings.Join(failed, "; "))
 		for _, p := range tally.problems {
-			fmt.Fprintf(r.out, "- %s\n", p)
+			logged := "Baton's log holds no line of it"
+			if line, ok := batons[p.target].logs.lineOf(p.rid); ok {
+				logged = "Baton logged: " + line
+			}
+			fmt.Fprintf(r.out, "- %s (request %s; %s)\n", p.text, p.rid, logged)
 		}
 		fmt.Fprintln(r.out)
 		r.failed = append(r.failed, "soak: "+strings.Join(failed, "; "))
