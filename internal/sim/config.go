@@ -56,7 +56,11 @@ type Config struct {
 	PrefillPerToken  time.Duration // cost of each prompt token computed locally
 	DecodePerToken   time.Duration // cost of each output token
 	MaxConcurrency   int           // requests running at once; 0 means 256
-	QueueSize        int           // requests waiting beyond that; 0 means 1024; more get 503
+	// Steps replaces the per-token costs with the step-level model of continuous batching
+	// (Perf): requests share steps, prefill chunks slow the decodes beside them, KV blocks are
+	// bounded and a full cache preempts. nil keeps the simple per-token costs.
+	Steps     *Perf
+	QueueSize int // requests waiting beyond that; 0 means 1024; more get 503
 
 	KVTimeout        time.Duration // pinned prefill KV is freed after this (NIXL/Mooncake); 0 means 30 s
 	BootstrapTimeout time.Duration // SGLang: a leg whose partner never arrives fails; 0 means 10 s
@@ -207,6 +211,11 @@ func (c *Config) validate() error {
 	if !slices.Contains([]string{PolicyFail, PolicyRecompute}, c.KVLoadFailure) {
 		errs = append(errs, fmt.Errorf("kv-load-failure-policy %q: want fail or recompute", c.KVLoadFailure))
 	}
+	if c.Steps != nil {
+		if err := c.Steps.validate(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if c.Faults.Rate < 0 || c.Faults.Rate > 1 {
 		errs = append(errs, fmt.Errorf("fault-rate %v: want 0..1", c.Faults.Rate))
 	}
@@ -233,6 +242,16 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.StringVar(&c.SchedulingPolicy, "scheduling-policy", "", "vLLM: priority takes a request's priority; otherwise (fcfs) a priority other than 0 is refused, as vLLM does")
 	fs.DurationVar(&c.DecodePerToken, "decode-per-token", 0, "cost of each output token, e.g. 10ms")
 	fs.IntVar(&c.MaxConcurrency, "max-concurrency", 256, "requests running at once")
+	steps := DefaultPerf()
+	stepModel := fs.Bool("step-model", false, "model continuous batching step by step (a token budget per step, chunked prefill slowing the decodes beside it, KV blocks with preemption) instead of per-token costs; the defaults model Llama-3.1-8B on one H100 (docs/ENGINES.md)")
+	fs.IntVar(&steps.MaxBatchedTokens, "max-num-batched-tokens", steps.MaxBatchedTokens, "step model: a step's token budget")
+	fs.IntVar(&steps.MaxSeqs, "max-num-seqs", steps.MaxSeqs, "step model: requests running at once")
+	fs.IntVar(&steps.LongPrefill, "long-prefill-token-threshold", 0, "step model: a prefill chunk's bound (0: none)")
+	fs.IntVar(&steps.KVBlocks, "kv-blocks", steps.KVBlocks, "step model: KV cache capacity in blocks of 16 tokens")
+	fs.DurationVar(&steps.StepOverhead, "step-overhead", steps.StepOverhead, "step model: a step's fixed cost")
+	fs.DurationVar(&steps.ComputePerToken, "compute-per-token", steps.ComputePerToken, "step model: compute per token scheduled in a step")
+	fs.DurationVar(&steps.WeightRead, "weight-read", steps.WeightRead, "step model: reading the weights, a step's memory floor")
+	fs.DurationVar(&steps.KVReadPerToken, "kv-read-per-token", steps.KVReadPerToken, "step model: reading one token of a decoding request's context")
 	fs.IntVar(&c.QueueSize, "queue-size", 1024, "requests waiting beyond max-concurrency; more get 503")
 	fs.DurationVar(&c.KVTimeout, "kv-timeout", 30*time.Second, "pinned prefill KV is freed after this")
 	fs.DurationVar(&c.BootstrapTimeout, "bootstrap-timeout", 10*time.Second, "SGLang: a leg whose partner never arrives fails after this")
@@ -269,6 +288,9 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	}
 	if fs.NArg() > 0 {
 		return Config{}, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	if *stepModel {
+		c.Steps = &steps
 	}
 	d := c.withDefaults()
 	return d, d.validate()

@@ -48,6 +48,7 @@ type Engine struct {
 	bootPort  int
 
 	slots   chan struct{}
+	steps   *stepper // the step model (Config.Steps), nil for per-token costs
 	waiting atomic.Int64
 	running atomic.Int64
 	rr      atomic.Uint64
@@ -126,12 +127,15 @@ func Start(cfg Config) (*Engine, error) {
 	e := &Engine{
 		cfg:     c,
 		client:  &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}},
-		slots:   make(chan struct{}, c.MaxConcurrency),
+		slots:   make(chan struct{}, slotsOf(c)),
 		rooms:   newRoomTable(),
 		started: time.Now(),
 	}
 	e.kv = newKVStore(e)
 	e.lora = newLoRASet(c)
+	if c.Steps != nil {
+		e.steps = newStepper(*c.Steps)
+	}
 	if c.PrefixCache {
 		e.prefix = newPrefixCache(c.PrefixCacheBlocks)
 		e.prefixes = []*prefixCache{e.prefix}
@@ -214,6 +218,9 @@ func (e *Engine) Close() {
 		}
 	}
 	e.kv.close()
+	if e.steps != nil {
+		e.steps.close()
+	}
 	for _, p := range e.kvpubs {
 		p.close()
 	}
@@ -445,10 +452,14 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	if e.cfg.Engine == EngineSGLang {
 		running, waiting, usage = "num_running_reqs", "num_queue_reqs", "token_usage"
 	}
-	gauge(running, "Requests running.", e.running.Load())
-	gauge(waiting, "Requests waiting in the queue.", e.waiting.Load())
-	fmt.Fprintf(&b, "# HELP %s%s KV cache in use, 0..1.\n# TYPE %s%s gauge\n%s%s %g\n", p, usage, p, usage, p, usage,
-		float64(e.running.Load())/float64(max(1, e.cfg.MaxConcurrency)))
+	run, wait, use := e.running.Load(), e.waiting.Load(), float64(e.running.Load())/float64(max(1, e.cfg.MaxConcurrency))
+	if e.steps != nil { // the scheduler's own counts: admitted here is not yet running there
+		r, w, u := e.steps.counts()
+		run, wait, use = int64(r), e.waiting.Load()+int64(w), u
+	}
+	gauge(running, "Requests running.", run)
+	gauge(waiting, "Requests waiting in the queue.", wait)
+	fmt.Fprintf(&b, "# HELP %s%s KV cache in use, 0..1.\n# TYPE %s%s gauge\n%s%s %g\n", p, usage, p, usage, p, usage, use)
 	type sample struct {
 		label string
 		v     int64
@@ -479,6 +490,16 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 
 func (e *Engine) serveDebugKV(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, 200, map[string]any{"pinned": e.kv.list(), "rooms": e.rooms.list(), "stats": e.Stats()})
+}
+
+// slotsOf is how many requests an engine takes before its bounded queue: MaxConcurrency, or
+// with the step model every request its scheduler may hold (it runs MaxSeqs of them and queues
+// the rest itself).
+func slotsOf(c Config) int {
+	if c.Steps != nil {
+		return c.Steps.MaxSeqs + c.QueueSize
+	}
+	return c.MaxConcurrency
 }
 
 // admit takes a run slot, waiting in the bounded queue; false means the queue is full.

@@ -224,6 +224,14 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 		s.dropAfter = f.DropAfter
 	}
 	tick := func() error { // one token computed
+		if j.seq != nil {
+			j.ticks++
+			if err := e.steps.await(ctx, j.seq, min(j.ticks, j.seq.wanted())); err != nil {
+				return err
+			}
+			e.stats.generated.Add(1)
+			return nil
+		}
 		if err := sleep(ctx, e.cfg.DecodePerToken); err != nil {
 			return err
 		}

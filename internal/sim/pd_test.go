@@ -464,3 +464,23 @@ func TestNixlRefusalFreesTheKV(t *testing.T) {
 		t.Errorf("an answer built on freed blocks, %s, equals the prompt's own, %s", got, own)
 	}
 }
+
+// SGLang servers in either disaggregation mode refuse a request without a room, in SGLang's
+// words; a decode given the warm-up host decodes on KV nothing filled: another text than the
+// prompt's own (docs/ENGINES.md).
+func TestSGLangDisaggregatedServersNeedARoom(t *testing.T) {
+	p, d := sglangPair(t, Config{}, Config{})
+	agg := start(t, Config{Engine: EngineSGLang, Model: "m"})
+	body := `{"model":"m","prompt":"a b c d","max_tokens":5,"ignore_eos":true}`
+	for name, e := range map[string]*Engine{"prefill": p, "decode": d} {
+		r := post(t, e.URL()+"/v1/completions", body)
+		if r.status != 400 || !strings.Contains(r.raw, "Disaggregated request received without bootstrap room id") {
+			t.Errorf("%s without a room: %d %s", name, r.status, r.raw)
+		}
+	}
+	want := post(t, agg.URL()+"/v1/completions", body)
+	fake := post(t, d.URL()+"/v1/completions", `{"model":"m","prompt":"a b c d","max_tokens":5,"ignore_eos":true,"bootstrap_host":"2.2.2.2","bootstrap_room":0}`)
+	if fake.status != 200 || path(fake.json, "choices", 0, "text") == path(want.json, "choices", 0, "text") {
+		t.Errorf("a decode given the warm-up host answered %d %s; the prompt's own answer is %s", fake.status, fake.raw, want.raw)
+	}
+}

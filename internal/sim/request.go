@@ -54,6 +54,8 @@ type job struct {
 	returnLogprob bool
 	id            string // response id
 	reqID         string // internal request id
+	seq           *seq   // the request in the step model (Config.Steps), once it prefills
+	ticks         int    // tokens a stream has written (the step model paces them)
 }
 
 type message struct {
@@ -487,12 +489,14 @@ func (e *Engine) checkKVParams(rt route, j *job) *apiError {
 	return nil
 }
 
-// parseBootstrap reads SGLang's bootstrap fields, scalar or one per item. An SGLang decode
-// engine needs them: it has no prompt KV of its own to start from.
+// parseBootstrap reads SGLang's bootstrap fields, scalar or one per item. An SGLang server in
+// either disaggregation mode refuses a request without a room
+// (python/sglang/srt/managers/scheduler.py, Scheduler.handle_generate_request): a decode never
+// prefills a prompt itself.
 func (e *Engine) parseBootstrap(j *job, raw *rawRequest) *apiError {
 	if len(raw.BootstrapRoom) == 0 || bytes.Equal(raw.BootstrapRoom, []byte("null")) {
-		if e.cfg.Engine == EngineSGLang && e.cfg.Role == RoleDecode {
-			return errorf(400, "this engine runs in decode mode: the request needs bootstrap_host, bootstrap_port and bootstrap_room")
+		if e.cfg.Engine == EngineSGLang && e.cfg.Role != RoleBoth {
+			return errorf(400, "Invalid request: Disaggregated request received without bootstrap room id.")
 		}
 		return nil
 	}

@@ -100,6 +100,10 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 		}
 		defer release()
 		results, aerr := e.run(ctx, j)
+		if j.seq != nil {
+			defer e.steps.end(j.seq)
+			e.steps.decode(j.seq, decodeTokens(results))
+		}
 		if aerr != nil {
 			if aerr.status == 499 {
 				e.stats.cancelled.Add(1)
@@ -120,7 +124,7 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 		if j.stream {
 			err = e.writeStream(ctx, w, j, results, f)
 		} else {
-			if err = e.decode(ctx, results); err == nil {
+			if err = e.decode(ctx, j, results); err == nil {
 				e.writeFull(w, j, results)
 			}
 		}
@@ -137,12 +141,20 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 
 // decode spends the decode cost of a whole answer's tokens, counting those computed: all of
 // them, or as many as the time before the client left allowed.
-func (e *Engine) decode(ctx context.Context, results []itemResult) error {
+func (e *Engine) decode(ctx context.Context, j *job, results []itemResult) error {
 	n := 0
 	for _, res := range results {
 		for _, c := range res.choices {
 			n += len(c.tokens)
 		}
+	}
+	if j.seq != nil {
+		err := e.steps.await(ctx, j.seq, j.seq.wanted())
+		if err != nil {
+			n = 0
+		}
+		e.stats.generated.Add(int64(n))
+		return err
 	}
 	start := time.Now()
 	err := sleep(ctx, time.Duration(n)*e.cfg.DecodePerToken)
@@ -151,6 +163,29 @@ func (e *Engine) decode(ctx context.Context, results []itemResult) error {
 	}
 	e.stats.generated.Add(int64(n))
 	return err
+}
+
+// stepPrefill computes a prompt in the step model: compute tokens of it, cached tokens of it
+// already in the KV cache.
+func (e *Engine) stepPrefill(ctx context.Context, j *job, compute, cached int) error {
+	q, err := e.steps.prefill(ctx, j.seq, compute, cached)
+	j.seq = q
+	return err
+}
+
+// decodeTokens is how many tokens a request produces in the step model: each prompt's longest
+// choice (n choices of a prompt decode side by side, one sequence each in an engine; the model
+// runs them as one).
+func decodeTokens(results []itemResult) int {
+	total := 0
+	for _, res := range results {
+		longest := 0
+		for _, c := range res.choices {
+			longest = max(longest, len(c.tokens))
+		}
+		total += max(1, longest)
+	}
+	return total
 }
 
 // run does the prefill phase of every item (local compute, KV load, or rendezvous) and the
@@ -200,15 +235,24 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 		}
 		e.stats.local.Add(int64(cached))
 		e.stats.recompute.Add(int64(n - cached))
+		if e.steps != nil {
+			return e.stepPrefill(ctx, j, n-cached, cached)
+		}
 		return sleep(ctx, time.Duration(n-cached)*e.cfg.PrefillPerToken) // only the uncached tokens cost
 	}
 	remote := func(cached int) error {
 		res.source, res.cached = SourceRemote, cached
 		e.stats.remote.Add(int64(n - 1))
 		e.stats.recompute.Add(1)
+		if e.steps != nil {
+			return e.stepPrefill(ctx, j, 1, n-1) // the transferred KV is held; the last token computed
+		}
 		return sleep(ctx, e.cfg.PrefillPerToken)
 	}
 	cancelled := func(err error) *apiError {
+		if aerr, ok := err.(*apiError); ok {
+			return aerr
+		}
 		if err != nil {
 			return errorf(499, "cancelled")
 		}
@@ -239,8 +283,6 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 		boots = []*bootstrap{b}
 	}
 	switch {
-	case e.cfg.Role == RolePrefill && b == nil:
-		return errorf(400, "bootstrap_room is required on a prefill server")
 	case e.cfg.Role == RolePrefill:
 		res.prefillLeg = true
 		if b.fake() {
@@ -263,7 +305,12 @@ func (e *Engine) prefill(ctx context.Context, j *job, it item, res *itemResult) 
 			}
 		}
 		return nil
-	case e.cfg.Role == RoleDecode && b != nil && !b.fake():
+	case e.cfg.Role == RoleDecode && b.fake():
+		// SGLang's warm-up path: the decode skips the transfer and decodes on KV pages nothing
+		// filled (python/sglang/srt/disaggregation/decode.py, _is_fake_transfer; fake/conn.py).
+		res.digest ^= staleKV
+		return cancelled(remote(0))
+	case e.cfg.Role == RoleDecode:
 		cached := 0
 		for _, sb := range boots {
 			port := e.cfg.BootstrapPort
