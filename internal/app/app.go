@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	adminapi "github.com/baton-llm/baton/internal/admin"
+	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/director"
 	"github.com/baton-llm/baton/internal/discovery"
@@ -288,6 +289,9 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	load := &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval, Adapters: adapters.Declared}
 	adapters.Refresh = func(ctx context.Context, w *worker.Worker) { load.Poll(ctx, w) }
 	sel.Adapters = adapters
+	if cfg.PDLocalPrefillThreshold > 0 {
+		sel.LocalPrefill = localPrefill(cfg.PDLocalPrefillThreshold, kv.PromptTokens)
+	}
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
 		sequential.Redecode = pd.RedecodeOver(sel)
@@ -344,6 +348,10 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 			return nil, err
 		}
 	}
+	srv := server.New(serverOptions(cfg, parts))
+	if c := srv.Director().AdviceCollector(); c != nil {
+		m.Registry.MustRegister(c)
+	}
 	return &Gateway{
 		Health:     health,
 		traces:     traces,
@@ -358,7 +366,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		Dispatcher: dispatcher,
 		Proxy:      px,
 		Selector:   sel,
-		Server:     server.New(serverOptions(cfg, parts)),
+		Server:     srv,
 		Registrar:  registrar,
 		Fleet:      fl,
 		reloads:    reloads,
@@ -414,12 +422,16 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o := parts
 	d := &o.Director
 	d.PD, d.APIKey, d.MaxBatchSize, d.RouteHeader = cfg.PDDisaggregation, cfg.ClientKey(), cfg.MaxBatchSize, cfg.RouteHeader
+	d.LocalPrefillThreshold = cfg.PDLocalPrefillThreshold
 	d.Admission, d.Retry = cfg.Admission, cfg.Retry
 	o.Admin.KVConnector = cfg.KVConnector
 	o.MaxPayloadSize = cfg.MaxPayloadSize
 	o.MaxBufferedBodyBytes, o.BodyTimeout = cfg.MaxBufferedBodyBytes, cfg.BodyTimeout
 	o.PrefillerHeader, o.PrefillerAbsentPicks = cfg.PDPrefillerHeader, cfg.PDPrefillerAbsent == "pick"
 	o.RequestTimeout, o.StalledClientTimeout = cfg.RequestTimeout, cfg.StalledClientTimeout
+	if cfg.PDDisaggregation {
+		d.Advisor, d.AdviceSLO = &advisor.Advisor{}, advisor.SLO{TTFT: cfg.PDAdviceTTFTSLO, TPOT: cfg.PDAdviceTPOTSLO}
+	}
 
 	o.AccessLog, o.Version = cfg.AccessLog, Version()
 	o.Admin.Keys, o.Admin.Separate = cfg.AdminKeys(), cfg.AdminPort >= 0
@@ -809,6 +821,28 @@ func learnEngineIDs(log *slog.Logger, cfg config.Config, client *http.Client, w 
 	}
 }
 
+// localPrefill is conditional disaggregation's rule: a PD request's decode serves it alone when
+// the prompt has fewer than threshold tokens it does not hold — the prompt's tokens (the
+// tokenizer's cached count, else the body's bytes / 4) less the share the decode's policy found
+// cached there (none when it cannot tell). Never an SGLang decode: it refuses a request
+// without a bootstrap room (docs/ENGINES.md).
+func localPrefill(threshold int, promptTokens func(model, path string, body []byte) (int, bool)) policy.LocalPrefillFunc {
+	return func(_ context.Context, d *worker.Worker, match float64, req *policy.Request) bool {
+		if d.Runtime() == config.RuntimeSGLang {
+			return false
+		}
+		n, ok := promptTokens(req.Model, req.Path, req.Body)
+		if !ok {
+			n = (len(req.Body) + 3) / 4
+		}
+		uncached := float64(n)
+		if match > 0 {
+			uncached *= 1 - min(match, 1)
+		}
+		return uncached < float64(threshold)
+	}
+}
+
 // logConnector makes a vLLM prefill worker's effective KV connector visible at registration,
 // and warns when none is configured: its decodes would recompute unless the engine happens to
 // return kv_transfer_params.
@@ -820,6 +854,10 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 	if in := w.Info(); in != nil && w.DPSize > 1 && in.DPSize > 0 && in.DPSize != w.DPSize {
 		log.Warn("configured dp_size differs from the engine's: Baton addresses ranks the engine may not have (400s) or leaves ranks idle; set dp_size to the engine's",
 			"worker", w.URL, "dp_size", w.DPSize, "engine_dp_size", in.DPSize)
+	}
+	if w.Role == config.RoleDecode && w.Runtime() == config.RuntimeSGLang && cfg.PDLocalPrefillThreshold > 0 {
+		log.Warn("SGLang decode worker under pd_local_prefill_threshold: SGLang's decode servers refuse a request without a bootstrap room (they never prefill a prompt themselves), so every request it serves still goes through a prefill",
+			"worker", w.URL)
 	}
 	if w.Role == config.RolePrefill && w.Runtime() == config.RuntimeSGLang && w.BootstrapPort == nil {
 		log.Warn("SGLang prefill worker without a bootstrap port: Baton sends bootstrap_port null and the engines use their default (8998); give it (--prefill URL PORT, bootstrap_port, or the sglang.ai/bootstrap-port annotation) if the engine's --disaggregation-bootstrap-port differs",

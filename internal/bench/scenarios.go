@@ -24,7 +24,8 @@ type Options struct {
 	Duration time.Duration // how long the soak scenario runs; 0: 30 minutes (3 with Quick)
 	// BatonFlags are more flags for the Batons the soak scenario starts.
 	BatonFlags []string
-	// Plot is a PNG file the soak scenario draws its fault timeline into; "" none.
+	// Plot is a PNG file the soak scenario draws its fault timeline into, and pd-sizing its
+	// goodput per split; "" none.
 	Plot      string
 	Scenarios []string // names to run; empty runs all
 	Out       io.Writer
@@ -33,7 +34,7 @@ type Options struct {
 // Scenario names: all run by default; optIn only when named.
 var (
 	allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora", "epp"}
-	optIn        = []string{"soak"}
+	optIn        = []string{"soak", "pd-sizing"}
 )
 
 // runner holds what the scenarios share.
@@ -92,6 +93,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.epp(ctx)
 		case "soak":
 			err = r.soak(ctx)
+		case "pd-sizing":
+			err = r.pdSizing(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)

@@ -124,6 +124,11 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 	canvases := plot.Align([][]*plot.Plot{{answers}, {memory}}, tiles, dc)
 	answers.Draw(canvases[0][0])
 	memory.Draw(canvases[1][0])
+	return savePNG(path, img)
+}
+
+// savePNG writes img as a PNG file at path.
+func savePNG(path string, img *vgimg.Canvas) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err
@@ -133,4 +138,43 @@ func soakPlot(path string, t *soakTally, samples []soakSample, marks []soakMark,
 		return err
 	}
 	return f.Close()
+}
+
+// goodputSeries is one line of the PD sizing plot: goodput for 1..7 prefill workers of eight.
+type goodputSeries struct {
+	name    string
+	goodput []float64
+}
+
+// goodputPlot draws goodput per static split, one line per mix and mode, into a PNG at path.
+func goodputPlot(path string, series []goodputSeries) error {
+	p := plot.New()
+	p.Title.Text = "PD sizing: goodput per static split of eight engines"
+	p.X.Label.Text = "prefill workers (the rest decode)"
+	p.Y.Label.Text = "goodput (requests/s meeting both SLOs)"
+	colors := []color.Color{color.RGBA{0x1b, 0x9e, 0x77, 0xff}, color.RGBA{0x1b, 0x9e, 0x77, 0xff}, color.RGBA{0xd9, 0x5f, 0x02, 0xff}, color.RGBA{0xd9, 0x5f, 0x02, 0xff}}
+	for i, s := range series {
+		var xys plotter.XYs
+		for j, g := range s.goodput {
+			xys = append(xys, plotter.XY{X: float64(j + 1), Y: g})
+		}
+		l, pts, err := plotter.NewLinePoints(xys)
+		if err != nil {
+			return err
+		}
+		l.Color, pts.Color = colors[i%len(colors)], colors[i%len(colors)]
+		l.Width = vg.Points(1.5)
+		if i%2 == 1 {
+			l.Dashes = []vg.Length{vg.Points(5), vg.Points(3)}
+			pts.Shape = draw.BoxGlyph{}
+		}
+		p.Add(l, pts)
+		p.Legend.Add(s.name, l, pts)
+	}
+	p.Legend.Top = true
+	p.X.Min, p.X.Max = 0.5, 7.5
+	p.Y.Min = 0
+	img := vgimg.New(vg.Points(720), vg.Points(420))
+	p.Draw(draw.New(img))
+	return savePNG(path, img)
 }

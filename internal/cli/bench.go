@@ -25,7 +25,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	baseline := fs.String("baseline", "", "an earlier baton binary to measure beside it in the hotpath scenario")
 	streams := fs.Int("streams", 0, "open streams in the memory scenario (default 1500; Baton holds two file descriptors per stream)")
 	duration := fs.Duration("duration", 0, "how long the soak scenario runs (default 30m; 3m with --quick)")
-	plot := fs.String("plot", "", "the soak scenario draws its fault timeline into this PNG file")
+	plot := fs.String("plot", "", "a PNG file: the soak scenario draws its fault timeline into it, pd-sizing its goodput per split")
 	batonFlags := fs.String("baton-flags", "", "more flags for the Batons the soak scenario starts, space-separated (e.g. \"--http-server net\")")
 	if err := fs.Parse(args); err != nil {
 		return err

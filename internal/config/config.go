@@ -102,6 +102,13 @@ type Config struct {
 	KVConnector   string `json:"kv_connector" flag:"kv-connector" help:"KV connector of vLLM prefill workers that configure none: NixlConnector | MooncakeConnector"`
 	// PDRequireHandoff: no silent fallback to a decode that recomputes.
 	PDRequireHandoff bool `json:"pd_require_handoff" flag:"pd-require-handoff" help:"strict mode: a PD request whose decode would recompute the prompt fails with 502"`
+	// PDLocalPrefillThreshold: conditional disaggregation. A PD request whose prompt has fewer
+	// uncached tokens on its chosen decode than this is served by that decode alone.
+	PDLocalPrefillThreshold int `json:"pd_local_prefill_threshold" flag:"pd-local-prefill-threshold" default:"0" check:">=0" help:"conditional disaggregation: a PD request whose prompt has fewer uncached tokens than this on its chosen decode worker (from the KV events where subscribed, else the cache-aware index, else the whole prompt) is served by that decode alone, computing the prompt itself (X-Baton-Kv-Handoff none-local-prefill); 0 always splits. SGLang decodes never serve alone"`
+	// PDAdviceTTFTSLO and PDAdviceTPOTSLO are the SLOs the PD advisor sizes the fleet for by
+	// default (its metrics; GET /pd/advice takes others).
+	PDAdviceTTFTSLO time.Duration `json:"pd_advice_ttft_slo" flag:"pd-advice-ttft-slo" unit:"secs" default:"2s" check:">0" help:"the PD advisor's TTFT SLO (p90): the split it recommends keeps the predicted TTFT p90 within it"`
+	PDAdviceTPOTSLO time.Duration `json:"pd_advice_tpot_slo" flag:"pd-advice-tpot-slo" unit:"secs" default:"50ms" check:">0" help:"the PD advisor's time-per-output-token SLO"`
 	// PDPrefillerHeader makes Baton the decode-side sidecar of an Endpoint Picker that names
 	// the prefill (llm-d's x-prefiller-host-port): the prefill leg runs there.
 	PDPrefillerHeader bool `json:"pd_prefiller_header" flag:"pd-prefiller-header" help:"decode-side sidecar: a PD request's x-prefiller-host-port header names its prefill (the first of the listed host:port that is one of the prefill workers); without it the request goes to a decode worker alone"`
@@ -550,6 +557,12 @@ func (c *Config) Validate() error {
 	}
 	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 {
 		bad("priority_scheduler_enabled: priority classes order the requests waiting for a slot: give --max-concurrent-requests (Baton's classes are on whenever it is set)")
+	}
+	if c.PDLocalPrefillThreshold > 0 && !c.PDDisaggregation {
+		bad("pd_local_prefill_threshold needs pd_disaggregation")
+	}
+	if c.PDLocalPrefillThreshold > 0 && c.PDRequireHandoff {
+		bad("pd_local_prefill_threshold serves short prompts on a decode alone, computing the prompt, while pd_require_handoff fails any request whose decode computes it: choose one")
 	}
 	if c.PDPrefillerAbsent != "decode" && c.PDPrefillerAbsent != "pick" {
 		bad("pd_prefiller_absent %q: want decode or pick", c.PDPrefillerAbsent)

@@ -65,6 +65,23 @@ func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path
 	return p
 }
 
+// NoteLocalPrefill writes on a PD request's record that its decode, w, serves this attempt alone
+// — by design, the prompt's uncached part being short (pd_local_prefill_threshold) — and counts
+// it: X-Baton-Kv-Handoff none-local-prefill, baton_pd_kv_handoffs_total class by_design,
+// baton_pd_local_prefill_total. A later attempt may go through a pair again.
+func (d *Director) NoteLocalPrefill(p *Plan, w *worker.Worker) {
+	p.NoteWorker(w)
+	p.Rec.Prefill, p.Rec.Mode = "", record.ModeRegular
+	p.Rec.PrefillTime, p.Rec.PrefillBusy, p.Rec.DecodeBusy = 0, 0, int(w.InFlight())
+	p.Rec.Handoff = pd.HandoffNoneLocalPrefill
+	d.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
+	d.metrics.PDLocalPrefill.WithLabelValues(d.metrics.Model(p.Sel.Model)).Inc()
+	d.localPrefills.Add(1)
+}
+
+// LocalPrefills is how many PD requests a decode served alone by the threshold since start.
+func (d *Director) LocalPrefills() int64 { return d.localPrefills.Load() }
+
 // NoteWorker writes the worker chosen to serve the request alone on its record (a decode
 // serving alone as the decode too).
 func (p *Plan) NoteWorker(w *worker.Worker) {
@@ -80,6 +97,7 @@ func (p *Plan) NoteWorker(w *worker.Worker) {
 //go:noinline
 func (p *Plan) NotePair(pair worker.Pair) {
 	p.Rec.Mode, p.Rec.Prefill, p.Rec.Decode, p.Rec.Worker = pd.Mode(pair), pair.Prefill.URL, pair.Decode.URL, pair.Decode.URL
+	p.Rec.PrefillBusy, p.Rec.DecodeBusy = int(pair.Prefill.InFlight()), int(pair.Decode.InFlight())
 }
 
 // HealthPair chooses a pair for a health check end to end (GET /health_generate).

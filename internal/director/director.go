@@ -10,7 +10,9 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 
+	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/lora"
 	"github.com/baton-llm/baton/internal/metrics"
@@ -25,6 +27,13 @@ import (
 type Options struct {
 	// PD: the generation routes go through a prefill/decode pair where no regular worker is.
 	PD bool
+	// LocalPrefillThreshold is pd_local_prefill_threshold (0: off), for the status page and
+	// the advisor; the selector's LocalPrefill applies it.
+	LocalPrefillThreshold int
+	// Advisor, when set, sees every PD request that ended whole and sizes the fleet (Advice,
+	// AdviceCollector) for AdviceSLO unless asked for others.
+	Advisor   *advisor.Advisor
+	AdviceSLO advisor.SLO
 	// Models returns the names clients use (aliases, fallbacks) and the model of a request
 	// naming none, now (a reload swaps them); nil: none.
 	Models func() (map[string]config.ModelConfig, string)
@@ -61,6 +70,8 @@ type Director struct {
 	attempts int        // tries in total, the first included
 	backoff  retry.Backoff
 	settling sync.WaitGroup // tenants' settlements waiting on a worker's count of a prompt
+	// localPrefills counts the PD requests a decode served alone by pd_local_prefill_threshold.
+	localPrefills atomic.Int64
 }
 
 // New returns a director with o.
@@ -125,6 +136,9 @@ func (d *Director) Routes() []Route {
 	}
 	return out
 }
+
+// LocalPrefillThreshold is pd_local_prefill_threshold: 0 when every PD request is split.
+func (d *Director) LocalPrefillThreshold() int { return d.o.LocalPrefillThreshold }
 
 // PD reports whether the fleet runs prefill/decode disaggregation.
 func (d *Director) PD() bool { return d.o.PD }

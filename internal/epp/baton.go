@@ -157,9 +157,12 @@ func (p *picker) Pick(ctx context.Context, req *Request) (*Pick, error) {
 	for i, w := range list {
 		pick.Endpoints[i] = w.Endpoint
 	}
-	if prefill != nil {
+	switch {
+	case prefill != nil:
 		pick.Prefill = prefill.Endpoint
 		rec.Prefill, rec.Decode = prefill.URL, dest.URL
+	case disagg: // conditional disaggregation: the decode serves it alone, x-prefiller-host-port left out
+		p.d.NoteLocalPrefill(plan, dest)
 	}
 	rec.Worker = dest.URL
 	if parsed != nil {

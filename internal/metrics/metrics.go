@@ -66,6 +66,7 @@ type Metrics struct {
 	PDConnectorMode     *prometheus.CounterVec // mode
 	PDHandoffs          *prometheus.CounterVec // outcome, class, connector
 	PDHandoffsAbandoned *prometheus.CounterVec // connector
+	PDLocalPrefill      *prometheus.CounterVec // model
 	PDDecodeRetries     prometheus.Counter
 
 	Retries            *prometheus.CounterVec   // route, reason
@@ -168,6 +169,10 @@ func New(reg *worker.Registry) *Metrics {
 			Name: "baton_pd_kv_handoffs_total",
 			Help: "vLLM PD requests by KV handoff outcome (nixl, mooncake, passthrough, recomputed, none-*), its class (handed_off; recomputed: a handoff was expected and the decode computed the prompt; by_design: n>1, a batch, a route without handoff; failed) and connector.",
 		}, []string{"outcome", "class", "connector"}),
+		PDLocalPrefill: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_local_prefill_total",
+			Help: "PD requests a decode worker served alone, computing the prompt itself, because its uncached part was under pd_local_prefill_threshold (conditional disaggregation).",
+		}, []string{"model"}),
 		PDHandoffsAbandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_kv_handoffs_abandoned_total",
 			Help: "KV handoffs prepared on a prefill but never consumed by a decode (decode failed or client left); the KV stays pinned until the engine's timeout.",
@@ -303,7 +308,7 @@ func New(reg *worker.Registry) *Metrics {
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
-		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDHandoffsAbandoned, m.PDDecodeRetries,
+		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDLocalPrefill, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.TraceExportFailures, m.TraceSpansLost,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,

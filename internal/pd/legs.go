@@ -82,7 +82,8 @@ func (l *legs) startPrefill() {
 		if p.failed() {
 			l.dCancel(errPrefillFailed)
 		} else if p.err == nil {
-			x.Metrics.PDPrefillDuration.WithLabelValues(l.model, l.runtime).Observe(time.Since(l.start).Seconds())
+			p.took = time.Since(l.start)
+			x.Metrics.PDPrefillDuration.WithLabelValues(l.model, l.runtime).Observe(p.took.Seconds())
 		}
 		l.prefill.set(p)
 		l.ended()
@@ -137,6 +138,11 @@ func (l *legs) relay(dresp *http.Response, eventT, bodyT func([]byte) []byte) er
 		return proxy.ErrAbort
 	case err == nil:
 		l.unlink() // the decode is complete: let the prefill leg finish on its own
+		select {
+		case <-l.prefill.done: // it has (it usually has, long before): its time is known
+			l.req.Rec.PrefillTime = l.prefill.v.took
+		default:
+		}
 	}
 	err = l.x.Proxy.Finish(l.r, &l.dleg, dresp.StatusCode, err)
 	l.res.outcome = outcomeOf(err, OutcomeDecodeFailed)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"sync"
+	"time"
 
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
@@ -91,6 +92,7 @@ type prefillResult struct {
 	header http.Header
 	body   []byte // kept for logprob merging and error messages
 	err    error  // transport or read error; context.Canceled when Baton cancelled it
+	took   time.Duration
 }
 
 func (p prefillResult) failed() bool {

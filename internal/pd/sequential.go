@@ -229,7 +229,8 @@ func (s *sequence) beforeDecode() (dBody []byte, handoff string, err error) {
 			}
 			return nil, "", err
 		}
-		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(time.Since(s.start).Seconds())
+		s.req.Rec.PrefillTime = time.Since(s.start)
+		s.x.Metrics.PDPrefillDuration.WithLabelValues(s.model, s.runtime).Observe(s.req.Rec.PrefillTime.Seconds())
 		s.pu = readPrefillUsage(body)
 		if s.pu.ok {
 			s.req.Rec.EnginePrompt = s.pu.prompt

@@ -54,6 +54,12 @@ func reasonOf(p Policy) string {
 
 // pick has role's policy choose among ws, recording the decision on req and with Observe.
 func (s *Selector) pick(ctx context.Context, role string, ws []*worker.Worker, req *Request) *worker.Worker {
+	w, _ := s.pickDecision(ctx, role, ws, req)
+	return w
+}
+
+// pickDecision is pick, with the decision it made.
+func (s *Selector) pickDecision(ctx context.Context, role string, ws []*worker.Worker, req *Request) (*worker.Worker, Decision) {
 	var p Policy
 	if req != nil {
 		p = s.PolicyFor(role, req.Model)
@@ -74,7 +80,7 @@ func (s *Selector) pick(ctx context.Context, role string, ws []*worker.Worker, r
 	if s.Observe != nil {
 		s.Observe(d)
 	}
-	return w
+	return w, d
 }
 
 // RouteHeader formats decisions for the X-Baton-Route header: per decision

@@ -3,6 +3,7 @@ package policy
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -12,6 +13,11 @@ import (
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
+
+// LocalPrefillFunc decides whether a PD request's chosen decode serves it alone, computing the
+// prompt itself: match is the share of the prompt the decode's policy found cached there (-1:
+// not known).
+type LocalPrefillFunc func(ctx context.Context, decode *worker.Worker, match float64, req *Request) bool
 
 // Request is what selection sees of one request: its model, its route and the client's raw
 // body, from which a policy may read the prompt (text or tokens). Live load is on the workers.
@@ -137,6 +143,9 @@ type Selector struct {
 	// it (Baton loads it there), and with adapter_affinity keeps, of the available workers, those
 	// in the best adapter tier (running, loaded, free slot) for the policy to choose among.
 	Adapters *lora.Manager
+	// LocalPrefill, when set, makes a PD request's decode chosen first and asks whether it
+	// serves the request alone (conditional disaggregation); nil: always a pair.
+	LocalPrefill LocalPrefillFunc
 
 	live atomic.Pointer[policySet] // set by SetPolicies
 }
@@ -272,8 +281,39 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
+	if s.LocalPrefill != nil {
+		return s.decodeFirst(ctx, req, prefills, decodes)
+	}
 	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(prefills, req), req)
 	p.Decode = s.pick(ctx, config.RoleDecode, s.affine(s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req), req)
+	return p, nil
+}
+
+// decodeFirst chooses a PD request's decode first, among those that can take some prefill's
+// KV, and asks LocalPrefill whether it serves the request alone (a pair without a prefill);
+// else a prefill whose KV it can take, preferring one not quarantined with it.
+func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, decodes []*worker.Worker) (worker.Pair, error) {
+	if s.Compatible != nil {
+		decodes = worker.Keep(decodes, func(d *worker.Worker) bool {
+			return slices.ContainsFunc(prefills, func(p *worker.Worker) bool { return s.Compatible(p, d) })
+		})
+	}
+	var p worker.Pair
+	var dec Decision
+	p.Decode, dec = s.pickDecision(ctx, config.RoleDecode, s.affine(decodes, req), req)
+	if s.LocalPrefill(ctx, p.Decode, dec.Match, req) {
+		return p, nil
+	}
+	ps := prefills
+	if s.Compatible != nil {
+		ps = worker.Keep(prefills, func(w *worker.Worker) bool { return s.Compatible(w, p.Decode) })
+	}
+	if s.Pairs != nil {
+		if free := worker.Keep(ps, func(w *worker.Worker) bool { return !s.Pairs.Quarantined(w, p.Decode) }); len(free) > 0 {
+			ps = free
+		}
+	}
+	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(ps, req), req)
 	return p, nil
 }
 

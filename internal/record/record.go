@@ -26,6 +26,8 @@ type Record struct {
 	// set when the handler returned.
 	Route string
 	Model string // the model the client asked for ("" until the body is read)
+	// Stream: the client asked for a stream (its first byte is the first token's).
+	Stream bool
 	// ModelLabel is Model's metric label (metrics.Model), once worked out for the request.
 	ModelLabel string
 	Mode       Mode // how it was served
@@ -79,6 +81,11 @@ type Record struct {
 	// leg's usage, a stream's first usage event), 0 when none did.
 	PrefillComputed, AnswerComputed bool
 	EnginePrompt                    int
+
+	// For the PD advisor: the prefill leg's time (dispatch to its answer; 0 when unknown), and
+	// the requests the pair's prefill and decode had in flight besides it when it was chosen.
+	PrefillTime             time.Duration
+	PrefillBusy, DecodeBusy int
 }
 
 // Mode is how a request was served: by one worker, or through a pair (SGLang's style or
@@ -126,6 +133,7 @@ func (r *Record) TenantName() string {
 // NextAttempt clears what one attempt learned, as the next starts.
 func (r *Record) NextAttempt() {
 	r.Worker, r.Prefill, r.Decode, r.Handoff, r.Decisions = "", "", "", "", ""
+	r.PrefillTime, r.PrefillBusy, r.DecodeBusy = 0, 0, 0
 }
 
 // Charge is what a request cost, in prompt and completion tokens, by what the engines did

@@ -118,6 +118,9 @@ func (t *pairAttempts) model(name string, _ bool) error {
 		return err
 	}
 	defer c.Release()
+	if c.Pair.Prefill == nil {
+		return s.prefillLocally(t.w, r, t.a, c)
+	}
 	err = pd.For(s.pd, c.Pair).Execute(t.w, r, t.a.preq, c.Pair)
 	if !s.d.DeclaredAdapter(t.a.plan.Sel) {
 		return err
@@ -137,6 +140,10 @@ func (s *Server) choosePair(r *http.Request, a *admittedPD, orig []byte, client,
 		return c, err
 	}
 	pair := c.Pair
+	if pair.Prefill == nil { // the decode serves it alone: prefillLocally
+		s.d.NoteLocalPrefill(p, c.Worker)
+		return c, nil
+	}
 	body := director.ForWorkers(orig, r.URL.Path, client, p.Sel, pair.Prefill, pair.Decode)
 	if b := director.WithPriority(body, p.Rec.Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
 		if err := req.SetBody(b); err != nil {
@@ -147,6 +154,21 @@ func (s *Server) choosePair(r *http.Request, a *admittedPD, orig []byte, client,
 	a.preq.Ranks = p.Sel.Ranks
 	p.NotePair(pair)
 	return c, nil
+}
+
+// prefillLocally serves one attempt of a PD request on its chosen decode alone, as a regular
+// request (conditional disaggregation: the prompt's uncached part was short): no handoff
+// fields, the decode computes the prompt, the record says so (none-local-prefill).
+//
+//go:noinline
+func (s *Server) prefillLocally(w http.ResponseWriter, r *http.Request, a *admittedPD, c director.Choice) error {
+	wk, req, p := c.Worker, a.req, a.plan
+	call := &proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(a.preq.Body, r.URL.Path, req.Model, p.Sel, wk), p.Rec.Class, wk),
+		Rec: p.Rec, Orders: a.adm.Orders, Stream: req.Stream}
+	if !s.d.DeclaredAdapter(p.Sel) {
+		return s.proxy.Forward(w, r, wk, call)
+	}
+	return s.forwardAdapter(w, r, c, p.Sel.Model, call)
 }
 
 // executeAdapter follows a dispatch for a declared adapter that ended with err: a leg whose

@@ -366,6 +366,9 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 	if rec.Prefill != "" && rec.Decode != "" && rec.Handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, string(rec.Handoff)).Inc()
 	}
+	if e.usage && !aborted {
+		s.d.ObserveEnded(rec, e.ttft, e.dur)
+	}
 	if rec.Route != "other" {
 		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft, aborted)
 	}
@@ -506,7 +509,7 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, rec *record
 		openai.WriteError(w, e)
 		return nil, release
 	}
-	rec.Model = req.Model
+	rec.Model, rec.Stream = req.Model, req.Stream
 	return req, release
 }
 

@@ -206,6 +206,7 @@ func (s *Server) StatusHandler() http.Handler {
 	mux.HandleFunc("GET /{$}", page)
 	mux.HandleFunc("GET /status", page)
 	mux.HandleFunc("GET /status.json", s.serveStatusJSON)
+	mux.HandleFunc("GET /pd/advice", s.servePDAdvice)
 	return s.statusAuth(mux)
 }
 
@@ -243,10 +244,16 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 	if !s.d.Tenants().Open() || len(s.d.Tenants().Tenants()[0].Rules()) > 0 {
 		tenants, _ = s.d.TenantViews(r.Context())
 	}
+	var advice any
+	if s.d.Advising() {
+		advice = s.d.Advice(0, 0, 0)
+	}
 	body := openai.MarshalJSON(map[string]any{
-		"version": s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
+		"pd_advice": advice,
+		"version":   s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
 		"pd": s.d.PD(), "notices": notices, "tenants": tenants, "queues": queues,
+		"local_prefill": map[string]int64{"threshold": int64(s.d.LocalPrefillThreshold()), "served": s.d.LocalPrefills()},
 	})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))

@@ -122,6 +122,7 @@ func TestChartRendersAndApplies(t *testing.T) {
 			var memLimit, goMemLimit string
 			var grace, preStop int64
 			var eppObjects string         // the rendered objects, for the Endpoint Picker's checks
+			var advised int               // ScaledObjects on the PD advisor's recommendation
 			keyEnv := map[string]string{} // BATON_* variable -> the Secret it is read from
 			for _, o := range objs {
 				gvk := o.GroupVersionKind()
@@ -150,7 +151,15 @@ func TestChartRendersAndApplies(t *testing.T) {
 				case "ScaledObject":
 					triggers, _, _ := unstructured.NestedSlice(o.Object, "spec", "triggers")
 					query, _, _ := unstructured.NestedString(triggers[0].(map[string]any), "metadata", "query")
-					if !strings.Contains(query, `baton_model_waiting_requests{model="llama-3-8b"}`) || !strings.Contains(query, "baton_model_in_flight_requests") {
+					role, _, _ := unstructured.NestedString(o.Object, "spec", "scaleTargetRef", "name")
+					switch {
+					case name == "pd-advisor": // each role's Deployment to the advisor's recommendation for it
+						want := map[string]string{"vllm-prefill": "prefill", "vllm-decode": "decode"}[role]
+						if query != `max(baton_pd_recommended_workers{role="`+want+`"})` {
+							t.Errorf("the ScaledObject of %s: %s", role, query)
+						}
+						advised++
+					case !strings.Contains(query, `baton_model_waiting_requests{model="llama-3-8b"}`) || !strings.Contains(query, "baton_model_in_flight_requests"):
 						t.Errorf("the ScaledObject's query: %s", query)
 					}
 				case "Deployment":
@@ -238,6 +247,9 @@ func TestChartRendersAndApplies(t *testing.T) {
 			}
 			if name == "scale-from-zero" && kinds["ScaledObject"] != 1 {
 				t.Errorf("the KEDA example rendered %d ScaledObjects", kinds["ScaledObject"])
+			}
+			if name == "pd-advisor" && (kinds["ScaledObject"] != 2 || advised != 2 || cfg.PDLocalPrefillThreshold != 512 || cfg.PDAdviceTPOTSLO != 50*time.Millisecond) {
+				t.Errorf("the PD advisor example: %d ScaledObjects (%d on the advice), threshold %d, TPOT SLO %v", kinds["ScaledObject"], advised, cfg.PDLocalPrefillThreshold, cfg.PDAdviceTPOTSLO)
 			}
 			if name == "epp" {
 				// The Endpoint Picker: its pool created, read through a Role that may read pools

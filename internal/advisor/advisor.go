@@ -1,0 +1,384 @@
+// Package advisor sizes a prefill/decode fleet from the traffic Baton serves: from each PD
+// request's prompt (and the part of it the decode did not hold), its output, its prefill leg
+// and its decode's pace, with how busy each worker was when the request reached it, it fits
+// each role's service capacity and predicts, for any split of a fleet, the TTFT and TPOT the
+// current load would see. It recommends the split that best meets the operator's SLOs and the
+// uncached length under which a request should skip its prefill, and shows its work: the fitted
+// rates and how many requests each came from.
+//
+// The model, every term of which an operator can check against the receipt:
+//   - prefill: a leg dispatched to an idle prefill lasts o_p + uncached / C_p (least squares
+//     over such legs); a prefill worker is a single server with service time s = o_p +
+//     mean(uncached) / C_p, its arrivals λ_split / N_p, so its TTFT p90 is ln(10)·s / (1 − ρ)
+//     (an M/M/1 sojourn time, ρ = λ_split·s / N_p) plus the pair's overhead o_pair (TTFT less
+//     the prefill leg: the KV transfer, the second hop, the decode's first step);
+//   - decode: a token takes α + β·b with b requests decoding beside it (least squares over the
+//     requests' TPOT and their decode's concurrency); a decode worker holds b = λ·mean(output)
+//     ·TPOT / N_d requests (Little's law), and the prompts it computes itself (those under the
+//     threshold) take u / C_p of its steps: TPOT = (α + β·b) / (1 − f), f their share of time;
+//   - the threshold: the longest uncached length whose local compute (u / C_p) costs no more
+//     than the pair's overhead, and that keeps the predicted TPOT within its SLO.
+package advisor
+
+import (
+	"math"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+)
+
+// Sample is one PD request as Baton saw it end.
+type Sample struct {
+	At time.Time
+	// Split: it went through a pair (else its decode served it alone).
+	Split bool
+	// Prompt is its prompt tokens, Uncached those its decode did not hold (the prefill
+	// computed them, or the decode did when alone), Output its completion tokens.
+	Prompt, Uncached, Output int
+	// PrefillTime is its prefill leg, from dispatch to the answer (split requests);
+	// PrefillBusy the requests the prefill had in flight besides it then.
+	PrefillTime time.Duration
+	PrefillBusy int
+	// TTFT is arrival to first byte; TPOT the time per output token after the first
+	// ((end − first byte) / (Output − 1), 0 for fewer than two) — both of streams only (0
+	// otherwise: a whole answer's first byte comes with its last token); DecodeBusy the requests
+	// its decode had in flight besides it when it was sent there.
+	TTFT, TPOT time.Duration
+	DecodeBusy int
+}
+
+// Advisor keeps the latest samples (a ring) over a window and fits them on demand.
+type Advisor struct {
+	Window time.Duration    // samples older than this are not used; 0 means 5 minutes
+	Now    func() time.Time // nil: time.Now
+
+	mu   sync.Mutex
+	ring []Sample
+	next int
+}
+
+// MaxSamples bounds the samples kept.
+const MaxSamples = 20_000
+
+// Observe records a finished PD request.
+func (a *Advisor) Observe(s Sample) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.ring) < MaxSamples {
+		a.ring = append(a.ring, s)
+		return
+	}
+	a.ring[a.next] = s
+	a.next = (a.next + 1) % MaxSamples
+}
+
+func (a *Advisor) now() time.Time {
+	if a.Now != nil {
+		return a.Now()
+	}
+	return time.Now()
+}
+
+func (a *Advisor) window() time.Duration {
+	if a.Window > 0 {
+		return a.Window
+	}
+	return 5 * time.Minute
+}
+
+// recent returns the samples within the window, oldest first, and the span they cover.
+func (a *Advisor) recent() ([]Sample, time.Duration) {
+	now := a.now()
+	from := now.Add(-a.window())
+	a.mu.Lock()
+	out := make([]Sample, 0, len(a.ring))
+	for _, s := range a.ring {
+		if !s.At.Before(from) {
+			out = append(out, s)
+		}
+	}
+	a.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].At.Before(out[j].At) })
+	if len(out) == 0 {
+		return nil, 0
+	}
+	first := out[0].At
+	if first.Before(from) {
+		first = from
+	}
+	return out, now.Sub(first)
+}
+
+// Fit is what the advisor learned from the window: every rate, and the requests it came from.
+type Fit struct {
+	Requests int     `json:"requests"` // in the window
+	WindowS  float64 `json:"window_s"` // the span they cover
+	Rate     float64 `json:"rate"`     // requests per second (λ)
+	Output   float64 `json:"output"`   // mean output tokens
+	Uncached float64 `json:"uncached"` // mean uncached prompt tokens
+	Prompt   float64 `json:"prompt"`   // mean prompt tokens
+
+	// PrefillTokensPerS is C_p, PrefillOverheadS o_p, from PrefillFrom legs sent to an idle
+	// prefill (fewer than MinFit: not fitted).
+	PrefillTokensPerS float64 `json:"prefill_tokens_per_s"`
+	PrefillOverheadS  float64 `json:"prefill_overhead_s"`
+	PrefillFrom       int     `json:"prefill_from"`
+	// PairOverheadS is o_pair, the median of TTFT less the prefill leg, over PairFrom requests.
+	PairOverheadS float64 `json:"pair_overhead_s"`
+	PairFrom      int     `json:"pair_from"`
+	// DecodeBaseS is α and DecodePerRequestS β of TPOT = α + β·b, from DecodeFrom requests.
+	DecodeBaseS       float64 `json:"decode_base_s"`
+	DecodePerRequestS float64 `json:"decode_per_request_s"`
+	DecodeFrom        int     `json:"decode_from"`
+
+	uncached []int // each request's uncached tokens, sorted
+}
+
+// MinFit is the fewest samples a rate is fitted from.
+const MinFit = 20
+
+// Fitted reports whether every rate could be fitted.
+func (f Fit) Fitted() bool {
+	return f.PrefillFrom >= MinFit && f.DecodeFrom >= MinFit && f.PrefillTokensPerS > 0 && f.DecodeBaseS > 0
+}
+
+// Fit fits the window's samples.
+func (a *Advisor) Fit() Fit {
+	ss, span := a.recent()
+	var f Fit
+	f.Requests, f.WindowS = len(ss), span.Seconds()
+	if len(ss) == 0 || span <= 0 {
+		return f
+	}
+	f.Rate = float64(len(ss)) / span.Seconds()
+	var px, py, dx, dy []float64
+	var pair []float64
+	for _, s := range ss {
+		f.Output += float64(s.Output)
+		f.Uncached += float64(s.Uncached)
+		f.Prompt += float64(s.Prompt)
+		f.uncached = append(f.uncached, s.Uncached)
+		if s.Split && s.PrefillTime > 0 {
+			if s.PrefillBusy == 0 {
+				px, py = append(px, float64(s.Uncached)), append(py, s.PrefillTime.Seconds())
+			}
+			if s.TTFT > s.PrefillTime { // streams
+				pair = append(pair, (s.TTFT - s.PrefillTime).Seconds())
+			}
+		}
+		if s.TPOT > 0 {
+			dx, dy = append(dx, float64(s.DecodeBusy+1)), append(dy, s.TPOT.Seconds())
+		}
+	}
+	n := float64(len(ss))
+	f.Output, f.Uncached, f.Prompt = f.Output/n, f.Uncached/n, f.Prompt/n
+	slices.Sort(f.uncached)
+	if len(px) >= MinFit {
+		b0, b1 := line(px, py)
+		if b1 > 0 {
+			f.PrefillTokensPerS, f.PrefillOverheadS, f.PrefillFrom = 1/b1, max(b0, 0), len(px)
+		}
+	}
+	if len(pair) > 0 {
+		slices.Sort(pair)
+		f.PairOverheadS, f.PairFrom = pair[len(pair)/2], len(pair)
+	}
+	if len(dx) >= MinFit {
+		b0, b1 := line(dx, dy)
+		if b1 < 0 { // no load effect seen: the pace alone
+			b0, b1 = mean(dy), 0
+		}
+		f.DecodeBaseS, f.DecodePerRequestS, f.DecodeFrom = max(b0, 1e-6), b1, len(dx)
+	}
+	return f
+}
+
+// line is the least-squares line y = b0 + b1·x; a flat b1 = 0 when x does not vary.
+func line(x, y []float64) (b0, b1 float64) {
+	mx, my := mean(x), mean(y)
+	var sxx, sxy float64
+	for i := range x {
+		sxx += (x[i] - mx) * (x[i] - mx)
+		sxy += (x[i] - mx) * (y[i] - my)
+	}
+	if sxx == 0 {
+		return my, 0
+	}
+	b1 = sxy / sxx
+	return my - b1*mx, b1
+}
+
+func mean(v []float64) float64 {
+	var s float64
+	for _, x := range v {
+		s += x
+	}
+	return s / float64(max(1, len(v)))
+}
+
+// SLO is what the operator asks of a request.
+type SLO struct {
+	TTFT, TPOT time.Duration
+}
+
+// Prediction is what a split and a threshold would give at the current load; an infinite
+// latency (a role past its capacity) is reported as -1.
+type Prediction struct {
+	Prefill   int     `json:"prefill"`
+	Decode    int     `json:"decode"`
+	Threshold int     `json:"local_prefill_threshold"`
+	TTFTp90S  float64 `json:"ttft_p90_s"`
+	TPOTS     float64 `json:"tpot_s"`
+	// PrefillUtil and DecodeBatch explain them: each prefill's busy share, each decode's mean
+	// requests decoding at once.
+	PrefillUtil float64 `json:"prefill_utilization"`
+	DecodeBatch float64 `json:"decode_batch"`
+	MeetsSLO    bool    `json:"meets_slo"`
+	score       float64
+}
+
+// Predict predicts split (prefill, decode) with local prefill under threshold tokens.
+func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
+	p := Prediction{Prefill: prefill, Decode: decode, Threshold: threshold, TTFTp90S: -1, TPOTS: -1}
+	if !f.Fitted() || decode < 1 || len(f.uncached) == 0 {
+		return p
+	}
+	cp, op := f.PrefillTokensPerS, f.PrefillOverheadS
+	// The requests under the threshold stay on the decodes; the rest are split.
+	k := sort.SearchInts(f.uncached, threshold)
+	local, split := f.uncached[:k], f.uncached[k:]
+	if prefill < 1 && len(split) > 0 {
+		return p // a prefill is needed and there is none
+	}
+	share := float64(len(split)) / float64(len(f.uncached))
+	lambdaSplit, lambdaLocal := f.Rate*share, f.Rate*(1-share)
+	var ttft float64
+	if len(split) > 0 {
+		s := op + meanInt(split)/cp
+		rho := lambdaSplit * s / float64(prefill)
+		p.PrefillUtil = rho
+		if rho >= 1 {
+			return p
+		}
+		ttft = math.Ln10*s/(1-rho) + f.PairOverheadS
+	}
+	// Decode: the share of its time its own prefills take, then TPOT at the batch it holds.
+	frac := 0.0
+	if len(local) > 0 {
+		frac = lambdaLocal * meanInt(local) / cp / float64(decode)
+	}
+	if frac >= 1 {
+		return p
+	}
+	tpot := f.DecodeBaseS / (1 - frac)
+	for range 100 { // b depends on TPOT and TPOT on b: to the fixed point
+		b := f.Rate * f.Output * tpot / float64(decode)
+		next := (f.DecodeBaseS + f.DecodePerRequestS*b) / (1 - frac)
+		if next > 60 {
+			return p
+		}
+		if math.Abs(next-tpot) < 1e-9 {
+			break
+		}
+		tpot = next
+	}
+	p.DecodeBatch = f.Rate * f.Output * tpot / float64(decode)
+	if len(local) > 0 {
+		// A local prompt's first token comes after its own compute, in steps beside the batch.
+		u90 := float64(local[min(len(local)-1, len(local)*9/10)])
+		ttft = max(ttft, (u90/cp+tpot)/(1-frac))
+	}
+	p.TTFTp90S, p.TPOTS = ttft, tpot
+	p.MeetsSLO = (slo.TTFT <= 0 || ttft <= slo.TTFT.Seconds()) && (slo.TPOT <= 0 || tpot <= slo.TPOT.Seconds())
+	p.score = min(ratio(slo.TTFT, ttft), ratio(slo.TPOT, tpot))
+	return p
+}
+
+// ratio is how far within its SLO a latency is (> 1: within); without an SLO, 1 / latency.
+func ratio(slo time.Duration, v float64) float64 {
+	if v <= 0 {
+		return math.Inf(1)
+	}
+	if slo <= 0 {
+		return 1 / v
+	}
+	return slo.Seconds() / v
+}
+
+func meanInt(v []int) float64 {
+	var s float64
+	for _, x := range v {
+		s += float64(x)
+	}
+	return s / float64(max(1, len(v)))
+}
+
+// Threshold is the uncached length under which a request should skip its prefill: the longest
+// whose local compute costs no more than the pair's overhead, lowered until the predicted TPOT
+// with decode workers meets its SLO; 0 when no length gains.
+func (f Fit) Threshold(decode int, slo SLO) int {
+	if !f.Fitted() || f.PairOverheadS <= 0 {
+		return 0
+	}
+	t := int(f.PairOverheadS * f.PrefillTokensPerS)
+	for t > 0 {
+		p := f.Predict(1_000_000, decode, t, slo) // the prefill side unbounded: the decode's cost alone
+		if p.TPOTS >= 0 && (slo.TPOT <= 0 || p.TPOTS <= slo.TPOT.Seconds()) {
+			return t
+		}
+		t = t * 3 / 4
+	}
+	return 0
+}
+
+// Advice is the advisor's answer for a fleet of Total workers.
+type Advice struct {
+	Total       int        `json:"total"`
+	SLO         SLOView    `json:"slo"`
+	Current     Prediction `json:"current"`
+	Recommended Prediction `json:"recommended"`
+	Fit         Fit        `json:"fit"`
+	// Why says what the recommendation rests on, or why there is none.
+	Why string `json:"why"`
+}
+
+// SLOView is an SLO as the advice shows it.
+type SLOView struct {
+	TTFTS float64 `json:"ttft_s"`
+	TPOTS float64 `json:"tpot_s"`
+}
+
+// Advise recommends a split of total workers (and the threshold) for slo, beside the current
+// split (prefill, decode, threshold).
+func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
+	adv := Advice{Total: total, SLO: SLOView{slo.TTFT.Seconds(), slo.TPOT.Seconds()}, Fit: f}
+	adv.Current = f.Predict(prefill, decode, threshold, slo)
+	if !f.Fitted() {
+		adv.Why = "not enough traffic yet: each rate needs at least 20 requests in the window (see fit)"
+		adv.Recommended = adv.Current
+		return adv
+	}
+	best := Prediction{score: -1}
+	for np := 1; np < total; np++ { // a PD fleet: at least one worker of each role
+		nd := total - np
+		c := f.Predict(np, nd, f.Threshold(nd, slo), slo)
+		if c.TTFTp90S < 0 {
+			continue
+		}
+		if c.score > best.score || c.score == best.score && c.Decode > best.Decode {
+			best = c
+		}
+	}
+	if best.score < 0 {
+		adv.Why = "no split of the fleet keeps up with the current load: add workers"
+		adv.Recommended = adv.Current
+		return adv
+	}
+	adv.Recommended = best
+	adv.Why = "the split whose predicted TTFT p90 and TPOT are furthest within their SLOs (the worse of the two ratios), at the current load"
+	if !best.MeetsSLO {
+		adv.Why = "no split meets the SLOs at the current load; this one comes closest: add workers"
+	}
+	return adv
+}

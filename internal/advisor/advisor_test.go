@@ -1,0 +1,108 @@
+package advisor
+
+import (
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// traffic is rate requests a second for span, from a known fleet: a prefill leg of o + u / c
+// when idle (and longer when not), a pair overhead, TPOT α + β·b.
+type truth struct {
+	c, o, pair, alpha, beta float64
+}
+
+func synth(t0 time.Time, tr truth, rate float64, span time.Duration, prompt func(*rand.Rand) int, output int, r *rand.Rand) []Sample {
+	var out []Sample
+	n := int(rate * span.Seconds())
+	for i := range n {
+		u := prompt(r)
+		busy := r.IntN(3)
+		b := 1 + r.IntN(40)
+		leg := tr.o + float64(u)/tr.c
+		if busy > 0 {
+			leg *= 1 + float64(busy)
+		}
+		out = append(out, Sample{At: t0.Add(time.Duration(float64(i) / rate * float64(time.Second))), Split: true, Prompt: u + 10, Uncached: u, Output: output,
+			PrefillTime: secs(leg), PrefillBusy: busy, TTFT: secs(leg + tr.pair), TPOT: secs((tr.alpha + tr.beta*float64(b)) * (1 + 0.02*r.NormFloat64())), DecodeBusy: b - 1})
+	}
+	return out
+}
+
+func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+func near(got, want, tol float64) bool { return got >= want*(1-tol) && got <= want*(1+tol) }
+
+// The fit recovers the rates the traffic came from, and says how many requests each rests on.
+func TestFitRecoversTheFleetsRates(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	t0 := time.Unix(1_000_000, 0)
+	tr := truth{c: 30_000, o: 0.004, pair: 0.012, alpha: 0.007, beta: 0.0002}
+	a := &Advisor{Now: func() time.Time { return t0.Add(2 * time.Minute) }}
+	for _, s := range synth(t0, tr, 10, 2*time.Minute, func(r *rand.Rand) int { return 100 + r.IntN(3000) }, 200, r) {
+		a.Observe(s)
+	}
+	f := a.Fit()
+	if !f.Fitted() || f.Requests != 1200 || !near(f.Rate, 10, 0.02) {
+		t.Fatalf("fit %+v", f)
+	}
+	if !near(f.PrefillTokensPerS, tr.c, 0.02) || !near(f.PrefillOverheadS, tr.o, 0.05) || f.PrefillFrom < 300 {
+		t.Errorf("prefill: %.0f tokens/s (want %.0f), overhead %.4f s (want %.4f), from %d", f.PrefillTokensPerS, tr.c, f.PrefillOverheadS, tr.o, f.PrefillFrom)
+	}
+	if !near(f.PairOverheadS, tr.pair, 0.01) || !near(f.DecodeBaseS, tr.alpha, 0.05) || !near(f.DecodePerRequestS, tr.beta, 0.05) {
+		t.Errorf("pair %.4f (want %.4f), TPOT %.5f + %.6f·b (want %.5f + %.6f·b)", f.PairOverheadS, tr.pair, f.DecodeBaseS, f.DecodePerRequestS, tr.alpha, tr.beta)
+	}
+	// The window forgets: ten minutes later nothing is left to fit.
+	a.Now = func() time.Time { return t0.Add(12 * time.Minute) }
+	if f := a.Fit(); f.Requests != 0 || f.Fitted() {
+		t.Errorf("an old window still fitted: %+v", f)
+	}
+}
+
+// Predictions move the right way: more prefill workers lower TTFT, more decode workers lower
+// TPOT, a role past its capacity is reported as such; the advice follows the workload — a
+// long-prompt load wants more prefill than a long-output one.
+func TestAdviceFollowsTheWorkload(t *testing.T) {
+	t0 := time.Unix(1_000_000, 0)
+	tr := truth{c: 30_000, o: 0.004, pair: 0.012, alpha: 0.007, beta: 0.0002}
+	fitOf := func(rate float64, prompt func(*rand.Rand) int, output int) Fit {
+		a := &Advisor{Now: func() time.Time { return t0.Add(time.Minute) }}
+		for _, s := range synth(t0, tr, rate, time.Minute, prompt, output, rand.New(rand.NewPCG(3, 4))) {
+			a.Observe(s)
+		}
+		return a.Fit()
+	}
+	slo := SLO{TTFT: 2 * time.Second, TPOT: 50 * time.Millisecond}
+	rag := fitOf(10, func(r *rand.Rand) int { return 6000 + r.IntN(4000) }, 100) // 80k prompt tokens/s
+	p2, p4 := rag.Predict(2, 6, 0, slo), rag.Predict(4, 4, 0, slo)
+	if p2.TTFTp90S != -1 || p4.TTFTp90S <= 0 {
+		t.Errorf("80k prompt tokens/s on 2 prefills of 30k/s must overload them, on 4 not: %+v %+v", p2, p4)
+	}
+	if p5 := rag.Predict(5, 3, 0, slo); p5.TTFTp90S >= p4.TTFTp90S || p5.TPOTS <= p4.TPOTS {
+		t.Errorf("one more prefill, one less decode: TTFT %.3f → %.3f, TPOT %.4f → %.4f", p4.TTFTp90S, p5.TTFTp90S, p4.TPOTS, p5.TPOTS)
+	}
+	chat := fitOf(20, func(r *rand.Rand) int { return 200 + r.IntN(300) }, 600)
+	a, b := rag.Advise(8, 4, 4, 0, slo), chat.Advise(8, 4, 4, 0, slo)
+	if a.Recommended.Prefill <= b.Recommended.Prefill || !a.Recommended.MeetsSLO || !b.Recommended.MeetsSLO {
+		t.Errorf("long documents: %+v (%s); chat: %+v (%s)", a.Recommended, a.Why, b.Recommended, b.Why)
+	}
+	if b.Recommended.Threshold <= 0 {
+		t.Errorf("short prompts should skip their prefill under some threshold: %+v", b.Recommended)
+	}
+	// Not enough traffic: no recommendation, and it says why.
+	empty := (&Advisor{}).Fit().Advise(8, 4, 4, 0, slo)
+	if empty.Why == "" || empty.Recommended.TTFTp90S != -1 {
+		t.Errorf("no traffic: %+v", empty)
+	}
+}
+
+// The samples kept are bounded, whatever the traffic.
+func TestAdvisorKeepsABoundedWindow(t *testing.T) {
+	a := &Advisor{}
+	for i := range 3 * MaxSamples {
+		a.Observe(Sample{At: time.Now(), Output: i})
+	}
+	if len(a.ring) != MaxSamples {
+		t.Errorf("%d samples kept, bound %d", len(a.ring), MaxSamples)
+	}
+}

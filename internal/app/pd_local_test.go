@@ -1,0 +1,255 @@
+package app
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/sim"
+)
+
+// Conditional disaggregation: a prompt with fewer uncached tokens on its chosen decode than
+// pd_local_prefill_threshold is served by that decode alone — no prefill leg, no handoff
+// fields, the decode computes it, and every place says so (the handoff header, both counters);
+// a longer one goes through the pair; the same long prompt again, now held by the decode (the
+// cache-aware index), is served there alone.
+func TestPDLocalPrefillByUncachedTokens(t *testing.T) {
+	t.Parallel()
+	p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) {
+		c.PDLocalPrefillThreshold = 60
+		c.DecodePolicy = "cache_aware"
+	})
+	short := `{"model":"m","prompt":"a short question","max_tokens":4}` // 58 bytes: 15 tokens
+	long := `{"model":"m","prompt":"` + strings.Repeat("a long document of many words ", 20) + `","max_tokens":4}`
+	handoff := func(body string) string {
+		t.Helper()
+		resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", body)
+		if resp.StatusCode != 200 || !strings.Contains(out, `"cmpl-`) {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+		return resp.Header.Get("X-Baton-Kv-Handoff")
+	}
+	if h := handoff(short); h != "none-local-prefill" || p.Stats().RequestsReceived != 0 {
+		t.Errorf("a short prompt: handoff %q, the prefill received %d requests", h, p.Stats().RequestsReceived)
+	}
+	if ds := d.Stats(); ds.PromptTokensRemote != 0 || ds.PromptTokensRecompute == 0 {
+		t.Errorf("the decode alone computed %d prompt tokens, loaded %d", ds.PromptTokensRecompute, ds.PromptTokensRemote)
+	}
+	if h := handoff(long); h != "nixl" || p.Stats().RequestsReceived != 1 {
+		t.Errorf("a long prompt: handoff %q, the prefill received %d requests", h, p.Stats().RequestsReceived)
+	}
+	if h := handoff(long); h != "none-local-prefill" || p.Stats().RequestsReceived != 1 {
+		t.Errorf("the long prompt again, held by the decode: handoff %q, the prefill received %d requests", h, p.Stats().RequestsReceived)
+	}
+	if n := testutil.ToFloat64(g.Metrics.PDLocalPrefill.WithLabelValues("m")); n != 2 {
+		t.Errorf("baton_pd_local_prefill_total %v, want 2", n)
+	}
+	if n := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-local-prefill", "by_design", "")); n != 2 {
+		t.Errorf("baton_pd_kv_handoffs_total{none-local-prefill, by_design} %v, want 2", n)
+	}
+	// The status page says how many were served alone, and under what threshold.
+	status := httptest.NewServer(g.Server.StatusHandler())
+	defer status.Close()
+	var st struct {
+		LocalPrefill struct{ Threshold, Served int } `json:"local_prefill"`
+	}
+	sr, err := http.Get(status.URL + "/status.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := readAll(t, sr.Body)
+	if err := json.Unmarshal([]byte(raw), &st); err != nil || st.LocalPrefill.Threshold != 60 || st.LocalPrefill.Served != 2 {
+		t.Errorf("status.json local_prefill %+v (%v)", st.LocalPrefill, err)
+	}
+	t.Run("status page in a browser", func(t *testing.T) {
+		dom := browse(t, chromium(t), status.URL+"/", "--dump-dom")
+		if !bytes.Contains(dom, []byte("Served by a decode alone (fewer than 60 uncached prompt tokens, conditional disaggregation): 2")) {
+			t.Errorf("the rendered status page does not say it:\n%s", dom)
+		}
+	})
+	// A stream alone on the decode streams whole.
+	resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"short again","max_tokens":4,"stream":true}`)
+	if resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill" || !strings.HasSuffix(strings.TrimSpace(out), "data: [DONE]") {
+		t.Errorf("a short stream: %q\n%s", resp.Header.Get("X-Baton-Kv-Handoff"), out)
+	}
+}
+
+// SGLang's decodes refuse a request without a bootstrap room: under a threshold every request
+// still goes through the pair, and the decode's registration says so, loudly.
+func TestPDLocalPrefillNeverOnSGLang(t *testing.T) {
+	t.Parallel()
+	cfg, p, _ := sglangPair(t, sim.Config{}, sim.Config{})
+	cfg.Retry.Disable = true
+	cfg.PDLocalPrefillThreshold = 1_000_000
+	logs := &gwtest.SyncBuffer{}
+	g, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := g.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); g.Wait() }()
+	for _, w := range g.Registry.Snapshot().Workers {
+		poll.Until(t, "the worker registered and ready", func() bool { return w.Registered() && w.Ready() })
+	}
+	srv := serveAPI(t, cfg, g.Server.Handler())
+	resp, out := gwtest.PostTimeout(t, srv.URL+"/v1/completions", `{"model":"m","prompt":"a short question","max_tokens":4}`)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") == "none-local-prefill" || p.Stats().RequestsReceived != 1 {
+		t.Errorf("an SGLang pair under a threshold: %d %q, the prefill received %d\n%s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), p.Stats().RequestsReceived, out)
+	}
+	var warned bool
+	for _, l := range strings.Split(logs.String(), "\n") {
+		warned = warned || strings.Contains(l, "level=WARN") && strings.Contains(l, "pd_local_prefill_threshold") && strings.Contains(l, "bootstrap room")
+	}
+	if !warned {
+		t.Errorf("no WARN about the SGLang decode under the threshold:\n%s", logs.String())
+	}
+}
+
+// The threshold needs disaggregation, and contradicts strict mode: both refused at startup.
+func TestPDLocalPrefillSettingsRefused(t *testing.T) {
+	var out bytes.Buffer
+	for _, args := range [][]string{
+		{"--pd-local-prefill-threshold", "100", "--worker-urls", "http://127.0.0.1:1"},
+		{"--pd-disaggregation", "--pd-local-prefill-threshold", "100", "--pd-require-handoff", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+		{"--pd-disaggregation", "--pd-local-prefill-threshold", "-1", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+	} {
+		if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_local_prefill_threshold") && !strings.Contains(err.Error(), "pd-local-prefill-threshold") {
+			t.Errorf("%v: %v", args, err)
+		}
+	}
+}
+
+// The picker decides the same way: a short prompt's pick names no prefill
+// (x-prefiller-host-port left out), and the decode-side sidecar serves it alone; a long one
+// names its prefill.
+func TestEPPConditionalDisaggregation(t *testing.T) {
+	t.Parallel()
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	pw := config.Worker{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}
+	side := config.Default()
+	side.PDDisaggregation, side.PDPrefillerHeader = true, true
+	side.Workers = []config.Worker{pw, {URL: d.URL(), Role: config.RoleDecode}}
+	_, sidecar := startGateway(t, side)
+	pick := config.Default()
+	pick.PDDisaggregation, pick.PDLocalPrefillThreshold = true, 60
+	pick.Workers = []config.Worker{pw, {URL: sidecar.URL, Role: config.RoleDecode, Runtime: sim.EngineVLLM, KVConnector: "NixlConnector"}}
+	eg, conn := startEPP(t, pick)
+	dp, srv := dataPlane(t, conn)
+
+	resp := post(t, srv.URL+"/v1/completions", `{"model":"`+pdModel+`","prompt":"a short one","max_tokens":3}`)
+	body := readAll(t, resp.Body)
+	if ex := dp.Last(); resp.StatusCode != 200 || ex.Prefiller != "" || resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill" || p.Stats().RequestsReceived != 0 {
+		t.Errorf("a short prompt through the picker: %d, prefiller %q, handoff %q, the prefill received %d\n%s",
+			resp.StatusCode, ex.Prefiller, resp.Header.Get("X-Baton-Kv-Handoff"), p.Stats().RequestsReceived, body)
+	}
+	if n := testutil.ToFloat64(eg.Metrics.PDLocalPrefill.WithLabelValues(pdModel)); n != 1 {
+		t.Errorf("the picker's baton_pd_local_prefill_total %v", n)
+	}
+	resp = post(t, srv.URL+"/v1/completions", `{"model":"`+pdModel+`","prompt":"`+strings.Repeat("a long document of many words ", 20)+`","max_tokens":3}`)
+	body = readAll(t, resp.Body)
+	if ex := dp.Last(); resp.StatusCode != 200 || ex.Prefiller != endpointOf(p.URL()) || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" {
+		t.Errorf("a long prompt through the picker: %d, prefiller %q, handoff %q\n%s", resp.StatusCode, ex.Prefiller, resp.Header.Get("X-Baton-Kv-Handoff"), body)
+	}
+}
+
+// The advisor learns from the PD traffic served: after enough requests GET /pd/advice (status
+// listener) answers with its fit — the rates and the requests they came from — a recommended
+// split of the fleet and the predictions for it and the current one; the metrics carry the
+// recommendation. A what-if outside its bounds is refused in the error envelope.
+func TestPDAdviceFromTraffic(t *testing.T) {
+	t.Parallel()
+	_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 2 * time.Millisecond})
+	status := httptest.NewServer(g.Server.StatusHandler())
+	defer status.Close()
+	for i := range 40 {
+		body := fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":%d,"ignore_eos":true,"stream":%v,"stream_options":{"include_usage":true}}`, strings.Repeat("word ", 20+40*(i%10)), 3+i%5, i%4 != 0)
+		if i%4 == 0 {
+			body = fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":%d,"ignore_eos":true}`, strings.Repeat("word ", 20+40*(i%10)), 3+i%5)
+		}
+		if resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+	}
+	var adv struct {
+		Total       int
+		Recommended struct{ Prefill, Decode int }
+		Current     struct {
+			Prefill, Decode int
+			TTFT            float64 `json:"ttft_p90_s"`
+		}
+		Fit struct {
+			Requests          int
+			PrefillFrom       int     `json:"prefill_from"`
+			DecodeFrom        int     `json:"decode_from"`
+			PrefillTokensPerS float64 `json:"prefill_tokens_per_s"`
+		}
+		Why string
+	}
+	get := func(q string) (int, string) {
+		resp, err := http.Get(status.URL + "/pd/advice" + q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.StatusCode, readAll(t, resp.Body)
+	}
+	code, raw := get("?total=8&ttft_slo=2s&tpot_slo=0.05")
+	if err := json.Unmarshal([]byte(raw), &adv); code != 200 || err != nil {
+		t.Fatalf("%d %v %s", code, err, raw)
+	}
+	// Every request's prefill leg counts; only the streams' pace (a whole answer's first byte
+	// is its last token's).
+	if adv.Fit.Requests != 40 || adv.Fit.PrefillFrom != 40 || adv.Fit.DecodeFrom != 30 || adv.Fit.PrefillTokensPerS <= 0 {
+		t.Errorf("the fit: %+v\n%s", adv.Fit, raw)
+	}
+	if adv.Total != 8 || adv.Recommended.Prefill < 1 || adv.Recommended.Decode < 1 || adv.Recommended.Prefill+adv.Recommended.Decode != 8 ||
+		adv.Current.Prefill != 1 || adv.Current.Decode != 1 || adv.Current.TTFT <= 0 || adv.Why == "" {
+		t.Errorf("the advice: %+v\n%s", adv, raw)
+	}
+	mfs, err := g.Metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var roles int
+	for _, mf := range mfs {
+		if mf.GetName() == "baton_pd_recommended_workers" {
+			for _, m := range mf.GetMetric() {
+				roles++
+				if m.GetGauge().GetValue() < 1 {
+					t.Errorf("recommended %v workers of a role", m.GetGauge().GetValue())
+				}
+			}
+		}
+	}
+	if roles != 2 {
+		t.Errorf("baton_pd_recommended_workers has %d roles", roles)
+	}
+	t.Run("status page in a browser", func(t *testing.T) {
+		dom := browse(t, chromium(t), status.URL+"/", "--dump-dom")
+		for _, want := range []string{"PD sizing advice", ">recommended<", "From 40 requests over", "legs to an idle prefill"} {
+			if !bytes.Contains(dom, []byte(want)) {
+				t.Errorf("the rendered status page lacks %q", want)
+			}
+		}
+	})
+	for _, q := range []string{"?total=1", "?total=99999999999999999999", "?total=x", "?ttft_slo=-1s", "?tpot_slo=NaN", "?tpot_slo=1e400", "?ttft_slo=2h", "?tpot_slo=0"} {
+		if code, raw := get(q); code != 400 || !strings.Contains(raw, `"invalid_request_error"`) && !strings.Contains(raw, `"code":"invalid_request"`) {
+			t.Errorf("%s: %d %s", q, code, raw)
+		}
+	}
+}
