@@ -648,7 +648,7 @@ func (g *Gateway) metricsMux(cfg config.Config) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", g.Metrics.Handler())
 	status := g.Server.StatusHandler()
-	for _, p := range []string{"GET /{$}", "GET /status", "GET /status.json"} {
+	for _, p := range []string{"GET /{$}", "GET /status", "GET /status.json", "GET /pd/advice"} {
 		mux.Handle(p, status)
 	}
 	if cfg.EnablePprof { // behind the admin key when one is set: profiles show memory contents

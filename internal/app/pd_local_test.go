@@ -175,7 +175,7 @@ func TestEPPConditionalDisaggregation(t *testing.T) {
 func TestPDAdviceFromTraffic(t *testing.T) {
 	t.Parallel()
 	_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 2 * time.Millisecond})
-	status := httptest.NewServer(g.Server.StatusHandler())
+	status := httptest.NewServer(g.metricsMux(config.Default())) // the metrics listener's own routes
 	defer status.Close()
 	for i := range 40 {
 		body := fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":%d,"ignore_eos":true,"stream":%v,"stream_options":{"include_usage":true}}`, strings.Repeat("word ", 20+40*(i%10)), 3+i%5, i%4 != 0)
