@@ -8,16 +8,18 @@
 //
 // The model, every term of which an operator can check against the receipt:
 //   - prefill: a leg dispatched to an idle prefill lasts o_p + uncached / C_p (least squares
-//     over such legs); a prefill worker is a single server with service time s = o_p +
-//     mean(uncached) / C_p, its arrivals λ_split / N_p, so its TTFT p90 is ln(10)·s / (1 − ρ)
-//     (an M/M/1 sojourn time, ρ = λ_split·s / N_p) plus the pair's overhead o_pair (TTFT less
-//     the prefill leg: the KV transfer, the second hop, the decode's first step);
+//     over such legs). An engine batches prefills, so o_p (a step's fixed cost) is latency, not
+//     capacity: each prompt is s = uncached / C_p of work, a prefill worker is busy ρ =
+//     λ_split·mean(s) / N_p, and its TTFT p90 is o_p + ln(10)·mean(s) / (1 − ρ) (an M/M/1
+//     sojourn time on the work) plus the pair's overhead o_pair (TTFT less the prefill leg: the
+//     KV transfer, the second hop, the decode's first step);
 //   - decode: a token takes α + β·b with b requests decoding beside it (least squares over the
 //     requests' TPOT and their decode's concurrency); a decode worker holds b = λ·mean(output)
-//     ·TPOT / N_d requests (Little's law), and the prompts it computes itself (those under the
-//     threshold) take u / C_p of its steps: TPOT = (α + β·b) / (1 − f), f their share of time;
-//   - the threshold: the longest uncached length whose local compute (u / C_p) costs no more
-//     than the pair's overhead, and that keeps the predicted TPOT within its SLO.
+//     ·TPOT / N_d requests (Little's law). A step is memory-bound: a prompt it computes itself
+//     (one under the threshold) stalls it only by what its compute takes past α, and the share
+//     f of the decode's time so stalled slows every token: TPOT = (α + β·b) / (1 − f);
+//   - the threshold: the longest uncached length whose local compute costs no more than the
+//     pair's overhead and the step α hides, lowered until the predicted TPOT meets its SLO.
 package advisor
 
 import (
@@ -255,18 +257,27 @@ func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
 	lambdaSplit, lambdaLocal := f.Rate*share, f.Rate*(1-share)
 	var ttft float64
 	if len(split) > 0 {
-		s := op + meanInt(split)/cp
+		// An engine batches prefills: a step's fixed cost (o_p) is shared by every prompt in
+		// it, so capacity is in tokens — each prompt is u / C_p of work — and o_p is paid
+		// once, as latency.
+		s := meanInt(split) / cp
 		rho := lambdaSplit * s / float64(prefill)
 		p.PrefillUtil = rho
 		if rho >= 1 {
 			return p
 		}
-		ttft = math.Ln10*s/(1-rho) + f.PairOverheadS
+		ttft = op + math.Ln10*s/(1-rho) + f.PairOverheadS
 	}
-	// Decode: the share of its time its own prefills take, then TPOT at the batch it holds.
+	// Decode: a step is memory-bound (α) until its compute outgrows it. A prompt computed
+	// there stalls the step beside it only by what its compute takes past α; the share of
+	// the decode's time so stalled slows every token alike. Then TPOT at the batch it holds.
 	frac := 0.0
 	if len(local) > 0 {
-		frac = lambdaLocal * meanInt(local) / cp / float64(decode)
+		var over float64
+		for _, u := range local {
+			over += max(0, float64(u)/cp-f.DecodeBaseS)
+		}
+		frac = lambdaLocal / float64(decode) * over / float64(len(local))
 	}
 	if frac >= 1 {
 		return p
@@ -285,9 +296,10 @@ func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
 	}
 	p.DecodeBatch = f.Rate * f.Output * tpot / float64(decode)
 	if len(local) > 0 {
-		// A local prompt's first token comes after its own compute, in steps beside the batch.
+		// A local prompt's first token: the step under way, then its own (its compute, or the
+		// memory-bound step when that is longer).
 		u90 := float64(local[min(len(local)-1, len(local)*9/10)])
-		ttft = max(ttft, (u90/cp+tpot)/(1-frac))
+		ttft = max(ttft, tpot+max(u90/cp, tpot))
 	}
 	p.TTFTp90S, p.TPOTS = ttft, tpot
 	p.MeetsSLO = (slo.TTFT <= 0 || ttft <= slo.TTFT.Seconds()) && (slo.TPOT <= 0 || tpot <= slo.TPOT.Seconds())
@@ -315,13 +327,14 @@ func meanInt(v []int) float64 {
 }
 
 // Threshold is the uncached length under which a request should skip its prefill: the longest
-// whose local compute costs no more than the pair's overhead, lowered until the predicted TPOT
-// with decode workers meets its SLO; 0 when no length gains.
+// whose local compute costs no more than what the pair adds (its overhead) and what a decode
+// step hides anyway (a memory-bound step of α computes that much for free), lowered until the
+// predicted TPOT with decode workers meets its SLO; 0 when no length gains.
 func (f Fit) Threshold(decode int, slo SLO) int {
 	if !f.Fitted() || f.PairOverheadS <= 0 {
 		return 0
 	}
-	t := int(f.PairOverheadS * f.PrefillTokensPerS)
+	t := int((f.PairOverheadS + f.DecodeBaseS) * f.PrefillTokensPerS)
 	for t > 0 {
 		p := f.Predict(1_000_000, decode, t, slo) // the prefill side unbounded: the decode's cost alone
 		if p.TPOTS >= 0 && (slo.TPOT <= 0 || p.TPOTS <= slo.TPOT.Seconds()) {

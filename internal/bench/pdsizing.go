@@ -56,11 +56,11 @@ func sizingWords(seed string, n int) string {
 func sizingMixes(quick bool) []sizingMix {
 	systems := make([]string, 4)
 	for i := range systems {
-		systems[i] = sizingWords(fmt.Sprintf("system%d", i), 1000)
+		systems[i] = sizingWords(fmt.Sprintf("system%d", i), 4000)
 	}
 	mixes := []sizingMix{
-		{name: "chat", about: "short-prompt chat: one of 4 shared ~1,000-token system prompts and a 40–160-token question, 16–48 output tokens",
-			rate: 16, output: [2]int{16, 48}, ttft: 400 * time.Millisecond, tpot: 150 * time.Millisecond, defaultT: 512,
+		{name: "chat", about: "short-prompt chat: one of 4 shared 4,000-token system prompts and a 40–160-token question, 16–48 output tokens",
+			rate: 30, output: [2]int{16, 48}, ttft: 400 * time.Millisecond, tpot: 150 * time.Millisecond, defaultT: 512,
 			prompt: func(r *rand.Rand, i int) string {
 				return systems[r.IntN(len(systems))] + sizingWords(fmt.Sprintf(" question%d", i), 40+r.IntN(120))
 			}},
@@ -298,7 +298,7 @@ func askAdvice(ctx context.Context, client *http.Client, base string, mix sizing
 func (r *runner) pdSizing(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 16. PD sizing: static splits, conditional disaggregation, the advisor")
 	fmt.Fprintln(r.out)
-	warm, measure, adviseFor := 10*time.Second, 40*time.Second, 60*time.Second
+	warm, measure, adviseFor := 8*time.Second, 30*time.Second, 60*time.Second
 	if r.o.Quick {
 		warm, measure, adviseFor = 5*time.Second, 15*time.Second, 30*time.Second
 	}
