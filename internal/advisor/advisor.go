@@ -134,7 +134,8 @@ type Fit struct {
 	DecodePerRequestS float64 `json:"decode_per_request_s"`
 	DecodeFrom        int     `json:"decode_from"`
 
-	uncached []int // each request's uncached tokens, sorted
+	uncached []int     // each request's uncached tokens, sorted
+	cum      []float64 // cum[i]: the sum of uncached[:i] (a prediction reads sums, not samples)
 }
 
 // MinFit is the fewest samples a rate is fitted from.
@@ -176,6 +177,10 @@ func (a *Advisor) Fit() Fit {
 	n := float64(len(ss))
 	f.Output, f.Uncached, f.Prompt = f.Output/n, f.Uncached/n, f.Prompt/n
 	slices.Sort(f.uncached)
+	f.cum = make([]float64, len(f.uncached)+1)
+	for i, u := range f.uncached {
+		f.cum[i+1] = f.cum[i] + float64(u)
+	}
 	if len(px) >= MinFit {
 		b0, b1 := line(px, py)
 		if b1 > 0 {
@@ -260,7 +265,7 @@ func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
 		// An engine batches prefills: a step's fixed cost (o_p) is shared by every prompt in
 		// it, so capacity is in tokens — each prompt is u / C_p of work — and o_p is paid
 		// once, as latency.
-		s := meanInt(split) / cp
+		s := (f.cum[len(f.uncached)] - f.cum[k]) / float64(len(split)) / cp
 		rho := lambdaSplit * s / float64(prefill)
 		p.PrefillUtil = rho
 		if rho >= 1 {
@@ -273,11 +278,10 @@ func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
 	// the decode's time so stalled slows every token alike. Then TPOT at the batch it holds.
 	frac := 0.0
 	if len(local) > 0 {
-		var over float64
-		for _, u := range local {
-			over += max(0, float64(u)/cp-f.DecodeBaseS)
-		}
-		frac = lambdaLocal / float64(decode) * over / float64(len(local))
+		// Σ max(0, u / C_p − α) over the local prompts: those past α·C_p tokens, from the sums.
+		a := min(k, sort.SearchInts(f.uncached, int(f.DecodeBaseS*cp)+1))
+		over := (f.cum[k]-f.cum[a])/cp - f.DecodeBaseS*float64(k-a)
+		frac = lambdaLocal / float64(decode) * max(0, over) / float64(len(local))
 	}
 	if frac >= 1 {
 		return p
@@ -316,14 +320,6 @@ func ratio(slo time.Duration, v float64) float64 {
 		return 1 / v
 	}
 	return slo.Seconds() / v
-}
-
-func meanInt(v []int) float64 {
-	var s float64
-	for _, x := range v {
-		s += float64(x)
-	}
-	return s / float64(max(1, len(v)))
 }
 
 // Threshold is the uncached length under which a request should skip its prefill: the longest

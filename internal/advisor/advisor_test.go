@@ -106,3 +106,71 @@ func TestAdvisorKeepsABoundedWindow(t *testing.T) {
 		t.Errorf("%d samples kept, bound %d", len(a.ring), MaxSamples)
 	}
 }
+
+// A prediction reads the samples through their sums: it agrees with the sums taken one sample
+// at a time, for any threshold.
+func TestPredictionsFromSumsAreTheSamples(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	t0 := time.Unix(1_000_000, 0)
+	a := &Advisor{Now: func() time.Time { return t0.Add(time.Minute) }}
+	tr := truth{c: 30_000, o: 0.004, pair: 0.012, alpha: 0.007, beta: 0.0002}
+	for _, s := range synth(t0, tr, 20, time.Minute, func(r *rand.Rand) int { return r.IntN(8000) }, 100, r) {
+		a.Observe(s)
+	}
+	f := a.Fit()
+	for _, threshold := range []int{0, 1, 100, 209, 210, 211, 3000, 7999, 1 << 30} {
+		p := f.Predict(3, 5, threshold, SLO{})
+		// By hand: the split prompts' mean, and the local prompts' compute past α.
+		var split, local []int
+		for _, u := range f.uncached {
+			if u < threshold {
+				local = append(local, u)
+			} else {
+				split = append(split, u)
+			}
+		}
+		var ttft float64
+		if len(split) > 0 {
+			var sum float64
+			for _, u := range split {
+				sum += float64(u)
+			}
+			s := sum / float64(len(split)) / f.PrefillTokensPerS
+			rho := f.Rate * float64(len(split)) / float64(len(f.uncached)) * s / 3
+			if rho < 1 {
+				ttft = f.PrefillOverheadS + 2.302585092994046*s/(1-rho) + f.PairOverheadS
+			}
+		}
+		if p.TTFTp90S > 0 && len(local) == 0 && !near(p.TTFTp90S, ttft, 1e-9) {
+			t.Errorf("threshold %d: TTFT %v, by hand %v", threshold, p.TTFTp90S, ttft)
+		}
+		var over float64
+		for _, u := range local {
+			over += max(0, float64(u)/f.PrefillTokensPerS-f.DecodeBaseS)
+		}
+		frac := 0.0
+		if len(local) > 0 {
+			frac = f.Rate * float64(len(local)) / float64(len(f.uncached)) / 5 * over / float64(len(local))
+		}
+		if frac < 1 && p.TPOTS > 0 && p.TPOTS < f.DecodeBaseS/(1-frac)-1e-12 {
+			t.Errorf("threshold %d: TPOT %v below its stalled floor %v", threshold, p.TPOTS, f.DecodeBaseS/(1-frac))
+		}
+	}
+}
+
+// What one advice over the largest window and fleet costs (GET /pd/advice?total=10000 answers
+// it; the metrics collector asks for the fleet's own total on every scrape).
+func BenchmarkAdviseLargestFleet(b *testing.B) {
+	r := rand.New(rand.NewPCG(7, 8))
+	t0 := time.Unix(1_000_000, 0)
+	a := &Advisor{Now: func() time.Time { return t0.Add(4 * time.Minute) }}
+	tr := truth{c: 30_000, o: 0.004, pair: 0.2, alpha: 0.007, beta: 0.0002}
+	for _, s := range synth(t0, tr, 80, 4*time.Minute, func(r *rand.Rand) int { return r.IntN(8000) }, 100, r) {
+		a.Observe(s)
+	}
+	f := a.Fit()
+	b.ResetTimer()
+	for range b.N {
+		f.Advise(10_000, 4, 4, 0, SLO{TTFT: time.Millisecond, TPOT: time.Millisecond})
+	}
+}

@@ -120,15 +120,19 @@ func TestPDLocalPrefillNeverOnSGLang(t *testing.T) {
 	}
 }
 
-// The threshold needs disaggregation, and contradicts strict mode: both refused at startup.
+// The threshold needs disaggregation, and contradicts strict mode; the advisor's SLOs are from 1ms
+// to 1h: all refused at startup.
 func TestPDLocalPrefillSettingsRefused(t *testing.T) {
 	var out bytes.Buffer
 	for _, args := range [][]string{
 		{"--pd-local-prefill-threshold", "100", "--worker-urls", "http://127.0.0.1:1"},
 		{"--pd-disaggregation", "--pd-local-prefill-threshold", "100", "--pd-require-handoff", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 		{"--pd-disaggregation", "--pd-local-prefill-threshold", "-1", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+		{"--pd-disaggregation", "--pd-advice-ttft-slo", "2h", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+		{"--pd-disaggregation", "--pd-advice-tpot-slo", "100us", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 	} {
-		if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_local_prefill_threshold") && !strings.Contains(err.Error(), "pd-local-prefill-threshold") {
+		if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_local_prefill_threshold") && !strings.Contains(err.Error(), "pd-local-prefill-threshold") &&
+			!strings.Contains(err.Error(), "pd_advice_") {
 			t.Errorf("%v: %v", args, err)
 		}
 	}
@@ -247,9 +251,41 @@ func TestPDAdviceFromTraffic(t *testing.T) {
 			}
 		}
 	})
-	for _, q := range []string{"?total=1", "?total=99999999999999999999", "?total=x", "?ttft_slo=-1s", "?tpot_slo=NaN", "?tpot_slo=1e400", "?ttft_slo=2h", "?tpot_slo=0"} {
+	for _, q := range []string{"?total=1", "?total=99999999999999999999", "?total=x", "?ttft_slo=-1s", "?tpot_slo=NaN", "?tpot_slo=1e400", "?ttft_slo=2h", "?tpot_slo=0",
+		"?total=5&total=abc", "?total=%zz", "?ttft_slo=0x1p-2", "?ttft_slo=0x_1p0", "?tpot_slo=1ns", "?tpot_slo=0.0001", "?ttft_slo=1e1"} {
 		if code, raw := get(q); code != 400 || !strings.Contains(raw, `"invalid_request_error"`) && !strings.Contains(raw, `"code":"invalid_request"`) {
 			t.Errorf("%s: %d %s", q, code, raw)
 		}
+	}
+}
+
+// A local prefill is counted once per request that a decode served alone, however many attempts
+// it took: a decode refusing every request makes each request's first attempt fail and the
+// retry go to the healthy one — five requests, five counted; a request every attempt of which
+// failed is not counted at all.
+func TestPDLocalPrefillCountedOncePerRequest(t *testing.T) {
+	t.Parallel()
+	p := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	bad := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, Faults: sim.Faults{Status: 503}})
+	good := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	cfg := config.Default()
+	cfg.PDDisaggregation, cfg.PDLocalPrefillThreshold = true, 50
+	cfg.CircuitBreaker.Disable = true // the failing decode stays in turn
+	cfg.Workers = []config.Worker{{URL: p.URL(), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: bad.URL(), Role: config.RoleDecode}, {URL: good.URL(), Role: config.RoleDecode}}
+	g, srv := startGateway(t, cfg)
+	for range 5 {
+		resp, out := gwtest.PostTimeout(t, srv.URL+"/v1/completions", `{"model":"`+pdModel+`","prompt":"a short one","max_tokens":3}`)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill" {
+			t.Fatalf("%d %q %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), out)
+		}
+	}
+	if n := testutil.ToFloat64(g.Metrics.PDLocalPrefill.WithLabelValues(pdModel)); n != 5 || g.Server.Director().LocalPrefills() != 5 {
+		t.Errorf("5 requests served alone counted %v (status page %d)", n, g.Server.Director().LocalPrefills())
+	}
+	if n := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-local-prefill", "by_design", "")); n != 5 {
+		t.Errorf("baton_pd_kv_handoffs_total{none-local-prefill} %v, want 5", n)
+	}
+	if bad.Stats().RequestsReceived == 0 {
+		t.Error("no request met the failing decode: the case was not made")
 	}
 }

@@ -558,6 +558,14 @@ func (c *Config) Validate() error {
 	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 {
 		bad("priority_scheduler_enabled: priority classes order the requests waiting for a slot: give --max-concurrent-requests (Baton's classes are on whenever it is set)")
 	}
+	for _, x := range []struct {
+		name string
+		d    time.Duration
+	}{{"pd_advice_ttft_slo", c.PDAdviceTTFTSLO}, {"pd_advice_tpot_slo", c.PDAdviceTPOTSLO}} {
+		if x.d < time.Millisecond || x.d > time.Hour {
+			bad("%s %v: want from 1ms to 1h", x.name, x.d)
+		}
+	}
 	if c.PDLocalPrefillThreshold > 0 && !c.PDDisaggregation {
 		bad("pd_local_prefill_threshold needs pd_disaggregation")
 	}

@@ -13,6 +13,17 @@ import (
 // Advising reports whether the PD advisor runs (Options.Advisor).
 func (d *Director) Advising() bool { return d.o.Advisor != nil }
 
+// PDEnded accounts for a request once it ended — answered whole (ok), with its usage (usage):
+// a local prefill is counted (CountLocalPrefill), and the advisor sees it (ObserveEnded).
+func (d *Director) PDEnded(rec *record.Record, ok, usage bool, ttft, dur time.Duration) {
+	if rec.LocalPrefill && ok {
+		d.CountLocalPrefill(rec.Model)
+	}
+	if usage {
+		d.ObserveEnded(rec, ttft, dur)
+	}
+}
+
 // ObserveEnded hands the advisor a PD request that ended whole (its answer carried usage):
 // split or served by its decode alone, its tokens (the uncached part of the prompt is what the
 // prefill, or the decode alone, computed), its prefill leg, how busy its workers were, and for
@@ -61,6 +72,16 @@ func (d *Director) Advice(total int, ttft, tpot time.Duration) advisor.Advice {
 		slo.TPOT = tpot
 	}
 	return d.o.Advisor.Fit().Advise(total, p, dc, d.o.LocalPrefillThreshold, slo)
+}
+
+// AdviceFor answers a what-if read from a URL's raw query (advisor.ParseQuery); param and msg
+// say what is wrong with a query it refuses.
+func (d *Director) AdviceFor(rawQuery string) (a advisor.Advice, param, msg string) {
+	q, err := advisor.ParseQuery(rawQuery)
+	if err != nil {
+		return a, err.Param, err.Message
+	}
+	return d.Advice(q.Total, q.TTFT, q.TPOT), "", ""
 }
 
 // AdviceCollector is the advisor's metrics for the fleet as it stands and the configured SLOs,

@@ -66,16 +66,22 @@ func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path
 }
 
 // NoteLocalPrefill writes on a PD request's record that its decode, w, serves this attempt alone
-// — by design, the prompt's uncached part being short (pd_local_prefill_threshold) — and counts
-// it: X-Baton-Kv-Handoff none-local-prefill, baton_pd_kv_handoffs_total class by_design,
-// baton_pd_local_prefill_total. A later attempt may go through a pair again.
+// — by design, the prompt's uncached part being short (pd_local_prefill_threshold):
+// X-Baton-Kv-Handoff none-local-prefill. A later attempt may go through a pair again; the
+// request is counted once it ended (CountLocalPrefill).
 func (d *Director) NoteLocalPrefill(p *Plan, w *worker.Worker) {
 	p.NoteWorker(w)
 	p.Rec.Prefill, p.Rec.Mode = "", record.ModeRegular
 	p.Rec.PrefillTime, p.Rec.PrefillBusy, p.Rec.DecodeBusy = 0, 0, int(w.InFlight())
-	p.Rec.Handoff = pd.HandoffNoneLocalPrefill
+	p.Rec.Handoff, p.Rec.LocalPrefill = pd.HandoffNoneLocalPrefill, true
+}
+
+// CountLocalPrefill counts one PD request of model that its decode served alone by the
+// threshold (baton_pd_kv_handoffs_total class by_design, baton_pd_local_prefill_total, the status
+// page): once per request, when its answer ended whole (PDEnded, from either door).
+func (d *Director) CountLocalPrefill(model string) {
 	d.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
-	d.metrics.PDLocalPrefill.WithLabelValues(d.metrics.Model(p.Sel.Model)).Inc()
+	d.metrics.PDLocalPrefill.WithLabelValues(d.metrics.Model(model)).Inc()
 	d.localPrefills.Add(1)
 }
 

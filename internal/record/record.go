@@ -86,6 +86,8 @@ type Record struct {
 	// the requests the pair's prefill and decode had in flight besides it when it was chosen.
 	PrefillTime             time.Duration
 	PrefillBusy, DecodeBusy int
+	// LocalPrefill: the attempt's decode serves it alone by pd_local_prefill_threshold.
+	LocalPrefill bool
 }
 
 // Mode is how a request was served: by one worker, or through a pair (SGLang's style or
@@ -133,7 +135,7 @@ func (r *Record) TenantName() string {
 // NextAttempt clears what one attempt learned, as the next starts.
 func (r *Record) NextAttempt() {
 	r.Worker, r.Prefill, r.Decode, r.Handoff, r.Decisions = "", "", "", "", ""
-	r.PrefillTime, r.PrefillBusy, r.DecodeBusy = 0, 0, 0
+	r.PrefillTime, r.PrefillBusy, r.DecodeBusy, r.LocalPrefill = 0, 0, 0, false
 }
 
 // Charge is what a request cost, in prompt and completion tokens, by what the engines did

@@ -366,9 +366,7 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 	if rec.Prefill != "" && rec.Decode != "" && rec.Handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, string(rec.Handoff)).Inc()
 	}
-	if e.usage && !aborted {
-		s.d.ObserveEnded(rec, e.ttft, e.dur)
-	}
+	s.d.PDEnded(rec, status == http.StatusOK && !aborted, e.usage && !aborted, e.ttft, e.dur)
 	if rec.Route != "other" {
 		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft, aborted)
 	}
