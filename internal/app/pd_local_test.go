@@ -289,3 +289,18 @@ func TestPDLocalPrefillCountedOncePerRequest(t *testing.T) {
 		t.Error("no request met the failing decode: the case was not made")
 	}
 }
+
+// A threshold never makes a health check's pair lose its prefill: GET /health_generate checks a
+// whole pair (it carries no prompt, which the threshold would take for a short one).
+func TestPDLocalPrefillLeavesHealthGenerateAPair(t *testing.T) {
+	t.Parallel()
+	p, _, _, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) { c.PDLocalPrefillThreshold = 1_000_000 })
+	resp, err := http.Get(gw + "/health_generate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := readAll(t, resp.Body)
+	if resp.StatusCode != 200 || !strings.Contains(body, "prefill="+p.URL()) {
+		t.Errorf("health_generate under a threshold: %d %s", resp.StatusCode, body)
+	}
+}

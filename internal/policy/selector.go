@@ -143,8 +143,9 @@ type Selector struct {
 	// it (Baton loads it there), and with adapter_affinity keeps, of the available workers, those
 	// in the best adapter tier (running, loaded, free slot) for the policy to choose among.
 	Adapters *lora.Manager
-	// LocalPrefill, when set, makes a PD request's decode chosen first and asks whether it
-	// serves the request alone (conditional disaggregation); nil: always a pair.
+	// LocalPrefill, when set, makes a PD generation request's decode (one with a parsed body)
+	// chosen first and asks whether it serves the request alone (conditional
+	// disaggregation); nil, or a request without a body (a health check): always a pair.
 	LocalPrefill LocalPrefillFunc
 
 	live atomic.Pointer[policySet] // set by SetPolicies
@@ -281,7 +282,7 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
-	if s.LocalPrefill != nil {
+	if s.LocalPrefill != nil && req.Parsed != nil { // a generation request: a health check's pair stays whole
 		return s.decodeFirst(ctx, req, prefills, decodes)
 	}
 	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(prefills, req), req)
