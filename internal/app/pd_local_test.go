@@ -53,6 +53,10 @@ func TestPDLocalPrefillByUncachedTokens(t *testing.T) {
 	if h := handoff(long); h != "none-local-prefill" || p.Stats().RequestsReceived != 1 {
 		t.Errorf("the long prompt again, held by the decode: handoff %q, the prefill received %d requests", h, p.Stats().RequestsReceived)
 	}
+	// A request is counted as it ends, which may be just after its client has the last byte.
+	poll.Until(t, "baton_pd_local_prefill_total reaches 2", func() bool {
+		return g.Server.Director().LocalPrefills() >= 2 // the last of CountLocalPrefill's counts
+	})
 	if n := testutil.ToFloat64(g.Metrics.PDLocalPrefill.WithLabelValues("m")); n != 2 {
 		t.Errorf("baton_pd_local_prefill_total %v, want 2", n)
 	}
@@ -162,9 +166,11 @@ func TestEPPConditionalDisaggregation(t *testing.T) {
 		t.Errorf("a short prompt through the picker: %d, prefiller %q, handoff %q, the prefill received %d\n%s",
 			resp.StatusCode, ex.Prefiller, resp.Header.Get("X-Baton-Kv-Handoff"), p.Stats().RequestsReceived, body)
 	}
-	if n := testutil.ToFloat64(eg.Metrics.PDLocalPrefill.WithLabelValues(pdModel)); n != 1 {
-		t.Errorf("the picker's baton_pd_local_prefill_total %v", n)
-	}
+	// The picker counts a local prefill when the proxy's stream ends (Done), which may come
+	// after the client has its answer.
+	poll.Until(t, "the picker's baton_pd_local_prefill_total is 1", func() bool {
+		return testutil.ToFloat64(eg.Metrics.PDLocalPrefill.WithLabelValues(pdModel)) == 1
+	})
 	resp = post(t, srv.URL+"/v1/completions", `{"model":"`+pdModel+`","prompt":"`+strings.Repeat("a long document of many words ", 20)+`","max_tokens":3}`)
 	body = readAll(t, resp.Body)
 	if ex := dp.Last(); resp.StatusCode != 200 || ex.Prefiller != endpointOf(p.URL()) || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" {
@@ -279,6 +285,9 @@ func TestPDLocalPrefillCountedOncePerRequest(t *testing.T) {
 			t.Fatalf("%d %q %s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), out)
 		}
 	}
+	poll.Until(t, "baton_pd_local_prefill_total reaches 5", func() bool {
+		return g.Server.Director().LocalPrefills() >= 5 // the last of CountLocalPrefill's counts
+	})
 	if n := testutil.ToFloat64(g.Metrics.PDLocalPrefill.WithLabelValues(pdModel)); n != 5 || g.Server.Director().LocalPrefills() != 5 {
 		t.Errorf("5 requests served alone counted %v (status page %d)", n, g.Server.Director().LocalPrefills())
 	}
