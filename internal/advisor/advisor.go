@@ -8,11 +8,15 @@
 //
 // The model, every term of which an operator can check against the receipt:
 //   - prefill: a leg dispatched to an idle prefill lasts o_p + uncached / C_p (least squares
-//     over such legs). An engine batches prefills, so o_p (a step's fixed cost) is latency, not
-//     capacity: each prompt is s = uncached / C_p of work, a prefill worker is busy ρ =
-//     λ_split·mean(s) / N_p, and its TTFT p90 is o_p + ln(10)·mean(s) / (1 − ρ) (an M/M/1
-//     sojourn time on the work) plus the pair's overhead o_pair (TTFT less the prefill leg: the
-//     KV transfer, the second hop, the decode's first step);
+//     over such legs), never less than a floor m (their 10th percentile: a step's memory-bound
+//     cost however few its tokens). Each prompt is s = uncached / C_p of work and a prefill
+//     worker is busy ρ = λ_split·mean(s) / N_p. An engine batches: every prompt waiting when a
+//     step starts joins it, and the step lasts max(m, o_p + its tokens / C_p). The leg's p90 is
+//     that rule replayed over Poisson arrivals of the window's prompts at the worker's load
+//     (a single-server queue, one prompt at a time, misses it by half);
+//   - TTFT p90: the prefill leg's p90, the pair's fixed part (TTFT less the prefill leg less
+//     1.5 TPOT: the KV transfer and the second hop) and the decode's first step at the
+//     predicted TPOT (the one under way, half on average, and its own: 1.5 TPOT);
 //   - decode: a token takes α + β·b with b requests decoding beside it (least squares over the
 //     requests' TPOT and their decode's concurrency); a decode worker holds b = λ·mean(output)
 //     ·TPOT / N_d requests (Little's law). A step is memory-bound: a prompt it computes itself
@@ -24,6 +28,7 @@ package advisor
 
 import (
 	"math"
+	"math/rand/v2"
 	"slices"
 	"sort"
 	"sync"
@@ -126,8 +131,15 @@ type Fit struct {
 	PrefillTokensPerS float64 `json:"prefill_tokens_per_s"`
 	PrefillOverheadS  float64 `json:"prefill_overhead_s"`
 	PrefillFrom       int     `json:"prefill_from"`
-	// PairOverheadS is o_pair, the median of TTFT less the prefill leg, over PairFrom requests.
+	// PrefillFloorS is the shortest a prefill step lasts however few its tokens (the weights
+	// read once a step: an engine's memory-bound floor), the 10th percentile of those legs.
+	PrefillFloorS float64 `json:"prefill_floor_s"`
+	// PairOverheadS is o_pair, the median of TTFT less the prefill leg, over PairFrom requests;
+	// PairFixedS the part of it that is not the decode's first step (the KV transfer and the
+	// second hop): the median of TTFT less the prefill leg less 1.5 TPOT (the step under way
+	// when the KV lands, half of one on average, then the request's own).
 	PairOverheadS float64 `json:"pair_overhead_s"`
+	PairFixedS    float64 `json:"pair_fixed_s"`
 	PairFrom      int     `json:"pair_from"`
 	// DecodeBaseS is α and DecodePerRequestS β of TPOT = α + β·b, from DecodeFrom requests.
 	DecodeBaseS       float64 `json:"decode_base_s"`
@@ -136,6 +148,9 @@ type Fit struct {
 
 	uncached []int     // each request's uncached tokens, sorted
 	cum      []float64 // cum[i]: the sum of uncached[:i] (a prediction reads sums, not samples)
+	// curves holds, per split point k, the replayed prefill p90 at a grid of loads, filled as
+	// predictions ask (a what-if over thousands of splits replays each curve once).
+	curves *curves
 }
 
 // MinFit is the fewest samples a rate is fitted from.
@@ -156,7 +171,7 @@ func (a *Advisor) Fit() Fit {
 	}
 	f.Rate = float64(len(ss)) / span.Seconds()
 	var px, py, dx, dy []float64
-	var pair []float64
+	var pair, fixed []float64
 	for _, s := range ss {
 		f.Output += float64(s.Output)
 		f.Uncached += float64(s.Uncached)
@@ -168,6 +183,9 @@ func (a *Advisor) Fit() Fit {
 			}
 			if s.TTFT > s.PrefillTime { // streams
 				pair = append(pair, (s.TTFT - s.PrefillTime).Seconds())
+				if s.TPOT > 0 {
+					fixed = append(fixed, max(0, (s.TTFT-s.PrefillTime).Seconds()-1.5*s.TPOT.Seconds()))
+				}
 			}
 		}
 		if s.TPOT > 0 {
@@ -177,6 +195,7 @@ func (a *Advisor) Fit() Fit {
 	n := float64(len(ss))
 	f.Output, f.Uncached, f.Prompt = f.Output/n, f.Uncached/n, f.Prompt/n
 	slices.Sort(f.uncached)
+	f.curves = &curves{byK: map[int][]float64{}}
 	f.cum = make([]float64, len(f.uncached)+1)
 	for i, u := range f.uncached {
 		f.cum[i+1] = f.cum[i] + float64(u)
@@ -185,11 +204,17 @@ func (a *Advisor) Fit() Fit {
 		b0, b1 := line(px, py)
 		if b1 > 0 {
 			f.PrefillTokensPerS, f.PrefillOverheadS, f.PrefillFrom = 1/b1, max(b0, 0), len(px)
+			slices.Sort(py)
+			f.PrefillFloorS = py[len(py)/10]
 		}
 	}
 	if len(pair) > 0 {
 		slices.Sort(pair)
 		f.PairOverheadS, f.PairFrom = pair[len(pair)/2], len(pair)
+		if len(fixed) > 0 {
+			slices.Sort(fixed)
+			f.PairFixedS = fixed[len(fixed)/2]
+		}
 	}
 	if len(dx) >= MinFit {
 		b0, b1 := line(dx, dy)
@@ -197,6 +222,9 @@ func (a *Advisor) Fit() Fit {
 			b0, b1 = mean(dy), 0
 		}
 		f.DecodeBaseS, f.DecodePerRequestS, f.DecodeFrom = max(b0, 1e-6), b1, len(dx)
+	}
+	if len(pair) > 0 && len(fixed) == 0 { // no stream's TPOT beside its TTFT: the fitted pace stands for it
+		f.PairFixedS = max(0, f.PairOverheadS-1.5*f.DecodeBaseS)
 	}
 	return f
 }
@@ -247,11 +275,17 @@ type Prediction struct {
 
 // Predict predicts split (prefill, decode) with local prefill under threshold tokens.
 func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
+	return f.predict(prefill, decode, threshold, slo, true)
+}
+
+// predict is Predict; without prefillSide it leaves the prefill's queue out (Threshold asks
+// what the decodes alone would give).
+func (f Fit) predict(prefill, decode, threshold int, slo SLO, prefillSide bool) Prediction {
 	p := Prediction{Prefill: prefill, Decode: decode, Threshold: threshold, TTFTp90S: -1, TPOTS: -1}
 	if !f.Fitted() || decode < 1 || len(f.uncached) == 0 {
 		return p
 	}
-	cp, op := f.PrefillTokensPerS, f.PrefillOverheadS
+	cp := f.PrefillTokensPerS
 	// The requests under the threshold stay on the decodes; the rest are split.
 	k := sort.SearchInts(f.uncached, threshold)
 	local, split := f.uncached[:k], f.uncached[k:]
@@ -260,18 +294,24 @@ func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
 	}
 	share := float64(len(split)) / float64(len(f.uncached))
 	lambdaSplit, lambdaLocal := f.Rate*share, f.Rate*(1-share)
-	var ttft float64
+	var ttft, prefillP90 float64
 	if len(split) > 0 {
 		// An engine batches prefills: a step's fixed cost (o_p) is shared by every prompt in
-		// it, so capacity is in tokens — each prompt is u / C_p of work — and o_p is paid
-		// once, as latency.
+		// it, so capacity is in tokens — each prompt is u / C_p of work.
 		s := (f.cum[len(f.uncached)] - f.cum[k]) / float64(len(split)) / cp
 		rho := lambdaSplit * s / float64(prefill)
 		p.PrefillUtil = rho
 		if rho >= 1 {
 			return p
 		}
-		ttft = op + math.Ln10*s/(1-rho) + f.PairOverheadS
+		switch {
+		case !prefillSide:
+		case rho < 0.02: // next to no queue: a prompt's own leg, the longest tenth's
+			u90 := float64(split[min(len(split)-1, len(split)*9/10)])
+			prefillP90 = max(f.PrefillFloorS, f.PrefillOverheadS+u90/cp)
+		default:
+			prefillP90 = f.prefillP90(rho, s, k)
+		}
 	}
 	// Decode: a step is memory-bound (α) until its compute outgrows it. A prompt computed
 	// there stalls the step beside it only by what its compute takes past α; the share of
@@ -299,6 +339,11 @@ func (f Fit) Predict(prefill, decode, threshold int, slo SLO) Prediction {
 		tpot = next
 	}
 	p.DecodeBatch = f.Rate * f.Output * tpot / float64(decode)
+	if len(split) > 0 {
+		// The KV transfer and the second hop, then the decode's first step: the one under way
+		// when the KV lands (half of one, on average) and the request's own.
+		ttft = prefillP90 + f.PairFixedS + 1.5*tpot
+	}
 	if len(local) > 0 {
 		// A local prompt's first token: the step under way, then its own (its compute, or the
 		// memory-bound step when that is longer).
@@ -332,7 +377,7 @@ func (f Fit) Threshold(decode int, slo SLO) int {
 	}
 	t := int((f.PairOverheadS + f.DecodeBaseS) * f.PrefillTokensPerS)
 	for t > 0 {
-		p := f.Predict(1_000_000, decode, t, slo) // the prefill side unbounded: the decode's cost alone
+		p := f.predict(1, decode, t, slo, false) // the prefill side left out: the decode's cost alone
 		if p.TPOTS >= 0 && (slo.TPOT <= 0 || p.TPOTS <= slo.TPOT.Seconds()) {
 			return t
 		}
@@ -390,4 +435,90 @@ func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
 		adv.Why = "no split meets the SLOs at the current load; this one comes closest: add workers"
 	}
 	return adv
+}
+
+// curves memoises the replayed prefill p90 per split point.
+type curves struct {
+	mu  sync.Mutex
+	byK map[int][]float64
+}
+
+// The loads the replay is run at: 1 − ρ from 0.98 down to 0.002, geometrically.
+const gridPoints = 20
+
+func gridRho(i int) float64 { return 1 - 0.98*math.Pow(0.002/0.98, float64(i)/(gridPoints-1)) }
+
+// prefillP90 is the prefill leg's p90 on a prefill worker at utilisation rho (0.02 ≤ rho < 1)
+// of the split prompts from k on (mean work s each): the replay's at the grid's loads, and
+// between them interpolated (log p90 against log(1 − ρ)); past the grid's last load, a queue
+// growing as 1 / (1 − ρ).
+func (f Fit) prefillP90(rho, s float64, k int) float64 {
+	c := f.curves
+	if c == nil { // a Fit not made by Advisor.Fit: nothing to keep the curve in
+		c = &curves{byK: map[int][]float64{}}
+	}
+	c.mu.Lock()
+	curve, ok := c.byK[k]
+	if !ok {
+		curve = make([]float64, gridPoints)
+		for i := range curve {
+			curve[i] = f.batchedP90(gridRho(i)/s, k)
+		}
+		c.byK[k] = curve
+	}
+	c.mu.Unlock()
+	x := math.Log(1 - rho)
+	for i := 1; i < gridPoints; i++ {
+		if x >= math.Log(1-gridRho(i)) {
+			x0, x1 := math.Log(1-gridRho(i-1)), math.Log(1-gridRho(i))
+			w := (x - x0) / (x1 - x0)
+			return math.Exp((1-w)*math.Log(curve[i-1]) + w*math.Log(curve[i]))
+		}
+	}
+	return curve[gridPoints-1] * (1 - gridRho(gridPoints-1)) / (1 - rho)
+}
+
+// batchedP90 is the 90th percentile of a prefill leg on one prefill worker offered lambda
+// split requests a second, whose prompts are the window's from the k-th shortest up: a replay
+// of the engine's continuous batching — every prompt waiting when a step starts joins it, and
+// the step lasts o_p + its tokens / C_p, never less than the fitted floor — over 20,000 Poisson
+// arrivals (a fixed seed: the same window gives the same answer), the first 2,000 left out as
+// warm-up. A single-server queue (each prompt its own o_p + u / C_p in turn) is what an engine
+// is not: it puts every short prompt behind every other, where the engine computes them in
+// one step that costs no more than one of them under its memory-bound floor.
+func (f Fit) batchedP90(lambda float64, k int) float64 {
+	const n, warm = 20_000, 2000
+	split := f.uncached[k:]
+	r := rand.New(rand.NewPCG(uint64(len(split)), uint64(k)))
+	type waiting struct {
+		at float64
+		u  int
+	}
+	queue := make([]waiting, 0, 64)
+	sojourn := make([]float64, 0, n-warm)
+	arrival, free := r.ExpFloat64()/lambda, 0.0
+	for i, done := 0, 0; done < n; {
+		if len(queue) == 0 && i < n {
+			free = max(free, arrival)
+		}
+		for i < n && arrival <= free {
+			queue = append(queue, waiting{arrival, split[r.IntN(len(split))]})
+			arrival += r.ExpFloat64() / lambda
+			i++
+		}
+		tokens := 0
+		for _, w := range queue {
+			tokens += w.u
+		}
+		free += max(f.PrefillFloorS, f.PrefillOverheadS+float64(tokens)/f.PrefillTokensPerS)
+		for _, w := range queue {
+			if done >= warm {
+				sojourn = append(sojourn, free-w.at)
+			}
+			done++
+		}
+		queue = queue[:0]
+	}
+	slices.Sort(sojourn)
+	return sojourn[len(sojourn)*9/10]
 }

@@ -129,20 +129,16 @@ func TestPredictionsFromSumsAreTheSamples(t *testing.T) {
 				split = append(split, u)
 			}
 		}
-		var ttft float64
+		var rho float64
 		if len(split) > 0 {
 			var sum float64
 			for _, u := range split {
 				sum += float64(u)
 			}
-			s := sum / float64(len(split)) / f.PrefillTokensPerS
-			rho := f.Rate * float64(len(split)) / float64(len(f.uncached)) * s / 3
-			if rho < 1 {
-				ttft = f.PrefillOverheadS + 2.302585092994046*s/(1-rho) + f.PairOverheadS
-			}
+			rho = f.Rate * float64(len(split)) / float64(len(f.uncached)) * sum / float64(len(split)) / f.PrefillTokensPerS / 3
 		}
-		if p.TTFTp90S > 0 && len(local) == 0 && !near(p.TTFTp90S, ttft, 1e-9) {
-			t.Errorf("threshold %d: TTFT %v, by hand %v", threshold, p.TTFTp90S, ttft)
+		if !near(p.PrefillUtil, rho, 1e-9) {
+			t.Errorf("threshold %d: prefill utilisation %v, by hand %v", threshold, p.PrefillUtil, rho)
 		}
 		var over float64
 		for _, u := range local {

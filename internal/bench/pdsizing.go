@@ -105,7 +105,9 @@ type sizingAdvice struct {
 	Fit struct {
 		Requests int     `json:"requests"`
 		Prefill  float64 `json:"prefill_tokens_per_s"`
+		Floor    float64 `json:"prefill_floor_s"`
 		Pair     float64 `json:"pair_overhead_s"`
+		Fixed    float64 `json:"pair_fixed_s"`
 		Base     float64 `json:"decode_base_s"`
 		Per      float64 `json:"decode_per_request_s"`
 	} `json:"fit"`
@@ -359,8 +361,9 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		fmt.Fprintln(r.out)
 		fmt.Fprintf(r.out, "Best static split, always disaggregated: **%d : %d** at %.2f req/s.", best.prefill, sizingEngines-best.prefill, best.goodput)
 		if a := probe.advice; a != nil {
-			fmt.Fprintf(r.out, " The advisor, after %s at 4 : 4 (%d requests; prefill %.0f tokens/s, pair overhead %.0f ms, TPOT %.1f ms + %.2f ms per request decoding): **%d : %d**, local prefill under %d tokens — %s.",
-				adviseFor, a.Fit.Requests, a.Fit.Prefill, 1000*a.Fit.Pair, 1000*a.Fit.Base, 1000*a.Fit.Per, a.Recommended.Prefill, a.Recommended.Decode, a.Recommended.Threshold, a.Why)
+			fmt.Fprintf(r.out, " The advisor, after %s at 4 : 4 (%d requests; prefill %.0f tokens/s, at least %.0f ms a leg; pair overhead %.0f ms, %.0f ms past the decode's first step; TPOT %.1f ms + %.2f ms per request decoding): **%d : %d**, local prefill under %d tokens, predicted TTFT p90 %.0f ms and TPOT %.0f ms — %s.",
+				adviseFor, a.Fit.Requests, a.Fit.Prefill, 1000*a.Fit.Floor, 1000*a.Fit.Pair, 1000*a.Fit.Fixed, 1000*a.Fit.Base, 1000*a.Fit.Per, a.Recommended.Prefill, a.Recommended.Decode, a.Recommended.Threshold,
+				1000*a.Recommended.TTFT, 1000*a.Recommended.TPOT, a.Why)
 		}
 		fmt.Fprintln(r.out)
 		fmt.Fprintln(r.out)

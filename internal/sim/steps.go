@@ -351,3 +351,57 @@ func (s *stepper) apply(batch []scheduled, d time.Duration) {
 	close(s.wake)
 	s.wake = make(chan struct{})
 }
+
+// Offered is a request offered to the step model in model time: it arrives At, computes
+// Compute prompt tokens (Cached more of its context already held: a prefix cache hit or a KV
+// transfer) and produces Want tokens in all (a prefill leg: one).
+type Offered struct {
+	At                    time.Duration
+	Compute, Cached, Want int
+}
+
+// Replay runs offered (in arrival order) through the step model with no clock, in model time
+// only, and returns each request's time from its arrival to its first and to its last token:
+// what a single engine of these costs would give that load, for whoever predicts it.
+func Replay(p Perf, offered []Offered) (first, last []time.Duration, err error) {
+	if err := p.validate(); err != nil {
+		return nil, nil, err
+	}
+	s := &stepper{p: p, work: make(chan struct{}, 1), wake: make(chan struct{}), stop: make(chan struct{})}
+	first, last = make([]time.Duration, len(offered)), make([]time.Duration, len(offered))
+	at := make(map[*seq]int, 64)
+	next := 0
+	for next < len(offered) || len(s.run)+len(s.wait) > 0 {
+		for next < len(offered) && offered[next].At <= s.clock {
+			o := offered[next]
+			if o.Compute+o.Cached+1 > p.KVBlocks*p.BlockSize {
+				return nil, nil, fmt.Errorf("request %d needs %d tokens of KV; the model holds %d", next, o.Compute+o.Cached+1, p.KVBlocks*p.BlockSize)
+			}
+			q := &seq{pending: max(1, o.Compute), held: o.Cached, want: max(1, o.Want)}
+			s.wait = append(s.wait, q)
+			at[q] = next
+			next++
+		}
+		batch, d := s.next()
+		if len(batch) == 0 {
+			if next >= len(offered) {
+				return nil, nil, fmt.Errorf("the step model stalled with %d running and %d waiting", len(s.run), len(s.wait))
+			}
+			s.clock = offered[next].At // idle until the next arrival
+			continue
+		}
+		s.apply(batch, d)
+		for _, x := range batch {
+			q, i := x.q, at[x.q]
+			if q.produced == 1 && first[i] == 0 {
+				first[i] = s.clock - offered[i].At
+			}
+			if q.produced >= q.want && !q.done {
+				last[i] = s.clock - offered[i].At
+				s.end(q)
+				delete(at, q)
+			}
+		}
+	}
+	return first, last, nil
+}

@@ -248,3 +248,28 @@ func TestStepModelFlags(t *testing.T) {
 		t.Error("a step model without KV blocks was taken")
 	}
 }
+
+// Replay runs the step model in model time over offered arrivals: a long prompt's step holds
+// the short ones that arrive during it, which then share one step; one arriving to an idle
+// engine is served at once.
+func TestReplay(t *testing.T) {
+	p := DefaultPerf()
+	ms := time.Millisecond
+	off := []Offered{{At: 0, Compute: 4000, Want: 1}, {At: 10 * ms, Compute: 100, Cached: 4000, Want: 1},
+		{At: 11 * ms, Compute: 100, Cached: 4000, Want: 3}, {At: 300 * ms, Compute: 100, Cached: 4000, Want: 1}}
+	first, last, err := Replay(p, off)
+	if err != nil {
+		t.Fatal(err)
+	}
+	long, pair := p.stepTime(4000, 0), p.stepTime(200, 0)
+	decode := p.stepTime(1, 4100) + p.stepTime(1, 4101) // the third request's two tokens after the pair's step, alone
+	want := [][2]time.Duration{{long, long}, {long + pair - 10*ms, long + pair - 10*ms}, {long + pair - 11*ms, long + pair + decode - 11*ms}, {p.stepTime(100, 0), p.stepTime(100, 0)}}
+	for i, w := range want {
+		if first[i] != w[0] || last[i] != w[1] {
+			t.Errorf("request %d: first %v last %v, want %v %v", i, first[i], last[i], w[0], w[1])
+		}
+	}
+	if _, _, err := Replay(p, []Offered{{Compute: p.KVBlocks*p.BlockSize + 1}}); err == nil {
+		t.Error("a request larger than the KV cache was replayed")
+	}
+}
