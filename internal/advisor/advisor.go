@@ -522,3 +522,17 @@ func (f Fit) batchedP90(lambda float64, k int) float64 {
 	slices.Sort(sojourn)
 	return sojourn[len(sojourn)*9/10]
 }
+
+// SplitWork is the mean prefill compute, in seconds, of a prompt at or over threshold uncached
+// tokens (those a split still sends to a prefill): what each request a prefill has in flight
+// puts before the next one. 0 when unfitted or none.
+func (f Fit) SplitWork(threshold int) float64 {
+	if !f.Fitted() || len(f.uncached) == 0 {
+		return 0
+	}
+	k := sort.SearchInts(f.uncached, threshold)
+	if k == len(f.uncached) {
+		return 0
+	}
+	return (f.cum[len(f.uncached)] - f.cum[k]) / float64(len(f.uncached)-k) / f.PrefillTokensPerS
+}

@@ -289,8 +289,10 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	load := &enginestate.Poller{Registry: reg, Client: client, Log: log, Interval: cfg.LoadPollInterval, Adapters: adapters.Declared}
 	adapters.Refresh = func(ctx context.Context, w *worker.Worker) { load.Poll(ctx, w) }
 	sel.Adapters = adapters
-	if cfg.PDLocalPrefillThreshold > 0 {
-		sel.LocalPrefill = localPrefill(cfg.PDLocalPrefillThreshold, kv.PromptTokens)
+	var local *director.LocalRule
+	if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto {
+		local = director.NewLocalRule(cfg.PDLocalPrefillThreshold, cfg.PDLocalPrefillAuto, kv.PromptTokens)
+		sel.LocalPrefill = local.Decide
 	}
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1
@@ -303,6 +305,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	fl.CloseIdle = func(url string) { proxy.CloseIdle(transport, url) }
 	parts := server.Options{Proxy: px, Dispatcher: dispatcher, Admin: adminapi.Options{Fleet: fl, SourceOf: fl.SourceOf, KVEventsView: kv.View},
 		Director: director.Options{Registry: reg, Selector: sel, Metrics: m, Log: log, Adapters: adapters}}
+	parts.Director.LocalRule = local
 	parts.Director.Models = func() (map[string]config.ModelConfig, string) { mn := models.Load(); return mn.models, mn.def }
 	sel.SetPolicies(policies, modelPolicies)
 	m.Registry.MustRegister(kv.Collector())
@@ -422,7 +425,6 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o := parts
 	d := &o.Director
 	d.PD, d.APIKey, d.MaxBatchSize, d.RouteHeader = cfg.PDDisaggregation, cfg.ClientKey(), cfg.MaxBatchSize, cfg.RouteHeader
-	d.LocalPrefillThreshold = cfg.PDLocalPrefillThreshold
 	d.Admission, d.Retry = cfg.Admission, cfg.Retry
 	o.Admin.KVConnector = cfg.KVConnector
 	o.MaxPayloadSize = cfg.MaxPayloadSize
@@ -821,28 +823,6 @@ func learnEngineIDs(log *slog.Logger, cfg config.Config, client *http.Client, w 
 	}
 }
 
-// localPrefill is conditional disaggregation's rule: a PD request's decode serves it alone when
-// the prompt has fewer than threshold tokens it does not hold — the prompt's tokens (the
-// tokenizer's cached count, else the body's bytes / 4) less the share the decode's policy found
-// cached there (none when it cannot tell). Never an SGLang decode: it refuses a request
-// without a bootstrap room (docs/ENGINES.md).
-func localPrefill(threshold int, promptTokens func(model, path string, body []byte) (int, bool)) policy.LocalPrefillFunc {
-	return func(_ context.Context, d *worker.Worker, match float64, req *policy.Request) bool {
-		if d.Runtime() == config.RuntimeSGLang {
-			return false
-		}
-		n, ok := promptTokens(req.Model, req.Path, req.Body)
-		if !ok {
-			n = (len(req.Body) + 3) / 4
-		}
-		uncached := float64(n)
-		if match > 0 {
-			uncached *= 1 - min(match, 1)
-		}
-		return uncached < float64(threshold)
-	}
-}
-
 // logConnector makes a vLLM prefill worker's effective KV connector visible at registration,
 // and warns when none is configured: its decodes would recompute unless the engine happens to
 // return kv_transfer_params.
@@ -855,7 +835,7 @@ func logConnector(log *slog.Logger, cfg config.Config, w *worker.Worker) {
 		log.Warn("configured dp_size differs from the engine's: Baton addresses ranks the engine may not have (400s) or leaves ranks idle; set dp_size to the engine's",
 			"worker", w.URL, "dp_size", w.DPSize, "engine_dp_size", in.DPSize)
 	}
-	if w.Role == config.RoleDecode && w.Runtime() == config.RuntimeSGLang && cfg.PDLocalPrefillThreshold > 0 {
+	if w.Role == config.RoleDecode && w.Runtime() == config.RuntimeSGLang && (cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto) {
 		log.Warn("SGLang decode worker under pd_local_prefill_threshold: SGLang's decode servers refuse a request without a bootstrap room (they never prefill a prompt themselves), so every request it serves still goes through a prefill",
 			"worker", w.URL)
 	}

@@ -5,15 +5,18 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
@@ -79,7 +82,7 @@ func TestPDLocalPrefillByUncachedTokens(t *testing.T) {
 	}
 	t.Run("status page in a browser", func(t *testing.T) {
 		dom := browse(t, chromium(t), status.URL+"/", "--dump-dom")
-		if !bytes.Contains(dom, []byte("Served by a decode alone (fewer than 60 uncached prompt tokens, conditional disaggregation): 2")) {
+		if !bytes.Contains(dom, []byte("Served by a decode alone (conditional disaggregation: fewer than 60 uncached prompt tokens, or every prefill busier than the decode alone): 2")) {
 			t.Errorf("the rendered status page does not say it:\n%s", dom)
 		}
 	})
@@ -132,10 +135,12 @@ func TestPDLocalPrefillSettingsRefused(t *testing.T) {
 		{"--pd-local-prefill-threshold", "100", "--worker-urls", "http://127.0.0.1:1"},
 		{"--pd-disaggregation", "--pd-local-prefill-threshold", "100", "--pd-require-handoff", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 		{"--pd-disaggregation", "--pd-local-prefill-threshold", "-1", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+		{"--pd-local-prefill-auto", "--worker-urls", "http://127.0.0.1:1"},
+		{"--pd-disaggregation", "--pd-local-prefill-auto", "--pd-require-handoff", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 		{"--pd-disaggregation", "--pd-advice-ttft-slo", "2h", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 		{"--pd-disaggregation", "--pd-advice-tpot-slo", "100us", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 	} {
-		if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_local_prefill_threshold") && !strings.Contains(err.Error(), "pd-local-prefill-threshold") &&
+		if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_local_prefill_") && !strings.Contains(err.Error(), "pd-local-prefill-threshold") &&
 			!strings.Contains(err.Error(), "pd_advice_") {
 			t.Errorf("%v: %v", args, err)
 		}
@@ -311,5 +316,122 @@ func TestPDLocalPrefillLeavesHealthGenerateAPair(t *testing.T) {
 	body := readAll(t, resp.Body)
 	if resp.StatusCode != 200 || !strings.Contains(body, "prefill="+p.URL()) {
 		t.Errorf("health_generate under a threshold: %d %s", resp.StatusCode, body)
+	}
+}
+
+// pdWarmTraffic sends the advisor 40 PD requests of varied lengths, most streamed: enough to
+// fit every rate.
+func pdWarmTraffic(t *testing.T, gw string) {
+	t.Helper()
+	for i := range 40 {
+		body := fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":%d,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, strings.Repeat("word ", 200+40*(i%10)), 3+i%5)
+		if i%4 == 0 {
+			body = fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":%d,"ignore_eos":true}`, strings.Repeat("word ", 200+40*(i%10)), 3+i%5)
+		}
+		if resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+	}
+}
+
+// In auto mode the threshold is the advisor's: it starts at the configured one (0: every
+// request split), and once the advisor has fitted the fleet it is the recommendation for the
+// fleet's decodes, under which a short prompt is served by its decode alone; the status page
+// says the threshold is the advisor's.
+func TestPDLocalPrefillAuto(t *testing.T) {
+	t.Parallel()
+	p, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 2 * time.Millisecond},
+		func(c *config.Config) {
+			c.PDLocalPrefillAuto, c.PDAdviceTTFTSLO, c.PDAdviceTPOTSLO = true, 2*time.Second, time.Second
+		})
+	d := g.Server.Director()
+	short := `{"model":"m","prompt":"a short question","max_tokens":3}`
+	if resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", short); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "nixl" || d.LocalPrefillThreshold() != 0 {
+		t.Fatalf("before any fit: %d %q, threshold %d\n%s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), d.LocalPrefillThreshold(), out)
+	}
+	pdWarmTraffic(t, gw)
+	d.RefreshLocal()
+	f := d.Advice(0, 0, 0).Fit
+	if want := f.Threshold(1, advisor.SLO{TTFT: 2 * time.Second, TPOT: time.Second}); d.LocalPrefillThreshold() != want || want <= 0 {
+		t.Fatalf("auto threshold %d, the advisor's for one decode %d (fit %+v)", d.LocalPrefillThreshold(), want, f)
+	}
+	before := p.Stats().RequestsReceived
+	if resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", short); resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill" || p.Stats().RequestsReceived != before {
+		t.Errorf("under the advisor's threshold %d: %d %q\n%s", d.LocalPrefillThreshold(), resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), out)
+	}
+	status := httptest.NewServer(g.Server.StatusHandler())
+	defer status.Close()
+	var st struct {
+		LocalPrefill struct {
+			Threshold int
+			Auto      bool
+		} `json:"local_prefill"`
+	}
+	sr, err := http.Get(status.URL + "/status.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal([]byte(readAll(t, sr.Body)), &st); err != nil || !st.LocalPrefill.Auto || st.LocalPrefill.Threshold != d.LocalPrefillThreshold() {
+		t.Errorf("status.json local_prefill %+v (%v)", st.LocalPrefill, err)
+	}
+}
+
+// A prompt over the threshold still goes to its decode alone when every prefill it could use
+// has so much in flight that the decode would finish it sooner; once they are free it is split
+// again. Before the advisor has fitted the prefill's rate the rule is the threshold alone.
+func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
+	t.Parallel()
+	p, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 2 * time.Millisecond},
+		func(c *config.Config) { c.PDLocalPrefillThreshold, c.ForwardSimFaults = 1, true })
+	d := g.Server.Director()
+	prompt := `{"model":"m","prompt":"` + strings.Repeat("a question of some length ", 10) + `","max_tokens":3}`
+	handoff := func() string {
+		t.Helper()
+		resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", prompt)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+		return resp.Header.Get("X-Baton-Kv-Handoff")
+	}
+	busy := func() (release func()) {
+		var wg sync.WaitGroup
+		// Long documents, whose own compute on the decode would outlast the wait: each stays
+		// split (the rule applies to them too), and holds the prefill for 2 s.
+		for range 4 {
+			wg.Go(func() {
+				req, _ := http.NewRequest(http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"`+strings.Repeat("a long document ", 1000)+`","max_tokens":2}`))
+				req.Header.Set(sim.HeaderFault, "latency=2s")
+				if resp, err := http.DefaultClient.Do(req); err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			})
+		}
+		pw := g.Registry.Snapshot().Workers[0]
+		if pw.Role != config.RolePrefill {
+			pw = g.Registry.Snapshot().Workers[1]
+		}
+		poll.Until(t, "the prefill has 4 requests in flight", func() bool { return pw.InFlight() >= 4 })
+		return wg.Wait
+	}
+	// Not fitted: the threshold alone decides, busy or not.
+	release := busy()
+	if h := handoff(); h != "nixl" {
+		t.Errorf("unfitted, every prefill busy: handoff %q, want the pair's", h)
+	}
+	release()
+	pdWarmTraffic(t, gw)
+	d.RefreshLocal()
+	if h := handoff(); h != "nixl" {
+		t.Errorf("fitted, the prefill free: handoff %q, want the pair's", h)
+	}
+	release = busy()
+	before := p.Stats().RequestsReceived
+	if h := handoff(); h != "none-local-prefill" || p.Stats().RequestsReceived != before {
+		t.Errorf("fitted, the prefill 4 requests deep: handoff %q, the prefill received %d more", h, p.Stats().RequestsReceived-before)
+	}
+	release()
+	if h := handoff(); h != "nixl" {
+		t.Errorf("the prefill free again: handoff %q, want the pair's", h)
 	}
 }

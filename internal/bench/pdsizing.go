@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -83,9 +84,20 @@ func sizingPerf() *sim.Perf {
 	return &p
 }
 
+// sizingConf is one configuration a mix runs on: its split, its threshold (and whether it
+// follows the advisor from there) and the arrival rate offered.
+type sizingConf struct {
+	prefill, threshold int
+	auto               bool
+	rate               float64
+}
+
 // sizingResult is one run of a mix on one split.
 type sizingResult struct {
 	prefill, threshold int
+	auto               bool
+	rate               float64
+	attained           float64 // the share of the requests sent that met both SLOs
 	sent, done, good   int
 	goodput            float64 // requests a second that met both SLOs
 	ttftP90, tpotP90   time.Duration
@@ -117,13 +129,17 @@ type sizingAdvice struct {
 // sizingRun starts eight fresh engines (prefill of them prefill, the rest decode) and a PD Baton
 // with the local-prefill threshold, offers the mix for warm + measure, and measures the
 // requests that arrived after warm; with advise it asks the advisor at the end.
-func (r *runner) sizingRun(ctx context.Context, mix sizingMix, prefill, threshold int, warm, measure time.Duration, advise bool) (sizingResult, error) {
-	res := sizingResult{prefill: prefill, threshold: threshold}
+func (r *runner) sizingRun(ctx context.Context, mix sizingMix, c sizingConf, warm, measure time.Duration, advise bool) (sizingResult, error) {
+	prefill, threshold := c.prefill, c.threshold
+	res := sizingResult{prefill: prefill, threshold: threshold, auto: c.auto, rate: c.rate}
 	var es []*sim.Engine
 	defer func() { closeAll(es) }()
 	args := []string{"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware",
 		"--request-timeout", "120s", "--access-log=false", "--pd-local-prefill-threshold", strconv.Itoa(threshold),
 		"--pd-advice-ttft-slo", mix.ttft.String(), "--pd-advice-tpot-slo", mix.tpot.String()}
+	if c.auto {
+		args = append(args, "--pd-local-prefill-auto")
+	}
 	for i := range sizingEngines {
 		role := sim.RoleDecode
 		if i < prefill {
@@ -159,7 +175,7 @@ func (r *runner) sizingRun(ctx context.Context, mix sizingMix, prefill, threshol
 	end := warm + measure
 	next := time.Duration(0)
 	for i := 0; ; i++ {
-		next += time.Duration(rng.ExpFloat64() / mix.rate * float64(time.Second))
+		next += time.Duration(rng.ExpFloat64() / c.rate * float64(time.Second))
 		if next >= end {
 			break
 		}
@@ -207,6 +223,9 @@ func (r *runner) sizingRun(ctx context.Context, mix sizingMix, prefill, threshol
 		}
 	}
 	res.goodput = float64(res.good) / measure.Seconds()
+	if res.sent > 0 {
+		res.attained = float64(res.good) / float64(res.sent)
+	}
 	res.ttftP90, res.tpotP90 = p90(ttfts), p90(tpots)
 	return res, nil
 }
@@ -296,16 +315,19 @@ func askAdvice(ctx context.Context, client *http.Client, base string, mix sizing
 }
 
 // pdSizing: every static split of eight engines under two mixes, always split and with
-// conditional disaggregation; the advisor's recommendation after a run at 4:4; the goals.
+// conditional disaggregation (the advisor's threshold, auto); the advisor's recommendation
+// after a run at 4:4; then the highest rate each mode's best splits serve with 90 % of the
+// requests within both SLOs; the goals.
 func (r *runner) pdSizing(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 16. PD sizing: static splits, conditional disaggregation, the advisor")
 	fmt.Fprintln(r.out)
-	warm, measure, adviseFor := 8*time.Second, 30*time.Second, 60*time.Second
+	warm, measure, adviseFor := 12*time.Second, 30*time.Second, 60*time.Second
+	ladderWarm, ladderMeasure := 12*time.Second, 20*time.Second
 	if r.o.Quick {
-		warm, measure, adviseFor = 5*time.Second, 15*time.Second, 30*time.Second
+		warm, measure, adviseFor, ladderMeasure = 12*time.Second, 15*time.Second, 30*time.Second, 10*time.Second
 	}
-	fmt.Fprintf(r.out, "%d simulated vLLM engines (NIXL, prefix caches) with the step model at a tenth of DefaultPerf's speed (a step %s + max(tokens × %s, %s + context × %s)), split every static way between prefill and decode behind one PD Baton (`cache_aware` both roles); open-loop Poisson arrivals, the same requests for every split; %s of warm-up, then %s measured. Goodput: the requests a second that arrived in the measured window and met both SLOs (TTFT from send to the first token; TPOT over the rest).\n\n",
-		sizingEngines, sizingPerf().StepOverhead, sizingPerf().ComputePerToken, sizingPerf().WeightRead, sizingPerf().KVReadPerToken, warm, measure)
+	fmt.Fprintf(r.out, "%d simulated vLLM engines (NIXL, prefix caches) with the step model at a tenth of DefaultPerf's speed (a step %s + max(tokens × %s, %s + context × %s)), split every static way between prefill and decode behind one PD Baton (`cache_aware` both roles); open-loop Poisson arrivals, the same requests for every split; %s of warm-up, then %s measured. Goodput: the requests a second that arrived in the measured window and met both SLOs (TTFT from send to the first token; TPOT over the rest). Conditional runs use `--pd-local-prefill-auto` from the threshold the advisor gave after its probe. Capacity: the highest rate, in steps of a quarter of the mix's rate, at which a split keeps 90 %% of its requests within both SLOs (%s warm-up, %s measured a step).\n\n",
+		sizingEngines, sizingPerf().StepOverhead, sizingPerf().ComputePerToken, sizingPerf().WeightRead, sizingPerf().KVReadPerToken, warm, measure, ladderWarm, ladderMeasure)
 	type plotted struct {
 		name           string
 		always, thresh []float64
@@ -317,27 +339,28 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|---:|---:|")
 		row := func(x sizingResult) {
 			t := "off"
-			if x.threshold > 0 {
+			if x.threshold > 0 || x.auto {
 				t = strconv.Itoa(x.threshold)
+				if x.auto {
+					t = "auto from " + t
+				}
 			}
 			fmt.Fprintf(r.out, "| %d : %d | %s | %.2f | %d | %d / %d | %d | %.0f | %.0f |\n", x.prefill, sizingEngines-x.prefill, t, x.goodput, x.good, x.done, x.sent, x.local,
 				float64(x.ttftP90)/1e6, float64(x.tpotP90)/1e6)
 		}
 		pl := plotted{name: mix.name}
-		var best sizingResult
+		var always []sizingResult
 		for p := 1; p < sizingEngines; p++ {
-			x, err := r.sizingRun(ctx, mix, p, 0, warm, measure, false)
+			x, err := r.sizingRun(ctx, mix, sizingConf{prefill: p, rate: mix.rate}, warm, measure, false)
 			if err != nil {
 				return err
 			}
 			row(x)
+			always = append(always, x)
 			pl.always = append(pl.always, x.goodput)
-			if x.goodput > best.goodput {
-				best = x
-			}
 		}
 		// The advisor: a run at 4:4 without a threshold, then its recommendation for eight.
-		probe, err := r.sizingRun(ctx, mix, sizingEngines/2, 0, 0, adviseFor, true)
+		probe, err := r.sizingRun(ctx, mix, sizingConf{prefill: sizingEngines / 2, rate: mix.rate}, 0, adviseFor, true)
 		if err != nil {
 			return err
 		}
@@ -349,16 +372,19 @@ func (r *runner) pdSizing(ctx context.Context) error {
 				threshold = a.Recommended.Threshold
 			}
 		}
+		var cond []sizingResult
 		for p := 1; p < sizingEngines; p++ {
-			x, err := r.sizingRun(ctx, mix, p, threshold, warm, measure, false)
+			x, err := r.sizingRun(ctx, mix, sizingConf{prefill: p, threshold: threshold, auto: true, rate: mix.rate}, warm, measure, false)
 			if err != nil {
 				return err
 			}
 			row(x)
+			cond = append(cond, x)
 			pl.thresh = append(pl.thresh, x.goodput)
 		}
 		plots = append(plots, pl)
 		fmt.Fprintln(r.out)
+		best := bestSplits(always, 1)[0]
 		fmt.Fprintf(r.out, "Best static split, always disaggregated: **%d : %d** at %.2f req/s.", best.prefill, sizingEngines-best.prefill, best.goodput)
 		if a := probe.advice; a != nil {
 			fmt.Fprintf(r.out, " The advisor, after %s at 4 : 4 (%d requests; prefill %.0f tokens/s, at least %.0f ms a leg; pair overhead %.0f ms, %.0f ms past the decode's first step; TPOT %.1f ms + %.2f ms per request decoding): **%d : %d**, local prefill under %d tokens, predicted TTFT p90 %.0f ms and TPOT %.0f ms — %s.",
@@ -367,18 +393,55 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		}
 		fmt.Fprintln(r.out)
 		fmt.Fprintln(r.out)
+		// Capacity: the best two splits of each mode, up a ladder of rates.
+		fmt.Fprintln(r.out, "| mode | prefill : decode | rate req/s | within both SLOs | TTFT p90 ms | TPOT p90 ms |")
+		fmt.Fprintln(r.out, "|---|---|---:|---:|---:|---:|")
+		capacity := func(name string, from []sizingResult) (float64, sizingResult, error) {
+			var top float64
+			var at sizingResult
+			for _, b := range bestSplits(from, 2) {
+				c := sizingConf{prefill: b.prefill, threshold: b.threshold, auto: b.auto}
+				held := 0.0
+				for step := 4; step <= 8; step++ { // 1×, 1.25×, … 2× the mix's rate
+					c.rate = mix.rate * float64(step) / 4
+					x, err := r.sizingRun(ctx, mix, c, ladderWarm, ladderMeasure, false)
+					if err != nil {
+						return 0, at, err
+					}
+					fmt.Fprintf(r.out, "| %s | %d : %d | %.1f | %.0f %% | %.0f | %.0f |\n", name, c.prefill, sizingEngines-c.prefill, c.rate, 100*x.attained, float64(x.ttftP90)/1e6, float64(x.tpotP90)/1e6)
+					if x.attained < 0.9 {
+						break
+					}
+					held = c.rate
+				}
+				if held > top {
+					top, at = held, b
+				}
+			}
+			return top, at, nil
+		}
+		capA, atA, err := capacity("always split", always)
+		if err != nil {
+			return err
+		}
+		capC, atC, err := capacity("conditional", cond)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintln(r.out)
+		fmt.Fprintf(r.out, "Capacity at 90 %% within both SLOs: always split %.1f req/s (%d : %d), conditional %.1f req/s (%d : %d).\n\n",
+			capA, atA.prefill, sizingEngines-atA.prefill, capC, atC.prefill, sizingEngines-atC.prefill)
 		if recP > 0 {
-			bestT := slices.Max(pl.thresh)
-			recGood := pl.always[recP-1]
+			recGood := always[recP-1].goodput
 			if probe.advice.Recommended.Threshold > 0 {
-				recGood = pl.thresh[recP-1]
+				recGood = cond[recP-1].goodput
 			}
 			d := recP - best.prefill
 			fmt.Fprintf(r.out, "- The advisor's split is %+d worker(s) from the best static split (goal within ±1); its goodput (with its threshold) %.2f req/s = %.0f %% of the best static split's (goal ≥ 95 %%).\n",
 				d, recGood, 100*recGood/max(best.goodput, 1e-9))
-			fmt.Fprintf(r.out, "- Conditional disaggregation (threshold %d) at its best split: %.2f req/s, %+.0f %% against always splitting at its best (goal: ≥ +20 %% on chat, ≥ −2 %% on RAG).\n\n",
-				threshold, bestT, 100*(bestT/max(best.goodput, 1e-9)-1))
 		}
+		fmt.Fprintf(r.out, "- Conditional disaggregation (auto, from %d tokens): capacity %+.0f %% against always splitting, each at its best split (goal: ≥ +20 %% on chat, ≥ −2 %% on RAG).\n\n",
+			threshold, 100*(capC/max(capA, 1e-9)-1))
 	}
 	if r.o.Plot != "" {
 		var series []goodputSeries
@@ -391,4 +454,20 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		fmt.Fprintf(r.out, "Goodput per split: %s\n\n", r.o.Plot)
 	}
 	return nil
+}
+
+// bestSplits returns the n runs of the most goodput, the lower TTFT p90 first among those
+// within 2 % of each other.
+func bestSplits(rs []sizingResult, n int) []sizingResult {
+	out := slices.Clone(rs)
+	slices.SortStableFunc(out, func(a, b sizingResult) int {
+		if math.Abs(a.goodput-b.goodput) > 0.02*max(a.goodput, b.goodput) {
+			if a.goodput > b.goodput {
+				return -1
+			}
+			return 1
+		}
+		return int(a.ttftP90 - b.ttftP90)
+	})
+	return out[:min(n, len(out))]
 }

@@ -105,6 +105,8 @@ type Config struct {
 	// PDLocalPrefillThreshold: conditional disaggregation. A PD request whose prompt has fewer
 	// uncached tokens on its chosen decode than this is served by that decode alone.
 	PDLocalPrefillThreshold int `json:"pd_local_prefill_threshold" flag:"pd-local-prefill-threshold" default:"0" check:">=0" help:"conditional disaggregation: a PD request whose prompt has fewer uncached tokens than this on its chosen decode worker (from the KV events where subscribed, else the cache-aware index, else the whole prompt) is served by that decode alone, computing the prompt itself (X-Baton-Kv-Handoff none-local-prefill); 0 always splits. SGLang decodes never serve alone"`
+	// PDLocalPrefillAuto: the threshold follows the PD advisor.
+	PDLocalPrefillAuto bool `json:"pd_local_prefill_auto" flag:"pd-local-prefill-auto" help:"conditional disaggregation with the threshold the PD advisor recommends for the fleet's current split, refreshed every 10s (pd_local_prefill_threshold is its starting value; the last fitted one holds while the advisor cannot fit)"`
 	// PDAdviceTTFTSLO and PDAdviceTPOTSLO are the SLOs the PD advisor sizes the fleet for by
 	// default (its metrics; GET /pd/advice takes others).
 	PDAdviceTTFTSLO time.Duration `json:"pd_advice_ttft_slo" flag:"pd-advice-ttft-slo" unit:"secs" default:"2s" check:">0" help:"the PD advisor's TTFT SLO (p90): the split it recommends keeps the predicted TTFT p90 within it"`
@@ -566,11 +568,16 @@ func (c *Config) Validate() error {
 			bad("%s %v: want from 1ms to 1h", x.name, x.d)
 		}
 	}
-	if c.PDLocalPrefillThreshold > 0 && !c.PDDisaggregation {
-		bad("pd_local_prefill_threshold needs pd_disaggregation")
-	}
-	if c.PDLocalPrefillThreshold > 0 && c.PDRequireHandoff {
-		bad("pd_local_prefill_threshold serves short prompts on a decode alone, computing the prompt, while pd_require_handoff fails any request whose decode computes it: choose one")
+	for _, x := range []struct {
+		name string
+		on   bool
+	}{{"pd_local_prefill_threshold", c.PDLocalPrefillThreshold > 0}, {"pd_local_prefill_auto", c.PDLocalPrefillAuto}} {
+		if x.on && !c.PDDisaggregation {
+			bad("%s needs pd_disaggregation", x.name)
+		}
+		if x.on && c.PDRequireHandoff {
+			bad("%s serves short prompts on a decode alone, computing the prompt, while pd_require_handoff fails any request whose decode computes it: choose one", x.name)
+		}
 	}
 	if c.PDPrefillerAbsent != "decode" && c.PDPrefillerAbsent != "pick" {
 		bad("pd_prefiller_absent %q: want decode or pick", c.PDPrefillerAbsent)

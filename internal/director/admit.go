@@ -104,18 +104,21 @@ func (a *admission) start(ctx context.Context) {
 	if a == nil || a.o.ShortestPromoteWait() <= 0 {
 		return
 	}
-	go func() {
-		t := time.NewTicker(max(a.o.ShortestPromoteWait()/4, 50*time.Millisecond))
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				a.s.Tick()
-			}
+	go every(ctx, max(a.o.ShortestPromoteWait()/4, 50*time.Millisecond), a.s.Tick)
+}
+
+// every runs f every interval until ctx ends.
+func every(ctx context.Context, interval time.Duration, f func()) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			f()
 		}
-	}()
+	}
 }
 
 // drain refuses every waiting request at once.
@@ -307,13 +310,19 @@ func (d *Director) Acquire(ctx context.Context, rec *record.Record) (release fun
 }
 
 // Start runs the queue's promotions while ctx lives.
-func (d *Director) Start(ctx context.Context) { d.admit.start(ctx) }
+func (d *Director) Start(ctx context.Context) {
+	d.admit.start(ctx)
+	if d.o.LocalRule != nil && d.o.Advisor != nil {
+		d.bg.Go(func() { every(ctx, LocalRefresh, d.RefreshLocal) })
+	}
+}
 
 // Drain refuses every request waiting for a slot at once.
 func (d *Director) Drain() { d.admit.drain() }
 
-// Wait waits for the tenants' settlements still waiting on a worker's count of a prompt.
-func (d *Director) Wait() { d.settling.Wait() }
+// Wait waits for the tenants' settlements still waiting on a worker's count of a prompt, and
+// for the background work Start began.
+func (d *Director) Wait() { d.settling.Wait(); d.bg.Wait() }
 
 // Queues are the slots and the queues now, for the status page; nil when requests are not
 // bounded.

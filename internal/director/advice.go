@@ -71,7 +71,7 @@ func (d *Director) Advice(total int, ttft, tpot time.Duration) advisor.Advice {
 	if tpot > 0 {
 		slo.TPOT = tpot
 	}
-	return d.o.Advisor.Fit().Advise(total, p, dc, d.o.LocalPrefillThreshold, slo)
+	return d.o.Advisor.Fit().Advise(total, p, dc, d.LocalPrefillThreshold(), slo)
 }
 
 // AdviceFor answers a what-if read from a URL's raw query (advisor.ParseQuery); param and msg

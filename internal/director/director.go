@@ -27,9 +27,9 @@ import (
 type Options struct {
 	// PD: the generation routes go through a prefill/decode pair where no regular worker is.
 	PD bool
-	// LocalPrefillThreshold is pd_local_prefill_threshold (0: off), for the status page and
-	// the advisor; the selector's LocalPrefill applies it.
-	LocalPrefillThreshold int
+	// LocalRule is conditional disaggregation's decision (nil: off), whose Decide the
+	// selector's LocalPrefill is; the director keeps it fed from the advisor.
+	LocalRule *LocalRule
 	// Advisor, when set, sees every PD request that ended whole and sizes the fleet (Advice,
 	// AdviceCollector) for AdviceSLO unless asked for others.
 	Advisor   *advisor.Advisor
@@ -70,6 +70,7 @@ type Director struct {
 	attempts int        // tries in total, the first included
 	backoff  retry.Backoff
 	settling sync.WaitGroup // tenants' settlements waiting on a worker's count of a prompt
+	bg       sync.WaitGroup // what Start began
 	// localPrefills counts the PD requests a decode served alone by pd_local_prefill_threshold.
 	localPrefills atomic.Int64
 }
@@ -137,8 +138,17 @@ func (d *Director) Routes() []Route {
 	return out
 }
 
-// LocalPrefillThreshold is pd_local_prefill_threshold: 0 when every PD request is split.
-func (d *Director) LocalPrefillThreshold() int { return d.o.LocalPrefillThreshold }
+// LocalPrefillThreshold is the pd_local_prefill_threshold in force (the advisor's in auto mode):
+// 0 when every PD request is split by length.
+func (d *Director) LocalPrefillThreshold() int {
+	if d.o.LocalRule == nil {
+		return 0
+	}
+	return d.o.LocalRule.Current()
+}
+
+// LocalPrefillAuto reports whether the threshold follows the advisor (pd_local_prefill_auto).
+func (d *Director) LocalPrefillAuto() bool { return d.o.LocalRule != nil && d.o.LocalRule.Auto }
 
 // PD reports whether the fleet runs prefill/decode disaggregation.
 func (d *Director) PD() bool { return d.o.PD }

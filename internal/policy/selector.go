@@ -16,8 +16,9 @@ import (
 
 // LocalPrefillFunc decides whether a PD request's chosen decode serves it alone, computing the
 // prompt itself: match is the share of the prompt the decode's policy found cached there (-1:
-// not known).
-type LocalPrefillFunc func(ctx context.Context, decode *worker.Worker, match float64, req *Request) bool
+// not known); prefills are those that could otherwise take its prefill (the decode can take
+// their KV).
+type LocalPrefillFunc func(ctx context.Context, decode *worker.Worker, match float64, req *Request, prefills []*worker.Worker) bool
 
 // Request is what selection sees of one request: its model, its route and the client's raw
 // body, from which a policy may read the prompt (text or tokens). Live load is on the workers.
@@ -302,12 +303,12 @@ func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, deco
 	var p worker.Pair
 	var dec Decision
 	p.Decode, dec = s.pickDecision(ctx, config.RoleDecode, s.affine(decodes, req), req)
-	if s.LocalPrefill(ctx, p.Decode, dec.Match, req) {
-		return p, nil
-	}
 	ps := prefills
 	if s.Compatible != nil {
 		ps = worker.Keep(prefills, func(w *worker.Worker) bool { return s.Compatible(w, p.Decode) })
+	}
+	if s.LocalPrefill(ctx, p.Decode, dec.Match, req, ps) {
+		return p, nil
 	}
 	if s.Pairs != nil {
 		if free := worker.Keep(ps, func(w *worker.Worker) bool { return !s.Pairs.Quarantined(w, p.Decode) }); len(free) > 0 {

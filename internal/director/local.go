@@ -1,0 +1,103 @@
+package director
+
+import (
+	"context"
+	"math"
+	"sync/atomic"
+	"time"
+
+	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/policy"
+	"github.com/baton-llm/baton/internal/worker"
+)
+
+// LocalRule is conditional disaggregation's decision (pd_local_prefill_threshold,
+// pd_local_prefill_auto): a PD request's chosen decode serves it alone when the prompt's
+// uncached part is under the threshold, or — once the advisor has fitted the prefill's rate —
+// when no prefill that could take it would start it sooner than the decode would finish it
+// alone. In auto mode the threshold is the advisor's for the fleet's current split, refreshed
+// every LocalRefresh; it starts at the configured one and stays at the last fitted one while
+// the advisor cannot fit (too few split requests in its window, as when most go local).
+type LocalRule struct {
+	Threshold int
+	Auto      bool
+	// PromptTokens is a prompt's token count when known (the tokenizer's cached count).
+	PromptTokens func(model, path string, body []byte) (int, bool)
+
+	threshold atomic.Int64
+	fit       atomic.Pointer[localFit]
+}
+
+// localFit is what the advisor last fitted that the rule reads: a prompt token's prefill
+// compute, the mean work each request in flight on a prefill puts before the next (prompts at
+// or over the threshold), and a decode step's memory-bound floor.
+type localFit struct {
+	perToken, splitWork, step float64
+}
+
+// LocalRefresh is how often the rule reads the advisor.
+const LocalRefresh = 10 * time.Second
+
+// NewLocalRule returns the rule for a configured threshold and mode.
+func NewLocalRule(threshold int, auto bool, promptTokens func(model, path string, body []byte) (int, bool)) *LocalRule {
+	r := &LocalRule{Threshold: threshold, Auto: auto, PromptTokens: promptTokens}
+	r.threshold.Store(int64(threshold))
+	return r
+}
+
+// Current is the threshold in force.
+func (r *LocalRule) Current() int { return int(r.threshold.Load()) }
+
+// Decide is the selector's LocalPrefillFunc.
+func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, req *policy.Request, prefills []*worker.Worker) bool {
+	if d.Runtime() == config.RuntimeSGLang {
+		return false // an SGLang decode refuses a request without a bootstrap room
+	}
+	n, ok := 0, false
+	if r.PromptTokens != nil {
+		n, ok = r.PromptTokens(req.Model, req.Path, req.Body)
+	}
+	if !ok {
+		n = (len(req.Body) + 3) / 4
+	}
+	uncached := float64(n)
+	if match > 0 {
+		uncached *= 1 - min(match, 1)
+	}
+	if uncached < float64(r.threshold.Load()) {
+		return true
+	}
+	f := r.fit.Load()
+	if f == nil || len(prefills) == 0 {
+		return false
+	}
+	// The soonest a prefill would start it: the work of the requests it has in flight.
+	wait := math.Inf(1)
+	for _, p := range prefills {
+		wait = min(wait, float64(p.InFlight())*f.splitWork)
+	}
+	return wait > uncached*f.perToken+f.step
+}
+
+// RefreshLocal reads the advisor's fit into conditional disaggregation's rule now (Start does
+// it every LocalRefresh): the prefill's rates always, the threshold in auto mode for the
+// decodes the fleet has.
+func (d *Director) RefreshLocal() {
+	r := d.o.LocalRule
+	if r == nil || d.o.Advisor == nil {
+		return
+	}
+	f := d.o.Advisor.Fit()
+	if !f.Fitted() {
+		return
+	}
+	t := r.Current()
+	if r.Auto {
+		_, decode := d.fleetSplit()
+		if decode > 0 {
+			t = f.Threshold(decode, d.o.AdviceSLO)
+			r.threshold.Store(int64(t))
+		}
+	}
+	r.fit.Store(&localFit{perToken: 1 / f.PrefillTokensPerS, splitWork: f.SplitWork(t), step: f.DecodeBaseS})
+}
