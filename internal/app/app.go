@@ -290,9 +290,15 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	adapters.Refresh = func(ctx context.Context, w *worker.Worker) { load.Poll(ctx, w) }
 	sel.Adapters = adapters
 	var local *director.LocalRule
-	if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto {
+	if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto || cfg.PDPrefillServesWhole {
 		local = director.NewLocalRule(cfg.PDLocalPrefillThreshold, cfg.PDLocalPrefillAuto, kv.PromptTokens)
-		sel.LocalPrefill = local.Decide
+		if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto {
+			sel.LocalPrefill = local.Decide
+		}
+		if cfg.PDPrefillServesWhole {
+			local.Whole, local.TPOTSLO = true, cfg.PDAdviceTPOTSLO
+			sel.ServeWhole = local.ServeWhole
+		}
 	}
 	if !cfg.Retry.Disable {
 		sequential.RedecodeAttempts = cfg.Retry.MaxRetries - 1

@@ -21,6 +21,7 @@ import (
 	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/poll"
 	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // Conditional disaggregation: a prompt with fewer uncached tokens on its chosen decode than
@@ -434,4 +435,78 @@ func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
 	if h := handoff(); h != "nixl" {
 		t.Errorf("the prefill free again: handoff %q, want the pair's", h)
 	}
+}
+
+// The mirror case: with pd_prefill_serves_whole, once the advisor has fitted the decode's pace,
+// a request whose decode would give a token slower than the TPOT SLO goes whole to an idle
+// prefill, which decodes it too — said in the handoff header, counted once, shown on the status
+// page — and a busy prefill is left alone. Before the fit every request is split.
+func TestPDPrefillServesWhole(t *testing.T) {
+	t.Parallel()
+	p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 20 * time.Millisecond},
+		func(c *config.Config) {
+			c.PDPrefillServesWhole, c.PDAdviceTPOTSLO, c.ForwardSimFaults = true, 5*time.Millisecond, true
+		})
+	dir := g.Server.Director()
+	body := `{"model":"m","prompt":"a question for whoever is free","max_tokens":4,"ignore_eos":true}`
+	send := func(body string) (handoff, out string) {
+		t.Helper()
+		resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+		return resp.Header.Get("X-Baton-Kv-Handoff"), out
+	}
+	if h, _ := send(body); h != "nixl" {
+		t.Fatalf("before the fit: handoff %q, want the pair's", h)
+	}
+	pdWarmTraffic(t, gw)
+	dir.RefreshLocal()
+	pb, db := p.Stats().RequestsReceived, d.Stats().RequestsReceived
+	h, out := send(body)
+	if h != "none-prefill-whole" || p.Stats().RequestsReceived != pb+1 || d.Stats().RequestsReceived != db || !strings.Contains(out, `"completion_tokens":4`) {
+		t.Errorf("a saturated decode, an idle prefill: handoff %q, the prefill received %d, the decode %d more\n%s", h, p.Stats().RequestsReceived-pb, d.Stats().RequestsReceived-db, out)
+	}
+	h, out = send(`{"model":"m","prompt":"a stream for whoever is free","max_tokens":4,"ignore_eos":true,"stream":true}`)
+	if h != "none-prefill-whole" || !strings.HasSuffix(strings.TrimSpace(out), "data: [DONE]") {
+		t.Errorf("a stream: handoff %q\n%s", h, out)
+	}
+	poll.Until(t, "two requests served whole are counted", func() bool { return dir.PrefillWholes() >= 2 })
+	if n := testutil.ToFloat64(g.Metrics.PDPrefillWhole.WithLabelValues("m")); n != 2 || dir.PrefillWholes() != 2 || dir.LocalPrefills() != 0 {
+		t.Errorf("baton_pd_prefill_whole_total %v (status %d, local prefills %d), want 2", n, dir.PrefillWholes(), dir.LocalPrefills())
+	}
+	if n := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-prefill-whole", "by_design", "")); n != 2 {
+		t.Errorf("baton_pd_kv_handoffs_total{none-prefill-whole, by_design} %v, want 2", n)
+	}
+	// A prefill with a request in flight is not idle: the pair again. (The request holding it
+	// is itself served whole there, the prefill being idle when it came: a third.)
+	busy := make(chan struct{})
+	go func() {
+		defer close(busy)
+		req, _ := http.NewRequest(http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"a long document to hold the prefill","max_tokens":2}`))
+		req.Header.Set(sim.HeaderFault, "latency=2s")
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	var pw *worker.Worker
+	for _, w := range g.Registry.Snapshot().Workers {
+		if w.Role == config.RolePrefill {
+			pw = w
+		}
+	}
+	poll.Until(t, "the prefill has a request in flight", func() bool { return pw.InFlight() >= 1 })
+	if h, _ := send(body); h != "nixl" {
+		t.Errorf("the prefill busy: handoff %q, want the pair's", h)
+	}
+	<-busy
+	status := httptest.NewServer(g.Server.StatusHandler())
+	defer status.Close()
+	t.Run("status page in a browser", func(t *testing.T) {
+		dom := browse(t, chromium(t), status.URL+"/", "--dump-dom")
+		if !bytes.Contains(dom, []byte("Served whole by an idle prefill (its decode past the TPOT SLO): 3")) {
+			t.Errorf("the rendered status page does not say it:\n%s", dom)
+		}
+	})
 }

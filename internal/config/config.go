@@ -105,6 +105,8 @@ type Config struct {
 	// PDLocalPrefillThreshold: conditional disaggregation. A PD request whose prompt has fewer
 	// uncached tokens on its chosen decode than this is served by that decode alone.
 	PDLocalPrefillThreshold int `json:"pd_local_prefill_threshold" flag:"pd-local-prefill-threshold" default:"0" check:">=0" help:"conditional disaggregation: a PD request whose prompt has fewer uncached tokens than this on its chosen decode worker (from the KV events where subscribed, else the cache-aware index, else the whole prompt) is served by that decode alone, computing the prompt itself (X-Baton-Kv-Handoff none-local-prefill); 0 always splits. SGLang decodes never serve alone"`
+	// PDPrefillServesWhole: the mirror case of conditional disaggregation.
+	PDPrefillServesWhole bool `json:"pd_prefill_serves_whole" flag:"pd-prefill-serves-whole" help:"the mirror case: once the PD advisor has fitted the decodes' pace, a PD request whose chosen decode would give a token slower than pd_advice_tpot_slo at the batch it holds goes whole to a vLLM prefill worker with nothing in flight, which decodes it too (X-Baton-Kv-Handoff none-prefill-whole)"`
 	// PDLocalPrefillAuto: the threshold follows the PD advisor.
 	PDLocalPrefillAuto bool `json:"pd_local_prefill_auto" flag:"pd-local-prefill-auto" help:"conditional disaggregation with the threshold the PD advisor recommends for the fleet's current split, refreshed every 10s (pd_local_prefill_threshold is its starting value; the last fitted one holds while the advisor cannot fit)"`
 	// PDAdviceTTFTSLO and PDAdviceTPOTSLO are the SLOs the PD advisor sizes the fleet for by
@@ -571,7 +573,7 @@ func (c *Config) Validate() error {
 	for _, x := range []struct {
 		name string
 		on   bool
-	}{{"pd_local_prefill_threshold", c.PDLocalPrefillThreshold > 0}, {"pd_local_prefill_auto", c.PDLocalPrefillAuto}} {
+	}{{"pd_local_prefill_threshold", c.PDLocalPrefillThreshold > 0}, {"pd_local_prefill_auto", c.PDLocalPrefillAuto}, {"pd_prefill_serves_whole", c.PDPrefillServesWhole}} {
 		if x.on && !c.PDDisaggregation {
 			bad("%s needs pd_disaggregation", x.name)
 		}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/record"
 )
 
@@ -17,9 +18,9 @@ func (d *Director) Advising() bool { return d.o.Advisor != nil }
 // a local prefill is counted (CountLocalPrefill), and the advisor sees it (ObserveEnded).
 func (d *Director) PDEnded(rec *record.Record, ok, usage bool, ttft, dur time.Duration) {
 	if rec.LocalPrefill && ok {
-		d.CountLocalPrefill(rec.Model)
+		d.CountLocalPrefill(rec.Model, string(rec.Handoff))
 	}
-	if usage {
+	if usage && rec.Handoff != pd.HandoffNonePrefillWhole { // a prefill's pace is not a decode's
 		d.ObserveEnded(rec, ttft, dur)
 	}
 }

@@ -69,21 +69,38 @@ func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path
 // — by design, the prompt's uncached part being short (pd_local_prefill_threshold):
 // X-Baton-Kv-Handoff none-local-prefill. A later attempt may go through a pair again; the
 // request is counted once it ended (CountLocalPrefill).
+//
+// A prefill worker serving it whole (the mirror case, pd_prefill_serves_whole) is written
+// alike, as none-prefill-whole.
 func (d *Director) NoteLocalPrefill(p *Plan, w *worker.Worker) {
 	p.NoteWorker(w)
+	p.Rec.Decode = w.URL
 	p.Rec.Prefill, p.Rec.Mode = "", record.ModeRegular
 	p.Rec.PrefillTime, p.Rec.PrefillBusy, p.Rec.DecodeBusy = 0, 0, int(w.InFlight())
 	p.Rec.Handoff, p.Rec.LocalPrefill = pd.HandoffNoneLocalPrefill, true
+	if w.Role == config.RolePrefill {
+		p.Rec.Handoff = pd.HandoffNonePrefillWhole
+	}
 }
 
-// CountLocalPrefill counts one PD request of model that its decode served alone by the
-// threshold (baton_pd_kv_handoffs_total class by_design, baton_pd_local_prefill_total, the status
-// page): once per request, when its answer ended whole (PDEnded, from either door).
-func (d *Director) CountLocalPrefill(model string) {
-	d.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
+// CountLocalPrefill counts one PD request of model that one worker served alone by design —
+// a decode by the threshold (baton_pd_local_prefill_total), or a prefill in the mirror case
+// (baton_pd_prefill_whole_total), as handoff says — in baton_pd_kv_handoffs_total class
+// by_design and on the status page: once per request, when its answer ended whole (PDEnded,
+// from either door).
+func (d *Director) CountLocalPrefill(model, handoff string) {
+	d.metrics.PDHandoffs.WithLabelValues(handoff, pd.HandoffClass(handoff), "").Inc()
+	if handoff == pd.HandoffNonePrefillWhole {
+		d.metrics.PDPrefillWhole.WithLabelValues(d.metrics.Model(model)).Inc()
+		d.prefillWholes.Add(1)
+		return
+	}
 	d.metrics.PDLocalPrefill.WithLabelValues(d.metrics.Model(model)).Inc()
 	d.localPrefills.Add(1)
 }
+
+// PrefillWholes is how many PD requests an idle prefill served whole since start.
+func (d *Director) PrefillWholes() int64 { return d.prefillWholes.Load() }
 
 // LocalPrefills is how many PD requests a decode served alone by the threshold since start.
 func (d *Director) LocalPrefills() int64 { return d.localPrefills.Load() }

@@ -73,6 +73,8 @@ type Director struct {
 	bg       sync.WaitGroup // what Start began
 	// localPrefills counts the PD requests a decode served alone by pd_local_prefill_threshold.
 	localPrefills atomic.Int64
+	// prefillWholes counts the PD requests an idle prefill served whole (the mirror case).
+	prefillWholes atomic.Int64
 }
 
 // New returns a director with o.
@@ -146,6 +148,10 @@ func (d *Director) LocalPrefillThreshold() int {
 	}
 	return d.o.LocalRule.Current()
 }
+
+// PrefillServesWhole reports whether an idle prefill may serve a request whole when its decode
+// is saturated (pd_prefill_serves_whole).
+func (d *Director) PrefillServesWhole() bool { return d.o.LocalRule != nil && d.o.LocalRule.Whole }
 
 // LocalPrefillAuto reports whether the threshold follows the advisor (pd_local_prefill_auto).
 func (d *Director) LocalPrefillAuto() bool { return d.o.LocalRule != nil && d.o.LocalRule.Auto }

@@ -21,6 +21,10 @@ import (
 type LocalRule struct {
 	Threshold int
 	Auto      bool
+	// Whole lets an idle vLLM prefill serve a request whole when its chosen decode is past
+	// TPOTSLO at its batch, by the advisor's fit (pd_prefill_serves_whole: the mirror case).
+	Whole   bool
+	TPOTSLO time.Duration
 	// PromptTokens is a prompt's token count when known (the tokenizer's cached count).
 	PromptTokens func(model, path string, body []byte) (int, bool)
 
@@ -33,6 +37,7 @@ type LocalRule struct {
 // or over the threshold), and a decode step's memory-bound floor.
 type localFit struct {
 	perToken, splitWork, step float64
+	perRequest                float64 // what each request decoding beside it adds to a token
 }
 
 // LocalRefresh is how often the rule reads the advisor.
@@ -79,6 +84,27 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 	return wait > uncached*f.perToken+f.step
 }
 
+// ServeWhole is the selector's ServeWhole: with Whole, once the advisor has fitted the
+// decode's pace, a request whose chosen decode would give a token slower than TPOTSLO at the
+// batch it holds (α + β·(requests in flight + 1)) goes whole to a prefill with nothing in
+// flight, when there is one (vLLM only: an SGLang prefill refuses a request without a
+// bootstrap room, as its decode does).
+func (r *LocalRule) ServeWhole(_ context.Context, d *worker.Worker, _ *policy.Request, prefills []*worker.Worker) *worker.Worker {
+	f := r.fit.Load()
+	if !r.Whole || f == nil || r.TPOTSLO <= 0 {
+		return nil
+	}
+	if f.step+f.perRequest*float64(d.InFlight()+1) <= r.TPOTSLO.Seconds() {
+		return nil
+	}
+	for _, p := range prefills {
+		if p.Runtime() != config.RuntimeSGLang && p.InFlight() == 0 {
+			return p
+		}
+	}
+	return nil
+}
+
 // RefreshLocal reads the advisor's fit into conditional disaggregation's rule now (Start does
 // it every LocalRefresh): the prefill's rates always, the threshold in auto mode for the
 // decodes the fleet has.
@@ -99,5 +125,5 @@ func (d *Director) RefreshLocal() {
 			r.threshold.Store(int64(t))
 		}
 	}
-	r.fit.Store(&localFit{perToken: 1 / f.PrefillTokensPerS, splitWork: f.SplitWork(t), step: f.DecodeBaseS})
+	r.fit.Store(&localFit{perToken: 1 / f.PrefillTokensPerS, splitWork: f.SplitWork(t), step: f.DecodeBaseS, perRequest: f.DecodePerRequestS})
 }

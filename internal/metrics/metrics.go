@@ -67,6 +67,7 @@ type Metrics struct {
 	PDHandoffs          *prometheus.CounterVec // outcome, class, connector
 	PDHandoffsAbandoned *prometheus.CounterVec // connector
 	PDLocalPrefill      *prometheus.CounterVec // model
+	PDPrefillWhole      *prometheus.CounterVec // model
 	PDDecodeRetries     prometheus.Counter
 
 	Retries            *prometheus.CounterVec   // route, reason
@@ -171,7 +172,11 @@ func New(reg *worker.Registry) *Metrics {
 		}, []string{"outcome", "class", "connector"}),
 		PDLocalPrefill: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_local_prefill_total",
-			Help: "PD requests a decode worker served alone, computing the prompt itself, because its uncached part was under pd_local_prefill_threshold (conditional disaggregation).",
+			Help: "PD requests a decode worker served alone, computing the prompt itself, because its uncached part was under pd_local_prefill_threshold or every prefill was busier (conditional disaggregation).",
+		}, []string{"model"}),
+		PDPrefillWhole: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_pd_prefill_whole_total",
+			Help: "PD requests an idle prefill worker served whole, decoding too, because the chosen decode was past the TPOT SLO at its batch (pd_prefill_serves_whole).",
 		}, []string{"model"}),
 		PDHandoffsAbandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_kv_handoffs_abandoned_total",
@@ -308,7 +313,7 @@ func New(reg *worker.Registry) *Metrics {
 		models: map[string]struct{}{},
 	}
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
-		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDLocalPrefill, m.PDHandoffsAbandoned, m.PDDecodeRetries,
+		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDLocalPrefill, m.PDPrefillWhole, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
 		m.TraceExportFailures, m.TraceSpansLost,
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,

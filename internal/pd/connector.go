@@ -55,6 +55,9 @@ const (
 	// HandoffNoneLocalPrefill: the request went to a decode worker alone, by design (the
 	// picker in front named no prefill): the decode computes the prompt.
 	HandoffNoneLocalPrefill = "none-local-prefill"
+	// HandoffNonePrefillWhole: the request went to a prefill worker alone, by design (its
+	// decode was saturated, the prefill idle: pd_prefill_serves_whole): the prefill decodes.
+	HandoffNonePrefillWhole = "none-prefill-whole"
 	HandoffNonePrefix       = "none-"
 	DefaultBootstrapPort    = 8998
 	keyKVTransferParams     = "kv_transfer_params"
@@ -406,7 +409,7 @@ const (
 // ClassRecomputed only — not the requests that never meant to hand off, nor the failures.
 func HandoffClass(outcome string) string {
 	switch outcome {
-	case HandoffNoneN, HandoffNoneBatch, HandoffNoneRoute, HandoffNoneLocalPrefill:
+	case HandoffNoneN, HandoffNoneBatch, HandoffNoneRoute, HandoffNoneLocalPrefill, HandoffNonePrefillWhole:
 		return ClassByDesign
 	case HandoffNoneFailed:
 		return ClassFailed

@@ -148,6 +148,10 @@ type Selector struct {
 	// chosen first and asks whether it serves the request alone (conditional
 	// disaggregation); nil, or a request without a body (a health check): always a pair.
 	LocalPrefill LocalPrefillFunc
+	// ServeWhole, when set, makes a PD generation request's decode chosen first too, and asks
+	// before LocalPrefill for a prefill worker to serve the request whole instead (the mirror
+	// case: that decode saturated, a prefill idle); nil: none.
+	ServeWhole func(ctx context.Context, decode *worker.Worker, req *Request, prefills []*worker.Worker) *worker.Worker
 
 	live atomic.Pointer[policySet] // set by SetPolicies
 }
@@ -283,7 +287,7 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
 	}
 	var p worker.Pair
-	if s.LocalPrefill != nil && req.Parsed != nil { // a generation request: a health check's pair stays whole
+	if (s.LocalPrefill != nil || s.ServeWhole != nil) && req.Parsed != nil { // a generation request: a health check's pair stays whole
 		return s.decodeFirst(ctx, req, prefills, decodes)
 	}
 	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(prefills, req), req)
@@ -292,8 +296,9 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 }
 
 // decodeFirst chooses a PD request's decode first, among those that can take some prefill's
-// KV, and asks LocalPrefill whether it serves the request alone (a pair without a prefill);
-// else a prefill whose KV it can take, preferring one not quarantined with it.
+// KV; asks ServeWhole whether an idle prefill should serve the request whole instead (a pair
+// of that prefill alone), and LocalPrefill whether the decode serves it alone (a pair without a
+// prefill); else a prefill whose KV it can take, preferring one not quarantined with it.
 func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, decodes []*worker.Worker) (worker.Pair, error) {
 	if s.Compatible != nil {
 		decodes = worker.Keep(decodes, func(d *worker.Worker) bool {
@@ -307,7 +312,12 @@ func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, deco
 	if s.Compatible != nil {
 		ps = worker.Keep(prefills, func(w *worker.Worker) bool { return s.Compatible(w, p.Decode) })
 	}
-	if s.LocalPrefill(ctx, p.Decode, dec.Match, req, ps) {
+	if s.ServeWhole != nil {
+		if w := s.ServeWhole(ctx, p.Decode, req, ps); w != nil {
+			return worker.Pair{Decode: w}, nil // a prefill serves it alone, as the pair's only worker
+		}
+	}
+	if s.LocalPrefill != nil && s.LocalPrefill(ctx, p.Decode, dec.Match, req, ps) {
 		return p, nil
 	}
 	if s.Pairs != nil {

@@ -253,7 +253,8 @@ func (s *Server) serveStatusJSON(w http.ResponseWriter, r *http.Request) {
 		"version":   s.opts.Version, "uptime_s": int64(now.Sub(started).Seconds()), "now": now.UTC().Format(time.RFC3339),
 		"in_flight": s.InFlight(), "workers": ws, "pairs": pairs, "last_minute": minute, "series": series, "recent_errors": errs,
 		"pd": s.d.PD(), "notices": notices, "tenants": tenants, "queues": queues,
-		"local_prefill": map[string]any{"threshold": s.d.LocalPrefillThreshold(), "auto": s.d.LocalPrefillAuto(), "served": s.d.LocalPrefills()},
+		"local_prefill": map[string]any{"threshold": s.d.LocalPrefillThreshold(), "auto": s.d.LocalPrefillAuto(), "served": s.d.LocalPrefills(),
+			"serves_whole": s.d.PrefillServesWhole(), "prefill_whole": s.d.PrefillWholes()},
 	})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
