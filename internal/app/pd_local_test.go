@@ -510,3 +510,26 @@ func TestPDPrefillServesWhole(t *testing.T) {
 		}
 	})
 }
+
+// In auto mode a starting threshold above every prompt still lets the advisor see prefills:
+// while it has too few prefill legs to fit from, one request in ten under the threshold is
+// split anyway.
+func TestPDLocalPrefillAutoExplores(t *testing.T) {
+	t.Parallel()
+	p, _, _, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{}, func(c *config.Config) {
+		c.PDLocalPrefillAuto, c.PDLocalPrefillThreshold = true, 1_000_000
+	})
+	split := 0
+	for i := range 30 {
+		resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"question %d","max_tokens":2}`, i))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+		if resp.Header.Get("X-Baton-Kv-Handoff") == "nixl" {
+			split++
+		}
+	}
+	if split != 3 || p.Stats().RequestsReceived != 3 {
+		t.Errorf("30 requests under an unfitted auto threshold: %d split (the prefill received %d), want 3", split, p.Stats().RequestsReceived)
+	}
+}

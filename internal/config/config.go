@@ -108,7 +108,7 @@ type Config struct {
 	// PDPrefillServesWhole: the mirror case of conditional disaggregation.
 	PDPrefillServesWhole bool `json:"pd_prefill_serves_whole" flag:"pd-prefill-serves-whole" help:"the mirror case: once the PD advisor has fitted the decodes' pace, a PD request whose chosen decode would give a token slower than pd_advice_tpot_slo at the batch it holds goes whole to a vLLM prefill worker with nothing in flight, which decodes it too (X-Baton-Kv-Handoff none-prefill-whole)"`
 	// PDLocalPrefillAuto: the threshold follows the PD advisor.
-	PDLocalPrefillAuto bool `json:"pd_local_prefill_auto" flag:"pd-local-prefill-auto" help:"conditional disaggregation with the threshold the PD advisor recommends for the fleet's current split, refreshed every 10s (pd_local_prefill_threshold is its starting value; the last fitted one holds while the advisor cannot fit)"`
+	PDLocalPrefillAuto bool `json:"pd_local_prefill_auto" flag:"pd-local-prefill-auto" help:"conditional disaggregation with the threshold the PD advisor recommends for the fleet's current split, refreshed every 10s (pd_local_prefill_threshold is its starting value; one request in ten under it is split while the advisor has too few prefill legs to fit from; the last fitted one holds while it cannot fit)"`
 	// PDAdviceTTFTSLO and PDAdviceTPOTSLO are the SLOs the PD advisor sizes the fleet for by
 	// default (its metrics; GET /pd/advice takes others).
 	PDAdviceTTFTSLO time.Duration `json:"pd_advice_ttft_slo" flag:"pd-advice-ttft-slo" unit:"secs" default:"2s" check:">0" help:"the PD advisor's TTFT SLO (p90): the split it recommends keeps the predicted TTFT p90 within it"`

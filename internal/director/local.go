@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
@@ -30,7 +31,17 @@ type LocalRule struct {
 
 	threshold atomic.Int64
 	fit       atomic.Pointer[localFit]
+	// explore: in auto mode, while the advisor has too few prefill legs to fit from, one in
+	// ExploreEvery requests the threshold would keep on a decode is split anyway — else a
+	// starting threshold above every prompt would never let the advisor see a prefill, and
+	// never move.
+	explore  atomic.Bool
+	explored atomic.Uint64
 }
+
+// ExploreEvery: in auto mode, without a fit of the prefill, one in this many requests under
+// the threshold is split anyway.
+const ExploreEvery = 10
 
 // localFit is what the advisor last fitted that the rule reads: a prompt token's prefill
 // compute, the mean work each request in flight on a prefill puts before the next (prompts at
@@ -47,6 +58,7 @@ const LocalRefresh = 10 * time.Second
 func NewLocalRule(threshold int, auto bool, promptTokens func(model, path string, body []byte) (int, bool)) *LocalRule {
 	r := &LocalRule{Threshold: threshold, Auto: auto, PromptTokens: promptTokens}
 	r.threshold.Store(int64(threshold))
+	r.explore.Store(auto)
 	return r
 }
 
@@ -70,7 +82,7 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 		uncached *= 1 - min(match, 1)
 	}
 	if uncached < float64(r.threshold.Load()) {
-		return true
+		return !r.explore.Load() || r.explored.Add(1)%ExploreEvery != 0
 	}
 	f := r.fit.Load()
 	if f == nil || len(prefills) == 0 {
@@ -114,6 +126,7 @@ func (d *Director) RefreshLocal() {
 		return
 	}
 	f := d.o.Advisor.Fit()
+	r.explore.Store(r.Auto && f.PrefillFrom < 2*advisor.MinFit)
 	if !f.Fitted() {
 		return
 	}
