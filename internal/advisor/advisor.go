@@ -195,7 +195,7 @@ func (a *Advisor) Fit() Fit {
 	n := float64(len(ss))
 	f.Output, f.Uncached, f.Prompt = f.Output/n, f.Uncached/n, f.Prompt/n
 	slices.Sort(f.uncached)
-	f.curves = &curves{byK: map[int][]float64{}}
+	f.curves = &curves{byK: map[int][][]float64{}}
 	f.cum = make([]float64, len(f.uncached)+1)
 	for i, u := range f.uncached {
 		f.cum[i+1] = f.cum[i] + float64(u)
@@ -294,7 +294,8 @@ func (f Fit) predict(prefill, decode, threshold int, slo SLO, prefillSide bool) 
 	}
 	share := float64(len(split)) / float64(len(f.uncached))
 	lambdaSplit, lambdaLocal := f.Rate*share, f.Rate*(1-share)
-	var ttft, prefillP90 float64
+	var ttft float64
+	var prefillQ []float64 // the prefill leg's quantiles at the levels of quantileLevels
 	if len(split) > 0 {
 		// An engine batches prefills: a step's fixed cost (o_p) is shared by every prompt in
 		// it, so capacity is in tokens — each prompt is u / C_p of work.
@@ -306,11 +307,13 @@ func (f Fit) predict(prefill, decode, threshold int, slo SLO, prefillSide bool) 
 		}
 		switch {
 		case !prefillSide:
-		case rho < 0.02: // next to no queue: a prompt's own leg, the longest tenth's
-			u90 := float64(split[min(len(split)-1, len(split)*9/10)])
-			prefillP90 = max(f.PrefillFloorS, f.PrefillOverheadS+u90/cp)
+		case rho < 0.02: // next to no queue: each prompt's own leg
+			prefillQ = make([]float64, quantileLevels)
+			for i := range prefillQ {
+				prefillQ[i] = max(f.PrefillFloorS, f.PrefillOverheadS+float64(at(split, level(i)))/cp)
+			}
 		default:
-			prefillP90 = f.prefillP90(rho, s, k)
+			prefillQ = f.prefillQuantiles(rho, s, k)
 		}
 	}
 	// Decode: a step is memory-bound (α) until its compute outgrows it. A prompt computed
@@ -339,17 +342,25 @@ func (f Fit) predict(prefill, decode, threshold int, slo SLO, prefillSide bool) 
 		tpot = next
 	}
 	p.DecodeBatch = f.Rate * f.Output * tpot / float64(decode)
-	if len(split) > 0 {
-		// The KV transfer and the second hop, then the decode's first step: the one under way
-		// when the KV lands (half of one, on average) and the request's own.
-		ttft = prefillP90 + f.PairFixedS + 1.5*tpot
+	// TTFT p90 over both groups. A split request's: its prefill leg, the KV transfer and the
+	// second hop, then the decode's first step — the one under way when the KV lands (half of
+	// one, on average) and the request's own. A local one's: the step under way, then its own
+	// (its compute, or the memory-bound step when that is longer). The p90 of the mixture, each
+	// group weighted by its share.
+	var splitQ, localQ []float64
+	if len(split) > 0 && prefillSide {
+		splitQ = make([]float64, quantileLevels)
+		for i, q := range prefillQ {
+			splitQ[i] = q + f.PairFixedS + 1.5*tpot
+		}
 	}
 	if len(local) > 0 {
-		// A local prompt's first token: the step under way, then its own (its compute, or the
-		// memory-bound step when that is longer).
-		u90 := float64(local[min(len(local)-1, len(local)*9/10)])
-		ttft = max(ttft, tpot+max(u90/cp, tpot))
+		localQ = make([]float64, quantileLevels)
+		for i := range localQ {
+			localQ[i] = tpot + max(float64(at(local, level(i)))/cp, tpot)
+		}
 	}
+	ttft = mixtureP90(splitQ, localQ, share)
 	p.TTFTp90S, p.TPOTS = ttft, tpot
 	p.MeetsSLO = (slo.TTFT <= 0 || ttft <= slo.TTFT.Seconds()) && (slo.TPOT <= 0 || tpot <= slo.TPOT.Seconds())
 	p.score = min(ratio(slo.TTFT, ttft), ratio(slo.TPOT, tpot))
@@ -416,12 +427,19 @@ func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
 	best := Prediction{score: -1}
 	for np := 1; np < total; np++ { // a PD fleet: at least one worker of each role
 		nd := total - np
-		c := f.Predict(np, nd, f.Threshold(nd, slo), slo)
-		if c.TTFTp90S < 0 {
-			continue
-		}
-		if c.score > best.score || c.score == best.score && c.Decode > best.Decode {
-			best = c
+		// Each split with its threshold and without one (always split): whichever is
+		// further within the SLOs.
+		for _, t := range []int{f.Threshold(nd, slo), 0} {
+			c := f.Predict(np, nd, t, slo)
+			if c.TTFTp90S < 0 {
+				continue
+			}
+			if c.score > best.score || c.score == best.score && c.Decode > best.Decode {
+				best = c
+			}
+			if t == 0 {
+				break
+			}
 		}
 	}
 	if best.score < 0 {
@@ -437,10 +455,58 @@ func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
 	return adv
 }
 
-// curves memoises the replayed prefill p90 per split point.
+// curves memoises the replayed prefill leg's quantiles per split point.
 type curves struct {
 	mu  sync.Mutex
-	byK map[int][]float64
+	byK map[int][][]float64
+}
+
+// quantileLevels: a leg's distribution is kept as its quantiles at 0, 5 %, … 95 % and the
+// longest.
+const quantileLevels = 21
+
+// level is the i-th of the quantile levels.
+func level(i int) float64 { return float64(i) / (quantileLevels - 1) }
+
+// at is the quantile q of sorted.
+func at(sorted []int, q float64) int {
+	return sorted[min(len(sorted)-1, int(q*float64(len(sorted))))]
+}
+
+// cdf is the share of a distribution, given by its quantiles, at or under x.
+func cdf(qs []float64, x float64) float64 {
+	if x < qs[0] {
+		return 0
+	}
+	for i := 1; i < len(qs); i++ {
+		if x < qs[i] {
+			return level(i-1) + (level(i)-level(i-1))*(x-qs[i-1])/(qs[i]-qs[i-1])
+		}
+	}
+	return 1
+}
+
+// mixtureP90 is the 90th percentile of two groups' latencies, given by their quantiles (nil:
+// the group is empty or unknown), the first a share of the whole.
+func mixtureP90(a, b []float64, share float64) float64 {
+	switch {
+	case a == nil && b == nil:
+		return 0
+	case b == nil:
+		return a[(quantileLevels-1)*9/10]
+	case a == nil:
+		return b[(quantileLevels-1)*9/10]
+	}
+	lo, hi := min(a[0], b[0]), max(a[quantileLevels-1], b[quantileLevels-1])
+	for range 60 {
+		mid := (lo + hi) / 2
+		if share*cdf(a, mid)+(1-share)*cdf(b, mid) < 0.9 {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return hi
 }
 
 // The loads the replay is run at: 1 − ρ from 0.98 down to 0.002, geometrically.
@@ -448,37 +514,44 @@ const gridPoints = 20
 
 func gridRho(i int) float64 { return 1 - 0.98*math.Pow(0.002/0.98, float64(i)/(gridPoints-1)) }
 
-// prefillP90 is the prefill leg's p90 on a prefill worker at utilisation rho (0.02 ≤ rho < 1)
-// of the split prompts from k on (mean work s each): the replay's at the grid's loads, and
-// between them interpolated (log p90 against log(1 − ρ)); past the grid's last load, a queue
-// growing as 1 / (1 − ρ).
-func (f Fit) prefillP90(rho, s float64, k int) float64 {
+// prefillQuantiles is the prefill leg's quantiles on a prefill worker at utilisation rho (0.02
+// ≤ rho < 1) of the split prompts from k on (mean work s each): the replay's at the grid's
+// loads, and between them interpolated (log of each quantile against log(1 − ρ)); past the
+// grid's last load, a queue growing as 1 / (1 − ρ).
+func (f Fit) prefillQuantiles(rho, s float64, k int) []float64 {
 	c := f.curves
 	if c == nil { // a Fit not made by Advisor.Fit: nothing to keep the curve in
-		c = &curves{byK: map[int][]float64{}}
+		c = &curves{byK: map[int][][]float64{}}
 	}
 	c.mu.Lock()
 	curve, ok := c.byK[k]
 	if !ok {
-		curve = make([]float64, gridPoints)
+		curve = make([][]float64, gridPoints)
 		for i := range curve {
-			curve[i] = f.batchedP90(gridRho(i)/s, k)
+			curve[i] = f.replayQuantiles(gridRho(i)/s, k)
 		}
 		c.byK[k] = curve
 	}
 	c.mu.Unlock()
+	out := make([]float64, quantileLevels)
 	x := math.Log(1 - rho)
 	for i := 1; i < gridPoints; i++ {
 		if x >= math.Log(1-gridRho(i)) {
 			x0, x1 := math.Log(1-gridRho(i-1)), math.Log(1-gridRho(i))
 			w := (x - x0) / (x1 - x0)
-			return math.Exp((1-w)*math.Log(curve[i-1]) + w*math.Log(curve[i]))
+			for j := range out {
+				out[j] = math.Exp((1-w)*math.Log(curve[i-1][j]) + w*math.Log(curve[i][j]))
+			}
+			return out
 		}
 	}
-	return curve[gridPoints-1] * (1 - gridRho(gridPoints-1)) / (1 - rho)
+	for j := range out {
+		out[j] = curve[gridPoints-1][j] * (1 - gridRho(gridPoints-1)) / (1 - rho)
+	}
+	return out
 }
 
-// batchedP90 is the 90th percentile of a prefill leg on one prefill worker offered lambda
+// replayQuantiles is the quantiles of a prefill leg on one prefill worker offered lambda
 // split requests a second, whose prompts are the window's from the k-th shortest up: a replay
 // of the engine's continuous batching — every prompt waiting when a step starts joins it, and
 // the step lasts o_p + its tokens / C_p, never less than the fitted floor — over 20,000 Poisson
@@ -486,7 +559,7 @@ func (f Fit) prefillP90(rho, s float64, k int) float64 {
 // warm-up. A single-server queue (each prompt its own o_p + u / C_p in turn) is what an engine
 // is not: it puts every short prompt behind every other, where the engine computes them in
 // one step that costs no more than one of them under its memory-bound floor.
-func (f Fit) batchedP90(lambda float64, k int) float64 {
+func (f Fit) replayQuantiles(lambda float64, k int) []float64 {
 	const n, warm = 20_000, 2000
 	split := f.uncached[k:]
 	r := rand.New(rand.NewPCG(uint64(len(split)), uint64(k)))
@@ -520,7 +593,11 @@ func (f Fit) batchedP90(lambda float64, k int) float64 {
 		queue = queue[:0]
 	}
 	slices.Sort(sojourn)
-	return sojourn[len(sojourn)*9/10]
+	out := make([]float64, quantileLevels)
+	for i := range out {
+		out[i] = sojourn[min(len(sojourn)-1, int(level(i)*float64(len(sojourn))))]
+	}
+	return out
 }
 
 // SplitWork is the mean prefill compute, in seconds, of a prompt at or over threshold uncached
