@@ -438,7 +438,7 @@ func serverOptions(cfg config.Config, parts server.Options) server.Options {
 	o.PrefillerHeader, o.PrefillerAbsentPicks = cfg.PDPrefillerHeader, cfg.PDPrefillerAbsent == "pick"
 	o.RequestTimeout, o.StalledClientTimeout = cfg.RequestTimeout, cfg.StalledClientTimeout
 	if cfg.PDDisaggregation {
-		d.Advisor, d.AdviceSLO = &advisor.Advisor{}, advisor.SLO{TTFT: cfg.PDAdviceTTFTSLO, TPOT: cfg.PDAdviceTPOTSLO}
+		d.Advisor, d.AdviceSLO = &advisor.Advisor{Window: cfg.PDAdviceWindow}, advisor.SLO{TTFT: cfg.PDAdviceTTFTSLO, TPOT: cfg.PDAdviceTPOTSLO}
 	}
 
 	o.AccessLog, o.Version = cfg.AccessLog, Version()

@@ -140,6 +140,8 @@ func TestPDLocalPrefillSettingsRefused(t *testing.T) {
 		{"--pd-disaggregation", "--pd-local-prefill-auto", "--pd-require-handoff", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 		{"--pd-disaggregation", "--pd-advice-ttft-slo", "2h", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 		{"--pd-disaggregation", "--pd-advice-tpot-slo", "100us", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+		{"--pd-disaggregation", "--pd-advice-window", "5s", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
+		{"--pd-disaggregation", "--pd-advice-window", "2h", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"},
 	} {
 		if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_local_prefill_") && !strings.Contains(err.Error(), "pd-local-prefill-threshold") &&
 			!strings.Contains(err.Error(), "pd_advice_") {

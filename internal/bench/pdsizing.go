@@ -140,6 +140,9 @@ func (r *runner) sizingRun(ctx context.Context, mix sizingMix, c sizingConf, war
 	if c.auto {
 		args = append(args, "--pd-local-prefill-auto")
 	}
+	if advise { // the advisor fits from the measured window, the engines' cold caches left behind
+		args = append(args, "--pd-advice-window", measure.String())
+	}
 	for i := range sizingEngines {
 		role := sim.RoleDecode
 		if i < prefill {
@@ -359,8 +362,9 @@ func (r *runner) pdSizing(ctx context.Context) error {
 			always = append(always, x)
 			pl.always = append(pl.always, x.goodput)
 		}
-		// The advisor: a run at 4:4 without a threshold, then its recommendation for eight.
-		probe, err := r.sizingRun(ctx, mix, sizingConf{prefill: sizingEngines / 2, rate: mix.rate}, 0, adviseFor, true)
+		// The advisor: a run at 4:4 without a threshold, then its recommendation for eight, fitted
+		// from the run past its warm-up.
+		probe, err := r.sizingRun(ctx, mix, sizingConf{prefill: sizingEngines / 2, rate: mix.rate}, warm, adviseFor, true)
 		if err != nil {
 			return err
 		}
@@ -387,7 +391,7 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		best := bestSplits(always, 1)[0]
 		fmt.Fprintf(r.out, "Best static split, always disaggregated: **%d : %d** at %.2f req/s.", best.prefill, sizingEngines-best.prefill, best.goodput)
 		if a := probe.advice; a != nil {
-			fmt.Fprintf(r.out, " The advisor, after %s at 4 : 4 (%d requests; prefill %.0f tokens/s, at least %.0f ms a leg; pair overhead %.0f ms, %.0f ms past the decode's first step; TPOT %.1f ms + %.2f ms per request decoding): **%d : %d**, local prefill under %d tokens, predicted TTFT p90 %.0f ms and TPOT %.0f ms — %s.",
+			fmt.Fprintf(r.out, " The advisor, fitted from %s at 4 : 4 after the warm-up (%d requests; prefill %.0f tokens/s, at least %.0f ms a leg; pair overhead %.0f ms, %.0f ms past the decode's first step; TPOT %.1f ms + %.2f ms per request decoding): **%d : %d**, local prefill under %d tokens, predicted TTFT p90 %.0f ms and TPOT %.0f ms — %s.",
 				adviseFor, a.Fit.Requests, a.Fit.Prefill, 1000*a.Fit.Floor, 1000*a.Fit.Pair, 1000*a.Fit.Fixed, 1000*a.Fit.Base, 1000*a.Fit.Per, a.Recommended.Prefill, a.Recommended.Decode, a.Recommended.Threshold,
 				1000*a.Recommended.TTFT, 1000*a.Recommended.TPOT, a.Why)
 		}

@@ -113,6 +113,8 @@ type Config struct {
 	// default (its metrics; GET /pd/advice takes others).
 	PDAdviceTTFTSLO time.Duration `json:"pd_advice_ttft_slo" flag:"pd-advice-ttft-slo" unit:"secs" default:"2s" check:">0" help:"the PD advisor's TTFT SLO (p90): the split it recommends keeps the predicted TTFT p90 within it"`
 	PDAdviceTPOTSLO time.Duration `json:"pd_advice_tpot_slo" flag:"pd-advice-tpot-slo" unit:"secs" default:"50ms" check:">0" help:"the PD advisor's time-per-output-token SLO"`
+	// PDAdviceWindow is how far back the PD advisor's samples reach.
+	PDAdviceWindow time.Duration `json:"pd_advice_window" flag:"pd-advice-window" default:"5m" check:">0" help:"how far back the PD advisor fits from (at most 20,000 requests; from 10s to 1h)"`
 	// PDPrefillerHeader makes Baton the decode-side sidecar of an Endpoint Picker that names
 	// the prefill (llm-d's x-prefiller-host-port): the prefill leg runs there.
 	PDPrefillerHeader bool `json:"pd_prefiller_header" flag:"pd-prefiller-header" help:"decode-side sidecar: a PD request's x-prefiller-host-port header names its prefill (the first of the listed host:port that is one of the prefill workers); without it the request goes to a decode worker alone"`
@@ -569,6 +571,9 @@ func (c *Config) Validate() error {
 		if x.d < time.Millisecond || x.d > time.Hour {
 			bad("%s %v: want from 1ms to 1h", x.name, x.d)
 		}
+	}
+	if c.PDAdviceWindow < 10*time.Second || c.PDAdviceWindow > time.Hour {
+		bad("pd_advice_window %v: want from 10s to 1h", c.PDAdviceWindow)
 	}
 	for _, x := range []struct {
 		name string
