@@ -404,6 +404,9 @@ type Advice struct {
 	Current     Prediction `json:"current"`
 	Recommended Prediction `json:"recommended"`
 	Fit         Fit        `json:"fit"`
+	// Splits are the predictions weighed, each split with its threshold and without one, for
+	// a fleet of at most MaxListedSplits workers (larger: left out).
+	Splits []Prediction `json:"splits,omitempty"`
 	// Why says what the recommendation rests on, or why there is none.
 	Why string `json:"why"`
 }
@@ -413,6 +416,9 @@ type SLOView struct {
 	TTFTS float64 `json:"ttft_s"`
 	TPOTS float64 `json:"tpot_s"`
 }
+
+// MaxListedSplits is the largest fleet whose every split's prediction the advice lists.
+const MaxListedSplits = 32
 
 // Advise recommends a split of total workers (and the threshold) for slo, beside the current
 // split (prefill, decode, threshold).
@@ -431,6 +437,9 @@ func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
 		// further within the SLOs.
 		for _, t := range []int{f.Threshold(nd, slo), 0} {
 			c := f.Predict(np, nd, t, slo)
+			if total <= MaxListedSplits {
+				adv.Splits = append(adv.Splits, c)
+			}
 			if c.TTFTp90S < 0 {
 				continue
 			}

@@ -87,6 +87,9 @@ func TestAdviceFollowsTheWorkload(t *testing.T) {
 	if a.Recommended.Prefill <= b.Recommended.Prefill || !a.Recommended.MeetsSLO || !b.Recommended.MeetsSLO {
 		t.Errorf("long documents: %+v (%s); chat: %+v (%s)", a.Recommended, a.Why, b.Recommended, b.Why)
 	}
+	if n := len(a.Splits); n < 7 || n > 14 || len(rag.Advise(MaxListedSplits+1, 4, 4, 0, slo).Splits) != 0 {
+		t.Errorf("the advice for 8 lists %d predictions (each split, with its threshold and without); for %d, %d", n, MaxListedSplits+1, len(rag.Advise(MaxListedSplits+1, 4, 4, 0, slo).Splits))
+	}
 	if b.Recommended.Threshold <= 0 {
 		t.Errorf("short prompts should skip their prefill under some threshold: %+v", b.Recommended)
 	}

@@ -114,7 +114,8 @@ type sizingAdvice struct {
 		TTFT      float64 `json:"ttft_p90_s"`
 		TPOT      float64 `json:"tpot_s"`
 	} `json:"recommended"`
-	Fit struct {
+	Splits []sizingPrediction `json:"splits"`
+	Fit    struct {
 		Requests int     `json:"requests"`
 		Prefill  float64 `json:"prefill_tokens_per_s"`
 		Floor    float64 `json:"prefill_floor_s"`
@@ -474,4 +475,52 @@ func bestSplits(rs []sizingResult, n int) []sizingResult {
 		return int(a.ttftP90 - b.ttftP90)
 	})
 	return out[:min(n, len(out))]
+}
+
+// pdAdvice is pd-sizing's advisor alone: for each mix, the run at 4 : 4 the advisor fits from,
+// and what it recommends for eight workers — each split's prediction beside it, to set against
+// pd-sizing's measured tables.
+func (r *runner) pdAdvice(ctx context.Context) error {
+	fmt.Fprintln(r.out, "## 17. PD advice: what the advisor recommends after a minute at 4 : 4")
+	fmt.Fprintln(r.out)
+	warm, adviseFor := 12*time.Second, 60*time.Second
+	for _, mix := range sizingMixes(r.o.Quick) {
+		probe, err := r.sizingRun(ctx, mix, sizingConf{prefill: sizingEngines / 2, rate: mix.rate}, warm, adviseFor, true)
+		if err != nil {
+			return err
+		}
+		a := probe.advice
+		if a == nil {
+			return fmt.Errorf("%s: the advisor could not be asked", mix.name)
+		}
+		fmt.Fprintf(r.out, "### %s — %.0f requests/s; SLO TTFT ≤ %s, TPOT ≤ %s\n\n", mix.name, mix.rate, mix.ttft, mix.tpot)
+		fmt.Fprintf(r.out, "Fitted from %d requests: prefill %.0f tokens/s, at least %.0f ms a leg; pair overhead %.0f ms, %.0f ms past the decode's first step; TPOT %.1f ms + %.2f ms per request decoding. Recommended **%d : %d**, local prefill under %d tokens — %s.\n\n",
+			a.Fit.Requests, a.Fit.Prefill, 1000*a.Fit.Floor, 1000*a.Fit.Pair, 1000*a.Fit.Fixed, 1000*a.Fit.Base, 1000*a.Fit.Per, a.Recommended.Prefill, a.Recommended.Decode, a.Recommended.Threshold, a.Why)
+		fmt.Fprintln(r.out, "| prefill : decode | local prefill under | predicted TTFT p90 ms | TPOT ms | prefill busy | within the SLOs |")
+		fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---|")
+		for _, x := range a.Splits {
+			fmt.Fprintf(r.out, "| %d : %d | %d | %s | %s | %.0f %% | %v |\n", x.Prefill, x.Decode, x.Threshold, msOrPast(x.TTFT), msOrPast(x.TPOT), 100*x.Util, x.Meets)
+		}
+		fmt.Fprintln(r.out)
+	}
+	return nil
+}
+
+// sizingPrediction is one split's prediction in the advice.
+type sizingPrediction struct {
+	Prefill   int     `json:"prefill"`
+	Decode    int     `json:"decode"`
+	Threshold int     `json:"local_prefill_threshold"`
+	TTFT      float64 `json:"ttft_p90_s"`
+	TPOT      float64 `json:"tpot_s"`
+	Util      float64 `json:"prefill_utilization"`
+	Meets     bool    `json:"meets_slo"`
+}
+
+// msOrPast writes a predicted latency in milliseconds, or that it is past capacity.
+func msOrPast(s float64) string {
+	if s < 0 {
+		return "past capacity"
+	}
+	return strconv.FormatFloat(1000*s, 'f', 0, 64)
 }

@@ -34,7 +34,7 @@ type Options struct {
 // Scenario names: all run by default; optIn only when named.
 var (
 	allScenarios = []string{"latency", "throughput", "streaming", "memory", "bodysize", "workers", "hardening", "routing", "replicas", "hotpath", "tenants", "fairness", "lora", "epp"}
-	optIn        = []string{"soak", "pd-sizing"}
+	optIn        = []string{"soak", "pd-sizing", "pd-advice"}
 )
 
 // runner holds what the scenarios share.
@@ -95,6 +95,8 @@ func Run(ctx context.Context, o Options) error {
 			err = r.soak(ctx)
 		case "pd-sizing":
 			err = r.pdSizing(ctx)
+		case "pd-advice":
+			err = r.pdAdvice(ctx)
 		}
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
