@@ -292,11 +292,12 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	var local *director.LocalRule
 	if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto || cfg.PDPrefillServesWhole {
 		local = director.NewLocalRule(cfg.PDLocalPrefillThreshold, cfg.PDLocalPrefillAuto, kv.PromptTokens)
+		local.TPOTSLO = cfg.PDAdviceTPOTSLO
 		if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto {
 			sel.LocalPrefill = local.Decide
 		}
 		if cfg.PDPrefillServesWhole {
-			local.Whole, local.TPOTSLO = true, cfg.PDAdviceTPOTSLO
+			local.Whole = true
 			sel.ServeWhole = local.ServeWhole
 		}
 	}

@@ -385,7 +385,10 @@ func TestPDLocalPrefillAuto(t *testing.T) {
 func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
 	t.Parallel()
 	p, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 2 * time.Millisecond},
-		func(c *config.Config) { c.PDLocalPrefillThreshold, c.ForwardSimFaults = 1, true })
+		func(c *config.Config) {
+			// A TPOT SLO the moved prompt's compute cannot pass (the rule's guard is tested on its own).
+			c.PDLocalPrefillThreshold, c.ForwardSimFaults, c.PDAdviceTPOTSLO = 1, true, time.Hour
+		})
 	d := g.Server.Director()
 	prompt := `{"model":"m","prompt":"` + strings.Repeat("a question of some length ", 10) + `","max_tokens":3}`
 	handoff := func() string {

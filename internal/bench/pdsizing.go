@@ -54,6 +54,17 @@ func sizingWords(seed string, n int) string {
 	return sb.String()
 }
 
+// mixes are the workloads o names (all when none).
+func (o Options) mixes() []sizingMix {
+	var out []sizingMix
+	for _, m := range sizingMixes(o.Quick) {
+		if len(o.Mixes) == 0 || slices.Contains(o.Mixes, m.name) {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
 func sizingMixes(quick bool) []sizingMix {
 	systems := make([]string, 4)
 	for i := range systems {
@@ -337,7 +348,7 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		always, thresh []float64
 	}
 	var plots []plotted
-	for _, mix := range sizingMixes(r.o.Quick) {
+	for _, mix := range r.o.mixes() {
 		fmt.Fprintf(r.out, "### %s — %s; %.0f requests/s; SLO TTFT ≤ %s, TPOT ≤ %s\n\n", mix.name, mix.about, mix.rate, mix.ttft, mix.tpot)
 		fmt.Fprintln(r.out, "| prefill : decode | local prefill under | goodput req/s | met SLOs | answered / sent | served by a decode alone | TTFT p90 ms | TPOT p90 ms |")
 		fmt.Fprintln(r.out, "|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -484,7 +495,7 @@ func (r *runner) pdAdvice(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 17. PD advice: what the advisor recommends after a minute at 4 : 4")
 	fmt.Fprintln(r.out)
 	warm, adviseFor := 12*time.Second, 60*time.Second
-	for _, mix := range sizingMixes(r.o.Quick) {
+	for _, mix := range r.o.mixes() {
 		probe, err := r.sizingRun(ctx, mix, sizingConf{prefill: sizingEngines / 2, rate: mix.rate}, warm, adviseFor, true)
 		if err != nil {
 			return err

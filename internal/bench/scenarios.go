@@ -26,7 +26,9 @@ type Options struct {
 	BatonFlags []string
 	// Plot is a PNG file the soak scenario draws its fault timeline into, and pd-sizing its
 	// goodput per split; "" none.
-	Plot      string
+	Plot string
+	// Mixes are the pd-sizing and pd-advice workloads to run (chat, rag); empty: both.
+	Mixes     []string
 	Scenarios []string // names to run; empty runs all
 	Out       io.Writer
 }

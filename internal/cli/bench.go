@@ -26,6 +26,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	streams := fs.Int("streams", 0, "open streams in the memory scenario (default 1500; Baton holds two file descriptors per stream)")
 	duration := fs.Duration("duration", 0, "how long the soak scenario runs (default 30m; 3m with --quick)")
 	plot := fs.String("plot", "", "a PNG file: the soak scenario draws its fault timeline into it, pd-sizing its goodput per split")
+	mixes := fs.String("mixes", "", "the pd-sizing and pd-advice workloads, comma-separated: chat, rag (default both)")
 	batonFlags := fs.String("baton-flags", "", "more flags for the Batons the soak scenario starts, space-separated (e.g. \"--http-server net\")")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -39,6 +40,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if err := bench.CheckScenarios(names); err != nil {
 		return fmt.Errorf("bench: %w", err)
+	}
+	var mixList []string
+	for m := range strings.SplitSeq(*mixes, ",") {
+		switch m {
+		case "":
+		case "chat", "rag":
+			mixList = append(mixList, m)
+		default:
+			return fmt.Errorf("bench: --mixes %q: want chat, rag", m)
+		}
 	}
 	self, err := os.Executable()
 	if err != nil {
@@ -67,5 +78,5 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
 	}
-	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Streams: *streams, Duration: *duration, BatonFlags: strings.Fields(*batonFlags), Plot: *plot, Scenarios: names, Out: w})
+	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Streams: *streams, Duration: *duration, BatonFlags: strings.Fields(*batonFlags), Plot: *plot, Mixes: mixList, Scenarios: names, Out: w})
 }

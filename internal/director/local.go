@@ -24,6 +24,7 @@ type LocalRule struct {
 	Auto      bool
 	// Whole lets an idle vLLM prefill serve a request whole when its chosen decode is past
 	// TPOTSLO at its batch, by the advisor's fit (pd_prefill_serves_whole: the mirror case).
+	// TPOTSLO also bounds what the busy-prefill rule moves to a decode.
 	Whole   bool
 	TPOTSLO time.Duration
 	// PromptTokens is a prompt's token count when known (the tokenizer's cached count).
@@ -88,12 +89,20 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 	if f == nil || len(prefills) == 0 {
 		return false
 	}
+	// Computed on the decode, the prompt holds every request decoding there for as long as
+	// its compute takes: only a prompt whose compute keeps their next token within the TPOT
+	// SLO, on a decode within it at its batch, may go there (a long document moved off a
+	// queued prefill would stall a whole batch of decodes past it).
+	alone := uncached * f.perToken
+	if slo := r.TPOTSLO.Seconds(); slo > 0 && (alone > slo || f.step+f.perRequest*float64(d.InFlight()+1) > slo) {
+		return false
+	}
 	// The soonest a prefill would start it: the work of the requests it has in flight.
 	wait := math.Inf(1)
 	for _, p := range prefills {
 		wait = min(wait, float64(p.InFlight())*f.splitWork)
 	}
-	return wait > uncached*f.perToken+f.step
+	return wait > alone+f.step
 }
 
 // ServeWhole is the selector's ServeWhole: with Whole, once the advisor has fitted the

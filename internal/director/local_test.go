@@ -44,3 +44,39 @@ func TestServeWholeOnlyAnIdleVLLMPrefill(t *testing.T) {
 		t.Errorf("off: served whole on %s", w.URL)
 	}
 }
+
+// The busy-prefill rule moves a prompt to its decode only when every prefill is queued deeper
+// than the decode would take, and only one whose compute keeps the decode's other requests
+// within the TPOT SLO, on a decode within it at its batch: a long document off a queued prefill
+// stays split.
+func TestBusyPrefillRuleKeepsTheDecodeWithinTPOT(t *testing.T) {
+	tokens := map[string]int{"short": 100, "long": 2000}
+	r := NewLocalRule(1, false, func(_, _ string, body []byte) (int, bool) { return tokens[string(body)], true })
+	r.TPOTSLO = 50 * time.Millisecond
+	dec := worker.New(config.Worker{URL: "http://d:1", Role: config.RoleDecode, Runtime: config.RuntimeVLLM})
+	pf := worker.New(config.Worker{URL: "http://p:1", Role: config.RolePrefill, Runtime: config.RuntimeVLLM})
+	decide := func(prompt string) bool {
+		return r.Decide(context.Background(), dec, -1, &policy.Request{Model: "m", Body: []byte(prompt)}, []*worker.Worker{pf})
+	}
+	// 10,000 tokens/s of prefill, 100 ms of work per request in flight, a 10 ms decode step
+	// + 1 ms per request decoding.
+	r.fit.Store(&localFit{perToken: 1e-4, splitWork: 0.1, step: 0.010, perRequest: 0.001})
+	if decide("short") {
+		t.Error("an idle prefill: the short prompt went to the decode")
+	}
+	for range 5 {
+		pf.Enter() // 500 ms of work ahead
+	}
+	if !decide("short") {
+		t.Error("a queued prefill: the short prompt (10 ms on the decode) stayed split")
+	}
+	if decide("long") {
+		t.Error("a queued prefill: the long prompt (200 ms on the decode, past the 50 ms TPOT SLO) went to the decode")
+	}
+	for range 45 {
+		dec.Enter() // 10 + 46 ms a token: past the SLO already
+	}
+	if decide("short") {
+		t.Error("a decode past its TPOT SLO took the short prompt")
+	}
+}
