@@ -134,6 +134,9 @@ type Fit struct {
 	// PrefillFloorS is the shortest a prefill step lasts however few its tokens (the weights
 	// read once a step: an engine's memory-bound floor), the 10th percentile of those legs.
 	PrefillFloorS float64 `json:"prefill_floor_s"`
+	// PrefillRateBound: the legs did not vary with their prompts (all within the floor), and
+	// PrefillTokensPerS is the lower bound they give — the longest prompt over a median leg.
+	PrefillRateBound bool `json:"prefill_rate_is_bound,omitempty"`
 	// PairOverheadS is o_pair, the median of TTFT less the prefill leg, over PairFrom requests;
 	// PairFixedS the part of it that is not the decode's first step (the KV transfer and the
 	// second hop): the median of TTFT less the prefill leg less 1.5 TPOT (the step under way
@@ -202,10 +205,21 @@ func (a *Advisor) Fit() Fit {
 	}
 	if len(px) >= MinFit {
 		b0, b1 := line(px, py)
-		if b1 > 0 {
-			f.PrefillTokensPerS, f.PrefillOverheadS, f.PrefillFrom = 1/b1, max(b0, 0), len(px)
-			slices.Sort(py)
-			f.PrefillFloorS = py[len(py)/10]
+		lo, hi := slices.Min(px), slices.Max(px)
+		sorted := slices.Sorted(slices.Values(py))
+		median := sorted[len(sorted)/2]
+		switch {
+		case b1 > 0 && (hi-lo)*b1 >= 0.2*median:
+			f.PrefillTokensPerS, f.PrefillOverheadS = 1/b1, max(b0, 0)
+		case hi > 0:
+			// The legs hardly vary with the prompt: every prompt seen was computed within a
+			// step's memory-bound floor, and the rate cannot be told from them. What can: the
+			// longest was computed within a typical leg — a lower bound on the rate, taken as
+			// the rate (the predictions err towards too few prefills' capacity, not too much).
+			f.PrefillTokensPerS, f.PrefillOverheadS, f.PrefillRateBound = hi/median, 0, true
+		}
+		if f.PrefillTokensPerS > 0 {
+			f.PrefillFrom, f.PrefillFloorS = len(px), sorted[len(sorted)/10]
 		}
 	}
 	if len(pair) > 0 {
@@ -435,19 +449,17 @@ func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
 		nd := total - np
 		// Each split with its threshold and without one (always split): whichever is
 		// further within the SLOs.
-		for _, t := range []int{f.Threshold(nd, slo), 0} {
+		ts := []int{0}
+		if t := f.Threshold(nd, slo); t > 0 {
+			ts = []int{t, 0}
+		}
+		for _, t := range ts {
 			c := f.Predict(np, nd, t, slo)
 			if total <= MaxListedSplits {
 				adv.Splits = append(adv.Splits, c)
 			}
-			if c.TTFTp90S < 0 {
-				continue
-			}
-			if c.score > best.score || c.score == best.score && c.Decode > best.Decode {
+			if c.TTFTp90S >= 0 && (c.score > best.score || c.score == best.score && c.Decode > best.Decode) {
 				best = c
-			}
-			if t == 0 {
-				break
 			}
 		}
 	}

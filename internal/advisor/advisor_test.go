@@ -197,3 +197,24 @@ func TestTTFTIsTheMixturesP90(t *testing.T) {
 		t.Errorf("1 %% split: TTFT p90 %.4f s, the local requests' %.4f s (TPOT %.4f s)", p.TTFTp90S, local, p.TPOTS)
 	}
 }
+
+// Short prompts all computed within a step's floor do not show the prefill's rate; the fit
+// takes the bound they give (the longest prompt over a median leg), says so, and advises.
+func TestFitOfPromptsUnderTheFloor(t *testing.T) {
+	r := rand.New(rand.NewPCG(4, 4))
+	t0 := time.Unix(1_000_000, 0)
+	a := &Advisor{Now: func() time.Time { return t0.Add(time.Minute) }}
+	for i := range 1200 {
+		u := 40 + r.IntN(121)
+		leg := 0.071 * (1 + 0.01*r.NormFloat64()) // the floor, whatever the prompt
+		a.Observe(Sample{At: t0.Add(time.Duration(i) * 50 * time.Millisecond), Split: true, Prompt: u + 4000, Uncached: u, Output: 32,
+			PrefillTime: secs(leg), TTFT: secs(leg + 0.2), TPOT: secs(0.12 + 0.0006*float64(i%30)), DecodeBusy: i % 30})
+	}
+	f := a.Fit()
+	if !f.Fitted() || !f.PrefillRateBound || !near(f.PrefillTokensPerS, 160/0.071, 0.05) || !near(f.PrefillFloorS, 0.071, 0.05) {
+		t.Fatalf("fit: fitted %v, bound %v, %.0f tokens/s (want about %.0f), floor %.3f s", f.Fitted(), f.PrefillRateBound, f.PrefillTokensPerS, 160/0.071, f.PrefillFloorS)
+	}
+	if adv := f.Advise(8, 4, 4, 0, SLO{TTFT: 400 * time.Millisecond, TPOT: 150 * time.Millisecond}); adv.Recommended.TTFTp90S <= 0 {
+		t.Errorf("no advice: %+v (%s)", adv.Recommended, adv.Why)
+	}
+}
