@@ -538,3 +538,31 @@ func TestPDLocalPrefillAutoExplores(t *testing.T) {
 		t.Errorf("30 requests under an unfitted auto threshold: %d split (the prefill received %d), want 3", split, p.Stats().RequestsReceived)
 	}
 }
+
+// With every prefill down, a prompt under the threshold is still served by its decode alone
+// (it needs no prefill); one over it fails as before, for want of a prefill (503).
+func TestPDLocalPrefillWithEveryPrefillDown(t *testing.T) {
+	t.Parallel()
+	d := simEngine(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	cfg := config.Default()
+	cfg.PDDisaggregation, cfg.PDLocalPrefillThreshold = true, 50
+	cfg.Retry.Disable = true
+	cfg.Workers = []config.Worker{{URL: gwtest.RefusingURL(t), Role: config.RolePrefill, KVConnector: "NixlConnector"}, {URL: d.URL(), Role: config.RoleDecode}}
+	g := runGateway(t, cfg)
+	for _, w := range g.Registry.Snapshot().Workers {
+		if w.URL == d.URL() {
+			poll.Until(t, "the decode registered and ready", func() bool { return w.Registered() && w.Ready() })
+		}
+	}
+	srv := serveAPI(t, cfg, g.Server.Handler())
+	for _, stream := range []string{"false", "true"} {
+		resp, out := gwtest.PostTimeout(t, srv.URL+"/v1/completions", `{"model":"`+pdModel+`","prompt":"a short one","max_tokens":3,"stream":`+stream+`}`)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill" {
+			t.Errorf("a short prompt (stream %s) with the prefill down: %d %q %s", stream, resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), out)
+		}
+	}
+	long := `{"model":"` + pdModel + `","prompt":"` + strings.Repeat("a long document of many words ", 20) + `","max_tokens":3}`
+	if resp, out := gwtest.PostTimeout(t, srv.URL+"/v1/completions", long); resp.StatusCode != 503 || !strings.Contains(out, "prefill") {
+		t.Errorf("a long prompt with the prefill down: %d %s", resp.StatusCode, out)
+	}
+}

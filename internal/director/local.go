@@ -83,7 +83,9 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 		uncached *= 1 - min(match, 1)
 	}
 	if uncached < float64(r.threshold.Load()) {
-		return !r.explore.Load() || r.explored.Add(1)%ExploreEvery != 0
+		// Exploring splits only where a prefill can take it: with every prefill down, a
+		// prompt under the threshold is still served by its decode.
+		return len(prefills) == 0 || !r.explore.Load() || r.explored.Add(1)%ExploreEvery != 0
 	}
 	f := r.fit.Load()
 	if f == nil || len(prefills) == 0 {

@@ -272,23 +272,32 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 	if served := serving(pc, req.Path); len(served) == 0 && len(pc) > 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Unrouted: req.Path}
 	}
+	// A generation request (a health check's pair stays whole) may be served by its decode
+	// alone: without a prefill it can use, it still goes to its decode, which serves it alone
+	// if conditional disaggregation lets it.
+	decideFirst := (s.LocalPrefill != nil || s.ServeWhole != nil) && req.Parsed != nil
+	var noPrefill *NoWorkerError
 	prefills := preferOthers(available(serving(pc, req.Path), req), avoid)
 	if len(prefills) == 0 {
-		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model}
+		noPrefill = &NoWorkerError{Role: config.RolePrefill, Model: req.Model}
+	} else if prefills = handingOff(prefills, req.Path); len(prefills) == 0 {
+		noPrefill = &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Route: req.Path}
 	}
-	if prefills = handingOff(prefills, req.Path); len(prefills) == 0 {
-		return worker.Pair{}, &NoWorkerError{Role: config.RolePrefill, Model: req.Model, Route: req.Path}
+	if noPrefill != nil && (!decideFirst || s.LocalPrefill == nil) {
+		return worker.Pair{}, noPrefill
 	}
 	decodes := preferOthers(available(serving(dc, req.Path), req), avoid)
 	if len(decodes) == 0 {
 		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model}
 	}
-	if prefills = s.withPartners(prefills, decodes); len(prefills) == 0 {
-		return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
+	if noPrefill == nil {
+		if prefills = s.withPartners(prefills, decodes); len(prefills) == 0 {
+			return worker.Pair{}, &NoWorkerError{Role: config.RoleDecode, Model: req.Model, Incompatible: true}
+		}
 	}
 	var p worker.Pair
-	if (s.LocalPrefill != nil || s.ServeWhole != nil) && req.Parsed != nil { // a generation request: a health check's pair stays whole
-		return s.decodeFirst(ctx, req, prefills, decodes)
+	if decideFirst {
+		return s.decodeFirst(ctx, req, prefills, decodes, noPrefill)
 	}
 	p.Prefill = s.pick(ctx, config.RolePrefill, s.affine(prefills, req), req)
 	p.Decode = s.pick(ctx, config.RoleDecode, s.affine(s.unquarantined(p.Prefill, s.partners(p.Prefill, decodes)), req), req)
@@ -298,9 +307,10 @@ func (s *Selector) Pair(ctx context.Context, req *Request, avoid map[string]bool
 // decodeFirst chooses a PD request's decode first, among those that can take some prefill's
 // KV; asks ServeWhole whether an idle prefill should serve the request whole instead (a pair
 // of that prefill alone), and LocalPrefill whether the decode serves it alone (a pair without a
-// prefill); else a prefill whose KV it can take, preferring one not quarantined with it.
-func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, decodes []*worker.Worker) (worker.Pair, error) {
-	if s.Compatible != nil {
+// prefill); else a prefill whose KV it can take, preferring one not quarantined with it. With
+// no prefill to use (noPrefill says why), the decode serves the request alone or it fails.
+func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, decodes []*worker.Worker, noPrefill *NoWorkerError) (worker.Pair, error) {
+	if s.Compatible != nil && len(prefills) > 0 {
 		decodes = worker.Keep(decodes, func(d *worker.Worker) bool {
 			return slices.ContainsFunc(prefills, func(p *worker.Worker) bool { return s.Compatible(p, d) })
 		})
@@ -319,6 +329,9 @@ func (s *Selector) decodeFirst(ctx context.Context, req *Request, prefills, deco
 	}
 	if s.LocalPrefill != nil && s.LocalPrefill(ctx, p.Decode, dec.Match, req, ps) {
 		return p, nil
+	}
+	if noPrefill != nil {
+		return worker.Pair{}, noPrefill
 	}
 	if s.Pairs != nil {
 		if free := worker.Keep(ps, func(w *worker.Worker) bool { return !s.Pairs.Quarantined(w, p.Decode) }); len(free) > 0 {
