@@ -188,7 +188,7 @@ func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
 			side := config.Default()
 			side.PDDisaggregation, side.PDPrefillerHeader = true, true
 			side.Workers = append(append([]config.Worker{}, prefills...), config.Worker{URL: d.URL(), Role: config.RoleDecode})
-			_, sidecar := startGateway(t, side)
+			sg, sidecar := startGateway(t, side)
 
 			pick := config.Default()
 			pick.PDDisaggregation = true
@@ -233,6 +233,13 @@ func TestEPPDisaggregatedWithBatonSidecar(t *testing.T) {
 				t.Errorf("vLLM without the header: %d, prefill %q, handoff %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"), resp.Header.Get("X-Baton-Kv-Handoff"))
 			case tc.engine == sim.EngineSGLang && (resp.StatusCode != 200 || resp.Header.Get("X-Baton-Prefill-Worker") == ""):
 				t.Errorf("SGLang without the header: %d, prefill %q", resp.StatusCode, resp.Header.Get("X-Baton-Prefill-Worker"))
+			}
+			if tc.engine == sim.EngineVLLM {
+				// Counted once it ended whole, in both counters and on the status page.
+				poll.Until(t, "the request served alone counted", func() bool { return sg.Server.Director().LocalPrefills() == 1 })
+				if n := testutil.ToFloat64(sg.Metrics.PDHandoffs.WithLabelValues("none-local-prefill", "by_design", "")); n != 1 {
+					t.Errorf("baton_pd_kv_handoffs_total{none-local-prefill} %v, want 1", n)
+				}
 			}
 			// llm-d's picker may list several prefills (its sidecar samples or takes the first):
 			// the first that is one of the sidecar's prefill workers serves.

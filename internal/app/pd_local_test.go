@@ -566,3 +566,40 @@ func TestPDLocalPrefillWithEveryPrefillDown(t *testing.T) {
 		t.Errorf("a long prompt with the prefill down: %d %s", resp.StatusCode, out)
 	}
 }
+
+// A request served alone is counted once its answer reached the client whole: a client that
+// hangs up mid-stream is not counted in baton_pd_local_prefill_total, its handoff or the status
+// page (it was, as if served).
+func TestPDLocalPrefillNotCountedWhenTheClientLeaves(t *testing.T) {
+	t.Parallel()
+	_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{DecodePerToken: 20 * time.Millisecond}, func(c *config.Config) {
+		c.PDLocalPrefillThreshold = 60
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"a short one","max_tokens":200,"ignore_eos":true,"stream":true}`))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Header.Get("X-Baton-Kv-Handoff") != "none-local-prefill" {
+		t.Fatalf("handoff %q", resp.Header.Get("X-Baton-Kv-Handoff"))
+	}
+	if _, err := resp.Body.Read(make([]byte, 64)); err != nil {
+		t.Fatal(err)
+	}
+	cancel() // the client hangs up, a few tokens in
+	resp.Body.Close()
+	poll.Until(t, "the cut request ended", func() bool { return g.Server.InFlight() == 0 })
+	if n, m := g.Server.Director().LocalPrefills(), testutil.ToFloat64(g.Metrics.PDLocalPrefill.WithLabelValues("m")); n != 0 || m != 0 {
+		t.Errorf("a stream its client left counted as served alone: status page %d, baton_pd_local_prefill_total %v", n, m)
+	}
+	if n := testutil.ToFloat64(g.Metrics.PDHandoffs.WithLabelValues("none-local-prefill", "by_design", "")); n != 0 {
+		t.Errorf("baton_pd_kv_handoffs_total{none-local-prefill} %v for a stream its client left", n)
+	}
+	// One that ends whole is counted.
+	if resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"a short one","max_tokens":3,"stream":true}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, out)
+	}
+	poll.Until(t, "the whole one counted", func() bool { return g.Server.Director().LocalPrefills() == 1 })
+}

@@ -59,8 +59,6 @@ func (d *Director) PlanPair(rec *record.Record, req *openai.Request, path string
 // log's handoff). SGLang's decodes refuse a request without a bootstrap: only others serve it.
 func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path string) *Plan {
 	p := d.newPlan(rec, req, path, config.RoleDecode)
-	rec.Handoff = pd.HandoffNoneLocalPrefill
-	d.metrics.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, pd.HandoffClass(pd.HandoffNoneLocalPrefill), "").Inc()
 	p.Sel.Allow = func(w *worker.Worker) bool { return w.Runtime() != config.RuntimeSGLang }
 	return p
 }
@@ -106,11 +104,15 @@ func (d *Director) PrefillWholes() int64 { return d.prefillWholes.Load() }
 func (d *Director) LocalPrefills() int64 { return d.localPrefills.Load() }
 
 // NoteWorker writes the worker chosen to serve the request alone on its record (a decode
-// serving alone as the decode too).
+// serving alone as the decode too; for a plan of a decode alone, PlanDecodeAlone's, by design:
+// none-local-prefill, counted once the request ended whole, as CountLocalPrefill says).
 func (p *Plan) NoteWorker(w *worker.Worker) {
 	p.Rec.Worker = w.URL
 	if p.Role == config.RoleDecode {
 		p.Rec.Decode = w.URL
+		if !p.Pair {
+			p.Rec.Handoff, p.Rec.LocalPrefill = pd.HandoffNoneLocalPrefill, true
+		}
 	}
 }
 

@@ -158,8 +158,8 @@ func TestPairModesAndInfoRoutes(t *testing.T) {
 	}
 }
 
-// A decode serving a PD request alone says so on its record and in the handoff metric, and
-// is never an SGLang decode (which refuses a request without a bootstrap).
+// A decode serving a PD request alone says so on its record, is counted in the handoff metric
+// once it ended whole (not as it is planned: a failed one was counted), and is never an SGLang decode (which refuses a request without a bootstrap).
 func TestPlanDecodeAlone(t *testing.T) {
 	sd := engineWorker("http://sd:8000", config.RoleDecode, config.RuntimeSGLang, "m")
 	vd := engineWorker("http://vd:8000", config.RoleDecode, config.RuntimeVLLM, "m")
@@ -167,7 +167,7 @@ func TestPlanDecodeAlone(t *testing.T) {
 	if !f.d.DecodeAloneServes() {
 		t.Error("a vLLM decode cannot serve alone")
 	}
-	for range 3 {
+	for i := range 3 {
 		rec := &record.Record{Model: "m"}
 		p := f.d.PlanDecodeAlone(rec, parsed(t, `{"model":"m","prompt":"x"}`), "/v1/completions")
 		c, err := f.d.Choose(context.Background(), p, "m", nil)
@@ -175,13 +175,14 @@ func TestPlanDecodeAlone(t *testing.T) {
 			t.Fatalf("chose %v: %v", c.Worker, err)
 		}
 		p.NoteWorker(c.Worker)
-		if rec.Handoff != pd.HandoffNoneLocalPrefill || rec.Worker != vd.URL || rec.Decode != vd.URL {
+		if rec.Handoff != pd.HandoffNoneLocalPrefill || !rec.LocalPrefill || rec.Worker != vd.URL || rec.Decode != vd.URL {
 			t.Errorf("record %+v", rec)
 		}
+		f.d.PDEnded(rec, i != 0, false, 0, time.Second) // the first failed or was cut: not counted
 	}
 	class := pd.HandoffClass(pd.HandoffNoneLocalPrefill)
-	if n := testutil.ToFloat64(f.m.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, class, "")); n != 3 {
-		t.Errorf("%v handoffs counted, want 3", n)
+	if n := testutil.ToFloat64(f.m.PDHandoffs.WithLabelValues(pd.HandoffNoneLocalPrefill, class, "")); n != 2 || f.d.LocalPrefills() != 2 {
+		t.Errorf("%v handoffs counted (status page %d), want 2: planned three, two ended whole", n, f.d.LocalPrefills())
 	}
 	// SGLang decodes alone: none may serve.
 	g := newFleet(t, []*worker.Worker{engineWorker("http://sd:8000", config.RoleDecode, config.RuntimeSGLang, "m")}, func(o *Options) { o.PD = true })

@@ -25,7 +25,7 @@ func (s *Server) Begin() { s.inflight.Add(1) }
 // page, span, access log).
 func (s *Server) Finish(ctx context.Context, rec *record.Record, written int64, status int, span trace.Span, aborted bool) {
 	s.inflight.Add(-1)
-	s.finish(ctx, rec, written, status, span, aborted)
+	s.finish(ctx, rec, written, status, span, aborted, aborted)
 }
 
 // Go runs f in the background; Wait waits for it.

@@ -156,6 +156,7 @@ type statusWriter struct {
 	itl       prometheus.Observer // a stream's inter-token histogram, resolved at its first byte
 	metrics   *metrics.Metrics
 	written   int64 // body bytes written to the client
+	gone      bool  // a write to the client failed: it left, or stalled past its deadline
 
 	rc       *http.ResponseController
 	body     stallReader   // the request body's reader, kept here to save an allocation
@@ -257,6 +258,7 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	w.lastWrite = now
 	n, err := w.ResponseWriter.Write(b)
 	w.written += int64(n)
+	w.gone = w.gone || err != nil
 	return n, err
 }
 
@@ -324,7 +326,10 @@ func (s *Server) end(sw *statusWriter, r *http.Request, v any) {
 	if rec.Route == "" || rec.Route == "/" {
 		rec.Route = "other"
 	}
-	s.finish(r.Context(), rec, sw.written, status, sw.span, v == http.ErrAbortHandler)
+	// The answer reached its client whole only if every write did and the client did not leave
+	// (nor the deadline pass) before the handler returned.
+	cut := sw.gone || r.Context().Err() != nil
+	s.finish(r.Context(), rec, sw.written, status, sw.span, v == http.ErrAbortHandler, cut)
 	if v == http.ErrAbortHandler {
 		panic(v)
 	}
@@ -332,8 +337,9 @@ func (s *Server) end(sw *statusWriter, r *http.Request, v any) {
 
 // finish records what a request's answer says once it ended, from its record and the body
 // bytes written: its count and duration, TTFT and tokens of a successful generation, the PD
-// pair's handoff, the status page, the server span and the access log line.
-func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, status int, span trace.Span, aborted bool) {
+// pair's handoff, the status page, the server span and the access log line. aborted: Baton cut
+// the answer after its head; cut: it did not reach the client whole (the client left).
+func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, status int, span trace.Span, aborted, cut bool) {
 	model := rec.ModelLabel
 	if model == "" {
 		model = s.metrics.Model(rec.Model)
@@ -366,7 +372,7 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 	if rec.Prefill != "" && rec.Decode != "" && rec.Handoff != "" {
 		s.metrics.PairHandoffs.WithLabelValues(rec.Prefill, rec.Decode, string(rec.Handoff)).Inc()
 	}
-	s.d.PDEnded(rec, status == http.StatusOK && !aborted, e.usage && !aborted, e.ttft, e.dur)
+	s.d.PDEnded(rec, status == http.StatusOK && !aborted && !cut, e.usage && !aborted, e.ttft, e.dur)
 	if rec.Route != "other" {
 		s.status.record(rec.Start.Add(e.dur), rec.Route, e.model, status, rec.Code, errorWorker(rec), e.ttft, aborted)
 	}
