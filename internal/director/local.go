@@ -75,6 +75,11 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 	if r.PromptTokens != nil {
 		n, ok = r.PromptTokens(req.Model, req.Path, req.Body)
 	}
+	if !ok && req.Parsed != nil {
+		if raw, has := req.Parsed.Get("prompt"); has {
+			n, ok = tokenIDs(raw)
+		}
+	}
 	if !ok {
 		n = (len(req.Body) + 3) / 4
 	}
@@ -150,4 +155,28 @@ func (d *Director) RefreshLocal() {
 		}
 	}
 	r.fit.Store(&localFit{perToken: 1 / f.PrefillTokensPerS, splitWork: f.SplitWork(t), step: f.DecodeBaseS, perRequest: f.DecodePerRequestS})
+}
+
+// tokenIDs counts the token ids of a prompt given as ids (a list of integers, or a batch of
+// such lists): a prompt the client tokenized is its own count, where its bytes over four would
+// take a list of five-digit ids for some 1.5 tokens each. False for a prompt of text.
+func tokenIDs(raw []byte) (int, bool) {
+	if len(raw) == 0 || raw[0] != '[' {
+		return 0, false
+	}
+	n, in := 0, false
+	for _, c := range raw {
+		switch {
+		case c >= '0' && c <= '9':
+			if !in {
+				n++
+			}
+			in = true
+		case c == '[' || c == ']' || c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			in = false
+		default:
+			return 0, false // text, or not ids
+		}
+	}
+	return n, true
 }

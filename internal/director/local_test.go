@@ -2,6 +2,7 @@ package director
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -78,5 +79,37 @@ func TestBusyPrefillRuleKeepsTheDecodeWithinTPOT(t *testing.T) {
 	}
 	if decide("short") {
 		t.Error("a decode past its TPOT SLO took the short prompt")
+	}
+}
+
+// A prompt of token ids is measured by its ids, not its bytes: 80 five-digit ids are 80 tokens
+// (under a threshold of 100), though their 480 bytes would be taken for 120.
+func TestLocalRuleCountsTokenIDs(t *testing.T) {
+	r := NewLocalRule(100, false, nil)
+	dec := worker.New(config.Worker{URL: "http://d:1", Role: config.RoleDecode, Runtime: config.RuntimeVLLM})
+	decide := func(prompt string) bool {
+		t.Helper()
+		body := `{"model":"m","prompt":` + prompt + `}`
+		return r.Decide(context.Background(), dec, -1, &policy.Request{Model: "m", Body: []byte(body), Parsed: parsed(t, body)}, nil)
+	}
+	ids := "[" + strings.TrimSuffix(strings.Repeat("12345,", 80), ",") + "]"
+	if !decide(ids) {
+		t.Error("80 token ids, under the threshold of 100: split")
+	}
+	if decide("[" + ids + ",[" + strings.TrimSuffix(strings.Repeat("7,", 40), ",") + "]]") {
+		t.Error("a batch of 80 + 40 token ids, over the threshold of 100: served alone")
+	}
+	if decide(`"` + strings.Repeat("words ", 80) + `"`) {
+		t.Error("a text prompt of 480 bytes (~120 tokens), over the threshold: served alone")
+	}
+	for raw, want := range map[string]int{"[]": 0, "[1]": 1, "[[1, 2],\n[3]]": 3} {
+		if n, ok := tokenIDs([]byte(raw)); !ok || n != want {
+			t.Errorf("tokenIDs(%q) = %d %v, want %d", raw, n, ok, want)
+		}
+	}
+	for _, raw := range []string{`"text"`, `["a", "b"]`, `[1.5]`, `[-1]`, ``} {
+		if _, ok := tokenIDs([]byte(raw)); ok {
+			t.Errorf("tokenIDs(%q) counted ids", raw)
+		}
 	}
 }
