@@ -61,6 +61,33 @@ func (d *Director) fleetSplit() (prefill, decode int) {
 // Advice is the advisor's answer for a fleet of total workers (0: the fleet's) and SLOs (0:
 // the configuration's), beside the fleet's current split and threshold. Advising must hold.
 func (d *Director) Advice(total int, ttft, tpot time.Duration) advisor.Advice {
+	d.adviceMu.Lock()
+	defer d.adviceMu.Unlock()
+	now := time.Now()
+	fleet := total <= 0 && ttft <= 0 && tpot <= 0
+	if fleet && !d.advice.at.IsZero() && now.Sub(d.advice.at) < AdviceTTL {
+		return d.advice.a
+	}
+	a := d.advise(total, ttft, tpot)
+	if fleet {
+		d.advice = cachedAdvice{a: a, at: now}
+	}
+	return a
+}
+
+// AdviceTTL is how long the fleet's advice (what /metrics and the status page show) is reused:
+// each answer replays the window's load for every split (tens of milliseconds on a large
+// fleet), which a scrape per second would otherwise pay each time.
+const AdviceTTL = 2 * time.Second
+
+// cachedAdvice is an advice and when it was made.
+type cachedAdvice struct {
+	a  advisor.Advice
+	at time.Time
+}
+
+// advise is Advice, made now.
+func (d *Director) advise(total int, ttft, tpot time.Duration) advisor.Advice {
 	p, dc := d.fleetSplit()
 	if total <= 0 {
 		total = p + dc

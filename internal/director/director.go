@@ -75,6 +75,11 @@ type Director struct {
 	localPrefills atomic.Int64
 	// prefillWholes counts the PD requests an idle prefill served whole (the mirror case).
 	prefillWholes atomic.Int64
+	// advice is the advisor's last answer for the fleet as it stands (Advice(0, 0, 0): what
+	// /metrics and the status page show), reused for AdviceTTL; adviceMu makes one answer at a
+	// time (a flood of scrapes or what-ifs takes at most one core).
+	adviceMu sync.Mutex
+	advice   cachedAdvice
 }
 
 // New returns a director with o.

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
@@ -111,5 +112,26 @@ func TestLocalRuleCountsTokenIDs(t *testing.T) {
 		if _, ok := tokenIDs([]byte(raw)); ok {
 			t.Errorf("tokenIDs(%q) counted ids", raw)
 		}
+	}
+}
+
+// The fleet's advice (what every /metrics scrape and status refresh shows) is made once per
+// AdviceTTL, however often it is asked for; a what-if is answered fresh.
+func TestFleetAdviceReusedWithinItsTTL(t *testing.T) {
+	adv := &advisor.Advisor{}
+	f := newFleet(t, []*worker.Worker{worker.New(config.Worker{URL: "http://d:1", Role: config.RoleDecode})}, func(o *Options) {
+		o.PD, o.Advisor, o.AdviceSLO = true, adv, advisor.SLO{TTFT: time.Second, TPOT: 100 * time.Millisecond}
+	})
+	observe := func() {
+		adv.Observe(advisor.Sample{At: time.Now(), Split: true, Prompt: 100, Uncached: 100, Output: 10, PrefillTime: 10 * time.Millisecond})
+	}
+	observe()
+	first := f.d.Advice(0, 0, 0)
+	observe()
+	if again := f.d.Advice(0, 0, 0); again.Fit.Requests != first.Fit.Requests {
+		t.Errorf("the fleet's advice made again within its TTL: %d requests, then %d", first.Fit.Requests, again.Fit.Requests)
+	}
+	if what := f.d.Advice(4, 0, 0); what.Fit.Requests != first.Fit.Requests+1 {
+		t.Errorf("a what-if answered from %d requests, want %d", what.Fit.Requests, first.Fit.Requests+1)
 	}
 }
