@@ -114,13 +114,13 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 
 // ServeWhole is the selector's ServeWhole: with Whole, once the advisor has fitted the
 // decode's pace, a request whose chosen decode would give a token slower than TPOTSLO at the
-// batch it holds (α + β·(requests in flight + 1)) goes whole to a prefill with nothing in
-// flight, when there is one (vLLM only: an SGLang prefill refuses a request without a
+// batch it holds (α + β·(requests in flight + 1), and it holds some) goes whole to a prefill
+// with nothing in flight, when there is one (vLLM only: an SGLang prefill refuses a request without a
 // bootstrap room, as its decode does).
 func (r *LocalRule) ServeWhole(_ context.Context, d *worker.Worker, _ *policy.Request, prefills []*worker.Worker) *worker.Worker {
 	f := r.fit.Load()
-	if !r.Whole || f == nil || r.TPOTSLO <= 0 {
-		return nil
+	if !r.Whole || f == nil || r.TPOTSLO <= 0 || d.InFlight() == 0 {
+		return nil // an idle decode is as fast as any worker: an SLO under its pace alone is not a batch's fault
 	}
 	if f.step+f.perRequest*float64(d.InFlight()+1) <= r.TPOTSLO.Seconds() {
 		return nil

@@ -27,6 +27,10 @@ func TestServeWholeOnlyAnIdleVLLMPrefill(t *testing.T) {
 	if w := r.ServeWhole(context.Background(), dec, req, all); w != nil {
 		t.Errorf("unfitted: served whole on %s", w.URL)
 	}
+	r.fit.Store(&localFit{step: 0.060, perRequest: 0.005}) // 60 ms a token alone: past the SLO idle
+	if w := r.ServeWhole(context.Background(), dec, req, all); w != nil {
+		t.Errorf("an idle decode slower than the SLO alone: served whole on %s (as slow there)", w.URL)
+	}
 	r.fit.Store(&localFit{step: 0.030, perRequest: 0.005}) // 30 ms + 5 ms per request decoding
 	for range 3 {
 		dec.Enter() // 30 + 5 × 4 = 50 ms: at the SLO, not past it
