@@ -27,7 +27,11 @@ func ParseQuery(raw string) (Query, *QueryError) {
 	var q Query
 	vals, err := url.ParseQuery(raw)
 	for name, vs := range vals {
-		if err == nil && len(vs) > 1 {
+		switch {
+		case err != nil:
+		case name != "total" && name != "ttft_slo" && name != "tpot_slo":
+			return q, &QueryError{"", fmt.Sprintf("unknown parameter %q: the what-if takes total, ttft_slo and tpot_slo", strings.ToValidUTF8(clip(name, 64), ""))}
+		case len(vs) > 1:
 			err = fmt.Errorf("%s is given %d times", name, len(vs))
 		}
 	}
@@ -65,4 +69,12 @@ func ParseQuery(raw string) (Query, *QueryError) {
 		*x.to = d
 	}
 	return q, nil
+}
+
+// clip cuts s to at most n bytes.
+func clip(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
 }

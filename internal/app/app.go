@@ -665,6 +665,7 @@ func (g *Gateway) metricsMux(cfg config.Config) *http.ServeMux {
 		mux.Handle("/debug/pprof/profile", g.Server.AdminOnly(http.HandlerFunc(pprof.Profile)))
 		mux.Handle("/debug/pprof/trace", g.Server.AdminOnly(http.HandlerFunc(pprof.Trace)))
 	}
+	mux.Handle("/", server.NoRoute())
 	return mux
 }
 

@@ -8,6 +8,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -33,6 +34,15 @@ func RunEPP(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	cfg, err := config.Parse(args, stdout)
 	if err != nil {
 		return err
+	}
+	// The picker sees neither leg of a pair (the data plane's sidecar runs them): the advisor
+	// cannot fit a prefill from it, and a prefill serving a request whole is the sidecar's to
+	// do, which llm-d's does not.
+	if cfg.PDLocalPrefillAuto {
+		return errors.New("pd_local_prefill_auto is not for the Endpoint Picker: the advisor fits the prefill from its legs' times, which only the data plane's sidecar sees (pd_local_prefill_threshold is the picker's: a pick for a short prompt names no prefill)")
+	}
+	if cfg.PDPrefillServesWhole {
+		return errors.New("pd_prefill_serves_whole is not for the Endpoint Picker: a pick names a decode pod, whose sidecar runs the pair; no sidecar serves a request on a prefill pod whole")
 	}
 	cfg.EPP = true
 	return Serve(ctx, cfg, stdout, stderr)

@@ -148,6 +148,11 @@ func TestPDLocalPrefillSettingsRefused(t *testing.T) {
 			t.Errorf("%v: %v", args, err)
 		}
 	}
+	// Each refusal says what the setting does: the mirror case serves a request on a prefill.
+	args := []string{"--pd-disaggregation", "--pd-prefill-serves-whole", "--pd-require-handoff", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"}
+	if _, err := config.Parse(args, &out); err == nil || !strings.Contains(err.Error(), "pd_prefill_serves_whole serves a request whole on an idle prefill") {
+		t.Errorf("%v: %v", args, err)
+	}
 }
 
 // The picker decides the same way: a short prompt's pick names no prefill
@@ -266,9 +271,21 @@ func TestPDAdviceFromTraffic(t *testing.T) {
 		}
 	})
 	for _, q := range []string{"?total=1", "?total=99999999999999999999", "?total=x", "?ttft_slo=-1s", "?tpot_slo=NaN", "?tpot_slo=1e400", "?ttft_slo=2h", "?tpot_slo=0",
-		"?total=5&total=abc", "?total=%zz", "?ttft_slo=0x1p-2", "?ttft_slo=0x_1p0", "?tpot_slo=1ns", "?tpot_slo=0.0001", "?ttft_slo=1e1"} {
-		if code, raw := get(q); code != 400 || !strings.Contains(raw, `"invalid_request_error"`) && !strings.Contains(raw, `"code":"invalid_request"`) {
+		"?total=5&total=abc", "?total=%zz", "?totl=8", "?Total=8", "?total=8&" + strings.Repeat("x", 5000) + "=1", "?ttft_slo=0x1p-2", "?ttft_slo=0x_1p0", "?tpot_slo=1ns", "?tpot_slo=0.0001", "?ttft_slo=1e1"} {
+		if code, raw := get(q); code != 400 || len(raw) > 1000 || !strings.Contains(raw, `"invalid_request_error"`) && !strings.Contains(raw, `"code":"invalid_request"`) {
 			t.Errorf("%s: %d %s", q, code, raw)
+		}
+	}
+	// The listener's other answers are the API's: a method or path it does not serve is a 404
+	// in the OpenAI error envelope.
+	for _, mp := range [][2]string{{http.MethodPost, "/pd/advice"}, {http.MethodGet, "/nope"}, {http.MethodDelete, "/metrics"}} {
+		req, _ := http.NewRequest(mp[0], status.URL+mp[1], nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if raw := readAll(t, resp.Body); resp.StatusCode != 404 || !strings.Contains(raw, `"code":"not_found"`) {
+			t.Errorf("%s %s: %d %s", mp[0], mp[1], resp.StatusCode, raw)
 		}
 	}
 }
@@ -602,4 +619,18 @@ func TestPDLocalPrefillNotCountedWhenTheClientLeaves(t *testing.T) {
 		t.Fatalf("%d %s", resp.StatusCode, out)
 	}
 	poll.Until(t, "the whole one counted", func() bool { return g.Server.Director().LocalPrefills() == 1 })
+}
+
+// The picker refuses what it cannot do, at startup: auto (it sees no prefill leg to fit) and
+// the mirror case (a pick names a decode pod's sidecar); the fixed threshold is its own.
+func TestEPPRefusesAutoAndServesWhole(t *testing.T) {
+	for _, flag := range []string{"--pd-local-prefill-auto", "--pd-prefill-serves-whole"} {
+		var out, errs bytes.Buffer
+		args := []string{"--pd-disaggregation", flag, "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--grpc-port", "0", "--port", "0"}
+		err := RunEPP(context.Background(), args, &out, &errs)
+		name := strings.ReplaceAll(strings.TrimPrefix(flag, "--"), "-", "_")
+		if err == nil || !strings.Contains(err.Error(), name+" is not for the Endpoint Picker") {
+			t.Errorf("baton epp %s: %v", flag, err)
+		}
+	}
 }

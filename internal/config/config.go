@@ -578,12 +578,14 @@ func (c *Config) Validate() error {
 	for _, x := range []struct {
 		name string
 		on   bool
-	}{{"pd_local_prefill_threshold", c.PDLocalPrefillThreshold > 0}, {"pd_local_prefill_auto", c.PDLocalPrefillAuto}, {"pd_prefill_serves_whole", c.PDPrefillServesWhole}} {
+		what string
+	}{{"pd_local_prefill_threshold", c.PDLocalPrefillThreshold > 0, "serves short prompts on a decode alone"}, {"pd_local_prefill_auto", c.PDLocalPrefillAuto, "serves short prompts on a decode alone"},
+		{"pd_prefill_serves_whole", c.PDPrefillServesWhole, "serves a request whole on an idle prefill"}} {
 		if x.on && !c.PDDisaggregation {
 			bad("%s needs pd_disaggregation", x.name)
 		}
 		if x.on && c.PDRequireHandoff {
-			bad("%s serves short prompts on a decode alone, computing the prompt, while pd_require_handoff fails any request whose decode computes it: choose one", x.name)
+			bad("%s %s, with no KV handoff, while pd_require_handoff fails any request that has none: choose one", x.name, x.what)
 		}
 	}
 	if c.PDPrefillerAbsent != "decode" && c.PDPrefillerAbsent != "pick" {

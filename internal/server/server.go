@@ -119,10 +119,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /health", s.serveLiveness)
 	mux.HandleFunc("GET /liveness", s.serveLiveness)
 	mux.HandleFunc("GET /readiness", s.serveReadiness)
-	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Code: openai.CodeNotFound,
-			Message: noRoute(r)})
-	})
+	mux.Handle("/", NoRoute())
 	return s.observe(mux)
 }
 
