@@ -448,13 +448,20 @@ func (r *runner) pdSizing(ctx context.Context) error {
 		fmt.Fprintf(r.out, "Capacity at 90 %% within both SLOs: always split %.1f req/s (%d : %d), conditional %.1f req/s (%d : %d).\n\n",
 			capA, atA.prefill, sizingEngines-atA.prefill, capC, atC.prefill, sizingEngines-atC.prefill)
 		if recP > 0 {
+			// The advisor recommends a split and a threshold: it is judged against the best
+			// static split of the same mode (conditional when its threshold is on), and said
+			// against always splitting too.
+			same, mode := best, "always split"
 			recGood := always[recP-1].goodput
 			if probe.advice.Recommended.Threshold > 0 {
-				recGood = cond[recP-1].goodput
+				same, mode, recGood = bestSplits(cond, 1)[0], "with its threshold", cond[recP-1].goodput
 			}
-			d := recP - best.prefill
-			fmt.Fprintf(r.out, "- The advisor's split is %+d worker(s) from the best static split (goal within ±1); its goodput (with its threshold) %.2f req/s = %.0f %% of the best static split's (goal ≥ 95 %%).\n",
-				d, recGood, 100*recGood/max(best.goodput, 1e-9))
+			fmt.Fprintf(r.out, "- The advisor's split is %+d worker(s) from the best static split %s (%d : %d; goal within ±1); its goodput %.2f req/s = %.0f %% of that split's (goal ≥ 95 %%)",
+				recP-same.prefill, mode, same.prefill, sizingEngines-same.prefill, recGood, 100*recGood/max(same.goodput, 1e-9))
+			if same != best {
+				fmt.Fprintf(r.out, ", %+d worker(s) from the best always-split one and %.0f %% of its goodput", recP-best.prefill, 100*recGood/max(best.goodput, 1e-9))
+			}
+			fmt.Fprintln(r.out, ".")
 		}
 		fmt.Fprintf(r.out, "- Conditional disaggregation (auto, from %d tokens): capacity %+.0f %% against always splitting, each at its best split (goal: ≥ +20 %% on chat, ≥ −2 %% on RAG).\n\n",
 			threshold, 100*(capC/max(capA, 1e-9)-1))
