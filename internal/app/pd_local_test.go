@@ -460,7 +460,7 @@ func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
 }
 
 // The mirror case: with pd_prefill_serves_whole, once the advisor has fitted the decode's pace,
-// a request whose decode would give a token slower than the TPOT SLO goes whole to an idle
+// a request whose busy decode would give a token slower than the TPOT SLO goes whole to an idle
 // prefill, which decodes it too — said in the handoff header, counted once, shown on the status
 // page — and a busy prefill is left alone. Before the fit every request is split.
 func TestPDPrefillServesWhole(t *testing.T) {
@@ -484,6 +484,32 @@ func TestPDPrefillServesWhole(t *testing.T) {
 	}
 	pdWarmTraffic(t, gw)
 	dir.RefreshLocal()
+	var pw, dw *worker.Worker
+	for _, w := range g.Registry.Snapshot().Workers {
+		switch w.Role {
+		case config.RolePrefill:
+			pw = w
+		case config.RoleDecode:
+			dw = w
+		}
+	}
+	// An idle decode is left alone, however slow its pace: a prefill would be no faster.
+	if h, _ := send(body); h != "nixl" {
+		t.Errorf("an idle decode slower than the SLO: handoff %q, want the pair's", h)
+	}
+	// A long answer holds the decode (split while the decode was idle) for the rest of the test.
+	ctx, cancel := context.WithCancel(context.Background())
+	held := make(chan struct{})
+	go func() {
+		defer close(held)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"a long answer","max_tokens":1000,"ignore_eos":true}`))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	defer func() { cancel(); <-held }()
+	poll.Until(t, "the decode holds a request, the prefill none", func() bool { return dw.InFlight() >= 1 && pw.InFlight() == 0 })
 	pb, db := p.Stats().RequestsReceived, d.Stats().RequestsReceived
 	h, out := send(body)
 	if h != "none-prefill-whole" || p.Stats().RequestsReceived != pb+1 || d.Stats().RequestsReceived != db || !strings.Contains(out, `"completion_tokens":4`) {
@@ -512,12 +538,6 @@ func TestPDPrefillServesWhole(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	var pw *worker.Worker
-	for _, w := range g.Registry.Snapshot().Workers {
-		if w.Role == config.RolePrefill {
-			pw = w
-		}
-	}
 	poll.Until(t, "the prefill has a request in flight", func() bool { return pw.InFlight() >= 1 })
 	if h, _ := send(body); h != "nixl" {
 		t.Errorf("the prefill busy: handoff %q, want the pair's", h)
