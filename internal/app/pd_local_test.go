@@ -654,3 +654,31 @@ func TestEPPRefusesAutoAndServesWhole(t *testing.T) {
 		}
 	}
 }
+
+// The advisor fits the decodes' pace from streams' usage: a PD stream whose client did not ask
+// for usage is asked for it, and the client's stream stays as it asked — no usage event.
+func TestPDAdvisorSeesStreamsWithoutUsage(t *testing.T) {
+	t.Parallel()
+	_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{})
+	d := g.Server.Director()
+	for i, body := range []string{
+		`{"model":"m","prompt":"a stream","max_tokens":4,"ignore_eos":true,"stream":true}`,
+		`{"model":"m","prompt":"a stream","max_tokens":4,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":false}}`,
+		`{"model":"m","messages":[{"role":"user","content":"a chat stream"}],"max_tokens":4,"ignore_eos":true,"stream":true}`,
+	} {
+		path := "/v1/completions"
+		if strings.Contains(body, "messages") {
+			path = "/v1/chat/completions"
+		}
+		resp, out := gwtest.PostTimeout(t, gw+path, body)
+		if resp.StatusCode != 200 || strings.Contains(out, `"usage"`) || !strings.HasSuffix(strings.TrimSpace(out), "data: [DONE]") {
+			t.Fatalf("%s: %d (a usage event the client did not ask for?)\n%s", body, resp.StatusCode, out)
+		}
+		poll.Until(t, "the advisor saw the stream", func() bool { return d.Advice(2, 0, 0).Fit.Requests == i+1 })
+	}
+	// A client that asked for usage still gets it.
+	resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"a stream","max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`)
+	if resp.StatusCode != 200 || !strings.Contains(out, `"usage"`) {
+		t.Errorf("usage asked for: %d\n%s", resp.StatusCode, out)
+	}
+}

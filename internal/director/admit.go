@@ -19,6 +19,7 @@ import (
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/proxy"
 	"github.com/baton-llm/baton/internal/record"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/tenant"
 )
 
@@ -271,6 +272,13 @@ func (d *Director) Admit(ctx context.Context, rec *record.Record, preq *pd.Reque
 	}
 	if a.ls != nil {
 		a.Orders = proxy.Orders{CountEvents: rec.ByEvents, StripUsage: a.ls.strip}
+	}
+	if d.o.Advisor != nil && req.Stream && !a.Orders.StripUsage && routes.Of(preq.Path).StreamOptions {
+		// The advisor fits the decodes' pace from streams' usage: a stream not asking for it
+		// asks the engine, the relay keeping it from the client (as for a tenant's).
+		if body, asked := askUsage(req.Body); asked && req.SetBody(body) == nil {
+			a.Orders.StripUsage = true
+		}
 	}
 	if d.admit == nil {
 		return a, true
