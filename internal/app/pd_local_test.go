@@ -19,7 +19,9 @@ import (
 	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/poll"
+	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/sim"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -417,6 +419,7 @@ func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
 		return resp.Header.Get("X-Baton-Kv-Handoff")
 	}
 	busy := func() (release func()) {
+		base := p.Stats().RequestsReceived
 		var wg sync.WaitGroup
 		// Long documents, whose own compute on the decode would outlast the wait: each stays
 		// split (the rule applies to them too), and holds the prefill for 2 s.
@@ -434,7 +437,8 @@ func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
 		if pw.Role != config.RolePrefill {
 			pw = g.Registry.Snapshot().Workers[1]
 		}
-		poll.Until(t, "the prefill has 4 requests in flight", func() bool { return pw.InFlight() >= 4 })
+		// Dispatched by Baton, and received by the engine (a moment later).
+		poll.Until(t, "the prefill has 4 requests in flight", func() bool { return pw.InFlight() >= 4 && p.Stats().RequestsReceived >= base+4 })
 		return wg.Wait
 	}
 	// Not fitted: the threshold alone decides, busy or not.
@@ -465,9 +469,9 @@ func TestPDLocalPrefillWhenEveryPrefillIsBusy(t *testing.T) {
 // page — and a busy prefill is left alone. Before the fit every request is split.
 func TestPDPrefillServesWhole(t *testing.T) {
 	t.Parallel()
-	p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 20 * time.Millisecond},
+	p, d, g, gw := vllmPD(t, "NixlConnector", sim.Config{PrefillPerToken: 20 * time.Microsecond}, sim.Config{DecodePerToken: 2 * time.Millisecond},
 		func(c *config.Config) {
-			c.PDPrefillServesWhole, c.PDAdviceTPOTSLO, c.ForwardSimFaults = true, 5*time.Millisecond, true
+			c.PDPrefillServesWhole, c.PDAdviceTPOTSLO, c.ForwardSimFaults = true, 10*time.Millisecond, true
 		})
 	dir := g.Server.Director()
 	body := `{"model":"m","prompt":"a question for whoever is free","max_tokens":4,"ignore_eos":true}`
@@ -483,6 +487,18 @@ func TestPDPrefillServesWhole(t *testing.T) {
 		t.Fatalf("before the fit: handoff %q, want the pair's", h)
 	}
 	pdWarmTraffic(t, gw)
+	// The simulator's pace does not slow with its batch; an engine's does. The advisor is
+	// shown streams decoded beside 3 to 12 others at 2 ms + 6 ms per request decoding beside
+	// them: alone a decode is within the 10 ms SLO (6–8 ms a token, as the fit weighs the
+	// simulator's own streams), with one request beside it past it (12–14 ms).
+	for b := 3; b <= 12; b++ {
+		for range 3 {
+			ttft, tpot := 50*time.Millisecond, 2*time.Millisecond+time.Duration(b)*6*time.Millisecond
+			dur := ttft + 10*tpot
+			dir.ObserveEnded(&record.Record{Prefill: "p", Decode: "d", Stream: true, Usage: openai.Usage{Prompt: 100, Completion: 11},
+				Start: time.Now().Add(-dur), PrefillTime: 20 * time.Millisecond, DecodeBusy: b}, ttft, dur)
+		}
+	}
 	dir.RefreshLocal()
 	var pw, dw *worker.Worker
 	for _, w := range g.Registry.Snapshot().Workers {
@@ -502,7 +518,7 @@ func TestPDPrefillServesWhole(t *testing.T) {
 	held := make(chan struct{})
 	go func() {
 		defer close(held)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"a long answer","max_tokens":1000,"ignore_eos":true}`))
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"a long answer","max_tokens":10000,"ignore_eos":true}`))
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()

@@ -75,7 +75,7 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 	if r.PromptTokens != nil {
 		n, ok = r.PromptTokens(req.Model, req.Path, req.Body)
 	}
-	if !ok && req.Parsed != nil {
+	if !ok && req.Parsed != nil && req.Path == "/v1/completions" { // the one route whose prompt is "prompt": elsewhere an engine ignores it
 		if raw, has := req.Parsed.Get("prompt"); has {
 			n, ok = tokenIDs(raw)
 		}
@@ -119,8 +119,8 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 // bootstrap room, as its decode does).
 func (r *LocalRule) ServeWhole(_ context.Context, d *worker.Worker, _ *policy.Request, prefills []*worker.Worker) *worker.Worker {
 	f := r.fit.Load()
-	if !r.Whole || f == nil || r.TPOTSLO <= 0 || d.InFlight() == 0 {
-		return nil // an idle decode is as fast as any worker: an SLO under its pace alone is not a batch's fault
+	if !r.Whole || f == nil || r.TPOTSLO <= 0 || d.InFlight() == 0 || f.step+f.perRequest > r.TPOTSLO.Seconds() {
+		return nil // an idle decode is as fast as any worker, and an SLO under its pace alone is no batch's fault
 	}
 	if f.step+f.perRequest*float64(d.InFlight()+1) <= r.TPOTSLO.Seconds() {
 		return nil

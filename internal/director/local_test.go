@@ -31,6 +31,11 @@ func TestServeWholeOnlyAnIdleVLLMPrefill(t *testing.T) {
 	if w := r.ServeWhole(context.Background(), dec, req, all); w != nil {
 		t.Errorf("an idle decode slower than the SLO alone: served whole on %s (as slow there)", w.URL)
 	}
+	probe := dec.Enter()
+	if w := r.ServeWhole(context.Background(), dec, req, all); w != nil {
+		t.Errorf("a decode with one request, whose pace alone is past the SLO: served whole on %s (as slow there)", w.URL)
+	}
+	dec.Leave(probe)
 	r.fit.Store(&localFit{step: 0.030, perRequest: 0.005}) // 30 ms + 5 ms per request decoding
 	for range 3 {
 		dec.Enter() // 30 + 5 × 4 = 50 ms: at the SLO, not past it
@@ -95,7 +100,13 @@ func TestLocalRuleCountsTokenIDs(t *testing.T) {
 	decide := func(prompt string) bool {
 		t.Helper()
 		body := `{"model":"m","prompt":` + prompt + `}`
-		return r.Decide(context.Background(), dec, -1, &policy.Request{Model: "m", Body: []byte(body), Parsed: parsed(t, body)}, nil)
+		return r.Decide(context.Background(), dec, -1, &policy.Request{Model: "m", Path: "/v1/completions", Body: []byte(body), Parsed: parsed(t, body)}, nil)
+	}
+	// A chat request's "prompt" is not its prompt (an engine ignores it): a stray short one
+	// beside long messages does not make the request short.
+	chat := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("words ", 100) + `"}],"prompt":[1]}`
+	if r.Decide(context.Background(), dec, -1, &policy.Request{Model: "m", Path: "/v1/chat/completions", Body: []byte(chat), Parsed: parsed(t, chat)}, nil) {
+		t.Error(`a chat request of ~150 tokens with a stray "prompt":[1]: served alone`)
 	}
 	ids := "[" + strings.TrimSuffix(strings.Repeat("12345,", 80), ",") + "]"
 	if !decide(ids) {
