@@ -284,7 +284,8 @@ type Prediction struct {
 	PrefillUtil float64 `json:"prefill_utilization"`
 	DecodeBatch float64 `json:"decode_batch"`
 	MeetsSLO    bool    `json:"meets_slo"`
-	score       float64
+	score       float64 // the worse of its two ratios to the SLOs (> 1: within)
+	other       float64 // the better one
 }
 
 // Predict predicts split (prefill, decode) with local prefill under threshold tokens.
@@ -377,8 +378,58 @@ func (f Fit) predict(prefill, decode, threshold int, slo SLO, prefillSide bool) 
 	ttft = mixtureP90(splitQ, localQ, share)
 	p.TTFTp90S, p.TPOTS = ttft, tpot
 	p.MeetsSLO = (slo.TTFT <= 0 || ttft <= slo.TTFT.Seconds()) && (slo.TPOT <= 0 || tpot <= slo.TPOT.Seconds())
-	p.score = min(ratio(slo.TTFT, ttft), ratio(slo.TPOT, tpot))
+	a, b := ratio(slo.TTFT, ttft), ratio(slo.TPOT, tpot)
+	p.score, p.other = min(a, b), max(a, b)
 	return p
+}
+
+// better reports whether prediction a is further within the SLOs than b: by the worse of its
+// two ratios; where those are within 1 % of each other (a difference no measurement tells
+// apart), by the other ratio. A tie keeps b.
+func better(a, b Prediction) bool {
+	if !nearRatio(a.score, b.score) {
+		return a.score > b.score
+	}
+	return !nearRatio(a.other, b.other) && a.other > b.other
+}
+
+// weigh predicts split (prefill, decode) with Threshold's threshold and without one, and
+// returns the one further within the SLOs (better; a tie keeps the threshold) and the other
+// (zero when there is no threshold to weigh).
+func (f Fit) weigh(prefill, decode int, slo SLO) (chosen, other Prediction) {
+	t := f.Threshold(decode, slo)
+	without := f.Predict(prefill, decode, 0, slo)
+	if t <= 0 {
+		return without, Prediction{}
+	}
+	with := f.Predict(prefill, decode, t, slo)
+	if without.TTFTp90S >= 0 && (with.TTFTp90S < 0 || better(without, with)) {
+		return without, with
+	}
+	return with, without
+}
+
+// nearRatio reports whether two ratios are within 1 % of each other.
+func nearRatio(a, b float64) bool {
+	if a == b {
+		return true
+	}
+	if math.IsInf(a, 0) || math.IsInf(b, 0) {
+		return false
+	}
+	return math.Abs(a-b) <= 0.01*max(math.Abs(a), math.Abs(b))
+}
+
+// ThresholdFor is the threshold Advise weighs best for split (prefill, decode): Threshold's,
+// unless always splitting is predicted further within the SLOs (0) — what auto mode applies to
+// the fleet as it stands, so that it agrees with the advice. Splits are compared with each
+// other by the worse ratio alone; only a split's own two ways are weighed by better.
+func (f Fit) ThresholdFor(prefill, decode int, slo SLO) int {
+	if prefill < 1 {
+		return f.Threshold(decode, slo)
+	}
+	c, _ := f.weigh(prefill, decode, slo)
+	return c.Threshold
 }
 
 // ratio is how far within its SLO a latency is (> 1: within); without an SLO, 1 / latency.
@@ -449,18 +500,15 @@ func (f Fit) Advise(total, prefill, decode, threshold int, slo SLO) Advice {
 		nd := total - np
 		// Each split with its threshold and without one (always split): whichever is
 		// further within the SLOs.
-		ts := []int{0}
-		if t := f.Threshold(nd, slo); t > 0 {
-			ts = []int{t, 0}
+		c, alt := f.weigh(np, nd, slo)
+		if total <= MaxListedSplits {
+			adv.Splits = append(adv.Splits, c)
+			if alt.Decode > 0 {
+				adv.Splits = append(adv.Splits, alt)
+			}
 		}
-		for _, t := range ts {
-			c := f.Predict(np, nd, t, slo)
-			if total <= MaxListedSplits {
-				adv.Splits = append(adv.Splits, c)
-			}
-			if c.TTFTp90S >= 0 && (c.score > best.score || c.score == best.score && c.Decode > best.Decode) {
-				best = c
-			}
+		if c.TTFTp90S >= 0 && (c.score > best.score || c.score == best.score && c.Decode > best.Decode) {
+			best = c
 		}
 	}
 	if best.score < 0 {

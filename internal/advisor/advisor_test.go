@@ -218,3 +218,35 @@ func TestFitOfPromptsUnderTheFloor(t *testing.T) {
 		t.Errorf("no advice: %+v (%s)", adv.Recommended, adv.Why)
 	}
 }
+
+// Where the decodes' pace decides (TPOT far tighter against its SLO than TTFT), a split with
+// and without its threshold differ in TPOT by what no measurement tells apart: the TTFT
+// decides, and auto mode's threshold for the fleet (ThresholdFor) is the advice's.
+func TestThresholdAgreesWithTheAdvice(t *testing.T) {
+	r := rand.New(rand.NewPCG(4, 4))
+	t0 := time.Unix(1_000_000, 0)
+	a := &Advisor{Now: func() time.Time { return t0.Add(time.Minute) }}
+	tr := truth{c: 30_000, o: 0.004, pair: 0.030, alpha: 0.0077, beta: 0.00003}
+	for _, s := range synth(t0, tr, 8, time.Minute, func(r *rand.Rand) int {
+		if r.IntN(10) == 0 {
+			return 300 + r.IntN(500) // a few short questions
+		}
+		return 1500 + r.IntN(1000)
+	}, 100, r) {
+		a.Observe(s)
+	}
+	f := a.Fit()
+	slo := SLO{TTFT: 2 * time.Second, TPOT: 50 * time.Millisecond}
+	th := f.Threshold(2, slo)
+	with, without := f.Predict(1, 2, th, slo), f.Predict(1, 2, 0, slo)
+	if th <= 0 || !nearRatio(with.score, without.score) || with.TTFTp90S >= without.TTFTp90S {
+		t.Fatalf("the case is not made: threshold %d; with it TTFT %.4f TPOT %.5f, without %.4f %.5f", th, with.TTFTp90S, with.TPOTS, without.TTFTp90S, without.TPOTS)
+	}
+	adv := f.Advise(3, 1, 2, th, slo)
+	if adv.Recommended.Prefill != 1 || adv.Recommended.Threshold != th {
+		t.Errorf("recommended %d : %d under %d, want 1 : 2 under %d (TTFT %.4f against %.4f)", adv.Recommended.Prefill, adv.Recommended.Decode, adv.Recommended.Threshold, th, with.TTFTp90S, without.TTFTp90S)
+	}
+	if got := f.ThresholdFor(1, 2, slo); got != adv.Recommended.Threshold {
+		t.Errorf("auto mode would apply %d, the advice recommends %d", got, adv.Recommended.Threshold)
+	}
+}

@@ -148,9 +148,9 @@ func (d *Director) RefreshLocal() {
 	}
 	t := r.Current()
 	if r.Auto {
-		_, decode := d.fleetSplit()
+		prefill, decode := d.fleetSplit()
 		if decode > 0 {
-			t = f.Threshold(decode, d.o.AdviceSLO)
+			t = f.ThresholdFor(prefill, decode, d.o.AdviceSLO)
 			r.threshold.Store(int64(t))
 		}
 	}
