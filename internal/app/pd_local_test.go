@@ -374,7 +374,7 @@ func TestPDLocalPrefillAuto(t *testing.T) {
 	pdWarmTraffic(t, gw)
 	d.RefreshLocal()
 	f := d.Advice(0, 0, 0).Fit
-	if want := f.Threshold(1, advisor.SLO{TTFT: 2 * time.Second, TPOT: time.Second}); d.LocalPrefillThreshold() != want || want <= 0 {
+	if want := f.ThresholdFor(1, 1, advisor.SLO{TTFT: 2 * time.Second, TPOT: time.Second}); d.LocalPrefillThreshold() != want || want <= 0 {
 		t.Fatalf("auto threshold %d, the advisor's for one decode %d (fit %+v)", d.LocalPrefillThreshold(), want, f)
 	}
 	before := p.Stats().RequestsReceived
