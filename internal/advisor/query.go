@@ -32,7 +32,9 @@ func ParseQuery(raw string) (Query, *QueryError) {
 		case name != "total" && name != "ttft_slo" && name != "tpot_slo":
 			return q, &QueryError{"", fmt.Sprintf("unknown parameter %q: the what-if takes total, ttft_slo and tpot_slo", strings.ToValidUTF8(clip(name, 64), ""))}
 		case len(vs) > 1:
-			err = fmt.Errorf("%s is given %d times", name, len(vs))
+			return q, &QueryError{name, fmt.Sprintf("%s is given %d times: give it once", name, len(vs))}
+		case vs[0] == "":
+			return q, &QueryError{name, name + " is given no value: give one, or leave it out for the default"}
 		}
 	}
 	if err != nil {

@@ -273,10 +273,13 @@ func TestPDAdviceFromTraffic(t *testing.T) {
 		}
 	})
 	for _, q := range []string{"?total=1", "?total=99999999999999999999", "?total=x", "?ttft_slo=-1s", "?tpot_slo=NaN", "?tpot_slo=1e400", "?ttft_slo=2h", "?tpot_slo=0",
-		"?total=5&total=abc", "?total=%zz", "?totl=8", "?Total=8", "?total=8&" + strings.Repeat("x", 5000) + "=1", "?ttft_slo=0x1p-2", "?ttft_slo=0x_1p0", "?tpot_slo=1ns", "?tpot_slo=0.0001", "?ttft_slo=1e1"} {
+		"?total=5&total=abc", "?total=%zz", "?totl=8", "?Total=8", "?total=", "?total", "?tpot_slo=", "?total=5&total=5", "?total=8&" + strings.Repeat("x", 5000) + "=1", "?ttft_slo=0x1p-2", "?ttft_slo=0x_1p0", "?tpot_slo=1ns", "?tpot_slo=0.0001", "?ttft_slo=1e1"} {
 		if code, raw := get(q); code != 400 || len(raw) > 1000 || !strings.Contains(raw, `"invalid_request_error"`) && !strings.Contains(raw, `"code":"invalid_request"`) {
 			t.Errorf("%s: %d %s", q, code, raw)
 		}
+	}
+	if _, raw := get("?total=5&total=5"); !strings.Contains(raw, `"param":"total"`) {
+		t.Errorf("a repeated parameter not named: %s", raw)
 	}
 	// The listener's other answers are the API's: a method or path it does not serve is a 404
 	// in the OpenAI error envelope.

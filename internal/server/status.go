@@ -220,7 +220,7 @@ func (s *Server) statusAuth(next http.Handler) http.Handler {
 			_, pass, basic := r.BasicAuth()
 			if !(basic && s.admin.IsKey(pass)) && !s.admin.KeyOK(r) {
 				w.Header().Set("WWW-Authenticate", `Basic realm="baton status", charset="UTF-8"`)
-				openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey, Message: "the status page needs the admin API key (as the password, or 'Authorization: Bearer <admin key>')"})
+				openai.WriteError(w, &openai.Error{Status: http.StatusUnauthorized, Code: openai.CodeInvalidAPIKey, Message: "the status page, /pd/advice and the profiles need the admin API key (as the password, or 'Authorization: Bearer <admin key>')"})
 				return
 			}
 		}
