@@ -168,7 +168,7 @@ func New(reg *worker.Registry) *Metrics {
 		}, []string{"mode"}),
 		PDHandoffs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_kv_handoffs_total",
-			Help: "vLLM PD requests by KV handoff outcome (nixl, mooncake, passthrough, recomputed, none-*), its class (handed_off; recomputed: a handoff was expected and the decode computed the prompt; by_design: n>1, a batch, a route without handoff; failed) and connector.",
+			Help: "vLLM PD pair attempts (a request served alone by design: once, as it ended whole) by KV handoff outcome (nixl, mooncake, passthrough, recomputed, none-*), its class (handed_off; recomputed: a handoff was expected and the decode computed the prompt; by_design: n>1, a batch, a route without handoff; failed) and connector.",
 		}, []string{"outcome", "class", "connector"}),
 		PDLocalPrefill: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_pd_local_prefill_total",
