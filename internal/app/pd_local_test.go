@@ -701,3 +701,21 @@ func TestPDAdvisorSeesStreamsWithoutUsage(t *testing.T) {
 		t.Errorf("usage asked for: %d\n%s", resp.StatusCode, out)
 	}
 }
+
+// A request its decode was to serve alone that failed says so — none-failed, as a pair's
+// failure does, not none-local-prefill — and is not counted as served alone.
+func TestPDLocalPrefillFailureSaysFailed(t *testing.T) {
+	t.Parallel()
+	_, _, g, gw := vllmPD(t, "NixlConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 503}}, func(c *config.Config) {
+		c.PDLocalPrefillThreshold = 60
+		c.CircuitBreaker.Disable = true
+	})
+	resp, out := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"a short one","max_tokens":3}`)
+	if resp.StatusCode == 200 || resp.Header.Get("X-Baton-Kv-Handoff") != "none-failed" {
+		t.Errorf("a failed request served alone: %d, handoff %q\n%s", resp.StatusCode, resp.Header.Get("X-Baton-Kv-Handoff"), out)
+	}
+	poll.Until(t, "the request ended", func() bool { return g.Server.InFlight() == 0 })
+	if n := g.Server.Director().LocalPrefills(); n != 0 {
+		t.Errorf("a failed request counted as served alone: %d", n)
+	}
+}

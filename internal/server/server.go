@@ -205,6 +205,11 @@ func (w *statusWriter) WriteHeader(code int) {
 // pair answered, the KV handoff and (when asked for) the routing decisions.
 func (w *statusWriter) head(code int) {
 	w.status = code
+	if w.rec.LocalPrefill && code != http.StatusOK {
+		// A request a worker was to serve alone by design that failed says so, as a pair's
+		// failure does: nothing was served alone.
+		w.rec.Handoff = pd.HandoffNoneFailed
+	}
 	renderHead(w.Header(), w.rec)
 }
 
