@@ -72,7 +72,6 @@ func (d *Director) PlanDecodeAlone(rec *record.Record, req *openai.Request, path
 // alike, as none-prefill-whole.
 func (d *Director) NoteLocalPrefill(p *Plan, w *worker.Worker) {
 	p.NoteWorker(w)
-	p.Rec.Decode = w.URL
 	p.Rec.Prefill, p.Rec.Mode = "", record.ModeRegular
 	p.Rec.PrefillTime, p.Rec.PrefillBusy, p.Rec.DecodeBusy = 0, 0, int(w.InFlight())
 	p.Rec.Handoff, p.Rec.LocalPrefill = pd.HandoffNoneLocalPrefill, true

@@ -119,10 +119,10 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 // bootstrap room, as its decode does).
 func (r *LocalRule) ServeWhole(_ context.Context, d *worker.Worker, _ *policy.Request, prefills []*worker.Worker) *worker.Worker {
 	f := r.fit.Load()
-	if !r.Whole || f == nil || r.TPOTSLO <= 0 || d.InFlight() == 0 || f.step+f.perRequest > r.TPOTSLO.Seconds() {
-		return nil // an idle decode is as fast as any worker, and an SLO under its pace alone is no batch's fault
-	}
-	if f.step+f.perRequest*float64(d.InFlight()+1) <= r.TPOTSLO.Seconds() {
+	slo := r.TPOTSLO.Seconds()
+	// Within the SLO at its batch, or past it alone (no batch's fault: a prefill is no faster)
+	// — which an idle decode always is, one or the other.
+	if !r.Whole || f == nil || slo <= 0 || f.step+f.perRequest*float64(d.InFlight()+1) <= slo || f.step+f.perRequest > slo {
 		return nil
 	}
 	for _, p := range prefills {
