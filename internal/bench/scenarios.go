@@ -17,11 +17,14 @@ import (
 
 // Options configures a benchmark run.
 type Options struct {
-	Binary   string        // the baton binary to measure; it runs as its own process
-	Baseline string        // an earlier baton binary the hotpath scenario measures in the same run; "" none
-	Quick    bool          // small runs: checks the harness works, not for publishing
-	Streams  int           // open streams in the memory scenario; 0: 1,500 (50 with Quick)
-	Duration time.Duration // how long the soak scenario runs; 0: 30 minutes (3 with Quick)
+	Binary   string // the baton binary to measure; it runs as its own process
+	Baseline string // an earlier baton binary the hotpath scenario measures in the same run; "" none
+	// PDSidecar is llm-d's pd-sidecar binary, which the hotpath scenario measures beside Baton's
+	// PD path on the same engines; "" none.
+	PDSidecar string
+	Quick     bool          // small runs: checks the harness works, not for publishing
+	Streams   int           // open streams in the memory scenario; 0: 1,500 (50 with Quick)
+	Duration  time.Duration // how long the soak scenario runs; 0: 30 minutes (3 with Quick)
 	// BatonFlags are more flags for the Batons the soak scenario starts.
 	BatonFlags []string
 	// Plot is a PNG file the soak scenario draws its fault timeline into, and pd-sizing its

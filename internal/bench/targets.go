@@ -70,9 +70,14 @@ const benchModel = "bench-model"
 
 // completion sends the workload to an OpenAI endpoint (an engine, nginx, or Baton).
 func completion(client *http.Client, base string, w workload) Request {
+	return completionWith(client, base, w, nil)
+}
+
+// completionWith is completion with hdr added to every request.
+func completionWith(client *http.Client, base string, w workload, hdr http.Header) Request {
 	return func(ctx context.Context, i int) Result {
 		prompt := w.prompt(i)
-		status, body, r := post(ctx, client, base+"/v1/completions", w.body(prompt), nil)
+		status, body, r := post(ctx, client, base+"/v1/completions", w.body(prompt), hdr)
 		return w.check(status, body, prompt, r)
 	}
 }

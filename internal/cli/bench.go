@@ -23,6 +23,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	out := fs.String("out", "", "also write the report to this file")
 	binary := fs.String("binary", "", "the baton binary to measure (default: this one)")
 	baseline := fs.String("baseline", "", "an earlier baton binary to measure beside it in the hotpath scenario")
+	pdSidecar := fs.String("pd-sidecar", "", "llm-d's pd-sidecar binary, to measure beside Baton's PD path in the hotpath scenario (docs/BENCHMARKS.md says how to build it)")
 	streams := fs.Int("streams", 0, "open streams in the memory scenario (default 1500; Baton holds two file descriptors per stream)")
 	duration := fs.Duration("duration", 0, "how long the soak scenario runs (default 30m; 3m with --quick)")
 	plot := fs.String("plot", "", "a PNG file: the soak scenario draws its fault timeline into it, pd-sizing its goodput per split")
@@ -78,5 +79,5 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
 	}
-	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, Quick: *quick, Streams: *streams, Duration: *duration, BatonFlags: strings.Fields(*batonFlags), Plot: *plot, Mixes: mixList, Scenarios: names, Out: w})
+	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, PDSidecar: *pdSidecar, Quick: *quick, Streams: *streams, Duration: *duration, BatonFlags: strings.Fields(*batonFlags), Plot: *plot, Mixes: mixList, Scenarios: names, Out: w})
 }
