@@ -107,9 +107,9 @@ func (c *conn) serve() {
 }
 
 // waitRequest waits for the first byte of the next request: idle, so that Shutdown may close
-// the connection, and bounded by the idle (or, first, the header) timeout.
+// the connection, bounded by the idle (or, first, the header) timeout, and without a read
+// buffer where the descriptor can be watched.
 func (c *conn) waitRequest() bool {
-	br := c.reader()
 	wait := c.s.ReadHeaderTimeout
 	if c.firstDone {
 		wait = c.s.idleTimeout()
@@ -125,7 +125,14 @@ func (c *conn) waitRequest() bool {
 	} else if c.rdlSet.Swap(false) {
 		_ = c.rwc.SetReadDeadline(time.Time{})
 	}
-	if br.Buffered() == 0 {
+	if c.releaseReader(); c.br == nil && c.raw != nil {
+		// Nothing buffered: the wait holds no read buffer, so a kept-alive connection between
+		// two requests costs none.
+		if httpwire.AwaitData(c.raw) != nil {
+			return false
+		}
+	}
+	if br := c.reader(); br.Buffered() == 0 {
 		if _, err := br.Peek(1); err != nil {
 			return false
 		}
@@ -233,6 +240,7 @@ func (c *conn) dropReader() {
 		c.br.Reset(nil)
 		readers.Put(c.br)
 		c.br = nil
+		c.s.buffers.Add(-1)
 	}
 }
 
@@ -242,6 +250,7 @@ func (c *conn) reader() *bufio.Reader {
 	if c.br == nil {
 		c.br = readers.Get().(*bufio.Reader)
 		c.br.Reset(c.rwc)
+		c.s.buffers.Add(1)
 	}
 	return c.br
 }

@@ -67,7 +67,8 @@ type Server struct {
 	shutdown  atomic.Bool
 	warnOnce  sync.Once
 	watchOnce sync.Once
-	watch     *watcher // notices clients that leave; nil until the first connection
+	watch     *watcher     // notices clients that leave; nil until the first connection
+	buffers   atomic.Int64 // read buffers its connections hold now
 }
 
 // ErrServerClosed is what Serve returns after Shutdown or Close (net/http's value, so callers

@@ -851,3 +851,55 @@ func TestAnswerBeforeTheBodySurvivesTheClose(t *testing.T) {
 		t.Errorf("status %d", resp.StatusCode)
 	}
 }
+
+// A connection holds a read buffer only while it reads: not while its client, kept alive,
+// sends nothing, nor before its first request, nor while its handler streams an answer.
+func TestIdleConnectionsHoldNoReadBuffer(t *testing.T) {
+	if !Supported() {
+		t.Skip("SKIP: no epoll on this platform; Baton serves with net/http here")
+	}
+	release := make(chan struct{})
+	defer close(release)
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		io.WriteString(w, "data: 1\n\n")
+		if r.URL.Path == "/stream" {
+			w.(http.Flusher).Flush()
+			<-release
+		}
+	}))
+	for i := range 30 {
+		c := dial(t, addr)
+		switch i % 3 {
+		case 0: // kept alive after its answer
+			io.WriteString(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+		case 1: // streaming
+			io.WriteString(c, "POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+		case 2: // connected, nothing sent yet
+			continue
+		}
+		if _, err := http.ReadResponse(bufio.NewReader(c), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for s.buffers.Load() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d read buffers held by 30 connections that read nothing", s.buffers.Load())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// And each still serves its next request.
+	c := dial(t, addr)
+	for range 2 {
+		io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		br := bufio.NewReader(c)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, _ := io.ReadAll(resp.Body); string(b) != "data: 1\n\n" {
+			t.Fatalf("answer %q", b)
+		}
+	}
+}

@@ -1,0 +1,12 @@
+//go:build !linux
+
+package httpwire
+
+import "syscall"
+
+// AwaitData returns at once where the one-byte peek is not available: the caller's read waits,
+// with its buffer.
+func AwaitData(raw syscall.RawConn) error { return nil }
+
+// Pending cannot ask the kernel here: ok false.
+func Pending(raw syscall.RawConn) (pending, ok bool) { return false, false }

@@ -1,0 +1,20 @@
+package upstream
+
+import "github.com/baton-llm/baton/internal/httpwire"
+
+// awaitData waits until the engine has sent something or closed, holding no read buffer
+// meanwhile: an open stream between two events costs no 4 KiB (httpwire.AwaitData). Read
+// deadlines (the request's cancellation) and Close end the wait as they end a Read; the read
+// that follows reports them.
+func (c *conn) awaitData() {
+	if c.raw == nil || c.br.Buffered() > 0 {
+		return
+	}
+	c.dropReader()
+	_ = httpwire.AwaitData(c.raw)
+	c.takeReader()
+}
+
+// pending asks the kernel, without waiting, whether c has a byte to read or an end or error to
+// report; ok false when it could not ask.
+func (c *conn) pending() (pending, ok bool) { return httpwire.Pending(c.raw) }
