@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/baton-llm/baton/internal/sim"
@@ -496,12 +498,38 @@ func (r *runner) memory(ctx context.Context) error {
 		(peakHeapInuse-idleHeapInuse)/float64(streams)/1024, (peakStack-idleStack)/float64(streams)/1024)
 	fmt.Fprintf(r.out, "Held per open stream once all were open, after a collection: **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB); the peak adds the garbage of the connection burst, which the collector paces at GOGC.\n\n",
 		heldHeap+heldStacks, heldHeap, heldStacks)
+	r.memoryIdle(ctx, b, streams)
 	if streams > 2000 {
 		fmt.Fprintln(r.out, "PD row: measured up to 2,000 streams (its engines run in this process).")
 		fmt.Fprintln(r.out)
 		return nil
 	}
 	return r.memoryPD(ctx, streams, tokens, per)
+}
+
+// memoryIdle is the memory scenario's row of kept-alive connections: n clients that each sent
+// one request and keep their connection open, sending nothing, as HTTP clients' pools do.
+func (r *runner) memoryIdle(ctx context.Context, b *proc, n int) {
+	var dialer net.Dialer
+	var conns atomic.Int64 // what the clients opened: the divisor, whatever reuse happened
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: n, MaxConnsPerHost: n,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conns.Add(1)
+			return dialer.DialContext(ctx, network, addr)
+		}}}
+	defer client.CloseIdleConnections()
+	r.client.CloseIdleConnections()
+	time.Sleep(time.Duration(r.n(500, 100)) * time.Millisecond)
+	heap0, stacks0 := b.heldBytes()
+	rss0 := b.rssBytes()
+	s := ClosedLoop(ctx, completion(client, b.URL, workload{promptBytes: 256, maxTokens: 4}), n, n)
+	r.verify("memory kept-alive connections", s)
+	time.Sleep(time.Duration(r.n(500, 100)) * time.Millisecond)
+	heap1, stacks1 := b.heldBytes()
+	rss1 := b.rssBytes()
+	n = int(max(conns.Load(), 1))
+	fmt.Fprintf(r.out, "Kept-alive connections, %d each idle after a request: held per connection after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB), RSS %.1f KiB.\n\n",
+		n, (heap1-heap0+stacks1-stacks0)/float64(n)/1024, (heap1-heap0)/float64(n)/1024, (stacks1-stacks0)/float64(n)/1024, float64(rss1-rss0)/float64(n)/1024)
 }
 
 // memoryPD is the memory scenario's PD row: the same streams through a vLLM NIXL pair, each a
