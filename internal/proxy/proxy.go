@@ -274,7 +274,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		resp, err := informational(p.Transport.RoundTrip(out))
 		resp, err = p.correlate(out, leg.W, resp, err)
 		given(c.Rec, leg, resp, err)
-		return resp, err
+		return letGo(resp, err)
 	}
 	name := "upstream"
 	if leg.Name != "" {
@@ -294,6 +294,17 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		leg.span.SetStatus(codes.Error, err.Error())
 	} else {
 		leg.span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode), attribute.Float64("baton.ttfb_ms", float64(time.Since(start))/1e6))
+	}
+	return letGo(resp, err)
+}
+
+// letGo unties an answer from the request that obtained it once its head is in: the request was
+// sent (its body, headers and URL are no longer read; a transport still writing a body holds its
+// own reference), and an open stream must not hold them while it waits — for a PD decode leg,
+// the body Baton built for it.
+func letGo(resp *http.Response, err error) (*http.Response, error) {
+	if err == nil {
+		resp.Request = nil
 	}
 	return resp, err
 }
