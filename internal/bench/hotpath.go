@@ -14,13 +14,16 @@ import (
 )
 
 // hotpath: scenario 10, the hot path's goals in one run — CPU per request on pass-through
-// (against nginx) and on vLLM NIXL PD with 16 clients, for this Baton and, with --baseline, an
-// earlier build measured in the same run.
+// (against nginx) and on vLLM NIXL PD with 16 clients (against llm-d's pd-sidecar with
+// --pd-sidecar), for this Baton and, with --baseline, an earlier build measured in the same run.
+// Every proxy of a path runs at once, each its own process on the same core, and the path's
+// requests go to them in rounds, each proxy a share in turn, so that a change in the machine's
+// speed during the run falls on all of them alike.
 func (r *runner) hotpath(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 10. Hot path: CPU per request")
 	fmt.Fprintln(r.out)
-	n := r.n(20000, 300)
-	fmt.Fprintf(r.out, "Closed loop, %d non-streamed requests per row (512-byte prompt, 16 tokens); CPU is the proxy process's user+system time per request. Pass-through: 64 clients, one engine. PD: vLLM NIXL, 16 clients, one prefill and one decode engine.\n\n", n)
+	n, rounds := r.n(20000, 300), r.n(4, 1)
+	fmt.Fprintf(r.out, "Closed loop, %d non-streamed requests per row (512-byte prompt, 16 tokens) in %d rounds, each proxy in turn; CPU is the proxy process's user+system time per request. Pass-through: 64 clients, one engine. PD: vLLM NIXL, 16 clients, one prefill and one decode engine.\n\n", n, rounds)
 	fmt.Fprintln(r.out, "| row | proxy | req/s | CPU µs / request | vs nginx (PD: vs pd-sidecar) | vs baseline |")
 	fmt.Fprintln(r.out, "|---|---|---:|---:|---:|---:|")
 	var binaries []struct{ name, path string }
@@ -37,16 +40,13 @@ func (r *runner) hotpath(ctx context.Context) error {
 		return err
 	}
 	defer e.Close()
-	var nginxCPU float64
+	var pt []hotTarget
+	defer func() { stopTargets(pt) }()
 	if ng, err := startNginx(1, e.Addr()); err != nil {
 		return err
 	} else if ng != nil {
-		m := r.run(ctx, "hotpath nginx", completion(r.client, ng.URL, w), 64, n, ng)
-		ng.stop()
-		nginxCPU = perReq(m)
-		fmt.Fprintf(r.out, "| pass-through | nginx | %.0f | %s | 1.00× | |\n", m.s.Throughput(), r.cpuCell(m, "%.1f", nginxCPU))
+		pt = append(pt, hotTarget{name: "nginx", p: ng, req: completion(r.client, ng.URL, w)})
 	}
-	results := map[string]float64{}
 	for _, bin := range binaries {
 		b, err := startBaton(bin.path, 1, "--worker-urls", e.URL(), "--access-log=false")
 		if err != nil {
@@ -55,10 +55,19 @@ func (r *runner) hotpath(ctx context.Context) error {
 				return err
 			}
 		}
-		m := r.run(ctx, "hotpath "+bin.name, completion(r.client, b.URL, w), 64, n, b)
-		b.stop()
-		results["pt "+bin.name] = perReq(m)
-		fmt.Fprintf(r.out, "| pass-through | %s | %.0f | %s | %s | %s |\n", bin.name, m.s.Throughput(), r.cpuCell(m, "%.1f", perReq(m)), ratioF(perReq(m), nginxCPU), ratioF(perReq(m), results["pt baseline"]))
+		pt = append(pt, hotTarget{name: bin.name, p: b, req: completion(r.client, b.URL, w)})
+	}
+	ms := r.interleaved(ctx, "hotpath", pt, 64, n, rounds)
+	stopTargets(pt)
+	pt = nil
+	base := map[string]float64{}
+	for i, t := range ms {
+		base[t.name] = perReq(t)
+		vs := ratioF(perReq(t), base["nginx"])
+		if t.name == "nginx" {
+			vs = "1.00×"
+		}
+		fmt.Fprintf(r.out, "| pass-through | %s | %.0f | %s | %s | %s |\n", t.name, t.s.Throughput(), r.cpuCell(ms[i], "%.1f", perReq(t)), vs, ratioF(perReq(t), base["baseline"]))
 	}
 	// PD vLLM NIXL.
 	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
@@ -71,19 +80,16 @@ func (r *runner) hotpath(ctx context.Context) error {
 		return err
 	}
 	defer d.Close()
-	var sidecarCPU, sidecarRate float64
-	if r.o.PDSidecar != "" { // first, so that Baton's rows can say how they compare
+	var pd []hotTarget
+	defer func() { stopTargets(pd) }()
+	if r.o.PDSidecar != "" {
 		sc, err := startPDSidecar(r.o.PDSidecar, 1, p.Addr(), d)
 		if err != nil {
 			return err
 		}
 		hdr := http.Header{"X-Prefiller-Host-Port": {p.Addr()}}
-		m := r.run(ctx, "hotpath PD pd-sidecar", completionWith(r.client, sc.URL, w, hdr), 16, n, sc)
-		sc.stop()
-		sidecarCPU, sidecarRate = perReq(m), m.s.Throughput()
-		fmt.Fprintf(r.out, "| PD vLLM NIXL | llm-d pd-sidecar | %.0f | %s | 1.00× (pd-sidecar) | |\n", sidecarRate, r.cpuCell(m, "%.1f", sidecarCPU))
+		pd = append(pd, hotTarget{name: "llm-d pd-sidecar", p: sc, req: completionWith(r.client, sc.URL, w, hdr)})
 	}
-	var pdRates []string
 	for _, bin := range binaries {
 		args := []string{"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", p.URL(), "--decode", d.URL()}
 		b, err := startBaton(bin.path, 1, append(args, "--access-log=false")...)
@@ -92,21 +98,62 @@ func (r *runner) hotpath(ctx context.Context) error {
 				return err
 			}
 		}
-		time.Sleep(200 * time.Millisecond)
-		m := r.run(ctx, "hotpath PD "+bin.name, completion(r.client, b.URL, w), 16, n, b)
-		b.stop()
-		results["pd "+bin.name] = perReq(m)
-		fmt.Fprintf(r.out, "| PD vLLM NIXL | %s | %.0f | %s | %s | %s |\n", bin.name, m.s.Throughput(), r.cpuCell(m, "%.1f", perReq(m)), ratioF(perReq(m), sidecarCPU), ratioF(perReq(m), results["pd baseline"]))
-		if sidecarRate > 0 {
-			pdRates = append(pdRates, fmt.Sprintf("%s %s", bin.name, ratioF(m.s.Throughput(), sidecarRate)))
+		pd = append(pd, hotTarget{name: bin.name, p: b, req: completion(r.client, b.URL, w)})
+	}
+	time.Sleep(200 * time.Millisecond)
+	ms = r.interleaved(ctx, "hotpath PD", pd, 16, n, rounds)
+	var sidecar measured
+	var rates []string
+	for i, t := range ms {
+		base["pd "+t.name] = perReq(t)
+		vs := ""
+		switch {
+		case t.name == "llm-d pd-sidecar":
+			sidecar, vs = t, "1.00× (pd-sidecar)"
+		case sidecar.s.N > 0:
+			vs = ratioF(perReq(t), perReq(sidecar))
+			rates = append(rates, fmt.Sprintf("%s %s", t.name, ratioF(t.s.Throughput(), sidecar.s.Throughput())))
 		}
+		fmt.Fprintf(r.out, "| PD vLLM NIXL | %s | %.0f | %s | %s | %s |\n", t.name, t.s.Throughput(), r.cpuCell(ms[i], "%.1f", perReq(t)), vs, ratioF(perReq(t), base["pd baseline"]))
 	}
 	fmt.Fprintln(r.out)
-	if len(pdRates) > 0 {
-		fmt.Fprintf(r.out, "PD throughput against llm-d's pd-sidecar (the same engines, the same 16 clients, the sidecar pinned to Baton's core): %s.\n\n", strings.Join(pdRates, ", "))
+	if len(rates) > 0 {
+		fmt.Fprintf(r.out, "PD throughput against llm-d's pd-sidecar (the same engines, the same 16 clients, the sidecar pinned to Baton's core): %s.\n\n", strings.Join(rates, ", "))
 	}
 	r.cpuNote()
 	return nil
+}
+
+// hotTarget is a proxy under the hotpath scenario's load.
+type hotTarget struct {
+	name string
+	p    *proc
+	req  Request
+}
+
+func stopTargets(ts []hotTarget) {
+	for _, t := range ts {
+		t.p.stop()
+	}
+}
+
+// interleaved sends n requests to each target at concurrency c, in rounds of n/rounds, the
+// targets in turn within each round, and returns each target's requests and CPU summed over the
+// rounds, in the targets' order.
+func (r *runner) interleaved(ctx context.Context, label string, ts []hotTarget, c, n, rounds int) []measured {
+	ms := make([]measured, len(ts))
+	for i, t := range ts {
+		ms[i].name = t.name
+	}
+	for range rounds {
+		for i, t := range ts {
+			m := r.run(ctx, label+" "+t.name, t.req, c, n/rounds, t.p)
+			s := &ms[i].s
+			s.N, s.Errors, s.Elapsed = s.N+m.s.N, s.Errors+m.s.Errors, s.Elapsed+m.s.Elapsed
+			ms[i].cpu += m.cpu
+		}
+	}
+	return ms
 }
 
 // ratioF is a/b as "x.xx×", or empty without b.
