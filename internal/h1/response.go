@@ -59,7 +59,12 @@ func newResponse(c *conn, req *http.Request, b *body) *response {
 		closeAfter: req.Close || c.s.shutdown.Load()}
 }
 
-func (w *response) Header() http.Header { return w.header }
+func (w *response) Header() http.Header {
+	if w.header == nil { // let go once a stream's head was sent: what is set now has no effect
+		w.header = make(http.Header)
+	}
+	return w.header
+}
 
 func (w *response) WriteHeader(code int) {
 	if w.wroteHeader {
@@ -269,6 +274,10 @@ func (w *response) sendHead(chunked bool, next []byte) {
 	}
 	*hb = append(*hb, crlf...)
 	w.out = hb
+	if chunked {
+		// The head is rendered and nothing sends trailers: an open stream holds no header map.
+		w.header = nil
+	}
 	if pend != nil {
 		if len(*pend) > 0 {
 			w.appendBody(*pend)

@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
+	"weak"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/poll"
@@ -901,5 +903,37 @@ func TestIdleConnectionsHoldNoReadBuffer(t *testing.T) {
 		if b, _ := io.ReadAll(resp.Body); string(b) != "data: 1\n\n" {
 			t.Fatalf("answer %q", b)
 		}
+	}
+}
+
+// A stream's head, once sent, is not held while the stream stays open: the handler's header
+// map (and every value in it) is garbage until the answer ends.
+func TestAnOpenStreamHoldsNotItsHead(t *testing.T) {
+	release, sent := make(chan struct{}), make(chan weak.Pointer[byte], 1)
+	defer close(release)
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		v := strings.Repeat("v", 4096)
+		w.Header().Set("X-Large", v)
+		sent <- weak.Make(unsafe.StringData(v))
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		<-release
+		w.Header().Set("X-After", "has no effect, and no panic")
+	}))
+	c := dial(t, addr)
+	io.WriteString(c, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Header.Get("X-Large")) != 4096 {
+		t.Fatalf("the head lacks its header: %v", resp.Header)
+	}
+	held := <-sent
+	for range 3 {
+		runtime.GC()
+	}
+	if held.Value() != nil {
+		t.Error("an open stream holds the header map of its head, sent already")
 	}
 }
