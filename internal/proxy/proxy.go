@@ -686,6 +686,8 @@ func (o *relayOut) head() {
 	}
 	o.rw.WriteHeader(o.resp.StatusCode)
 	o.written = true
+	// Nothing reads the engine's head past here: an open stream does not hold it.
+	o.resp.Header = nil
 }
 
 // emit writes one chunk (after the head), flushing a stream when asked.
