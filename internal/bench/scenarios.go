@@ -466,7 +466,7 @@ func (r *runner) memory(ctx context.Context) error {
 	idleHeld, idleStacks := b.heldBytes()
 	held := make(chan [2]float64, 1)
 	go func() {
-		deadline := time.Now().Add(time.Duration(tokens) * per / 2)
+		deadline := time.Now().Add(time.Duration(tokens) * per * 2 / 3)
 		for b.metric("go_goroutines") < idleG+float64(streams) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
@@ -562,16 +562,20 @@ func (r *runner) memoryPD(ctx context.Context, streams, tokens int, per time.Dur
 		st := d.Stats()
 		return st.RequestsReceived - st.RequestsOK - st.RequestsFailed - st.RequestsCancelled - st.RequestsRejected
 	}
+	tokens *= 3 // three times the regular streams' length: every decode leg is open (its prefill came first) before the first ends
+	var openAtSample int64
 	go func() {
-		// Until every stream's decode leg is open (its prefill came first), at most most of a
-		// stream's length.
-		deadline := time.Now().Add(time.Duration(tokens) * per * 4 / 5)
+		// Until every stream's decode leg is open, at most two thirds of a stream; then what is
+		// held once the burst's last requests settled.
+		deadline := time.Now().Add(time.Duration(tokens) * per * 2 / 3)
 		for open() < int64(streams) && time.Now().Before(deadline) {
 			peak, peakG = max(peak, b.rssBytes()), max(peakG, b.metric("go_goroutines"))
 			time.Sleep(20 * time.Millisecond)
 		}
 		peak, peakG = max(peak, b.rssBytes()), max(peakG, b.metric("go_goroutines"))
+		time.Sleep(time.Duration(tokens) * per / 30)
 		h, st := b.heldBytes()
+		openAtSample = open()
 		held <- [2]float64{h, st}
 	}()
 	s := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: tokens, stream: true}), streams, streams)
@@ -579,8 +583,8 @@ func (r *runner) memoryPD(ctx context.Context, streams, tokens int, per time.Dur
 	r.client.CloseIdleConnections()
 	h := <-held
 	heldHeap, heldStacks := (h[0]-idleHeld)/float64(streams)/1024, (h[1]-idleStacks)/float64(streams)/1024
-	fmt.Fprintf(r.out, "PD (vLLM NIXL pair), %d streams: **%.1f KiB** of RSS and %.1f goroutines per open stream (peak minus idle, sampled while they opened); held after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB).\n\n",
-		streams, float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), heldHeap+heldStacks, heldHeap, heldStacks)
+	fmt.Fprintf(r.out, "PD (vLLM NIXL pair), %d streams of %d tokens: **%.1f KiB** of RSS and %.1f goroutines per open stream (peak minus idle, sampled while they opened); held after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB; %d decode legs open then).\n\n",
+		streams, tokens, float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), heldHeap+heldStacks, heldHeap, heldStacks, openAtSample)
 	return nil
 }
 
