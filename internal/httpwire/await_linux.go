@@ -7,6 +7,9 @@ import (
 	"unsafe"
 )
 
+// Awaits says whether AwaitData waits here (the one-byte peek is available).
+const Awaits = true
+
 // AwaitData waits until raw's descriptor has a byte to read, or an end or error to report,
 // without reading it: the caller holds no read buffer while it waits (an open stream between
 // two events, a kept-alive connection between two requests). It asks the kernel with a

@@ -7,7 +7,7 @@ import "github.com/baton-llm/baton/internal/httpwire"
 // deadlines (the request's cancellation) and Close end the wait as they end a Read; the read
 // that follows reports them.
 func (c *conn) awaitData() {
-	if c.raw == nil || c.br.Buffered() > 0 {
+	if !httpwire.Awaits || c.raw == nil || c.br.Buffered() > 0 { // elsewhere the read waits, with its buffer
 		return
 	}
 	c.dropReader()
