@@ -175,6 +175,11 @@ func (c *conn) serveOne() bool {
 		c.releaseReader()
 	}
 	c.runHandler(w, req)
+	if !w.wroteHeader && errors.Is(context.Cause(ctx), errPeerGone) {
+		// The client left before any answer was decided: none is made up for it (an empty 200
+		// would pass for a success); the connection closes.
+		w.aborted, w.closeAfter = true, true
+	}
 	w.finish()
 	c.mu.Lock()
 	c.cancel = nil

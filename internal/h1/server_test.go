@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -935,5 +936,34 @@ func TestAnOpenStreamHoldsNotItsHead(t *testing.T) {
 	}
 	if held.Value() != nil {
 		t.Error("an open stream holds the header map of its head, sent already")
+	}
+}
+
+// A client that half-closes after its request is taken as gone (its request ends, as nginx
+// ends one with 499): a handler that then returns without an answer gets none made up for it —
+// no empty 200 that would pass for a success — and the connection closes.
+func TestAClientGoneGetsNoMadeUpAnswer(t *testing.T) {
+	if !Supported() {
+		t.Skip("SKIP: no epoll on this platform; Baton serves with net/http here")
+	}
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+			io.WriteString(w, "the client's leaving was not noticed")
+		}
+	}))
+	c := dial(t, addr)
+	io.WriteString(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatal(err)
+	}
+	if len(got) > 0 {
+		t.Errorf("a client gone was answered %q", got)
 	}
 }
