@@ -26,9 +26,15 @@ func (e *QueryError) Error() string { return e.Message }
 func ParseQuery(raw string) (Query, *QueryError) {
 	var q Query
 	vals, err := url.ParseQuery(raw)
+	if err != nil {
+		msg := err.Error()
+		if len(msg) > 200 {
+			msg = msg[:200]
+		}
+		return q, &QueryError{"", "the query cannot be read: " + strings.ToValidUTF8(msg, "")}
+	}
 	for name, vs := range vals {
 		switch {
-		case err != nil:
 		case name != "total" && name != "ttft_slo" && name != "tpot_slo":
 			return q, &QueryError{"", fmt.Sprintf("unknown parameter %q: the what-if takes total, ttft_slo and tpot_slo", strings.ToValidUTF8(clip(name, 64), ""))}
 		case len(vs) > 1:
@@ -36,13 +42,6 @@ func ParseQuery(raw string) (Query, *QueryError) {
 		case vs[0] == "":
 			return q, &QueryError{name, name + " is given no value: give one, or leave it out for the default"}
 		}
-	}
-	if err != nil {
-		msg := err.Error()
-		if len(msg) > 200 {
-			msg = msg[:200]
-		}
-		return q, &QueryError{"", "the query cannot be read: " + strings.ToValidUTF8(msg, "")}
 	}
 	if v := vals.Get("total"); v != "" {
 		n, err := strconv.Atoi(v)
