@@ -43,7 +43,6 @@ type conn struct {
 	state      atomic.Int32
 	watchID    uint64          // the epoll watcher's name for this connection; 0: not watched
 	raw        syscall.RawConn // the watched descriptor
-	plain      bool            // rwc is the socket itself (not TLS above it): what it holds, the descriptor holds
 
 	mu     sync.Mutex
 	cancel context.CancelCauseFunc // the current request's; nil between requests
@@ -57,7 +56,6 @@ type conn struct {
 
 func newConn(s *Server, rw net.Conn) *conn {
 	c := &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
-	_, c.plain = rw.(syscall.Conn)
 	c.state.Store(stateIdle) // waiting for its first request: Shutdown may close it
 	return c
 }
@@ -127,10 +125,11 @@ func (c *conn) waitRequest() bool {
 	} else if c.rdlSet.Swap(false) {
 		_ = c.rwc.SetReadDeadline(time.Time{})
 	}
-	if c.releaseReader(); c.br == nil && c.raw != nil && c.plain && httpwire.Awaits {
-		// Nothing buffered: the wait holds no read buffer, so a kept-alive connection between
-		// two requests costs none. (Over TLS the connection may hold decrypted bytes the
-		// socket no longer has: it waits with its buffer.)
+	// Nothing buffered: the wait holds no read buffer, so a kept-alive connection between two
+	// requests costs none — where the connection is the watched socket itself (over TLS it may
+	// hold decrypted bytes the socket no longer has: it waits with its buffer).
+	c.releaseReader()
+	if _, bare := c.rwc.(syscall.Conn); c.br == nil && c.raw != nil && bare {
 		if httpwire.AwaitData(c.raw) != nil {
 			return false
 		}

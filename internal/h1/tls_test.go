@@ -2,17 +2,12 @@ package h1
 
 import (
 	"bufio"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"errors"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 )
@@ -38,18 +33,11 @@ func (c *heldWrites) release() error {
 	return err
 }
 
-func selfSigned(t *testing.T) tls.Certificate {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "localhost"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), DNSNames: []string{"localhost"}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+// testCert is the standard library's test certificate (httptest's), for a TLS listener.
+func testCert(t *testing.T) tls.Certificate {
+	srv := httptest.NewTLSServer(http.NotFoundHandler())
+	defer srv.Close()
+	return srv.TLS.Certificates[0]
 }
 
 // Two pipelined requests over TLS, each in its own TLS record, arriving in one TCP segment: the
@@ -64,7 +52,7 @@ func TestPipelinedRequestsOverTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln := tls.NewListener(inner, &tls.Config{Certificates: []tls.Certificate{selfSigned(t)}})
+	ln := tls.NewListener(inner, &tls.Config{Certificates: []tls.Certificate{testCert(t)}})
 	s := &Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, r.URL.Path)
 	}), IdleTimeout: 3 * time.Second}
