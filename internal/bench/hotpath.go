@@ -32,7 +32,6 @@ func (r *runner) hotpath(ctx context.Context) error {
 	}
 	binaries = append(binaries, struct{ name, path string }{"Baton", r.o.Binary})
 	w := workload{promptBytes: 512, maxTokens: 16}
-	perReq := func(m measured) float64 { return m.cpu / float64(m.s.N) * 1e6 }
 
 	// Pass-through.
 	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
@@ -60,15 +59,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 	ms := r.interleaved(ctx, "hotpath", pt, 64, n, rounds)
 	stopTargets(pt)
 	pt = nil
-	base := map[string]float64{}
-	for i, t := range ms {
-		base[t.name] = perReq(t)
-		vs := ratioF(perReq(t), base["nginx"])
-		if t.name == "nginx" {
-			vs = "1.00×"
-		}
-		fmt.Fprintf(r.out, "| pass-through | %s | %.0f | %s | %s | %s |\n", t.name, t.s.Throughput(), r.cpuCell(ms[i], "%.1f", perReq(t)), vs, ratioF(perReq(t), base["baseline"]))
-	}
+	r.hotRows("pass-through", ms, "nginx")
 	// PD vLLM NIXL.
 	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
 	if err != nil {
@@ -101,27 +92,44 @@ func (r *runner) hotpath(ctx context.Context) error {
 		pd = append(pd, hotTarget{name: bin.name, p: b, req: completion(r.client, b.URL, w)})
 	}
 	time.Sleep(200 * time.Millisecond)
-	ms = r.interleaved(ctx, "hotpath PD", pd, 16, n, rounds)
-	var sidecar measured
-	var rates []string
-	for i, t := range ms {
-		base["pd "+t.name] = perReq(t)
-		vs := ""
-		switch {
-		case t.name == "llm-d pd-sidecar":
-			sidecar, vs = t, "1.00× (pd-sidecar)"
-		case sidecar.s.N > 0:
-			vs = ratioF(perReq(t), perReq(sidecar))
-			rates = append(rates, fmt.Sprintf("%s %s", t.name, ratioF(t.s.Throughput(), sidecar.s.Throughput())))
-		}
-		fmt.Fprintf(r.out, "| PD vLLM NIXL | %s | %.0f | %s | %s | %s |\n", t.name, t.s.Throughput(), r.cpuCell(ms[i], "%.1f", perReq(t)), vs, ratioF(perReq(t), base["pd baseline"]))
-	}
+	rates := r.hotRows("PD vLLM NIXL", r.interleaved(ctx, "hotpath PD", pd, 16, n, rounds), "llm-d pd-sidecar")
 	fmt.Fprintln(r.out)
 	if len(rates) > 0 {
 		fmt.Fprintf(r.out, "PD throughput against llm-d's pd-sidecar (the same engines, the same 16 clients, the sidecar pinned to Baton's core): %s.\n\n", strings.Join(rates, ", "))
 	}
 	r.cpuNote()
 	return nil
+}
+
+// hotRows writes a path's rows: each proxy's throughput and CPU per request, against ref's (the
+// target named so, when measured) and against the baseline build's; it returns the others'
+// throughput against ref's.
+func (r *runner) hotRows(path string, ms []measured, ref string) (rates []string) {
+	perReq := func(m measured) float64 { return m.cpu / float64(m.s.N) * 1e6 }
+	var refM, baseM measured
+	for _, m := range ms {
+		switch m.name {
+		case ref:
+			refM = m
+		case "baseline":
+			baseM = m
+		}
+	}
+	for _, m := range ms {
+		vs := ""
+		if refM.s.N > 0 {
+			vs = ratioF(perReq(m), perReq(refM))
+			if m.name != ref {
+				rates = append(rates, fmt.Sprintf("%s %s", m.name, ratioF(m.s.Throughput(), refM.s.Throughput())))
+			}
+		}
+		vsBase := ""
+		if baseM.s.N > 0 && m.name != ref {
+			vsBase = ratioF(perReq(m), perReq(baseM))
+		}
+		fmt.Fprintf(r.out, "| %s | %s | %.0f | %s | %s | %s |\n", path, m.name, m.s.Throughput(), r.cpuCell(m, "%.1f", perReq(m)), vs, vsBase)
+	}
+	return rates
 }
 
 // hotTarget is a proxy under the hotpath scenario's load.
@@ -164,8 +172,8 @@ func ratioF(a, b float64) string {
 	return fmt.Sprintf("%.2f×", a/b)
 }
 
-// startPDSidecar starts llm-d's pd-sidecar (a binary built from llm-d's repository; the README's
-// benchmark section says how) on cpu beside the decode engine d, as it runs on a decode pod: it
+// startPDSidecar starts llm-d's pd-sidecar (a binary built from llm-d's repository;
+// docs/BENCHMARKS.md says how) on cpu beside the decode engine d, as it runs on a decode pod: it
 // takes a request naming its prefill in x-prefiller-host-port, sends the one-token prefill there
 // and the decode to d with the prefill's kv_transfer_params. It returns once a request through it
 // has been answered 200.

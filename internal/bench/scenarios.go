@@ -466,7 +466,7 @@ func (r *runner) memory(ctx context.Context) error {
 	idleHeld, idleStacks := b.heldBytes()
 	held := make(chan [2]float64, 1)
 	go func() {
-		deadline := time.Now().Add(time.Duration(tokens) * per * 2 / 3)
+		deadline := time.Now().Add(time.Duration(tokens) * per / 2)
 		for b.metric("go_goroutines") < idleG+float64(streams) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
