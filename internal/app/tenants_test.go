@@ -248,6 +248,7 @@ func TestTenantTokensChargedAreTheEnginesUsage(t *testing.T) {
 					if stream != "" && strings.Contains(stream, "stream_options") && rt.path != "/v1/chat/completions" && rt.path != "/v1/completions" {
 						continue
 					}
+					g.Server.Director().Settled() // a settlement after its answer counts before this request
 					before := charged(t, g, "team")
 					resp, body := tenantReq(t, gw.URL+rt.path, "sk-team", fmt.Sprintf(rt.body, stream))
 					if resp.StatusCode == 404 || resp.StatusCode == 501 {
@@ -257,6 +258,7 @@ func TestTenantTokensChargedAreTheEnginesUsage(t *testing.T) {
 						t.Errorf("%s %s: %d %s", rt.path, stream, resp.StatusCode, body)
 						continue
 					}
+					g.Server.Director().Settled()
 					got := charged(t, g, "team") - before
 					want, ok := clientUsage(t, body)
 					if !ok {
@@ -412,5 +414,31 @@ func TestTenantReloadStorm(t *testing.T) {
 	}
 	if r, _ := tenantReq(t, gw.URL+"/v1/completions", "sk-old", `{"model":"m","prompt":"x","max_tokens":1}`); r.StatusCode != 401 {
 		t.Errorf("the removed key: %d", r.StatusCode)
+	}
+}
+
+// A PD request whose prefill refused it gets the prefill's error, and its tenant is charged
+// nothing: the decode, sent at once (SGLang) and waiting for the KV the prefill was to send,
+// computed nothing before Baton cancelled it. It was charged its prompt estimate and max_tokens,
+// settled after the answer, as if the decode had generated them.
+func TestTenantNotChargedForAFailedPrefill(t *testing.T) {
+	cfg, _, _ := sglangPair(t, sim.Config{Faults: sim.Faults{Status: 400, Latency: 50 * time.Millisecond}}, sim.Config{})
+	cfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{TokensPerMinute: intp(100_000_000)}}}
+	g, gw := startGateway(t, cfg)
+	for _, stream := range []string{"", `,"stream":true`} {
+		resp, body := tenantReq(t, gw.URL+"/v1/chat/completions", "sk-team",
+			`{"model":"m","messages":[{"role":"user","content":"count the tokens"}],"max_tokens":7`+stream+`}`)
+		if resp.StatusCode != 400 || !strings.Contains(body, "injected fault") {
+			t.Fatalf("stream %q: %d %s, want the prefill's 400", stream, resp.StatusCode, body)
+		}
+		g.Server.Director().Settled()
+		if got := charged(t, g, "team"); got != 0 {
+			t.Errorf("stream %q: a request its prefill refused charged %d tokens", stream, got)
+		}
+	}
+	for _, l := range strings.Split(grepLines(scrape(t, g), "baton_tenant_tokens_total{"), "\n") {
+		if l != "" && !strings.HasSuffix(l, " 0") {
+			t.Errorf("a refused request was counted in the tenant's tokens: %s", l)
+		}
 	}
 }

@@ -328,6 +328,9 @@ func (d *Director) Start(ctx context.Context) {
 // Drain refuses every request waiting for a slot at once.
 func (d *Director) Drain() { d.admit.drain() }
 
+// Settled waits for the tenants' settlements still waiting on a worker's count of a prompt.
+func (d *Director) Settled() { d.settling.Wait() }
+
 // Wait waits for the tenants' settlements still waiting on a worker's count of a prompt, and
 // for the background work Start began.
 func (d *Director) Wait() { d.settling.Wait(); d.bg.Wait() }

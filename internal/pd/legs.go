@@ -32,6 +32,7 @@ type legs struct {
 	ends           atomic.Int32 // legs ended: the second accounts for the request
 
 	dleg      proxy.Leg
+	computed  bool // what the record said of an answer computed before this decode leg was sent
 	dCtx      context.Context
 	dCancel   context.CancelCauseFunc
 	closeDCtx context.CancelFunc
@@ -93,6 +94,7 @@ func (l *legs) startPrefill() {
 // decode sends the decode leg and relays its answer, once the prefill answered when the plan
 // needs it.
 func (l *legs) decode() error {
+	l.computed = l.req.Rec.AnswerComputed
 	dresp, err := l.x.Proxy.Send(l.dCtx, l.r, &l.dleg, proxy.Call{Path: l.req.Path, Body: l.plan.decodeBody, Header: l.plan.decodeHeader, Rec: l.req.Rec})
 	if err != nil {
 		return l.decodeFailed(0, err)
@@ -174,9 +176,16 @@ func (l *legs) decodeFailed(status int, err error) error {
 	return err
 }
 
-// prefillError is the client's error for a failed prefill leg.
+// prefillError is the client's error for a failed prefill leg. A decode that had not begun its
+// answer computed nothing for the request: it waits for the KV the prefill was to send (SGLang's
+// decode does not compute a prompt itself), and Baton cancelled it; its tenant is not charged
+// for it (record.Charge), only for the prompt when the prefill failed after it was given it.
 func (l *legs) prefillError(p prefillResult) error {
 	l.res.outcome = OutcomePrefillFailed
+	if rec := l.req.Rec; !l.res.decodeStarted {
+		rec.AnswerComputed = l.computed
+		rec.PrefillComputed = rec.PrefillComputed || p.err != nil && !proxy.Unreached(p.err)
+	}
 	if p.err == nil {
 		l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "status", p.status)
 	} else {

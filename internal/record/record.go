@@ -76,7 +76,8 @@ type Record struct {
 	// What the engines did with the request, for charging one that ended without usage (see
 	// Charge). PrefillComputed: a prefill leg was given the request (a connection was made) and
 	// did not refuse it (no answer, or a 2xx); AnswerComputed: likewise a leg that generates (a
-	// regular or decode leg). Each stays true once set, whatever a retry meets later.
+	// regular or decode leg; not a decode Baton cancelled, before its answer, because its prefill
+	// failed). Each stays true once set, whatever a retry meets later.
 	// EnginePrompt is the prompt tokens an engine reported before the answer ended (a prefill
 	// leg's usage, a stream's first usage event), 0 when none did.
 	PrefillComputed, AnswerComputed bool
