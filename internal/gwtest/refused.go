@@ -13,7 +13,12 @@ import (
 // a test running in parallel can be given it again and answer in the dead worker's place.
 func RefusingURL(t testing.TB) string {
 	t.Helper()
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	syscall.ForkLock.RLock() // not inherited by a process started meanwhile (SOCK_CLOEXEC is not everywhere)
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err == nil {
+		syscall.CloseOnExec(fd)
+	}
+	syscall.ForkLock.RUnlock()
 	if err != nil {
 		t.Fatalf("a socket to refuse connections: %v", err)
 	}
