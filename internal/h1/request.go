@@ -179,7 +179,9 @@ func (c *conn) prepare(req *http.Request) (*body, *Refusal) {
 	}
 	delete(h, "Host")
 	req.RemoteAddr = c.remoteAddr
-	req.Close = req.ProtoMinor == 0 || httpwire.HasToken(h["Connection"], "close")
+	// HTTP/1.0 closes after the answer unless the client asked to keep the connection (ab -k,
+	// older proxies); the answer then says it was kept.
+	req.Close = httpwire.HasToken(h["Connection"], "close") || req.ProtoMinor == 0 && !httpwire.HasToken(h["Connection"], "keep-alive")
 
 	b := &body{c: c}
 	te, cls := h["Transfer-Encoding"], h["Content-Length"]

@@ -269,8 +269,11 @@ func (w *response) sendHead(chunked bool, next []byte) {
 	if chunked {
 		*hb = append(*hb, "Transfer-Encoding: chunked\r\n"...)
 	}
-	if w.closeAfter && w.req.ProtoMinor == 1 {
+	switch {
+	case w.closeAfter && w.req.ProtoMinor == 1:
 		*hb = append(*hb, "Connection: close\r\n"...)
+	case !w.closeAfter && w.req.ProtoMinor == 0:
+		*hb = append(*hb, "Connection: keep-alive\r\n"...)
 	}
 	*hb = append(*hb, crlf...)
 	w.out = hb

@@ -7,11 +7,12 @@
 // one epoll watcher for the whole process (EPOLLRDHUP) instead of a reading goroutine per
 // request. An open stream costs its handler's goroutine and little else.
 //
-// What it serves: HTTP/1.1 and HTTP/1.0 over plain TCP; Content-Length and chunked request
-// bodies (trailers read and dropped); Expect: 100-continue; keep-alive; pipelined requests
+// What it serves: HTTP/1.1 and HTTP/1.0 over the listener it is given (TCP, or TLS through
+// tls.NewListener); Content-Length and chunked request bodies (trailers read and dropped);
+// Expect: 100-continue; keep-alive (HTTP/1.0's when the client asks for it); pipelined requests
 // answered one after another, in order; header bytes bounded (431), malformed requests refused
-// (400, 501, 505, 417) with an OpenAI error body. Not served: TLS, HTTP/2, Upgrade, Hijack —
-// use net/http's server for those.
+// (400, 501, 505, 417) with an OpenAI error body. Not served: HTTP/2, Upgrade, Hijack — use
+// net/http's server for those.
 package h1
 
 import (

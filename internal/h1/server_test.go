@@ -557,6 +557,39 @@ func TestHTTP10(t *testing.T) {
 	}
 }
 
+// An HTTP/1.0 client that asks to keep its connection (ab -k) keeps it for answers of a known
+// length, told so by Connection: keep-alive; a stream's answer, delimited by the close, closes it
+// whatever was asked, and so does a client that did not ask.
+func TestHTTP10KeepAlive(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "one")
+		if r.URL.Path == "/stream" {
+			w.(http.Flusher).Flush()
+			io.WriteString(w, "two")
+		}
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	for i := range 3 {
+		io.WriteString(c, "POST /whole HTTP/1.0\r\nConnection: Keep-Alive\r\nContent-Length: 2\r\n\r\nhi")
+		resp, body := readResponse(t, br, "POST")
+		if resp.ProtoMinor != 0 || body != "one" || resp.Header.Get("Connection") != "keep-alive" || resp.ContentLength != 3 || resp.Close {
+			t.Fatalf("answer %d: %s %v %q; want HTTP/1.0, kept alive, length 3", i, resp.Proto, resp.Header, body)
+		}
+	}
+	io.WriteString(c, "GET /stream HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	rest, _ := io.ReadAll(br)
+	if out := string(rest); !strings.HasSuffix(out, "\r\n\r\nonetwo") || strings.Contains(out, "keep-alive") {
+		t.Errorf("a stream to an HTTP/1.0 client %q; want its body delimited by the close", out)
+	}
+	out := exchange(t, addr, "GET /whole HTTP/1.0\r\n\r\n", 5*time.Second)
+	if !strings.HasSuffix(out, "\r\n\r\none") || strings.Contains(out, "keep-alive") {
+		t.Errorf("HTTP/1.0 without keep-alive %q; want the connection closed after the answer", out)
+	}
+}
+
 // A body the handler left unread is read off a kept connection when small, and closes the
 // connection when large.
 func TestUnreadBodies(t *testing.T) {
