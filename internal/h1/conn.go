@@ -39,7 +39,8 @@ type conn struct {
 	s          *Server
 	rwc        net.Conn
 	remoteAddr string
-	br         *bufio.Reader // nil while the connection holds no unread bytes and reads nothing
+	br         *bufio.Reader   // nil while the connection holds no unread bytes and reads nothing
+	src        httpwire.Source // what br reads: rwc, or the descriptor while waiting without a buffer
 	state      atomic.Int32
 	watchID    uint64          // the epoll watcher's name for this connection; 0: not watched
 	raw        syscall.RawConn // the watched descriptor
@@ -56,6 +57,7 @@ type conn struct {
 
 func newConn(s *Server, rw net.Conn) *conn {
 	c := &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
+	c.src.Conn = rw
 	c.state.Store(stateIdle) // waiting for its first request: Shutdown may close it
 	return c
 }
@@ -129,8 +131,8 @@ func (c *conn) waitRequest() bool {
 	// requests costs none — where the connection is the watched socket itself (over TLS it may
 	// hold decrypted bytes the socket no longer has: it waits with its buffer).
 	c.releaseReader()
-	if _, bare := c.rwc.(syscall.Conn); c.br == nil && c.raw != nil && bare {
-		if httpwire.AwaitData(c.raw) != nil {
+	if _, bare := c.rwc.(syscall.Conn); httpwire.Awaits && c.br == nil && c.raw != nil && bare {
+		if httpwire.FillWaiting(c.raw, &c.src, c.reader, c.dropReader) != nil {
 			return false
 		}
 	}
@@ -256,7 +258,7 @@ func (c *conn) dropReader() {
 func (c *conn) reader() *bufio.Reader {
 	if c.br == nil {
 		c.br = readers.Get().(*bufio.Reader)
-		c.br.Reset(c.rwc)
+		c.br.Reset(&c.src)
 		c.s.buffers.Add(1)
 	}
 	return c.br

@@ -3,20 +3,56 @@
 package httpwire
 
 import (
+	"bufio"
+	"io"
 	"syscall"
 	"unsafe"
 )
 
-// Awaits says whether AwaitData waits here (the one-byte peek is available).
+// Awaits says whether FillWaiting waits holding no buffer here (the descriptor can be read
+// from inside the runtime poller's wait).
 const Awaits = true
 
-// AwaitData waits until raw's descriptor has a byte to read, or an end or error to report,
-// without reading it: the caller holds no read buffer while it waits (an open stream between
-// two events, a kept-alive connection between two requests). It asks the kernel with a
-// one-byte MSG_PEEK (nothing is consumed; the read that follows takes the bytes), which also
-// makes the runtime's poller safe to park on: a peek is tried before every wait. Read deadlines
-// and Close end the wait as they end a Read, and it returns their error.
-func AwaitData(raw syscall.RawConn) error { return raw.Read(peek) }
+// FillWaiting waits until the read buffer take gives has bytes from raw's descriptor, or an end
+// or error to report, without holding one while nothing has come (an open stream between two
+// events, a kept-alive connection between two requests): before every wait of the runtime's
+// poller, take gives a buffer reading src, which reads the descriptor at once, without waiting;
+// when nothing was there, give takes the buffer back. What it read stays in the buffer: one
+// system call per wake-up, where a peek would be followed by the read. An end or error is kept
+// in src for the buffer's next read. Read deadlines and Close end the wait, and it returns their
+// error.
+func FillWaiting(raw syscall.RawConn, src *Source, take func() *bufio.Reader, give func()) error {
+	return raw.Read(func(fd uintptr) bool {
+		src.fd, src.direct = fd, true
+		_, err := take().Peek(1)
+		src.direct = false
+		if err == syscall.EAGAIN {
+			give()
+			return false
+		}
+		if err != nil {
+			src.err = err
+		}
+		return true
+	})
+}
+
+// readNow reads fd once, without waiting (Go's descriptors are non-blocking): EAGAIN when
+// nothing is there.
+func readNow(fd uintptr, p []byte) (int, error) {
+	for {
+		n, err := syscall.Read(int(fd), p)
+		switch {
+		case err == syscall.EINTR:
+			continue
+		case err != nil:
+			return 0, err
+		case n == 0 && len(p) > 0:
+			return 0, io.EOF
+		}
+		return n, nil
+	}
+}
 
 // Pending asks the kernel, without waiting, whether raw's descriptor has a byte to read or an
 // end or error to report; ok false when it could not ask.
@@ -29,7 +65,7 @@ func Pending(raw syscall.RawConn) (pending, ok bool) {
 }
 
 // peek reports whether fd has a byte to read, or an end or error to report (true), or nothing
-// yet (false: the poller waits for it).
+// yet (false).
 func peek(fd uintptr) bool {
 	var b [1]byte
 	_, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)

@@ -2,14 +2,23 @@
 
 package httpwire
 
-import "syscall"
+import (
+	"bufio"
+	"syscall"
+)
 
-// Awaits says whether AwaitData waits here: it does not.
+// Awaits says whether FillWaiting waits holding no buffer here: it does not.
 const Awaits = false
 
-// AwaitData returns at once where the one-byte peek is not available: the caller's read waits,
-// with its buffer.
-func AwaitData(raw syscall.RawConn) error { return nil }
+// FillWaiting is not used where the descriptor cannot be read from inside the poller's wait:
+// the caller's read waits, with its buffer.
+func FillWaiting(raw syscall.RawConn, src *Source, take func() *bufio.Reader, give func()) error {
+	_, err := take().Peek(1)
+	return err
+}
+
+// readNow is never called here (FillWaiting does not read the descriptor itself).
+func readNow(fd uintptr, p []byte) (int, error) { return 0, syscall.EINVAL }
 
 // Pending cannot ask the kernel here: ok false.
 func Pending(raw syscall.RawConn) (pending, ok bool) { return false, false }

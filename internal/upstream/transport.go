@@ -62,6 +62,7 @@ type conn struct {
 	c      net.Conn
 	raw    syscall.RawConn // c's descriptor, for waiting without a buffer; nil where there is none
 	br     *bufio.Reader
+	src    httpwire.Source // what br reads: c, or the descriptor while waiting without a buffer
 	host   string
 	idleAt time.Time
 }
@@ -342,6 +343,7 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		return nil, false, err
 	}
 	c := &conn{c: nc, host: host}
+	c.src.Conn = nc
 	if sc, ok := nc.(syscall.Conn); ok {
 		c.raw, _ = sc.SyscallConn()
 	}
@@ -383,7 +385,7 @@ var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBu
 // takeReader gives c a read buffer from the pool.
 func (c *conn) takeReader() {
 	c.br = readers.Get().(*bufio.Reader)
-	c.br.Reset(c.c)
+	c.br.Reset(&c.src)
 }
 
 // dropReader gives c's read buffer back; c must have nothing buffered.
