@@ -31,7 +31,7 @@ func FillWaiting(raw syscall.RawConn, src *Source, take func() *bufio.Reader, gi
 			return false
 		}
 		if err != nil {
-			src.err = err
+			src.err = src.asRead(err)
 		}
 		return true
 	})

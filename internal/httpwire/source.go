@@ -1,12 +1,16 @@
 package httpwire
 
-import "io"
+import (
+	"net"
+	"os"
+	"syscall"
+)
 
 // Source is what a connection's pooled read buffer reads from: the connection, or — inside
 // FillWaiting's wait, where the connection's own Read would wait for the poller that is already
 // waiting — its descriptor, read at once. An end or error FillWaiting met is the next read's.
 type Source struct {
-	Conn   io.Reader
+	Conn   net.Conn
 	fd     uintptr
 	direct bool
 	err    error
@@ -22,4 +26,15 @@ func (s *Source) Read(p []byte) (int, error) {
 		return 0, err
 	}
 	return s.Conn.Read(p)
+}
+
+// asRead is err, read off the descriptor itself, as the connection's Read reports it: a
+// *net.OpError naming the connection and the system call (callers tell an engine's transport
+// failures by it), io.EOF as it is.
+func (s *Source) asRead(err error) error {
+	errno, ok := err.(syscall.Errno)
+	if !ok {
+		return err
+	}
+	return &net.OpError{Op: "read", Net: s.Conn.LocalAddr().Network(), Source: s.Conn.LocalAddr(), Addr: s.Conn.RemoteAddr(), Err: os.NewSyscallError("read", errno)}
 }
