@@ -131,7 +131,7 @@ func (c *conn) waitRequest() bool {
 	// requests costs none — where the connection is the watched socket itself (over TLS it may
 	// hold decrypted bytes the socket no longer has: it waits with its buffer).
 	c.releaseReader()
-	if _, bare := c.rwc.(syscall.Conn); httpwire.Awaits && c.br == nil && c.raw != nil && bare {
+	if httpwire.Awaits && c.br == nil && c.raw != nil && bareSocket(c.rwc) {
 		if httpwire.FillWaiting(c.raw, &c.src, c.reader, c.dropReader) != nil {
 			return false
 		}
@@ -148,6 +148,17 @@ func (c *conn) waitRequest() bool {
 		_ = c.rwc.SetReadDeadline(time.Now().Add(c.s.ReadHeaderTimeout))
 	}
 	return true
+}
+
+// bareSocket reports whether rwc is the socket itself, with nothing buffered above it that a
+// read of its descriptor would overtake (a TLS connection's decrypted records, a listener's own
+// wrapper that reads ahead).
+func bareSocket(rwc net.Conn) bool {
+	switch rwc.(type) {
+	case *net.TCPConn, *net.UnixConn:
+		return true
+	}
+	return false
 }
 
 // serveOne reads one request, runs the handler on it, and finishes its answer; false means
