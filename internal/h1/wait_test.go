@@ -1,0 +1,236 @@
+package h1
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// trickle writes s a byte at a time with a pause after each.
+func trickle(c net.Conn, s string, pause time.Duration) {
+	for i := 0; i < len(s); i++ {
+		c.Write([]byte{s[i]})
+		time.Sleep(pause)
+	}
+}
+
+// Pipelined requests sent a byte at a time (every byte a wake-up of the wait without a buffer,
+// bodies and heads split across waits) are all answered, in order, bodies whole.
+func TestPipelinedRequestsTrickledAcrossTheWait(t *testing.T) {
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		fmt.Fprintf(w, "%s:%s", r.URL.Path, b)
+	}))
+	c := dial(t, addr)
+	raw := "POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc" +
+		"GET /b HTTP/1.1\r\nHost: x\r\n\r\n" +
+		"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nde\r\n1\r\nf\r\n0\r\n\r\n" +
+		"GET /d HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" +
+		"GET /e HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+	go trickle(c, raw, 300*time.Microsecond)
+	br := bufio.NewReader(c)
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	for _, want := range []string{"/a:abc", "/b:", "/c:def", "/d:", "/e:"} {
+		if _, body := readResponse(t, br, "GET"); body != want {
+			t.Fatalf("got %q, want %q", body, want)
+		}
+	}
+	if n, err := br.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("after Connection: close: %d bytes, %v", n, err)
+	}
+	waitBuffers(t, s)
+}
+
+func waitBuffers(t *testing.T, s *Server) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for s.buffers.Load() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d read buffers still held", s.buffers.Load())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A kept-alive client that half-closes, or resets, while its connection waits for the next
+// request is noticed: the server closes its side at once (not at the idle timeout), and holds no
+// buffer for it.
+func TestIdleClientThatLeavesIsNoticed(t *testing.T) {
+	for _, how := range []string{"half-close", "reset"} {
+		t.Run(how, func(t *testing.T) {
+			s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }),
+				func(s *Server) { s.IdleTimeout = time.Minute })
+			c := dial(t, addr)
+			io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+			br := bufio.NewReader(c)
+			readResponse(t, br, "GET")
+			time.Sleep(30 * time.Millisecond) // the connection waits without a buffer
+			if how == "reset" {
+				c.(*net.TCPConn).SetLinger(0)
+				c.Close()
+			} else {
+				c.(*net.TCPConn).CloseWrite()
+				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+				start := time.Now()
+				if n, err := br.Read(make([]byte, 1)); err != io.EOF {
+					t.Errorf("after the half-close: %d bytes, %v; want the server's close", n, err)
+				} else if d := time.Since(start); d > 2*time.Second {
+					t.Errorf("noticed after %v", d)
+				}
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				s.mu.Lock()
+				n := len(s.conns)
+				s.mu.Unlock()
+				if n == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("%d connections still served after the client left", n)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			waitBuffers(t, s)
+		})
+	}
+}
+
+// Shutdown closes a kept-alive connection waiting for its next request at once.
+func TestShutdownClosesKeptAliveConnections(t *testing.T) {
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }),
+		func(s *Server) { s.IdleTimeout = time.Minute })
+	c := dial(t, addr)
+	io.WriteString(c, "GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+	br := bufio.NewReader(c)
+	readResponse(t, br, "GET")
+	time.Sleep(20 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown: %v after %v", err, time.Since(start))
+	}
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if n, err := br.Read(make([]byte, 1)); err != io.EOF && !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("after Shutdown: %d bytes, %v", n, err)
+	}
+}
+
+// exchangeOutcome is what a client sees of one exchange: each answer's status, Connection header
+// and body, and whether the connection was closed after them.
+func exchangeOutcome(t *testing.T, addr, raw string, answers int) string {
+	method := strings.Fields(raw)[0]
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	io.WriteString(c, raw)
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	br := bufio.NewReader(c)
+	var out []string
+	for i := 0; i < answers; i++ {
+		resp, err := http.ReadResponse(br, &http.Request{Method: method})
+		if err != nil {
+			out = append(out, "ERR "+err.Error())
+			return strings.Join(out, " | ")
+		}
+		b, err := io.ReadAll(resp.Body)
+		conn := strings.ToLower(resp.Header.Get("Connection"))
+		if len(b) > 16 {
+			b = append(b[:16:16], "..."...)
+		}
+		out = append(out, fmt.Sprintf("%d conn=%q cl=%d body=%q err=%v", resp.StatusCode, conn, resp.ContentLength, b, err))
+	}
+	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if _, err := br.ReadByte(); err == io.EOF || errors.Is(err, syscall.ECONNRESET) {
+		out = append(out, "closed")
+	} else {
+		out = append(out, "open")
+	}
+	return strings.Join(out, " | ")
+}
+
+// HTTP/1.0 keep-alive against net/http's server, the same handler, the same bytes: what the
+// client sees (status, Connection, body, whether the connection stays) is the same.
+func TestHTTP10KeepAliveLikeNetHTTP(t *testing.T) {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/stream":
+			io.WriteString(w, "one")
+			w.(http.Flusher).Flush()
+			io.WriteString(w, "two")
+		case "/big":
+			io.WriteString(w, strings.Repeat("x", 10000))
+		case "/declared":
+			w.Header().Set("Content-Length", "3")
+			io.WriteString(w, "abc")
+		case "/unread":
+			io.WriteString(w, "u")
+		case "/204":
+			w.WriteHeader(http.StatusNoContent)
+		case "/closehdr":
+			w.Header().Set("Connection", "close")
+			io.WriteString(w, "c")
+		default:
+			b, _ := io.ReadAll(r.Body)
+			fmt.Fprintf(w, "%s:%s", r.URL.Path, b)
+		}
+	})
+	_, baton := serve(t, h)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := &http.Server{Handler: h}
+	go ns.Serve(ln)
+	t.Cleanup(func() { ns.Close() })
+	ref := ln.Addr().String()
+
+	const closedOne = `200 conn="" cl=3 body="/a:" err=<nil> | closed`
+	for _, tc := range []struct {
+		name, raw string
+		answers   int
+		want      string // Baton's outcome where it departs from net/http on purpose ("close" always closes)
+	}{
+		{"keep-alive", "GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, ""},
+		{"keep-alive case and list", "GET /a HTTP/1.0\r\nConnection: Upgrade, KEEP-ALIVE\r\n\r\n", 1, ""},
+		{"no keep-alive", "GET /a HTTP/1.0\r\n\r\n", 1, ""},
+		{"keep-alive, close", "GET /a HTTP/1.0\r\nConnection: keep-alive, close\r\n\r\n", 1, closedOne},
+		{"two Connection lines", "GET /a HTTP/1.0\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n", 1, closedOne},
+		{"pipelined pair", "GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /b HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 2, ""},
+		{"body read", "POST /p HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\nxyzGET /b HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 2, ""},
+		{"body unread", "POST /unread HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\nxyzGET /b HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 2, ""},
+		{"smuggled in body", "POST /unread HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 30\r\n\r\nGET /smuggled HTTP/1.0\r\n\r\nxxxx", 1, ""},
+		{"stream", "GET /stream HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, ""},
+		{"big", "GET /big HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, ""},
+		{"declared", "GET /declared HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, ""},
+		{"204", "GET /204 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, ""},
+		{"handler close", "GET /closehdr HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, `200 conn="" cl=1 body="c" err=<nil> | closed`},
+		{"HEAD", "HEAD /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", 1, ""},
+	} {
+		b, r := exchangeOutcome(t, baton, tc.raw, tc.answers), exchangeOutcome(t, ref, tc.raw, tc.answers)
+		if tc.want != "" {
+			if b != tc.want {
+				t.Errorf("%s:\n baton: %s\n want:  %s", tc.name, b, tc.want)
+			}
+			t.Logf("%s: baton %s; net/http %s", tc.name, b, r)
+			continue
+		}
+		if b != r {
+			t.Errorf("%s:\n baton:    %s\n net/http: %s", tc.name, b, r)
+		} else {
+			t.Logf("%s: %s", tc.name, b)
+		}
+	}
+}

@@ -1,0 +1,160 @@
+package upstream
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// slowWrite writes s one byte at a time with a pause after each: every byte a separate
+// wake-up of the stream's wait, chunk framing split everywhere.
+func slowWrite(c net.Conn, s string, pause time.Duration) {
+	for i := 0; i < len(s); i++ {
+		c.Write([]byte{s[i]})
+		time.Sleep(pause)
+	}
+}
+
+// Bodies of every framing arrive byte-exact through Next when the engine writes them a byte at a
+// time, and a connection read to its end is reused for the next request with nothing stray.
+func TestBodiesByteExactWhenWrittenByteByByte(t *testing.T) {
+	payload := "data: {\"x\":\"héllo\"}\n\n" + strings.Repeat("0123456789", 30)
+	var conns atomic.Int64
+	url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+		conns.Add(1)
+		for {
+			req, err := readReq(br)
+			if err != nil {
+				return
+			}
+			switch req {
+			case "/length":
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n", len(payload))
+				slowWrite(c, payload, 200*time.Microsecond)
+			case "/chunked":
+				var b strings.Builder
+				b.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+				for i := 0; i < len(payload); i += 37 {
+					part := payload[i:min(i+37, len(payload))]
+					fmt.Fprintf(&b, "%x;ext=1\r\n%s\r\n", len(part), part)
+				}
+				b.WriteString("0\r\nX-Trailer: t\r\n\r\n")
+				slowWrite(c, b.String(), 200*time.Microsecond)
+			case "/close":
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+				slowWrite(c, payload, 200*time.Microsecond)
+				return
+			}
+		}
+	})
+	tr := newT()
+	for _, path := range []string{"/length", "/chunked", "/length", "/chunked", "/close", "/length"} {
+		resp, err := send(t, tr, context.Background(), url+path, "{}")
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		got, err := readViewsErr(resp.Body)
+		resp.Body.Close()
+		if err != nil || string(got) != payload {
+			t.Fatalf("%s: %v, %d bytes; want %d exact", path, err, len(got), len(payload))
+		}
+	}
+	if n := conns.Load(); n != 2 {
+		t.Errorf("%d connections for two runs of kept answers split by one closed: want 2", n)
+	}
+}
+
+// readReq reads one request off br and returns its path.
+func readReq(br *bufio.Reader) (string, error) {
+	line, err := br.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	path := strings.Fields(line)[1]
+	n := 0
+	for {
+		l, err := br.ReadString('\n')
+		if err != nil {
+			return "", err
+		}
+		if l == "\r\n" {
+			break
+		}
+		if k, v, ok := strings.Cut(l, ":"); ok && strings.EqualFold(k, "Content-Length") {
+			fmt.Sscan(strings.TrimSpace(v), &n)
+		}
+	}
+	_, err = io.CopyN(io.Discard, br, int64(n))
+	return path, err
+}
+
+// An engine that resets its connection mid-stream, in a wait between two events, is an error of
+// the relay — never the clean end of a body delimited by the close, nor an unexpected EOF.
+func TestResetMidStreamIsAnError(t *testing.T) {
+	for _, framing := range []string{"close", "chunked", "length"} {
+		t.Run(framing, func(t *testing.T) {
+			url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+				readReq(br)
+				switch framing {
+				case "close":
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
+				case "chunked":
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+				case "length":
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ndata: 1\n\n")
+				}
+				time.Sleep(50 * time.Millisecond)
+				c.(*net.TCPConn).SetLinger(0)
+				c.Close()
+			})
+			resp, err := send(t, newT(), context.Background(), url, "{}")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			got, err := readViewsErr(resp.Body)
+			if string(got) != "data: 1\n\n" || !errors.Is(err, syscall.ECONNRESET) {
+				t.Errorf("%q, %v; want the first event and ECONNRESET", got, err)
+			}
+		})
+	}
+}
+
+// Bytes an engine sends after an answer read to its end — arriving in a later wait, after the
+// relay finished — keep the connection from the next request: the next answer is the engine's
+// answer to it, not the stray bytes.
+func TestStrayBytesAfterAnAnswerAreNeverTheNextAnswer(t *testing.T) {
+	var n atomic.Int64
+	url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+		for {
+			if _, err := readReq(br); err != nil {
+				return
+			}
+			i := n.Add(1)
+			fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nans%d", i)
+			time.Sleep(20 * time.Millisecond)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+		}
+	})
+	tr := newT()
+	for i := 1; i <= 3; i++ {
+		resp, err := send(t, tr, context.Background(), url, "{}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := readViewsErr(resp.Body)
+		resp.Body.Close()
+		if err != nil || !strings.HasPrefix(string(got), "ans") {
+			t.Fatalf("answer %d: %q %v", i, got, err)
+		}
+		time.Sleep(40 * time.Millisecond)
+	}
+}
