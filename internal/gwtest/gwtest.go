@@ -193,3 +193,12 @@ func ReadStream(t *testing.T, url, body string, d time.Duration) (string, error)
 	}
 	return string(b), err
 }
+
+// Trickle writes s on c a byte at a time with a pause after each: every byte a wake-up of the
+// reader's wait, heads, bodies and chunk framing split everywhere.
+func Trickle(c net.Conn, s string, pause time.Duration) {
+	for i := 0; i < len(s); i++ {
+		c.Write([]byte{s[i]})
+		time.Sleep(pause)
+	}
+}

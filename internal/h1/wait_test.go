@@ -12,15 +12,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
-)
 
-// trickle writes s a byte at a time with a pause after each.
-func trickle(c net.Conn, s string, pause time.Duration) {
-	for i := 0; i < len(s); i++ {
-		c.Write([]byte{s[i]})
-		time.Sleep(pause)
-	}
-}
+	"github.com/baton-llm/baton/internal/gwtest"
+)
 
 // Pipelined requests sent a byte at a time (every byte a wake-up of the wait without a buffer,
 // bodies and heads split across waits) are all answered, in order, bodies whole.
@@ -35,7 +29,7 @@ func TestPipelinedRequestsTrickledAcrossTheWait(t *testing.T) {
 		"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nde\r\n1\r\nf\r\n0\r\n\r\n" +
 		"GET /d HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" +
 		"GET /e HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-	go trickle(c, raw, 300*time.Microsecond)
+	go gwtest.Trickle(c, raw, 300*time.Microsecond)
 	br := bufio.NewReader(c)
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	for _, want := range []string{"/a:abc", "/b:", "/c:def", "/d:", "/e:"} {

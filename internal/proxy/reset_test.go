@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bufio"
 	"context"
 	"io"
 	"net"
@@ -10,39 +9,19 @@ import (
 	"testing"
 	"time"
 
+	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/upstream"
 )
 
 // resettingEngine answers every request with a stream's head, then resets the connection
 // before the first event (an engine that crashed after accepting the stream).
 func resettingEngine(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				br := bufio.NewReader(c)
-				req, err := http.ReadRequest(br)
-				if err != nil {
-					c.Close()
-					return
-				}
-				io.Copy(io.Discard, req.Body)
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-				time.Sleep(50 * time.Millisecond)
-				c.(*net.TCPConn).SetLinger(0)
-				c.Close()
-			}()
-		}
-	}()
-	return "http://" + ln.Addr().String()
+	return gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		time.Sleep(50 * time.Millisecond)
+		c.(*net.TCPConn).SetLinger(0)
+		return false
+	})
 }
 
 // The reason a client is given for an engine that reset its stream before the first byte

@@ -12,16 +12,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
-)
 
-// slowWrite writes s one byte at a time with a pause after each: every byte a separate
-// wake-up of the stream's wait, chunk framing split everywhere.
-func slowWrite(c net.Conn, s string, pause time.Duration) {
-	for i := 0; i < len(s); i++ {
-		c.Write([]byte{s[i]})
-		time.Sleep(pause)
-	}
-}
+	"github.com/baton-llm/baton/internal/gwtest"
+)
 
 // Bodies of every framing arrive byte-exact through Next when the engine writes them a byte at a
 // time, and a connection read to its end is reused for the next request with nothing stray.
@@ -38,7 +31,7 @@ func TestBodiesByteExactWhenWrittenByteByByte(t *testing.T) {
 			switch req {
 			case "/length":
 				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n", len(payload))
-				slowWrite(c, payload, 200*time.Microsecond)
+				gwtest.Trickle(c, payload, 200*time.Microsecond)
 			case "/chunked":
 				var b strings.Builder
 				b.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -47,10 +40,10 @@ func TestBodiesByteExactWhenWrittenByteByByte(t *testing.T) {
 					fmt.Fprintf(&b, "%x;ext=1\r\n%s\r\n", len(part), part)
 				}
 				b.WriteString("0\r\nX-Trailer: t\r\n\r\n")
-				slowWrite(c, b.String(), 200*time.Microsecond)
+				gwtest.Trickle(c, b.String(), 200*time.Microsecond)
 			case "/close":
 				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
-				slowWrite(c, payload, 200*time.Microsecond)
+				gwtest.Trickle(c, payload, 200*time.Microsecond)
 				return
 			}
 		}
