@@ -442,3 +442,25 @@ func TestTenantNotChargedForAFailedPrefill(t *testing.T) {
 		}
 	}
 }
+
+// A PD request whose decode refused it after its prefill computed the prompt (Mooncake's legs,
+// sent at once) is charged that prompt, as its prefill counted it, and no completion; it was
+// charged nothing, though the prefill engine had done the work.
+func TestTenantChargedThePromptWhenTheDecodeRefused(t *testing.T) {
+	cfg, p, _ := vllmPair(t, "MooncakeConnector", sim.Config{}, sim.Config{Faults: sim.Faults{Status: 400, Latency: 100 * time.Millisecond}})
+	cfg.Tenants = []config.Tenant{{Name: "team", Keys: []string{config.HashKey("sk-team")}, Limits: &config.Limits{TokensPerMinute: intp(100_000_000)}}}
+	g, gw := startGateway(t, cfg)
+	resp, body := tenantReq(t, gw.URL+"/v1/completions", "sk-team", `{"model":"m","prompt":"count the tokens","max_tokens":7}`)
+	if resp.StatusCode != 400 || !strings.Contains(body, "decode_upstream_error") {
+		t.Fatalf("%d %s, want the decode's 400", resp.StatusCode, body)
+	}
+	g.Server.Director().Settled()
+	st := p.Stats()
+	prompt := int64(st.PromptTokensRecompute + st.PromptTokensLocalCache)
+	if st.RequestsOK != 1 || prompt == 0 {
+		t.Fatalf("the prefill engine computed %d prompt tokens in %d answers; the test means one that computed the prompt", prompt, st.RequestsOK)
+	}
+	if got := charged(t, g, "team"); got != prompt {
+		t.Errorf("charged %d tokens, want the prompt the prefill computed (%d)", got, prompt)
+	}
+}

@@ -164,9 +164,11 @@ func (l *legs) decodeFailed(status int, err error) error {
 		return l.prefillError(l.prefill.wait())
 	}
 	l.dCancel(errDecodeFailed)
-	if p := l.prefill.wait(); p.failed() {
+	p := l.prefill.wait()
+	if p.failed() {
 		return l.prefillError(p)
 	}
+	l.prefillAnswered(p)
 	l.res.outcome = OutcomeDecodeFailed
 	if status == 0 {
 		return l.x.Proxy.Failure(l.r, &l.dleg, err)
@@ -174,6 +176,21 @@ func (l *legs) decodeFailed(status int, err error) error {
 	l.dleg.Done(status, nil)
 	l.x.Log.Warn("decode leg failed; prefill leg cancelled", "decode", l.pair.Decode.URL, "prefill", l.pair.Prefill.URL, "status", status)
 	return err
+}
+
+// prefillAnswered notes on the record that a prefill whose decode failed had computed the
+// prompt (it answered 2xx: its tenant is charged the prompt, record.Charge), with the prompt's
+// count when its answer gave one. A prefill Baton cancelled when its decode failed is not noted:
+// whether it had begun is not known.
+func (l *legs) prefillAnswered(p prefillResult) {
+	if p.err != nil || p.status < 200 || p.status > 299 {
+		return
+	}
+	rec := l.req.Rec
+	rec.PrefillComputed = true
+	if pu := readPrefillUsage(p.body); pu.ok && rec.EnginePrompt == 0 {
+		rec.EnginePrompt = pu.prompt
+	}
 }
 
 // prefillError is the client's error for a failed prefill leg. A decode that had not begun its
