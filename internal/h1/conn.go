@@ -57,7 +57,7 @@ type conn struct {
 
 func newConn(s *Server, rw net.Conn) *conn {
 	c := &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
-	c.src.Conn = rw
+	c.src = httpwire.Source{Conn: rw, Take: c.reader, Give: c.dropReader}
 	c.state.Store(stateIdle) // waiting for its first request: Shutdown may close it
 	return c
 }
@@ -132,7 +132,7 @@ func (c *conn) waitRequest() bool {
 	// hold decrypted bytes the socket no longer has: it waits with its buffer).
 	c.releaseReader()
 	if httpwire.Awaits && c.br == nil && c.raw != nil && bareSocket(c.rwc) {
-		if httpwire.FillWaiting(c.raw, &c.src, c.reader, c.dropReader) != nil {
+		if httpwire.FillWaiting(c.raw, &c.src) != nil {
 			return false
 		}
 	}

@@ -3,7 +3,6 @@
 package httpwire
 
 import (
-	"bufio"
 	"io"
 	"syscall"
 	"unsafe"
@@ -13,28 +12,35 @@ import (
 // from inside the runtime poller's wait).
 const Awaits = true
 
-// FillWaiting waits until the read buffer take gives has bytes from raw's descriptor, or an end
-// or error to report, without holding one while nothing has come (an open stream between two
-// events, a kept-alive connection between two requests): before every wait of the runtime's
-// poller, take gives a buffer reading src, which reads the descriptor at once, without waiting;
-// when nothing was there, give takes the buffer back. What it read stays in the buffer: one
-// system call per wake-up, where a peek would be followed by the read. An end or error is kept
-// in src for the buffer's next read. Read deadlines and Close end the wait, and it returns their
-// error.
-func FillWaiting(raw syscall.RawConn, src *Source, take func() *bufio.Reader, give func()) error {
-	return raw.Read(func(fd uintptr) bool {
-		src.fd, src.direct = fd, true
-		_, err := take().Peek(1)
-		src.direct = false
-		if err == syscall.EAGAIN {
-			give()
-			return false
-		}
-		if err != nil {
-			src.err = src.asRead(err)
-		}
-		return true
-	})
+// FillWaiting waits until the read buffer src.Take gives has bytes from raw's descriptor, or an
+// end or error to report, without holding one while nothing has come (an open stream between
+// two events, a kept-alive connection between two requests): before every wait of the runtime's
+// poller, a buffer is taken whose read reads the descriptor at once, without waiting; when
+// nothing was there, it is given back (src.Give). What it read stays in the buffer: one system
+// call per wake-up, where a peek would be followed by the read. An end or error is kept in src
+// for the buffer's next read, as the connection's Read would report it. Read deadlines and Close
+// end the wait, and it returns their error.
+func FillWaiting(raw syscall.RawConn, src *Source) error {
+	if src.look == nil {
+		src.look = src.lookAt
+	}
+	return raw.Read(src.look)
+}
+
+// lookAt is one look at the descriptor: true when the buffer holds what came, or an end or error
+// was kept; false, the buffer given back, when nothing was there.
+func (s *Source) lookAt(fd uintptr) bool {
+	s.fd, s.direct = fd, true
+	_, err := s.Take().Peek(1)
+	s.direct = false
+	if err == syscall.EAGAIN {
+		s.Give()
+		return false
+	}
+	if err != nil {
+		s.err = s.asRead(err)
+	}
+	return true
 }
 
 // readNow reads fd once, without waiting (Go's descriptors are non-blocking): EAGAIN when

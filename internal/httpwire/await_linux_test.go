@@ -39,7 +39,11 @@ type waiter struct {
 	takes, gives int
 }
 
-func newWaiter(c net.Conn) *waiter { return &waiter{src: Source{Conn: c}} }
+func newWaiter(c net.Conn) *waiter {
+	w := &waiter{}
+	w.src = Source{Conn: c, Take: w.take, Give: w.give}
+	return w
+}
 
 func (w *waiter) take() *bufio.Reader {
 	if w.br == nil {
@@ -57,7 +61,7 @@ func (w *waiter) fill(t *testing.T, c *net.TCPConn) error {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return FillWaiting(raw, &w.src, w.take, w.give)
+	return FillWaiting(raw, &w.src)
 }
 
 // What comes while FillWaiting waits is read into the buffer, every byte once, and no buffer is

@@ -2,18 +2,15 @@
 
 package httpwire
 
-import (
-	"bufio"
-	"syscall"
-)
+import "syscall"
 
 // Awaits says whether FillWaiting waits holding no buffer here: it does not.
 const Awaits = false
 
 // FillWaiting is not used where the descriptor cannot be read from inside the poller's wait:
 // the caller's read waits, with its buffer.
-func FillWaiting(raw syscall.RawConn, src *Source, take func() *bufio.Reader, give func()) error {
-	_, err := take().Peek(1)
+func FillWaiting(raw syscall.RawConn, src *Source) error {
+	_, err := src.Take().Peek(1)
 	return err
 }
 

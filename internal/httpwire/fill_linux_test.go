@@ -108,7 +108,7 @@ func TestFillWaitingEndsOnCloseAndOnADeadlineSetMeanwhile(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			go func() { done <- FillWaiting(raw, &w.src, w.take, w.give) }()
+			go func() { done <- FillWaiting(raw, &w.src) }()
 			select {
 			case err := <-done:
 				if err == nil {

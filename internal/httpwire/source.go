@@ -1,6 +1,7 @@
 package httpwire
 
 import (
+	"bufio"
 	"net"
 	"os"
 	"syscall"
@@ -9,8 +10,16 @@ import (
 // Source is what a connection's pooled read buffer reads from: the connection, or — inside
 // FillWaiting's wait, where the connection's own Read would wait for the poller that is already
 // waiting — its descriptor, read at once. An end or error FillWaiting met is the next read's.
+//
+// Take gives the connection's read buffer (reading this Source), taking one from its pool when
+// it holds none; Give gives it back. Both are set once, with Conn, when the connection is made:
+// a wait allocates nothing.
 type Source struct {
-	Conn   net.Conn
+	Conn net.Conn
+	Take func() *bufio.Reader
+	Give func()
+
+	look   func(fd uintptr) bool // FillWaiting's look at the descriptor, made once
 	fd     uintptr
 	direct bool
 	err    error

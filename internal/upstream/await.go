@@ -15,7 +15,7 @@ func (c *conn) awaitData() {
 		return
 	}
 	c.dropReader()
-	if httpwire.FillWaiting(c.raw, &c.src, c.reader, c.dropReader) != nil && c.br == nil {
+	if httpwire.FillWaiting(c.raw, &c.src) != nil && c.br == nil {
 		c.takeReader()
 	}
 }

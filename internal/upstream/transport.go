@@ -343,7 +343,7 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		return nil, false, err
 	}
 	c := &conn{c: nc, host: host}
-	c.src.Conn = nc
+	c.src = httpwire.Source{Conn: nc, Take: c.reader, Give: c.dropReader}
 	if sc, ok := nc.(syscall.Conn); ok {
 		c.raw, _ = sc.SyscallConn()
 	}
