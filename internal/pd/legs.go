@@ -183,7 +183,7 @@ func (l *legs) decodeFailed(status int, err error) error {
 // count when its answer gave one. A prefill Baton cancelled when its decode failed is not noted:
 // whether it had begun is not known.
 func (l *legs) prefillAnswered(p prefillResult) {
-	if p.err != nil || p.status < 200 || p.status > 299 {
+	if p.err != nil || p.failed() {
 		return
 	}
 	rec := l.req.Rec
