@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/poll"
 )
 
 // Pipelined requests sent a byte at a time (every byte a wake-up of the wait without a buffer,
@@ -45,13 +46,20 @@ func TestPipelinedRequestsTrickledAcrossTheWait(t *testing.T) {
 
 func waitBuffers(t *testing.T, s *Server) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for s.buffers.Load() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d read buffers still held", s.buffers.Load())
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	poll.Until(t, "no read buffer held", func() bool { return s.buffers.Load() == 0 })
+}
+
+// keptAlive is a server with a long idle timeout and a client connection kept alive after one
+// answer to request, waiting for its next request.
+func keptAlive(t *testing.T, request string) (*Server, net.Conn, *bufio.Reader) {
+	t.Helper()
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }),
+		func(s *Server) { s.IdleTimeout = time.Minute })
+	c := dial(t, addr)
+	io.WriteString(c, request)
+	br := bufio.NewReader(c)
+	readResponse(t, br, "GET")
+	return s, c, br
 }
 
 // A kept-alive client that half-closes, or resets, while its connection waits for the next
@@ -60,12 +68,7 @@ func waitBuffers(t *testing.T, s *Server) {
 func TestIdleClientThatLeavesIsNoticed(t *testing.T) {
 	for _, how := range []string{"half-close", "reset"} {
 		t.Run(how, func(t *testing.T) {
-			s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }),
-				func(s *Server) { s.IdleTimeout = time.Minute })
-			c := dial(t, addr)
-			io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-			br := bufio.NewReader(c)
-			readResponse(t, br, "GET")
+			s, c, br := keptAlive(t, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 			time.Sleep(30 * time.Millisecond) // the connection waits without a buffer
 			if how == "reset" {
 				c.(*net.TCPConn).SetLinger(0)
@@ -80,19 +83,11 @@ func TestIdleClientThatLeavesIsNoticed(t *testing.T) {
 					t.Errorf("noticed after %v", d)
 				}
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for {
+			poll.Until(t, "no connection served after the client left", func() bool {
 				s.mu.Lock()
-				n := len(s.conns)
-				s.mu.Unlock()
-				if n == 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("%d connections still served after the client left", n)
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
+				defer s.mu.Unlock()
+				return len(s.conns) == 0
+			})
 			waitBuffers(t, s)
 		})
 	}
@@ -100,12 +95,7 @@ func TestIdleClientThatLeavesIsNoticed(t *testing.T) {
 
 // Shutdown closes a kept-alive connection waiting for its next request at once.
 func TestShutdownClosesKeptAliveConnections(t *testing.T) {
-	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }),
-		func(s *Server) { s.IdleTimeout = time.Minute })
-	c := dial(t, addr)
-	io.WriteString(c, "GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
-	br := bufio.NewReader(c)
-	readResponse(t, br, "GET")
+	s, c, br := keptAlive(t, "GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
 	time.Sleep(20 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()

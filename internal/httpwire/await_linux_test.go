@@ -2,8 +2,10 @@ package httpwire
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"io"
+	"math/rand"
 	"net"
 	"os"
 	"syscall"
@@ -129,5 +131,149 @@ func TestFillWaitingEndsAtTheDeadline(t *testing.T) {
 	}
 	if w.br != nil {
 		t.Error("a buffer is held after a wait in which nothing came")
+	}
+}
+
+// drainWaiting reads everything the peer sends the way the owners of a pooled buffer do: while the
+// buffer is empty it is given back and FillWaiting waits for more; what came is taken from the
+// buffer. It returns the bytes and the error that ended the stream.
+func drainWaiting(t *testing.T, c *net.TCPConn, w *waiter) ([]byte, error) {
+	t.Helper()
+	var out []byte
+	for {
+		if w.br != nil && w.br.Buffered() == 0 {
+			w.give()
+		}
+		if w.br == nil {
+			if err := w.fill(t, c); err != nil {
+				return out, err
+			}
+		}
+		if _, err := w.br.Peek(1); err != nil {
+			return out, err
+		}
+		n := w.br.Buffered()
+		p, _ := w.br.Peek(n)
+		out = append(out, p...)
+		w.br.Discard(n)
+	}
+}
+
+// Every byte arrives once and in order, whatever the write pattern: many tiny writes with pauses
+// (each a separate wake-up), and a blob larger than the buffer (read past the wait by the plain
+// reads that follow).
+func TestFillWaitingByteExactUnderAnyWritePattern(t *testing.T) {
+	c, peer := tcpPair(t)
+	w := newWaiter(c)
+	rng := rand.New(rand.NewSource(1))
+	var want bytes.Buffer
+	for i := 0; i < 600; i++ {
+		n := 1 + rng.Intn(7)
+		for j := 0; j < n; j++ {
+			want.WriteByte(byte(rng.Intn(256)))
+		}
+	}
+	big := make([]byte, 100<<10)
+	rng.Read(big)
+	go func() {
+		all := want.Bytes()
+		off := 0
+		r := rand.New(rand.NewSource(2))
+		for off < len(all) {
+			n := min(1+r.Intn(7), len(all)-off)
+			peer.Write(all[off : off+n])
+			off += n
+			if r.Intn(10) == 0 {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		time.Sleep(5 * time.Millisecond)
+		peer.Write(big)
+		peer.CloseWrite()
+	}()
+	exp := append(append([]byte(nil), want.Bytes()...), big...)
+	got, err := drainWaiting(t, c, w)
+	if err != io.EOF {
+		t.Errorf("the stream ended with %v, want io.EOF", err)
+	}
+	if !bytes.Equal(got, exp) {
+		i := 0
+		for i < len(got) && i < len(exp) && got[i] == exp[i] {
+			i++
+		}
+		t.Fatalf("got %d bytes, want %d; first difference at %d", len(got), len(exp), i)
+	}
+	if w.gives == 0 {
+		t.Error("the buffer was never given back while nothing had come")
+	}
+}
+
+// Close from another goroutine, and a deadline moved into the past from another goroutine (as
+// internal/upstream's cancellation does), end a wait at once, holding no buffer.
+func TestFillWaitingEndsOnCloseAndOnADeadlineSetMeanwhile(t *testing.T) {
+	for _, how := range []string{"close", "deadline"} {
+		t.Run(how, func(t *testing.T) {
+			c, _ := tcpPair(t)
+			w := newWaiter(c)
+			time.AfterFunc(50*time.Millisecond, func() {
+				if how == "close" {
+					c.Close()
+				} else {
+					c.SetDeadline(time.Unix(1, 0))
+				}
+			})
+			done := make(chan error, 1)
+			raw, err := c.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			go func() { done <- FillWaiting(raw, &w.src) }()
+			select {
+			case err := <-done:
+				if err == nil {
+					t.Errorf("the wait ended with no error")
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("the wait did not end")
+			}
+			if w.br != nil {
+				t.Error("a buffer is held after the wait ended without data")
+			}
+		})
+	}
+}
+
+// plainReadErr is the error a plain read of a connection whose peer reset it reports.
+func plainReadErr(t *testing.T) error {
+	c, peer := tcpPair(t)
+	peer.SetLinger(0)
+	peer.Close()
+	time.Sleep(20 * time.Millisecond)
+	_, err := c.Read(make([]byte, 16))
+	return err
+}
+
+// The reset met inside the wait is reported as a plain read reports it. A plain read gives a
+// *net.OpError ("read tcp a->b: connection reset by peer"); callers tell the engine's transport
+// failures by that type (proxy.safeCause names "op: err" for a *net.OpError and otherwise says
+// the answer "is not valid HTTP/1.1").
+func TestFillWaitingResetIsReportedAsAPlainReadWould(t *testing.T) {
+	plain := plainReadErr(t)
+	if !errors.Is(plain, syscall.ECONNRESET) {
+		t.Fatalf("a plain read after a reset gave %v, want ECONNRESET", plain)
+	}
+	c, peer := tcpPair(t)
+	w := newWaiter(c)
+	time.AfterFunc(20*time.Millisecond, func() { peer.SetLinger(0); peer.Close() })
+	if err := w.fill(t, c); err != nil {
+		t.Fatal(err)
+	}
+	_, err := w.br.Peek(1)
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("after the wait: %v, want ECONNRESET", err)
+	}
+	var opPlain, opWait *net.OpError
+	if errors.As(plain, &opPlain) && !errors.As(err, &opWait) {
+		t.Errorf("a plain read reports %T %q; the read after FillWaiting reports %T %q", plain, plain, err, err)
 	}
 }
