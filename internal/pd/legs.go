@@ -195,8 +195,10 @@ func (l *legs) prefillAnswered(p prefillResult) {
 
 // prefillError is the client's error for a failed prefill leg. A decode that had not begun its
 // answer computed nothing for the request: it waits for the KV the prefill was to send (SGLang's
-// decode does not compute a prompt itself), and Baton cancelled it; its tenant is not charged
-// for it (record.Charge), only for the prompt when the prefill failed after it was given it.
+// decode holds a request in its prealloc and transfer queues until the transfer finished, and
+// skips the prefill forward: python/sglang/srt/disaggregation/decode.py), and Baton cancelled
+// it; its tenant is not charged for it (record.Charge), only for the prompt when the prefill
+// failed after it was given it.
 func (l *legs) prefillError(p prefillResult) error {
 	l.res.outcome = OutcomePrefillFailed
 	if rec := l.req.Rec; !l.res.decodeStarted {
