@@ -394,3 +394,36 @@ func misspelled(k []byte, keys []string) string {
 	}
 	return ""
 }
+
+// DecodedBool returns what encoding/json decodes from the JSON value b into a struct's bool
+// field named key, and ok false where it would fail. Its members match key as encoding/json
+// matches them (the unescaped key equal to key without regard to case), each in turn: the last
+// true or false decides, a null leaves the field as it was, any other value fails; b must be
+// valid JSON and an object (or null, which decodes to nothing). It does not allocate for keys
+// without escapes.
+func DecodedBool(b []byte, key string) (v, ok bool) {
+	if !Valid(b) {
+		return false, false
+	}
+	i := skipWS(b, 0)
+	if b[i] != '{' {
+		return false, b[i] == 'n' // null decodes to nothing; a string, number, array or bool fails
+	}
+	ok = true
+	_ = eachMember(b, func(k []byte, m member) bool {
+		if !bytes.EqualFold(k, []byte(key)) {
+			return true
+		}
+		switch b[m.valStart] {
+		case 't':
+			v = true
+		case 'f':
+			v = false
+		case 'n':
+		default:
+			ok = false
+		}
+		return true
+	})
+	return v && ok, ok
+}

@@ -164,6 +164,45 @@ func FuzzMembers(f *testing.F) {
 	})
 }
 
+// FuzzDecodedBool checks DecodedBool against encoding/json decoding into a bool field, on any
+// bytes: the keys it tries match exactly, by case, by escape and by Unicode folding (K, the
+// Kelvin sign, folds to k).
+func FuzzDecodedBool(f *testing.F) {
+	for _, s := range []string{`{"do_remote_decode":true}`, `{"do_remote_decode":false,"x":[1]}`, `null`, ` {"DO_Remote_decode":true}`,
+		`{"do_remote_decode":true,"do_remote_decode":null}`, `{"do_remote_decode":true,"Do_remote_decode":false}`,
+		`{"do_remote_decode":"yes"}`, `{"do_remote_decode":1}`, `[true]`, `"x"`, `{"do_remote_\u0064ecode":true}`,
+		`{"kind":true}`, "{\"\u212aind\":true}", `{"do_remote_decode":true`, `{"a":{"do_remote_decode":true}}`} {
+		f.Add([]byte(s), uint8(0))
+	}
+	f.Add([]byte(`{"kind":false,"KIND":true}`), uint8(1))
+	f.Fuzz(func(t *testing.T, b []byte, which uint8) {
+		key := "do_remote_decode"
+		if which%2 == 1 {
+			key = "kind"
+		}
+		got, gotOK := DecodedBool(b, key)
+		var want bool
+		wantOK := true
+		if key == "kind" {
+			var s struct {
+				X bool `json:"kind"`
+			}
+			wantOK, want = json.Unmarshal(b, &s) == nil, s.X
+		} else {
+			var s struct {
+				X bool `json:"do_remote_decode"`
+			}
+			wantOK, want = json.Unmarshal(b, &s) == nil, s.X
+		}
+		if !wantOK {
+			want = false
+		}
+		if got != want || gotOK != wantOK {
+			t.Fatalf("DecodedBool(%q, %q) = %v, %v; encoding/json: %v, %v", b, key, got, gotOK, want, wantOK)
+		}
+	})
+}
+
 func TestValid(t *testing.T) {
 	for _, s := range []string{`{}`, `[]`, ` 1 `, `-0.5e+10`, `"a\u00e9\n"`, `{"a":[true,false,null,{"b":"c"}]}`, `"` + strings.Repeat("x", 100) + `\"y"`} {
 		if !Valid([]byte(s)) {

@@ -1,6 +1,7 @@
 package pd
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -231,16 +232,11 @@ func mooncakeDecodeParams(transferID, engineID, bootstrapAddr string) []byte {
 // (do_remote_decode false, do_remote_prefill true).
 func harvest(body []byte) (params []byte, valid bool) {
 	raw, ok := openai.Get(body, keyKVTransferParams)
-	if !ok || strings.TrimSpace(string(raw)) == "null" {
+	if !ok || string(bytes.TrimSpace(raw)) == "null" {
 		return nil, false
 	}
-	var p struct {
-		DoRemoteDecode bool `json:"do_remote_decode"`
-	}
-	if json.Unmarshal(raw, &p) != nil || p.DoRemoteDecode {
-		return raw, false
-	}
-	return raw, true
+	remoteDecode, ok := openai.DecodedBool(raw, "do_remote_decode") // not an object, or a value not a bool: no handoff
+	return raw, ok && !remoteDecode
 }
 
 // LearnEngineIDs asks a Mooncake prefill's bootstrap server which engine id each of its DP ranks
