@@ -186,6 +186,14 @@ func ArrayLen(raw []byte, limit int) (n int, first byte) {
 	return n, first
 }
 
+// Members calls fn for every top-level member of the JSON object body, in order, with its
+// unescaped key and the bounds of its value in body (body[start:end]), until fn returns false.
+// It reports a body that is not a well-formed object as far as it read; it does not validate
+// (Valid does) and does not allocate for keys without escapes.
+func Members(body []byte, fn func(key []byte, start, end int) bool) error {
+	return eachMember(body, func(k []byte, m member) bool { return fn(k, m.valStart, m.valEnd) })
+}
+
 // Get returns the raw bytes of the top-level member key of the JSON object body.
 func Get(body []byte, key string) (raw []byte, ok bool) {
 	_ = eachMember(body, func(k []byte, m member) bool {

@@ -2,7 +2,7 @@ package pd
 
 import (
 	"bytes"
-	"encoding/json"
+	"slices"
 	"strconv"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -77,8 +77,34 @@ func cachedTokens(obj []byte, details string) (int, bool) {
 // responses-API event) with the prefill's prompt view. It returns obj unchanged when there is
 // no usage to fix.
 func fixUsage(obj []byte, pu prefillUsage) []byte {
-	for _, key := range []string{"response", "message"} { // a responses or messages stream's event
-		if inner, ok := openai.Get(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
+	// One pass finds the members that matter (the first of each name), where a Get for each
+	// would scan the answer three times.
+	var (
+		found        [3][]byte // response, message, usage
+		uStart, uEnd int       // usage's bounds, for the rewrite
+		usages       int
+	)
+	scanErr := openai.Members(obj, func(k []byte, start, end int) bool {
+		i := 0
+		switch string(k) {
+		case "response":
+		case "message":
+			i = 1
+		case "usage":
+			if i = 2; usages == 0 {
+				uStart, uEnd = start, end
+			}
+			usages++
+		default:
+			return true
+		}
+		if found[i] == nil {
+			found[i] = obj[start:end]
+		}
+		return true
+	})
+	for i, key := range []string{"response", "message"} { // a responses or messages stream's event
+		if inner := found[i]; len(inner) > 0 && inner[0] == '{' {
 			if fixed := fixUsage(inner, pu); !bytes.Equal(fixed, inner) {
 				if out, err := openai.Set(obj, key, fixed); err == nil {
 					return out
@@ -87,8 +113,8 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 			return obj
 		}
 	}
-	u, ok := openai.Get(obj, "usage")
-	if !ok || len(u) == 0 || u[0] != '{' {
+	u := found[2]
+	if len(u) == 0 || u[0] != '{' {
 		return obj
 	}
 	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
@@ -103,10 +129,7 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 			return obj
 		}
 	}
-	completion := 0
-	if raw, ok := openai.Get(u, completionKey); ok {
-		_ = json.Unmarshal(raw, &completion)
-	}
+	completion, _, _ := intMember(u, completionKey) // 0 when it is not an integer
 	details := []byte("{}")
 	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
 		details = raw
@@ -122,6 +145,9 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 	}, nil)
 	if err != nil {
 		return obj
+	}
+	if usages == 1 && scanErr == nil { // the one usage member's value replaced in place
+		return slices.Concat(obj[:uStart], u2, obj[uEnd:])
 	}
 	out, err := openai.Set(obj, "usage", u2)
 	if err != nil {

@@ -1,0 +1,87 @@
+package pd
+
+import (
+	"bytes"
+	"encoding/json"
+	"strconv"
+	"testing"
+
+	"github.com/baton-llm/baton/internal/openai"
+)
+
+// FuzzFixUsage checks fixUsage, which finds the members it rewrites in one pass and replaces a
+// lone usage in place, against fixUsageByGets, the same rules written with a Get per member and
+// a Set: the same bytes out for any bytes in.
+func FuzzFixUsage(f *testing.F) {
+	for _, s := range []string{
+		`{"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}`,
+		`{"usage":{"prompt_tokens":3,"completion_tokens":2},"usage":{"prompt_tokens":1}}`,
+		`{"usage":{"input_tokens":3,"output_tokens":"2","input_tokens_details":{"cached_tokens":1}}}`,
+		`{"type":"response.completed","response":{"usage":{"input_tokens":7,"output_tokens":1}}}`,
+		`{"message":{"usage":{"input_tokens":7,"cache_read_input_tokens":0}},"response":5}`,
+		`{"usage":{"prompt_tokens":3,"completion_tokens":1.5,"prompt_tokens_details":null}`,
+		`{"usage":{"prompt_tokens":3,"completion_tokens":-0},"x":}`, `{"us\u0061ge":{"prompt_tokens":1}}`, `[]`, `{}`,
+	} {
+		f.Add([]byte(s), uint16(9), uint16(4))
+	}
+	f.Fuzz(func(t *testing.T, b []byte, prompt, cached uint16) {
+		pu := prefillUsage{prompt: int(prompt), cached: int(cached), ok: true}
+		if got, want := fixUsage(b, pu), fixUsageByGets(b, pu); !bytes.Equal(got, want) {
+			t.Fatalf("fixUsage(%q) = %q; by Gets: %q", b, got, want)
+		}
+	})
+}
+
+// fixUsageByGets is fixUsage as written before it scanned the answer once: the oracle of
+// FuzzFixUsage.
+func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
+	for _, key := range []string{"response", "message"} {
+		if inner, ok := openai.Get(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
+			if fixed := fixUsageByGets(inner, pu); !bytes.Equal(fixed, inner) {
+				if out, err := openai.Set(obj, key, fixed); err == nil {
+					return out
+				}
+			}
+			return obj
+		}
+	}
+	u, ok := openai.Get(obj, "usage")
+	if !ok || len(u) == 0 || u[0] != '{' {
+		return obj
+	}
+	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
+		return fixAnthropicUsage(obj, u, pu)
+	}
+	promptKey, completionKey, detailsKey := "prompt_tokens", "completion_tokens", "prompt_tokens_details"
+	if _, ok := openai.Get(u, promptKey); !ok {
+		promptKey, completionKey, detailsKey = "input_tokens", "output_tokens", "input_tokens_details"
+		if _, ok := openai.Get(u, promptKey); !ok {
+			return obj
+		}
+	}
+	completion := 0
+	if raw, ok := openai.Get(u, completionKey); ok {
+		_ = json.Unmarshal(raw, &completion)
+	}
+	details := []byte("{}")
+	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
+		details = raw
+	}
+	details, err := openai.Set(details, "cached_tokens", strconv.AppendInt(nil, int64(pu.cached), 10))
+	if err != nil {
+		return obj
+	}
+	u2, err := openai.Edit(u, []openai.Field{
+		{Key: promptKey, Value: strconv.AppendInt(nil, int64(pu.prompt), 10)},
+		{Key: "total_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt+completion), 10)},
+		{Key: detailsKey, Value: details},
+	}, nil)
+	if err != nil {
+		return obj
+	}
+	out, err := openai.Set(obj, "usage", u2)
+	if err != nil {
+		return obj
+	}
+	return out
+}
