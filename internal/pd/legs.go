@@ -240,7 +240,7 @@ func (x *Parallel) prefill(ctx context.Context, r *http.Request, req *Request, l
 	if ok && !plan.needPrefill {
 		_, err = io.Copy(io.Discard, resp.Body)
 	} else {
-		b, err = proxy.ReadBody(resp.Body)
+		b, err = proxy.ReadBody(resp.Body, resp.ContentLength)
 	}
 	if err != nil {
 		return x.prefillFailed(ctx, leg, resp.StatusCode, err)

@@ -24,7 +24,7 @@ func isStream(resp *http.Response) bool {
 // relayBody answers with the decode's whole non-streamed body passed through transform, and
 // notes the answer's usage on rec.
 func relayBody(rec *record.Record, rw http.ResponseWriter, dresp *http.Response, transform func([]byte) []byte) error {
-	body, err := proxy.ReadBody(dresp.Body)
+	body, err := proxy.ReadBody(dresp.Body, dresp.ContentLength)
 	if err != nil {
 		return &proxy.ReadError{Err: err}
 	}

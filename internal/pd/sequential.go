@@ -359,7 +359,7 @@ func (s *sequence) prefill() ([]byte, error) {
 	}
 	rec.PrefillComputed = rec.PrefillComputed || resp.StatusCode < 300
 	defer resp.Body.Close()
-	body, err := proxy.ReadBody(resp.Body)
+	body, err := proxy.ReadBody(resp.Body, resp.ContentLength)
 	if err != nil {
 		return nil, s.x.Proxy.Failure(s.r, leg, err)
 	}

@@ -97,12 +97,31 @@ const MaxRewriteBody = 64 << 20
 var ErrBodyTooLarge = errors.New("worker's answer exceeds 64 MiB, the most Baton holds to rewrite")
 
 // ReadBody reads a worker's whole answer, failing with ErrBodyTooLarge past MaxRewriteBody.
-func ReadBody(r io.Reader) ([]byte, error) {
-	b, err := io.ReadAll(io.LimitReader(r, MaxRewriteBody+1))
-	if err == nil && len(b) > MaxRewriteBody {
-		return nil, ErrBodyTooLarge
+// size is the length the answer declared (-1: none): the buffer is made to hold it and the end
+// at once, where growing from nothing would make it three times over; an answer that runs
+// past it still reads whole.
+func ReadBody(r io.Reader, size int64) ([]byte, error) {
+	c := 512
+	if size >= 0 && size < MaxRewriteBody {
+		c = int(size) + 1 // the last read, that meets the end, has room
 	}
-	return b, err
+	b := make([]byte, 0, c)
+	for {
+		n, err := r.Read(b[len(b):min(cap(b), MaxRewriteBody+1)])
+		b = b[:len(b)+n]
+		if len(b) > MaxRewriteBody {
+			return nil, ErrBodyTooLarge
+		}
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return b, err
+		}
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)] // grows as io.ReadAll does
+		}
+	}
 }
 
 // MaxResponseHeaderBytes bounds the headers of a worker's answer.
