@@ -5,6 +5,7 @@ package metrics
 
 import (
 	"net/http"
+	"regexp"
 	"slices"
 	"strconv"
 	"sync"
@@ -320,9 +321,14 @@ func New(reg *worker.Registry) *Metrics {
 		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks, m.AdapterOps, m.AdapterLoadSeconds,
 		m.EPPDecisions, m.EPPDecisionSeconds, m.EPPServedFallback, m.EPPCut, m.EPPStreams,
 		&workerCollector{reg: reg},
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(liveHeap)), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
+
+// liveHeap adds go_gc_heap_live_bytes to the Go runtime's metrics: the heap the last collection
+// found reachable, which garbage allocated since does not change (go_memstats_heap_alloc_bytes
+// counts it until the next collection).
+var liveHeap = collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(`^/gc/heap/live:bytes$`)}
 
 // Model returns the label value for a request's model: the model itself when some registered
 // worker lists it or the configuration names it (and it is printable UTF-8 of at most
