@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -30,6 +31,7 @@ type proc struct {
 	MetricsURL string // Baton's /metrics, "" for nginx
 	grpcAddr   string // baton epp's gRPC listener
 	logs       *procLog
+	heapInUse  atomic.Bool // heldBytes read the heap in use: the build has no live-heap metric
 }
 
 // procLog is a process's stderr, read while the process writes it: its first MiB, the time
@@ -459,16 +461,31 @@ func (p *proc) metric(name string) float64 {
 	return 0
 }
 
-// liveHeapBytes forces a garbage collection in Baton (through pprof) and returns its heap in use.
 // heldBytes returns the Go heap reachable after two collections (the second frees what sync
 // pools let go of in the first) and the goroutine stacks: what the process holds, without the
-// garbage a collector paces ahead of.
+// garbage a collector paces ahead of. The heap is what the second collection found reachable
+// (go_gc_heap_live_bytes), so the garbage streams make between it and the metrics' read is not
+// counted; a build from before that metric is read by its heap in use, garbage and all.
 func (p *proc) heldBytes() (heap, stacks float64) {
 	p.liveHeapBytes()
 	p.liveHeapBytes()
-	return p.metric("go_memstats_heap_alloc_bytes"), p.metric("go_memstats_stack_inuse_bytes")
+	heap = p.metric("go_gc_heap_live_bytes")
+	if heap == 0 {
+		heap = p.metric("go_memstats_heap_alloc_bytes")
+		p.heapInUse.Store(true)
+	}
+	return heap, p.metric("go_memstats_stack_inuse_bytes")
 }
 
+// heldNote says, after heldBytes, when the build's heap was read by its heap in use.
+func (p *proc) heldNote() string {
+	if !p.heapInUse.Load() {
+		return ""
+	}
+	return " (a build without go_gc_heap_live_bytes: its heap in use after the collection, the garbage made since included)"
+}
+
+// liveHeapBytes forces a garbage collection in Baton (through pprof) and returns its heap in use.
 func (p *proc) liveHeapBytes() float64 {
 	if p.MetricsURL == "" {
 		return 0

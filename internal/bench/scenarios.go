@@ -496,8 +496,8 @@ func (r *runner) memory(ctx context.Context) error {
 	fmt.Fprintf(r.out, "\nPer open stream: **%.1f KiB** of RSS and %.1f goroutines (peak minus idle, over %d streams); of which Go heap in use %.1f KiB and goroutine stacks %.1f KiB (peaks).\n",
 		float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), streams,
 		(peakHeapInuse-idleHeapInuse)/float64(streams)/1024, (peakStack-idleStack)/float64(streams)/1024)
-	fmt.Fprintf(r.out, "Held per open stream once all were open, after a collection: **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB); the peak adds the garbage of the connection burst, which the collector paces at GOGC.\n\n",
-		heldHeap+heldStacks, heldHeap, heldStacks)
+	fmt.Fprintf(r.out, "Held per open stream once all were open, after a collection: **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB%s); the peak adds the garbage of the connection burst, which the collector paces at GOGC.\n\n",
+		heldHeap+heldStacks, heldHeap, heldStacks, b.heldNote())
 	r.memoryIdle(ctx, b, streams)
 	if streams > 2000 {
 		fmt.Fprintln(r.out, "PD row: measured up to 2,000 streams (its engines run in this process).")
@@ -528,8 +528,8 @@ func (r *runner) memoryIdle(ctx context.Context, b *proc, n int) {
 	heap1, stacks1 := b.heldBytes()
 	rss1 := b.rssBytes()
 	n = int(max(conns.Load(), 1))
-	fmt.Fprintf(r.out, "Kept-alive connections, %d each idle after a request: held per connection after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB), RSS %.1f KiB.\n\n",
-		n, (heap1-heap0+stacks1-stacks0)/float64(n)/1024, (heap1-heap0)/float64(n)/1024, (stacks1-stacks0)/float64(n)/1024, float64(rss1-rss0)/float64(n)/1024)
+	fmt.Fprintf(r.out, "Kept-alive connections, %d each idle after a request: held per connection after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB), RSS %.1f KiB%s.\n\n",
+		n, (heap1-heap0+stacks1-stacks0)/float64(n)/1024, (heap1-heap0)/float64(n)/1024, (stacks1-stacks0)/float64(n)/1024, float64(rss1-rss0)/float64(n)/1024, b.heldNote())
 }
 
 // memoryPD is the memory scenario's PD row: the same streams through a vLLM NIXL pair, each a
@@ -583,8 +583,8 @@ func (r *runner) memoryPD(ctx context.Context, streams, tokens int, per time.Dur
 	r.client.CloseIdleConnections()
 	h := <-held
 	heldHeap, heldStacks := (h[0]-idleHeld)/float64(streams)/1024, (h[1]-idleStacks)/float64(streams)/1024
-	fmt.Fprintf(r.out, "PD (vLLM NIXL pair), %d streams of %d tokens: **%.1f KiB** of RSS and %.1f goroutines per open stream (peak minus idle, sampled while they opened); held after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB; %d decode legs open then).\n\n",
-		streams, tokens, float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), heldHeap+heldStacks, heldHeap, heldStacks, openAtSample)
+	fmt.Fprintf(r.out, "PD (vLLM NIXL pair), %d streams of %d tokens: **%.1f KiB** of RSS and %.1f goroutines per open stream (peak minus idle, sampled while they opened); held after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB; %d decode legs open then)%s.\n\n",
+		streams, tokens, float64(peak-idle)/float64(streams)/1024, (peakG-idleG)/float64(streams), heldHeap+heldStacks, heldHeap, heldStacks, openAtSample, b.heldNote())
 	return nil
 }
 
