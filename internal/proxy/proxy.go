@@ -97,13 +97,16 @@ const MaxRewriteBody = 64 << 20
 var ErrBodyTooLarge = errors.New("worker's answer exceeds 64 MiB, the most Baton holds to rewrite")
 
 // ReadBody reads a worker's whole answer, failing with ErrBodyTooLarge past MaxRewriteBody.
-// size is the length the answer declared (-1: none): the buffer is made to hold it and the end
-// at once, where growing from nothing would make it three times over; an answer that runs
-// past it still reads whole.
+// size is the length the answer declared (-1: none): a buffer is made to hold it and the end at
+// once, where growing from nothing would make it three times over, up to maxFirstBuffer (an
+// engine's word is not taken for what Baton allocates before a byte came); an answer longer
+// than that, or than it declared, grows as it comes.
 func ReadBody(r io.Reader, size int64) ([]byte, error) {
 	c := 512
-	if size >= 0 && size < MaxRewriteBody {
+	if size >= 0 && size < maxFirstBuffer {
 		c = int(size) + 1 // the last read, that meets the end, has room
+	} else if size >= maxFirstBuffer {
+		c = maxFirstBuffer
 	}
 	b := make([]byte, 0, c)
 	for {
@@ -123,6 +126,9 @@ func ReadBody(r io.Reader, size int64) ([]byte, error) {
 		}
 	}
 }
+
+// maxFirstBuffer bounds the buffer ReadBody makes on an answer's declared length.
+const maxFirstBuffer = 256 << 10
 
 // MaxResponseHeaderBytes bounds the headers of a worker's answer.
 const MaxResponseHeaderBytes = 64 << 10

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"runtime"
 	"strings"
 	"testing"
 	"testing/iotest"
@@ -36,6 +37,29 @@ func TestReadBodyWhateverItsDeclaredLength(t *testing.T) {
 	if b, err := ReadBody(io.LimitReader(zeros{}, MaxRewriteBody), MaxRewriteBody); err != nil || len(b) != MaxRewriteBody || !bytes.Equal(b[:4], []byte{0, 0, 0, 0}) {
 		t.Fatalf("exactly the bound: %d bytes, %v", len(b), err)
 	}
+}
+
+// TestReadBodyDoesNotTakeTheDeclaredLengthsWord: an engine that declares 60 MiB and sends ten
+// bytes makes ReadBody allocate what came (and its first buffer's bound), not what it declared.
+func TestReadBodyDoesNotTakeTheDeclaredLengthsWord(t *testing.T) {
+	for _, size := range []int64{60 << 20, MaxRewriteBody, 1 << 62} {
+		bytes0 := heapAllocated()
+		got, err := ReadBody(strings.NewReader("0123456789"), size)
+		grew := heapAllocated() - bytes0
+		if err != nil || string(got) != "0123456789" {
+			t.Fatalf("declared %d: %q, %v", size, got, err)
+		}
+		if grew > 2*maxFirstBuffer {
+			t.Fatalf("declared %d, sent 10 bytes: %d bytes allocated, bound %d", size, grew, maxFirstBuffer)
+		}
+	}
+}
+
+// heapAllocated is the bytes this process has allocated so far.
+func heapAllocated() uint64 {
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.TotalAlloc
 }
 
 type zeros struct{}
