@@ -51,6 +51,11 @@ var DurationBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 // Metrics is the set of Baton's collectors.
 type Metrics struct {
 	Registry *prometheus.Registry
+	// The series of Requests, Duration and RouteDecisions, by their label values (never
+	// deleted: see children).
+	requests  children[requestKey, prometheus.Counter]
+	durations children[[2]string, prometheus.Observer]
+	decisions children[[3]string, prometheus.Counter]
 	// Declared, when set, reports whether the configuration names a model (an alias, a
 	// fallback, a declared LoRA adapter): a label before any worker lists it. Set once, before
 	// serving.
@@ -439,8 +444,16 @@ func printable(s string) bool {
 
 // ObserveRequest records one finished client request; model is a label from Model.
 func (m *Metrics) ObserveRequest(route, model string, status int, seconds float64) {
-	m.Requests.WithLabelValues(route, model, strconv.Itoa(status)).Inc()
-	m.Duration.WithLabelValues(route, model).Observe(seconds)
+	m.requests.get(requestKey{route, model, status}, func() prometheus.Counter {
+		return m.Requests.WithLabelValues(route, model, strconv.Itoa(status))
+	}).Inc()
+	m.durations.get([2]string{route, model}, func() prometheus.Observer { return m.Duration.WithLabelValues(route, model) }).Observe(seconds)
+}
+
+// requestKey is a baton_requests_total series.
+type requestKey struct {
+	route, model string
+	status       int
 }
 
 // Handler serves the registry in the Prometheus text format.
@@ -501,7 +514,9 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 // ObserveRoute counts a routing decision and, where the policy measured one, its prefix match:
 // the selector's Observe hook.
 func (m *Metrics) ObserveRoute(d policy.Decision) {
-	m.RouteDecisions.WithLabelValues(d.Role, d.Policy, d.Reason).Inc()
+	m.decisions.get([3]string{d.Role, d.Policy, d.Reason}, func() prometheus.Counter {
+		return m.RouteDecisions.WithLabelValues(d.Role, d.Policy, d.Reason)
+	}).Inc()
 	if d.Match >= 0 {
 		m.RouteMatch.WithLabelValues(d.Role).Observe(d.Match)
 	}

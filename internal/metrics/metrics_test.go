@@ -6,8 +6,12 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
@@ -58,4 +62,39 @@ func scrape(t *testing.T, m *Metrics) map[string]float64 {
 		}
 	}
 	return out
+}
+
+// TestRememberedSeriesCountInTheScrape: requests observed through the remembered children show
+// in the scrape under their labels, from goroutines racing on new series, and series past the
+// bound still count.
+func TestRememberedSeriesCountInTheScrape(t *testing.T) {
+	m := New(worker.NewRegistry())
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range maxChildren + 100 {
+				m.ObserveRequest("POST /v1/completions", "m"+strconv.Itoa(i), 200+g, 0.01)
+			}
+			for range 10 {
+				m.ObserveRoute(policy.Decision{Role: "regular", Policy: "round_robin", Reason: "turn", Match: -1})
+			}
+		})
+	}
+	wg.Wait()
+	for _, i := range []int{0, maxChildren - 1, maxChildren + 99} {
+		for g := range 4 {
+			if got := testutil.ToFloat64(m.Requests.WithLabelValues("POST /v1/completions", "m"+strconv.Itoa(i), strconv.Itoa(200+g))); got != 1 {
+				t.Fatalf("series m%d status %d counted %v, want 1", i, 200+g, got)
+			}
+		}
+	}
+	if n := testutil.CollectAndCount(m.Duration); n != maxChildren+100 {
+		t.Fatalf("%d duration series, want %d", n, maxChildren+100)
+	}
+	if got := testutil.ToFloat64(m.RouteDecisions.WithLabelValues("regular", "round_robin", "turn")); got != 40 {
+		t.Fatalf("route decisions counted %v, want 40", got)
+	}
+	if n := len(*m.requests.m.Load()); n > maxChildren {
+		t.Fatalf("%d series remembered, bound %d", n, maxChildren)
+	}
 }
