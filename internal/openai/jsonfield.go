@@ -404,7 +404,8 @@ func misspelled(k []byte, keys []string) string {
 }
 
 // DecodedBool returns what encoding/json decodes from the JSON value b into a struct's bool
-// field named key, and ok false where it would fail. Its members match key as encoding/json
+// field named key (a plain name, as a tag without options gives it), and ok false where it
+// would fail. Its members match key as encoding/json
 // matches them (the unescaped key equal to key without regard to case), each in turn: the last
 // true or false decides, a null leaves the field as it was, any other value fails; b must be
 // valid JSON and an object (or null, which decodes to nothing). It does not allocate for keys
