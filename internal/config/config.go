@@ -14,10 +14,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/baton-llm/baton/internal/memo"
 
 	"sigs.k8s.io/yaml"
 )
@@ -956,35 +957,17 @@ func KVConnectorMode(setting string) (string, bool) {
 // one of them must be NIXL or Mooncake, and its mode is the connector's. variant distinguishes
 // connectors of one mode that cannot pair (NIXL pull and push).
 func ResolveKVConnector(setting string) (mode, variant string, err error) {
-	known := resolvedConnectors.Load()
-	if r, ok := (*known)[setting]; ok {
-		return r.mode, r.variant, r.err
-	}
-	mode, variant, err = resolveKVConnector(setting)
-	for len(*known) < maxResolvedConnectors { // past the bound, resolved again each time
-		next := make(map[string]resolvedConnector, len(*known)+1)
-		maps.Copy(next, *known)
-		next[setting] = resolvedConnector{mode, variant, err}
-		if resolvedConnectors.CompareAndSwap(known, &next) {
-			break
-		}
-		known = resolvedConnectors.Load() // another setting was published meanwhile
-	}
-	return mode, variant, err
+	r := resolvedConnectors.Get(setting, func() resolvedConnector {
+		mode, variant, err := resolveKVConnector(setting)
+		return resolvedConnector{mode, variant, err}
+	})
+	return r.mode, r.variant, r.err
 }
 
 // resolvedConnectors remembers what each connector setting resolved to: pairing asks for every
-// request, and a fleet has few settings (one per worker configuration). The map is never
-// changed once published; a new setting publishes a copy.
-var resolvedConnectors = func() *atomic.Pointer[map[string]resolvedConnector] {
-	var p atomic.Pointer[map[string]resolvedConnector]
-	p.Store(&map[string]resolvedConnector{})
-	return &p
-}()
-
-// maxResolvedConnectors bounds resolvedConnectors (settings come from configuration and from
-// discovered pods' labels).
-const maxResolvedConnectors = 256
+// request, and a fleet has few settings (one per worker configuration). It is bounded, as
+// settings come from configuration and from discovered pods' labels.
+var resolvedConnectors = memo.Map[string, resolvedConnector]{Max: 256}
 
 type resolvedConnector struct {
 	mode, variant string

@@ -12,7 +12,7 @@ import (
 func TestResolveKVConnectorRemembersWithinItsBound(t *testing.T) {
 	settings := []string{"NixlConnector", "nixl", "NixlPushConnector", "MooncakeConnectorV1", "", "  Mooncake ", "NoSuchConnector",
 		`{"kv_connector":"MultiConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"NixlConnector"},{"kv_connector":"LMCacheConnectorV1"}]}}`, `{"kv_connector":`}
-	for i := range maxResolvedConnectors + 50 {
+	for i := range resolvedConnectors.Max + 50 {
 		settings = append(settings, fmt.Sprintf("Connector%d", i))
 	}
 	var wg sync.WaitGroup
@@ -30,10 +30,10 @@ func TestResolveKVConnectorRemembersWithinItsBound(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if n := len(*resolvedConnectors.Load()); n > maxResolvedConnectors {
-		t.Fatalf("%d settings kept, bound %d", n, maxResolvedConnectors)
+	if n := resolvedConnectors.Len(); n > resolvedConnectors.Max {
+		t.Fatalf("%d settings kept, bound %d", n, resolvedConnectors.Max)
 	}
-	if _, ok := (*resolvedConnectors.Load())["NixlConnector"]; !ok {
+	if !resolvedConnectors.Has("NixlConnector") {
 		t.Fatal("NixlConnector, asked first, was not kept")
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/baton-llm/baton/internal/memo"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -51,11 +52,13 @@ var DurationBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 // Metrics is the set of Baton's collectors.
 type Metrics struct {
 	Registry *prometheus.Registry
-	// The series of Requests, Duration and RouteDecisions, by their label values (never
-	// deleted: see children).
-	requests  children[requestKey, prometheus.Counter]
-	durations children[[2]string, prometheus.Observer]
-	decisions children[[3]string, prometheus.Counter]
+	// The series of Requests, Duration and RouteDecisions, by their label values: a map read,
+	// where the vector hashes and checks each value under its lock. Only for vectors whose
+	// series are never deleted (a deleted child would go on counting unseen); maxChildren bounds
+	// each.
+	requests  memo.Map[requestKey, prometheus.Counter]
+	durations memo.Map[[2]string, prometheus.Observer]
+	decisions memo.Map[[3]string, prometheus.Counter]
 	// Declared, when set, reports whether the configuration names a model (an alias, a
 	// fallback, a declared LoRA adapter): a label before any worker lists it. Set once, before
 	// serving.
@@ -318,6 +321,7 @@ func New(reg *worker.Registry) *Metrics {
 		reg:    reg,
 		models: map[string]struct{}{},
 	}
+	m.requests.Max, m.durations.Max, m.decisions.Max = maxChildren, maxChildren, maxChildren
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDLocalPrefill, m.PDPrefillWhole, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
@@ -444,11 +448,14 @@ func printable(s string) bool {
 
 // ObserveRequest records one finished client request; model is a label from Model.
 func (m *Metrics) ObserveRequest(route, model string, status int, seconds float64) {
-	m.requests.get(requestKey{route, model, status}, func() prometheus.Counter {
+	m.requests.Get(requestKey{route, model, status}, func() prometheus.Counter {
 		return m.Requests.WithLabelValues(route, model, strconv.Itoa(status))
 	}).Inc()
-	m.durations.get([2]string{route, model}, func() prometheus.Observer { return m.Duration.WithLabelValues(route, model) }).Observe(seconds)
+	m.durations.Get([2]string{route, model}, func() prometheus.Observer { return m.Duration.WithLabelValues(route, model) }).Observe(seconds)
 }
+
+// maxChildren bounds each vector's remembered series.
+const maxChildren = 1024
 
 // requestKey is a baton_requests_total series.
 type requestKey struct {
@@ -514,7 +521,7 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 // ObserveRoute counts a routing decision and, where the policy measured one, its prefix match:
 // the selector's Observe hook.
 func (m *Metrics) ObserveRoute(d policy.Decision) {
-	m.decisions.get([3]string{d.Role, d.Policy, d.Reason}, func() prometheus.Counter {
+	m.decisions.Get([3]string{d.Role, d.Policy, d.Reason}, func() prometheus.Counter {
 		return m.RouteDecisions.WithLabelValues(d.Role, d.Policy, d.Reason)
 	}).Inc()
 	if d.Match >= 0 {

@@ -94,7 +94,7 @@ func TestRememberedSeriesCountInTheScrape(t *testing.T) {
 	if got := testutil.ToFloat64(m.RouteDecisions.WithLabelValues("regular", "round_robin", "turn")); got != 40 {
 		t.Fatalf("route decisions counted %v, want 40", got)
 	}
-	if n := len(*m.requests.m.Load()); n > maxChildren {
+	if n := m.requests.Len(); n > maxChildren {
 		t.Fatalf("%d series remembered, bound %d", n, maxChildren)
 	}
 }
