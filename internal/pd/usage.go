@@ -120,30 +120,8 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
 		return fixAnthropicUsage(obj, u, pu)
 	}
-	var (
-		promptKey, completionKey, detailsKey = "prompt_tokens", "completion_tokens", "prompt_tokens_details"
-	)
-	if _, ok := openai.Get(u, promptKey); !ok {
-		promptKey, completionKey, detailsKey = "input_tokens", "output_tokens", "input_tokens_details"
-		if _, ok := openai.Get(u, promptKey); !ok {
-			return obj
-		}
-	}
-	completion, _, _ := intMember(u, completionKey) // 0 when it is not an integer
-	details := []byte("{}")
-	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
-		details = raw
-	}
-	details, err := openai.Set(details, "cached_tokens", strconv.AppendInt(nil, int64(pu.cached), 10))
-	if err != nil {
-		return obj
-	}
-	u2, err := openai.Edit(u, []openai.Field{
-		{Key: promptKey, Value: strconv.AppendInt(nil, int64(pu.prompt), 10)},
-		{Key: "total_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt+completion), 10)},
-		{Key: detailsKey, Value: details},
-	}, nil)
-	if err != nil {
+	u2, ok := fixedUsage(u, pu)
+	if !ok {
 		return obj
 	}
 	if usages == 1 && scanErr == nil { // the one usage member's value replaced in place
@@ -154,6 +132,34 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 		return obj
 	}
 	return out
+}
+
+// fixedUsage returns the OpenAI-shaped usage object u (chat and completions, or responses)
+// rewritten with the prefill's prompt view, and false when u is neither shape or cannot be
+// edited.
+func fixedUsage(u []byte, pu prefillUsage) ([]byte, bool) {
+	promptKey, completionKey, detailsKey := "prompt_tokens", "completion_tokens", "prompt_tokens_details"
+	if _, ok := openai.Get(u, promptKey); !ok {
+		promptKey, completionKey, detailsKey = "input_tokens", "output_tokens", "input_tokens_details"
+		if _, ok := openai.Get(u, promptKey); !ok {
+			return nil, false
+		}
+	}
+	completion, _, _ := intMember(u, completionKey) // 0 when it is not an integer
+	details := []byte("{}")
+	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
+		details = raw
+	}
+	details, err := openai.Set(details, "cached_tokens", strconv.AppendInt(nil, int64(pu.cached), 10))
+	if err != nil {
+		return nil, false
+	}
+	u2, err := openai.Edit(u, []openai.Field{
+		{Key: promptKey, Value: strconv.AppendInt(nil, int64(pu.prompt), 10)},
+		{Key: "total_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt+completion), 10)},
+		{Key: detailsKey, Value: details},
+	}, nil)
+	return u2, err == nil
 }
 
 // fixAnthropicUsage rewrites an Anthropic-style usage in its own shape: input_tokens and

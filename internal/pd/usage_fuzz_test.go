@@ -3,7 +3,6 @@ package pd
 import (
 	"bytes"
 	"encoding/json"
-	"strconv"
 	"testing"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -32,8 +31,8 @@ func FuzzFixUsage(f *testing.F) {
 	})
 }
 
-// fixUsageByGets is fixUsage as written before it scanned the answer once: the oracle of
-// FuzzFixUsage.
+// fixUsageByGets is fixUsage as written before it scanned the answer once, a Get for each member
+// and a Set: the oracle of FuzzFixUsage.
 func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
 	for _, key := range []string{"response", "message"} {
 		if inner, ok := openai.Get(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
@@ -52,31 +51,8 @@ func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
 	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
 		return fixAnthropicUsage(obj, u, pu)
 	}
-	promptKey, completionKey, detailsKey := "prompt_tokens", "completion_tokens", "prompt_tokens_details"
-	if _, ok := openai.Get(u, promptKey); !ok {
-		promptKey, completionKey, detailsKey = "input_tokens", "output_tokens", "input_tokens_details"
-		if _, ok := openai.Get(u, promptKey); !ok {
-			return obj
-		}
-	}
-	completion := 0
-	if raw, ok := openai.Get(u, completionKey); ok {
-		_ = json.Unmarshal(raw, &completion)
-	}
-	details := []byte("{}")
-	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
-		details = raw
-	}
-	details, err := openai.Set(details, "cached_tokens", strconv.AppendInt(nil, int64(pu.cached), 10))
-	if err != nil {
-		return obj
-	}
-	u2, err := openai.Edit(u, []openai.Field{
-		{Key: promptKey, Value: strconv.AppendInt(nil, int64(pu.prompt), 10)},
-		{Key: "total_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt+completion), 10)},
-		{Key: detailsKey, Value: details},
-	}, nil)
-	if err != nil {
+	u2, ok := fixedUsage(u, pu)
+	if !ok {
 		return obj
 	}
 	out, err := openai.Set(obj, "usage", u2)
@@ -84,4 +60,25 @@ func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
 		return obj
 	}
 	return out
+}
+
+// FuzzCompletionIsWhatUnmarshalReads: the completion count fixedUsage reads in place
+// (intMember) is what encoding/json decodes into an int, 0 where it fails, for any value.
+func FuzzCompletionIsWhatUnmarshalReads(f *testing.F) {
+	for _, s := range []string{`5`, `-0`, `05`, `+5`, `1e2`, `1.0`, `"3"`, `null`, `99999999999999999999`, `-9223372036854775808`, `[1]`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		obj := append(append([]byte(`{"completion_tokens":`), raw...), '}')
+		if !json.Valid(obj) {
+			return
+		}
+		var want int
+		if json.Unmarshal(raw, &want) != nil {
+			want = 0
+		}
+		if got, _, _ := intMember(obj, "completion_tokens"); got != want {
+			t.Fatalf("intMember of %q = %d; encoding/json: %d", raw, got, want)
+		}
+	})
 }
