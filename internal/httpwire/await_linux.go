@@ -4,6 +4,7 @@ package httpwire
 
 import (
 	"io"
+	"net"
 	"syscall"
 	"unsafe"
 )
@@ -25,6 +26,54 @@ func FillWaiting(raw syscall.RawConn, src *Source) error {
 		src.look = src.lookAt
 	}
 	return raw.Read(src.look)
+}
+
+// WriteAwaiting writes head, then body (nil for none), to src.Conn and then waits as FillWaiting
+// does for what the peer sends back. The write runs inside the poller's read wait, after the
+// wait was armed, so an answer that comes as soon as the request left still ends it, and the
+// look at the descriptor a read makes before it waits — which finds nothing this soon after a
+// request — is not made: one system call fewer per exchange. The caller must hold no read buffer
+// with bytes in it. src.Sent, when set, runs between the write and the wait. written is false when the request was not written whole, err then saying
+// why; once it was, err is the wait's end (a deadline, a close), which the buffer's next read
+// reports again.
+func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte) (written bool, err error) {
+	if src.send == nil {
+		src.send = src.sendThenLook
+	}
+	src.out, src.wrote, src.werr = [2][]byte{head, body}, false, nil
+	err = raw.Read(src.send)
+	written, werr := src.wrote, src.werr
+	src.out, src.werr = [2][]byte{}, nil // a write that failed left them
+	switch {
+	case werr != nil:
+		return false, werr
+	case !written && err == nil:
+		return false, io.ErrShortWrite
+	}
+	return written, err
+}
+
+// sendThenLook writes the request on its first call, then looks at the descriptor as lookAt does.
+func (s *Source) sendThenLook(fd uintptr) bool {
+	if s.wrote {
+		return s.lookAt(fd)
+	}
+	s.wrote = true
+	if s.out[1] == nil {
+		_, s.werr = s.Conn.Write(s.out[0])
+	} else {
+		bufs := net.Buffers(s.out[:])
+		_, s.werr = bufs.WriteTo(s.Conn)
+	}
+	s.out = [2][]byte{} // the wait keeps nothing of the request: Sent may give its buffer back
+	if s.werr != nil {
+		s.wrote = false
+		return true
+	}
+	if s.Sent != nil && !s.Sent() {
+		return true
+	}
+	return false // written: the answer cannot have come yet, so wait for it before looking
 }
 
 // lookAt is one look at the descriptor: true when the buffer holds what came, or an end or error

@@ -277,3 +277,116 @@ func TestFillWaitingResetIsReportedAsAPlainReadWould(t *testing.T) {
 		t.Errorf("a plain read reports %T %q; the read after FillWaiting reports %T %q", plain, plain, err, err)
 	}
 }
+
+// echoPeer answers every request it reads with answer, at once: the answer can come before the
+// writer of the request would have armed a wait after its write.
+func echoPeer(t *testing.T, peer *net.TCPConn, request, answer string) {
+	t.Helper()
+	go func() {
+		buf := make([]byte, len(request))
+		for {
+			if _, err := io.ReadFull(peer, buf); err != nil {
+				return
+			}
+			if string(buf) != request {
+				peer.Close()
+				return
+			}
+			peer.Write([]byte(answer))
+		}
+	}()
+}
+
+// WriteAwaiting writes the request and returns with the answer buffered, however soon it came,
+// having taken the buffer once: no look at the descriptor before the wait (which would take the
+// buffer, find nothing and give it back).
+func TestWriteAwaitingWaitsForTheAnswerWithoutALookFirst(t *testing.T) {
+	c, peer := tcpPair(t)
+	echoPeer(t, peer, "request", "answer")
+	raw, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newWaiter(c)
+	for i := range 200 {
+		written, err := WriteAwaiting(raw, &w.src, []byte("req"), []byte("uest"))
+		if !written || err != nil {
+			t.Fatalf("exchange %d: written %v, %v", i, written, err)
+		}
+		if w.takes != i+1 || w.gives != 0 {
+			t.Fatalf("exchange %d: the buffer was taken %d and given back %d times; want once and never", i, w.takes, w.gives)
+		}
+		got := make([]byte, len("answer"))
+		if _, err := io.ReadFull(w.br, got); err != nil || string(got) != "answer" {
+			t.Fatalf("exchange %d: read %q, %v", i, got, err)
+		}
+		w.give()
+		w.gives--
+	}
+}
+
+// A request the connection could not take is reported as not written, with the write's error; a
+// deadline that ends the wait after the request left is the wait's error, the request written.
+func TestWriteAwaitingTellsTheWriteFromTheWait(t *testing.T) {
+	c, peer := tcpPair(t)
+	raw, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newWaiter(c)
+	c.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
+	written, err := WriteAwaiting(raw, &w.src, []byte("unanswered"), nil)
+	if !written || !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("no answer before the read deadline: written %v, %v; want written, the deadline's error", written, err)
+	}
+	if w.br != nil {
+		t.Error("a buffer is held after a wait in which nothing came")
+	}
+	got := make([]byte, len("unanswered"))
+	if _, err := io.ReadFull(peer, got); err != nil || string(got) != "unanswered" {
+		t.Errorf("the peer read %q, %v", got, err)
+	}
+
+	c.SetReadDeadline(time.Time{})
+	c.SetWriteDeadline(time.Unix(1, 0))
+	written, err = WriteAwaiting(raw, &w.src, []byte("late"), nil)
+	if written || !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("past the write deadline: written %v, %v; want not written, the deadline's error", written, err)
+	}
+
+	c.Close()
+	written, err = WriteAwaiting(raw, &w.src, []byte("closed"), nil)
+	if written || err == nil {
+		t.Errorf("on a closed connection: written %v, %v; want not written, an error", written, err)
+	}
+}
+
+// A body larger than the socket's buffers is written whole (the write waits for room inside the
+// read wait), beside its head, and the answer to it is read.
+func TestWriteAwaitingWritesALargeBodyWhole(t *testing.T) {
+	c, peer := tcpPair(t)
+	body := bytes.Repeat([]byte("0123456789abcdef"), 1<<18) // 4 MiB
+	got := make(chan []byte, 1)
+	go func() {
+		all := make([]byte, len("head")+len(body))
+		_, err := io.ReadFull(peer, all)
+		if err == nil {
+			peer.Write([]byte("ok"))
+		}
+		got <- all
+	}()
+	raw, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newWaiter(c)
+	if written, err := WriteAwaiting(raw, &w.src, []byte("head"), body); !written || err != nil {
+		t.Fatalf("written %v, %v", written, err)
+	}
+	if all := <-got; string(all[:4]) != "head" || !bytes.Equal(all[4:], body) {
+		t.Error("the peer did not read the head and the body whole, in order")
+	}
+	if b, err := w.br.Peek(2); string(b) != "ok" || err != nil {
+		t.Errorf("answer %q, %v", b, err)
+	}
+}

@@ -2,7 +2,10 @@
 
 package httpwire
 
-import "syscall"
+import (
+	"net"
+	"syscall"
+)
 
 // Awaits says whether FillWaiting waits holding no buffer here: it does not.
 const Awaits = false
@@ -19,3 +22,18 @@ func readNow(fd uintptr, p []byte) (int, error) { return 0, syscall.EINVAL }
 
 // Pending cannot ask the kernel here: ok false.
 func Pending(raw syscall.RawConn) (pending, ok bool) { return false, false }
+
+// WriteAwaiting writes head, then body (nil for none), to src.Conn; the caller's read waits for
+// the answer, with its buffer. written is false when the request was not written whole.
+func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte) (written bool, err error) {
+	if body == nil {
+		_, err = src.Conn.Write(head)
+	} else {
+		bufs := net.Buffers{head, body}
+		_, err = bufs.WriteTo(src.Conn)
+	}
+	if err == nil && src.Sent != nil {
+		src.Sent()
+	}
+	return err == nil, err
+}

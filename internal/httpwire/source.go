@@ -18,8 +18,15 @@ type Source struct {
 	Conn net.Conn
 	Take func() *bufio.Reader
 	Give func()
+	// Sent, when set, runs once WriteAwaiting wrote its request whole, before the wait; false
+	// ends WriteAwaiting there, nothing read.
+	Sent func() bool
 
 	look   func(fd uintptr) bool // FillWaiting's look at the descriptor, made once
+	send   func(fd uintptr) bool // WriteAwaiting's write, then its looks, made once
+	out    [2][]byte             // what WriteAwaiting writes: a head and a body (nil when none)
+	wrote  bool
+	werr   error
 	fd     uintptr
 	direct bool
 	err    error

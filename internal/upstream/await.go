@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"bufio"
+	"net"
 
 	"github.com/baton-llm/baton/internal/httpwire"
 )
@@ -18,6 +19,33 @@ func (c *conn) awaitData() {
 	if httpwire.FillWaiting(c.raw, &c.src) != nil && c.br == nil {
 		c.takeReader()
 	}
+}
+
+// send writes the request — head, then body (nil for none) — and, where the platform allows,
+// waits for the answer's first bytes holding no read buffer (httpwire.WriteAwaiting): the wait
+// is armed before the request leaves, so the read that follows finds the answer's first bytes
+// buffered instead of looking at the descriptor once in vain. It returns the write's error; the
+// wait's end (the request's cancellation, a close) is the next read's to report.
+func (c *conn) send(head, body []byte) error {
+	if !httpwire.Awaits || c.raw == nil || c.br.Buffered() > 0 { // elsewhere the read waits, with its buffer
+		var err error
+		if body == nil {
+			_, err = c.c.Write(head)
+		} else {
+			bufs := net.Buffers{head, body}
+			_, err = bufs.WriteTo(c.c)
+		}
+		return err
+	}
+	c.dropReader()
+	written, err := httpwire.WriteAwaiting(c.raw, &c.src, head, body)
+	if c.br == nil {
+		c.takeReader()
+	}
+	if !written {
+		return err
+	}
+	return nil
 }
 
 // reader returns c's read buffer, taking one from the pool when it holds none.

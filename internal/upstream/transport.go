@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -65,9 +66,28 @@ type conn struct {
 	src    httpwire.Source // what br reads: c, or the descriptor while waiting without a buffer
 	host   string
 	idleAt time.Time
+	wbuf   *[]byte // the request being written, until it was (wrote)
+}
+
+// wrote gives the request's write buffer back once the request left (or failed to), so that the
+// wait for the answer holds none; true: the wait goes on (httpwire.Source.Sent).
+func (c *conn) wrote() bool {
+	if bp := c.wbuf; bp != nil {
+		c.wbuf = nil
+		buffersOut.Add(-1)
+		if cap(*bp) <= 64<<10 {
+			*bp = (*bp)[:0]
+			wbufPool.Put(bp)
+		}
+	}
+	return true
 }
 
 var wbufPool = sync.Pool{New: func() any { b := make([]byte, 0, 4<<10); return &b }}
+
+// buffersOut counts the read and write buffers connections hold: taken from their pools and not
+// given back (one a connection held when it was closed is never given back, and stays counted).
+var buffersOut atomic.Int64
 
 // ErrHeaderTooLarge is an answer whose status line and headers exceed the bound.
 var ErrHeaderTooLarge = errors.New("upstream: response headers too large")
@@ -113,19 +133,17 @@ var errStale = errors.New("upstream: connection closed before an answer")
 func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, body []byte) (*http.Response, error) {
 	stop := context.AfterFunc(ctx, func() { _ = c.c.SetDeadline(time.Unix(1, 0)) })
 	bp := wbufPool.Get().(*[]byte)
+	buffersOut.Add(1)
 	buf := appendRequest((*bp)[:0], req, len(body))
-	var err error
+	var tail []byte
 	if len(body) < 64<<10 { // one write; a large body goes beside the head, uncopied
 		buf = append(buf, body...)
-		_, err = c.c.Write(buf)
 	} else {
-		bufs := net.Buffers{buf, body}
-		_, err = bufs.WriteTo(c.c)
+		tail = body
 	}
-	if cap(buf) <= 64<<10 {
-		*bp = buf[:0]
-		wbufPool.Put(bp)
-	}
+	*bp, c.wbuf = buf, bp
+	err := c.send(buf, tail)
+	c.wrote()
 	if err != nil {
 		// The engine may have answered before it stopped reading (a 413 for a body too large):
 		// that answer, already arrived, is the request's — relayed, not lost behind a write error.
@@ -344,6 +362,7 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 	}
 	c := &conn{c: nc, host: host}
 	c.src = httpwire.Source{Conn: nc, Take: c.reader, Give: c.dropReader}
+	c.src.Sent = c.wrote
 	if sc, ok := nc.(syscall.Conn); ok {
 		c.raw, _ = sc.SyscallConn()
 	}
@@ -385,6 +404,7 @@ var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBu
 // takeReader gives c a read buffer from the pool.
 func (c *conn) takeReader() {
 	c.br = readers.Get().(*bufio.Reader)
+	buffersOut.Add(1)
 	c.br.Reset(&c.src)
 }
 
@@ -392,6 +412,7 @@ func (c *conn) takeReader() {
 func (c *conn) dropReader() {
 	c.br.Reset(nil)
 	readers.Put(c.br)
+	buffersOut.Add(-1)
 	c.br = nil
 }
 

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/baton-llm/baton/internal/gwtest"
+	"github.com/baton-llm/baton/internal/httpwire"
 )
 
 // Bodies of every framing arrive byte-exact through Next when the engine writes them a byte at a
@@ -149,5 +150,66 @@ func TestStrayBytesAfterAnAnswerAreNeverTheNextAnswer(t *testing.T) {
 			t.Fatalf("answer %d: %q %v", i, got, err)
 		}
 		time.Sleep(40 * time.Millisecond)
+	}
+}
+
+// Requests waiting for their answers hold no buffer: the request's write buffer went back once it
+// was written, and the wait for the answer's head takes a read buffer only when bytes came — a
+// non-streamed answer can take an engine minutes, and hundreds wait at once.
+func TestWaitingForAnAnswerHoldsNoBuffer(t *testing.T) {
+	if !httpwire.Awaits {
+		t.Skip("SKIPPED: on this platform a read waits with its buffer (httpwire.Awaits is false); Linux, where CI runs, waits without")
+	}
+	const waiting = 200
+	got, release := make(chan struct{}, waiting), make(chan struct{})
+	url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+		for {
+			path, err := readReq(br)
+			if err != nil {
+				return
+			}
+			if path != "/warm" {
+				got <- struct{}{}
+				<-release
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	tr := newT()
+	for range 4 { // the pools' first buffers, made before counting
+		if resp, err := send(t, tr, context.Background(), url+"/warm", "{}"); err == nil {
+			io.ReadAll(resp.Body)
+			resp.Body.Close()
+		}
+	}
+	errs := make(chan error, waiting)
+	out := buffersOut.Load()
+	for range waiting { // one at a time: each is written and waiting before the next starts
+		go func() {
+			resp, err := send(t, tr, context.Background(), url+"/wait", `{"prompt":"x"}`)
+			if err == nil {
+				var b []byte
+				b, err = io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if err == nil && string(b) != "ok" {
+					err = fmt.Errorf("answer %q", b)
+				}
+			}
+			errs <- err
+		}()
+		<-got
+	}
+	held := buffersOut.Load() - out
+	for deadline := time.Now().Add(2 * time.Second); held != 0 && time.Now().Before(deadline); held = buffersOut.Load() - out {
+		time.Sleep(time.Millisecond) // the last request, read by the engine, may not be waiting yet
+	}
+	close(release)
+	for range waiting {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if held != 0 {
+		t.Errorf("%d buffers held while %d requests waited for their answers; want none", held, waiting)
 	}
 }
