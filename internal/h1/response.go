@@ -20,9 +20,15 @@ const writeBufSize = 4 << 10
 
 var writeBufs = sync.Pool{New: func() any { b := make([]byte, 0, writeBufSize); return &b }}
 
-func getBuf() *[]byte { return writeBufs.Get().(*[]byte) }
+// getBuf takes an answer buffer from the pool.
+func (s *Server) getBuf() *[]byte {
+	s.writeBuffers.Add(1)
+	return writeBufs.Get().(*[]byte)
+}
 
-func putBuf(b *[]byte) {
+// putBuf gives an answer buffer back (one grown past 64 KiB is let go).
+func (s *Server) putBuf(b *[]byte) {
+	s.writeBuffers.Add(-1)
 	if cap(*b) > 64<<10 {
 		return
 	}
@@ -77,12 +83,12 @@ func (w *response) WriteHeader(code int) {
 		if code == http.StatusContinue || w.req.ProtoMinor == 0 {
 			return
 		}
-		hb := getBuf()
+		hb := w.c.s.getBuf()
 		*hb = appendStatus(*hb, w.req, code)
 		*hb = appendHeaders(*hb, w.header)
 		*hb = append(*hb, "\r\n"...)
 		_ = w.c.write(*hb)
-		putBuf(hb)
+		w.c.s.putBuf(hb)
 		return
 	}
 	w.wroteHeader, w.status = true, code
@@ -132,7 +138,7 @@ func (w *response) Write(p []byte) (int, error) {
 		}
 		if w.declared < 0 && pending+len(p) <= writeBufSize {
 			if w.out == nil {
-				w.out = getBuf()
+				w.out = w.c.s.getBuf()
 			}
 			*w.out = append(*w.out, p...)
 			return len(p), nil
@@ -153,7 +159,7 @@ func (w *response) Write(p []byte) (int, error) {
 // connection (a large write is not copied).
 func (w *response) appendBody(p []byte) {
 	if w.out == nil {
-		w.out = getBuf()
+		w.out = w.c.s.getBuf()
 	}
 	const overhead = 20 // a chunk's size line and its closing CRLF
 	if len(*w.out)+len(p)+overhead > cap(*w.out) {
@@ -195,7 +201,7 @@ func (w *response) flushOut() {
 // release gives the buffer back.
 func (w *response) release() {
 	if w.out != nil {
-		putBuf(w.out)
+		w.c.s.putBuf(w.out)
 		w.out = nil
 	}
 }
@@ -236,7 +242,7 @@ func (w *response) SetWriteDeadline(t time.Time) error {
 func (w *response) sendHead(chunked bool, next []byte) {
 	w.headSent = true
 	pend := w.out
-	hb := getBuf()
+	hb := w.c.s.getBuf()
 	if w.req.ProtoMinor == 0 {
 		chunked = false
 		if w.declared < 0 && bodyAllowed(w.status) && w.req.Method != http.MethodHead {
@@ -285,18 +291,20 @@ func (w *response) sendHead(chunked bool, next []byte) {
 		if len(*pend) > 0 {
 			w.appendBody(*pend)
 		}
-		putBuf(pend)
+		w.c.s.putBuf(pend)
 	}
 }
 
-// finish completes the answer after the handler returned.
-func (w *response) finish() {
+// finish completes the answer after the handler returned. With hold, an answer after which the
+// connection stays open is not written here: the buffer holding its last bytes is returned, for
+// the wait for the next request to write (conn.held); nil when finish wrote everything.
+func (w *response) finish(hold bool) (held *[]byte) {
 	defer w.release()
 	if w.aborted {
 		if w.headSent { // what was buffered leaves, the cut shows as a missing end
 			w.flushOut()
 		}
-		return
+		return nil
 	}
 	if !w.wroteHeader {
 		w.WriteHeader(http.StatusOK)
@@ -310,14 +318,19 @@ func (w *response) finish() {
 		w.sendHead(false, nil)
 	} else if w.chunked {
 		if w.out == nil {
-			w.out = getBuf()
+			w.out = w.c.s.getBuf()
 		}
 		*w.out = append(*w.out, "0\r\n\r\n"...)
 	}
 	if w.declared >= 0 && w.written < w.declared && w.req.Method != http.MethodHead {
 		w.closeAfter = true // the client is owed bytes it will never get
 	}
+	if hold && !w.closeAfter && w.out != nil && len(*w.out) > 0 {
+		held, w.out = w.out, nil
+		return held
+	}
 	w.flushOut()
+	return nil
 }
 
 func appendStatus(dst []byte, req *http.Request, code int) []byte {

@@ -62,14 +62,15 @@ type Server struct {
 	// nil: discarded.
 	Log *slog.Logger
 
-	mu        sync.Mutex
-	listeners map[net.Listener]struct{}
-	conns     map[*conn]struct{}
-	shutdown  atomic.Bool
-	warnOnce  sync.Once
-	watchOnce sync.Once
-	watch     *watcher     // notices clients that leave; nil until the first connection
-	buffers   atomic.Int64 // read buffers its connections hold now
+	mu           sync.Mutex
+	listeners    map[net.Listener]struct{}
+	conns        map[*conn]struct{}
+	shutdown     atomic.Bool
+	warnOnce     sync.Once
+	watchOnce    sync.Once
+	watch        *watcher     // notices clients that leave; nil until the first connection
+	buffers      atomic.Int64 // read buffers its connections hold now
+	writeBuffers atomic.Int64 // answer buffers its connections hold now
 }
 
 // ErrServerClosed is what Serve returns after Shutdown or Close (net/http's value, so callers

@@ -218,3 +218,78 @@ func TestHTTP10KeepAliveLikeNetHTTP(t *testing.T) {
 		}
 	}
 }
+
+// smallSendListener gives its connections, still the sockets themselves, the smallest send
+// buffer the kernel allows: a client that reads nothing blocks the server's writes early.
+type smallSendListener struct{ net.Listener }
+
+func (l smallSendListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		err = c.(*net.TCPConn).SetWriteBuffer(1)
+	}
+	return c, err
+}
+
+// An answer's last bytes leave with the wait for the next request, yet still under the write
+// deadline the request set: a client that sends requests and reads none of the answers gets the
+// connection closed once a write blocks past that deadline, not held open by a write that
+// waits for it for good. The requests come one at a time, so that the server is waiting, its
+// buffer empty, when each answer's bytes leave.
+func TestTheLastBytesLeaveUnderTheRequestsWriteDeadline(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := strings.Repeat("x", 2000) // the answer, head and all, within one buffer: nothing leaves before the handler returns
+	served := make(chan struct{}, 64)
+	s := &Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		io.WriteString(w, body)
+		served <- struct{}{}
+	})}
+	go s.Serve(smallSendListener{ln})
+	t.Cleanup(func() { s.Close() })
+	c := dial(t, ln.Addr().String())
+	if err := c.(*net.TCPConn).SetReadBuffer(1); err != nil {
+		t.Fatal(err)
+	}
+	const sent = 48 // about 100 KB of answers: far more than both sockets' buffers hold
+	answered := 0
+	for range sent {
+		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			break
+		}
+		select {
+		case <-served:
+			answered++
+		case <-time.After(time.Second):
+		}
+		time.Sleep(5 * time.Millisecond) // the server is waiting for the next request again
+	}
+	if answered == sent {
+		t.Fatalf("all %d requests were served to a client that read nothing; want a write to block", sent)
+	}
+	time.Sleep(300 * time.Millisecond) // past the deadline of the blocked write
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	br := bufio.NewReader(c)
+	got := 0
+	for {
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				t.Fatalf("after %d whole answers the connection is still open; want it closed by the write deadline", got)
+			}
+			break
+		}
+		b, err := io.ReadAll(resp.Body)
+		if err != nil || string(b) != body {
+			break // the answer the deadline cut
+		}
+		got++
+	}
+	if got >= answered {
+		t.Errorf("%d whole answers of the %d served; want the one whose write blocked past its deadline cut", got, answered)
+	}
+}
