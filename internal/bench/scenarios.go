@@ -499,12 +499,39 @@ func (r *runner) memory(ctx context.Context) error {
 	fmt.Fprintf(r.out, "Held per open stream once all were open, after a collection: **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB%s); the peak adds the garbage of the connection burst, which the collector paces at GOGC.\n\n",
 		heldHeap+heldStacks, heldHeap, heldStacks, b.heldNote())
 	r.memoryIdle(ctx, b, streams)
+	r.memoryWaiting(ctx, b, streams, tokens, per)
 	if streams > 2000 {
 		fmt.Fprintln(r.out, "PD row: measured up to 2,000 streams (its engines run in this process).")
 		fmt.Fprintln(r.out)
 		return nil
 	}
 	return r.memoryPD(ctx, streams, tokens, per)
+}
+
+// memoryWaiting is the memory scenario's row of non-streamed requests: n at once, each waiting
+// for an answer that its engine gives whole only when the last token is made, as a non-streamed
+// request waits for as long as its engine takes.
+func (r *runner) memoryWaiting(ctx context.Context, b *proc, n, tokens int, per time.Duration) {
+	r.client.CloseIdleConnections()
+	time.Sleep(time.Duration(r.n(500, 100)) * time.Millisecond)
+	idleG := b.metric("go_goroutines")
+	heap0, stacks0 := b.heldBytes()
+	tokens *= 2 // twice the streams' length: every request is waiting before the first ends
+	held := make(chan [2]float64, 1)
+	go func() {
+		deadline := time.Now().Add(time.Duration(tokens) * per / 2)
+		for b.metric("go_goroutines") < idleG+float64(n) && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		h, st := b.heldBytes()
+		held <- [2]float64{h, st}
+	}()
+	s := ClosedLoop(ctx, completion(r.client, b.URL, workload{promptBytes: 256, maxTokens: tokens}), n, n)
+	r.verify("memory non-streamed requests", s)
+	r.client.CloseIdleConnections()
+	h := <-held
+	fmt.Fprintf(r.out, "Non-streamed requests, %d waiting at once for answers of %d tokens: held per request after a collection **%.1f KiB** (live heap %.1f KiB + stack %.1f KiB)%s.\n\n",
+		n, tokens, (h[0]-heap0+h[1]-stacks0)/float64(n)/1024, (h[0]-heap0)/float64(n)/1024, (h[1]-stacks0)/float64(n)/1024, b.heldNote())
 }
 
 // memoryIdle is the memory scenario's row of kept-alive connections: n clients that each sent
