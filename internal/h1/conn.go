@@ -53,19 +53,11 @@ type conn struct {
 	wdlSet    atomic.Bool // a write deadline was set during the request
 	rdlSet    atomic.Bool // a read deadline was set during the request
 	firstDone bool        // a request was served: the next wait is an idle one
-
-	// held is the last answer's final bytes, when the wait for the next request writes them:
-	// the wait is armed before they leave, so it need not look at the descriptor first, where
-	// the next request cannot be yet (httpwire.WriteAwaiting). The connection turns idle once
-	// they are written (sent), as it would after a write of its own.
-	held     *[]byte
-	waitStop bool // heldSent ended the wait: the connection is done
 }
 
 func newConn(s *Server, rw net.Conn) *conn {
 	c := &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
 	c.src = httpwire.Source{Conn: rw, Take: c.reader, Give: c.dropReader}
-	c.src.Sent = c.heldSent
 	c.state.Store(stateIdle) // waiting for its first request: Shutdown may close it
 	return c
 }
@@ -123,12 +115,11 @@ func (c *conn) waitRequest() bool {
 	wait := c.s.ReadHeaderTimeout
 	if c.firstDone {
 		wait = c.s.idleTimeout()
-		if c.held == nil && !c.state.CompareAndSwap(stateActive, stateIdle) {
+		if !c.state.CompareAndSwap(stateActive, stateIdle) {
 			return false
 		}
 	}
 	if c.s.shutdown.Load() && c.firstDone {
-		c.flushHeld()
 		return false
 	}
 	if wait > 0 {
@@ -141,16 +132,9 @@ func (c *conn) waitRequest() bool {
 	// hold decrypted bytes the socket no longer has: it waits with its buffer).
 	c.releaseReader()
 	if httpwire.Awaits && c.br == nil && c.raw != nil && bareSocket(c.rwc) {
-		if c.held != nil {
-			if !c.writeHeld() {
-				return false
-			}
-		} else if httpwire.FillWaiting(c.raw, &c.src) != nil {
+		if httpwire.FillWaiting(c.raw, &c.src) != nil {
 			return false
 		}
-	}
-	if c.held != nil && !c.flushHeld() { // the wait could not write them: a request's bytes are buffered
-		return false
 	}
 	if br := c.reader(); br.Buffered() == 0 {
 		if _, err := br.Peek(1); err != nil {
@@ -164,55 +148,6 @@ func (c *conn) waitRequest() bool {
 		_ = c.rwc.SetReadDeadline(time.Now().Add(c.s.ReadHeaderTimeout))
 	}
 	return true
-}
-
-// writeHeld writes the held bytes and waits for the next request's first bytes, as FillWaiting
-// does; false when the connection is done (the write failed, Shutdown came).
-func (c *conn) writeHeld() bool {
-	written, err := httpwire.WriteAwaiting(c.raw, &c.src, *c.held, nil)
-	if !written {
-		c.s.putBuf(c.held)
-		c.held, c.werr = nil, err
-		return false
-	}
-	if c.waitStop {
-		c.waitStop = false
-		return false
-	}
-	return err == nil
-}
-
-// heldSent follows the held bytes' write, as serveOne and waitRequest do after a write of their
-// own: their buffer is given back (the wait holds none), the request's write deadline is cleared
-// and the connection turns idle. false: Shutdown came, or closed it; the wait ends.
-func (c *conn) heldSent() bool {
-	c.s.putBuf(c.held)
-	c.held = nil
-	if c.wdlSet.Swap(false) {
-		_ = c.rwc.SetWriteDeadline(time.Time{})
-	}
-	if !c.state.CompareAndSwap(stateActive, stateIdle) || c.s.shutdown.Load() {
-		c.waitStop = true
-		return false
-	}
-	return true
-}
-
-// flushHeld writes the held bytes, if any, and follows the write as heldSent does; false when the
-// connection is done.
-func (c *conn) flushHeld() bool {
-	held := c.held
-	if held == nil {
-		return true
-	}
-	if c.write(*held) != nil {
-		c.s.putBuf(held)
-		c.held = nil
-		return false
-	}
-	ok := c.heldSent()
-	c.waitStop = false
-	return ok
 }
 
 // bareSocket reports whether rwc is the socket itself, with nothing buffered above it that a
@@ -257,19 +192,16 @@ func (c *conn) serveOne() bool {
 		// would pass for a success); the connection closes.
 		w.aborted, w.closeAfter = true, true
 	}
-	// The answer's last bytes leave with the wait for the next request when the connection stays
-	// open and that wait can write them (nothing of this request's body is left to read).
-	c.held = w.finish(b.eof && c.werr == nil && httpwire.Awaits && c.raw != nil && bareSocket(c.rwc))
+	w.finish()
 	c.mu.Lock()
 	c.cancel = nil
 	c.mu.Unlock()
 	cancel(context.Canceled)
 	b.done.Store(true)
-	if c.held == nil && c.wdlSet.Swap(false) { // held bytes leave under it; then it is cleared
+	if c.wdlSet.Swap(false) {
 		_ = c.rwc.SetWriteDeadline(time.Time{})
 	}
 	if w.closeAfter || c.werr != nil || !b.drain(c) {
-		c.flushHeld()
 		if !b.eof && b.err == nil && c.werr == nil && !w.aborted {
 			c.linger()
 		}

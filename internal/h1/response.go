@@ -295,16 +295,14 @@ func (w *response) sendHead(chunked bool, next []byte) {
 	}
 }
 
-// finish completes the answer after the handler returned. With hold, an answer after which the
-// connection stays open is not written here: the buffer holding its last bytes is returned, for
-// the wait for the next request to write (conn.held); nil when finish wrote everything.
-func (w *response) finish(hold bool) (held *[]byte) {
+// finish completes the answer after the handler returned.
+func (w *response) finish() {
 	defer w.release()
 	if w.aborted {
 		if w.headSent { // what was buffered leaves, the cut shows as a missing end
 			w.flushOut()
 		}
-		return nil
+		return
 	}
 	if !w.wroteHeader {
 		w.WriteHeader(http.StatusOK)
@@ -325,12 +323,7 @@ func (w *response) finish(hold bool) (held *[]byte) {
 	if w.declared >= 0 && w.written < w.declared && w.req.Method != http.MethodHead {
 		w.closeAfter = true // the client is owed bytes it will never get
 	}
-	if hold && !w.closeAfter && w.out != nil && len(*w.out) > 0 {
-		held, w.out = w.out, nil
-		return held
-	}
 	w.flushOut()
-	return nil
 }
 
 func appendStatus(dst []byte, req *http.Request, code int) []byte {

@@ -293,3 +293,94 @@ func TestTheLastBytesLeaveUnderTheRequestsWriteDeadline(t *testing.T) {
 		t.Errorf("%d whole answers of the %d served; want the one whose write blocked past its deadline cut", got, answered)
 	}
 }
+
+// A request that reached the socket while the previous answer was being made — after the
+// server's last read — is answered: the wait for it looks at the socket before it waits (the
+// poller's readiness is reset when a wait is armed, so bytes already there would raise no new
+// wake-up). Three ways for it to be there and not in the read buffer: sent while the handler
+// ran, behind a body the handler read straight off the socket, behind a head that filled the
+// buffer exactly.
+func TestARequestAlreadyInTheSocketIsAnswered(t *testing.T) {
+	head := "GET /full HTTP/1.1\r\nHost: x\r\nX-Pad: "
+	fullHead := head + strings.Repeat("p", readBufSize-len(head)-len("\r\n\r\n")) + "\r\n\r\n"
+	body := strings.Repeat("b", 20000)
+	for _, tc := range []struct {
+		name         string
+		first, later string // later is sent 30 ms after first ("" with first)
+		want         []string
+	}{
+		{"sent while the handler ran", "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n", "GET /second HTTP/1.1\r\nHost: x\r\n\r\n", []string{"/slow:0", "/second:0"}},
+		{"behind a body read off the socket", "POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n" + body + "GET /b HTTP/1.1\r\nHost: x\r\n\r\n", "", []string{"/a:20000", "/b:0"}},
+		{"behind a head that filled the buffer", fullHead + "GET /b HTTP/1.1\r\nHost: x\r\n\r\n", "", []string{"/full:0", "/b:0"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/slow" {
+					time.Sleep(100 * time.Millisecond)
+				}
+				var n int64
+				if r.ContentLength > 0 {
+					buf := make([]byte, r.ContentLength) // one read as large as the body: straight off the socket
+					m, _ := io.ReadFull(r.Body, buf)
+					n = int64(m)
+				}
+				fmt.Fprintf(w, "%s:%d", r.URL.Path, n)
+			}), func(s *Server) { s.IdleTimeout = time.Minute })
+			c := dial(t, addr)
+			io.WriteString(c, tc.first)
+			if tc.later != "" {
+				time.Sleep(30 * time.Millisecond)
+				io.WriteString(c, tc.later)
+			}
+			c.SetReadDeadline(time.Now().Add(3 * time.Second))
+			br := bufio.NewReader(c)
+			for _, want := range tc.want {
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatalf("waiting for the answer %q: %v", want, err)
+				}
+				if b, _ := io.ReadAll(resp.Body); string(b) != want {
+					t.Fatalf("answer %q, want %q", b, want)
+				}
+			}
+		})
+	}
+}
+
+// A client that sends its request and closes its sending side before the answer is made gets the
+// answer and then the connection's close, and the server lets the connection go: its end was in
+// the socket before the server waited for a next request.
+func TestAHalfClosedClientGetsItsAnswerThenTheClose(t *testing.T) {
+	s, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(100 * time.Millisecond) // the client's end arrives meanwhile
+		io.WriteString(w, "ok")
+	}))
+	c := dial(t, addr)
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	c.(*net.TCPConn).CloseWrite()
+	c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := io.ReadAll(resp.Body); string(b) != "ok" {
+		t.Fatalf("answer %q", b)
+	}
+	if n, err := br.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("after the answer: %d bytes, %v; want the server's close (EOF)", n, err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		s.mu.Lock()
+		open := len(s.conns)
+		s.mu.Unlock()
+		if open == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d server connections still open after the client closed", open)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
