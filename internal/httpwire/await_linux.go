@@ -3,6 +3,7 @@
 package httpwire
 
 import (
+	"errors"
 	"io"
 	"net"
 	"syscall"
@@ -29,18 +30,22 @@ func FillWaiting(raw syscall.RawConn, src *Source) error {
 }
 
 // WriteAwaiting writes head, then body (nil for none), to src.Conn and then waits as FillWaiting
-// does for what the peer sends back. The write runs inside the poller's read wait, after the
-// wait was armed, so an answer that comes as soon as the request left still ends it, and the
-// look at the descriptor a read makes before it waits — which finds nothing this soon after a
-// request — is not made: one system call fewer per exchange. The caller must hold no read buffer
-// with bytes in it. src.Sent, when set, runs between the write and the wait. written is false when the request was not written whole, err then saying
-// why; once it was, err is the wait's end (a deadline, a close), which the buffer's next read
-// reports again.
-func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte) (written bool, err error) {
+// does for what the peer sends back. The write runs inside the poller's read wait, after the wait
+// was armed, so an answer that comes as soon as the request left still ends it, and the look at
+// the descriptor a read makes before it waits — which finds nothing this soon after a request —
+// is not made: one system call fewer per exchange. It is for a request's answer only: what the
+// peer sent before the wait was armed would raise no wake-up. So with check (a connection that
+// was idle, where the peer may have sent something or closed meanwhile) the descriptor is looked
+// at first, inside the armed wait, and the request is not written when anything is there
+// (ErrStrayBytes, ErrStrayEnd). The caller must hold no read buffer with bytes in it. src.Sent,
+// when set, runs between the write and the wait. written is false when the request was not
+// written whole, err then saying why; once it was, err is the wait's end (a deadline, a close),
+// which the buffer's next read reports again.
+func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte, check bool) (written bool, err error) {
 	if src.send == nil {
 		src.send = src.sendThenLook
 	}
-	src.out, src.wrote, src.werr = [2][]byte{head, body}, false, nil
+	src.out, src.check, src.wrote, src.werr = [2][]byte{head, body}, check, false, nil
 	err = raw.Read(src.send)
 	written, werr := src.wrote, src.werr
 	src.out, src.werr = [2][]byte{}, nil // a write that failed left them
@@ -53,10 +58,29 @@ func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte) (written
 	return written, err
 }
 
-// sendThenLook writes the request on its first call, then looks at the descriptor as lookAt does.
+// ErrStrayBytes and ErrStrayEnd are WriteAwaiting's check finding, before the request was
+// written, bytes the peer sent unasked, or its close (or a reset).
+var (
+	ErrStrayBytes = errors.New("httpwire: the peer sent bytes before the request")
+	ErrStrayEnd   = errors.New("httpwire: the peer closed before the request")
+)
+
+// sendThenLook writes the request on its first call (after the check, if asked), then looks at
+// the descriptor as lookAt does.
 func (s *Source) sendThenLook(fd uintptr) bool {
 	if s.wrote {
 		return s.lookAt(fd)
+	}
+	if s.check {
+		s.check = false
+		switch peekKind(fd) {
+		case peekBytes:
+			s.werr = ErrStrayBytes
+			return true
+		case peekEnd:
+			s.werr = ErrStrayEnd
+			return true
+		}
 	}
 	s.wrote = true
 	if s.out[1] == nil {
@@ -121,8 +145,27 @@ func Pending(raw syscall.RawConn) (pending, ok bool) {
 
 // peek reports whether fd has a byte to read, or an end or error to report (true), or nothing
 // yet (false).
-func peek(fd uintptr) bool {
+func peek(fd uintptr) bool { return peekKind(fd) != peekNothing }
+
+const (
+	peekNothing = iota // nothing yet
+	peekBytes          // a byte to read
+	peekEnd            // an end, or an error, to report
+)
+
+// peekKind looks at fd without reading or waiting.
+func peekKind(fd uintptr) int {
 	var b [1]byte
-	_, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
-	return errno != syscall.EAGAIN && errno != syscall.EINTR
+	for {
+		n, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno == syscall.EAGAIN:
+			return peekNothing
+		case errno == 0 && n > 0:
+			return peekBytes
+		}
+		return peekEnd
+	}
 }

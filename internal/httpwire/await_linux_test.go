@@ -309,7 +309,7 @@ func TestWriteAwaitingWaitsForTheAnswerWithoutALookFirst(t *testing.T) {
 	}
 	w := newWaiter(c)
 	for i := range 200 {
-		written, err := WriteAwaiting(raw, &w.src, []byte("req"), []byte("uest"))
+		written, err := WriteAwaiting(raw, &w.src, []byte("req"), []byte("uest"), false)
 		if !written || err != nil {
 			t.Fatalf("exchange %d: written %v, %v", i, written, err)
 		}
@@ -335,7 +335,7 @@ func TestWriteAwaitingTellsTheWriteFromTheWait(t *testing.T) {
 	}
 	w := newWaiter(c)
 	c.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
-	written, err := WriteAwaiting(raw, &w.src, []byte("unanswered"), nil)
+	written, err := WriteAwaiting(raw, &w.src, []byte("unanswered"), nil, false)
 	if !written || !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("no answer before the read deadline: written %v, %v; want written, the deadline's error", written, err)
 	}
@@ -349,13 +349,13 @@ func TestWriteAwaitingTellsTheWriteFromTheWait(t *testing.T) {
 
 	c.SetReadDeadline(time.Time{})
 	c.SetWriteDeadline(time.Unix(1, 0))
-	written, err = WriteAwaiting(raw, &w.src, []byte("late"), nil)
+	written, err = WriteAwaiting(raw, &w.src, []byte("late"), nil, false)
 	if written || !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("past the write deadline: written %v, %v; want not written, the deadline's error", written, err)
 	}
 
 	c.Close()
-	written, err = WriteAwaiting(raw, &w.src, []byte("closed"), nil)
+	written, err = WriteAwaiting(raw, &w.src, []byte("closed"), nil, false)
 	if written || err == nil {
 		t.Errorf("on a closed connection: written %v, %v; want not written, an error", written, err)
 	}
@@ -380,7 +380,7 @@ func TestWriteAwaitingWritesALargeBodyWhole(t *testing.T) {
 		t.Fatal(err)
 	}
 	w := newWaiter(c)
-	if written, err := WriteAwaiting(raw, &w.src, []byte("head"), body); !written || err != nil {
+	if written, err := WriteAwaiting(raw, &w.src, []byte("head"), body, false); !written || err != nil {
 		t.Fatalf("written %v, %v", written, err)
 	}
 	if all := <-got; string(all[:4]) != "head" || !bytes.Equal(all[4:], body) {
@@ -388,5 +388,51 @@ func TestWriteAwaitingWritesALargeBodyWhole(t *testing.T) {
 	}
 	if b, err := w.br.Peek(2); string(b) != "ok" || err != nil {
 		t.Errorf("answer %q, %v", b, err)
+	}
+}
+
+// With check, what the peer sent or did before the request — bytes unasked, a close, a close of
+// its sending side only — is found before a byte of the request is written, and the request is
+// not written: the wait would otherwise never hear of it (readiness is reset when the wait is
+// armed). With nothing there the request goes as without the check.
+func TestWriteAwaitingChecksBeforeItWrites(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		before func(peer *net.TCPConn)
+		want   error
+	}{
+		{"bytes", func(peer *net.TCPConn) { peer.Write([]byte("HTTP/1.1 200 OK\r\n")) }, ErrStrayBytes},
+		{"close", func(peer *net.TCPConn) { peer.Close() }, ErrStrayEnd},
+		{"half close", func(peer *net.TCPConn) { peer.CloseWrite() }, ErrStrayEnd},
+		{"reset", func(peer *net.TCPConn) { peer.SetLinger(0); peer.Close() }, ErrStrayEnd},
+		{"nothing", func(*net.TCPConn) {}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, peer := tcpPair(t)
+			tc.before(peer)
+			time.Sleep(20 * time.Millisecond) // arrived, and its wake-up spent before the wait is armed
+			raw, err := c.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			w := newWaiter(c)
+			if tc.want == nil {
+				echoPeer(t, peer, "request", "answer")
+			}
+			written, err := WriteAwaiting(raw, &w.src, []byte("request"), nil, true)
+			if written != (tc.want == nil) || !errors.Is(err, tc.want) {
+				t.Fatalf("written %v, %v; want written %v, %v", written, err, tc.want == nil, tc.want)
+			}
+			if tc.want != nil {
+				peer.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+				if n, _ := peer.Read(make([]byte, 16)); n > 0 {
+					t.Errorf("the peer read %d bytes of a request that should not have been written", n)
+				}
+				return
+			}
+			if b, err := w.br.Peek(len("answer")); string(b) != "answer" || err != nil {
+				t.Errorf("answer %q, %v", b, err)
+			}
+		})
 	}
 }

@@ -3,6 +3,7 @@
 package httpwire
 
 import (
+	"errors"
 	"net"
 	"syscall"
 )
@@ -24,8 +25,9 @@ func readNow(fd uintptr, p []byte) (int, error) { return 0, syscall.EINVAL }
 func Pending(raw syscall.RawConn) (pending, ok bool) { return false, false }
 
 // WriteAwaiting writes head, then body (nil for none), to src.Conn; the caller's read waits for
-// the answer, with its buffer. written is false when the request was not written whole.
-func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte) (written bool, err error) {
+// the answer, with its buffer, and check is the caller's to make before (Awaits is false here).
+// written is false when the request was not written whole.
+func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte, check bool) (written bool, err error) {
 	if body == nil {
 		_, err = src.Conn.Write(head)
 	} else {
@@ -37,3 +39,9 @@ func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte) (written
 	}
 	return err == nil, err
 }
+
+// ErrStrayBytes and ErrStrayEnd are never returned here: WriteAwaiting does not check.
+var (
+	ErrStrayBytes = errors.New("httpwire: the peer sent bytes before the request")
+	ErrStrayEnd   = errors.New("httpwire: the peer closed before the request")
+)

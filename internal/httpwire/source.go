@@ -25,6 +25,7 @@ type Source struct {
 	look   func(fd uintptr) bool // FillWaiting's look at the descriptor, made once
 	send   func(fd uintptr) bool // WriteAwaiting's write, then its looks, made once
 	out    [2][]byte             // what WriteAwaiting writes: a head and a body (nil when none)
+	check  bool                  // WriteAwaiting's look for stray bytes before the write
 	wrote  bool
 	werr   error
 	fd     uintptr

@@ -26,8 +26,8 @@ func (c *conn) awaitData() {
 // is armed before the request leaves, so the read that follows finds the answer's first bytes
 // buffered instead of looking at the descriptor once in vain. It returns the write's error; the
 // wait's end (the request's cancellation, a close) is the next read's to report.
-func (c *conn) send(head, body []byte) error {
-	if !httpwire.Awaits || c.raw == nil || c.br.Buffered() > 0 { // elsewhere the read waits, with its buffer
+func (c *conn) send(head, body []byte, reused bool) error {
+	if !c.checkedAtWrite() || c.br.Buffered() > 0 { // elsewhere the read waits, with its buffer
 		var err error
 		if body == nil {
 			_, err = c.c.Write(head)
@@ -38,7 +38,7 @@ func (c *conn) send(head, body []byte) error {
 		return err
 	}
 	c.dropReader()
-	written, err := httpwire.WriteAwaiting(c.raw, &c.src, head, body)
+	written, err := httpwire.WriteAwaiting(c.raw, &c.src, head, body, reused)
 	if c.br == nil {
 		c.takeReader()
 	}
@@ -47,6 +47,11 @@ func (c *conn) send(head, body []byte) error {
 	}
 	return nil
 }
+
+// checkedAtWrite says whether an idle connection is checked for stray bytes as its next request
+// is written (httpwire.WriteAwaiting, inside the armed wait: nothing the engine sent or did before
+// or after the look is missed), rather than when it is taken (stray).
+func (c *conn) checkedAtWrite() bool { return httpwire.Awaits && c.raw != nil }
 
 // reader returns c's read buffer, taking one from the pool when it holds none.
 func (c *conn) reader() *bufio.Reader {

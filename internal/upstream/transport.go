@@ -119,18 +119,30 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	// A request is sent once: an engine that read it may have acted on it, so a failure after
 	// the write is Baton's retry policy's to judge, never resent here. A connection the engine
-	// closed while idle is found before use (stray).
-	c, _, err := t.get(ctx, host)
-	if err != nil {
-		return nil, err
+	// closed or wrote to while idle is found before the request is written (stray), and the next
+	// one is tried.
+	for {
+		c, reused, err := t.get(ctx, host)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := t.exchange(ctx, c, req, body, reused)
+		if err == errStray {
+			continue
+		}
+		return resp, err
 	}
-	return t.exchange(ctx, c, req, body)
 }
+
+// errStray is an idle connection found stray as the request was about to be written on it: it
+// was closed, nothing written, and another is taken.
+var errStray = errors.New("upstream: idle connection found stray")
 
 var errStale = errors.New("upstream: connection closed before an answer")
 
-// exchange writes req on c and reads the answer's head.
-func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, body []byte) (*http.Response, error) {
+// exchange writes req on c and reads the answer's head; reused says c was idle, to be checked
+// for stray bytes or its close before the write where get did not (errStray: c was).
+func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, body []byte, reused bool) (*http.Response, error) {
 	stop := context.AfterFunc(ctx, func() { _ = c.c.SetDeadline(time.Unix(1, 0)) })
 	bp := wbufPool.Get().(*[]byte)
 	buffersOut.Add(1)
@@ -142,8 +154,17 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 		tail = body
 	}
 	*bp, c.wbuf = buf, bp
-	err := c.send(buf, tail)
+	err := c.send(buf, tail, reused)
 	c.wrote()
+	if err == httpwire.ErrStrayBytes || err == httpwire.ErrStrayEnd {
+		stop()
+		if err == httpwire.ErrStrayBytes && t.OnUnsolicited != nil {
+			t.OnUnsolicited()
+		}
+		c.dropReader()
+		c.c.Close()
+		return nil, errStray
+	}
 	if err != nil {
 		// The engine may have answered before it stopped reading (a 413 for a body too large):
 		// that answer, already arrived, is the request's — relayed, not lost behind a write error.
@@ -343,7 +364,7 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		t.idle[host] = list
 		t.mu.Unlock()
 		c.takeReader()
-		if !c.stray() {
+		if c.checkedAtWrite() || !c.stray() {
 			return c, true, nil
 		}
 		if t.OnUnsolicited != nil && c.unsolicited() {

@@ -383,7 +383,7 @@ func FuzzAnswer(f *testing.F) {
 		c := &conn{c: &fakeConn{r: bytes.NewReader(answer)}, host: "x:80"}
 		c.br = bufio.NewReaderSize(c.c, readBufSize)
 		req, _ := http.NewRequest(http.MethodPost, "http://x/", nil)
-		resp, err := tr.exchange(context.Background(), c, req, []byte("{}"))
+		resp, err := tr.exchange(context.Background(), c, req, []byte("{}"), false)
 		if err != nil {
 			return
 		}
@@ -395,7 +395,7 @@ func FuzzAnswer(f *testing.F) {
 		// The same answer read through Next's views: the same bytes, the same verdict.
 		c = &conn{c: &fakeConn{r: bytes.NewReader(answer)}, host: "x:80"}
 		c.br = bufio.NewReaderSize(c.c, readBufSize)
-		resp, err = tr.exchange(context.Background(), c, req, []byte("{}"))
+		resp, err = tr.exchange(context.Background(), c, req, []byte("{}"), false)
 		if err != nil {
 			t.Fatalf("the second exchange failed: %v", err)
 		}
@@ -460,7 +460,7 @@ func FuzzAnswerAgainstReadResponse(f *testing.F) {
 		req, _ := http.NewRequest(http.MethodPost, "http://x/", nil)
 		c := &conn{c: &fakeConn{r: bytes.NewReader(answer)}, host: "x:80"}
 		c.br = bufio.NewReaderSize(c.c, readBufSize)
-		resp, err := newT().exchange(context.Background(), c, req, []byte("{}"))
+		resp, err := newT().exchange(context.Background(), c, req, []byte("{}"), false)
 		if err != nil {
 			return
 		}

@@ -213,3 +213,43 @@ func TestWaitingForAnAnswerHoldsNoBuffer(t *testing.T) {
 		t.Errorf("%d buffers held while %d requests waited for their answers; want none", held, waiting)
 	}
 }
+
+// An engine that closes only its sending side of an idle connection, and still reads, has the
+// connection found stray before the next request is written on it: that request goes on a fresh
+// connection instead of waiting for an answer the half-closed one can never bring.
+func TestAnIdleConnectionHalfClosedIsNotUsed(t *testing.T) {
+	var conns atomic.Int64
+	url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+		n := conns.Add(1)
+		for {
+			if _, err := readReq(br); err != nil {
+				return
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			if n == 1 {
+				c.(*net.TCPConn).CloseWrite()
+				io.Copy(io.Discard, br) // still reading: a request written here is never answered
+				return
+			}
+		}
+	})
+	tr := newT()
+	for i := range 2 {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		resp, err := send(t, tr, ctx, url, "{}")
+		if err != nil {
+			cancel()
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		cancel()
+		if string(b) != "ok" || err != nil {
+			t.Fatalf("request %d: %q, %v", i, b, err)
+		}
+		time.Sleep(20 * time.Millisecond) // the engine's end has arrived, its wake-up spent
+	}
+	if n := conns.Load(); n != 2 {
+		t.Errorf("%d connections; want the half-closed one left for a second", n)
+	}
+}
