@@ -231,11 +231,11 @@ func (l smallSendListener) Accept() (net.Conn, error) {
 	return c, err
 }
 
-// An answer's last bytes leave with the wait for the next request, yet still under the write
-// deadline the request set: a client that sends requests and reads none of the answers gets the
-// connection closed once a write blocks past that deadline, not held open by a write that
-// waits for it for good. The requests come one at a time, so that the server is waiting, its
-// buffer empty, when each answer's bytes leave.
+// An answer's last bytes — the whole answer when it fits the answer buffer, written when the
+// handler returned — leave under the write deadline the request set: a client that sends
+// requests and reads none of the answers gets the connection closed once a write blocks past
+// that deadline, not held open by a write that waits for it for good. The requests come one at
+// a time, as a client waiting for each answer sends them.
 func TestTheLastBytesLeaveUnderTheRequestsWriteDeadline(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
