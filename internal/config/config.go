@@ -257,7 +257,7 @@ type Config struct {
 	// HTTPServer baton: less CPU per request and memory per open stream; Linux only, elsewhere
 	// net is used.
 	HTTPServer string `json:"http_server" flag:"http-server" default:"baton" oneof:"baton|net" help:"server of the API listener: baton (Baton's own HTTP/1.1 server; Linux) or net (Go's net/http)"`
-	// UpstreamClient baton checks an idle connection for stray bytes when it reuses it rather
+	// UpstreamClient baton checks an idle connection for stray bytes just before it writes on it rather
 	// than watching it; an answer out of step that arrives later is caught by correlation where
 	// the engine echoes X-Request-Id, under either client (docs/REFERENCE.md, Security).
 	UpstreamClient string `json:"upstream_client" flag:"upstream-client" default:"baton" oneof:"net|baton" help:"HTTP client to the engines: baton (Baton's own HTTP/1.1 client: less CPU and memory per request and open stream) or net (Go's net/http transport; watches idle connections)"`

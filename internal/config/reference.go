@@ -102,7 +102,7 @@ var referenceTables = [...][]refRow{
 		{Keys: []string{"shutdown_grace_period"}, Meaning: "how long in-flight requests and streams may drain after SIGTERM"},
 		{Keys: []string{"read_header_timeout"}, Meaning: "a client must send its request headers within this"},
 		{Keys: []string{"idle_timeout"}, Meaning: "idle keep-alive client connections close after this; streams are never cut"},
-		{Keys: []string{"upstream_client"}, Meaning: "HTTP client to the engines: `net` (Go's net/http transport: it watches idle connections and drops one an engine writes to unasked) or `baton` (Baton's own HTTP/1.1 client: less memory per open stream; it checks a connection for pending bytes when it reuses it rather than watching it while idle)"},
+		{Keys: []string{"upstream_client"}, Meaning: "HTTP client to the engines: `net` (Go's net/http transport: it watches idle connections and drops one an engine writes to unasked) or `baton` (Baton's own HTTP/1.1 client: less memory per open stream; it checks a connection for pending bytes just before it writes a request on it, rather than watching it while idle)"},
 		{Keys: []string{"http_server"}, Meaning: "server of the API listener: `baton` (Baton's own HTTP/1.1 server, Linux; elsewhere `net` is used) or `net` (Go's net/http)"},
 		{Keys: []string{"enable_pprof"}, Meaning: "serve `/debug/pprof/` on the metrics port"},
 		{Keys: []string{"forward_sim_faults"}, Meaning: "forward a client's `X-Sim-Fault` header to the workers (tests, demos)"},

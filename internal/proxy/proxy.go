@@ -139,7 +139,7 @@ type ReadError = outcome.ReadError
 // NewTransport returns the pooled upstream transport Baton uses for every worker: client "baton"
 // (the default) is Baton's own HTTP/1.1 client (package upstream: no goroutines per connection,
 // one write per request, less memory per open stream; it checks a connection for stray bytes
-// when it reuses it), with net/http's transport behind it for https workers; "net" is net/http's
+// just before it writes a request on it), with net/http's transport behind it for https workers; "net" is net/http's
 // transport (StdTransport), which reads every idle connection in the background and drops one
 // an engine writes to unasked. Under either, an answer out of step is caught where the engine
 // names its answers after the request id (correlate). Compression is left to the engines and
