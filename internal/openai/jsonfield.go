@@ -347,10 +347,30 @@ func changedBetween(body []byte, from, to int) bool {
 	return commas != 1
 }
 
+// appendKey appends key as encoding/json writes a string, then a colon: a key of printable ASCII
+// that json.Marshal would not escape (the keys Baton sets) is copied as it is, any other is
+// marshalled (FuzzAppendKey holds the two to the same bytes).
 func appendKey(out []byte, key string) []byte {
+	if plainKey(key) {
+		out = append(out, '"')
+		out = append(out, key...)
+		return append(out, '"', ':')
+	}
 	k, _ := json.Marshal(key)
 	out = append(out, k...)
 	return append(out, ':')
+}
+
+// plainKey says whether json.Marshal writes s between quotes unchanged: printable ASCII without
+// a quote, a backslash or the characters it escapes for HTML.
+func plainKey(s string) bool {
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c < 0x20 || c > 0x7e, c == '"', c == '\\', c == '<', c == '>', c == '&':
+			return false
+		}
+	}
+	return true
 }
 
 // eachElement calls fn with the raw bytes of each element of the JSON array raw, in order,

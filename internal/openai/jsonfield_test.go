@@ -349,3 +349,18 @@ func TestRequestGetUsesTheIndex(t *testing.T) {
 		}
 	}
 }
+
+// FuzzAppendKey holds appendKey's copied keys to json.Marshal's bytes, for any key: printable,
+// escaped, HTML characters, control characters, invalid UTF-8.
+func FuzzAppendKey(f *testing.F) {
+	for _, s := range []string{"max_tokens", "kv_transfer_params", "", `a"b`, `a\b`, "<x>", "a&b", "\x00", "\x7f", "é", "\u2028", "\xff", "~ !#"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, key string) {
+		want, _ := json.Marshal(key)
+		want = append(want, ':')
+		if got := appendKey([]byte("{"), key); string(got[1:]) != string(want) {
+			t.Fatalf("appendKey(%q) = %s, json.Marshal gives %s", key, got[1:], want)
+		}
+	})
+}
