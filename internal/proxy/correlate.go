@@ -36,7 +36,10 @@ var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (na
 //
 // A worker not seen doing either since it last registered (an engine that names answers its own
 // way, or a proxy before it that sets its own id) is not judged: GET /workers says which are.
-func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Response, err error) (*http.Response, error) {
+//
+// The answer is judged by the worker's proof as it stood when the request was sent (proof): a
+// worker judged anew meanwhile (its circuit opened) still has the answers already under way judged.
+func (p *Proxy) correlate(out *http.Request, w *worker.Worker, proof worker.Proof, resp *http.Response, err error) (*http.Response, error) {
 	if err != nil {
 		return resp, err
 	}
@@ -49,7 +52,7 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Respon
 	case got == sent:
 		w.NoteEcho()
 		return resp, nil
-	case w.Echoes():
+	case proof.ByHeader():
 		// A worker that echoes every answer's id gave this one another id, or none: bytes that
 		// are no answer of its to this request (a duplicate, or stray bytes read as an answer).
 		resp.Body.Close() // before its end: the connection is closed, never reused
@@ -62,7 +65,7 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, resp *http.Respon
 	if prefix == "" {
 		return resp, nil
 	}
-	pr := prover{ReadCloser: resp.Body, p: p, w: w, sent: sent, prefix: prefix}
+	pr := prover{ReadCloser: resp.Body, p: p, w: w, proof: proof, sent: sent, prefix: prefix, left: resp.ContentLength}
 	if v, ok := resp.Body.(viewer); ok {
 		resp.Body = &provingViewer{prover: pr, v: v} // one allocation for both
 	} else {
@@ -86,11 +89,33 @@ type prover struct {
 	io.ReadCloser
 	p       *Proxy
 	w       *worker.Worker
+	proof   worker.Proof // the worker's when the request was sent
 	sent    string
 	prefix  string // the route's: chatcmpl- or cmpl-
 	decided bool
 	held    []byte // the first bytes, read while they could not be judged yet
 	heldErr error  // the read error that came with the last of them
+	// left is what remains of a body of known length (-1: unknown) while it is not judged: its
+	// last byte is not read before the verdict, for a client hands a connection back to its pool
+	// with the read that ends its body, and an answer out of step must close it instead.
+	left int64
+}
+
+// short is b, less the body's last byte while the answer is not judged (see left).
+func (r *prover) short(b []byte) []byte {
+	if r.left > 1 && int64(len(b)) >= r.left {
+		return b[:r.left-1]
+	}
+	return b
+}
+
+// undecidedRead reads into b while the answer is not judged, keeping its last byte unread.
+func (r *prover) undecidedRead(b []byte) (int, error) {
+	n, err := r.ReadCloser.Read(r.short(b))
+	if r.left > 0 {
+		r.left -= int64(n)
+	}
+	return n, err
 }
 
 // judge decides on the first bytes b of the answer, read with rerr (the read that ended them,
@@ -111,7 +136,7 @@ func (r *prover) judge(b []byte, rerr error) (bool, error) {
 	case v == idFound && string(id) == r.prefix+r.sent:
 		r.w.NoteIDEcho()
 		return true, nil
-	case !r.w.IDEchoes():
+	case !r.proof.ByID():
 		return true, nil // an engine not known to name its answers after the request
 	}
 	// A worker whose engine begins every answer with the request's id began this one with
@@ -138,7 +163,7 @@ func (r *prover) Read(b []byte) (int, error) {
 		r.held = nil
 		return n, r.heldErr
 	}
-	n, err := r.ReadCloser.Read(b)
+	n, err := r.undecidedRead(b)
 	if n == 0 && err == nil {
 		return 0, nil
 	}
@@ -152,7 +177,7 @@ func (r *prover) Read(b []byte) (int, error) {
 	// A first read too short to judge (a tiny first chunk, a split segment): hold it and read on.
 	r.held = append(make([]byte, 0, idWindow), b[:n]...)
 	for !ok {
-		m, err := r.ReadCloser.Read(r.held[len(r.held):cap(r.held)])
+		m, err := r.undecidedRead(r.held[len(r.held):cap(r.held)])
 		r.held = r.held[:len(r.held)+m]
 		if ok, jerr = r.judge(r.held, err); jerr != nil {
 			r.held = nil

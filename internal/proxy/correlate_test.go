@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"testing/iotest"
@@ -74,13 +76,13 @@ func (v *oneByteViewer) Next() ([]byte, error) {
 // a reader of a byte at a time (whichever way a body is read: Read, or views).
 func readProven(t *testing.T, w *worker.Worker, body string, views bool) (string, error) {
 	t.Helper()
-	pr := &prover{ReadCloser: io.NopCloser(iotest.OneByteReader(strings.NewReader(body))), p: &Proxy{}, w: w, sent: "req-1", prefix: "cmpl-"}
+	pr := &prover{ReadCloser: io.NopCloser(iotest.OneByteReader(strings.NewReader(body))), p: &Proxy{}, w: w, proof: w.Proof(), sent: "req-1", prefix: "cmpl-"}
 	if !views {
 		b, err := io.ReadAll(pr)
 		return string(b), err
 	}
 	v := &oneByteViewer{ReadCloser: io.NopCloser(nil), rest: body}
-	pv := &provingViewer{prover: prover{ReadCloser: v, p: &Proxy{}, w: w, sent: "req-1", prefix: "cmpl-"}, v: v}
+	pv := &provingViewer{prover: prover{ReadCloser: v, p: &Proxy{}, w: w, proof: w.Proof(), sent: "req-1", prefix: "cmpl-"}, v: v}
 	var out []byte
 	for {
 		b, err := pv.Next()
@@ -204,6 +206,101 @@ func TestAnAnswerFailingBeforeItsIDIsNoMismatch(t *testing.T) {
 			if !errors.Is(err, cause) || errors.Is(err, ErrAnotherAnswer) {
 				t.Errorf("%q then %v: %v", first, cause, err)
 			}
+		}
+	}
+}
+
+// endTracker is an answer body of known length that notes whether its last byte was read before
+// it was closed: the read that ends a body hands its connection back to the client's pool, and an
+// answer out of step must close the connection instead.
+type endTracker struct {
+	r                io.Reader
+	left             int
+	closed, endFirst bool
+}
+
+func (e *endTracker) Read(p []byte) (int, error) {
+	n, err := e.r.Read(p)
+	e.left -= n
+	if e.left == 0 {
+		e.endFirst = e.endFirst || !e.closed
+		err = io.EOF
+	}
+	return n, err
+}
+
+func (e *endTracker) Close() error { e.closed = true; return nil }
+
+// An answer out of step of known length is judged before its last byte is read, so that its
+// connection is closed rather than handed back to the pool by the read that ends it — however
+// large the reads, and whether the answer fits one; an answer that is its request's is read
+// whole.
+func TestAnAnswerOutOfStepIsJudgedBeforeItsEnd(t *testing.T) {
+	proven := worker.New(config.Worker{URL: "http://proven"})
+	proven.NoteIDEcho()
+	for _, tc := range []struct {
+		body    string
+		refused bool
+	}{
+		{`{"id":"cmpl-req-0","choices":[{"text":"another's"}]}`, true},
+		{`{"id":"cmpl-req-0"}`, true},
+		{`{"choices":[]}`, true},
+		{`{"id":"cmpl-req-1","choices":[{"text":"mine"}]}`, false},
+	} {
+		for _, size := range []int{1, 7, 64, 4096} {
+			e := &endTracker{r: strings.NewReader(tc.body), left: len(tc.body)}
+			pr := &prover{ReadCloser: e, p: &Proxy{}, w: proven, proof: proven.Proof(), sent: "req-1", prefix: "cmpl-", left: int64(len(tc.body))}
+			var out []byte
+			var err error
+			buf := make([]byte, size)
+			for {
+				var n int
+				n, err = pr.Read(buf)
+				out = append(out, buf[:n]...)
+				if err != nil {
+					break
+				}
+			}
+			switch {
+			case tc.refused && (!errors.Is(err, ErrAnotherAnswer) || e.endFirst || !e.closed):
+				t.Errorf("%q, reads of %d: %v, its end read before it was closed %v, closed %v", tc.body, size, err, e.endFirst, e.closed)
+			case !tc.refused && (err != io.EOF || string(out) != tc.body):
+				t.Errorf("%q, reads of %d: relayed %q, %v", tc.body, size, out, err)
+			}
+		}
+	}
+}
+
+// An answer is judged by its worker's proof as it stood when its request was sent: a worker
+// judged anew while the answer was on its way (its circuit opened) still has it judged, by the
+// header or by its id.
+func TestAnAnswerUnderWayIsJudgedAsItsWorkerWasProvenWhenSent(t *testing.T) {
+	for _, byHeader := range []bool{true, false} {
+		w := worker.New(config.Worker{URL: "http://proven"})
+		if byHeader {
+			w.NoteEcho()
+		} else {
+			w.NoteIDEcho()
+		}
+		proof := w.Proof()
+		w.ForgetCorrelation() // judged anew while the answer is under way
+		body := `{"id":"cmpl-req-0","choices":[{"text":"another's"}]}`
+		out := httptest.NewRequest(http.MethodPost, "http://proven/v1/completions", nil)
+		out.Header.Set("X-Request-Id", "req-1")
+		resp := &http.Response{StatusCode: 200, Header: http.Header{"X-Request-Id": {"req-0"}}, Body: io.NopCloser(strings.NewReader(body)), ContentLength: int64(len(body))}
+		if !byHeader {
+			resp.Header = http.Header{}
+		}
+		got, err := (&Proxy{}).correlate(out, w, proof, resp, nil)
+		if err == nil {
+			var b []byte
+			b, err = io.ReadAll(got.Body)
+			if err == nil {
+				t.Errorf("by header %v: another request's answer relayed: %s", byHeader, b)
+			}
+		}
+		if !errors.Is(err, ErrAnotherAnswer) {
+			t.Errorf("by header %v: %v, want ErrAnotherAnswer", byHeader, err)
 		}
 	}
 }

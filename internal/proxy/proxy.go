@@ -298,8 +298,9 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	if tracing.Enabled() {
 		return p.sendTraced(ctx, out, leg, &c)
 	}
+	proof := leg.W.Proof()
 	resp, err := informational(p.Transport.RoundTrip(out))
-	resp, err = p.correlate(out, leg.W, resp, err)
+	resp, err = p.correlate(out, leg.W, proof, resp, err)
 	given(c.Rec, leg, resp, err)
 	return letGo(resp, err)
 }
@@ -321,8 +322,9 @@ func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *
 	if leg.W.KVConnector != "" {
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
+	proof := leg.W.Proof()
 	resp, err := informational(p.Transport.RoundTrip(out))
-	resp, err = p.correlate(out, leg.W, resp, err)
+	resp, err = p.correlate(out, leg.W, proof, resp, err)
 	given(c.Rec, leg, resp, err)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, err.Error())

@@ -477,7 +477,24 @@ func (w *Worker) NoteEcho() { w.noteCorrelation(correlatedByHeader) }
 
 // Echoes reports whether the worker's engine was seen echoing Baton's X-Request-Id: its answers
 // are proven to be their requests' before a byte is relayed.
-func (w *Worker) Echoes() bool { return w.correlation.Load() == correlatedByHeader }
+func (w *Worker) Echoes() bool { return w.Proof().ByHeader() }
+
+// Proof is how a worker's answers were proven when a request was sent to it: its answer is
+// judged by that, not by what the worker's proof became while the answer was on its way (a
+// circuit that opened meanwhile forgets it, and the answers already under way on connections
+// that may be out of step would pass unjudged).
+type Proof uint32
+
+// Proof returns how the worker's answers are proven now, to judge the answer of a request about
+// to be sent by.
+func (w *Worker) Proof() Proof { return Proof(w.correlation.Load()) }
+
+// ByHeader: the answer must echo the X-Request-Id sent.
+func (p Proof) ByHeader() bool { return uint32(p) == correlatedByHeader }
+
+// ByID: the answer (a 200 of a route whose answers carry an id) must begin with an id named
+// after the X-Request-Id sent.
+func (p Proof) ByID() bool { return uint32(p) >= correlatedByID }
 
 // NoteIDEcho records that the worker's engine named an answer after the X-Request-Id Baton sent
 // (vLLM's chatcmpl-<id> and cmpl-<id>, with or without --enable-request-id-headers).
@@ -485,7 +502,7 @@ func (w *Worker) NoteIDEcho() { w.noteCorrelation(correlatedByID) }
 
 // IDEchoes reports whether the worker's engine was seen naming its answers after Baton's
 // X-Request-Id: an answer named after another request is one out of step.
-func (w *Worker) IDEchoes() bool { return w.correlation.Load() >= correlatedByID }
+func (w *Worker) IDEchoes() bool { return w.Proof().ByID() }
 
 // Correlation names how the worker's answers are proven, as GET /workers shows it:
 // "x-request-id", "answer-id" or "none".
