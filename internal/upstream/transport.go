@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -67,6 +68,10 @@ type conn struct {
 	host   string
 	idleAt time.Time
 	wbuf   *[]byte // the request being written, until it was (wrote)
+	// lastID is the X-Request-Id of the last request written on the connection: a late
+	// duplicate of its answer would be named like the answer of a request with the same id,
+	// which must therefore take another connection (get).
+	lastID string
 }
 
 // wrote gives the request's write buffer back once the request left (or failed to), so that the
@@ -121,11 +126,16 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	// the write is Baton's retry policy's to judge, never resent here. A connection the engine
 	// closed or wrote to while idle is found before the request is written (stray), and the next
 	// one is tried.
+	var id string
+	if v := req.Header["X-Request-Id"]; len(v) == 1 {
+		id = v[0]
+	}
 	for {
-		c, reused, err := t.get(ctx, host)
+		c, reused, err := t.get(ctx, host, id)
 		if err != nil {
 			return nil, err
 		}
+		c.lastID = id
 		resp, err := t.exchange(ctx, c, req, body, reused)
 		if err == errStray {
 			continue
@@ -351,16 +361,23 @@ func truncate(s string) string {
 }
 
 // get returns an idle connection to host, or dials one.
-func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
+func (t *Transport) get(ctx context.Context, host, id string) (*conn, bool, error) {
 	t.mu.Lock()
 	list := t.idle[host]
-	for len(list) > 0 {
-		c := list[len(list)-1]
-		list = list[:len(list)-1]
+	for i := len(list) - 1; i >= 0; i-- {
+		c := list[i]
 		if time.Since(c.idleAt) >= t.IdleTimeout {
+			list = slices.Delete(list, i, i+1)
 			c.c.Close()
 			continue
 		}
+		if id != "" && c.lastID == id {
+			// Its last request carried this request's id (a client that sends one id with
+			// several requests): an answer of that one arriving late could not be told from
+			// this one's. Another connection is taken, this one left for other requests.
+			continue
+		}
+		list = slices.Delete(list, i, i+1)
 		t.idle[host] = list
 		t.mu.Unlock()
 		c.takeReader()
@@ -374,6 +391,7 @@ func (t *Transport) get(ctx context.Context, host string) (*conn, bool, error) {
 		c.c.Close()
 		t.mu.Lock()
 		list = t.idle[host]
+		i = len(list) // the list may have changed meanwhile: from its end again
 	}
 	t.idle[host] = list
 	t.mu.Unlock()

@@ -7,7 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -251,5 +254,49 @@ func TestAnIdleConnectionHalfClosedIsNotUsed(t *testing.T) {
 	}
 	if n := conns.Load(); n != 2 {
 		t.Errorf("%d connections; want the half-closed one left for a second", n)
+	}
+}
+
+// A request never takes a connection whose last request carried the same X-Request-Id (a client
+// that sends one id with several requests): a late duplicate of that answer would be named like
+// this one's. Such a connection stays for requests with other ids; without ids, reuse is as ever.
+func TestARequestIDIsNeverSentTwiceInARowOnAConnection(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string // "<connection>:<id>" for every request, in order
+	var conns atomic.Int64
+	url := rawServer(t, func(c net.Conn, br *bufio.Reader) {
+		n := conns.Add(1)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			io.Copy(io.Discard, req.Body)
+			mu.Lock()
+			seen = append(seen, fmt.Sprintf("%d:%s", n, req.Header.Get("X-Request-Id")))
+			mu.Unlock()
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	tr := newT()
+	defer tr.CloseIdleConnections()
+	for _, id := range []string{"same", "same", "other", "same", "", ""} {
+		req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader("{}"))
+		if id != "" {
+			req.Header.Set("X-Request-Id", id)
+		}
+		resp, err := tr.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	// The second "same" takes a new connection; "other" reuses the last one; the third "same"
+	// goes where "other" went; requests without an id reuse it too.
+	if want := []string{"1:same", "2:same", "2:other", "2:same", "2:", "2:"}; !slices.Equal(seen, want) {
+		t.Errorf("requests by connection %v, want %v", seen, want)
 	}
 }
