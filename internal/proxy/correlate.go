@@ -142,6 +142,12 @@ func (r *prover) judge(b []byte, rerr error) (bool, error) {
 	// A worker whose engine begins every answer with the request's id began this one with
 	// another's, or with none: bytes that are no answer of its to this request.
 	r.ReadCloser.Close() // before its end: the connection is closed, never reused
+	if rerr == io.EOF {
+		// The read that gave the last of these bytes ended the body (a chunked answer whose end
+		// was already read: net/http's client ends the body with its last data), and the client
+		// may have handed the connection back to its pool: the worker's idle connections go.
+		CloseIdle(r.p.Transport, r.w.URL)
+	}
 	got := string(id)
 	if v != idFound {
 		got = "(none)"

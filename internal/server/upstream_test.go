@@ -251,3 +251,57 @@ func TestAnAnswerOutOfStepIsCaughtByItsID(t *testing.T) {
 		})
 	}
 }
+
+// An answer proven out of step by its id never leaves its connection in the pool, whatever its
+// framing and under both clients — also where the read that gave its first bytes already ended
+// it (a small chunked answer: net/http's client ends the body with the last data when the last
+// chunk is already read, and hands the connection back): the request's retry, and every later
+// request, goes on a connection that did not carry it.
+func TestAConnectionThatCarriedAnAnswerOutOfStepIsNotUsedAgain(t *testing.T) {
+	t.Parallel()
+	for _, framing := range []string{"length", "chunked"} {
+		t.Run(framing, func(t *testing.T) {
+			t.Parallel()
+			eachUpstream(t, func(t *testing.T, client string) {
+				var mu sync.Mutex
+				last := map[net.Conn]string{} // the id each connection last answered for
+				bad := map[net.Conn]bool{}    // connections that carried an answer out of step
+				var reusedBad atomic.Int32
+				engine := gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+					rid := req.Header.Get("X-Request-Id")
+					mu.Lock()
+					if bad[c] {
+						reusedBad.Add(1)
+					}
+					named := rid
+					if prev, ok := last[c]; ok && prev != "" {
+						named, bad[c] = prev, true // every later answer on it lags one behind
+					}
+					last[c] = rid
+					mu.Unlock()
+					body := fmt.Sprintf(`{"id":"cmpl-%s","choices":[{"text":"for %s"}]}`, named, named)
+					if framing == "chunked" {
+						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n", len(body), body)
+					} else {
+						fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+					}
+					return true
+				})
+				s, gw, ws := gateway(t, []string{engine}, upstreamClient(t, client))
+				for i := range 6 {
+					rid := fmt.Sprintf("client-%d", i)
+					resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"mine"}`, "X-Request-Id", rid)
+					if resp.StatusCode != 200 || !strings.Contains(body, `"cmpl-`+rid) {
+						t.Fatalf("request %d (%s): %d %s", i, rid, resp.StatusCode, body)
+					}
+				}
+				if n := reusedBad.Load(); n != 0 {
+					t.Errorf("%d requests were written on a connection that had carried an answer out of step", n)
+				}
+				if !ws[0].IDEchoes() || testutil.ToFloat64(s.metrics.UpstreamErrors.WithLabelValues(ws[0].URL, metrics.KindMismatch)) == 0 {
+					t.Error("the worker is not proven by its answers' id, or no answer out of step was counted")
+				}
+			})
+		})
+	}
+}
