@@ -3,9 +3,7 @@
 package httpwire
 
 import (
-	"errors"
 	"io"
-	"net"
 	"syscall"
 	"unsafe"
 )
@@ -58,13 +56,6 @@ func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte, check bo
 	return written, err
 }
 
-// ErrStrayBytes and ErrStrayEnd are WriteAwaiting's check finding, before the request was
-// written, bytes the peer sent unasked, or its close (or a reset).
-var (
-	ErrStrayBytes = errors.New("httpwire: the peer sent bytes before the request")
-	ErrStrayEnd   = errors.New("httpwire: the peer closed before the request")
-)
-
 // sendThenLook writes the request on its first call (after the check, if asked), then looks at
 // the descriptor as lookAt does.
 func (s *Source) sendThenLook(fd uintptr) bool {
@@ -83,12 +74,7 @@ func (s *Source) sendThenLook(fd uintptr) bool {
 		}
 	}
 	s.wrote = true
-	if s.out[1] == nil {
-		_, s.werr = s.Conn.Write(s.out[0])
-	} else {
-		bufs := net.Buffers(s.out[:])
-		_, s.werr = bufs.WriteTo(s.Conn)
-	}
+	s.werr = WriteParts(s.Conn, s.out[0], s.out[1])
 	s.out = [2][]byte{} // the wait keeps nothing of the request: Sent may give its buffer back
 	if s.werr != nil {
 		s.wrote = false

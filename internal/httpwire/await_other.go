@@ -3,8 +3,6 @@
 package httpwire
 
 import (
-	"errors"
-	"net"
 	"syscall"
 )
 
@@ -28,20 +26,9 @@ func Pending(raw syscall.RawConn) (pending, ok bool) { return false, false }
 // the answer, with its buffer, and check is the caller's to make before (Awaits is false here).
 // written is false when the request was not written whole.
 func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte, check bool) (written bool, err error) {
-	if body == nil {
-		_, err = src.Conn.Write(head)
-	} else {
-		bufs := net.Buffers{head, body}
-		_, err = bufs.WriteTo(src.Conn)
-	}
+	err = WriteParts(src.Conn, head, body)
 	if err == nil && src.Sent != nil {
 		src.Sent()
 	}
 	return err == nil, err
 }
-
-// ErrStrayBytes and ErrStrayEnd are never returned here: WriteAwaiting does not check.
-var (
-	ErrStrayBytes = errors.New("httpwire: the peer sent bytes before the request")
-	ErrStrayEnd   = errors.New("httpwire: the peer closed before the request")
-)

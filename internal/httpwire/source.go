@@ -2,6 +2,7 @@ package httpwire
 
 import (
 	"bufio"
+	"errors"
 	"net"
 	"os"
 	"syscall"
@@ -55,3 +56,22 @@ func (s *Source) asRead(err error) error {
 	}
 	return &net.OpError{Op: "read", Net: s.Conn.LocalAddr().Network(), Source: s.Conn.LocalAddr(), Addr: s.Conn.RemoteAddr(), Err: os.NewSyscallError("read", errno)}
 }
+
+// WriteParts writes head, then body (nil for none) beside it, uncopied, to c.
+func WriteParts(c net.Conn, head, body []byte) error {
+	if body == nil {
+		_, err := c.Write(head)
+		return err
+	}
+	bufs := net.Buffers{head, body}
+	_, err := bufs.WriteTo(c)
+	return err
+}
+
+// ErrStrayBytes and ErrStrayEnd are WriteAwaiting's check finding, before the request was
+// written, bytes the peer sent unasked, or its close (or a reset); never returned where
+// WriteAwaiting does not check (Awaits false).
+var (
+	ErrStrayBytes = errors.New("httpwire: the peer sent bytes before the request")
+	ErrStrayEnd   = errors.New("httpwire: the peer closed before the request")
+)

@@ -298,11 +298,17 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	if tracing.Enabled() {
 		return p.sendTraced(ctx, out, leg, &c)
 	}
+	return letGo(p.exchange(out, leg, c.Rec))
+}
+
+// exchange sends out to the leg's worker and proves the answer its request's (correlate), by
+// the worker's proof as it stood when the request was sent; the record learns what came.
+func (p *Proxy) exchange(out *http.Request, leg *Leg, rec *record.Record) (*http.Response, error) {
 	proof := leg.W.Proof()
 	resp, err := informational(p.Transport.RoundTrip(out))
 	resp, err = p.correlate(out, leg.W, proof, resp, err)
-	given(c.Rec, leg, resp, err)
-	return letGo(resp, err)
+	given(rec, leg, resp, err)
+	return resp, err
 }
 
 // sendTraced is Send's exchange under a client span. (Apart from Send, so that an untraced
@@ -322,10 +328,7 @@ func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *
 	if leg.W.KVConnector != "" {
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
-	proof := leg.W.Proof()
-	resp, err := informational(p.Transport.RoundTrip(out))
-	resp, err = p.correlate(out, leg.W, proof, resp, err)
-	given(c.Rec, leg, resp, err)
+	resp, err := p.exchange(out, leg, c.Rec)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, err.Error())
 	} else {

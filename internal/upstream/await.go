@@ -2,7 +2,6 @@ package upstream
 
 import (
 	"bufio"
-	"net"
 
 	"github.com/baton-llm/baton/internal/httpwire"
 )
@@ -28,14 +27,7 @@ func (c *conn) awaitData() {
 // wait's end (the request's cancellation, a close) is the next read's to report.
 func (c *conn) send(head, body []byte, reused bool) error {
 	if !c.checkedAtWrite() || c.br.Buffered() > 0 { // elsewhere the read waits, with its buffer
-		var err error
-		if body == nil {
-			_, err = c.c.Write(head)
-		} else {
-			bufs := net.Buffers{head, body}
-			_, err = bufs.WriteTo(c.c)
-		}
-		return err
+		return httpwire.WriteParts(c.c, head, body)
 	}
 	c.dropReader()
 	written, err := httpwire.WriteAwaiting(c.raw, &c.src, head, body, reused)
