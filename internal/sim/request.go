@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 type route int
@@ -120,11 +121,11 @@ func caseSensitive(body []byte) []byte {
 	if json.Unmarshal(body, &top) != nil || top == nil {
 		return body
 	}
-	keep(top, fieldsOf[rawRequest]())
+	keep(top, requestFields())
 	for _, nested := range []struct {
 		key    string
 		fields map[string]bool
-	}{{"sampling_params", fieldsOf[rawSampling]()}, {"stream_options", map[string]bool{"include_usage": true}}} {
+	}{{"sampling_params", samplingFields()}, {"stream_options", streamOptionFields}} {
 		var obj map[string]json.RawMessage
 		if raw, ok := top[nested.key]; ok && json.Unmarshal(raw, &obj) == nil && obj != nil {
 			keep(obj, nested.fields)
@@ -136,6 +137,191 @@ func caseSensitive(body []byte) []byte {
 		return body
 	}
 	return out
+}
+
+// plainObject reports whether body reads as caseSensitive's rewrite of it reads, so that parse
+// may decode it as it is (the rewrite costs the simulator a tenth of its time per request): one
+// JSON object whose member names are plain ASCII without escapes, none named twice, none named
+// like one of fields in another letter case, and each value as json.Marshal would write it back
+// (no space outside strings, none of <, >, &, U+2028, U+2029), where the rewrite's values would
+// differ in their bytes; where nested names the fields of a member that is an object, the same
+// holds of it, spaces between its members aside. It judges names and the bytes json.Marshal
+// changes, not JSON: parse decodes the rewrite after all when the body fails to decode, so that a
+// body's errors are the rewrite's (FuzzParseShortcut holds the two to the same request).
+func plainObject(body []byte, fields map[string]bool, nested func(name string) map[string]bool) bool {
+	i := skipSpace(body, 0)
+	if i >= len(body) || body[i] != '{' {
+		return false
+	}
+	var seen [24]string
+	names := seen[:0]
+	i = skipSpace(body, i+1)
+	if i < len(body) && body[i] == '}' {
+		return skipSpace(body, i+1) == len(body)
+	}
+	for {
+		if i >= len(body) || body[i] != '"' {
+			return false
+		}
+		end := i + 1
+		for end < len(body) && body[end] != '"' {
+			if c := body[end]; c == '\\' || c < 0x20 || c >= 0x80 {
+				return false
+			}
+			end++
+		}
+		if end >= len(body) {
+			return false
+		}
+		name := string(body[i+1 : end])
+		if !fields[name] {
+			for f := range fields {
+				if strings.EqualFold(name, f) {
+					return false
+				}
+			}
+		}
+		if len(names) == cap(seen) {
+			return false // many members: the rewrite's map, not this quadratic look
+		}
+		for _, n := range names {
+			if n == name {
+				return false
+			}
+		}
+		names = append(names, name)
+		i = skipSpace(body, end+1)
+		if i >= len(body) || body[i] != ':' {
+			return false
+		}
+		if i = skipSpace(body, i+1); i >= len(body) {
+			return false
+		}
+		var vend int
+		if inner := nestedObject(nested, name, body[i]); inner != nil {
+			if vend = skipValue(body, i); vend < 0 || !plainObject(body[i:vend], inner, nil) {
+				return false
+			}
+		} else if vend = skipCompact(body, i); vend < 0 {
+			return false
+		}
+		i = skipSpace(body, vend)
+		if i >= len(body) {
+			return false
+		}
+		if body[i] == '}' {
+			return skipSpace(body, i+1) == len(body)
+		}
+		if body[i] != ',' {
+			return false
+		}
+		i = skipSpace(body, i+1)
+	}
+}
+
+// nestedObject is the field names of the member named name whose value begins with c, where
+// nested names them and the value is an object; nil otherwise.
+func nestedObject(nested func(string) map[string]bool, name string, c byte) map[string]bool {
+	if nested == nil || c != '{' {
+		return nil
+	}
+	return nested(name)
+}
+
+// nestedFields is the field names of a request's member named name where caseSensitive looks
+// into it: sampling_params and stream_options.
+func nestedFields(name string) map[string]bool {
+	switch name {
+	case "sampling_params":
+		return samplingFields()
+	case "stream_options":
+		return streamOptionFields
+	}
+	return nil
+}
+
+// skipSpace returns the index of the first byte at or after i that is not JSON whitespace.
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipValue returns the index just past the JSON value starting at b[i], or -1 where b ends
+// first: a string to its closing quote, an object or array to its closing bracket (brackets in
+// strings aside), anything else to the next comma, bracket or space. It does not judge the value.
+func skipValue(b []byte, i int) int {
+	if i >= len(b) {
+		return -1
+	}
+	switch b[i] {
+	case '"':
+		return skipString(b, i)
+	case '{', '[':
+		depth := 0
+		for i < len(b) {
+			switch b[i] {
+			case '"':
+				if i = skipString(b, i); i < 0 {
+					return -1
+				}
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return i + 1
+				}
+			}
+			i++
+		}
+		return -1
+	}
+	for i < len(b) && !strings.ContainsRune(",}] \t\n\r", rune(b[i])) {
+		i++
+	}
+	return i
+}
+
+// skipCompact returns the index just past the JSON value starting at b[i] where its bytes are
+// as json.Marshal writes a json.RawMessage back (no space outside strings; none of <, >, & and
+// U+2028, U+2029, which it escapes), and -1 where they are not or b ends first.
+func skipCompact(b []byte, i int) int {
+	end := skipValue(b, i)
+	if end < 0 {
+		return -1
+	}
+	in := false
+	for j := i; j < end; j++ {
+		switch c := b[j]; {
+		case in && c == '\\':
+			j++
+		case c == '"':
+			in = !in
+		case c == '<' || c == '>' || c == '&':
+			return -1
+		case c == 0xE2 && j+2 < end && b[j+1] == 0x80 && (b[j+2] == 0xA8 || b[j+2] == 0xA9):
+			return -1
+		case !in && (c == ' ' || c == '\t' || c == '\n' || c == '\r'):
+			return -1
+		}
+	}
+	return end
+}
+
+// skipString returns the index just past the JSON string starting at b[i], or -1 where b ends
+// first.
+func skipString(b []byte, i int) int {
+	for i++; i < len(b); i++ {
+		switch b[i] {
+		case '\\':
+			i++
+		case '"':
+			return i + 1
+		}
+	}
+	return -1
 }
 
 // keep drops from obj the members named like one of fields in another letter case.
@@ -152,6 +338,13 @@ func keep(obj map[string]json.RawMessage, fields map[string]bool) {
 		}
 	}
 }
+
+// The field names caseSensitive keeps, read once from the request types.
+var (
+	requestFields      = sync.OnceValue(fieldsOf[rawRequest])
+	samplingFields     = sync.OnceValue(fieldsOf[rawSampling])
+	streamOptionFields = map[string]bool{"include_usage": true}
+)
 
 // fieldsOf returns the JSON field names of struct T (and of its embedded structs).
 func fieldsOf[T any]() map[string]bool {
@@ -202,12 +395,31 @@ func oneAdapter(raw json.RawMessage) (string, error) {
 	return name, nil
 }
 
+// decodeCaseSensitive reads body's members into a request's fields as an engine would
+// (caseSensitive): the body as it is where plainObject finds it reads as the rewrite, the
+// rewrite otherwise and wherever the body fails to decode, so that errors are the rewrite's.
+func decodeCaseSensitive(body []byte) (rawRequest, error) {
+	if plainObject(body, requestFields(), nestedFields) {
+		if raw, err := decodeRequest(body); err == nil {
+			return raw, nil
+		}
+	}
+	return decodeRequest(caseSensitive(body))
+}
+
+// decodeRequest reads a request's members into their fields, numbers as they were written.
+func decodeRequest(body []byte) (rawRequest, error) {
+	var raw rawRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	err := dec.Decode(&raw)
+	return raw, err
+}
+
 // parse reads a request body into a job, validating it the way the engine would.
 func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError) {
-	var raw rawRequest
-	dec := json.NewDecoder(bytes.NewReader(caseSensitive(body)))
-	dec.UseNumber()
-	if err := dec.Decode(&raw); err != nil {
+	raw, err := decodeCaseSensitive(body)
+	if err != nil {
 		return nil, errorf(400, "invalid request body: %v", err)
 	}
 	var lora string
