@@ -180,6 +180,9 @@ type measured struct {
 	name string
 	s    Stats
 	cpu  float64 // seconds of the proxy process during the run; 0 for a baseline
+	// harness is the seconds of CPU of the bench process itself (load generator, simulators)
+	// during the run, where the hotpath scenario measures it.
+	harness float64
 }
 
 // minCPUTicks is the least CPU, in ticks of /proc's clock (10 ms), a figure is measured over

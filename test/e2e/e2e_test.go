@@ -218,7 +218,7 @@ func TestBenchSmoke(t *testing.T) {
 	}
 	out := string(bytes.Join(outs, nil))
 	for _, h := range []string{"## 1. Added latency", "## 2. Throughput", "## 3. Streaming", "## 4. Memory", "## 5. Body size", "## 6. Worker count",
-		"## 7. Attacks", "## 8. Routing", "## 9. Replicas", "## 10. Hot path", "## 11. Tenants", "admitted / allowed", "beside a, far over its limit", "## 12. Fairness", "**6. Waiting room.**", "## 14. Endpoint Picker", "choice p99 µs (Baton)", "PD SGLang: Baton", "PD vLLM NIXL: Baton", "Held per open stream", "PD (vLLM NIXL pair)"} {
+		"## 7. Attacks", "## 8. Routing", "## 9. Replicas", "## 10. Hot path", "## 11. Tenants", "admitted / allowed", "beside a, far over its limit", "## 12. Fairness", "**6. Waiting room.**", "## 14. Endpoint Picker", "choice p99 µs (Baton)", "harness CPU µs / request", "PD SGLang: Baton", "PD vLLM NIXL: Baton", "Held per open stream", "PD (vLLM NIXL pair)"} {
 		if !strings.Contains(out, h) {
 			t.Errorf("report lacks %q:\n%s", h, out)
 		}
