@@ -208,7 +208,7 @@ func (l *legs) prefillError(p prefillResult) error {
 	if p.err == nil {
 		l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "status", p.status)
 	} else {
-		l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "err", p.err)
+		l.x.Log.Warn("prefill leg failed; decode leg cancelled", "prefill", l.pair.Prefill.URL, "decode", l.pair.Decode.URL, "err", proxy.LogCause(p.err))
 	}
 	if p.err != nil {
 		return proxy.Classify(l.pair.Prefill, LegPrefill, l.x.Proxy.Timeout, p.err)

@@ -328,7 +328,7 @@ func (s *sequence) decodeHeadAgain(body []byte) (*decoding, error) {
 		}
 		s.x.Metrics.PDDecodeRetries.Inc()
 		s.x.Log.Info("decode could not be reached; sending the decode alone to another worker with the same handoff",
-			"failed", s.pair.Decode.URL, "decode", next.URL, "prefill", s.pair.Prefill.URL, "err", err)
+			"failed", s.pair.Decode.URL, "decode", next.URL, "prefill", s.pair.Prefill.URL, "err", proxy.LogCause(err))
 		s.pair.Decode = next
 		noteDecode(s.req.Rec, next.URL)
 		d, err = s.decodeHead(body)

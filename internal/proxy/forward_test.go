@@ -271,3 +271,46 @@ func TestForwardHoldsWhatTheCallAsks(t *testing.T) {
 		}
 	}
 }
+
+// What a worker sends where an answer's head should be (on a connection out of step, the bytes
+// of another request's answer) is never quoted: not to the client, not to Baton's log, under
+// both upstream clients, whichever part of the head it breaks.
+func TestWhatAWorkerSentForAHeadIsNeverQuoted(t *testing.T) {
+	const secret = "SECRET-of-another-request"
+	for name, head := range map[string]string{
+		"a body for a status line": `{"id":"cmpl-other","choices":[{"text":"` + secret + `"}]}` + "\r\n\r\n",
+		"a bad version":            "HTTP/x.y 200 " + secret + "\r\n\r\n",
+		"a bad status code":        "HTTP/1.1 abc " + secret + "\r\n\r\n",
+		"a bad header line":        "HTTP/1.1 200 OK\r\n" + secret + "\r\n\r\n",
+	} {
+		for _, client := range []string{"net", "baton"} {
+			t.Run(name+"/"+client, func(t *testing.T) {
+				w := engineAt(t, func(rw http.ResponseWriter, r *http.Request) {
+					conn, brw, _ := rw.(http.Hijacker).Hijack()
+					brw.WriteString(head)
+					brw.Flush()
+					conn.Close()
+				})
+				var log strings.Builder
+				p := forwardProxy(t, client)
+				p.Log = slog.New(slog.NewTextHandler(&log, nil))
+				in, _ := clientRequest(context.Background(), `{}`)
+				rw := httptest.NewRecorder()
+				err := p.Forward(rw, in, w, &Call{Path: "/v1/completions", Body: []byte(`{}`)})
+				var f *outcome.Failure
+				if !errors.As(err, &f) {
+					t.Fatalf("Forward = %v, want a failure", err)
+				}
+				WriteFailure(rw, f)
+				if !strings.Contains(log.String(), "upstream request failed") {
+					t.Fatalf("the failure was not logged: %s", log.String())
+				}
+				for where, text := range map[string]string{"the log": log.String(), "the client": rw.Body.String(), "LogCause": LogCause(f.Cause)} {
+					if strings.Contains(text, secret) {
+						t.Errorf("%s quotes what the worker sent: %s", where, text)
+					}
+				}
+			})
+		}
+	}
+}

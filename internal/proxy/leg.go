@@ -59,7 +59,7 @@ func (l *Leg) Done(status int, err error) {
 				l.span.AddEvent("circuit_breaker", trace.WithAttributes(attribute.String("baton.breaker.from", before.String()), attribute.String("baton.breaker.to", after.String())))
 			}
 			if err != nil {
-				l.span.SetStatus(codes.Error, err.Error())
+				l.span.SetStatus(codes.Error, LogCause(err))
 			} else if status >= 500 {
 				l.span.SetStatus(codes.Error, http.StatusText(status))
 			}

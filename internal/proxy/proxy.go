@@ -330,7 +330,7 @@ func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *
 	}
 	resp, err := p.exchange(out, leg, c.Rec)
 	if err != nil {
-		leg.span.SetStatus(codes.Error, err.Error())
+		leg.span.SetStatus(codes.Error, LogCause(err))
 	} else {
 		leg.span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode), attribute.Float64("baton.ttfb_ms", float64(time.Since(start))/1e6))
 	}
@@ -559,7 +559,7 @@ func (p *Proxy) Finish(r *http.Request, leg *Leg, status int, err error) error {
 	}
 	leg.Done(0, err)
 	p.countError(w, metrics.KindMidStream)
-	p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "leg", leg.Name, "err", err)
+	p.Log.Warn("upstream failed mid-response; aborting the client connection", "worker", w.URL, "leg", leg.Name, "err", LogCause(err))
 	return ErrAbort
 }
 
@@ -822,6 +822,27 @@ func safeCause(err error) string {
 	return "its answer is not valid HTTP/1.1 (details in Baton's log)"
 }
 
+// LogCause is err as Baton logs it and puts on a trace: whole, except the bytes net/http's
+// client quotes from what a worker sent where an answer's head should be ("malformed HTTP
+// response", its version and status code, a malformed header line): on a connection out of step
+// they may be another request's answer, and they are withheld. Baton's own client quotes none.
+func LogCause(err error) string {
+	if err == nil {
+		return ""
+	}
+	msg := err.Error()
+	for _, quoting := range []string{"malformed HTTP ", "malformed MIME header"} {
+		i := strings.Index(msg, quoting)
+		if i < 0 {
+			continue
+		}
+		if j := strings.IndexAny(msg[i:], "\":"); j >= 0 {
+			msg = msg[:i+j] + " (what the worker sent is not quoted: it may be another request's answer)"
+		}
+	}
+	return msg
+}
+
 func legWord(leg string) string {
 	if leg == "" {
 		return ""
@@ -847,7 +868,7 @@ func (p *Proxy) Failure(r *http.Request, leg *Leg, err error) error {
 		kind = metrics.KindMismatch
 	}
 	p.countError(w, kind)
-	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg.Name, "status", f.ClientStatus(), "err", err)
+	p.Log.Warn("upstream request failed", "worker", w.URL, "leg", leg.Name, "status", f.ClientStatus(), "err", LogCause(err))
 	return f
 }
 

@@ -84,7 +84,7 @@ func (s *Server) afterFailure(w http.ResponseWriter, r *http.Request, rec *recor
 		s.metrics.Retries.WithLabelValues(r.Pattern, v.Reason).Inc()
 		tracing.Event(r.Context(), "retry", attribute.Int("baton.attempt", n), attribute.String("baton.retry.reason", v.Reason))
 		rec.Attempts = n + 1
-		s.log.Debug("retrying", "route", r.Pattern, "reason", v.Reason, "attempt", n, "err", f)
+		s.log.Debug("retrying", "route", r.Pattern, "reason", v.Reason, "attempt", n, "err", proxy.LogCause(f))
 		if s.d.Backoff(r.Context(), n) {
 			if f.Worker != "" {
 				if avoid == nil {
@@ -126,7 +126,7 @@ func (s *Server) writeFailure(w http.ResponseWriter, r *http.Request, rec *recor
 		openai.WriteError(w, &openai.Error{Status: http.StatusGatewayTimeout, Code: openai.CodeUpstreamTimeout, RetryAfter: "1",
 			Message: "the request did not complete within request_timeout_secs"})
 	default:
-		s.log.Error("request failed with an unclassified error", "err", f.Cause)
+		s.log.Error("request failed with an unclassified error", "err", proxy.LogCause(f.Cause))
 		openai.WriteError(w, proxy.InternalError())
 	}
 }
