@@ -519,6 +519,7 @@ func TestPDPrefillServesWhole(t *testing.T) {
 	// A long answer holds the decode (split while the decode was idle) for the rest of the test.
 	ctx, cancel := context.WithCancel(context.Background())
 	held := make(chan struct{})
+	d0 := d.Stats().RequestsReceived
 	go func() {
 		defer close(held)
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"a long answer","max_tokens":10000,"ignore_eos":true}`))
@@ -528,7 +529,10 @@ func TestPDPrefillServesWhole(t *testing.T) {
 		}
 	}()
 	defer func() { cancel(); <-held }()
-	poll.Until(t, "the decode holds a request, the prefill none", func() bool { return dw.InFlight() >= 1 && pw.InFlight() == 0 })
+	// Baton counts the decode's request in flight before the engine has it: wait for the engine too.
+	poll.Until(t, "the decode holds a request, the prefill none", func() bool {
+		return dw.InFlight() >= 1 && pw.InFlight() == 0 && d.Stats().RequestsReceived > d0
+	})
 	pb, db := p.Stats().RequestsReceived, d.Stats().RequestsReceived
 	h, out := send(body)
 	if h != "none-prefill-whole" || p.Stats().RequestsReceived != pb+1 || d.Stats().RequestsReceived != db || !strings.Contains(out, `"completion_tokens":4`) {
