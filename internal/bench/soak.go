@@ -779,7 +779,12 @@ func (r *runner) soak(ctx context.Context) error {
 		}
 		at := time.Now() // in effect: an API server's graceful stop answers until it ends
 		watchers.Go(func() { seen[k] = watch(ctx, from, at, f.probes, before) })
+		// On the schedule, but a whole step in effect however long the last fault took to end
+		// (an API server's restart on a loaded machine): a fault cut short would be "not seen".
 		end := began.Add(time.Duration(k+1) * step)
+		if full := at.Add(step); end.Before(full) {
+			end = full
+		}
 		select {
 		case <-time.After(time.Until(end)):
 		case <-ctx.Done():
