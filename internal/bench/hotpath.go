@@ -9,7 +9,6 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/baton-llm/baton/internal/sim"
@@ -174,15 +173,6 @@ func (r *runner) interleaved(ctx context.Context, label string, ts []hotTarget, 
 		}
 	}
 	return ms
-}
-
-// selfCPUSeconds is the user and system time this process has used.
-func selfCPUSeconds() float64 {
-	var ru syscall.Rusage
-	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()).Seconds()
 }
 
 // ratioF is a/b as "x.xx×", or empty without b.
