@@ -44,10 +44,14 @@ type conn struct {
 	state      atomic.Int32
 	watchID    uint64          // the epoll watcher's name for this connection; 0: not watched
 	raw        syscall.RawConn // the watched descriptor
+	out        httpwire.Writer // writes to rwc, or to raw's descriptor where rwc is that bare socket
 
 	mu     sync.Mutex
 	cancel context.CancelCauseFunc // the current request's; nil between requests
 	ended  error                   // why the connection ended under its requests (errPeerGone, errServerClosed); nil: it did not
+
+	wmu      sync.Mutex // out's: a handler may read its body (and so owe a 100 Continue) on another goroutine than the one writing its answer
+	answered bool       // under wmu: the answer's first bytes were written; no 100 Continue may follow them
 
 	werr      error       // the first write error: the connection is done
 	wdlSet    atomic.Bool // a write deadline was set during the request
@@ -58,6 +62,7 @@ type conn struct {
 func newConn(s *Server, rw net.Conn) *conn {
 	c := &conn{s: s, rwc: rw, remoteAddr: rw.RemoteAddr().String()}
 	c.src = httpwire.Source{Conn: rw, Take: c.reader, Give: c.dropReader}
+	c.out.Init(rw, nil)
 	c.state.Store(stateIdle) // waiting for its first request: Shutdown may close it
 	return c
 }
@@ -98,6 +103,9 @@ func (c *conn) serve() {
 		c.dropReader()
 	}()
 	c.s.watcher().add(c)
+	if c.raw != nil && bareSocket(c.rwc) {
+		c.out.Init(c.rwc, c.raw)
+	}
 	for {
 		if !c.waitRequest() {
 			return
@@ -182,6 +190,9 @@ func (c *conn) serveOne() bool {
 		cancel(ended)
 	}
 	req = req.WithContext(ctx)
+	c.wmu.Lock()
+	c.answered = false
+	c.wmu.Unlock()
 	w := newResponse(c, req, b)
 	if b.eof {
 		c.releaseReader()
@@ -277,10 +288,13 @@ func (c *conn) reader() *bufio.Reader {
 
 // write sends p to the client; after a failure every write fails with the first error.
 func (c *conn) write(p []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.answered = true
 	if c.werr != nil {
 		return c.werr
 	}
-	if _, err := c.rwc.Write(p); err != nil {
+	if err := c.out.Write(p); err != nil {
 		c.werr = err
 		return err
 	}
@@ -289,15 +303,33 @@ func (c *conn) write(p []byte) error {
 
 // writev sends several buffers in one system call where the platform allows.
 func (c *conn) writev(bufs ...[]byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.answered = true
 	if c.werr != nil {
 		return c.werr
 	}
-	nb := net.Buffers(bufs)
-	if _, err := nb.WriteTo(c.rwc); err != nil {
+	if err := c.out.Write(bufs...); err != nil {
 		c.werr = err
 		return err
 	}
 	return nil
+}
+
+var continue100 = []byte("HTTP/1.1 100 Continue\r\n\r\n")
+
+// writeContinue sends the 100 Continue a request's first body read owes, unless its answer has
+// begun (a handler that answers, then reads on another goroutine): an interim answer never
+// comes inside or after the final one, and the client sends its body when it sees the answer
+// or its wait for the 100 ends (net/http's server does the same). Its failure is the body's
+// (the answer's next write finds the connection broken too).
+func (c *conn) writeContinue() error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.answered || c.werr != nil {
+		return nil
+	}
+	return c.out.Write(continue100)
 }
 
 // body is a request's body, read from the connection's buffer.
@@ -328,7 +360,7 @@ func (b *body) Read(p []byte) (int, error) {
 	}
 	if b.expect {
 		b.expect = false
-		if err := b.c.write([]byte("HTTP/1.1 100 Continue\r\n\r\n")); err != nil {
+		if err := b.c.writeContinue(); err != nil {
 			b.err = err
 			return 0, err
 		}

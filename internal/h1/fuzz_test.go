@@ -41,6 +41,7 @@ func FuzzRequest(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fc := &fakeConn{r: bytes.NewReader(data)}
 		c := &conn{s: &Server{MaxHeaderBytes: 4096}, rwc: fc, remoteAddr: "192.0.2.1:1", src: httpwire.Source{Conn: fc}}
+		c.out.Init(fc, nil)
 		c.br = bufio.NewReaderSize(fc, readBufSize)
 		ref := bufio.NewReader(bytes.NewReader(data))
 		for range 4 {

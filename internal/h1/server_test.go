@@ -964,3 +964,41 @@ func TestAClientGoneGetsNoMadeUpAnswer(t *testing.T) {
 		t.Errorf("a client gone was answered %q", got)
 	}
 }
+
+// A handler that answers first and reads its body afterwards, on another goroutine while it
+// writes: no 100 Continue is sent once the answer has begun (it would land inside it), and the
+// two goroutines never write to the connection at once (the race detector watches the writer).
+func TestNoContinueInsideAnAnswer(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		read := make(chan string)
+		go func() { b, _ := io.ReadAll(r.Body); read <- string(b) }()
+		for i := range 20 {
+			fmt.Fprintf(w, "part %d;", i)
+			w.(http.Flusher).Flush()
+		}
+		fmt.Fprintf(w, "body %q", <-read)
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	io.WriteString(c, "POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if line, err := br.ReadString('\n'); err != nil || line != "HTTP/1.1 200 OK\r\n" {
+		t.Fatalf("the answer begins with %q, %v", line, err)
+	}
+	io.WriteString(c, "ping") // the client's wait for a 100 ended with the answer
+	var want strings.Builder
+	for i := range 20 {
+		fmt.Fprintf(&want, "part %d;", i)
+	}
+	want.WriteString(`body "ping"`)
+	resp, err := http.ReadResponse(bufio.NewReader(io.MultiReader(strings.NewReader("HTTP/1.1 200 OK\r\n"), br)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(resp.Body); err != nil || string(b) != want.String() {
+		t.Errorf("answer %q, %v; want %q", b, err, want.String())
+	}
+}

@@ -6,6 +6,8 @@ import (
 	"io"
 	"syscall"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // Awaits says whether FillWaiting waits holding no buffer here (the descriptor can be read
@@ -42,6 +44,7 @@ func FillWaiting(raw syscall.RawConn, src *Source) error {
 func WriteAwaiting(raw syscall.RawConn, src *Source, head, body []byte, check bool) (written bool, err error) {
 	if src.send == nil {
 		src.send = src.sendThenLook
+		src.w.Init(src.Conn, raw)
 	}
 	src.out, src.check, src.wrote, src.werr = [2][]byte{head, body}, check, false, nil
 	err = raw.Read(src.send)
@@ -74,8 +77,8 @@ func (s *Source) sendThenLook(fd uintptr) bool {
 		}
 	}
 	s.wrote = true
-	s.werr = WriteParts(s.Conn, s.out[0], s.out[1])
-	s.out = [2][]byte{} // the wait keeps nothing of the request: Sent may give its buffer back
+	s.werr = s.w.Write(s.out[0], s.out[1]) // the write deadline holds; a full socket waits for room
+	s.out = [2][]byte{}                    // the wait keeps nothing of the request: Sent may give its buffer back
 	if s.werr != nil {
 		s.wrote = false
 		return true
@@ -106,12 +109,12 @@ func (s *Source) lookAt(fd uintptr) bool {
 // nothing is there.
 func readNow(fd uintptr, p []byte) (int, error) {
 	for {
-		n, err := syscall.Read(int(fd), p)
+		n, errno := sysRead(fd, p)
 		switch {
-		case err == syscall.EINTR:
+		case errno == syscall.EINTR:
 			continue
-		case err != nil:
-			return 0, err
+		case errno != 0:
+			return 0, errno
 		case n == 0 && len(p) > 0:
 			return 0, io.EOF
 		}
@@ -143,7 +146,7 @@ const (
 func peekKind(fd uintptr) int {
 	var b [1]byte
 	for {
-		n, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
+		n, _, errno := syscall.RawSyscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
 		switch {
 		case errno == syscall.EINTR:
 			continue
@@ -153,5 +156,48 @@ func peekKind(fd uintptr) int {
 			return peekBytes
 		}
 		return peekEnd
+	}
+}
+
+// writevNow writes parts to fd in order, without waiting, in as few raw system calls as the
+// socket takes them; it returns the parts left (a suffix of parts, its first one trimmed of
+// what was written of it), with EAGAIN when the socket took no more, or the call's error.
+func writevNow(fd uintptr, parts [][]byte) ([][]byte, error) {
+	var iov [4]unix.Iovec
+	for {
+		for len(parts) > 0 && len(parts[0]) == 0 {
+			parts = parts[1:]
+		}
+		if len(parts) == 0 {
+			return nil, nil
+		}
+		k := 0
+		for _, p := range parts {
+			if k == len(iov) {
+				break
+			}
+			if len(p) > 0 {
+				iov[k].Base = &p[0]
+				iov[k].SetLen(len(p))
+				k++
+			}
+		}
+		r, errno := sysWritev(fd, iov[:k])
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno != 0:
+			return parts, errno
+		case r == 0:
+			return parts, io.ErrShortWrite // a socket that takes nothing without saying EAGAIN
+		}
+		for n := r; n > 0; {
+			if n < len(parts[0]) {
+				parts[0] = parts[0][n:]
+				break
+			}
+			n -= len(parts[0])
+			parts = parts[1:]
+		}
 	}
 }

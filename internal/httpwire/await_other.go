@@ -19,6 +19,9 @@ func FillWaiting(raw syscall.RawConn, src *Source) error {
 // readNow is never called here (FillWaiting does not read the descriptor itself).
 func readNow(fd uintptr, p []byte) (int, error) { return 0, syscall.EINVAL }
 
+// writevNow is never called here (Writer writes to the connection).
+func writevNow(fd uintptr, parts [][]byte) ([][]byte, error) { return parts, syscall.EINVAL }
+
 // Pending cannot ask the kernel here: ok false.
 func Pending(raw syscall.RawConn) (pending, ok bool) { return false, false }
 

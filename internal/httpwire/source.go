@@ -26,6 +26,7 @@ type Source struct {
 	look   func(fd uintptr) bool // FillWaiting's look at the descriptor, made once
 	send   func(fd uintptr) bool // WriteAwaiting's write, then its looks, made once
 	out    [2][]byte             // what WriteAwaiting writes: a head and a body (nil when none)
+	w      Writer                // WriteAwaiting's writer, made once
 	check  bool                  // WriteAwaiting's look for stray bytes before the write
 	wrote  bool
 	werr   error
