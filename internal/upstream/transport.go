@@ -178,7 +178,7 @@ func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, bo
 	if err != nil {
 		// The engine may have answered before it stopped reading (a 413 for a body too large):
 		// that answer, already arrived, is the request's — relayed, not lost behind a write error.
-		if resp, herr := t.earlyAnswer(c, req); herr == nil && ctx.Err() == nil {
+		if resp, herr := t.earlyAnswer(ctx, c, req); herr == nil && ctx.Err() == nil {
 			resp.Header.Set("Connection", "close") // the request was cut: the connection is done
 			resp.Body = newBody(t, c, resp, stop, ctx)
 			if err := framingError(resp.Body); err != nil {
@@ -328,11 +328,17 @@ func headErr(err error) error {
 }
 
 // earlyAnswerWait bounds the look for an answer that arrived before a write failed.
-const earlyAnswerWait = time.Second
+var earlyAnswerWait = time.Second
 
-// earlyAnswer reads an answer's head that arrived before the request could be written whole.
-func (t *Transport) earlyAnswer(c *conn, req *http.Request) (*http.Response, error) {
+// earlyAnswer reads an answer's head that arrived before the request could be written whole,
+// unless the request's context ended (the write failed for that): then there is no look, and no
+// wait of earlyAnswerWait for a caller that has gone.
+func (t *Transport) earlyAnswer(ctx context.Context, c *conn, req *http.Request) (*http.Response, error) {
 	_ = c.c.SetReadDeadline(time.Now().Add(earlyAnswerWait))
+	// Checked after the deadline is set: a cancellation from now on expires it again.
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	resp, err := t.readHead(c, req)
 	_ = c.c.SetReadDeadline(time.Time{})
 	return resp, err

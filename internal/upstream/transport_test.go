@@ -506,3 +506,34 @@ func FuzzAnswerAgainstReadResponse(f *testing.F) {
 		}
 	})
 }
+
+// A request cancelled while its body waits for room (an engine that stopped reading and does not
+// answer) ends with the cancellation, not after the look for an answer that came before the
+// write failed: that look is for a write the engine cut, not one the caller gave up on.
+func TestACancelledWriteIsNotFollowedByALookForAnAnswer(t *testing.T) {
+	defer func(w time.Duration) { earlyAnswerWait = w }(earlyAnswerWait)
+	earlyAnswerWait = time.Minute // a look would outlast the test's wait
+	ctx, cancel := context.WithCancel(context.Background())
+	url := rawServer(t, func(conn net.Conn, br *bufio.Reader) {
+		br.ReadString('\n') // the request line, then nothing more is read, and no answer
+		time.AfterFunc(200*time.Millisecond, cancel)
+		time.Sleep(20 * time.Second)
+	})
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewBuffer(bytes.Repeat([]byte("x"), 64<<20)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := newT().RoundTrip(req)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("a cancelled request ended with %v, want context.Canceled", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a cancelled request is still waiting 10 s later")
+	}
+}
