@@ -287,21 +287,9 @@ func (c *conn) reader() *bufio.Reader {
 }
 
 // write sends p to the client; after a failure every write fails with the first error.
-func (c *conn) write(p []byte) error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	c.answered = true
-	if c.werr != nil {
-		return c.werr
-	}
-	if err := c.out.Write(p); err != nil {
-		c.werr = err
-		return err
-	}
-	return nil
-}
+func (c *conn) write(p []byte) error { return c.writev(p) }
 
-// writev sends several buffers in one system call where the platform allows.
+// writev sends several buffers in one system call where the platform allows, as write does.
 func (c *conn) writev(bufs ...[]byte) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()

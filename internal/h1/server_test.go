@@ -1002,3 +1002,29 @@ func TestNoContinueInsideAnAnswer(t *testing.T) {
 		t.Errorf("answer %q, %v; want %q", b, err, want.String())
 	}
 }
+
+// Every request on a kept-alive connection that asks for a 100 Continue gets it when its body is
+// read, the ones after an answered request too.
+func TestEachRequestGetsItsContinue(t *testing.T) {
+	_, addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.Write(b)
+	}))
+	c := dial(t, addr)
+	defer c.Close()
+	br := bufio.NewReader(c)
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	for i := range 3 {
+		io.WriteString(c, "POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+		if line, err := br.ReadString('\n'); err != nil || line != "HTTP/1.1 100 Continue\r\n" {
+			t.Fatalf("request %d, before its body: %q, %v", i, line, err)
+		}
+		if l, _ := br.ReadString('\n'); l != "\r\n" {
+			t.Fatalf("request %d: 100 Continue ends with %q", i, l)
+		}
+		fmt.Fprintf(c, "pin%d", i)
+		if _, body := readResponse(t, br, "POST"); body != fmt.Sprintf("pin%d", i) {
+			t.Errorf("request %d: echo %q", i, body)
+		}
+	}
+}

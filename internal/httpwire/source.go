@@ -50,21 +50,37 @@ func (s *Source) Read(p []byte) (int, error) {
 // asRead is err, read off the descriptor itself, as the connection's Read reports it: a
 // *net.OpError naming the connection and the system call (callers tell an engine's transport
 // failures by it), io.EOF as it is.
-func (s *Source) asRead(err error) error {
+func (s *Source) asRead(err error) error { return connError(s.Conn, "read", err) }
+
+// connError is err, a system call op failing on conn's descriptor, as the connection reports
+// its own: a *net.OpError naming the connection, op and the call; err as it is when it is not
+// the call's errno.
+func connError(conn net.Conn, op string, err error) error {
 	errno, ok := err.(syscall.Errno)
 	if !ok {
 		return err
 	}
-	return &net.OpError{Op: "read", Net: s.Conn.LocalAddr().Network(), Source: s.Conn.LocalAddr(), Addr: s.Conn.RemoteAddr(), Err: os.NewSyscallError("read", errno)}
+	return &net.OpError{Op: op, Net: conn.LocalAddr().Network(), Source: conn.LocalAddr(), Addr: conn.RemoteAddr(), Err: os.NewSyscallError(op, errno)}
 }
 
 // WriteParts writes head, then body (nil for none) beside it, uncopied, to c.
 func WriteParts(c net.Conn, head, body []byte) error {
 	if body == nil {
-		_, err := c.Write(head)
+		return writeConn(c, head)
+	}
+	return writeConn(c, head, body)
+}
+
+// writeConn writes parts to c whole and in order, waiting for room as its writes do: one Write
+// for one part, else net.Buffers (one writev where the platform has it) over a copy of parts,
+// which is left as it was.
+func writeConn(c net.Conn, parts ...[]byte) error {
+	if len(parts) == 1 {
+		_, err := c.Write(parts[0])
 		return err
 	}
-	bufs := net.Buffers{head, body}
+	bufs := make(net.Buffers, len(parts))
+	copy(bufs, parts)
 	_, err := bufs.WriteTo(c)
 	return err
 }

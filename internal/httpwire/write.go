@@ -2,7 +2,6 @@ package httpwire
 
 import (
 	"net"
-	"os"
 	"syscall"
 )
 
@@ -16,9 +15,8 @@ import (
 // waits for room as the connection's Write would, deadlines and Close included. Elsewhere it
 // writes to the connection. Its errors are the connection's: *net.OpError for a "write".
 //
-// A Writer is one goroutine's at a time, as a bufio.Writer is.
-//
-// A Writer is made once per connection (Init); a Write allocates nothing.
+// A Writer is made once per connection (Init) and is one goroutine's at a time, as a
+// bufio.Writer is; a Write allocates nothing.
 type Writer struct {
 	conn  net.Conn
 	raw   syscall.RawConn // nil: write to conn
@@ -40,11 +38,7 @@ func (w *Writer) Init(conn net.Conn, raw syscall.RawConn) {
 // Write writes parts whole, in order, in as few system calls as the socket takes them.
 func (w *Writer) Write(parts ...[]byte) error {
 	if w.raw == nil {
-		if len(parts) == 1 {
-			_, err := w.conn.Write(parts[0])
-			return err
-		}
-		return writeConn(w.conn, parts)
+		return writeConn(w.conn, parts...)
 	}
 	op := "writev" // as the connection names its writes: net.Buffers', or one Write's
 	if len(parts) == 1 {
@@ -58,7 +52,7 @@ func (w *Writer) Write(parts ...[]byte) error {
 		w.rest = nil
 		clear(w.parts[:]) // keep nothing of what was written
 		if w.err != nil {
-			return writeError(w.conn, op, w.err)
+			return connError(w.conn, op, w.err)
 		}
 		if err != nil { // the wait's: a deadline passed, the connection closed
 			if e, ok := err.(*net.OpError); ok && e.Op == "raw-write" {
@@ -80,22 +74,4 @@ func (w *Writer) writeSome(fd uintptr) bool {
 	}
 	w.err = err
 	return true
-}
-
-// writeConn writes parts to conn, waiting for room as its writes do.
-func writeConn(conn net.Conn, parts [][]byte) error {
-	bufs := make(net.Buffers, len(parts))
-	copy(bufs, parts)
-	_, err := bufs.WriteTo(conn)
-	return err
-}
-
-// writeError is err, a write's system call failing on conn's descriptor, as the connection's
-// write reports it: a *net.OpError naming the connection, op and the call.
-func writeError(conn net.Conn, op string, err error) error {
-	errno, ok := err.(syscall.Errno)
-	if !ok {
-		return err
-	}
-	return &net.OpError{Op: op, Net: conn.LocalAddr().Network(), Source: conn.LocalAddr(), Addr: conn.RemoteAddr(), Err: os.NewSyscallError(op, errno)}
 }
