@@ -72,7 +72,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 		return err
 	}
 	defer p.Close()
-	d, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl})
+	d, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, SameProcessKV: true})
 	if err != nil {
 		return err
 	}

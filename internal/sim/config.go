@@ -65,7 +65,14 @@ type Config struct {
 	KVTimeout        time.Duration // pinned prefill KV is freed after this (NIXL/Mooncake); 0 means 30 s
 	BootstrapTimeout time.Duration // SGLang: a leg whose partner never arrives fails; 0 means 10 s
 	KVLoadFailure    string        // decode whose KV cannot be loaded: fail (500) or recompute
-	PrefixCache      bool          // keep computed prompts' KV in a block prefix cache (LRU)
+	// SameProcessKV has a NIXL decode engine take the KV of a prefill engine started in this
+	// process by a call instead of a pull over the prefill's side channel: the same take, the
+	// same rules and counters, without an HTTP exchange. A benchmark whose load generator and
+	// engines share one core sets it, so that the harness's cost per request stays below what
+	// the proxy under test can serve (a real NIXL transfer is engine to engine and never touches
+	// the proxy either way).
+	SameProcessKV bool
+	PrefixCache   bool // keep computed prompts' KV in a block prefix cache (LRU)
 	// EchoRequestID answers every request with its X-Request-Id header (a random one when it
 	// sent none), as vLLM does with --enable-request-id-headers
 	// (vllm/entrypoints/serve/middleware/x_request_id.py).

@@ -195,6 +195,7 @@ func (e *Engine) startSide() error {
 			s := &http.Server{Handler: e.sideRoutes(r), ReadHeaderTimeout: 10 * time.Second}
 			e.side = append(e.side, s)
 			e.sidePorts = append(e.sidePorts, ln.Addr().(*net.TCPAddr).Port)
+			sameProcess.Store(netJoin(c.Host, e.sidePorts[r]), e)
 			e.serve(s, ln)
 		}
 	case (c.Engine == EngineVLLM && c.KVConnector == ConnectorMooncake && prefill) ||
@@ -212,6 +213,9 @@ func (e *Engine) startSide() error {
 
 // Close stops the engine's servers and timers; open requests are cut.
 func (e *Engine) Close() {
+	for _, port := range e.sidePorts {
+		sameProcess.CompareAndDelete(netJoin(e.cfg.Host, port), e)
+	}
 	for _, s := range append(e.side, e.srv, e.boot) {
 		if s != nil {
 			_ = s.Close()

@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -277,7 +278,16 @@ func (e *Engine) loadRemote(ctx context.Context, kv *kvParams, prompt []uint32) 
 	if !ok {
 		return false, false, nil
 	}
-	p, err := e.fetchKV(ctx, u)
+	var p *pinnedKV
+	var err error
+	if src, id := e.sameProcessSource(kv); src != nil {
+		var aerr *apiError
+		if p, aerr = src.kv.take(id, eng); aerr != nil {
+			p, err = nil, errors.New(aerr.msg)
+		}
+	} else {
+		p, err = e.fetchKV(ctx, u)
+	}
 	switch {
 	case err == nil && p.Stale:
 		return true, true, nil
@@ -294,6 +304,23 @@ func (e *Engine) loadRemote(ctx context.Context, kv *kvParams, prompt []uint32) 
 		return false, false, nil
 	}
 	return false, false, errorf(http.StatusInternalServerError, "KV load failed: %v", err)
+}
+
+// sameProcess holds the NIXL prefill engines of this process by the side-channel address their
+// kv_transfer_params name (remote_host:remote_port), for Config.SameProcessKV.
+var sameProcess sync.Map // string → *Engine
+
+// sameProcessSource returns the prefill engine of this process that kv's NIXL params name and
+// the request id to take, or nil when e does not take KV by a call or no such engine runs here.
+func (e *Engine) sameProcessSource(kv *kvParams) (*Engine, string) {
+	if !e.cfg.SameProcessKV || kv.RemoteHost == nil || kv.RemotePort == nil || kv.RemoteRequestID == nil || kv.TransferID != nil {
+		return nil, ""
+	}
+	src, ok := sameProcess.Load(netJoin(*kv.RemoteHost, *kv.RemotePort))
+	if !ok {
+		return nil, ""
+	}
+	return src.(*Engine), *kv.RemoteRequestID
 }
 
 // kvSource returns where this decode engine reads the KV that kv names (its side-channel or

@@ -484,3 +484,48 @@ func TestSGLangDisaggregatedServersNeedARoom(t *testing.T) {
 		t.Errorf("a decode given the warm-up host answered %d %s; the prompt's own answer is %s", fake.status, fake.raw, want.raw)
 	}
 }
+
+// With SameProcessKV a decode engine takes the KV of a prefill engine of this process by a call:
+// the handoff works with the prefill's side channel shut, and it keeps the side channel's rules
+// (the engine id must match, KV is taken once, a wrong prompt is a load failure).
+func TestNixlSameProcessTakeKeepsTheHandoffsRules(t *testing.T) {
+	p, d := nixlPair(t, Config{EngineID: "P"}, Config{SameProcessKV: true})
+	for _, s := range p.side {
+		s.Close() // an HTTP pull would now fail
+	}
+	probe := func() map[string]any {
+		kv, _ := path(post(t, p.URL()+"/v1/chat/completions", prefillProbe(chatBody, `{"do_remote_decode":true}`)).json, "kv_transfer_params").(map[string]any)
+		if kv == nil {
+			t.Fatal("prefill returned no kv_transfer_params")
+		}
+		return kv
+	}
+	kv := probe()
+	r := post(t, d.URL()+"/v1/chat/completions", withKV(chatBody, kv))
+	if r.status != 200 || r.header.Get(HeaderKVSource) != SourceRemote || p.Stats().HandoffsPulled != 1 {
+		t.Fatalf("same-process take: %d source %q, pulled %d: %s", r.status, r.header.Get(HeaderKVSource), p.Stats().HandoffsPulled, r.raw)
+	}
+	// Taken once: the same params again read freed blocks, as over the side channel.
+	if r := post(t, d.URL()+"/v1/chat/completions", withKV(chatBody, kv)); r.status != 200 || p.Stats().StaleKVReads != 1 {
+		t.Errorf("second take: %d, stale reads %d", r.status, p.Stats().StaleKVReads)
+	}
+	wrong := probe()
+	wrong["remote_engine_id"] = "Q"
+	if r := post(t, d.URL()+"/v1/chat/completions", withKV(chatBody, wrong)); r.status != 500 || !strings.Contains(r.raw, "belongs to engine") {
+		t.Errorf("another engine's id: %d %s", r.status, r.raw)
+	}
+	other := `{"model":"m","messages":[{"role":"user","content":"something else entirely"}],"max_tokens":6}`
+	if r := post(t, d.URL()+"/v1/chat/completions", withKV(other, probe())); r.status != 500 || d.Stats().KVLoadFailures != 2 {
+		t.Errorf("KV for another prompt: %d, load failures %d: %s", r.status, d.Stats().KVLoadFailures, r.raw)
+	}
+	// Without the option, the decode pulls over the side channel, which is shut.
+	overHTTP := start(t, Config{Engine: EngineVLLM, Role: RoleDecode, KVConnector: ConnectorNixl, Model: "m"})
+	if r := post(t, overHTTP.URL()+"/v1/chat/completions", withKV(chatBody, probe())); r.status != 500 {
+		t.Errorf("pull over a shut side channel: %d %s", r.status, r.raw)
+	}
+	// A closed prefill is no longer found.
+	p.Close()
+	if _, ok := sameProcess.Load(netJoin(p.cfg.Host, p.sidePorts[0])); ok {
+		t.Error("a closed prefill engine is still registered")
+	}
+}
