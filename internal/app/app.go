@@ -31,6 +31,7 @@ import (
 	"github.com/baton-llm/baton/internal/discovery"
 	"github.com/baton-llm/baton/internal/enginestate"
 	"github.com/baton-llm/baton/internal/fleet"
+	"github.com/baton-llm/baton/internal/gcpace"
 	"github.com/baton-llm/baton/internal/h1"
 	"github.com/baton-llm/baton/internal/kvfleet"
 	"github.com/baton-llm/baton/internal/lora"
@@ -460,6 +461,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	stdlog.SetFlags(0)
 	stdlog.SetOutput(stdLogBridge{log: log, unsolicited: g.Metrics.UpstreamUnsolicited})
+	defer gcpace.Floor(uint64(cfg.GCHeapFloor))()
 	ls, err := g.listen(cfg, log)
 	if err != nil {
 		return err
