@@ -461,7 +461,7 @@ func Serve(ctx context.Context, cfg config.Config, stdout, stderr io.Writer) err
 	}
 	stdlog.SetFlags(0)
 	stdlog.SetOutput(stdLogBridge{log: log, unsolicited: g.Metrics.UpstreamUnsolicited})
-	defer gcpace.Floor(uint64(cfg.GCHeapFloor))()
+	defer gcpace.Floor(uint64(heapFloor(cfg.GCHeapFloor, log)))()
 	ls, err := g.listen(cfg, log)
 	if err != nil {
 		return err
@@ -904,4 +904,15 @@ func (b stdLogBridge) Write(p []byte) (int, error) {
 	}
 	b.log.Warn("net/http: " + line)
 	return len(p), nil
+}
+
+// heapFloor is the collector's heap floor for --gc-heap-floor: at most a quarter of the memory
+// limit (GOMEMLIMIT, else the container's), said at startup when it had to be lowered.
+func heapFloor(floor int64, log *slog.Logger) int64 {
+	limit, from := gcpace.MemoryLimit(gcpace.CgroupMemoryMax)
+	bound := gcpace.Bound(floor, limit)
+	if bound < floor {
+		log.Warn("gc-heap-floor lowered to a quarter of the memory limit", "asked_bytes", floor, "floor_bytes", bound, "limit_bytes", limit, "limit_from", from)
+	}
+	return bound
 }

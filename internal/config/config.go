@@ -139,7 +139,7 @@ type Config struct {
 	// GCHeapFloor paces Go's collector: no cycle before the heap reaches it, GOGC's pace past
 	// it (internal/gcpace). A gateway's live heap is a few MiB while each request allocates a
 	// few KiB that die with it; at GOGC alone the collector runs dozens of times a second.
-	GCHeapFloor int64 `json:"gc_heap_floor" flag:"gc-heap-floor" default:"16777216" check:">=0" help:"the collector does not run before the heap reaches this many bytes; past it GOGC paces it, and GOMEMLIMIT still caps it (0: GOGC alone)"`
+	GCHeapFloor int64 `json:"gc_heap_floor" flag:"gc-heap-floor" default:"16777216" check:">=0" help:"the collector does not run before the heap reaches this many bytes; past it GOGC paces it, and GOMEMLIMIT still caps it; at most a quarter of the memory limit (0: GOGC alone)"`
 	// BodyTimeout: a trickle of bytes each inside the stalled-client timeout keeps no buffer
 	// longer.
 	BodyTimeout          time.Duration `json:"body_timeout" flag:"body-timeout" unit:"secs" default:"2m" check:">0" help:"a request body must arrive whole within this"`

@@ -9,9 +9,13 @@
 package gcpace
 
 import (
+	"math"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
+	"strconv"
+	"strings"
 	"sync"
 )
 
@@ -86,6 +90,33 @@ func percentFor(live, floor uint64, base int) int {
 	}
 	p := (floor - live) * 100 / live
 	return int(min(p, 1<<20))
+}
+
+// CgroupMemoryMax is where a container's memory limit is read (cgroup v2).
+const CgroupMemoryMax = "/sys/fs/cgroup/memory.max"
+
+// MemoryLimit is the process's memory limit: GOMEMLIMIT when set, else the cgroup's memory.max
+// read from cgroupMax. from names the one used, "" when none is known.
+func MemoryLimit(cgroupMax string) (limit int64, from string) {
+	if l := debug.SetMemoryLimit(-1); l > 0 && l != math.MaxInt64 {
+		return l, "GOMEMLIMIT"
+	}
+	if b, err := os.ReadFile(cgroupMax); err == nil {
+		if n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && n > 0 {
+			return n, "the cgroup memory limit"
+		}
+	}
+	return 0, ""
+}
+
+// Bound is the floor Floor should be given for a wish of floor bytes under a memory limit of
+// limit (0: none known): at most a quarter of the limit, so that garbage kept for the sake of
+// fewer cycles never crowds what the process must hold.
+func Bound(floor, limit int64) int64 {
+	if limit > 0 {
+		return min(floor, limit/4)
+	}
+	return floor
 }
 
 // Percent is the collector's percent now (GOGC as paced), for tests and reports.

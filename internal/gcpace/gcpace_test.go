@@ -1,6 +1,8 @@
 package gcpace
 
 import (
+	"os"
+	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
@@ -107,5 +109,37 @@ func TestGOGCOffIsLeftAlone(t *testing.T) {
 	runtime.GC()
 	if p := Percent(); p != -1 {
 		t.Errorf("GOGC=off became %d", p)
+	}
+}
+
+// A floor is bounded by a quarter of the memory limit, which comes from GOMEMLIMIT, else the
+// cgroup's memory.max.
+func TestBoundAndMemoryLimit(t *testing.T) {
+	if b := Bound(16<<20, 0); b != 16<<20 {
+		t.Errorf("no limit: %d", b)
+	}
+	if b := Bound(1<<40, 1<<30); b != 1<<28 {
+		t.Errorf("a 1 TiB floor under a 1 GiB limit: %d", b)
+	}
+	if b := Bound(16<<20, 1<<30); b != 16<<20 {
+		t.Errorf("a 16 MiB floor under a 1 GiB limit: %d", b)
+	}
+	dir := t.TempDir()
+	cg := func(v string) string {
+		p := filepath.Join(dir, "memory.max")
+		if err := os.WriteFile(p, []byte(v+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	if l, from := MemoryLimit(cg("max")); from != "" || l != 0 {
+		t.Errorf("memory.max \"max\": %d %q", l, from)
+	}
+	if l, from := MemoryLimit(cg("536870912")); from != "the cgroup memory limit" || l != 512<<20 {
+		t.Errorf("memory.max 512 MiB: %d %q", l, from)
+	}
+	defer debug.SetMemoryLimit(debug.SetMemoryLimit(300 << 20))
+	if l, from := MemoryLimit(cg("536870912")); from != "GOMEMLIMIT" || l != 300<<20 {
+		t.Errorf("GOMEMLIMIT over the cgroup: %d %q", l, from)
 	}
 }

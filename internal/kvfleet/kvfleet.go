@@ -10,13 +10,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
-	"math"
 	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
-	"os"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/gcpace"
 	"github.com/baton-llm/baton/internal/kvevents"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
@@ -46,14 +44,7 @@ const (
 // memory.max): a quarter of it, at kvIndexBytesPerBlock, never more than maxKVIndexBlocks. from
 // names the limit used, "" when none is known.
 func kvIndexBound(cgroupMax string) (blocks int, from string, limit int64) {
-	if l := debug.SetMemoryLimit(-1); l > 0 && l != math.MaxInt64 {
-		limit, from = l, "GOMEMLIMIT"
-	} else if b, err := os.ReadFile(cgroupMax); err == nil {
-		if n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && n > 0 {
-			limit, from = n, "the cgroup memory limit"
-		}
-	}
-	if from == "" {
+	if limit, from = gcpace.MemoryLimit(cgroupMax); from == "" {
 		return maxKVIndexBlocks, "", 0
 	}
 	return int(max(1024, min(maxKVIndexBlocks, limit/4/kvIndexBytesPerBlock))), from, limit
@@ -117,7 +108,7 @@ func (k *KVEvents) Remove(w *worker.Worker) {
 // New returns the gateway's KV events subscription, with the workers that name their
 // endpoint subscribed from the start; others join as they register (Registered).
 func New(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, log *slog.Logger) *KVEvents {
-	blocks, from, limit := kvIndexBound("/sys/fs/cgroup/memory.max")
+	blocks, from, limit := kvIndexBound(gcpace.CgroupMemoryMax)
 	if from != "" && (cfg.KVEvents || cfg.KVEventsListen != "") {
 		log.Info("kv events: the index holds at most a quarter of the memory limit", "blocks", blocks, "limit_from", from, "limit_mib", limit>>20)
 	}
