@@ -909,10 +909,13 @@ func (b stdLogBridge) Write(p []byte) (int, error) {
 // heapFloor is the collector's heap floor for --gc-heap-floor: at most a quarter of the memory
 // limit (GOMEMLIMIT, else the container's), said at startup when it had to be lowered.
 func heapFloor(floor int64, log *slog.Logger) int64 {
-	limit, from := gcpace.MemoryLimit(gcpace.CgroupMemoryMax)
+	limit, from := gcpace.MemoryLimit(gcpace.CgroupLimitFiles...)
 	bound := gcpace.Bound(floor, limit)
-	if bound < floor {
+	switch {
+	case bound < floor:
 		log.Warn("gc-heap-floor lowered to a quarter of the memory limit", "asked_bytes", floor, "floor_bytes", bound, "limit_bytes", limit, "limit_from", from)
+	case floor > 0:
+		log.Info("collector paced with a heap floor (--gc-heap-floor)", "floor_bytes", floor)
 	}
 	return bound
 }

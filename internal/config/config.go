@@ -136,10 +136,10 @@ type Config struct {
 	// MaxBufferedBodyBytes: past it a body still arriving is refused with 503 before more of
 	// it is read.
 	MaxBufferedBodyBytes int64 `json:"max_buffered_body_bytes" flag:"max-buffered-body-bytes" default:"268435456" help:"request body bytes held at once over every request (503 past it)"`
-	// GCHeapFloor paces Go's collector: no cycle before the heap reaches it, GOGC's pace past
-	// it (internal/gcpace). A gateway's live heap is a few MiB while each request allocates a
+	// GCHeapFloor paces Go's collector: while the live heap is small its next cycle is due at
+	// this heap size, GOGC's pace past it (internal/gcpace). A gateway's live heap is a few MiB while each request allocates a
 	// few KiB that die with it; at GOGC alone the collector runs dozens of times a second.
-	GCHeapFloor int64 `json:"gc_heap_floor" flag:"gc-heap-floor" default:"16777216" check:">=0" help:"the collector does not run before the heap reaches this many bytes; past it GOGC paces it, and GOMEMLIMIT still caps it; at most a quarter of the memory limit (0: GOGC alone)"`
+	GCHeapFloor int64 `json:"gc_heap_floor" flag:"gc-heap-floor" default:"16777216" check:"0..1073741824" help:"while the live heap is small, the collector's next cycle is due at this heap size (its percent raised, at most tenfold); GOGC paces a larger heap, GOMEMLIMIT caps every cycle; at most a quarter of the memory limit (0: GOGC alone)"`
 	// BodyTimeout: a trickle of bytes each inside the stalled-client timeout keeps no buffer
 	// longer.
 	BodyTimeout          time.Duration `json:"body_timeout" flag:"body-timeout" unit:"secs" default:"2m" check:">0" help:"a request body must arrive whole within this"`

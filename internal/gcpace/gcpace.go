@@ -2,10 +2,11 @@
 // allocation rate is high, as a gateway's is: each request allocates a few KiB that die with it,
 // while the heap that survives a collection is a few MiB. At GOGC=100 the collector then runs
 // whenever the heap has doubled — dozens of times a second under load, each cycle scanning
-// stacks and globals for almost nothing. A heap floor lets garbage accumulate up to floor bytes
-// before a cycle, and changes nothing once the live heap is large enough for GOGC to pace it:
-// the goal of each cycle is max(live × (1 + GOGC/100), floor), and a memory limit (GOMEMLIMIT)
-// still caps it.
+// stacks and globals for almost nothing. A heap floor lets garbage accumulate up to the floor
+// before a cycle, and changes nothing once the live heap is large enough for GOGC to pace it.
+// It works by the runtime's own knob: after each collection it sets the percent that puts the
+// next cycle's goal at the floor, by the runtime's reckoning of a goal, never under GOGC and never
+// over ten times it; a memory limit (GOMEMLIMIT) still caps every goal.
 package gcpace
 
 import (
@@ -30,17 +31,19 @@ var (
 
 // Floor starts pacing the collector with a heap floor of bytes, process-wide, and returns a
 // function that stops it (the last stop restores the percent the process had). With GOGC=off
-// or floor 0 it does nothing. Calls may nest; the first one's floor holds until the last stop.
+// or GOGC=0 (the operator's) or floor 0 it does nothing. Calls may nest; the first one's floor
+// holds until the last stop.
 func Floor(bytes uint64) (stop func()) {
 	mu.Lock()
 	defer mu.Unlock()
-	if bytes == 0 || (refs == 0 && percent() < 0) {
+	if bytes == 0 || (refs == 0 && percent() <= 0) {
 		return func() {}
 	}
 	refs++
 	if refs == 1 {
 		floor, base = bytes, percent()
 		set = base
+		tune() // the first cycle too: at GOGC alone it would come at 4 MiB
 		arm(epoch)
 	}
 	var once sync.Once
@@ -75,38 +78,67 @@ func collected(e uint64) {
 	if e != epoch || refs == 0 {
 		return
 	}
-	if p := percentFor(liveHeap(), floor, base); p != set {
-		debug.SetGCPercent(p)
-		set = p
-	}
+	tune()
 	arm(e)
 }
 
-// percentFor is the GOGC that puts the next cycle's goal at max(live × (1 + base/100), floor).
-func percentFor(live, floor uint64, base int) int {
-	live = max(live, 1<<20)
-	if live*uint64(100+base)/100 >= floor {
-		return base
+// tune sets the percent for the heap the last collection left; mu is held.
+func tune() {
+	live, roots := heapNow()
+	if p := percentFor(live, roots, floor, base); p != set {
+		debug.SetGCPercent(p)
+		set = p
 	}
-	p := (floor - live) * 100 / live
-	return int(min(p, 1<<20))
 }
 
-// CgroupMemoryMax is where a container's memory limit is read (cgroup v2).
-const CgroupMemoryMax = "/sys/fs/cgroup/memory.max"
+// heapMinimum is the runtime's smallest goal at GOGC=100 (defaultHeapMinimum in
+// runtime/mgcpacer.go): at GOGC=p it is heapMinimum × p/100.
+const heapMinimum = 4 << 20
 
-// MemoryLimit is the process's memory limit: GOMEMLIMIT when set, else the cgroup's memory.max
-// read from cgroupMax. from names the one used, "" when none is known.
-func MemoryLimit(cgroupMax string) (limit int64, from string) {
+// maxRaise bounds the percent set to this many times GOGC. The percent is set after a cycle by a
+// cleanup, which a busy CPU runs late: until it does, a live heap that jumped is paced by the
+// percent set for the small one, so a cycle may come at up to (1 + maxRaise × GOGC/100) times it.
+const maxRaise = 10
+
+// percentFor is the GOGC that puts the next cycle's goal at floor, by the runtime's reckoning
+// of a goal (runtime/mgcpacer.go, Go 1.21 and later): live + (live + roots) × GOGC/100, where
+// roots are the stacks and globals it scans, and never under heapMinimum × GOGC/100. It is never
+// under base (where base already reaches the floor, or base is off) and never over maxRaise × base.
+func percentFor(live, roots, floor uint64, base int) int {
+	if base <= 0 {
+		return base
+	}
+	l, f := float64(live), float64(floor)
+	p := (f - l) * 100 / max(l+float64(roots), 1)
+	p = min(p, f*100/heapMinimum, maxRaise*float64(base))
+	if p <= float64(base) {
+		return base
+	}
+	return int(p)
+}
+
+// CgroupLimitFiles are where a container's memory limit is read: cgroup v2's memory.max, then
+// v1's memory.limit_in_bytes.
+var CgroupLimitFiles = []string{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}
+
+// MemoryLimit is the process's memory limit: the smaller of GOMEMLIMIT (when set) and the
+// container's, read from cgroupFiles (cgroup v1 says "no limit" with a number near 2^63, v2 with
+// "max"). from names the one used, "" when none is known.
+func MemoryLimit(cgroupFiles ...string) (limit int64, from string) {
 	if l := debug.SetMemoryLimit(-1); l > 0 && l != math.MaxInt64 {
-		return l, "GOMEMLIMIT"
+		limit, from = l, "GOMEMLIMIT"
 	}
-	if b, err := os.ReadFile(cgroupMax); err == nil {
-		if n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && n > 0 {
-			return n, "the cgroup memory limit"
+	for _, f := range cgroupFiles {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
 		}
+		if n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && n > 0 && n < 1<<62 && (from == "" || n < limit) {
+			limit, from = n, "the cgroup memory limit"
+		}
+		break
 	}
-	return 0, ""
+	return limit, from
 }
 
 // Bound is the floor Floor should be given for a wish of floor bytes under a memory limit of
@@ -128,11 +160,27 @@ func percent() int {
 	return int(s[0].Value.Uint64()) // GOGC=off reads as the uint64 of -1
 }
 
-func liveHeap() uint64 {
-	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+// heapNow reads what the last collection left: the live heap, and the stacks and globals the
+// collector scans.
+func heapNow() (live, roots uint64) {
+	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}, {Name: "/gc/scan/stack:bytes"}, {Name: "/gc/scan/globals:bytes"}}
 	metrics.Read(s)
-	if s[0].Value.Kind() != metrics.KindUint64 {
-		return 0
+	for i, v := range s {
+		if v.Value.Kind() != metrics.KindUint64 {
+			continue
+		}
+		if i == 0 {
+			live = v.Value.Uint64()
+		} else {
+			roots += v.Value.Uint64()
+		}
 	}
+	return live, roots
+}
+
+// Goal is the heap size at which the next collection is due, as the runtime reckons it now.
+func Goal() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/goal:bytes"}}
+	metrics.Read(s)
 	return s[0].Value.Uint64()
 }

@@ -1,11 +1,11 @@
 package gcpace
 
 import (
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
-	"runtime/metrics"
 	"testing"
 
 	"github.com/baton-llm/baton/internal/poll"
@@ -14,107 +14,102 @@ import (
 func TestPercentFor(t *testing.T) {
 	const mib = 1 << 20
 	for _, c := range []struct {
-		live, floor uint64
-		base, want  int
+		name               string
+		live, roots, floor uint64
+		base, want         int
 	}{
-		{3 * mib, 64 * mib, 100, 2033},  // next cycle at 64 MiB, not 6
-		{0, 64 * mib, 100, 6300},        // an empty heap counts as 1 MiB
-		{32 * mib, 64 * mib, 100, 100},  // GOGC already reaches the floor
-		{200 * mib, 64 * mib, 100, 100}, // a large heap is GOGC's
-		{20 * mib, 64 * mib, 400, 400},  // the operator's GOGC, when it reaches further
-		{20 * mib, 64 * mib, 50, 220},   // … and the floor above a low one
-		{1, 1 << 62, 100, 1 << 20},      // bounded
+		{"the goal at the floor", 3 * mib, mib / 2, 16 * mib, 100, 371},
+		{"an empty heap: the runtime's minimum is the bound", 0, mib / 2, 16 * mib, 100, 400},
+		{"a tiny heap under a large floor: ten times GOGC", mib, mib / 2, 256 * mib, 100, 1000},
+		{"GOGC already reaches the floor", 8 * mib, mib / 2, 16 * mib, 100, 100},
+		{"a large heap is GOGC's", 200 * mib, mib, 16 * mib, 100, 100},
+		{"the operator's GOGC, when it reaches further", 3 * mib, mib / 2, 16 * mib, 500, 500},
+		{"the floor above a low GOGC", 3 * mib, mib / 2, 16 * mib, 50, 371},
+		{"GOGC=off", 3 * mib, 0, 16 * mib, -1, -1},
+		{"GOGC=0", 3 * mib, 0, 16 * mib, 0, 0},
+		{"no overflow at the flag's largest floor and a huge GOGC", 1 << 40, 1 << 30, 1 << 30, math.MaxInt32, math.MaxInt32},
+		{"no overflow at the largest floor", 0, 0, math.MaxUint64, 100, 1000},
 	} {
-		if got := percentFor(c.live, c.floor, c.base); got != c.want {
-			t.Errorf("percentFor(%d, %d, %d) = %d, want %d", c.live, c.floor, c.base, got, c.want)
+		if got := percentFor(c.live, c.roots, c.floor, c.base); got != c.want {
+			t.Errorf("%s: percentFor(%d, %d, %d, %d) = %d, want %d", c.name, c.live, c.roots, c.floor, c.base, got, c.want)
 		}
 	}
 }
 
-func cycles() uint64 {
-	s := []metrics.Sample{{Name: "/gc/cycles/total:gc-cycles"}}
-	metrics.Read(s)
-	return s[0].Value.Uint64()
-}
+// near says whether the runtime's goal is within 10 % of want.
+func near(goal, want uint64) bool { return goal > want*9/10 && goal < want*11/10 }
 
-var sink []byte
-
-// churn allocates n bytes of garbage in 8 KiB pieces, as requests do, and returns how many
-// collections ran meanwhile.
-func churn(n int) uint64 {
-	c0 := cycles()
-	for i := 0; i < n/8192; i++ {
-		sink = make([]byte, 8192)
-	}
-	sink = nil
-	return cycles() - c0
-}
-
-func paced(t *testing.T) {
-	t.Helper()
-	runtime.GC() // the first cycle arms the pacing; its cleanup sets the percent
-	poll.Until(t, "the pacer set the percent", func() bool { return Percent() > 100 })
-}
-
-// With a floor, garbage well under it runs no collection; after the last stop the process is
-// back at GOGC and the same garbage runs several.
-func TestFloorSparesCyclesAndStopRestores(t *testing.T) {
+// With a floor, the next collection is due at the floor, by the runtime's own goal — from the
+// start, before any collection — and not past it; nested stops leave it on; after the last stop
+// the process is back at its GOGC and its goal.
+func TestFloorSetsTheGoalAndStopRestores(t *testing.T) {
 	defer debug.SetGCPercent(debug.SetGCPercent(100))
-	stop := Floor(256 << 20)
-	paced(t)
-	if n := churn(48 << 20); n > 1 {
-		t.Errorf("48 MiB of garbage under a 256 MiB floor ran %d collections", n)
+	runtime.GC()
+	plain := Goal()
+	const floor = 32 << 20
+	if plain > floor/4 {
+		t.Fatalf("the test process's goal at GOGC=100 is already %d", plain)
 	}
-	// Nested: an inner stop leaves the pacing on.
+	stop := Floor(floor)
+	defer stop() // once: also stopped below
+	if g := Goal(); !near(g, floor) {
+		t.Errorf("goal as Floor returns: %d, want about %d", g, floor)
+	}
+	runtime.GC()
+	poll.Until(t, "the goal at the floor after a collection", func() bool { return near(Goal(), floor) })
 	inner := Floor(1 << 20)
 	inner()
 	inner()
-	if p := Percent(); p <= 100 {
-		t.Errorf("an inner stop restored the percent: %d", p)
+	if g := Goal(); !near(g, floor) {
+		t.Errorf("an inner stop moved the goal to %d", g)
 	}
 	stop()
 	if p := Percent(); p != 100 {
 		t.Fatalf("after the last stop the percent is %d, want 100", p)
 	}
 	runtime.GC()
-	runtime.GC() // a cleanup armed before the stop must not set it again
-	if p := Percent(); p != 100 {
-		t.Fatalf("a cleanup after the stop set the percent to %d", p)
-	}
-	if n := churn(48 << 20); n < 3 {
-		t.Errorf("48 MiB of garbage at GOGC=100 ran only %d collections: the test cannot tell pacing from none", n)
+	runtime.GC() // a cleanup armed before the stop must not set the percent again
+	if p, g := Percent(), Goal(); p != 100 || g > floor/4 {
+		t.Fatalf("after the stop and two collections: percent %d, goal %d", p, g)
 	}
 }
 
-// A live heap that GOGC already paces past the floor is left at GOGC.
-func TestLargeLiveHeapKeepsGOGC(t *testing.T) {
+// A live heap that GOGC already paces past the floor is left at GOGC; one that jumped is paced
+// at most at ten times GOGC until the next collection's cleanup.
+func TestALargeLiveHeapIsGOGCs(t *testing.T) {
 	defer debug.SetGCPercent(debug.SetGCPercent(100))
 	stop := Floor(16 << 20)
 	defer stop()
-	paced(t)
+	if p := Percent(); p <= 100 || p > 1000 {
+		t.Fatalf("a small heap under a 16 MiB floor: percent %d", p)
+	}
 	live := make([][]byte, 0, 3000)
 	for range 3000 {
-		live = append(live, make([]byte, 8192)) // 24 MiB live: × 2 is past the floor
+		live = append(live, make([]byte, 8192)) // 24 MiB live: GOGC alone reaches past the floor
 	}
 	poll.Until(t, "the percent back at GOGC", func() bool { runtime.GC(); return Percent() == 100 })
 	runtime.KeepAlive(live)
 }
 
-// GOGC=off is the operator's: Floor leaves it alone.
-func TestGOGCOffIsLeftAlone(t *testing.T) {
-	defer debug.SetGCPercent(debug.SetGCPercent(-1))
-	stop := Floor(64 << 20)
-	defer stop()
-	runtime.GC()
-	runtime.GC()
-	if p := Percent(); p != -1 {
-		t.Errorf("GOGC=off became %d", p)
+// GOGC=off and GOGC=0 are the operator's: Floor leaves them alone.
+func TestGOGCOffOrZeroIsLeftAlone(t *testing.T) {
+	for _, p := range []int{-1, 0} {
+		old := debug.SetGCPercent(p)
+		stop := Floor(64 << 20)
+		runtime.GC()
+		runtime.GC()
+		if got := Percent(); got != p {
+			t.Errorf("GOGC=%d became %d", p, got)
+		}
+		stop()
+		debug.SetGCPercent(old)
 	}
 }
 
-// A floor is bounded by a quarter of the memory limit, which comes from GOMEMLIMIT, else the
-// cgroup's memory.max.
+// A floor is bounded by a quarter of the memory limit: the smaller of GOMEMLIMIT and the
+// container's (cgroup v2's memory.max, else v1's memory.limit_in_bytes).
 func TestBoundAndMemoryLimit(t *testing.T) {
+	defer debug.SetMemoryLimit(debug.SetMemoryLimit(math.MaxInt64)) // whatever the environment set
 	if b := Bound(16<<20, 0); b != 16<<20 {
 		t.Errorf("no limit: %d", b)
 	}
@@ -125,21 +120,33 @@ func TestBoundAndMemoryLimit(t *testing.T) {
 		t.Errorf("a 16 MiB floor under a 1 GiB limit: %d", b)
 	}
 	dir := t.TempDir()
-	cg := func(v string) string {
-		p := filepath.Join(dir, "memory.max")
+	file := func(name, v string) string {
+		p := filepath.Join(dir, name)
 		if err := os.WriteFile(p, []byte(v+"\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		return p
 	}
-	if l, from := MemoryLimit(cg("max")); from != "" || l != 0 {
-		t.Errorf("memory.max \"max\": %d %q", l, from)
-	}
-	if l, from := MemoryLimit(cg("536870912")); from != "the cgroup memory limit" || l != 512<<20 {
-		t.Errorf("memory.max 512 MiB: %d %q", l, from)
-	}
-	defer debug.SetMemoryLimit(debug.SetMemoryLimit(300 << 20))
-	if l, from := MemoryLimit(cg("536870912")); from != "GOMEMLIMIT" || l != 300<<20 {
-		t.Errorf("GOMEMLIMIT over the cgroup: %d %q", l, from)
+	absent := filepath.Join(dir, "absent")
+	v1 := file("v1", "536870912")
+	for _, c := range []struct {
+		name  string
+		files []string
+		gomem int64
+		want  int64
+		from  string
+	}{
+		{"none", []string{absent}, math.MaxInt64, 0, ""},
+		{"v2 says max", []string{file("v2max", "max"), v1}, math.MaxInt64, 0, ""},
+		{"v2", []string{file("v2", "268435456"), v1}, math.MaxInt64, 256 << 20, "the cgroup memory limit"},
+		{"v1, where there is no v2", []string{absent, v1}, math.MaxInt64, 512 << 20, "the cgroup memory limit"},
+		{"v1 unlimited", []string{absent, file("v1max", "9223372036854771712")}, math.MaxInt64, 0, ""},
+		{"GOMEMLIMIT under the container's", []string{v1}, 300 << 20, 300 << 20, "GOMEMLIMIT"},
+		{"the container's under GOMEMLIMIT", []string{v1}, 10 << 30, 512 << 20, "the cgroup memory limit"},
+	} {
+		debug.SetMemoryLimit(c.gomem)
+		if l, from := MemoryLimit(c.files...); l != c.want || from != c.from {
+			t.Errorf("%s: %d %q, want %d %q", c.name, l, from, c.want, c.from)
+		}
 	}
 }

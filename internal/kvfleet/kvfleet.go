@@ -40,11 +40,11 @@ const (
 	kvIndexBytesPerBlock = 256
 )
 
-// kvIndexBound sizes the index from the process's memory limit (GOMEMLIMIT, else the cgroup's
-// memory.max): a quarter of it, at kvIndexBytesPerBlock, never more than maxKVIndexBlocks. from
-// names the limit used, "" when none is known.
-func kvIndexBound(cgroupMax string) (blocks int, from string, limit int64) {
-	if limit, from = gcpace.MemoryLimit(cgroupMax); from == "" {
+// kvIndexBound sizes the index from the process's memory limit (the smaller of GOMEMLIMIT and
+// the container's, read from cgroupFiles): a quarter of it, at kvIndexBytesPerBlock, never more
+// than maxKVIndexBlocks. from names the limit used, "" when none is known.
+func kvIndexBound(cgroupFiles ...string) (blocks int, from string, limit int64) {
+	if limit, from = gcpace.MemoryLimit(cgroupFiles...); from == "" {
 		return maxKVIndexBlocks, "", 0
 	}
 	return int(max(1024, min(maxKVIndexBlocks, limit/4/kvIndexBytesPerBlock))), from, limit
@@ -108,7 +108,7 @@ func (k *KVEvents) Remove(w *worker.Worker) {
 // New returns the gateway's KV events subscription, with the workers that name their
 // endpoint subscribed from the start; others join as they register (Registered).
 func New(cfg config.Config, ws []*worker.Worker, reg *worker.Registry, log *slog.Logger) *KVEvents {
-	blocks, from, limit := kvIndexBound(gcpace.CgroupMemoryMax)
+	blocks, from, limit := kvIndexBound(gcpace.CgroupLimitFiles...)
 	if from != "" && (cfg.KVEvents || cfg.KVEventsListen != "") {
 		log.Info("kv events: the index holds at most a quarter of the memory limit", "blocks", blocks, "limit_from", from, "limit_mib", limit>>20)
 	}

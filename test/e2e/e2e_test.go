@@ -448,12 +448,13 @@ func TestSoakQuick(t *testing.T) {
 	}
 }
 
-// The heap floor (--gc-heap-floor, 16 MiB by default) spares the collector: the same 3,000
-// requests run a third of the collections or fewer with it than at GOGC alone, where the
-// percent stays the operator's.
+// The heap floor (--gc-heap-floor, 16 MiB by default) spares the collector: the next
+// collection is due at the floor (go_memstats_next_gc_bytes), not at twice a live heap of a few
+// MiB, and the same 3,000 requests run fewer collections; with 0 the percent stays the
+// operator's.
 func TestTheHeapFloorSparesCollections(t *testing.T) {
 	eng := openAIEngine(t)
-	run := func(args ...string) (cycles, percent float64) {
+	run := func(args ...string) (cycles, percent, goal float64) {
 		api, metrics := startBatonMetrics(t, append([]string{"--worker-urls", eng.URL, "--access-log=false"}, args...)...)
 		c0 := metricValue(t, metrics, "go_gc_duration_seconds_count")
 		body := `{"model":"m","prompt":"` + strings.Repeat("a few words ", 40) + `"}`
@@ -468,15 +469,19 @@ func TestTheHeapFloorSparesCollections(t *testing.T) {
 				t.Fatalf("status %d", resp.StatusCode)
 			}
 		}
-		return metricValue(t, metrics, "go_gc_duration_seconds_count") - c0, metricValue(t, metrics, "go_gc_gogc_percent")
+		return metricValue(t, metrics, "go_gc_duration_seconds_count") - c0, metricValue(t, metrics, "go_gc_gogc_percent"), metricValue(t, metrics, "go_memstats_next_gc_bytes")
 	}
-	paced, pacedPercent := run()
-	plain, plainPercent := run("--gc-heap-floor", "0")
-	t.Logf("3,000 requests: %.0f collections with the default floor (GOGC paced at %.0f), %.0f at GOGC alone (%.0f)", paced, pacedPercent, plain, plainPercent)
-	if plainPercent != 100 || plain < 4 {
-		t.Fatalf("at GOGC alone: %.0f collections, percent %.0f — the test cannot tell a floor from none", plain, plainPercent)
+	paced, pacedPercent, pacedGoal := run()
+	plain, plainPercent, plainGoal := run("--gc-heap-floor", "0")
+	t.Logf("3,000 requests: %.0f collections with the default floor (GOGC paced at %.0f, next at %.1f MiB), %.0f at GOGC alone (%.0f, next at %.1f MiB)",
+		paced, pacedPercent, pacedGoal/(1<<20), plain, plainPercent, plainGoal/(1<<20))
+	if plainPercent != 100 || plainGoal > 12<<20 {
+		t.Fatalf("at GOGC alone: percent %.0f, next collection at %.0f bytes — the test cannot tell a floor from none", plainPercent, plainGoal)
 	}
-	if pacedPercent <= 100 || paced*3 > plain {
-		t.Errorf("with the default floor: %.0f collections, percent %.0f", paced, pacedPercent)
+	if pacedPercent <= 100 || pacedGoal < 15<<20 || pacedGoal > 18<<20 {
+		t.Errorf("with the default floor: percent %.0f, next collection at %.0f bytes, want about 16 MiB", pacedPercent, pacedGoal)
+	}
+	if paced >= plain {
+		t.Errorf("with the default floor %.0f collections, at GOGC alone %.0f", paced, plain)
 	}
 }
