@@ -907,15 +907,24 @@ func (b stdLogBridge) Write(p []byte) (int, error) {
 }
 
 // heapFloor is the collector's heap floor for --gc-heap-floor: at most a quarter of the memory
-// limit (GOMEMLIMIT, else the container's), said at startup when it had to be lowered.
+// limit (the smaller of GOMEMLIMIT and the container's), said at startup — lowered, or not used
+// (GOGC=off or 0, or a floor under the runtime's own minimum heap).
 func heapFloor(floor int64, log *slog.Logger) int64 {
 	limit, from := gcpace.MemoryLimit(gcpace.CgroupLimitFiles...)
 	bound := gcpace.Bound(floor, limit)
-	switch {
+	switch p := gcpace.Percent(); {
+	case floor == 0:
+	case p < 0:
+		log.Info("gc-heap-floor not used: GOGC=off is the operator's")
+	case p == 0:
+		log.Info("gc-heap-floor not used: GOGC=0 is the operator's")
 	case bound < floor:
-		log.Warn("gc-heap-floor lowered to a quarter of the memory limit", "asked_bytes", floor, "floor_bytes", bound, "limit_bytes", limit, "limit_from", from)
-	case floor > 0:
-		log.Info("collector paced with a heap floor (--gc-heap-floor)", "floor_bytes", floor)
+		log.Warn("gc-heap-floor lowered to a quarter of the memory limit", "asked_bytes", floor, "floor_bytes", bound, "limit_bytes", limit, "limit_from", from,
+			"used", bound > gcpace.HeapMinimum*int64(p)/100)
+	case bound <= gcpace.HeapMinimum*int64(p)/100:
+		log.Info("gc-heap-floor not used: GOGC alone paces the collector past it", "floor_bytes", bound, "gogc", p)
+	default:
+		log.Info("collector paced with a heap floor (--gc-heap-floor)", "floor_bytes", bound, "gogc", p)
 	}
 	return bound
 }

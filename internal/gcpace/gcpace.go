@@ -91,9 +91,10 @@ func tune() {
 	}
 }
 
-// heapMinimum is the runtime's smallest goal at GOGC=100 (defaultHeapMinimum in
-// runtime/mgcpacer.go): at GOGC=p it is heapMinimum × p/100.
-const heapMinimum = 4 << 20
+// HeapMinimum is the runtime's smallest goal at GOGC=100 (defaultHeapMinimum in
+// runtime/mgcpacer.go): at GOGC=p it is HeapMinimum × p/100, so a floor under that is never
+// used.
+const HeapMinimum = 4 << 20
 
 // maxRaise bounds the percent set to this many times GOGC. The percent is set after a cycle by a
 // cleanup, which a busy CPU runs late: until it does, a live heap that jumped is paced by the
@@ -102,7 +103,7 @@ const maxRaise = 10
 
 // percentFor is the GOGC that puts the next cycle's goal at floor, by the runtime's reckoning
 // of a goal (runtime/mgcpacer.go, Go 1.21 and later): live + (live + roots) × GOGC/100, where
-// roots are the stacks and globals it scans, and never under heapMinimum × GOGC/100. It is never
+// roots are the stacks and globals it scans, and never under HeapMinimum × GOGC/100. It is never
 // under base (where base already reaches the floor, or base is off) and never over maxRaise × base.
 func percentFor(live, roots, floor uint64, base int) int {
 	if base <= 0 {
@@ -110,11 +111,11 @@ func percentFor(live, roots, floor uint64, base int) int {
 	}
 	l, f := float64(live), float64(floor)
 	p := (f - l) * 100 / max(l+float64(roots), 1)
-	p = min(p, f*100/heapMinimum, maxRaise*float64(base))
+	p = min(p, f*100/HeapMinimum, maxRaise*float64(base))
 	if p <= float64(base) {
 		return base
 	}
-	return int(p)
+	return int(min(p, math.MaxInt32)) // SetGCPercent takes an int32: past it, it would read as off
 }
 
 // CgroupLimitFiles are where a container's memory limit is read: cgroup v2's memory.max, then

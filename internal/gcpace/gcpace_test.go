@@ -29,6 +29,7 @@ func TestPercentFor(t *testing.T) {
 		{"GOGC=0", 3 * mib, 0, 16 * mib, 0, 0},
 		{"no overflow at the flag's largest floor and a huge GOGC", 1 << 40, 1 << 30, 1 << 30, math.MaxInt32, math.MaxInt32},
 		{"no overflow at the largest floor", 0, 0, math.MaxUint64, 100, 1000},
+		{"never past what SetGCPercent takes", 0, 0, 1 << 50, 300_000_000, math.MaxInt32},
 	} {
 		if got := percentFor(c.live, c.roots, c.floor, c.base); got != c.want {
 			t.Errorf("%s: percentFor(%d, %d, %d, %d) = %d, want %d", c.name, c.live, c.roots, c.floor, c.base, got, c.want)
@@ -44,6 +45,7 @@ func near(goal, want uint64) bool { return goal > want*9/10 && goal < want*11/10
 // the process is back at its GOGC and its goal.
 func TestFloorSetsTheGoalAndStopRestores(t *testing.T) {
 	defer debug.SetGCPercent(debug.SetGCPercent(100))
+	defer debug.SetMemoryLimit(debug.SetMemoryLimit(math.MaxInt64)) // a GOMEMLIMIT would cap the goal
 	runtime.GC()
 	plain := Goal()
 	const floor = 32 << 20
@@ -78,6 +80,7 @@ func TestFloorSetsTheGoalAndStopRestores(t *testing.T) {
 // at most at ten times GOGC until the next collection's cleanup.
 func TestALargeLiveHeapIsGOGCs(t *testing.T) {
 	defer debug.SetGCPercent(debug.SetGCPercent(100))
+	defer debug.SetMemoryLimit(debug.SetMemoryLimit(math.MaxInt64))
 	stop := Floor(16 << 20)
 	defer stop()
 	if p := Percent(); p <= 100 || p > 1000 {

@@ -485,3 +485,32 @@ func TestTheHeapFloorSparesCollections(t *testing.T) {
 		t.Errorf("with the default floor %.0f collections, at GOGC alone %.0f", paced, plain)
 	}
 }
+
+// What Baton says at startup about the heap floor is what it does: paced, lowered under a
+// memory limit (and whether the lowered floor is still above the runtime's own minimum), or not
+// used when GOGC is the operator's or already reaches past it.
+func TestTheHeapFloorIsSaidAsItIs(t *testing.T) {
+	for _, c := range []struct{ env, want string }{
+		{"", `msg="collector paced with a heap floor (--gc-heap-floor)" floor_bytes=16777216 gogc=100`},
+		{"GOGC=off", `msg="gc-heap-floor not used: GOGC=off is the operator's"`},
+		{"GOGC=0", `msg="gc-heap-floor not used: GOGC=0 is the operator's"`},
+		{"GOGC=1000", `msg="gc-heap-floor not used: GOGC alone paces the collector past it" floor_bytes=16777216 gogc=1000`},
+		{"GOMEMLIMIT=32MiB", `floor_bytes=8388608 limit_bytes=33554432 limit_from=GOMEMLIMIT used=true`},
+		{"GOMEMLIMIT=8MiB", `floor_bytes=2097152 limit_bytes=8388608 limit_from=GOMEMLIMIT used=false`},
+	} {
+		t.Run(c.env, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, binary, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--worker-urls", "http://127.0.0.1:1")
+			cmd.Env = append(os.Environ(), "GOGC=", "GOMEMLIMIT=")
+			if c.env != "" {
+				cmd.Env = append(cmd.Env, c.env)
+			}
+			out, _ := cmd.CombinedOutput() // ended by the context
+			if !strings.Contains(string(out), c.want) {
+				t.Errorf("startup with %q said:\n%s\nwant a line with %s", c.env, out, c.want)
+			}
+		})
+	}
+}
