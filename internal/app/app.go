@@ -912,16 +912,17 @@ func (b stdLogBridge) Write(p []byte) (int, error) {
 func heapFloor(floor int64, log *slog.Logger) int64 {
 	limit, from := gcpace.MemoryLimit(gcpace.CgroupLimitFiles...)
 	bound := gcpace.Bound(floor, limit)
-	switch p := gcpace.Percent(); {
+	p := gcpace.Percent()
+	used := bound > gcpace.HeapMinimum*int64(p)/100 // what GOGC alone reaches, it needs no floor for
+	switch {
 	case floor == 0:
 	case p < 0:
 		log.Info("gc-heap-floor not used: GOGC=off is the operator's")
 	case p == 0:
 		log.Info("gc-heap-floor not used: GOGC=0 is the operator's")
 	case bound < floor:
-		log.Warn("gc-heap-floor lowered to a quarter of the memory limit", "asked_bytes", floor, "floor_bytes", bound, "limit_bytes", limit, "limit_from", from,
-			"used", bound > gcpace.HeapMinimum*int64(p)/100)
-	case bound <= gcpace.HeapMinimum*int64(p)/100:
+		log.Warn("gc-heap-floor lowered to a quarter of the memory limit", "asked_bytes", floor, "floor_bytes", bound, "limit_bytes", limit, "limit_from", from, "used", used)
+	case !used:
 		log.Info("gc-heap-floor not used: GOGC alone paces the collector past it", "floor_bytes", bound, "gogc", p)
 	default:
 		log.Info("collector paced with a heap floor (--gc-heap-floor)", "floor_bytes", bound, "gogc", p)

@@ -36,12 +36,12 @@ var (
 func Floor(bytes uint64) (stop func()) {
 	mu.Lock()
 	defer mu.Unlock()
-	if bytes == 0 || (refs == 0 && percent() <= 0) {
+	if bytes == 0 || (refs == 0 && Percent() <= 0) {
 		return func() {}
 	}
 	refs++
 	if refs == 1 {
-		floor, base = bytes, percent()
+		floor, base = bytes, Percent()
 		set = base
 		tune() // the first cycle too: at GOGC alone it would come at 4 MiB
 		arm(epoch)
@@ -152,13 +152,11 @@ func Bound(floor, limit int64) int64 {
 	return floor
 }
 
-// Percent is the collector's percent now (GOGC as paced), for tests and reports.
-func Percent() int { return percent() }
-
-func percent() int {
+// Percent is the collector's percent now (GOGC as paced; GOGC=off reads as -1).
+func Percent() int {
 	s := []metrics.Sample{{Name: "/gc/gogc:percent"}}
 	metrics.Read(s)
-	return int(s[0].Value.Uint64()) // GOGC=off reads as the uint64 of -1
+	return int(s[0].Value.Uint64()) // GOGC=off is stored as the uint64 of -1
 }
 
 // heapNow reads what the last collection left: the live heap, and the stacks and globals the
@@ -177,11 +175,4 @@ func heapNow() (live, roots uint64) {
 		}
 	}
 	return live, roots
-}
-
-// Goal is the heap size at which the next collection is due, as the runtime reckons it now.
-func Goal() uint64 {
-	s := []metrics.Sample{{Name: "/gc/heap/goal:bytes"}}
-	metrics.Read(s)
-	return s[0].Value.Uint64()
 }

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"runtime/metrics"
 	"testing"
 
 	"github.com/baton-llm/baton/internal/poll"
@@ -35,6 +36,13 @@ func TestPercentFor(t *testing.T) {
 			t.Errorf("%s: percentFor(%d, %d, %d, %d) = %d, want %d", c.name, c.live, c.roots, c.floor, c.base, got, c.want)
 		}
 	}
+}
+
+// Goal is the heap size at which the next collection is due, as the runtime reckons it now.
+func Goal() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/goal:bytes"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
 }
 
 // near says whether the runtime's goal is within 10 % of want.

@@ -312,8 +312,9 @@ var sameProcess sync.Map // string → *Engine
 
 // sameProcessSource returns the prefill engine of this process that kv's NIXL params name and
 // the request id to take, or nil when e does not take KV by a call or no such engine runs here.
+// kv is params kvSource accepted: on a NIXL engine, whole NIXL params.
 func (e *Engine) sameProcessSource(kv *kvParams) (*Engine, string) {
-	if !e.cfg.SameProcessKV || kv.RemoteHost == nil || kv.RemotePort == nil || kv.RemoteRequestID == nil || kv.TransferID != nil {
+	if !e.cfg.SameProcessKV || e.cfg.KVConnector != ConnectorNixl {
 		return nil, ""
 	}
 	src, ok := sameProcess.Load(netJoin(*kv.RemoteHost, *kv.RemotePort))
