@@ -23,33 +23,50 @@ func NewNames(keys, values, recent []string) *Names {
 
 // Key returns name in net/http's canonical form.
 func (n *Names) Key(name []byte) string {
-	for _, k := range n.Keys {
-		if len(k) == len(name) && equalFold(k, name) {
-			return k
-		}
+	if k, ok := n.key(name); ok {
+		return k
 	}
 	return http.CanonicalHeaderKey(string(name))
+}
+
+// key returns the one of Keys that is name, if one is.
+func (n *Names) key(name []byte) (string, bool) {
+	for _, k := range n.Keys {
+		if len(k) == len(name) && equalFold(k, name) {
+			return k, true
+		}
+	}
+	return "", false
 }
 
 // Value returns v as a string, shared where it is one of Values, or the last value of key
 // where key is Recent.
 func (n *Names) Value(key string, v []byte) string {
+	if s, ok := n.value(key, v); ok {
+		return s
+	}
+	return string(v)
+}
+
+// value is Value where it has a shared string (of Values or Recent): ok false, and no string,
+// where it has none.
+func (n *Names) value(key string, v []byte) (s string, ok bool) {
 	for _, c := range n.Values {
 		if string(v) == c {
-			return c
+			return c, true
 		}
 	}
 	for i, r := range n.Recent {
 		if r == key {
 			if p := n.last[i].Load(); p != nil && *p == string(v) {
-				return *p
+				return *p, true
 			}
 			s := string(v)
 			n.last[i].Store(&s)
-			return s
+			return s, true
 		}
 	}
-	return string(v)
+	return "", false
 }
 
 func equalFold(s string, b []byte) bool {
@@ -96,4 +113,67 @@ func (f *Fields) Add(k, v string) {
 	f.vals = append(f.vals, v)
 	n := len(f.vals)
 	f.H[k] = f.vals[n-1 : n : n]
+}
+
+// Recall remembers the first fields of one peer's last head, so that the next head from the same
+// peer — a kept-alive connection's next answer, which an engine sends with the same names, most
+// of them with the same values — takes its names and values from it instead of allocating them
+// where Names has no shared string: an engine's own header names, a value that stays the same.
+// A string is taken from it only when the bytes are the same, so nothing of one message's head
+// reaches another's but what that head itself says. It is for one goroutine at a time (a
+// connection's reader).
+type Recall struct {
+	f [recallFields]struct{ k, v string }
+}
+
+// recallFields bounds what a Recall keeps: engines answer with fewer fields than this. Only
+// names and values of at most recallBytes are kept, so that what a connection holds from its last
+// head stays small, and an open stream holds nothing large of the head it relayed already.
+const (
+	recallFields = 8
+	recallBytes  = 64
+)
+
+// Field returns the canonical name and the value of a head's i-th field, name: v, from n, else
+// from what the same peer's last head had, and remembers them for the next head.
+func (r *Recall) Field(n *Names, i int, name, v []byte) (key, value string) {
+	key, known := n.key(name)
+	if !known {
+		key = ""
+		if i < recallFields && len(r.f[i].k) == len(name) && equalFold(r.f[i].k, name) {
+			key = r.f[i].k // the same place as last time: the common case
+		} else {
+			for j := range r.f {
+				if len(r.f[j].k) == len(name) && equalFold(r.f[j].k, name) {
+					key = r.f[j].k
+					break
+				}
+			}
+		}
+		if key == "" {
+			key = http.CanonicalHeaderKey(string(name))
+		}
+	}
+	value, shared := n.value(key, v)
+	if !shared {
+		switch {
+		case i < recallFields && r.f[i].k == key && r.f[i].v == string(v):
+			value = r.f[i].v
+		default:
+			value = string(v)
+			for j := range r.f {
+				if r.f[j].k == key && r.f[j].v == value {
+					value = r.f[j].v
+					break
+				}
+			}
+		}
+	}
+	if i < recallFields {
+		r.f[i].k, r.f[i].v = "", ""
+		if len(key) <= recallBytes && len(value) <= recallBytes {
+			r.f[i].k, r.f[i].v = key, value
+		}
+	}
+	return key, value
 }

@@ -2,6 +2,7 @@ package httpwire
 
 import (
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -51,5 +52,51 @@ func BenchmarkFields(b *testing.B) {
 			k := n.Key(l[0])
 			f.Add(k, n.Value(k, l[1]))
 		}
+	}
+}
+
+// A Recall gives every field the name and value Names would (net/http's canonical name, the
+// exact value), whatever the last head was — the same fields, others, another order, more than
+// it keeps — and the second of two identical heads allocates nothing for them.
+func TestRecallGivesWhatNamesWouldAndSharesRepeats(t *testing.T) {
+	n := NewNames([]string{"Content-Type", "Date"}, []string{"application/json"}, []string{"Date"})
+	heads := [][][2]string{
+		{{"content-type", "application/json"}, {"x-engine-id", "vllm-1"}, {"X-KV-Source", "remote"}, {"x-request-id", "a"}},
+		{{"content-type", "application/json"}, {"x-engine-id", "vllm-1"}, {"X-KV-Source", "remote"}, {"x-request-id", "b"}},
+		{{"X-KV-Source", "recompute"}, {"x-engine-id", "vllm-2"}, {"x-kv-source", "remote"}},
+		{{"a", "1"}, {"b", "2"}, {"c", "3"}, {"d", "4"}, {"e", "5"}, {"f", "6"}, {"g", "7"}, {"h", "8"}, {"i", "9"}, {"x-engine-id", "vllm-2"}},
+		{{"x-engine-id", "vllm-2"}, {"i", "9"}},
+		{{"x-long", strings.Repeat("v", 4096)}, {"x-engine-id", "vllm-2"}},
+		{{"x-long", strings.Repeat("v", 4096)}, {"x-engine-id", "vllm-2"}},
+	}
+	var r Recall
+	for hi, h := range heads {
+		for i, f := range h {
+			k, v := r.Field(n, i, []byte(f[0]), []byte(f[1]))
+			if k != http.CanonicalHeaderKey(f[0]) || v != f[1] {
+				t.Fatalf("head %d field %d (%s: %s): got %q: %q", hi, i, f[0], f[1], k, v)
+			}
+		}
+	}
+	// What it keeps is small: a long value of the last head is not held.
+	if r.f[0].v != "" || r.f[1].v != "vllm-2" {
+		t.Errorf("a Recall keeps %q, %q", r.f[0].k, r.f[1].v)
+	}
+	head := heads[1]
+	lines := make([][2][]byte, len(head))
+	for i, f := range head[:3] { // the id changes on every answer: the others repeat
+		lines[i] = [2][]byte{[]byte(f[0]), []byte(f[1])}
+	}
+	lines = lines[:3]
+	var fresh Recall
+	for i, l := range lines {
+		fresh.Field(n, i, l[0], l[1])
+	}
+	if a := testing.AllocsPerRun(100, func() {
+		for i, l := range lines {
+			fresh.Field(n, i, l[0], l[1])
+		}
+	}); a != 0 {
+		t.Errorf("a repeated head allocated %v times", a)
 	}
 }

@@ -72,7 +72,12 @@ type conn struct {
 	// duplicate of its answer would be named like the answer of a request with the same id,
 	// which must therefore take another connection (get).
 	lastID string
+	recall httpwire.Recall // the last answer's first fields, shared by the next answer where the same
+	expire func()          // expireNow, for the exchanges' context.AfterFunc
 }
+
+// expireNow ends the connection's reads and writes at once (a request's context ended).
+func (c *conn) expireNow() { _ = c.c.SetDeadline(time.Unix(1, 0)) }
 
 // wrote gives the request's write buffer back once the request left (or failed to), so that the
 // wait for the answer holds none; true: the wait goes on (httpwire.Source.Sent).
@@ -153,7 +158,10 @@ var errStale = errors.New("upstream: connection closed before an answer")
 // exchange writes req on c and reads the answer's head; reused says c was idle, to be checked
 // for stray bytes or its close before the write where get did not (errStray: c was).
 func (t *Transport) exchange(ctx context.Context, c *conn, req *http.Request, body []byte, reused bool) (*http.Response, error) {
-	stop := context.AfterFunc(ctx, func() { _ = c.c.SetDeadline(time.Unix(1, 0)) })
+	if c.expire == nil {
+		c.expire = c.expireNow // once per connection, not per exchange
+	}
+	stop := context.AfterFunc(ctx, c.expire)
 	bp := wbufPool.Get().(*[]byte)
 	buffersOut.Add(1)
 	buf := appendRequest((*bp)[:0], req, len(body))
@@ -287,7 +295,7 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 		if err := parseStatus(string(line), resp); err != nil {
 			return nil, err
 		}
-		for {
+		for i := 0; ; i++ {
 			line, err := httpwire.ReadLine(c.br, &budget, false)
 			if err != nil {
 				if err == io.EOF {
@@ -302,8 +310,7 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			if err != nil {
 				return nil, fmt.Errorf("upstream: %w", err) // a folded line, whitespace before the colon, a control byte
 			}
-			k := names.Key(name)
-			fields.Add(k, names.Value(k, v))
+			fields.Add(c.recall.Field(names, i, name, v))
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
 			continue // 100 Continue and friends: the answer follows
@@ -471,8 +478,11 @@ func (c *conn) dropReader() {
 }
 
 // put keeps c for reuse, or closes it past the bound.
+//
+// No deadline is left to clear: a body is put back only when its exchange's cancellation never
+// ran (expireNow's past deadline), and the reads that set one of their own clear it, or close
+// the connection.
 func (t *Transport) put(c *conn) {
-	_ = c.c.SetDeadline(time.Time{})
 	c.idleAt = time.Now()
 	t.mu.Lock()
 	defer t.mu.Unlock()
