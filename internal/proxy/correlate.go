@@ -69,10 +69,14 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, proof worker.Proo
 	if v, ok := resp.Body.(viewer); ok {
 		resp.Body = &provingViewer{prover: pr, v: v} // one allocation for both
 	} else {
-		resp.Body = &pr
+		resp.Body = proving(pr)
 	}
 	return resp, nil
 }
+
+// proving is pr on the heap (apart from correlate, where its address would put it there on
+// every path, the viewer's too).
+func proving(pr prover) *prover { return &pr }
 
 func (p *Proxy) mismatch(w *worker.Worker, sent, got string) {
 	if p.Log != nil {
@@ -133,7 +137,7 @@ func (r *prover) judge(b []byte, rerr error) (bool, error) {
 		return true, nil
 	case v == idError:
 		return true, nil // an error carries no id: not judged
-	case v == idFound && string(id) == r.prefix+r.sent:
+	case v == idFound && len(id) == len(r.prefix)+len(r.sent) && string(id[:len(r.prefix)]) == r.prefix && string(id[len(r.prefix):]) == r.sent:
 		r.w.NoteIDEcho()
 		return true, nil
 	case !r.proof.ByID():

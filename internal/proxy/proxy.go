@@ -278,11 +278,12 @@ type Orders struct {
 
 // Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
 func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*http.Response, error) {
-	out, err := http.NewRequestWithContext(ctx, http.MethodPost, leg.W.URL+c.Path, newPayload(c.Body))
+	body := newPayload(c.Body)
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, leg.W.URL+c.Path, body)
 	if err != nil {
 		return nil, err
 	}
-	out.GetBody = func() (io.ReadCloser, error) { return newPayload(c.Body), nil }
+	out.GetBody = body.again
 	// The client's query string is not forwarded: the engines' routes take none.
 	CopyRequestHeaders(out.Header, in.Header, leg.W)
 	for _, k := range p.ExtraHeaders {
@@ -293,7 +294,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	for k, v := range c.Header {
 		out.Header[k] = v
 	}
-	out.Header.Set("Content-Type", "application/json")
+	out.Header["Content-Type"] = jsonType
 	out.ContentLength = int64(len(c.Body))
 	if tracing.Enabled() {
 		return p.sendTraced(ctx, out, leg, &c)
@@ -371,17 +372,29 @@ func Unreached(err error) bool {
 // net/http's transport and lent whole (Bytes) to Baton's own client, so that they are never
 // copied again on the way out.
 type payload struct {
-	*bytes.Reader
+	bytes.Reader
 	b []byte
 }
 
-func newPayload(b []byte) payload { return payload{Reader: bytes.NewReader(b), b: b} }
+func newPayload(b []byte) *payload {
+	p := &payload{b: b}
+	p.Reset(b)
+	return p
+}
 
 // Bytes returns the whole body.
-func (p payload) Bytes() []byte { return p.b }
+func (p *payload) Bytes() []byte { return p.b }
 
 // Close implements io.Closer.
-func (p payload) Close() error { return nil }
+func (p *payload) Close() error { return nil }
+
+// again is the request's GetBody: the same bytes, read from their start.
+func (p *payload) again() (io.ReadCloser, error) { return newPayload(p.b), nil }
+
+// jsonType is every upstream request's Content-Type, one slice for all: a request's header
+// values are replaced, never written in place, and appending to it copies (its capacity is its
+// length).
+var jsonType = []string{"application/json"}
 
 // ErrInformational is a worker's answer with a final status below 200 (a 101 Switching
 // Protocols nobody asked for): relayed, it would turn the client's connection into a tunnel
