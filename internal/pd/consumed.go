@@ -1,7 +1,6 @@
 package pd
 
 import (
-	"bytes"
 	"sync/atomic"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -42,8 +41,11 @@ func (c *kvCheck) recomputed() bool { return c != nil && c.v.Load() == kvRecompu
 
 // observe reads the decode's usage in obj (an answer, or a streamed event's JSON) and reports
 // whether it says the prompt was computed.
-func (c *kvCheck) observe(obj []byte) bool {
-	prompt, cached, ok := decodeUsage(obj)
+func (c *kvCheck) observe(obj []byte) bool { return c.observeTop(scanTop(obj)) }
+
+// observeTop is observe with the answer's top level already scanned (t).
+func (c *kvCheck) observeTop(t answerTop) bool {
+	prompt, cached, ok := decodeUsageTop(t)
 	switch {
 	case !ok:
 		return false
@@ -55,24 +57,17 @@ func (c *kvCheck) observe(obj []byte) bool {
 	return false
 }
 
-// observeEvent is observe for one streamed event; events without usage are passed over.
-func (c *kvCheck) observeEvent(ev []byte) {
-	if !bytes.Contains(ev, []byte(`"usage"`)) {
-		return
-	}
-	if data, ok := openai.EventData(ev); ok && len(data) > 0 && data[0] == '{' {
-		c.observe(data)
-	}
-}
-
 // decodeUsage reads the prompt and cached tokens of the usage in obj, or in the response it
 // carries (a responses stream's event): ok false when either is missing.
-func decodeUsage(obj []byte) (prompt, cached int, ok bool) {
-	if inner, found := openai.Get(obj, "response"); found && len(inner) > 0 && inner[0] == '{' {
-		obj = inner
+func decodeUsage(obj []byte) (prompt, cached int, ok bool) { return decodeUsageTop(scanTop(obj)) }
+
+// decodeUsageTop is decodeUsage with the answer's top level already scanned (t).
+func decodeUsageTop(t answerTop) (prompt, cached int, ok bool) {
+	u := t.found[2]
+	if inner := t.found[0]; len(inner) > 0 && inner[0] == '{' {
+		u, _ = openai.Get(inner, "usage")
 	}
-	u, found := openai.Get(obj, "usage")
-	if !found || len(u) == 0 || u[0] != '{' {
+	if len(u) == 0 || u[0] != '{' {
 		return 0, 0, false
 	}
 	for _, k := range [...][2]string{{"prompt_tokens", "prompt_tokens_details"}, {"input_tokens", "input_tokens_details"}} {

@@ -460,28 +460,21 @@ func (s *sequence) decodeHead(body []byte) (*decoding, error) {
 // then rewritten to the prefill's view when pu is known.
 func checkedBody(rec *record.Record, check *kvCheck, pu prefillUsage) func([]byte) []byte {
 	return func(b []byte) []byte {
-		if check != nil && check.observe(b) {
+		t := scanTop(b) // once, for the check and the rewrite
+		if check != nil && check.observeTop(t) {
 			noteHandoff(rec, HandoffRecomputed)
 		}
 		if !pu.ok {
 			return b
 		}
-		return fixUsage(b, pu)
+		return fixUsageTop(b, t, pu)
 	}
 }
 
 // checkedEvent is checkedBody for one streamed event. A stream's head left with its first event, so
 // a recompute seen in its usage is reported in the metric and the log, not in the header.
 func checkedEvent(check *kvCheck, pu prefillUsage) func([]byte) []byte {
-	return func(ev []byte) []byte {
-		if check != nil {
-			check.observeEvent(ev)
-		}
-		if !pu.ok {
-			return ev
-		}
-		return fixUsageEvent(ev, pu)
-	}
+	return func(ev []byte) []byte { return checkEvent(ev, check, pu) }
 }
 
 // report makes the planned handoff visible: on the record (the response header is rendered from

@@ -73,36 +73,50 @@ func cachedTokens(obj []byte, details string) (int, bool) {
 	return n, ok
 }
 
-// fixUsage rewrites the usage of a decode response object (or of the response inside a
-// responses-API event) with the prefill's prompt view. It returns obj unchanged when there is
-// no usage to fix.
-func fixUsage(obj []byte, pu prefillUsage) []byte {
-	// One pass finds the members that matter (the first of each name), where a Get for each
-	// would scan the answer three times.
-	var (
-		found        [3][]byte // response, message, usage
-		uStart, uEnd int       // usage's bounds, for the rewrite
-		usages       int
-	)
-	scanErr := openai.Members(obj, func(k []byte, start, end int) bool {
+// answerTop is what one pass over an answer object's top level finds for the decode's usage
+// check and its rewrite: the first response, message and usage members, the first usage's
+// bounds, how many usages there are, and the scan's error. The check and the rewrite share it,
+// where a Get for each member would scan the answer once per member and per reader.
+type answerTop struct {
+	found        [3][]byte // response, message, usage
+	uStart, uEnd int       // the first usage's bounds, for the rewrite
+	usages       int
+	err          error
+}
+
+// scanTop scans obj's top level once for answerTop.
+func scanTop(obj []byte) answerTop {
+	var t answerTop
+	t.err = openai.Members(obj, func(k []byte, start, end int) bool {
 		i := 0
 		switch string(k) {
 		case "response":
 		case "message":
 			i = 1
 		case "usage":
-			if i = 2; usages == 0 {
-				uStart, uEnd = start, end
+			if i = 2; t.usages == 0 {
+				t.uStart, t.uEnd = start, end
 			}
-			usages++
+			t.usages++
 		default:
 			return true
 		}
-		if found[i] == nil {
-			found[i] = obj[start:end]
+		if t.found[i] == nil {
+			t.found[i] = obj[start:end]
 		}
 		return true
 	})
+	return t
+}
+
+// fixUsage rewrites the usage of a decode response object (or of the response inside a
+// responses-API event) with the prefill's prompt view. It returns obj unchanged when there is
+// no usage to fix.
+func fixUsage(obj []byte, pu prefillUsage) []byte { return fixUsageTop(obj, scanTop(obj), pu) }
+
+// fixUsageTop is fixUsage with obj's top level already scanned (t).
+func fixUsageTop(obj []byte, t answerTop, pu prefillUsage) []byte {
+	found := t.found
 	for i, key := range []string{"response", "message"} { // a responses or messages stream's event
 		if inner := found[i]; len(inner) > 0 && inner[0] == '{' {
 			if fixed := fixUsage(inner, pu); !bytes.Equal(fixed, inner) {
@@ -124,8 +138,8 @@ func fixUsage(obj []byte, pu prefillUsage) []byte {
 	if !ok {
 		return obj
 	}
-	if usages == 1 && scanErr == nil { // the one usage member's value replaced in place
-		return slices.Concat(obj[:uStart], u2, obj[uEnd:])
+	if t.usages == 1 && t.err == nil { // the one usage member's value replaced in place
+		return slices.Concat(obj[:t.uStart], u2, obj[t.uEnd:])
 	}
 	out, err := openai.Set(obj, "usage", u2)
 	if err != nil {
@@ -180,7 +194,12 @@ func fixAnthropicUsage(obj, u []byte, pu prefillUsage) []byte {
 }
 
 // fixUsageEvent rewrites the usage in one streamed event; events without usage pass unchanged.
-func fixUsageEvent(ev []byte, pu prefillUsage) []byte {
+func fixUsageEvent(ev []byte, pu prefillUsage) []byte { return checkEvent(ev, nil, pu) }
+
+// checkEvent checks the decode's usage in one streamed event (check, when set) and rewrites it
+// to the prefill's view (pu, when known), the event's JSON scanned once for both; events without
+// usage pass unchanged.
+func checkEvent(ev []byte, check *kvCheck, pu prefillUsage) []byte {
 	if !bytes.Contains(ev, []byte(`"usage"`)) {
 		return ev
 	}
@@ -188,7 +207,14 @@ func fixUsageEvent(ev []byte, pu prefillUsage) []byte {
 	if !ok || len(data) == 0 || data[0] != '{' {
 		return ev
 	}
-	fixed := fixUsage(data, pu)
+	t := scanTop(data)
+	if check != nil {
+		check.observeTop(t)
+	}
+	if !pu.ok {
+		return ev
+	}
+	fixed := fixUsageTop(data, t, pu)
 	if bytes.Equal(fixed, data) {
 		return ev
 	}

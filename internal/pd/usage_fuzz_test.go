@@ -82,3 +82,51 @@ func FuzzCompletionIsWhatUnmarshalReads(f *testing.F) {
 		}
 	})
 }
+
+// FuzzDecodeUsage checks decodeUsage, which reads the answer's top level from the one scan the
+// rewrite shares (scanTop), against decodeUsageByGets, the same rules written with a Get per
+// member: the same prompt, cached and verdict for any bytes in.
+func FuzzDecodeUsage(f *testing.F) {
+	for _, s := range []string{
+		`{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":2}}}`,
+		`{"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":1}},"usage":{"prompt_tokens":9}}`,
+		`{"type":"response.completed","response":{"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":6}}}}`,
+		`{"response":"text","usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":0}}}`,
+		`{"usage":{"prompt_tokens":3,"prompt_tokens_details":null}}`, `{"response":{"usage":{}},"x":}`,
+		`{"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":1}},"x":}`, `[]`, `{}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		p, c, ok := decodeUsage(b)
+		wp, wc, wok := decodeUsageByGets(b)
+		if p != wp || c != wc || ok != wok {
+			t.Fatalf("decodeUsage(%q) = %d, %d, %v; by Gets: %d, %d, %v", b, p, c, ok, wp, wc, wok)
+		}
+	})
+}
+
+// decodeUsageByGets is decodeUsage as written before it shared the rewrite's scan, a Get for
+// each member: the oracle of FuzzDecodeUsage.
+func decodeUsageByGets(obj []byte) (prompt, cached int, ok bool) {
+	if inner, found := openai.Get(obj, "response"); found && len(inner) > 0 && inner[0] == '{' {
+		obj = inner
+	}
+	u, found := openai.Get(obj, "usage")
+	if !found || len(u) == 0 || u[0] != '{' {
+		return 0, 0, false
+	}
+	for _, k := range [...][2]string{{"prompt_tokens", "prompt_tokens_details"}, {"input_tokens", "input_tokens_details"}} {
+		p, present, okP := intMember(u, k[0])
+		if !present || !okP {
+			continue
+		}
+		raw, found := openai.Get(u, k[1])
+		if !found || len(raw) == 0 || raw[0] != '{' {
+			return 0, 0, false
+		}
+		c, present, okC := intMember(raw, "cached_tokens")
+		return p, c, present && okC
+	}
+	return 0, 0, false
+}
