@@ -274,14 +274,18 @@ func TestForwardHoldsWhatTheCallAsks(t *testing.T) {
 
 // What a worker sends where an answer's head should be (on a connection out of step, the bytes
 // of another request's answer) is never quoted: not to the client, not to Baton's log, under
-// both upstream clients, whichever part of the head it breaks.
+// both upstream clients, whichever part of the head it breaks — its framing fields included.
 func TestWhatAWorkerSentForAHeadIsNeverQuoted(t *testing.T) {
 	const secret = "SECRET-of-another-request"
 	for name, head := range map[string]string{
-		"a body for a status line": `{"id":"cmpl-other","choices":[{"text":"` + secret + `"}]}` + "\r\n\r\n",
-		"a bad version":            "HTTP/x.y 200 " + secret + "\r\n\r\n",
-		"a bad status code":        "HTTP/1.1 abc " + secret + "\r\n\r\n",
-		"a bad header line":        "HTTP/1.1 200 OK\r\n" + secret + "\r\n\r\n",
+		"a body for a status line":         `{"id":"cmpl-other","choices":[{"text":"` + secret + `"}]}` + "\r\n\r\n",
+		"a bad version":                    "HTTP/x.y 200 " + secret + "\r\n\r\n",
+		"a bad status code":                "HTTP/1.1 abc " + secret + "\r\n\r\n",
+		"a bad header line":                "HTTP/1.1 200 OK\r\n" + secret + "\r\n\r\n",
+		"a bad Content-Length":             "HTTP/1.1 200 OK\r\nContent-Length: " + secret + "\r\n\r\n",
+		"two Content-Lengths":              "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: " + secret + "\r\n\r\n",
+		"an unsupported Transfer-Encoding": "HTTP/1.1 200 OK\r\nTransfer-Encoding: " + secret + strings.Repeat("x", 8000) + "\r\n\r\n",
+		"two Transfer-Encodings":           "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: " + secret + "\r\n\r\n",
 	} {
 		for _, client := range []string{"net", "baton"} {
 			t.Run(name+"/"+client, func(t *testing.T) {

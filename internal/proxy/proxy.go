@@ -844,17 +844,24 @@ func LogCause(err error) string {
 		return ""
 	}
 	msg := err.Error()
-	for _, quoting := range []string{"malformed HTTP ", "malformed MIME header"} {
+	for _, quoting := range netQuotes {
 		i := strings.Index(msg, quoting)
 		if i < 0 {
 			continue
 		}
-		if j := strings.IndexAny(msg[i:], "\":"); j >= 0 {
+		if j := strings.IndexAny(msg[i:], "\":;"); j >= 0 {
 			msg = msg[:i+j] + " (what the worker sent is not quoted: it may be another request's answer)"
 		}
 	}
 	return msg
 }
+
+// netQuotes begin net/http's client errors that quote what a worker sent in an answer's head
+// (net/http's response.go, transfer.go and textproto): the quote follows the first '"', ':' or
+// ';' after them.
+var netQuotes = []string{"malformed HTTP ", "malformed MIME header", "bad Content-Length", "invalid empty Content-Length",
+	"multiple Content-Length headers", "unsupported transfer encoding", "too many transfer encodings", "invalid Trailer key",
+	"bad trailer key"}
 
 func legWord(leg string) string {
 	if leg == "" {

@@ -59,7 +59,7 @@ func newBody(t *Transport, c *conn, resp *http.Response, stop func() bool, ctx c
 		// framing Baton cannot follow. An HTTP/1.0 answer has no Transfer-Encoding: one there is
 		// faulty framing (RFC 9112 6.1). Beside a Content-Length, it is a smuggling attempt or
 		// broken (RFC 9112 6.3 allows treating it as an error; Baton does).
-		b.mode, b.reusable, b.err = bodyNone, false, fmt.Errorf("upstream: unsupported Transfer-Encoding %q", strings.Join(te, ", "))
+		b.mode, b.reusable, b.err = bodyNone, false, fmt.Errorf("upstream: unsupported Transfer-Encoding (%d values, %d bytes; %s)", len(te), fieldBytes(te), notQuoted)
 	case resp.Request.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
 		b.mode = bodyNone
 		resp.ContentLength = 0
@@ -92,9 +92,35 @@ func contentLength(vs []string) (int64, error) {
 	}
 	n, ok := httpwire.ParseLength(vs[0])
 	if !ok || len(vs) > 1 {
-		return 0, fmt.Errorf("upstream: bad Content-Length %q", truncate(strings.Join(vs, ", ")))
+		return 0, fmt.Errorf("upstream: bad Content-Length (%d values, %d bytes; %s)", len(vs), fieldBytes(vs), notQuoted)
 	}
 	return n, nil
+}
+
+// informationalFraming is the error of an informational (1xx) head with a framing field no head
+// may have: a bad Content-Length, a Transfer-Encoding other than chunked alone.
+func informationalFraming(h http.Header) error {
+	if _, err := contentLength(h["Content-Length"]); err != nil {
+		return err
+	}
+	if te := h["Transfer-Encoding"]; len(te) > 0 && (len(te) != 1 || !strings.EqualFold(te[0], "chunked")) {
+		return fmt.Errorf("upstream: unsupported Transfer-Encoding (%d values, %d bytes; %s)", len(te), fieldBytes(te), notQuoted)
+	}
+	return nil
+}
+
+// notQuoted says why an error names a field of an answer's head by its size alone: on a
+// connection out of step, the head may be another request's answer, and none of its bytes go to
+// a log, a trace or a client.
+const notQuoted = "what the worker sent is not quoted: it may be another request's answer"
+
+// fieldBytes is the size of a field's values.
+func fieldBytes(vs []string) int {
+	n := 0
+	for _, v := range vs {
+		n += len(v)
+	}
+	return n
 }
 
 // Read reads the body; one reader at a time (Close may come from any goroutine).

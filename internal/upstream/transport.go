@@ -313,7 +313,12 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			fields.Add(c.recall.Field(names, i, name, v))
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
-			continue // 100 Continue and friends: the answer follows
+			// 100 Continue and friends: the answer follows. An informational head has no body,
+			// but framing fields it cannot have are refused there as on the answer's own head.
+			if err := informationalFraming(fields.H); err != nil {
+				return nil, err
+			}
+			continue
 		}
 		return resp, nil
 	}
