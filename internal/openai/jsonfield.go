@@ -206,6 +206,19 @@ func Get(body []byte, key string) (raw []byte, ok bool) {
 	return raw, ok
 }
 
+// GetLast returns the raw bytes of the last top-level member key of the JSON object body (before
+// any point where body is malformed): the one encoding/json, Python's json and JSON.parse keep
+// when a key repeats, so what a client will read.
+func GetLast(body []byte, key string) (raw []byte, ok bool) {
+	_ = eachMember(body, func(k []byte, m member) bool {
+		if string(k) == key {
+			raw, ok = body[m.valStart:m.valEnd], true
+		}
+		return true
+	})
+	return raw, ok
+}
+
 // Field is one top-level member to set: its key and raw JSON value.
 type Field struct {
 	Key   string

@@ -216,6 +216,83 @@ func EventData(ev []byte) (data []byte, ok bool) {
 	return nil, false
 }
 
+// EventDataWhole returns an event's payload as a client reads it: its "data:" lines' payloads
+// joined by newlines (the SSE rule), the one line's bytes themselves where there is one; ok is
+// false when the event has none.
+func EventDataWhole(ev []byte) (data []byte, ok bool) {
+	var joined []byte
+	lines := 0
+	for len(ev) > 0 {
+		line := ev
+		if i := bytes.IndexByte(ev, '\n'); i >= 0 {
+			line, ev = ev[:i], ev[i+1:]
+		} else {
+			ev = nil
+		}
+		line = bytes.TrimSuffix(line, []byte("\r"))
+		d, found := bytes.CutPrefix(line, []byte("data:"))
+		if !found {
+			continue
+		}
+		d = bytes.TrimPrefix(d, []byte(" "))
+		switch lines++; lines {
+		case 1:
+			data = d
+		case 2:
+			joined = append(append(append(joined, data...), '\n'), d...)
+		default:
+			joined = append(append(joined, '\n'), d...)
+		}
+	}
+	if lines > 1 {
+		return joined, true
+	}
+	return data, lines == 1
+}
+
+// ReplaceEventDataWhole returns ev with its payload replaced by the JSON data, on one "data:"
+// line where its first was (a line break in data, whitespace between JSON tokens, becomes a
+// space); its other lines (event names, ids) are kept, its further "data:" lines dropped.
+func ReplaceEventDataWhole(ev, data []byte) []byte {
+	if bytes.ContainsAny(data, "\r\n") {
+		one := make([]byte, len(data))
+		for i, c := range data {
+			if c == '\r' || c == '\n' {
+				c = ' '
+			}
+			one[i] = c
+		}
+		data = one
+	}
+	out := make([]byte, 0, len(ev)+len(data))
+	rest := ev
+	replaced := false
+	for len(rest) > 0 {
+		line := rest
+		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
+			line, rest = rest[:i+1], rest[i+1:]
+		} else {
+			rest = nil
+		}
+		if bytes.HasPrefix(line, []byte("data:")) {
+			if replaced {
+				continue
+			}
+			replaced = true
+			out = append(out, "data: "...)
+			out = append(out, data...)
+			if bytes.HasSuffix(line, []byte("\r\n")) {
+				out = append(out, '\r', '\n')
+			} else {
+				out = append(out, '\n')
+			}
+			continue
+		}
+		out = append(out, line...)
+	}
+	return out
+}
+
 // ReplaceEventData returns ev with the payload of its first "data:" line replaced by data; its
 // other lines (event names, ids) are kept.
 func ReplaceEventData(ev, data []byte) []byte {

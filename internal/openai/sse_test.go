@@ -2,6 +2,7 @@ package openai
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"strings"
@@ -105,5 +106,44 @@ func TestEventReaderOverViewsHoldsNoBufferBetweenEvents(t *testing.T) {
 	}
 	if r.buf != nil {
 		t.Errorf("an emptied buffer is still held (%d bytes)", cap(r.buf))
+	}
+}
+
+// An event's payload is read as a client reads it, its data lines joined by newlines, and
+// written back on one line, its other fields kept; a payload's bytes are never changed but
+// its line breaks (whitespace between JSON tokens).
+func TestEventDataWholeJoinsAndReplaceKeepsOneLine(t *testing.T) {
+	for _, c := range []struct{ ev, data string }{
+		{"data: {\"a\":1}\n\n", `{"a":1}`},
+		{"event: x\r\ndata:{\"a\":\r\ndata: 1}\r\n\r\n", "{\"a\":\n1}"},
+		{"data: {\"a\":\ndata: 1,\ndata:\"b\":2}\n\n", "{\"a\":\n1,\n\"b\":2}"},
+		{"id: 7\n\n", ""},
+	} {
+		got, ok := EventDataWhole([]byte(c.ev))
+		if string(got) != c.data || ok != (c.data != "") {
+			t.Errorf("EventDataWhole(%q) = %q, %v; want %q", c.ev, got, ok, c.data)
+		}
+	}
+	out := ReplaceEventDataWhole([]byte("event: x\r\ndata: {\"a\":\r\ndata: 1}\r\nid: 3\r\n\r\n"), []byte("{\"a\":\n2,\"\xff\":\"é\"}"))
+	if want := "event: x\r\ndata: {\"a\": 2,\"\xff\":\"é\"}\r\nid: 3\r\n\r\n"; string(out) != want {
+		t.Errorf("ReplaceEventDataWhole = %q, want %q", out, want)
+	}
+}
+
+// GetLast reads the member a client's JSON parser keeps when a key repeats: the last.
+func TestGetLastIsWhatAClientReads(t *testing.T) {
+	body := []byte(`{"usage":{"n":1},"x":2,"usage":{"n":3}}`)
+	var v struct{ Usage json.RawMessage }
+	if err := json.Unmarshal(body, &v); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := GetLast(body, "usage"); !ok || string(got) != string(v.Usage) {
+		t.Errorf("GetLast = %s, %v; encoding/json keeps %s", got, ok, v.Usage)
+	}
+	if got, ok := Get(body, "usage"); !ok || string(got) != `{"n":1}` {
+		t.Errorf("Get = %s, %v", got, ok)
+	}
+	if _, ok := GetLast(body, "none"); ok {
+		t.Error("GetLast found a member that is not there")
 	}
 }

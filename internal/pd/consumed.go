@@ -65,7 +65,7 @@ func decodeUsage(obj []byte) (prompt, cached int, ok bool) { return decodeUsageT
 func decodeUsageTop(t answerTop) (prompt, cached int, ok bool) {
 	u := t.found[2]
 	if inner := t.found[0]; len(inner) > 0 && inner[0] == '{' {
-		u, _ = openai.Get(inner, "usage")
+		u, _ = openai.GetLast(inner, "usage")
 	}
 	if len(u) == 0 || u[0] != '{' {
 		return 0, 0, false
@@ -75,7 +75,7 @@ func decodeUsageTop(t answerTop) (prompt, cached int, ok bool) {
 		if !present || !okP {
 			continue
 		}
-		raw, found := openai.Get(u, k[1])
+		raw, found := openai.GetLast(u, k[1])
 		if !found || len(raw) == 0 || raw[0] != '{' {
 			return 0, 0, false // vLLM without --enable-prompt-tokens-details
 		}

@@ -23,7 +23,7 @@ type prefillUsage struct {
 // scanned for its usage, the usage for the members that matter, and their integers parsed in
 // place. A member present with anything but an integer (or null) makes the usage unreadable.
 func readPrefillUsage(body []byte) prefillUsage {
-	raw, ok := openai.Get(body, "usage")
+	raw, ok := openai.GetLast(body, "usage")
 	if !ok || len(raw) == 0 || raw[0] != '{' {
 		return prefillUsage{}
 	}
@@ -49,7 +49,7 @@ func readPrefillUsage(body []byte) prefillUsage {
 // intMember reads the integer member key of obj: its value, whether it is there (not null),
 // and false when it is there but not an integer.
 func intMember(obj []byte, key string) (n int, present, ok bool) {
-	raw, found := openai.Get(obj, key)
+	raw, found := openai.GetLast(obj, key)
 	if !found || string(raw) == "null" {
 		return 0, false, true
 	}
@@ -62,7 +62,7 @@ func intMember(obj []byte, key string) (n int, present, ok bool) {
 
 // cachedTokens reads details.cached_tokens of obj, 0 when absent.
 func cachedTokens(obj []byte, details string) (int, bool) {
-	raw, found := openai.Get(obj, details)
+	raw, found := openai.GetLast(obj, details)
 	if !found || string(raw) == "null" {
 		return 0, true
 	}
@@ -74,11 +74,12 @@ func cachedTokens(obj []byte, details string) (int, bool) {
 }
 
 // answerTop is what one pass over an answer object's top level finds for the decode's usage
-// check and its rewrite: the first response, message and usage members, the first usage's
-// bounds, how many usages there are, and the scan's error. The check and the rewrite share it,
+// check and its rewrite: the last response, message and usage members (of a key that repeats,
+// the last is what a client's JSON parser keeps), the first usage's bounds, how many usages
+// there are, and the scan's error. The check and the rewrite share it,
 // where a Get for each member would scan the answer once per member and per reader.
 type answerTop struct {
-	found        [3][]byte // response, message, usage
+	found        [3][]byte // response, message, usage: the last of each
 	uStart, uEnd int       // the first usage's bounds, for the rewrite
 	usages       int
 	err          error
@@ -101,9 +102,7 @@ func scanTop(obj []byte) answerTop {
 		default:
 			return true
 		}
-		if t.found[i] == nil {
-			t.found[i] = obj[start:end]
-		}
+		t.found[i] = obj[start:end]
 		return true
 	})
 	return t
@@ -131,7 +130,7 @@ func fixUsageTop(obj []byte, t answerTop, pu prefillUsage) []byte {
 	if len(u) == 0 || u[0] != '{' {
 		return obj
 	}
-	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
+	if _, ok := openai.GetLast(u, "cache_read_input_tokens"); ok {
 		return fixAnthropicUsage(obj, u, pu)
 	}
 	u2, ok := fixedUsage(u, pu)
@@ -153,15 +152,15 @@ func fixUsageTop(obj []byte, t answerTop, pu prefillUsage) []byte {
 // edited.
 func fixedUsage(u []byte, pu prefillUsage) ([]byte, bool) {
 	promptKey, completionKey, detailsKey := "prompt_tokens", "completion_tokens", "prompt_tokens_details"
-	if _, ok := openai.Get(u, promptKey); !ok {
+	if _, ok := openai.GetLast(u, promptKey); !ok {
 		promptKey, completionKey, detailsKey = "input_tokens", "output_tokens", "input_tokens_details"
-		if _, ok := openai.Get(u, promptKey); !ok {
+		if _, ok := openai.GetLast(u, promptKey); !ok {
 			return nil, false
 		}
 	}
 	completion, _, _ := intMember(u, completionKey) // 0 when it is not an integer
 	details := []byte("{}")
-	if raw, ok := openai.Get(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
+	if raw, ok := openai.GetLast(u, detailsKey); ok && len(raw) > 0 && raw[0] == '{' {
 		details = raw
 	}
 	details, err := openai.Set(details, "cached_tokens", strconv.AppendInt(nil, int64(pu.cached), 10))
@@ -180,7 +179,7 @@ func fixedUsage(u []byte, pu prefillUsage) ([]byte, bool) {
 // cache_read_input_tokens from the prefill's view; nothing is added.
 func fixAnthropicUsage(obj, u []byte, pu prefillUsage) []byte {
 	sets := []openai.Field{{Key: "cache_read_input_tokens", Value: strconv.AppendInt(nil, int64(pu.cached), 10)}}
-	if _, ok := openai.Get(u, "input_tokens"); ok {
+	if _, ok := openai.GetLast(u, "input_tokens"); ok {
 		sets = append(sets, openai.Field{Key: "input_tokens", Value: strconv.AppendInt(nil, int64(pu.prompt), 10)})
 	}
 	u2, err := openai.Edit(u, sets, nil)
@@ -198,12 +197,13 @@ func fixUsageEvent(ev []byte, pu prefillUsage) []byte { return checkEvent(ev, ni
 
 // checkEvent checks the decode's usage in one streamed event (check, when set) and rewrites it
 // to the prefill's view (pu, when known), the event's JSON scanned once for both; events without
-// usage pass unchanged.
+// usage pass unchanged. The event is read as a client reads it: its data lines joined, a key
+// spelled with escapes ("us\u0061ge") the key it spells.
 func checkEvent(ev []byte, check *kvCheck, pu prefillUsage) []byte {
-	if !bytes.Contains(ev, []byte(`"usage"`)) {
+	if !bytes.Contains(ev, []byte(`"usage"`)) && bytes.IndexByte(ev, '\\') < 0 {
 		return ev
 	}
-	data, ok := openai.EventData(ev)
+	data, ok := openai.EventDataWhole(ev)
 	if !ok || len(data) == 0 || data[0] != '{' {
 		return ev
 	}
@@ -218,5 +218,5 @@ func checkEvent(ev []byte, check *kvCheck, pu prefillUsage) []byte {
 	if bytes.Equal(fixed, data) {
 		return ev
 	}
-	return openai.ReplaceEventData(ev, fixed)
+	return openai.ReplaceEventDataWhole(ev, fixed)
 }

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/record"
 )
 
 // FuzzFixUsage checks fixUsage, which finds the members it rewrites in one pass and replaces a
@@ -35,7 +36,7 @@ func FuzzFixUsage(f *testing.F) {
 // and a Set: the oracle of FuzzFixUsage.
 func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
 	for _, key := range []string{"response", "message"} {
-		if inner, ok := openai.Get(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
+		if inner, ok := openai.GetLast(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
 			if fixed := fixUsageByGets(inner, pu); !bytes.Equal(fixed, inner) {
 				if out, err := openai.Set(obj, key, fixed); err == nil {
 					return out
@@ -44,11 +45,11 @@ func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
 			return obj
 		}
 	}
-	u, ok := openai.Get(obj, "usage")
+	u, ok := openai.GetLast(obj, "usage")
 	if !ok || len(u) == 0 || u[0] != '{' {
 		return obj
 	}
-	if _, ok := openai.Get(u, "cache_read_input_tokens"); ok {
+	if _, ok := openai.GetLast(u, "cache_read_input_tokens"); ok {
 		return fixAnthropicUsage(obj, u, pu)
 	}
 	u2, ok := fixedUsage(u, pu)
@@ -109,10 +110,10 @@ func FuzzDecodeUsage(f *testing.F) {
 // decodeUsageByGets is decodeUsage as written before it shared the rewrite's scan, a Get for
 // each member: the oracle of FuzzDecodeUsage.
 func decodeUsageByGets(obj []byte) (prompt, cached int, ok bool) {
-	if inner, found := openai.Get(obj, "response"); found && len(inner) > 0 && inner[0] == '{' {
+	if inner, found := openai.GetLast(obj, "response"); found && len(inner) > 0 && inner[0] == '{' {
 		obj = inner
 	}
-	u, found := openai.Get(obj, "usage")
+	u, found := openai.GetLast(obj, "usage")
 	if !found || len(u) == 0 || u[0] != '{' {
 		return 0, 0, false
 	}
@@ -121,7 +122,7 @@ func decodeUsageByGets(obj []byte) (prompt, cached int, ok bool) {
 		if !present || !okP {
 			continue
 		}
-		raw, found := openai.Get(u, k[1])
+		raw, found := openai.GetLast(u, k[1])
 		if !found || len(raw) == 0 || raw[0] != '{' {
 			return 0, 0, false
 		}
@@ -129,4 +130,72 @@ func decodeUsageByGets(obj []byte) (prompt, cached int, ok bool) {
 		return p, c, present && okC
 	}
 	return 0, 0, false
+}
+
+// cachedOf reads the cached tokens of an answer's usage as a client does (encoding/json: the
+// last of a repeated key).
+func cachedOf(t *testing.T, obj []byte) int {
+	t.Helper()
+	var got struct {
+		Usage struct {
+			Details struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(obj, &got); err != nil {
+		t.Fatalf("%v: %s", err, obj)
+	}
+	return got.Usage.Details.Cached
+}
+
+// A decode that hides its recompute from the check in how it writes a streamed event — a key
+// spelled with escapes, the JSON split over two data lines, a repeated usage whose last one
+// is what clients read — is seen all the same, and its usage rewritten as a client reads it.
+func TestAStreamedRecomputeCannotHideInTheEventsSpelling(t *testing.T) {
+	const usage0 = `{"prompt_tokens":100,"completion_tokens":5,"total_tokens":105,"prompt_tokens_details":{"cached_tokens":0}}`
+	pu := prefillUsage{prompt: 100, cached: 40, ok: true}
+	for name, ev := range map[string]string{
+		"an escaped key": "data: {\"id\":\"chatcmpl-r1\",\"choices\":[],\"us\\u0061ge\":" + usage0 + "}\n\n",
+		"two data lines": "data: {\"id\":\"chatcmpl-r1\",\"choices\":[],\ndata: \"usage\":" + usage0 + "}\n\n",
+		"a repeated usage": "data: {\"id\":\"chatcmpl-r1\",\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"prompt_tokens_details\":{\"cached_tokens\":99}}," +
+			"\"usage\":" + usage0 + "}\n\n",
+	} {
+		var c kvCheck
+		out := checkedEvent(&c, pu)([]byte(ev))
+		if !c.recomputed() {
+			t.Errorf("%s: the decode's recompute went unseen (verdict %q)", name, c.verdict())
+		}
+		data, ok := openai.EventData(out)
+		if !ok || bytes.Count(out, []byte("data:")) != 1 {
+			t.Fatalf("%s: the rewritten event is not one data line: %q", name, out)
+		}
+		if got := cachedOf(t, data); got != pu.cached {
+			t.Errorf("%s: the client reads cached_tokens %d, want the prefill's %d: %s", name, got, pu.cached, out)
+		}
+	}
+}
+
+// In a whole answer with a repeated usage, the check reads the usage the client will read (the
+// last), whether or not the prefill's usage is known for a rewrite.
+func TestAWholeAnswersRepeatedUsageIsCheckedAsTheClientReadsIt(t *testing.T) {
+	const answer = `{"id":"chatcmpl-r1","choices":[],"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":99}},` +
+		`"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}}`
+	for _, pu := range []prefillUsage{{}, {prompt: 100, cached: 40, ok: true}} {
+		var c kvCheck
+		rec := &record.Record{}
+		out := checkedBody(rec, &c, pu)([]byte(answer))
+		if rec.Handoff != HandoffRecomputed {
+			t.Errorf("prefill usage known %v: the record's handoff is %q, want %q", pu.ok, rec.Handoff, HandoffRecomputed)
+		}
+		if !c.recomputed() {
+			t.Errorf("prefill usage known %v: the client reads cached_tokens %d of the answer, Baton's verdict %q", pu.ok, cachedOf(t, []byte(answer)), c.verdict())
+		}
+		if want := cachedOf(t, []byte(answer)); pu.ok {
+			want = pu.cached
+			if got := cachedOf(t, out); got != want {
+				t.Errorf("the rewritten answer says cached_tokens %d, want %d: %s", got, want, out)
+			}
+		}
+	}
 }
