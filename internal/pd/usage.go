@@ -200,7 +200,7 @@ func fixUsageEvent(ev []byte, pu prefillUsage) []byte { return checkEvent(ev, ni
 // usage pass unchanged. The event is read as a client reads it: its data lines joined, a key
 // spelled with escapes ("us\u0061ge") the key it spells.
 func checkEvent(ev []byte, check *kvCheck, pu prefillUsage) []byte {
-	if !bytes.Contains(ev, []byte(`"usage"`)) && bytes.IndexByte(ev, '\\') < 0 {
+	if !bytes.Contains(ev, []byte(`"usage"`)) && !bytes.Contains(ev, []byte(`\u`)) { // only \u escapes spell letters
 		return ev
 	}
 	data, ok := openai.EventDataWhole(ev)
