@@ -134,6 +134,22 @@ const (
 	recallBytes  = 64
 )
 
+// RecallField is r's Field with r made on the first field whose name Names does not have: a peer
+// whose heads Names covers (vLLM's and SGLang's servers) costs its connection no Recall.
+func RecallField(n *Names, r **Recall, i int, name, v []byte) (key, value string) {
+	if *r == nil {
+		k, known := n.key(name)
+		if known {
+			if s, ok := n.value(k, v); ok {
+				return k, s
+			}
+			return k, string(v)
+		}
+		*r = new(Recall)
+	}
+	return (*r).Field(n, i, name, v)
+}
+
 // Field returns the canonical name and the value of a head's i-th field, name: v, from n, else
 // from what the same peer's last head had, and remembers them for the next head.
 func (r *Recall) Field(n *Names, i int, name, v []byte) (key, value string) {

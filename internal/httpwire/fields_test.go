@@ -100,3 +100,21 @@ func TestRecallGivesWhatNamesWouldAndSharesRepeats(t *testing.T) {
 		t.Errorf("a repeated head allocated %v times", a)
 	}
 }
+
+// A peer whose heads Names covers costs its connection no Recall; the first name it lacks makes
+// one, and fields read through either give what Names would.
+func TestRecallIsMadeOnlyForNamesNamesLacks(t *testing.T) {
+	n := NewNames([]string{"Content-Type", "Date", "X-Request-Id"}, []string{"application/json"}, []string{"Date"})
+	var r *Recall
+	for i, f := range [][2]string{{"content-type", "application/json"}, {"date", "D1"}, {"x-request-id", "abc"}} {
+		if k, v := RecallField(n, &r, i, []byte(f[0]), []byte(f[1])); k != http.CanonicalHeaderKey(f[0]) || v != f[1] {
+			t.Errorf("%s: %q: %q", f[0], k, v)
+		}
+	}
+	if r != nil {
+		t.Fatal("a head Names covers made a Recall")
+	}
+	if k, v := RecallField(n, &r, 3, []byte("x-engine-id"), []byte("e1")); k != "X-Engine-Id" || v != "e1" || r == nil {
+		t.Errorf("an engine's own name: %q: %q, recall made %v", k, v, r != nil)
+	}
+}

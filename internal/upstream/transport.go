@@ -72,8 +72,8 @@ type conn struct {
 	// duplicate of its answer would be named like the answer of a request with the same id,
 	// which must therefore take another connection (get).
 	lastID string
-	recall httpwire.Recall // the last answer's first fields, shared by the next answer where the same
-	expire func()          // expireNow, for the exchanges' context.AfterFunc
+	recall *httpwire.Recall // the last answer's first fields, shared by the next answer where the same; made on the first name httpwire.Names lacks
+	expire func()           // expireNow, for the exchanges' context.AfterFunc
 }
 
 // expireNow ends the connection's reads and writes at once (a request's context ended).
@@ -310,7 +310,7 @@ func (t *Transport) readHead(c *conn, req *http.Request) (*http.Response, error)
 			if err != nil {
 				return nil, fmt.Errorf("upstream: %w", err) // a folded line, whitespace before the colon, a control byte
 			}
-			fields.Add(c.recall.Field(names, i, name, v))
+			fields.Add(httpwire.RecallField(names, &c.recall, i, name, v))
 		}
 		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
 			// 100 Continue and friends: the answer follows. An informational head has no body,
