@@ -40,7 +40,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 	w := workload{promptBytes: 512, maxTokens: 16}
 
 	// Pass-through.
-	e, err := engine(sim.Config{Engine: sim.EngineVLLM})
+	e, err := engine(sim.Config{Engine: sim.EngineVLLM, EngineHeadersOnly: true})
 	if err != nil {
 		return err
 	}
@@ -67,12 +67,12 @@ func (r *runner) hotpath(ctx context.Context) error {
 	pt = nil
 	r.hotRows("pass-through", ms, "nginx")
 	// PD vLLM NIXL.
-	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
+	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineHeadersOnly: true})
 	if err != nil {
 		return err
 	}
 	defer p.Close()
-	d, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, SameProcessKV: true})
+	d, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RoleDecode, KVConnector: sim.ConnectorNixl, SameProcessKV: true, EngineHeadersOnly: true})
 	if err != nil {
 		return err
 	}

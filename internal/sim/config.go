@@ -72,6 +72,10 @@ type Config struct {
 	// the proxy under test can serve (a real NIXL transfer is engine to engine and never touches
 	// the proxy either way).
 	SameProcessKV bool
+	// EngineHeadersOnly answers without the simulator's own X-Sim-KV-Source, X-Sim-Engine-Id
+	// and X-Sim-Dp-Rank, which no engine sends: a benchmark of what a proxy costs per answer sets
+	// it, so that the heads it reads and relays are an engine's.
+	EngineHeadersOnly bool
 	PrefixCache   bool // keep computed prompts' KV in a block prefix cache (LRU)
 	// EchoRequestID answers every request with its X-Request-Id header (a random one when it
 	// sent none), as vLLM does with --enable-request-id-headers

@@ -3,6 +3,7 @@ package sim
 import (
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
 )
@@ -255,5 +256,24 @@ func TestRequestsReadAsTheEnginesReadThem(t *testing.T) {
 	r = post(t, g.URL()+"/generate", `{"text":"hi","sampling_params":{"max_new_tokens":400,"ignore_eos":true,"MAX_NEW_TOKENS":1}}`)
 	if i := strings.LastIndex(r.raw, `"meta_info":`); r.status != 200 || i < 0 || len(r.raw)-i > 512 || num(path(r.json, "meta_info", "completion_tokens")) != 400 {
 		t.Errorf("/generate: %d, meta_info at %d of %d bytes", r.status, i, len(r.raw))
+	}
+}
+
+// With EngineHeadersOnly an answer, whole or streamed, carries none of the simulator's own
+// headers; without it, it carries all three.
+func TestEngineHeadersOnlyLeavesTheSimulatorsHeadersOut(t *testing.T) {
+	for _, only := range []bool{false, true} {
+		e := start(t, Config{Model: "m", EngineHeadersOnly: only})
+		for _, stream := range []string{"false", "true"} {
+			r := post(t, e.URL()+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":2,"stream":`+stream+`}`)
+			if r.status != 200 {
+				t.Fatalf("%d %s", r.status, r.raw)
+			}
+			for _, h := range []string{HeaderKVSource, HeaderEngineID, HeaderDPRank} {
+				if _, has := r.header[http.CanonicalHeaderKey(h)]; has == only {
+					t.Errorf("EngineHeadersOnly %v, stream %s: %s present %v", only, stream, h, has)
+				}
+			}
+		}
 	}
 }

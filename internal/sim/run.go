@@ -117,10 +117,12 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 			e.writeError(w, aerr)
 			return
 		}
-		h := w.Header()
-		h.Set(HeaderKVSource, results[0].source)
-		h.Set(HeaderEngineID, e.engineIDs[j.rank])
-		h.Set(HeaderDPRank, fmt.Sprint(j.rank))
+		if !e.cfg.EngineHeadersOnly {
+			h := w.Header()
+			h.Set(HeaderKVSource, results[0].source)
+			h.Set(HeaderEngineID, e.engineIDs[j.rank])
+			h.Set(HeaderDPRank, fmt.Sprint(j.rank))
+		}
 		if j.stream {
 			err = e.writeStream(ctx, w, j, results, f)
 		} else {
