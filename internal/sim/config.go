@@ -76,7 +76,7 @@ type Config struct {
 	// and X-Sim-Dp-Rank, which no engine sends: a benchmark of what a proxy costs per answer sets
 	// it, so that the heads it reads and relays are an engine's.
 	EngineHeadersOnly bool
-	PrefixCache   bool // keep computed prompts' KV in a block prefix cache (LRU)
+	PrefixCache       bool // keep computed prompts' KV in a block prefix cache (LRU)
 	// EchoRequestID answers every request with its X-Request-Id header (a random one when it
 	// sent none), as vLLM does with --enable-request-id-headers
 	// (vllm/entrypoints/serve/middleware/x_request_id.py).
