@@ -39,11 +39,8 @@ func (c *kvCheck) verdict() string {
 // recomputed reports whether the decode said it computed the prompt it was handed.
 func (c *kvCheck) recomputed() bool { return c != nil && c.v.Load() == kvRecomputed }
 
-// observe reads the decode's usage in obj (an answer, or a streamed event's JSON) and reports
-// whether it says the prompt was computed.
-func (c *kvCheck) observe(obj []byte) bool { return c.observeTop(scanTop(obj)) }
-
-// observeTop is observe with the answer's top level already scanned (t).
+// observeTop reads the decode's usage in an answer, or a streamed event's JSON, whose top level
+// is t, and reports whether it says the prompt was computed.
 func (c *kvCheck) observeTop(t answerTop) bool {
 	prompt, cached, ok := decodeUsageTop(t)
 	switch {

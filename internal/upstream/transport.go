@@ -377,8 +377,6 @@ func parseStatus(line string, resp *http.Response) error {
 	return nil
 }
 
-func truncate(s string) string { return truncateTo(s, 64) }
-
 // truncateTo is s cut to n bytes, marked so where it was cut.
 func truncateTo(s string, n int) string {
 	if len(s) > n {
