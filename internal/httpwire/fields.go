@@ -155,35 +155,11 @@ func RecallField(n *Names, r **Recall, i int, name, v []byte) (key, value string
 func (r *Recall) Field(n *Names, i int, name, v []byte) (key, value string) {
 	key, known := n.key(name)
 	if !known {
-		key = ""
-		if i < recallFields && len(r.f[i].k) == len(name) && equalFold(r.f[i].k, name) {
-			key = r.f[i].k // the same place as last time: the common case
-		} else {
-			for j := range r.f {
-				if len(r.f[j].k) == len(name) && equalFold(r.f[j].k, name) {
-					key = r.f[j].k
-					break
-				}
-			}
-		}
-		if key == "" {
-			key = http.CanonicalHeaderKey(string(name))
-		}
+		key = r.name(name)
 	}
 	value, shared := n.value(key, v)
 	if !shared {
-		switch {
-		case i < recallFields && r.f[i].k == key && r.f[i].v == string(v):
-			value = r.f[i].v
-		default:
-			value = string(v)
-			for j := range r.f {
-				if r.f[j].k == key && r.f[j].v == value {
-					value = r.f[j].v
-					break
-				}
-			}
-		}
+		value = r.value(key, v)
 	}
 	if i < recallFields {
 		r.f[i].k, r.f[i].v = "", ""
@@ -192,4 +168,24 @@ func (r *Recall) Field(n *Names, i int, name, v []byte) (key, value string) {
 		}
 	}
 	return key, value
+}
+
+// name is the canonical name kept for name, else a new one.
+func (r *Recall) name(name []byte) string {
+	for _, f := range r.f {
+		if len(f.k) == len(name) && equalFold(f.k, name) {
+			return f.k
+		}
+	}
+	return http.CanonicalHeaderKey(string(name))
+}
+
+// value is the value of key kept with v's bytes, else a new one.
+func (r *Recall) value(key string, v []byte) string {
+	for _, f := range r.f {
+		if f.k == key && f.v == string(v) {
+			return f.v
+		}
+	}
+	return string(v)
 }

@@ -264,38 +264,16 @@ func ReplaceEventDataWhole(ev, data []byte) []byte {
 		}
 		data = one
 	}
-	out := make([]byte, 0, len(ev)+len(data))
-	rest := ev
-	replaced := false
-	for len(rest) > 0 {
-		line := rest
-		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
-			line, rest = rest[:i+1], rest[i+1:]
-		} else {
-			rest = nil
-		}
-		if bytes.HasPrefix(line, []byte("data:")) {
-			if replaced {
-				continue
-			}
-			replaced = true
-			out = append(out, "data: "...)
-			out = append(out, data...)
-			if bytes.HasSuffix(line, []byte("\r\n")) {
-				out = append(out, '\r', '\n')
-			} else {
-				out = append(out, '\n')
-			}
-			continue
-		}
-		out = append(out, line...)
-	}
-	return out
+	return replaceData(ev, data, true)
 }
 
 // ReplaceEventData returns ev with the payload of its first "data:" line replaced by data; its
 // other lines (event names, ids) are kept.
-func ReplaceEventData(ev, data []byte) []byte {
+func ReplaceEventData(ev, data []byte) []byte { return replaceData(ev, data, false) }
+
+// replaceData writes data on ev's first "data:" line, in its payload's place; its further
+// "data:" lines are dropped where dropRest, else kept, and its other lines are kept.
+func replaceData(ev, data []byte, dropRest bool) []byte {
 	out := make([]byte, 0, len(ev)+len(data))
 	rest := ev
 	replaced := false
@@ -306,14 +284,16 @@ func ReplaceEventData(ev, data []byte) []byte {
 		} else {
 			rest = nil
 		}
-		if !replaced && bytes.HasPrefix(line, []byte("data:")) {
-			replaced = true
-			out = append(out, "data: "...)
-			out = append(out, data...)
-			if bytes.HasSuffix(line, []byte("\r\n")) {
-				out = append(out, '\r', '\n')
-			} else {
-				out = append(out, '\n')
+		if bytes.HasPrefix(line, []byte("data:")) && (!replaced || dropRest) {
+			if !replaced {
+				replaced = true
+				out = append(out, "data: "...)
+				out = append(out, data...)
+				if bytes.HasSuffix(line, []byte("\r\n")) {
+					out = append(out, '\r', '\n')
+				} else {
+					out = append(out, '\n')
+				}
 			}
 			continue
 		}

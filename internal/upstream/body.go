@@ -59,7 +59,7 @@ func newBody(t *Transport, c *conn, resp *http.Response, stop func() bool, ctx c
 		// framing Baton cannot follow. An HTTP/1.0 answer has no Transfer-Encoding: one there is
 		// faulty framing (RFC 9112 6.1). Beside a Content-Length, it is a smuggling attempt or
 		// broken (RFC 9112 6.3 allows treating it as an error; Baton does).
-		b.mode, b.reusable, b.err = bodyNone, false, fmt.Errorf("upstream: unsupported Transfer-Encoding (%d values, %d bytes; %s)", len(te), fieldBytes(te), notQuoted)
+		b.mode, b.reusable, b.err = bodyNone, false, unsupportedCoding(te)
 	case resp.Request.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
 		b.mode = bodyNone
 		resp.ContentLength = 0
@@ -104,7 +104,7 @@ func informationalFraming(h http.Header) error {
 		return err
 	}
 	if te := h["Transfer-Encoding"]; len(te) > 0 && (len(te) != 1 || !strings.EqualFold(te[0], "chunked")) {
-		return fmt.Errorf("upstream: unsupported Transfer-Encoding (%d values, %d bytes; %s)", len(te), fieldBytes(te), notQuoted)
+		return unsupportedCoding(te)
 	}
 	return nil
 }
@@ -113,6 +113,12 @@ func informationalFraming(h http.Header) error {
 // connection out of step, the head may be another request's answer, and none of its bytes go to
 // a log, a trace or a client.
 const notQuoted = "what the worker sent is not quoted: it may be another request's answer"
+
+// unsupportedCoding is the error of an answer whose Transfer-Encoding te Baton cannot follow,
+// named by its size.
+func unsupportedCoding(te []string) error {
+	return fmt.Errorf("upstream: unsupported Transfer-Encoding (%d values, %d bytes; %s)", len(te), fieldBytes(te), notQuoted)
+}
 
 // fieldBytes is the size of a field's values.
 func fieldBytes(vs []string) int {
