@@ -46,7 +46,7 @@ func (c *kvCheck) observeTop(t answerTop) bool {
 	switch {
 	case !ok:
 		return false
-	case cached+1 < prompt:
+	case cached < prompt && uint64(prompt-cached) > 1: // the difference, without cached+1 wrapping
 		c.v.Store(kvRecomputed)
 		return true
 	}

@@ -196,3 +196,25 @@ func TestAWholeAnswersRepeatedUsageIsCheckedAsTheClientReadsIt(t *testing.T) {
 		}
 	}
 }
+
+// Counts at the integers' ends are compared without wrapping: cached equal to prompt at the
+// largest integer is a received handoff, not a recompute.
+func TestTheRecomputeCheckDoesNotWrap(t *testing.T) {
+	for _, c := range []struct {
+		prompt, cached string
+		want           string
+	}{
+		{"9223372036854775807", "9223372036854775807", VerdictReceived},
+		{"9223372036854775807", "9223372036854775806", VerdictReceived},
+		{"9223372036854775807", "0", VerdictRecomputed},
+		{"9223372036854775807", "-9223372036854775808", VerdictRecomputed},
+		{"100", "99", VerdictReceived},
+		{"100", "98", VerdictRecomputed},
+	} {
+		var check kvCheck
+		check.observeTop(scanTop([]byte(`{"usage":{"prompt_tokens":` + c.prompt + `,"prompt_tokens_details":{"cached_tokens":` + c.cached + `}}}`)))
+		if got := check.verdict(); got != c.want {
+			t.Errorf("prompt %s, cached %s: %q, want %q", c.prompt, c.cached, got, c.want)
+		}
+	}
+}

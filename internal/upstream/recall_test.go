@@ -174,3 +174,14 @@ func TestACancelRacingAnAnswersEndNeverBreaksTheNext(t *testing.T) {
 		})
 	}
 }
+
+// A status line that is not one is named by its size: not even the 16 bytes of a version or the 8
+// of a status code are quoted, for they may begin another request's answer.
+func TestABadStatusLineIsNeverQuoted(t *testing.T) {
+	for _, line := range []string{`HTTP/1.1 {"id":"cmpl-SECRET"}`, `HTTP/{"tok":"SECRET"} 200 OK`, `HTTP/SECRET 200 OK`, `HTTP/1.1 SEC 200`} {
+		err := parseStatus(line, new(http.Response))
+		if err == nil || strings.Contains(err.Error(), "SEC") || strings.Contains(err.Error(), `{"`) || strings.Contains(err.Error(), `{\"`) {
+			t.Errorf("%q: %v", line, err)
+		}
+	}
+}

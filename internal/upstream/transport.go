@@ -356,33 +356,25 @@ func (t *Transport) earlyAnswer(ctx context.Context, c *conn, req *http.Request)
 	return resp, err
 }
 
-// parseStatus reads a status line. Its errors quote only what an HTTP version or a status code
-// can be (up to 16 and 8 bytes): bytes where a status line should be may be another request's
-// answer, on a connection out of step, and go no further, not even to the log.
+// parseStatus reads a status line. Its errors name what is wrong by its size and quote nothing:
+// bytes where a status line should be may be another request's answer, on a connection out of
+// step, and go no further, not even to the log.
 func parseStatus(line string, resp *http.Response) error {
 	proto, rest, ok := strings.Cut(line, " ")
 	if !ok || (proto != "HTTP/1.1" && proto != "HTTP/1.0") {
 		if !strings.HasPrefix(proto, "HTTP/") {
 			return fmt.Errorf("upstream: malformed status line: %d bytes that do not begin with HTTP/ (not quoted: they may be another request's answer)", len(line))
 		}
-		return fmt.Errorf("upstream: malformed status line: version %q", truncateTo(proto, 16))
+		return fmt.Errorf("upstream: malformed status line: a version of %d bytes (%s)", len(proto), notQuoted)
 	}
 	code, reason, _ := strings.Cut(rest, " ")
 	n, err := strconv.Atoi(code)
 	if err != nil || len(code) != 3 || n < 100 {
-		return fmt.Errorf("upstream: malformed status code %q", truncateTo(code, 8))
+		return fmt.Errorf("upstream: malformed status code: %d bytes (%s)", len(code), notQuoted)
 	}
 	resp.Proto, resp.ProtoMajor, resp.ProtoMinor = proto, 1, int(proto[7]-'0')
 	resp.StatusCode, resp.Status = n, code+" "+reason
 	return nil
-}
-
-// truncateTo is s cut to n bytes, marked so where it was cut.
-func truncateTo(s string, n int) string {
-	if len(s) > n {
-		return s[:n] + "…"
-	}
-	return s
 }
 
 // get returns an idle connection to host, or dials one.
