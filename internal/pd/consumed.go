@@ -61,7 +61,7 @@ func decodeUsage(obj []byte) (prompt, cached int, ok bool) { return decodeUsageT
 // decodeUsageTop is decodeUsage with the answer's top level already scanned (t).
 func decodeUsageTop(t answerTop) (prompt, cached int, ok bool) {
 	u := t.found[2]
-	if inner := t.found[0]; len(inner) > 0 && inner[0] == '{' {
+	if inner := t.found[0]; u == nil && len(inner) > 0 && inner[0] == '{' { // a usage of its own is the one clients read
 		u, _ = openai.GetLast(inner, "usage")
 	}
 	if len(u) == 0 || u[0] != '{' {

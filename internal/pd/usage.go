@@ -117,7 +117,7 @@ func fixUsage(obj []byte, pu prefillUsage) []byte { return fixUsageTop(obj, scan
 func fixUsageTop(obj []byte, t answerTop, pu prefillUsage) []byte {
 	found := t.found
 	for i, key := range []string{"response", "message"} { // a responses or messages stream's event
-		if inner := found[i]; len(inner) > 0 && inner[0] == '{' {
+		if inner := found[i]; found[2] == nil && len(inner) > 0 && inner[0] == '{' { // a usage of its own is the one clients read
 			if fixed := fixUsage(inner, pu); !bytes.Equal(fixed, inner) {
 				if out, err := openai.Set(obj, key, fixed); err == nil {
 					return out

@@ -35,8 +35,9 @@ func FuzzFixUsage(f *testing.F) {
 // fixUsageByGets is fixUsage as written before it scanned the answer once, a Get for each member
 // and a Set: the oracle of FuzzFixUsage.
 func fixUsageByGets(obj []byte, pu prefillUsage) []byte {
+	_, hasUsage := openai.GetLast(obj, "usage")
 	for _, key := range []string{"response", "message"} {
-		if inner, ok := openai.GetLast(obj, key); ok && len(inner) > 0 && inner[0] == '{' {
+		if inner, ok := openai.GetLast(obj, key); !hasUsage && ok && len(inner) > 0 && inner[0] == '{' {
 			if fixed := fixUsageByGets(inner, pu); !bytes.Equal(fixed, inner) {
 				if out, err := openai.Set(obj, key, fixed); err == nil {
 					return out
@@ -110,8 +111,10 @@ func FuzzDecodeUsage(f *testing.F) {
 // decodeUsageByGets is decodeUsage as written before it shared the rewrite's scan, a Get for
 // each member: the oracle of FuzzDecodeUsage.
 func decodeUsageByGets(obj []byte) (prompt, cached int, ok bool) {
-	if inner, found := openai.GetLast(obj, "response"); found && len(inner) > 0 && inner[0] == '{' {
-		obj = inner
+	if _, hasUsage := openai.GetLast(obj, "usage"); !hasUsage {
+		if inner, found := openai.GetLast(obj, "response"); found && len(inner) > 0 && inner[0] == '{' {
+			obj = inner
+		}
 	}
 	u, found := openai.GetLast(obj, "usage")
 	if !found || len(u) == 0 || u[0] != '{' {
@@ -216,5 +219,19 @@ func TestTheRecomputeCheckDoesNotWrap(t *testing.T) {
 		if got := check.verdict(); got != c.want {
 			t.Errorf("prompt %s, cached %s: %q, want %q", c.prompt, c.cached, got, c.want)
 		}
+	}
+}
+
+// An answer's own top-level usage is the one checked and rewritten, whatever object beside it is
+// named response or message: a client reads that usage.
+func TestAnAnswersOwnUsageIsReadBesideAResponseMember(t *testing.T) {
+	body := []byte(`{"id":"x","response":{},"message":{"usage":{"input_tokens":1}},"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":0}}}`)
+	var check kvCheck
+	check.observeTop(scanTop(body))
+	if check.verdict() != VerdictRecomputed {
+		t.Errorf("verdict %q; the answer's usage says recomputed", check.verdict())
+	}
+	if got := cachedOf(t, fixUsage(body, prefillUsage{prompt: 100, cached: 10, ok: true})); got != 10 {
+		t.Errorf("the client reads cached_tokens %d, want the prefill's 10", got)
 	}
 }
