@@ -217,19 +217,14 @@ func EventData(ev []byte) (data []byte, ok bool) {
 }
 
 // EventDataWhole returns an event's payload as a client reads it: its "data:" lines' payloads
-// joined by newlines (the SSE rule), the one line's bytes themselves where there is one; ok is
-// false when the event has none.
+// joined by newlines (the SSE rule, where CR, LF and CRLF each end a line), the one line's bytes
+// themselves where there is one; ok is false when the event has none.
 func EventDataWhole(ev []byte) (data []byte, ok bool) {
 	var joined []byte
 	lines := 0
 	for len(ev) > 0 {
-		line := ev
-		if i := bytes.IndexByte(ev, '\n'); i >= 0 {
-			line, ev = ev[:i], ev[i+1:]
-		} else {
-			ev = nil
-		}
-		line = bytes.TrimSuffix(line, []byte("\r"))
+		var line []byte
+		line, _, ev = nextLine(ev)
 		d, found := bytes.CutPrefix(line, []byte("data:"))
 		if !found {
 			continue
@@ -248,6 +243,19 @@ func EventDataWhole(ev []byte) (data []byte, ok bool) {
 		return joined, true
 	}
 	return data, lines == 1
+}
+
+// nextLine splits b's first line off as SSE reads lines: the line, its end (CRLF, CR, LF, or
+// none at b's end) and the rest.
+func nextLine(b []byte) (line, end, rest []byte) {
+	i := bytes.IndexAny(b, "\r\n")
+	switch {
+	case i < 0:
+		return b, nil, nil
+	case b[i] == '\r' && i+1 < len(b) && b[i+1] == '\n':
+		return b[:i], b[i : i+2], b[i+2:]
+	}
+	return b[:i], b[i : i+1], b[i+1:]
 }
 
 // ReplaceEventDataWhole returns ev with its payload replaced by the JSON data, on one "data:"
@@ -275,29 +283,22 @@ func ReplaceEventData(ev, data []byte) []byte { return replaceData(ev, data, fal
 // "data:" lines are dropped where dropRest, else kept, and its other lines are kept.
 func replaceData(ev, data []byte, dropRest bool) []byte {
 	out := make([]byte, 0, len(ev)+len(data))
-	rest := ev
 	replaced := false
-	for len(rest) > 0 {
-		line := rest
-		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
-			line, rest = rest[:i+1], rest[i+1:]
-		} else {
-			rest = nil
-		}
+	for rest := ev; len(rest) > 0; {
+		var line, end []byte
+		line, end, rest = nextLine(rest)
 		if bytes.HasPrefix(line, []byte("data:")) && (!replaced || dropRest) {
 			if !replaced {
 				replaced = true
-				out = append(out, "data: "...)
-				out = append(out, data...)
-				if bytes.HasSuffix(line, []byte("\r\n")) {
-					out = append(out, '\r', '\n')
-				} else {
-					out = append(out, '\n')
+				out = append(append(out, "data: "...), data...)
+				if len(end) == 0 {
+					end = []byte("\n")
 				}
+				out = append(out, end...)
 			}
 			continue
 		}
-		out = append(out, line...)
+		out = append(append(out, line...), end...)
 	}
 	return out
 }

@@ -118,6 +118,7 @@ func TestEventDataWholeJoinsAndReplaceKeepsOneLine(t *testing.T) {
 		{"event: x\r\ndata:{\"a\":\r\ndata: 1}\r\n\r\n", "{\"a\":\n1}"},
 		{"data: {\"a\":\ndata: 1,\ndata:\"b\":2}\n\n", "{\"a\":\n1,\n\"b\":2}"},
 		{"id: 7\n\n", ""},
+		{": c\rdata: {\"a\":\rdata: 1}\r\r", "{\"a\":\n1}"}, // a lone CR ends a line too
 	} {
 		got, ok := EventDataWhole([]byte(c.ev))
 		if string(got) != c.data || ok != (c.data != "") {

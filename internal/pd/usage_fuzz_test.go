@@ -3,6 +3,7 @@ package pd
 import (
 	"bytes"
 	"encoding/json"
+	"strings"
 	"testing"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -233,5 +234,38 @@ func TestAnAnswersOwnUsageIsReadBesideAResponseMember(t *testing.T) {
 	}
 	if got := cachedOf(t, fixUsage(body, prefillUsage{prompt: 100, cached: 10, ok: true})); got != 10 {
 		t.Errorf("the client reads cached_tokens %d, want the prefill's 10", got)
+	}
+}
+
+// sseData is an event's data as an SSE client reads it: CR, LF and CRLF each end a line, and the
+// "data:" lines' payloads are joined by newlines.
+func sseData(ev string) string {
+	ev = strings.ReplaceAll(strings.ReplaceAll(ev, "\r\n", "\n"), "\r", "\n")
+	var parts []string
+	for _, l := range strings.Split(ev, "\n") {
+		if d, ok := strings.CutPrefix(l, "data:"); ok {
+			parts = append(parts, strings.TrimPrefix(d, " "))
+		}
+	}
+	return strings.Join(parts, "\n")
+}
+
+// A line that a lone CR ends (here a comment's, with a data line behind it that a client reads)
+// cannot hide the decode's recompute, and the rewritten event is one a client reads as JSON with
+// the prefill's usage.
+func TestALoneCRCannotHideAStreamedRecompute(t *testing.T) {
+	ev := "data: {\"usage\":{\"prompt_tokens\":100,\"prompt_tokens_details\":{\"cached_tokens\":99}}\n" +
+		": c\rdata: ,\"usage\":{\"prompt_tokens\":100,\"prompt_tokens_details\":{\"cached_tokens\":0}}\n" +
+		"data: }\n\n"
+	if got := cachedOf(t, []byte(sseData(ev))); got != 0 {
+		t.Fatalf("the client reads cached_tokens %d of the decode's event, want 0", got)
+	}
+	var check kvCheck
+	out := checkEvent([]byte(ev), &check, prefillUsage{prompt: 100, cached: 10, ok: true})
+	if check.verdict() != VerdictRecomputed {
+		t.Errorf("verdict %q; the client reads a recompute", check.verdict())
+	}
+	if got := cachedOf(t, []byte(sseData(string(out)))); got != 10 {
+		t.Errorf("the client reads cached_tokens %d of the rewritten event %q, want the prefill's 10", got, out)
 	}
 }
