@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime/pprof"
 	"strings"
 
 	"github.com/baton-llm/baton/internal/bench"
@@ -28,6 +29,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	duration := fs.Duration("duration", 0, "how long the soak scenario runs (default 30m; 3m with --quick)")
 	plot := fs.String("plot", "", "a PNG file: the soak scenario draws its fault timeline into it, pd-sizing its goodput per split")
 	mixes := fs.String("mixes", "", "the pd-sizing and pd-advice workloads, comma-separated: chat, rag (default both)")
+	cpuProfile := fs.String("cpu-profile", "", "write the harness's own CPU profile (its load generator and simulators, not the proxies measured) to this file, for go tool pprof")
 	batonFlags := fs.String("baton-flags", "", "more flags for the Batons the soak scenario starts, space-separated (e.g. \"--http-server net\")")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -78,6 +80,17 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		defer f.Close()
 		w = io.MultiWriter(stdout, f)
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return fmt.Errorf("bench: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("bench: --cpu-profile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
 	}
 	return bench.Run(ctx, bench.Options{Binary: *binary, Baseline: *baseline, PDSidecar: *pdSidecar, Quick: *quick, Streams: *streams, Duration: *duration, BatonFlags: strings.Fields(*batonFlags), Plot: *plot, Mixes: mixList, Scenarios: names, Out: w})
 }

@@ -52,13 +52,15 @@ var DurationBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 // Metrics is the set of Baton's collectors.
 type Metrics struct {
 	Registry *prometheus.Registry
-	// The series of Requests, Duration and RouteDecisions, by their label values: a map read,
+	// The series of Requests, Duration, RouteDecisions, TTFT and Tokens, by their label values: a map read,
 	// where the vector hashes and checks each value under its lock. Only for vectors whose
 	// series are never deleted (a deleted child would go on counting unseen); maxChildren bounds
 	// each.
 	requests  memo.Map[requestKey, prometheus.Counter]
 	durations memo.Map[[2]string, prometheus.Observer]
 	decisions memo.Map[[3]string, prometheus.Counter]
+	ttfts     memo.Map[[2]string, prometheus.Observer]
+	tokens    memo.Map[[2]string, prometheus.Counter]
 	// Declared, when set, reports whether the configuration names a model (an alias, a
 	// fallback, a declared LoRA adapter): a label before any worker lists it. Set once, before
 	// serving.
@@ -322,6 +324,7 @@ func New(reg *worker.Registry) *Metrics {
 		models: map[string]struct{}{},
 	}
 	m.requests.Max, m.durations.Max, m.decisions.Max = maxChildren, maxChildren, maxChildren
+	m.ttfts.Max, m.tokens.Max = maxChildren, maxChildren
 	m.Registry.MustRegister(m.Requests, m.Duration, m.UpstreamErrors,
 		m.PDRequests, m.PDTTFT, m.PDPrefillDuration, m.PDBootstrapFailures, m.PDConnectorMode, m.PDHandoffs, m.PDLocalPrefill, m.PDPrefillWhole, m.PDHandoffsAbandoned, m.PDDecodeRetries,
 		m.Retries, m.RetriesExhausted, m.QueueDepth, m.QueueWait, m.Rejections, m.BreakerTransitions, m.HealthChecks, m.Panics, m.UpstreamUnsolicited,
@@ -452,6 +455,26 @@ func (m *Metrics) ObserveRequest(route, model string, status int, seconds float6
 		return m.Requests.WithLabelValues(route, model, strconv.Itoa(status))
 	}).Inc()
 	m.durations.Get([2]string{route, model}, func() prometheus.Observer { return m.Duration.WithLabelValues(route, model) }).Observe(seconds)
+}
+
+// ObserveTTFT records a successful generation's time to its first byte; model is a label from
+// Model, mode the request's dispatch mode.
+func (m *Metrics) ObserveTTFT(model, mode string, seconds float64) {
+	m.ttfts.Get([2]string{model, mode}, func() prometheus.Observer { return m.TTFT.WithLabelValues(model, mode) }).Observe(seconds)
+}
+
+// AddTokens counts a finished generation's tokens by kind; a cached count of zero adds no
+// series for the model.
+func (m *Metrics) AddTokens(model string, prompt, completion, cached int) {
+	m.token(model, "prompt").Add(float64(prompt))
+	m.token(model, "completion").Add(float64(completion))
+	if cached > 0 {
+		m.token(model, "cached").Add(float64(cached))
+	}
+}
+
+func (m *Metrics) token(model, kind string) prometheus.Counter {
+	return m.tokens.Get([2]string{model, kind}, func() prometheus.Counter { return m.Tokens.WithLabelValues(model, kind) })
 }
 
 // maxChildren bounds each vector's remembered series.

@@ -9,7 +9,9 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
@@ -74,6 +76,8 @@ func TestRememberedSeriesCountInTheScrape(t *testing.T) {
 		wg.Go(func() {
 			for i := range maxChildren + 100 {
 				m.ObserveRequest("POST /v1/completions", "m"+strconv.Itoa(i), 200+g, 0.01)
+				m.ObserveTTFT("m"+strconv.Itoa(i), "regular", 0.01)
+				m.AddTokens("m"+strconv.Itoa(i), 3, 2, i%2)
 			}
 			for range 10 {
 				m.ObserveRoute(policy.Decision{Role: "regular", Policy: "round_robin", Reason: "turn", Match: -1})
@@ -90,6 +94,29 @@ func TestRememberedSeriesCountInTheScrape(t *testing.T) {
 	}
 	if n := testutil.CollectAndCount(m.Duration); n != maxChildren+100 {
 		t.Fatalf("%d duration series, want %d", n, maxChildren+100)
+	}
+	if n := testutil.CollectAndCount(m.TTFT); n != maxChildren+100 {
+		t.Fatalf("%d TTFT series, want %d", n, maxChildren+100)
+	}
+	// a model whose generations cached nothing has no cached series: 2 series for half the
+	// models, 3 for the others
+	if n, want := testutil.CollectAndCount(m.Tokens), (maxChildren+100)*5/2; n != want {
+		t.Fatalf("%d token series, want %d", n, want)
+	}
+	for _, i := range []int{0, 1, maxChildren - 1, maxChildren + 99} {
+		model := "m" + strconv.Itoa(i)
+		var d dto.Metric
+		if err := m.TTFT.WithLabelValues(model, "regular").(prometheus.Metric).Write(&d); err != nil || d.GetHistogram().GetSampleCount() != 4 {
+			t.Fatalf("TTFT for %s observed %d times (%v), want 4", model, d.GetHistogram().GetSampleCount(), err)
+		}
+		for kind, want := range map[string]float64{"prompt": 12, "completion": 8, "cached": float64(4 * (i % 2))} {
+			if got := testutil.ToFloat64(m.Tokens.WithLabelValues(model, kind)); got != want {
+				t.Fatalf("%s %s tokens counted %v, want %v", model, kind, got, want)
+			}
+		}
+	}
+	if n := m.ttfts.Len() + m.tokens.Len(); n > 2*maxChildren {
+		t.Fatalf("%d series remembered, bound %d", n, 2*maxChildren)
 	}
 	if got := testutil.ToFloat64(m.RouteDecisions.WithLabelValues("regular", "round_robin", "turn")); got != 40 {
 		t.Fatalf("route decisions counted %v, want 40", got)

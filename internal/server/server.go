@@ -351,13 +351,9 @@ func (s *Server) finish(ctx context.Context, rec *record.Record, written int64, 
 	generation := rec.Method == http.MethodPost && rec.Route != "other" && !strings.HasPrefix(rec.Route, "POST /workers")
 	if generation && status == http.StatusOK && !rec.FirstByte.IsZero() {
 		e.ttft = rec.FirstByte.Sub(rec.Start)
-		s.metrics.TTFT.WithLabelValues(e.model, string(rec.Mode)).Observe(e.ttft.Seconds())
+		s.metrics.ObserveTTFT(e.model, string(rec.Mode), e.ttft.Seconds())
 		if e.usage = rec.UsageKnown; e.usage && !aborted {
-			s.metrics.Tokens.WithLabelValues(e.model, "prompt").Add(float64(rec.Usage.Prompt))
-			s.metrics.Tokens.WithLabelValues(e.model, "completion").Add(float64(rec.Usage.Completion))
-			if rec.Usage.Cached > 0 {
-				s.metrics.Tokens.WithLabelValues(e.model, "cached").Add(float64(rec.Usage.Cached))
-			}
+			s.metrics.AddTokens(e.model, rec.Usage.Prompt, rec.Usage.Completion, rec.Usage.Cached)
 		}
 	}
 	if rec.TenantName() != "" && generation {

@@ -4,6 +4,7 @@ package e2e
 import (
 	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
@@ -202,12 +203,17 @@ func TestBenchSmoke(t *testing.T) {
 	groups := []string{"memory,hardening,tenants,fairness,epp", "latency,throughput,streaming,bodysize,workers,routing,replicas,hotpath"}
 	outs := make([][]byte, len(groups))
 	errs := make([]error, len(groups))
+	prof := filepath.Join(t.TempDir(), "harness.prof")
 	var wg sync.WaitGroup
 	for i, g := range groups {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			outs[i], errs[i] = exec.CommandContext(ctx, binary, "bench", "--quick", "--scenarios", g).CombinedOutput()
+			args := []string{"bench", "--quick", "--scenarios", g}
+			if i == 1 { // the busy group: its harness's own profile
+				args = append(args, "--cpu-profile", prof)
+			}
+			outs[i], errs[i] = exec.CommandContext(ctx, binary, args...).CombinedOutput()
 		}()
 	}
 	wg.Wait()
@@ -225,6 +231,21 @@ func TestBenchSmoke(t *testing.T) {
 	}
 	if strings.Contains(out, " †") && !strings.Contains(out, "† below the measuring resolution") {
 		t.Errorf("a CPU figure is marked below resolution without the note:\n%s", out)
+	}
+	// --cpu-profile: a gzipped pprof profile of the harness itself, whose functions (the load
+	// generator's) are named in its string table.
+	f, err := os.Open(prof)
+	if err != nil {
+		t.Fatalf("--cpu-profile wrote no profile: %v", err)
+	}
+	defer f.Close()
+	z, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatalf("--cpu-profile: not a gzipped profile: %v", err)
+	}
+	raw, err := io.ReadAll(z)
+	if err != nil || !bytes.Contains(raw, []byte("internal/bench.ClosedLoop")) {
+		t.Fatalf("--cpu-profile: the profile (%d bytes, %v) does not name the harness's load generator", len(raw), err)
 	}
 }
 
