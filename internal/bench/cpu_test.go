@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A CPU figure measured over fewer ticks than give ±5 % is marked, and the table gets the note
@@ -28,5 +29,24 @@ func TestCPUFiguresBelowResolutionAreMarked(t *testing.T) {
 	r.cpuNote()
 	if out.Len() != 0 {
 		t.Errorf("a note without a marked figure: %q", out.String())
+	}
+}
+
+// TestRoundSpreadSaysEachRoundsRatio: the spread is of each round's ratio against the reference's
+// share in the same round, not of the sums; one round has no spread.
+func TestRoundSpreadSaysEachRoundsRatio(t *testing.T) {
+	share := func(n int, secs, cpu float64) measured {
+		return measured{s: Stats{N: n, Elapsed: time.Duration(secs * float64(time.Second))}, cpu: cpu}
+	}
+	ref := measured{name: "nginx", rounds: []measured{share(1000, 1, 0.1), share(1000, 2, 0.2)}}
+	b := measured{name: "Baton", rounds: []measured{share(1000, 0.5, 0.15), share(2000, 2, 0.8)}}
+	got := roundSpread([]measured{ref, b}, "nginx")
+	// round 1: CPU 150/100 µs = 1.50×, throughput 2000/1000 = 2.00×; round 2: 400/200 = 2.00×, 1000/500 = 2.00×
+	if want := "Baton CPU 1.50 – 2.00×, throughput 2.00 – 2.00×"; !strings.Contains(got, want) {
+		t.Fatalf("spread %q lacks %q", got, want)
+	}
+	ref.rounds, b.rounds = ref.rounds[:1], b.rounds[:1]
+	if got := roundSpread([]measured{ref, b}, "nginx"); got != "" {
+		t.Fatalf("one round gave a spread: %q", got)
 	}
 }

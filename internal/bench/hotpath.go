@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"os/exec"
@@ -66,6 +67,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 	stopTargets(pt)
 	pt = nil
 	r.hotRows("pass-through", ms, "nginx")
+	spread := []string{roundSpread(ms, "nginx")}
 	// PD vLLM NIXL.
 	p, err := engine(sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl, EngineHeadersOnly: true})
 	if err != nil {
@@ -98,10 +100,16 @@ func (r *runner) hotpath(ctx context.Context) error {
 		pd = append(pd, hotTarget{name: bin.name, p: b, req: completion(r.client, b.URL, w)})
 	}
 	time.Sleep(200 * time.Millisecond)
-	rates := r.hotRows("PD vLLM NIXL", r.interleaved(ctx, "hotpath PD", pd, 16, n, rounds), "llm-d pd-sidecar")
+	ms = r.interleaved(ctx, "hotpath PD", pd, 16, n, rounds)
+	rates := r.hotRows("PD vLLM NIXL", ms, "llm-d pd-sidecar")
 	fmt.Fprintln(r.out)
 	if len(rates) > 0 {
 		fmt.Fprintf(r.out, "PD throughput against llm-d's pd-sidecar (the same engines, the same 16 clients, the sidecar pinned to Baton's core): %s.\n\n", strings.Join(rates, ", "))
+	}
+	for _, line := range append(spread, roundSpread(ms, "llm-d pd-sidecar")) {
+		if line != "" {
+			fmt.Fprintf(r.out, "%s\n\n", line)
+		}
 	}
 	r.cpuNote()
 	return nil
@@ -170,9 +178,47 @@ func (r *runner) interleaved(ctx context.Context, label string, ts []hotTarget, 
 			s := &ms[i].s
 			s.N, s.Errors, s.Elapsed = s.N+m.s.N, s.Errors+m.s.Errors, s.Elapsed+m.s.Elapsed
 			ms[i].cpu += m.cpu
+			ms[i].rounds = append(ms[i].rounds, m)
 		}
 	}
 	return ms
+}
+
+// roundSpread says, for each target but ref, the least and most of its CPU per request and of
+// its throughput against ref's in the same round, where there was more than one round: how far
+// one run's ratio moves while the machine's speed does.
+func roundSpread(ms []measured, ref string) string {
+	var refM measured
+	for _, m := range ms {
+		if m.name == ref {
+			refM = m
+		}
+	}
+	if len(refM.rounds) < 2 {
+		return ""
+	}
+	var parts []string
+	for _, m := range ms {
+		if m.name == ref || len(m.rounds) != len(refM.rounds) {
+			continue
+		}
+		cpuLo, cpuHi, rateLo, rateHi := math.Inf(1), math.Inf(-1), math.Inf(1), math.Inf(-1)
+		for i, a := range m.rounds {
+			b := refM.rounds[i]
+			if a.s.N == 0 || b.s.N == 0 || b.cpu == 0 || b.s.Throughput() == 0 {
+				return ""
+			}
+			c := a.cpu / float64(a.s.N) / (b.cpu / float64(b.s.N))
+			t := a.s.Throughput() / b.s.Throughput()
+			cpuLo, cpuHi = min(cpuLo, c), max(cpuHi, c)
+			rateLo, rateHi = min(rateLo, t), max(rateHi, t)
+		}
+		parts = append(parts, fmt.Sprintf("%s CPU %.2f – %.2f×, throughput %.2f – %.2f×", m.name, cpuLo, cpuHi, rateLo, rateHi))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("Round by round against %s (each round's share against %s's in the same round; a round's CPU is read in 10 ms ticks): %s.", ref, ref, strings.Join(parts, "; "))
 }
 
 // ratioF is a/b as "x.xx×", or empty without b.

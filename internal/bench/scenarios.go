@@ -183,6 +183,8 @@ type measured struct {
 	// harness is the seconds of CPU of the bench process itself (load generator, simulators)
 	// during the run, where the hotpath scenario measures it.
 	harness float64
+	// rounds are the hotpath scenario's rounds, one by one: each share's requests, time and CPU.
+	rounds []measured
 }
 
 // minCPUTicks is the least CPU, in ticks of /proc's clock (10 ms), a figure is measured over
