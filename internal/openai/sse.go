@@ -31,6 +31,8 @@ type EventReader struct {
 	v    viewer
 	view []byte // the unread rest of the last view
 
+	scan eventScan // how far the next event's bytes were looked at
+
 	progress func() // called after every read that brought bytes (OnProgress)
 }
 
@@ -61,15 +63,17 @@ func (e *EventReader) Next() ([]byte, error) {
 		return e.nextView()
 	}
 	for {
-		if end := eventEnd(e.buf[e.off:]); end > 0 {
+		if end := e.scan.end(e.buf[e.off:]); end > 0 {
 			ev := e.buf[e.off : e.off+end]
 			e.off += end
+			e.ended()
 			return ev, nil
 		}
 		if e.err != nil {
 			if e.off < len(e.buf) {
 				ev := e.buf[e.off:]
 				e.off = len(e.buf)
+				e.scan = eventScan{}
 				return ev, nil
 			}
 			return nil, e.err
@@ -78,6 +82,7 @@ func (e *EventReader) Next() ([]byte, error) {
 		if len(e.buf) >= MaxEventSize {
 			e.err = ErrEventTooLarge
 			e.off = len(e.buf) // the partial event is dropped, never relayed as if whole
+			e.scan = eventScan{}
 			return nil, e.err
 		}
 		if len(e.buf) == cap(e.buf) {
@@ -94,6 +99,10 @@ func (e *EventReader) Next() ([]byte, error) {
 	}
 }
 
+// ended starts the scan of the next event, once one ended: a LF it begins with is the rest of
+// the CRLF the last one ended with, where that ended with a CR.
+func (e *EventReader) ended() { e.scan = eventScan{cr: e.scan.cr} }
+
 // compact moves the unread bytes to the front of buf.
 func (e *EventReader) compact() {
 	if e.off > 0 {
@@ -108,9 +117,10 @@ func (e *EventReader) nextView() ([]byte, error) {
 	for {
 		if e.buf == nil || e.off == len(e.buf) { // nothing gathered
 			e.release()
-			if end := eventEnd(e.view); end > 0 {
+			if end := e.scan.end(e.view); end > 0 {
 				ev := e.view[:end]
 				e.view = e.view[end:]
+				e.ended()
 				return ev, nil
 			}
 			if len(e.view) > 0 { // the start of an event the next view continues
@@ -118,15 +128,17 @@ func (e *EventReader) nextView() ([]byte, error) {
 				e.view = nil
 				continue
 			}
-		} else if end := eventEnd(e.buf[e.off:]); end > 0 {
+		} else if end := e.scan.end(e.buf[e.off:]); end > 0 {
 			ev := e.buf[e.off : e.off+end]
 			e.off += end
+			e.ended()
 			return ev, nil
 		}
 		if e.err != nil {
 			if e.buf != nil && e.off < len(e.buf) {
 				ev := e.buf[e.off:]
 				e.off = len(e.buf)
+				e.scan = eventScan{}
 				return ev, nil
 			}
 			return nil, e.err
@@ -134,6 +146,7 @@ func (e *EventReader) nextView() ([]byte, error) {
 		if e.buf != nil && len(e.buf)-e.off >= MaxEventSize {
 			e.err = ErrEventTooLarge
 			e.off = len(e.buf) // the partial event is dropped, never relayed as if whole
+			e.scan = eventScan{}
 			return nil, e.err
 		}
 		v, err := e.v.Next()
@@ -174,27 +187,66 @@ func (e *EventReader) release() {
 // it without reading. A relay flushes only when nothing is pending: events that arrived together
 // leave together, and no event ever waits for a later one.
 func (e *EventReader) Pending() bool {
+	s := e.scan // looked at again by Next
 	if e.buf != nil && e.off < len(e.buf) {
-		return eventEnd(e.buf[e.off:]) > 0
+		return s.end(e.buf[e.off:]) > 0
 	}
-	return eventEnd(e.view) > 0
+	return s.end(e.view) > 0
 }
 
-// eventEnd returns the length of the first complete event in b (through its blank line), or 0.
-func eventEnd(b []byte) int {
-	for i := 0; i < len(b); {
-		j := bytes.IndexByte(b[i:], '\n')
-		if j < 0 {
-			return 0
+// eventScan finds where an SSE event ends as its bytes arrive, looking at each byte once: after
+// its blank line, a line end that follows a line end (SSE ends a line at CRLF, LF or CR; a blank
+// line that begins an event is taken with it). Positions are from the event's first byte.
+type eventScan struct {
+	n     int  // the event's bytes looked at
+	ended bool // they end with a line's end, so a line end next ends a blank line
+	cr    bool // they end with a CR, so a LF next is the rest of its CRLF
+}
+
+// end returns the length of the event whose bytes so far are b (b[:s.n] the ones looked at
+// before), through its blank line; 0 while it has not ended.
+func (s *eventScan) end(b []byte) int {
+	i, lf := s.n, -1 // lf: b's first LF at or after i, where lf >= i
+	for i < len(b) {
+		if s.cr {
+			s.cr = false
+			if b[i] == '\n' { // a CRLF cut after its CR
+				i++
+				continue
+			}
 		}
-		i += j + 1
-		if i < len(b) && b[i] == '\n' {
-			return i + 1
+		if lf < i {
+			if lf = bytes.IndexByte(b[i:], '\n'); lf >= 0 {
+				lf += i
+			} else {
+				lf = len(b)
+			}
 		}
-		if i+1 < len(b) && b[i] == '\r' && b[i+1] == '\n' {
-			return i + 2
+		j := i + bytes.IndexByte(b[i:lf], '\r')
+		if j < i {
+			j = lf
 		}
+		if j == len(b) { // no line end yet: the line goes on
+			s.ended = false
+			i = len(b)
+			break
+		}
+		blank := s.ended && j == i
+		s.ended = true
+		next := j + 1
+		if b[j] == '\r' {
+			if next < len(b) && b[next] == '\n' {
+				next++
+			} else if next == len(b) {
+				s.cr = true
+			}
+		}
+		if blank {
+			return next
+		}
+		i = next
 	}
+	s.n = i
 	return 0
 }
 
@@ -202,13 +254,8 @@ func eventEnd(b []byte) int {
 // without the prefix space; ok is false when the event has none.
 func EventData(ev []byte) (data []byte, ok bool) {
 	for len(ev) > 0 {
-		line := ev
-		if i := bytes.IndexByte(ev, '\n'); i >= 0 {
-			line, ev = ev[:i], ev[i+1:]
-		} else {
-			ev = nil
-		}
-		line = bytes.TrimSuffix(line, []byte("\r"))
+		var line []byte
+		line, _, ev = nextLine(ev)
 		if d, found := bytes.CutPrefix(line, []byte("data:")); found {
 			return bytes.TrimPrefix(d, []byte(" ")), true
 		}

@@ -8,12 +8,16 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+	"time"
 )
 
 func TestEventReader(t *testing.T) {
 	in := "data: {\"a\":1}\n\nevent: x\r\ndata: two\r\n\r\n: comment\n\ndata: [DONE]\n\ntrailing"
-	want := []string{"data: {\"a\":1}\n\n", "event: x\r\ndata: two\r\n\r\n", ": comment\n\n", "data: [DONE]\n\n", "trailing"}
-	for _, r := range []io.Reader{strings.NewReader(in), iotest.OneByteReader(strings.NewReader(in))} {
+	whole := []string{"data: {\"a\":1}\n\n", "event: x\r\ndata: two\r\n\r\n", ": comment\n\n", "data: [DONE]\n\n", "trailing"}
+	// Read a byte at a time, the CR of the second event's blank line ends it (a client dispatches
+	// it there) and the LF behind it, the rest of that CRLF, is relayed at the next one's front.
+	oneByte := []string{"data: {\"a\":1}\n\n", "event: x\r\ndata: two\r\n\r", "\n: comment\n\n", "data: [DONE]\n\n", "trailing"}
+	for r, want := range map[io.Reader][]string{strings.NewReader(in): whole, iotest.OneByteReader(strings.NewReader(in)): oneByte} {
 		er := NewEventReader(r)
 		var got []string
 		for {
@@ -79,17 +83,145 @@ func events(r *EventReader) (out []string, err error) {
 	}
 }
 
-// Over views of any sizes, the event reader returns the same events as over a plain reader.
+// clientEvents is what an SSE client dispatches from a stream, read as the HTML standard's event
+// stream parser reads it: lines end at CRLF, LF or CR; a blank line dispatches the data lines'
+// values (one leading space cut) joined by LF, where there was a data line; an event the stream
+// ends before its blank line is discarded.
+func clientEvents(stream []byte) []string {
+	var out, data []string
+	for len(stream) > 0 {
+		i := bytes.IndexAny(stream, "\r\n")
+		if i < 0 {
+			break // the last line never ended
+		}
+		line := string(stream[:i])
+		if stream[i] == '\r' && i+1 < len(stream) && stream[i+1] == '\n' {
+			i++
+		}
+		stream = stream[i+1:]
+		switch {
+		case line == "":
+			if data != nil {
+				out = append(out, strings.Join(data, "\n"))
+			}
+			data = nil
+		case strings.HasPrefix(line, "data:"):
+			data = append(data, strings.TrimPrefix(strings.TrimPrefix(line, "data:"), " "))
+		}
+	}
+	return out
+}
+
+// checkEventsAsAClientReadsThem fails unless events are stream's bytes, every one, and each is
+// where a client's event ends: what a client dispatches from each event alone is what it
+// dispatches from the stream, event for event, and it is what EventDataWhole reads.
+func checkEventsAsAClientReadsThem(t *testing.T, stream []byte, events []string) {
+	t.Helper()
+	if got := strings.Join(events, ""); got != string(stream) {
+		t.Fatalf("events %q are not the stream %q", events, stream)
+	}
+	var got []string
+	for _, ev := range events {
+		one := clientEvents([]byte(ev))
+		if len(one) > 1 {
+			t.Fatalf("event %q of %q holds %d client events", ev, stream, len(one))
+		}
+		got = append(got, one...)
+		d, ok := EventDataWhole([]byte(ev))
+		if len(one) == 1 && (!ok || string(d) != one[0]) {
+			t.Fatalf("EventDataWhole(%q) = %q %v; a client reads %q", ev, d, ok, one[0])
+		}
+	}
+	if want := clientEvents(stream); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("stream %q: the events %q dispatch %q, a client %q", stream, events, got, want)
+	}
+}
+
+// chunks reads b in pieces of the sizes cuts gives (cycled).
+type chunks struct {
+	b    []byte
+	cuts []byte
+	i    int
+}
+
+func (c *chunks) Read(p []byte) (int, error) {
+	if len(c.b) == 0 {
+		return 0, io.EOF
+	}
+	n := 1
+	if len(c.cuts) > 0 {
+		n = int(c.cuts[c.i%len(c.cuts)])%64 + 1
+		c.i++
+	}
+	n = copy(p, c.b[:min(n, len(c.b))])
+	c.b = c.b[n:]
+	return n, nil
+}
+
+// Over views or reads of any sizes, the event reader returns the stream's bytes in events that
+// end where a client's do: with lines ended by CR, LF or CRLF, a CRLF cut between reads, a blank
+// line the stream begins with. A stream whose events a relay split elsewhere could show a
+// client an event (a usage, an error) that the checks between it and the engine never saw.
 func FuzzEventReaderOverViews(f *testing.F) {
 	f.Add([]byte("data: a\n\ndata: b\r\n\r\n: c\n\ndata: d"), []byte{0, 5, 1})
 	f.Add([]byte("data: {\"x\":1}\n\n\n\ndata: [DONE]\n\n"), []byte{3})
+	f.Add([]byte("data: a\r\rdata: b\r\r: c\rdata: d\r\r"), []byte{7, 0, 2})
+	f.Add([]byte("data: a\n\rdata: b\r\n\rdata: c\r\r\ndata: d\n\r\n"), []byte{8, 1})
+	f.Add([]byte("\r\n\rdata: {\"u\":1}\r\ndata: 2\r\r\n\n"), []byte{2, 0})
 	f.Fuzz(func(t *testing.T, b, cuts []byte) {
-		want, werr := events(NewEventReader(bytes.NewReader(b)))
-		got, gerr := events(NewEventReader(&views{b: b, cuts: cuts}))
-		if fmt.Sprint(got) != fmt.Sprint(want) || werr != gerr {
-			t.Fatalf("%q cut %v: over views %q %v, over a reader %q %v", b, cuts, got, gerr, want, werr)
+		if len(b) > 4096 {
+			return
+		}
+		var all [][]string
+		for _, r := range []io.Reader{bytes.NewReader(b), &chunks{b: b, cuts: cuts}, &views{b: b, cuts: cuts}} {
+			got, err := events(NewEventReader(r))
+			if err != io.EOF {
+				t.Fatalf("%q cut %v: %v", b, cuts, err)
+			}
+			checkEventsAsAClientReadsThem(t, b, got)
+			all = append(all, got)
+		}
+		// read whole, the event boundaries are the same whichever way the reader is fed
+		if fmt.Sprint(all[0]) != fmt.Sprint(all[2]) && !bytes.Contains(b, []byte("\r")) {
+			t.Fatalf("%q cut %v: over views %q, over a reader %q", b, cuts, all[2], all[0])
 		}
 	})
+}
+
+// A stream whose lines end with lone CRs, as SSE allows, is relayed event by event, each as its
+// blank line arrives: the reader never waits for a LF that the stream does not send, and so
+// never holds a whole stream as one event until it ends or passes MaxEventSize. (The engine
+// here ends its stream if the first event was not returned a few seconds after it was sent,
+// so that a reader that waits fails rather than hangs.)
+func TestEventsWhoseLinesEndWithCRLeaveAsTheyEnd(t *testing.T) {
+	pr, pw := io.Pipe()
+	defer pr.Close()
+	er := NewEventReader(pr)
+	first := make(chan struct{})
+	go func() {
+		_, _ = pw.Write([]byte("data: {\"choices\":[]}\r\r"))
+		select {
+		case <-first:
+		case <-time.After(5 * time.Second):
+		}
+		_, _ = pw.Write([]byte("data: {\"usage\":{\"prompt_tokens\":9}}\r"))
+		_, _ = pw.Write([]byte("\r"))
+		pw.Close()
+	}()
+	ev, err := er.Next()
+	close(first)
+	if err != nil || string(ev) != "data: {\"choices\":[]}\r\r" {
+		t.Fatalf("first event %q %v, want it at its blank line, before the stream goes on", ev, err)
+	}
+	if ev, err := er.Next(); err != nil || string(ev) != "data: {\"usage\":{\"prompt_tokens\":9}}\r\r" {
+		t.Fatalf("second event %q %v", ev, err)
+	}
+	if er.Pending() {
+		t.Fatal("an event is pending with no bytes after the last one")
+	}
+	if _, err := er.Next(); err != io.EOF {
+		t.Fatalf("after the stream's end: %v", err)
+	}
 }
 
 // A stream waiting between events over views holds no buffer of its own.
@@ -148,3 +280,36 @@ func TestGetLastIsWhatAClientReads(t *testing.T) {
 		t.Error("GetLast found a member that is not there")
 	}
 }
+
+// BenchmarkEventReader reads a stream of vLLM-sized token events, LF-ended, lent in 4 KiB views
+// as Baton's upstream client lends them.
+func BenchmarkEventReader(b *testing.B) {
+	ev := `data: {"id":"chatcmpl-0d6f3c2a9b","object":"chat.completion.chunk","created":1764892800,"model":"m","choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,"finish_reason":null}]}` + "\n\n"
+	stream := []byte(strings.Repeat(ev, 1000))
+	b.SetBytes(int64(len(stream)))
+	for b.Loop() {
+		r := NewEventReader(&pieces{b: stream, n: 4 << 10})
+		for {
+			if _, err := r.Next(); err != nil {
+				break
+			}
+		}
+	}
+}
+
+// pieces lends b in views of n bytes.
+type pieces struct {
+	b []byte
+	n int
+}
+
+func (p *pieces) Next() ([]byte, error) {
+	if len(p.b) == 0 {
+		return nil, io.EOF
+	}
+	v := p.b[:min(p.n, len(p.b))]
+	p.b = p.b[len(v):]
+	return v, nil
+}
+
+func (p *pieces) Read([]byte) (int, error) { panic("a viewer is read through Next") }
