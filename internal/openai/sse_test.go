@@ -313,3 +313,18 @@ func (p *pieces) Next() ([]byte, error) {
 }
 
 func (p *pieces) Read([]byte) (int, error) { panic("a viewer is read through Next") }
+
+// BenchmarkEventReaderLongEvent reads one 4 MiB event (a long data line) lent in 4 KiB views: the
+// scan for its end goes on where it stopped at each view, never from the event's start again.
+func BenchmarkEventReaderLongEvent(b *testing.B) {
+	stream := []byte("data: " + strings.Repeat("x", 4<<20) + "\n\n")
+	b.SetBytes(int64(len(stream)))
+	for b.Loop() {
+		r := NewEventReader(&pieces{b: stream, n: 4 << 10})
+		for {
+			if _, err := r.Next(); err != nil {
+				break
+			}
+		}
+	}
+}
