@@ -30,29 +30,38 @@ type watch struct {
 	err     *InBandError
 }
 
-// see reads one chunk of the stream.
+// see reads one chunk of the stream. Its lines end at LF, CR or CRLF, as an SSE client reads
+// them (the LF of a CRLF ends an empty line, which no error event is); the chunk's next LF is
+// looked for once, not once per line, so a chunk of lone CRs is read in one pass.
 func (w *watch) see(b []byte) {
-	for len(b) > 0 && w.err == nil {
-		i := bytes.IndexByte(b, '\n')
-		line := b
-		if i >= 0 {
-			line, b = b[:i], b[i+1:]
-		} else {
-			b = nil
+	lf := -1 // b's first LF at or after pos; len(b) when there is none
+	for pos := 0; pos < len(b) && w.err == nil; {
+		if lf < pos {
+			if lf = bytes.IndexByte(b[pos:], '\n'); lf >= 0 {
+				lf += pos
+			} else {
+				lf = len(b)
+			}
 		}
+		end := lf
+		if k := bytes.IndexByte(b[pos:lf], '\r'); k >= 0 {
+			end = pos + k
+		}
+		line, ended := b[pos:end], end < len(b)
+		pos = end + 1
 		if w.skip {
-			w.skip = i < 0
+			w.skip = !ended
 			continue
 		}
 		if len(w.partial) > 0 {
 			if len(w.partial)+len(line) > maxErrorLine {
-				w.partial, w.skip = w.partial[:0], i < 0
+				w.partial, w.skip = w.partial[:0], !ended
 				continue
 			}
 			w.partial = append(w.partial, line...)
 			line = w.partial
 		}
-		if i < 0 {
+		if !ended {
 			if len(line) > maxErrorLine {
 				w.partial, w.skip = w.partial[:0], true
 			} else if len(w.partial) == 0 {

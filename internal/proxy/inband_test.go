@@ -25,6 +25,9 @@ func TestWatchFindsEngineErrorEvents(t *testing.T) {
 		{"ordinary", token + token + "data: [DONE]\n\n", 0},
 		{"generate finished", `data: {"text":"ab","meta_info":{"finish_reason":{"type":"length","length":2}}}` + "\n\n", 0},
 		{"no newline at the end", `data: {"error": {"code": 503}}`, 0},
+		{"lines ended by lone CRs", strings.ReplaceAll(token, "\n", "\r") + `data: {"error": {"message": "KV load failed", "code": 503}}` + "\r\rdata: [DONE]\r\r", 503},
+		{"an error line behind a comment's lone CR", ": keep-alive\r" + `data: {"error": {"message": "m", "code": 502}}` + "\n\n", 502},
+		{"no line end at the end but a CR", `data: {"error": {"code": 504}}` + "\r", 504},
 	} {
 		for cut := 0; cut <= len(tc.stream); cut++ {
 			var w watch
