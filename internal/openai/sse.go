@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"strings"
 	"sync"
 )
 
@@ -348,4 +349,16 @@ func replaceData(ev, data []byte, dropRest bool) []byte {
 		out = append(append(out, line...), end...)
 	}
 	return out
+}
+
+// IsEventStream reports whether a Content-Type names an SSE stream: text/event-stream, in any
+// letter case (media types are case-insensitive, and clients read a stream so named), with or
+// without parameters.
+func IsEventStream(contentType string) bool {
+	const t = "text/event-stream"
+	if len(contentType) < len(t) || !strings.EqualFold(contentType[:len(t)], t) {
+		return false
+	}
+	rest := contentType[len(t):]
+	return rest == "" || rest[0] == ';' || rest[0] == ' ' || rest[0] == '\t'
 }

@@ -328,3 +328,16 @@ func BenchmarkEventReaderLongEvent(b *testing.B) {
 		}
 	}
 }
+
+// A stream is named text/event-stream in any letter case, with or without parameters; another
+// type that begins so is not one.
+func TestIsEventStream(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"text/event-stream": true, "Text/Event-Stream": true, "TEXT/EVENT-STREAM; charset=utf-8": true, "text/event-stream;charset=utf-8": true,
+		"text/event-streams": false, "application/json": false, "": false, "text/event": false, "x-text/event-stream": false,
+	} {
+		if got := IsEventStream(ct); got != want {
+			t.Errorf("IsEventStream(%q) = %v, want %v", ct, got, want)
+		}
+	}
+}

@@ -5,7 +5,6 @@ import (
 	"io"
 	"net/http"
 	"strconv"
-	"strings"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -18,7 +17,7 @@ import (
 // leg's answer as the client's error.
 
 func isStream(resp *http.Response) bool {
-	return strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	return openai.IsEventStream(resp.Header.Get("Content-Type"))
 }
 
 // relayBody answers with the decode's whole non-streamed body passed through transform, and

@@ -1,6 +1,7 @@
 package pd
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -473,8 +474,24 @@ func checkedBody(rec *record.Record, check *kvCheck, pu prefillUsage) func([]byt
 
 // checkedEvent is checkedBody for one streamed event. A stream's head left with its first event, so
 // a recompute seen in its usage is reported in the metric and the log, not in the header.
+// A client strips the byte order mark a stream may begin with (the HTML standard decodes an event
+// stream so), so the first event is read without it, and the mark is kept in front.
 func checkedEvent(check *kvCheck, pu prefillUsage) func([]byte) []byte {
-	return func(ev []byte) []byte { return checkEvent(ev, check, pu) }
+	first := true
+	return func(ev []byte) []byte {
+		if !first {
+			return checkEvent(ev, check, pu)
+		}
+		first = false
+		rest, bom := bytes.CutPrefix(ev, []byte("\xEF\xBB\xBF"))
+		if !bom {
+			return checkEvent(ev, check, pu)
+		}
+		if out := checkEvent(rest, check, pu); !bytes.Equal(out, rest) {
+			return append([]byte("\xEF\xBB\xBF"), out...)
+		}
+		return ev
+	}
 }
 
 // report makes the planned handoff visible: on the record (the response header is rendered from

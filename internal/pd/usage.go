@@ -2,6 +2,7 @@ package pd
 
 import (
 	"bytes"
+	"math"
 	"slices"
 	"strconv"
 
@@ -55,9 +56,67 @@ func intMember(obj []byte, key string) (n int, present, ok bool) {
 	}
 	n, err := strconv.Atoi(string(raw))
 	if err != nil || raw[0] == '+' || (len(raw) > 1 && raw[0] == '0') || (len(raw) > 2 && raw[0] == '-' && raw[1] == '0') {
+		if n, ok := wholeNumber(raw); ok {
+			return n, true, true
+		}
 		return 0, false, false
 	}
 	return n, true, true
+}
+
+// wholeNumber reads a JSON number with a fraction or an exponent whose value is a whole number
+// (1e2, 100.0): the count a client's JSON parser reads from it (JavaScript's numbers, Python's
+// float as its SDK's int). Past 2^53 no float is exact, and such a spelling is not read.
+func wholeNumber(raw []byte) (int, bool) {
+	if !jsonNumber(raw) {
+		return 0, false
+	}
+	f, err := strconv.ParseFloat(string(raw), 64)
+	if err != nil || f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+		return 0, false
+	}
+	return int(f), true
+}
+
+// jsonNumber reports whether b is a number in JSON's grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
+func jsonNumber(b []byte) bool {
+	digits := func(i int) int { // the end of the run of digits at i
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			i++
+		}
+		return i
+	}
+	i := 0
+	if i < len(b) && b[i] == '-' {
+		i++
+	}
+	switch {
+	case i < len(b) && b[i] == '0':
+		i++
+	case i < len(b) && b[i] >= '1' && b[i] <= '9':
+		i = digits(i)
+	default:
+		return false
+	}
+	if i < len(b) && b[i] == '.' {
+		if j := digits(i + 1); j > i+1 {
+			i = j
+		} else {
+			return false
+		}
+	}
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		if j := digits(i); j > i {
+			i = j
+		} else {
+			return false
+		}
+	}
+	return i == len(b)
 }
 
 // cachedTokens reads details.cached_tokens of obj, 0 when absent.
@@ -204,6 +263,7 @@ func checkEvent(ev []byte, check *kvCheck, pu prefillUsage) []byte {
 		return ev
 	}
 	data, ok := openai.EventDataWhole(ev)
+	data = bytes.TrimLeft(data, " \t\r\n") // JSON's whitespace before the object, which clients' parsers skip
 	if !ok || len(data) == 0 || data[0] != '{' {
 		return ev
 	}

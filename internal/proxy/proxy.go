@@ -618,7 +618,7 @@ type relay struct {
 //go:noinline
 func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event []byte) []byte, rec *record.Record, o Orders, stall *stallWatch) *relay {
 	rl := &relay{out: relayOut{rw: rw, rc: http.NewResponseController(rw), resp: resp, rewrites: transform != nil,
-		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}, rec: rec, status: resp.StatusCode}
+		stream: openai.IsEventStream(resp.Header.Get("Content-Type"))}, rec: rec, status: resp.StatusCode}
 	if rl.rec == nil {
 		rl.rec = &record.Record{} // nobody reads what is learnt
 	}

@@ -251,7 +251,7 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	if w.rec.FirstByte.IsZero() {
 		w.rec.FirstByte = now
 		// A stream's gaps between writes are its inter-token latency.
-		if w.status == http.StatusOK && w.metrics != nil && strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream") {
+		if w.status == http.StatusOK && w.metrics != nil && openai.IsEventStream(w.Header().Get("Content-Type")) {
 			w.itl = w.metrics.InterToken.WithLabelValues(w.metrics.Model(w.rec.Model), string(w.rec.Mode))
 		}
 	} else if w.itl != nil {
