@@ -74,13 +74,12 @@ func (w *watch) see(b []byte) {
 	}
 }
 
-// errorPrefixes begin the data of an engine's error event (Python's json.dumps puts a space
-// after the colon, orjson and Go none).
-var errorPrefixes = [][]byte{
-	[]byte(`{"error"`), []byte(`{"object":"error"`), []byte(`{"object": "error"`),
-	[]byte(`{"type":"error"`), []byte(`{"type": "error"`),
-	[]byte(`{"type":"response.failed"`), []byte(`{"type": "response.failed"`),
-}
+// errorMarks are in the data of every engine's error event, whatever member comes first: a
+// member or value "error" (vLLM, SGLang's OpenAI routes, responses and messages streams),
+// "response.failed", or SGLang's "abort" finish reason. Each ends with its closing quote, which
+// a JSON string's own text has escaped, so text that merely mentions them never matches; they
+// begin without the opening quote, which JSON has everywhere and searching for it is slow.
+var errorMarks = [][]byte{[]byte(`error"`), []byte(`abort"`), []byte(`.failed"`)}
 
 // errorEvent returns the error one complete SSE line reports, or nil.
 func errorEvent(line []byte) *InBandError {
@@ -88,22 +87,16 @@ func errorEvent(line []byte) *InBandError {
 	if !ok {
 		return nil
 	}
-	data = bytes.TrimLeft(data, " ")
+	data = bytes.TrimLeft(data, " \t\r\n") // SSE's one space, then what JSON parsers skip
 	if len(data) == 0 || data[0] != '{' {
 		return nil
 	}
-	known := false
-	for _, p := range errorPrefixes {
-		if bytes.HasPrefix(data, p) {
-			known = true
-			break
+	for _, m := range errorMarks {
+		if bytes.Contains(data, m) {
+			return parseErrorEvent(data)
 		}
 	}
-	// "abort" can stand unescaped only as a JSON token of its own: SGLang's finish reason.
-	if !known && !bytes.Contains(data, []byte(`"abort"`)) {
-		return nil
-	}
-	return parseErrorEvent(data)
+	return nil
 }
 
 // parseErrorEvent reads the status and message of an error event's data; nil when it turns out

@@ -28,6 +28,10 @@ func TestWatchFindsEngineErrorEvents(t *testing.T) {
 		{"lines ended by lone CRs", strings.ReplaceAll(token, "\n", "\r") + `data: {"error": {"message": "KV load failed", "code": 503}}` + "\r\rdata: [DONE]\r\r", 503},
 		{"an error line behind a comment's lone CR", ": keep-alive\r" + `data: {"error": {"message": "m", "code": 502}}` + "\n\n", 502},
 		{"no line end at the end but a CR", `data: {"error": {"code": 504}}` + "\r", 504},
+		{"a tab before the JSON", "data:\t" + `{"error":{"message":"boom","code":500}}` + "\n\n", 500},
+		{"a space after the brace", `data: { "error":{"message":"boom","code":500}}` + "\n\n", 500},
+		{"another member first", `data: {"id":"c","error":{"message":"boom","code":502}}` + "\n\n", 502},
+		{"a flat error with its type first", `data: {"type":"x","object":"error","message":"m","code":503}` + "\n\n", 503},
 	} {
 		for cut := 0; cut <= len(tc.stream); cut++ {
 			var w watch

@@ -666,6 +666,10 @@ func (rl *relay) step() (err error, end bool) {
 		if werr != nil {
 			return werr, true
 		}
+	} else if flush {
+		if werr := rl.out.release(); werr != nil {
+			return werr, true
+		}
 	}
 	if rerr == nil {
 		return nil, false
@@ -724,6 +728,7 @@ type relayOut struct {
 	stream   bool // SSE: flush as events arrive
 	rewrites bool // the body is transformed: its Content-Length no longer holds
 	written  bool // the head went out
+	held     bool // a stream's bytes were written and not yet flushed
 }
 
 // head writes the status and headers, once.
@@ -748,10 +753,25 @@ func (o *relayOut) emit(b []byte, flush bool) error {
 	if _, err := o.rw.Write(b); err != nil {
 		return ErrClientGone
 	}
+	o.held = o.stream && !flush
 	if o.stream && flush {
 		if err := o.rc.Flush(); err != nil {
 			return ErrClientGone
 		}
+	}
+	return nil
+}
+
+// release flushes what a stream held back for an event that was buffered behind it, where that
+// event went out as nothing (a usage event taken out of the stream): no event waits for a later
+// one.
+func (o *relayOut) release() error {
+	if !o.held {
+		return nil
+	}
+	o.held = false
+	if err := o.rc.Flush(); err != nil {
+		return ErrClientGone
 	}
 	return nil
 }
