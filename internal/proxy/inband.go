@@ -19,23 +19,35 @@ import (
 // InBandError is an engine's error event inside a stream it had answered 200 (outcome's).
 type InBandError = outcome.InBandError
 
-// maxErrorLine bounds an unfinished SSE line the watch keeps to read once it ends: error events
-// are short; a longer line is passed over.
+// maxErrorLine bounds what the watch keeps of an event: an unfinished line, and the data of the
+// event so far. Error events are short; a longer one is passed over.
 const maxErrorLine = 4 << 10
 
-// watch spots an engine's error event in a stream relayed as it is, line by line across reads.
+// watch spots an engine's error event in a stream relayed as it is, read as an SSE client reads
+// it across reads: lines end at LF, CR or CRLF (a CRLF cut between reads too), an event's data
+// lines are joined by LF, and the event is looked at when its blank line comes, as a client
+// dispatches it.
 type watch struct {
 	partial []byte // the start of an unfinished line (≤ maxErrorLine), allocated when first needed
-	skip    bool   // the unfinished line is too long to be an error event: pass over it
+	skip    bool   // the unfinished line is too long for an error event: pass over it
+	data    []byte // the current event's data lines, joined (≤ maxErrorLine)
+	lines   int    // the current event's data lines
+	long    bool   // the current event is too long for an error event
+	seen    bool   // the current event was looked at in place (line's last)
+	cr      bool   // the last read ended with a CR: a LF next is the rest of its CRLF
 	err     *InBandError
 }
 
-// see reads one chunk of the stream. Its lines end at LF, CR or CRLF, as an SSE client reads
-// them (the LF of a CRLF ends an empty line, which no error event is); the chunk's next LF is
-// looked for once, not once per line, so a chunk of lone CRs is read in one pass.
+// see reads one chunk of the stream. The chunk's next LF is looked for once, not once per line,
+// so a chunk of lone CRs is read in one pass.
 func (w *watch) see(b []byte) {
+	pos := 0
+	if w.cr && len(b) > 0 && b[0] == '\n' {
+		pos = 1
+	}
+	w.cr = false
 	lf := -1 // b's first LF at or after pos; len(b) when there is none
-	for pos := 0; pos < len(b) && w.err == nil; {
+	for pos < len(b) && w.err == nil {
 		if lf < pos {
 			if lf = bytes.IndexByte(b[pos:], '\n'); lf >= 0 {
 				lf += pos
@@ -49,13 +61,20 @@ func (w *watch) see(b []byte) {
 		}
 		line, ended := b[pos:end], end < len(b)
 		pos = end + 1
+		if ended && b[end] == '\r' {
+			if pos < len(b) && b[pos] == '\n' {
+				pos++
+			} else if pos == len(b) {
+				w.cr = true
+			}
+		}
 		if w.skip {
 			w.skip = !ended
 			continue
 		}
 		if len(w.partial) > 0 {
 			if len(w.partial)+len(line) > maxErrorLine {
-				w.partial, w.skip = w.partial[:0], !ended
+				w.partial, w.skip, w.long = w.partial[:0], !ended, true
 				continue
 			}
 			w.partial = append(w.partial, line...)
@@ -63,15 +82,52 @@ func (w *watch) see(b []byte) {
 		}
 		if !ended {
 			if len(line) > maxErrorLine {
-				w.partial, w.skip = w.partial[:0], true
+				w.partial, w.skip, w.long = w.partial[:0], true, true
 			} else if len(w.partial) == 0 {
 				w.partial = append(w.partial, line...)
 			}
 			continue
 		}
-		w.err = errorEvent(line)
+		// the event's one data line, its blank line next in this read: looked at where it lies
+		blank := pos < len(b) && (b[pos] == '\n' || b[pos] == '\r')
+		w.line(line, blank && len(w.partial) == 0)
 		w.partial = w.partial[:0]
 	}
+}
+
+// line takes one complete line of the stream: a data line's value joins the event's data, a
+// blank line ends the event, which is looked at when it had data. last says the event's blank
+// line comes next, in the read that holds line: an event of one data line, the common case, is
+// looked at in place, and nothing of it is kept. The data of an event read in pieces is kept
+// until its end, and let go then: a stream waiting for its next event holds none.
+func (w *watch) line(line []byte, last bool) {
+	if len(line) == 0 {
+		if w.lines > 0 && !w.long && !w.seen {
+			w.err = errorEvent(w.data)
+		}
+		if cap(w.data) > 0 {
+			w.data = nil
+		}
+		w.lines, w.long, w.seen = 0, false, false
+		return
+	}
+	v, ok := bytes.CutPrefix(line, []byte("data"))
+	if !ok || (len(v) > 0 && v[0] != ':') || w.long {
+		return // another field, a comment, or an event already too long
+	}
+	v = bytes.TrimPrefix(bytes.TrimPrefix(v, []byte(":")), []byte(" "))
+	if len(w.data)+1+len(v) > maxErrorLine {
+		w.data, w.long = nil, true
+		return
+	}
+	if w.lines++; w.lines == 1 && last {
+		w.err, w.seen = errorEvent(v), true
+		return
+	}
+	if w.lines > 1 {
+		w.data = append(w.data, '\n')
+	}
+	w.data = append(w.data, v...)
 }
 
 // errorMarks are in the data of every engine's error event, whatever member comes first: a
@@ -81,13 +137,9 @@ func (w *watch) see(b []byte) {
 // begin without the opening quote, which JSON has everywhere and searching for it is slow.
 var errorMarks = [][]byte{[]byte(`error"`), []byte(`abort"`), []byte(`.failed"`)}
 
-// errorEvent returns the error one complete SSE line reports, or nil.
-func errorEvent(line []byte) *InBandError {
-	data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r"), []byte("data:"))
-	if !ok {
-		return nil
-	}
-	data = bytes.TrimLeft(data, " \t\r\n") // SSE's one space, then what JSON parsers skip
+// errorEvent returns the error an event's data reports, or nil.
+func errorEvent(data []byte) *InBandError {
+	data = bytes.TrimLeft(data, " \t\r\n") // what JSON parsers skip
 	if len(data) == 0 || data[0] != '{' {
 		return nil
 	}

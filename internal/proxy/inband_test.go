@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"strings"
 	"testing"
 )
@@ -27,7 +28,12 @@ func TestWatchFindsEngineErrorEvents(t *testing.T) {
 		{"no newline at the end", `data: {"error": {"code": 503}}`, 0},
 		{"lines ended by lone CRs", strings.ReplaceAll(token, "\n", "\r") + `data: {"error": {"message": "KV load failed", "code": 503}}` + "\r\rdata: [DONE]\r\r", 503},
 		{"an error line behind a comment's lone CR", ": keep-alive\r" + `data: {"error": {"message": "m", "code": 502}}` + "\n\n", 502},
-		{"no line end at the end but a CR", `data: {"error": {"code": 504}}` + "\r", 504},
+		{"no blank line after it", `data: {"error": {"code": 504}}` + "\r", 0},
+		{"a CRLF cut anywhere", `data: {"error":` + "\r\n" + `data: {"code": 504}}` + "\r\n\r\n", 504},
+		{"over two data lines", "data: {\"error\":\ndata: {\"message\":\"boom\",\"code\":500}}\n\ndata: [DONE]\n\n", 500},
+		{"a data field without a colon first", "data\ndata: {\"error\":{\"code\":502}}\n\n", 502},
+		{"an error event's data split by a comment", "data: {\"error\":\n: keep-alive\ndata: {\"code\":503}}\n\n", 503},
+		{"lines the client reads as another field", "dataX: {\"error\":{\"code\":500}}\n\n", 0},
 		{"a tab before the JSON", "data:\t" + `{"error":{"message":"boom","code":500}}` + "\n\n", 500},
 		{"a space after the brace", `data: { "error":{"message":"boom","code":500}}` + "\n\n", 500},
 		{"another member first", `data: {"id":"c","error":{"message":"boom","code":502}}` + "\n\n", 502},
@@ -58,9 +64,21 @@ func TestWatchBoundsWhatItKeeps(t *testing.T) {
 			t.Fatalf("kept %d bytes of an unfinished line", len(w.partial))
 		}
 	}
-	w.see([]byte("\n" + `data: {"error": {"code": 429}}` + "\n"))
+	w.see([]byte("\n" + `data: {"error": {"code": 500}}` + "\n"))
+	if len(w.data) > maxErrorLine {
+		t.Fatalf("kept %d bytes of an event's data", len(w.data))
+	}
+	w.see([]byte("\n" + `data: {"error": {"code": 429}}` + "\n\n"))
 	if w.err == nil || w.err.Status != 429 {
-		t.Fatalf("after a long line: %v", w.err)
+		t.Fatalf("after a long event: %v (the long event's own error line is no error event of its own)", w.err)
+	}
+	// an event whose data lines together pass the bound is passed over, not kept
+	w = watch{}
+	for range 3 * maxErrorLine / 100 {
+		w.see([]byte("data: " + strings.Repeat("y", 94) + "\n"))
+		if len(w.data) > maxErrorLine {
+			t.Fatalf("kept %d bytes of an event's data", len(w.data))
+		}
 	}
 }
 
@@ -81,4 +99,82 @@ func BenchmarkWatch(b *testing.B) {
 			b.Fatal(w.err)
 		}
 	}
+}
+
+// clientErrorStatus is the status of the first error event an SSE client dispatches from a whole
+// stream, read by the HTML standard's rules (lines end at CRLF, LF or CR; a field named by the
+// line up to its colon, the whole line without one; a blank line dispatches the data lines joined
+// by LF), its events past the watch's bound (a line, or the data joined, over maxErrorLine)
+// passed over as the watch passes them; 0 when there is none.
+func clientErrorStatus(stream []byte) int {
+	var data []byte
+	lines, long := 0, false
+	for len(stream) > 0 {
+		i := bytes.IndexAny(stream, "\r\n")
+		if i < 0 {
+			break
+		}
+		line := stream[:i]
+		if stream[i] == '\r' && i+1 < len(stream) && stream[i+1] == '\n' {
+			i++
+		}
+		stream = stream[i+1:]
+		if len(line) > maxErrorLine {
+			long = true
+		}
+		if len(line) == 0 {
+			if lines > 0 && !long {
+				if e := errorEvent(data); e != nil {
+					return e.Status
+				}
+			}
+			data, lines, long = nil, 0, false
+			continue
+		}
+		name, value, _ := bytes.Cut(line, []byte(":"))
+		if string(name) != "data" || long {
+			continue
+		}
+		value = bytes.TrimPrefix(value, []byte(" "))
+		if len(data)+1+len(value) > maxErrorLine {
+			data, long = nil, true
+			continue
+		}
+		if lines++; lines > 1 {
+			data = append(data, '\n')
+		}
+		data = append(data, value...)
+	}
+	return 0
+}
+
+// The watch finds the error event a client reads, and none that it does not, however the stream
+// is cut into reads and however its lines end.
+func FuzzWatchReadsErrorsAsAClientDoes(f *testing.F) {
+	f.Add([]byte("data: {\"error\":\r\ndata: {\"code\": 504}}\r\n\r\n"), []byte{3, 1})
+	f.Add([]byte("data: {\"choices\":[]}\r\rdata: {\"error\": {\"code\": 503}}\r\r"), []byte{20})
+	f.Add([]byte("data\ndata: {\"error\":{\"code\":502}}\n\n"), []byte{0})
+	f.Add([]byte(": c\rdata: {\"id\":\"c\",\"error\":{\"code\":502}}\n\ndata: [DONE]\n\n"), []byte{5, 9})
+	f.Add([]byte("data: {\"text\":\"\",\"meta_info\":{\"finish_reason\":{\"type\":\"abort\",\"status_code\":503}}}\n\n"), []byte{})
+	f.Fuzz(func(t *testing.T, stream, cuts []byte) {
+		if len(stream) > 3*maxErrorLine {
+			return
+		}
+		var w watch
+		for rest, i := stream, 0; len(rest) > 0 && w.err == nil; i++ {
+			n := len(rest)
+			if len(cuts) > 0 {
+				n = min(n, int(cuts[i%len(cuts)])+1)
+			}
+			w.see(rest[:n])
+			rest = rest[n:]
+		}
+		got := 0
+		if w.err != nil {
+			got = w.err.Status
+		}
+		if want := clientErrorStatus(stream); got != want {
+			t.Fatalf("%q cut %v: the watch says %d, a client reads %d", stream, cuts, got, want)
+		}
+	})
 }
