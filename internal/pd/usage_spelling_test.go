@@ -134,7 +134,7 @@ func FuzzWholeNumber(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		isNumber := json.Valid(b) && len(b) > 0 && (b[0] == '-' || (b[0] >= '0' && b[0] <= '9')) && bytes.IndexAny(b, " \t\r\n") < 0
+		isNumber := json.Valid(b) && len(b) > 0 && (b[0] == '-' || (b[0] >= '0' && b[0] <= '9')) && !bytes.ContainsAny(b, " \t\r\n")
 		if jsonNumber(b) != isNumber {
 			t.Fatalf("jsonNumber(%q) = %v, JSON's grammar says %v", b, !isNumber, isNumber)
 		}
