@@ -257,11 +257,22 @@ func EventData(ev []byte) (data []byte, ok bool) {
 	for len(ev) > 0 {
 		var line []byte
 		line, _, ev = nextLine(ev)
-		if d, found := bytes.CutPrefix(line, []byte("data:")); found {
-			return bytes.TrimPrefix(d, []byte(" ")), true
+		if d, found := dataValue(line); found {
+			return d, true
 		}
 	}
 	return nil, false
+}
+
+// dataValue returns the value of a "data" field line, as SSE reads a field: the line up to its
+// first colon names it (the whole line, without one), and one space after the colon is not
+// part of the value.
+func dataValue(line []byte) ([]byte, bool) {
+	if string(line) == "data" {
+		return line[len(line):], true
+	}
+	d, found := bytes.CutPrefix(line, []byte("data:"))
+	return bytes.TrimPrefix(d, []byte(" ")), found
 }
 
 // EventDataWhole returns an event's payload as a client reads it: its "data:" lines' payloads
@@ -273,11 +284,10 @@ func EventDataWhole(ev []byte) (data []byte, ok bool) {
 	for len(ev) > 0 {
 		var line []byte
 		line, _, ev = nextLine(ev)
-		d, found := bytes.CutPrefix(line, []byte("data:"))
+		d, found := dataValue(line)
 		if !found {
 			continue
 		}
-		d = bytes.TrimPrefix(d, []byte(" "))
 		switch lines++; lines {
 		case 1:
 			data = d
@@ -335,7 +345,7 @@ func replaceData(ev, data []byte, dropRest bool) []byte {
 	for rest := ev; len(rest) > 0; {
 		var line, end []byte
 		line, end, rest = nextLine(rest)
-		if bytes.HasPrefix(line, []byte("data:")) && (!replaced || dropRest) {
+		if _, isData := dataValue(line); isData && (!replaced || dropRest) {
 			if !replaced {
 				replaced = true
 				out = append(append(out, "data: "...), data...)

@@ -105,8 +105,10 @@ func clientEvents(stream []byte) []string {
 				out = append(out, strings.Join(data, "\n"))
 			}
 			data = nil
-		case strings.HasPrefix(line, "data:"):
-			data = append(data, strings.TrimPrefix(strings.TrimPrefix(line, "data:"), " "))
+		default: // a field: named by the line up to its first colon, the whole line without one
+			if name, value, _ := strings.Cut(line, ":"); name == "data" {
+				data = append(data, strings.TrimPrefix(value, " "))
+			}
 		}
 	}
 	return out
@@ -339,5 +341,29 @@ func TestIsEventStream(t *testing.T) {
 		if got := IsEventStream(ct); got != want {
 			t.Errorf("IsEventStream(%q) = %v, want %v", ct, got, want)
 		}
+	}
+}
+
+// A line "data" without a colon is a data field with an empty value, as SSE reads fields: it
+// joins the event's data, and a rewrite of the data takes it as one of the event's data lines.
+func TestADataLineWithoutAColonIsAnEmptyDataField(t *testing.T) {
+	for ev, want := range map[string]string{
+		"data\n\n":                  "",
+		"data\ndata: {\"a\":1}\n\n": "\n{\"a\":1}",
+		"data: {\"a\":1}\ndata\n\n": "{\"a\":1}\n",
+		"data\r\r":                  "",
+	} {
+		if got, ok := EventDataWhole([]byte(ev)); !ok || string(got) != want {
+			t.Errorf("EventDataWhole(%q) = %q %v; a client reads %q", ev, got, ok, want)
+		}
+		if want := clientEvents([]byte(ev)); len(want) != 1 {
+			t.Fatalf("%q: the reference reads %q", ev, want)
+		}
+	}
+	if got := string(ReplaceEventDataWhole([]byte("data\ndata: {\"a\":1}\n\n"), []byte(`{"a":2}`))); got != "data: {\"a\":2}\n\n" {
+		t.Errorf("rewritten: %q", got)
+	}
+	if _, ok := EventDataWhole([]byte("database: x\n\n")); ok {
+		t.Error("a field named otherwise is no data line")
 	}
 }

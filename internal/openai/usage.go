@@ -103,6 +103,17 @@ func intAfter(b []byte, key string) (int, bool) {
 // IsUsageOnlyEvent reports whether a stream event is the usage-only chunk that
 // stream_options.include_usage adds before [DONE]: empty choices and a usage object.
 func IsUsageOnlyEvent(ev []byte) bool {
+	if !usageOnly(ev) {
+		return false
+	}
+	// confirmed on what a client reads: the event's data, its comment lines and other fields
+	// left out (a comment shaped like a usage event never takes a data line out with it)
+	data, ok := EventDataWhole(ev)
+	return ok && usageOnly(data)
+}
+
+// usageOnly reports whether ev holds empty choices and a usage object.
+func usageOnly(ev []byte) bool {
 	i := bytes.Index(ev, []byte(`"choices":`))
 	if i < 0 {
 		return false

@@ -51,3 +51,18 @@ func TestSetBodyReindexes(t *testing.T) {
 		t.Errorf("stream_options %q", v)
 	}
 }
+
+// The usage-only event is the one whose data a client reads as empty choices and a usage: a
+// comment line shaped like one, beside a data line that carries a token, is not it, and the event
+// is kept whole.
+func TestAUsageOnlyEventIsReadFromItsData(t *testing.T) {
+	decoy := ": {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n" +
+		"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"kept\"}}]}\n\n"
+	if IsUsageOnlyEvent([]byte(decoy)) {
+		t.Errorf("%q taken for a usage-only event", decoy)
+	}
+	real := "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4}}\n\n"
+	if !IsUsageOnlyEvent([]byte(real)) {
+		t.Errorf("%q not taken for a usage-only event", real)
+	}
+}
