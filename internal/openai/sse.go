@@ -207,7 +207,7 @@ type eventScan struct {
 // end returns the length of the event whose bytes so far are b (b[:s.n] the ones looked at
 // before), through its blank line; 0 while it has not ended.
 func (s *eventScan) end(b []byte) int {
-	i, lf := s.n, -1 // lf: b's first LF at or after i, where lf >= i
+	i, lf := s.n, -1
 	for i < len(b) {
 		if s.cr {
 			s.cr = false
@@ -216,32 +216,14 @@ func (s *eventScan) end(b []byte) int {
 				continue
 			}
 		}
-		if lf < i {
-			if lf = bytes.IndexByte(b[i:], '\n'); lf >= 0 {
-				lf += i
-			} else {
-				lf = len(b)
-			}
-		}
-		j := i + bytes.IndexByte(b[i:lf], '\r')
-		if j < i {
-			j = lf
-		}
+		j, next, cr := LineEnd(b, i, &lf)
 		if j == len(b) { // no line end yet: the line goes on
 			s.ended = false
 			i = len(b)
 			break
 		}
 		blank := s.ended && j == i
-		s.ended = true
-		next := j + 1
-		if b[j] == '\r' {
-			if next < len(b) && b[next] == '\n' {
-				next++
-			} else if next == len(b) {
-				s.cr = true
-			}
-		}
+		s.ended, s.cr = true, cr
 		if blank {
 			return next
 		}
@@ -251,23 +233,54 @@ func (s *eventScan) end(b []byte) int {
 	return 0
 }
 
+// LineEnd finds the end of the line of b that starts at i, as SSE ends lines (CRLF, LF or CR):
+// end is the index of its line end (len(b) where the line goes on past b), next the index after
+// that line end, and cutCR reports a CR that ends b, whose CRLF a LF that comes first after b
+// completes. lf carries b's next LF from one call to the next on the same b (start it at -1),
+// so that a run of lines ended by lone CRs is read in one pass, not one pass per line.
+func LineEnd(b []byte, i int, lf *int) (end, next int, cutCR bool) {
+	if *lf < i {
+		if *lf = bytes.IndexByte(b[i:], '\n'); *lf >= 0 {
+			*lf += i
+		} else {
+			*lf = len(b)
+		}
+	}
+	end = *lf
+	if k := bytes.IndexByte(b[i:*lf], '\r'); k >= 0 {
+		end = i + k
+	}
+	if end == len(b) {
+		return end, end, false
+	}
+	next = end + 1
+	if b[end] == '\r' {
+		if next < len(b) && b[next] == '\n' {
+			next++
+		} else if next == len(b) {
+			cutCR = true
+		}
+	}
+	return end, next, cutCR
+}
+
 // EventData returns the payload of an event's "data:" line (the first, when there are several),
 // without the prefix space; ok is false when the event has none.
 func EventData(ev []byte) (data []byte, ok bool) {
 	for len(ev) > 0 {
 		var line []byte
 		line, _, ev = nextLine(ev)
-		if d, found := dataValue(line); found {
+		if d, found := DataValue(line); found {
 			return d, true
 		}
 	}
 	return nil, false
 }
 
-// dataValue returns the value of a "data" field line, as SSE reads a field: the line up to its
+// DataValue returns the value of a "data" field line, as SSE reads a field: the line up to its
 // first colon names it (the whole line, without one), and one space after the colon is not
 // part of the value.
-func dataValue(line []byte) ([]byte, bool) {
+func DataValue(line []byte) ([]byte, bool) {
 	if string(line) == "data" {
 		return line[len(line):], true
 	}
@@ -284,7 +297,7 @@ func EventDataWhole(ev []byte) (data []byte, ok bool) {
 	for len(ev) > 0 {
 		var line []byte
 		line, _, ev = nextLine(ev)
-		d, found := dataValue(line)
+		d, found := DataValue(line)
 		if !found {
 			continue
 		}
@@ -345,7 +358,7 @@ func replaceData(ev, data []byte, dropRest bool) []byte {
 	for rest := ev; len(rest) > 0; {
 		var line, end []byte
 		line, end, rest = nextLine(rest)
-		if _, isData := dataValue(line); isData && (!replaced || dropRest) {
+		if _, isData := DataValue(line); isData && (!replaced || dropRest) {
 			if !replaced {
 				replaced = true
 				out = append(append(out, "data: "...), data...)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
 )
 
@@ -46,28 +47,11 @@ func (w *watch) see(b []byte) {
 		pos = 1
 	}
 	w.cr = false
-	lf := -1 // b's first LF at or after pos; len(b) when there is none
+	lf := -1
 	for pos < len(b) && w.err == nil {
-		if lf < pos {
-			if lf = bytes.IndexByte(b[pos:], '\n'); lf >= 0 {
-				lf += pos
-			} else {
-				lf = len(b)
-			}
-		}
-		end := lf
-		if k := bytes.IndexByte(b[pos:lf], '\r'); k >= 0 {
-			end = pos + k
-		}
+		end, next, cr := openai.LineEnd(b, pos, &lf)
 		line, ended := b[pos:end], end < len(b)
-		pos = end + 1
-		if ended && b[end] == '\r' {
-			if pos < len(b) && b[pos] == '\n' {
-				pos++
-			} else if pos == len(b) {
-				w.cr = true
-			}
-		}
+		pos, w.cr = next, cr
 		if w.skip {
 			w.skip = !ended
 			continue
@@ -111,11 +95,10 @@ func (w *watch) line(line []byte, last bool) {
 		w.lines, w.long, w.seen = 0, false, false
 		return
 	}
-	v, ok := bytes.CutPrefix(line, []byte("data"))
-	if !ok || (len(v) > 0 && v[0] != ':') || w.long {
+	v, ok := openai.DataValue(line)
+	if !ok || w.long {
 		return // another field, a comment, or an event already too long
 	}
-	v = bytes.TrimPrefix(bytes.TrimPrefix(v, []byte(":")), []byte(" "))
 	if len(w.data)+1+len(v) > maxErrorLine {
 		w.data, w.long = nil, true
 		return
