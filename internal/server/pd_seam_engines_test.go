@@ -441,33 +441,3 @@ func TestARetryIDStaysWithinTheIDBound(t *testing.T) {
 		t.Errorf("a Baton behind would replace the retry's id %q with %q", second, got)
 	}
 }
-
-// A decode stream whose lines end with lone CRs, as SSE allows: its events are the client's
-// events, so a recompute its last usage says cannot hide behind an earlier event that said the
-// KV was received. The relay used to find no event's end in such a stream, held it whole and
-// checked it as one event, whose first usage it read.
-func TestPDStreamWithLoneCRLinesShowsItsRecompute(t *testing.T) {
-	t.Parallel()
-	p := pdSim(t, sim.Config{Engine: sim.EngineVLLM, Role: sim.RolePrefill, KVConnector: sim.ConnectorNixl})
-	decode := vllmFake(t, "NixlConnector", func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.ReadAll(r.Body)
-		id := "cmpl-" + r.Header.Get(openai.HeaderRequestID)
-		w.Header().Set("Content-Type", "text/event-stream")
-		for _, ev := range []string{
-			`data: {"id":"` + id + `","choices":[{"index":0,"text":"y"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":40}}}` + "\r\r",
-			`data: {"id":"` + id + `","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":0}}}` + "\r\r",
-			"data: [DONE]\r\r",
-		} {
-			_, _ = io.WriteString(w, ev)
-			w.(http.Flusher).Flush()
-		}
-	})
-	s, gw, _ := gateway(t, nil, pdFleet(t, config.Worker{URL: p.URL(), Runtime: config.RuntimeVLLM, KVConnector: "NixlConnector", Models: []string{"m"}}, decode))
-	resp, body := gwtest.PostTimeout(t, gw+"/v1/completions", `{"model":"m","prompt":"a stream of lone CRs","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`)
-	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") {
-		t.Fatalf("stream: %d %s", resp.StatusCode, body)
-	}
-	poll.Until(t, "the recompute counted", func() bool {
-		return testutil.ToFloat64(s.metrics.PDHandoffs.WithLabelValues("recomputed", pd.HandoffClass("recomputed"), "nixl")) == 1
-	})
-}
