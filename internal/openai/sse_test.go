@@ -290,11 +290,15 @@ func BenchmarkEventReader(b *testing.B) {
 	stream := []byte(strings.Repeat(ev, 1000))
 	b.SetBytes(int64(len(stream)))
 	for b.Loop() {
-		r := NewEventReader(&pieces{b: stream, n: 4 << 10})
-		for {
-			if _, err := r.Next(); err != nil {
-				break
-			}
+		drain(NewEventReader(&pieces{b: stream, n: 4 << 10}))
+	}
+}
+
+// drain reads r's events to the stream's end.
+func drain(r *EventReader) {
+	for {
+		if _, err := r.Next(); err != nil {
+			return
 		}
 	}
 }
@@ -322,12 +326,7 @@ func BenchmarkEventReaderLongEvent(b *testing.B) {
 	stream := []byte("data: " + strings.Repeat("x", 4<<20) + "\n\n")
 	b.SetBytes(int64(len(stream)))
 	for b.Loop() {
-		r := NewEventReader(&pieces{b: stream, n: 4 << 10})
-		for {
-			if _, err := r.Next(); err != nil {
-				break
-			}
-		}
+		drain(NewEventReader(&pieces{b: stream, n: 4 << 10}))
 	}
 }
 
