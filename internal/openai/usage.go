@@ -107,9 +107,21 @@ func IsUsageOnlyEvent(ev []byte) bool {
 		return false
 	}
 	// confirmed on what a client reads: the event's data, its comment lines and other fields
-	// left out (a comment shaped like a usage event never takes a data line out with it)
+	// left out (a comment shaped like a usage event never takes a data line out with it), its
+	// top-level members read as JSON: empty choices, a usage, and no error to be lost with it
 	data, ok := EventDataWhole(ev)
-	return ok && usageOnly(data)
+	if !ok {
+		return false
+	}
+	choices, ok := GetLast(data, "choices")
+	if !ok || string(bytes.Join(bytes.Fields(choices), nil)) != "[]" {
+		return false
+	}
+	if _, failed := GetLast(data, "error"); failed {
+		return false
+	}
+	u, ok := GetLast(data, "usage")
+	return ok && len(u) > 0 && u[0] == '{'
 }
 
 // usageOnly reports whether ev holds empty choices and a usage object.

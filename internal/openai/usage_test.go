@@ -66,3 +66,20 @@ func TestAUsageOnlyEventIsReadFromItsData(t *testing.T) {
 		t.Errorf("%q not taken for a usage-only event", real)
 	}
 }
+
+// The usage-only event is read by its top-level members: choices nested in another member do
+// not make a content event usage-only, and an event that also reports an error is not stripped,
+// so its error is not lost with it.
+func TestAUsageOnlyEventIsReadByItsTopLevelMembers(t *testing.T) {
+	for _, ev := range []string{
+		`data: {"meta":{"choices":[]},"choices":[{"index":0,"delta":{"content":"hello"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}` + "\n\n",
+		`data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1},"error":{"message":"KV transfer failed","code":500}}` + "\n\n",
+	} {
+		if IsUsageOnlyEvent([]byte(ev)) {
+			t.Errorf("%q taken for a usage-only event", ev)
+		}
+	}
+	if ev := "data: {\"choices\": [ ],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\n"; !IsUsageOnlyEvent([]byte(ev)) {
+		t.Errorf("%q not taken for a usage-only event", ev)
+	}
+}

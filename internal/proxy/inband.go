@@ -36,6 +36,7 @@ type watch struct {
 	long    bool   // the current event is too long for an error event
 	seen    bool   // the current event was looked at in place (line's last)
 	cr      bool   // the last read ended with a CR: a LF next is the rest of its CRLF
+	done    bool   // [DONE] was read: a client reads nothing after it
 	err     *InBandError
 }
 
@@ -48,7 +49,7 @@ func (w *watch) see(b []byte) {
 	}
 	w.cr = false
 	lf := -1
-	for pos < len(b) && w.err == nil {
+	for pos < len(b) && w.err == nil && !w.done {
 		end, next, cr := openai.LineEnd(b, pos, &lf)
 		line, ended := b[pos:end], end < len(b)
 		pos, w.cr = next, cr
@@ -58,7 +59,7 @@ func (w *watch) see(b []byte) {
 		}
 		if len(w.partial) > 0 {
 			if len(w.partial)+len(line) > maxErrorLine {
-				w.partial, w.skip, w.long = w.partial[:0], !ended, true
+				w.tooLong(w.partial, !ended)
 				continue
 			}
 			w.partial = append(w.partial, line...)
@@ -66,7 +67,7 @@ func (w *watch) see(b []byte) {
 		}
 		if !ended {
 			if len(line) > maxErrorLine {
-				w.partial, w.skip, w.long = w.partial[:0], true, true
+				w.tooLong(line, true)
 			} else if len(w.partial) == 0 {
 				w.partial = append(w.partial, line...)
 			}
@@ -75,8 +76,18 @@ func (w *watch) see(b []byte) {
 		// the event's one data line, its blank line next in this read: looked at where it lies
 		blank := pos < len(b) && (b[pos] == '\n' || b[pos] == '\r')
 		w.line(line, blank && len(w.partial) == 0)
-		w.partial = w.partial[:0]
+		w.partial = nil // a line cut across reads is kept only until it ends
 	}
+}
+
+// tooLong passes over a line longer than an error event can be, start its first bytes; skip says
+// its end is still to come. A data line makes its event too long to be one; another field, or
+// a comment, leaves the event as it was, as a client ignores it.
+func (w *watch) tooLong(start []byte, skip bool) {
+	if bytes.HasPrefix(start, []byte("data:")) {
+		w.long = true
+	}
+	w.partial, w.skip = nil, skip
 }
 
 // line takes one complete line of the stream: a data line's value joins the event's data, a
@@ -87,7 +98,7 @@ func (w *watch) see(b []byte) {
 func (w *watch) line(line []byte, last bool) {
 	if len(line) == 0 {
 		if w.lines > 0 && !w.long && !w.seen {
-			w.err = errorEvent(w.data)
+			w.dispatch(w.data)
 		}
 		if cap(w.data) > 0 {
 			w.data = nil
@@ -104,7 +115,8 @@ func (w *watch) line(line []byte, last bool) {
 		return
 	}
 	if w.lines++; w.lines == 1 && last {
-		w.err, w.seen = errorEvent(v), true
+		w.dispatch(v)
+		w.seen = true
 		return
 	}
 	if w.lines > 1 {
@@ -113,11 +125,21 @@ func (w *watch) line(line []byte, last bool) {
 	w.data = append(w.data, v...)
 }
 
+// dispatch looks at one event's data as a client reads it: [DONE] ends what a client reads of
+// the stream (openai-python stops there), so nothing after it is an error of this request.
+func (w *watch) dispatch(data []byte) {
+	if bytes.HasPrefix(data, []byte("[DONE]")) {
+		w.done = true
+		return
+	}
+	w.err = errorEvent(data)
+}
+
 // errorMarks are in the data of every engine's error event, whatever member comes first: a
 // member or value "error" (vLLM, SGLang's OpenAI routes, responses and messages streams),
-// "response.failed", or SGLang's "abort" finish reason. Each ends with its closing quote, which
-// a JSON string's own text has escaped, so text that merely mentions them never matches; they
-// begin without the opening quote, which JSON has everywhere and searching for it is slow.
+// "response.failed", or SGLang's "abort" finish reason. A mark only lets the event be parsed
+// (text that ends with one, such as "an error", passes too); parseErrorEvent decides. They begin
+// without the opening quote, which JSON has everywhere and searching for it is slow.
 var errorMarks = [][]byte{[]byte(`error"`), []byte(`abort"`), []byte(`.failed"`)}
 
 // errorEvent returns the error an event's data reports, or nil.

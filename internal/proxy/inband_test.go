@@ -104,8 +104,8 @@ func BenchmarkWatch(b *testing.B) {
 // clientErrorStatus is the status of the first error event an SSE client dispatches from a whole
 // stream, read by the HTML standard's rules (lines end at CRLF, LF or CR; a field named by the
 // line up to its colon, the whole line without one; a blank line dispatches the data lines joined
-// by LF), its events past the watch's bound (a line, or the data joined, over maxErrorLine)
-// passed over as the watch passes them; 0 when there is none.
+// by LF; [DONE] ends what it reads), its events past the watch's bound (a data line, or the
+// data joined, over maxErrorLine) passed over as the watch passes them; 0 when there is none.
 func clientErrorStatus(stream []byte) int {
 	var data []byte
 	lines, long := 0, false
@@ -119,11 +119,14 @@ func clientErrorStatus(stream []byte) int {
 			i++
 		}
 		stream = stream[i+1:]
-		if len(line) > maxErrorLine {
+		if len(line) > maxErrorLine && bytes.HasPrefix(line, []byte("data:")) {
 			long = true
 		}
 		if len(line) == 0 {
 			if lines > 0 && !long {
+				if bytes.HasPrefix(data, []byte("[DONE]")) {
+					return 0 // a client reads no further
+				}
 				if e := errorEvent(data); e != nil {
 					return e.Status
 				}
@@ -177,4 +180,42 @@ func FuzzWatchReadsErrorsAsAClientDoes(f *testing.F) {
 			t.Fatalf("%q cut %v: the watch says %d, a client reads %d", stream, cuts, got, want)
 		}
 	})
+}
+
+// A comment (or another field) longer than an error event, in the error event's own block, is
+// passed over as a client passes it, whether it came in one read or across several; the error
+// is seen either way.
+func TestWatchPassesOverALongCommentAcrossReads(t *testing.T) {
+	stream := ": " + strings.Repeat("x", 5000) + "\n" + `data: {"error":{"message":"boom","code":503}}` + "\n\n"
+	for _, cut := range []int{len(stream), 100, 4097, 5001} {
+		var w watch
+		w.see([]byte(stream[:cut]))
+		w.see([]byte(stream[cut:]))
+		if w.err == nil || w.err.Status != 503 {
+			t.Errorf("read cut at %d: %v, want 503", cut, w.err)
+		}
+	}
+}
+
+// openai-python stops reading a stream at [DONE]: an error event after it is none of the
+// request's.
+func TestWatchReadsNothingAfterDone(t *testing.T) {
+	var w watch
+	w.see([]byte("data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n" +
+		`data: {"error":{"message":"late","code":500}}` + "\n\n"))
+	if w.err != nil {
+		t.Fatalf("the client ended at [DONE] and read a success; the watch says %v", w.err)
+	}
+}
+
+// A stream waiting between events holds nothing of the watch's, also after a line cut across
+// reads.
+func TestWatchHoldsNothingBetweenEvents(t *testing.T) {
+	var w watch
+	ev := `data: {"id":"c","choices":[{"index":0,"delta":{"content":"` + strings.Repeat("t", 3000) + `"}}]}` + "\n\n"
+	w.see([]byte(ev[:2000]))
+	w.see([]byte(ev[2000:]))
+	if cap(w.partial) != 0 || cap(w.data) != 0 {
+		t.Fatalf("between events the watch holds partial cap %d, data cap %d", cap(w.partial), cap(w.data))
+	}
 }
