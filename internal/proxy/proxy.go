@@ -279,7 +279,7 @@ type Orders struct {
 // Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
 func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*http.Response, error) {
 	body := newPayload(c.Body)
-	out, err := http.NewRequestWithContext(ctx, http.MethodPost, leg.W.URL+c.Path, body)
+	out, err := newPost(ctx, leg.W, c.Path, body)
 	if err != nil {
 		return nil, err
 	}
@@ -300,6 +300,24 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 		return p.sendTraced(ctx, out, leg, &c)
 	}
 	return letGo(p.exchange(out, leg, c.Rec))
+}
+
+// newPost is http.NewRequestWithContext(ctx, POST, w.URL+path, body), with the URL parsed once
+// per path on the worker (Worker.Target) instead of once per leg: the request is made for no URL,
+// then given a copy of the worker's, its Host as NewRequestWithContext derives it.
+func newPost(ctx context.Context, w *worker.Worker, path string, body io.Reader) (*http.Request, error) {
+	target, err := w.Target(path)
+	if err != nil {
+		return nil, err
+	}
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, "", body)
+	if err != nil {
+		return nil, err
+	}
+	*out.URL = *target
+	out.URL.Host = strings.TrimSuffix(target.Host, ":") // an empty port goes, from both
+	out.Host = out.URL.Host
+	return out, nil
 }
 
 // exchange sends out to the leg's worker and proves the answer its request's (correlate), by

@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -110,6 +111,31 @@ type Worker struct {
 
 	// health check state, owned by the HealthChecker
 	healthFails, healthOKs atomic.Int32
+
+	// targets holds URL+path parsed, by path (Target), for at most maxTargets paths.
+	targets  sync.Map // string → *url.URL
+	ntargets atomic.Int32
+}
+
+// maxTargets bounds the paths whose parsed URL a worker keeps: the routes Baton sends to are a
+// handful, and a path past the bound is parsed each time.
+const maxTargets = 32
+
+// Target returns the URL of path on the worker (its URL followed by path), parsed once per path
+// and shared: the caller copies it before changing it. A URL that does not parse is an error, as
+// url.Parse gives it.
+func (w *Worker) Target(path string) (*url.URL, error) {
+	if u, ok := w.targets.Load(path); ok {
+		return u.(*url.URL), nil
+	}
+	u, err := url.Parse(w.URL + path)
+	if err != nil {
+		return nil, err
+	}
+	if w.ntargets.Load() < maxTargets && w.ntargets.Add(1) <= maxTargets {
+		w.targets.Store(path, u)
+	}
+	return u, nil
 }
 
 // New returns a worker for c, not yet registered and not ready.
