@@ -30,7 +30,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 	fmt.Fprintln(r.out, "## 10. Hot path: CPU per request")
 	fmt.Fprintln(r.out)
 	n, rounds := r.n(20000, 300), r.n(4, 1)
-	fmt.Fprintf(r.out, "Closed loop, %d non-streamed requests per row (512-byte prompt, 16 tokens) in %d rounds, each proxy in turn; CPU is the proxy process's user+system time per request. The engines answer without the simulator's own X-Sim headers, which no engine sends. Pass-through: 64 clients, one engine. PD: vLLM NIXL, 16 clients, one prefill and one decode engine, the decode taking the prefill's KV by a call instead of a pull over the side channel (engine-to-engine traffic, which never crosses the proxy; it kept CPU 0 the bound of the PD rows). The last two columns say what bounds a row's rate: its proxy's core busy (the proxy's CPU over the row's time) and the harness's own CPU per request (load generator and simulators, on CPU 0); where the harness's CPU per request times req/s nears one second per second, CPU 0 is the bound, not the proxy.\n\n", n, rounds)
+	fmt.Fprintf(r.out, "Closed loop, %d non-streamed requests per row (512-byte prompt, 16 tokens) in %d rounds, each proxy in turn; CPU is the proxy process's user+system time per request. The load generator writes each request and reads its answer with net/http's wire code on kept-alive connections of its own, without net/http's Transport and its goroutines per connection. The engines answer without the simulator's own X-Sim headers, which no engine sends. Pass-through: 64 clients, one engine. PD: vLLM NIXL, 16 clients, one prefill and one decode engine, the decode taking the prefill's KV by a call instead of a pull over the side channel (engine-to-engine traffic, which never crosses the proxy; it kept CPU 0 the bound of the PD rows). The last two columns say what bounds a row's rate: its proxy's core busy (the proxy's CPU over the row's time) and the harness's own CPU per request (load generator and simulators, on CPU 0); where the harness's CPU per request times req/s nears one second per second, CPU 0 is the bound, not the proxy.\n\n", n, rounds)
 	fmt.Fprintln(r.out, "| row | proxy | req/s | CPU µs / request | vs nginx (PD: vs pd-sidecar) | vs baseline | proxy's core busy | harness CPU µs / request |")
 	fmt.Fprintln(r.out, "|---|---|---:|---:|---:|---:|---:|---:|")
 	var binaries []struct{ name, path string }
@@ -39,6 +39,11 @@ func (r *runner) hotpath(ctx context.Context) error {
 	}
 	binaries = append(binaries, struct{ name, path string }{"Baton", r.o.Binary})
 	w := workload{promptBytes: 512, maxTokens: 16}
+	// The load generator writes and reads on its connections with net/http's wire code, without
+	// its Transport's goroutines (wireTransport): it shares CPU 0 with the simulated engines.
+	wt := newWireTransport()
+	defer wt.CloseIdleConnections()
+	client := &http.Client{Transport: wt}
 
 	// Pass-through.
 	e, err := engine(sim.Config{Engine: sim.EngineVLLM, EngineHeadersOnly: true})
@@ -51,7 +56,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 	if ng, err := startNginx(1, e.Addr()); err != nil {
 		return err
 	} else if ng != nil {
-		pt = append(pt, hotTarget{name: "nginx", p: ng, req: completion(r.client, ng.URL, w)})
+		pt = append(pt, hotTarget{name: "nginx", p: ng, req: completion(client, ng.URL, w)})
 	}
 	for _, bin := range binaries {
 		b, err := startBaton(bin.path, 1, "--worker-urls", e.URL(), "--access-log=false")
@@ -61,7 +66,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 				return err
 			}
 		}
-		pt = append(pt, hotTarget{name: bin.name, p: b, req: completion(r.client, b.URL, w)})
+		pt = append(pt, hotTarget{name: bin.name, p: b, req: completion(client, b.URL, w)})
 	}
 	ms := r.interleaved(ctx, "hotpath", pt, 64, n, rounds)
 	stopTargets(pt)
@@ -87,7 +92,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 			return err
 		}
 		hdr := http.Header{"X-Prefiller-Host-Port": {p.Addr()}}
-		pd = append(pd, hotTarget{name: "llm-d pd-sidecar", p: sc, req: completionWith(r.client, sc.URL, w, hdr)})
+		pd = append(pd, hotTarget{name: "llm-d pd-sidecar", p: sc, req: completionWith(client, sc.URL, w, hdr)})
 	}
 	for _, bin := range binaries {
 		args := []string{"--pd-disaggregation", "--kv-connector", "NixlConnector", "--prefill", p.URL(), "--decode", d.URL()}
@@ -97,7 +102,7 @@ func (r *runner) hotpath(ctx context.Context) error {
 				return err
 			}
 		}
-		pd = append(pd, hotTarget{name: bin.name, p: b, req: completion(r.client, b.URL, w)})
+		pd = append(pd, hotTarget{name: bin.name, p: b, req: completion(client, b.URL, w)})
 	}
 	time.Sleep(200 * time.Millisecond)
 	ms = r.interleaved(ctx, "hotpath PD", pd, 16, n, rounds)
