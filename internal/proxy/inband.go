@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"net/http"
+	"unicode/utf8"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -139,8 +140,10 @@ func (w *watch) dispatch(data []byte) {
 // member or value "error" (vLLM, SGLang's OpenAI routes, responses and messages streams),
 // "response.failed", or SGLang's "abort" finish reason. A mark only lets the event be parsed
 // (text that ends with one, such as "an error", passes too); parseErrorEvent decides. They begin
-// without the opening quote, which JSON has everywhere and searching for it is slow.
-var errorMarks = [][]byte{[]byte(`error"`), []byte(`abort"`), []byte(`.failed"`)}
+// without the opening quote, which JSON has everywhere and searching for it is slow. A \u escape
+// lets the event be parsed too: a name spelled with one ("\u0065rror") is the same name to a
+// client.
+var errorMarks = [][]byte{[]byte(`error"`), []byte(`abort"`), []byte(`.failed"`), []byte(`\u`)}
 
 // errorEvent returns the error an event's data reports, or nil.
 func errorEvent(data []byte) *InBandError {
@@ -157,41 +160,41 @@ func errorEvent(data []byte) *InBandError {
 }
 
 // parseErrorEvent reads the status and message of an error event's data; nil when it turns out
-// to be none.
+// to be none. The data is read as Python's json reads it (pyMembers): an "error" member that
+// Python finds true is an error, as openai-python raises on it (its message the error's
+// "message" when that is a string); short of one, the other engines' shapes: the flat object or
+// type "error", "response.failed", and SGLang's abort finish reason. Data a client cannot decode
+// (not UTF-8, not one JSON object) is no error event.
 func parseErrorEvent(data []byte) *InBandError {
-	var v struct {
-		Object   string          `json:"object"`
-		Type     string          `json:"type"`
-		Error    json.RawMessage `json:"error"`
-		Code     json.RawMessage `json:"code"`
-		Message  string          `json:"message"`
-		MetaInfo *struct {
-			FinishReason *struct {
-				Type       string          `json:"type"`
-				StatusCode json.RawMessage `json:"status_code"`
-				Message    string          `json:"message"`
-			} `json:"finish_reason"`
-		} `json:"meta_info"`
-	}
-	if json.Unmarshal(data, &v) != nil {
+	if !utf8.Valid(data) {
 		return nil
 	}
-	var detail struct {
-		Code    json.RawMessage `json:"code"`
-		Message string          `json:"message"`
+	top, ok := pyMembers(data, "error", "object", "type", "code", "message", "meta_info")
+	if !ok {
+		return nil
 	}
-	switch {
-	case len(v.Error) > 0 && v.Error[0] == '{':
-		_ = json.Unmarshal(v.Error, &detail)
-		return inBand(detail.Code, detail.Message)
-	case len(v.Error) > 0 && v.Error[0] == '"':
-		var msg string
-		_ = json.Unmarshal(v.Error, &msg)
-		return inBand(nil, msg)
-	case v.Object == "error", v.Type == "error", v.Type == "response.failed":
-		return inBand(v.Code, v.Message)
-	case v.MetaInfo != nil && v.MetaInfo.FinishReason != nil && v.MetaInfo.FinishReason.Type == "abort":
-		return inBand(v.MetaInfo.FinishReason.StatusCode, v.MetaInfo.FinishReason.Message)
+	if e := top[0]; pyTruthy(e) {
+		var code, msg []byte
+		switch e[0] {
+		case '{':
+			in, _ := pyMembers(e, "code", "message")
+			code, msg = in[0], in[1]
+		case '"':
+			msg = e
+		}
+		return inBand(code, pyStr(msg))
+	}
+	if obj, typ := pyStr(top[1]), pyStr(top[2]); obj == "error" || typ == "error" || typ == "response.failed" {
+		return inBand(top[3], pyStr(top[4]))
+	}
+	if mi := top[5]; len(mi) > 0 && mi[0] == '{' {
+		fr, _ := pyMembers(mi, "finish_reason")
+		if f := fr[0]; len(f) > 0 && f[0] == '{' {
+			v, _ := pyMembers(f, "type", "status_code", "message")
+			if pyStr(v[0]) == "abort" {
+				return inBand(v[1], pyStr(v[2]))
+			}
+		}
 	}
 	return nil
 }
