@@ -21,16 +21,22 @@ import (
 // InBandError is an engine's error event inside a stream it had answered 200 (outcome's).
 type InBandError = outcome.InBandError
 
-// maxErrorLine bounds what the watch keeps of an event: an unfinished line, and the data of the
-// event so far. Error events are short; a longer one is passed over.
+// maxErrorLine bounds the data of an event the watch looks at: error events are short, and one
+// whose data (its data lines joined) is longer is passed over, however the reads cut it. The
+// watch keeps at most maxLine of an unfinished line and maxErrorLine of an event's data: about
+// 8 KiB, and only while an event is cut across reads.
 const maxErrorLine = 4 << 10
+
+// maxLine bounds an unfinished line the watch keeps: a data line of maxErrorLine bytes of data
+// with its field name, colon and space.
+const maxLine = maxErrorLine + len("data: ")
 
 // watch spots an engine's error event in a stream relayed as it is, read as an SSE client reads
 // it across reads: lines end at LF, CR or CRLF (a CRLF cut between reads too), an event's data
 // lines are joined by LF, and the event is looked at when its blank line comes, as a client
 // dispatches it.
 type watch struct {
-	partial []byte // the start of an unfinished line (≤ maxErrorLine), allocated when first needed
+	partial []byte // the start of an unfinished line (≤ maxLine), allocated when first needed
 	skip    bool   // the unfinished line is too long for an error event: pass over it
 	data    []byte // the current event's data lines, joined (≤ maxErrorLine)
 	lines   int    // the current event's data lines
@@ -44,6 +50,9 @@ type watch struct {
 // see reads one chunk of the stream. The chunk's next LF is looked for once, not once per line,
 // so a chunk of lone CRs is read in one pass.
 func (w *watch) see(b []byte) {
+	if len(b) == 0 {
+		return // nothing read: a CR that ended the last read still waits for its LF
+	}
 	pos := 0
 	if w.cr && len(b) > 0 && b[0] == '\n' {
 		pos = 1
@@ -59,16 +68,16 @@ func (w *watch) see(b []byte) {
 			continue
 		}
 		if len(w.partial) > 0 {
-			if len(w.partial)+len(line) > maxErrorLine {
-				w.tooLong(w.partial, !ended)
+			if len(w.partial)+len(line) > maxLine {
+				w.tooLong(w.partial, line, !ended)
 				continue
 			}
 			w.partial = append(w.partial, line...)
 			line = w.partial
 		}
 		if !ended {
-			if len(line) > maxErrorLine {
-				w.tooLong(line, true)
+			if len(line) > maxLine {
+				w.tooLong(line, nil, true)
 			} else if len(w.partial) == 0 {
 				w.partial = append(w.partial, line...)
 			}
@@ -81,11 +90,16 @@ func (w *watch) see(b []byte) {
 	}
 }
 
-// tooLong passes over a line longer than an error event can be, start its first bytes; skip says
-// its end is still to come. A data line makes its event too long to be one; another field, or
-// a comment, leaves the event as it was, as a client ignores it.
-func (w *watch) tooLong(start []byte, skip bool) {
-	if bytes.HasPrefix(start, []byte("data:")) {
+// tooLong passes over a line longer than an error event's data line can be, whose first bytes
+// are start followed by more; skip says its end is still to come. A data line makes its event too
+// long to be one; another field, or a comment, leaves the event as it was, as a client ignores
+// it. The field's name is read across start and more: the read that began the line may have
+// held no more of it than "d".
+func (w *watch) tooLong(start, more []byte, skip bool) {
+	var name [len("data:")]byte
+	n := copy(name[:], start)
+	n += copy(name[n:], more)
+	if string(name[:n]) == "data:" {
 		w.long = true
 	}
 	w.partial, w.skip = nil, skip
@@ -111,7 +125,7 @@ func (w *watch) line(line []byte, last bool) {
 	if !ok || w.long {
 		return // another field, a comment, or an event already too long
 	}
-	if len(w.data)+1+len(v) > maxErrorLine {
+	if sep := min(w.lines, 1); len(w.data)+sep+len(v) > maxErrorLine { // joined by LF
 		w.data, w.long = nil, true
 		return
 	}
@@ -174,7 +188,7 @@ func parseErrorEvent(data []byte) *InBandError {
 		return nil
 	}
 	if e := top[0]; pyTruthy(e) {
-		var code, msg []byte
+		code, msg := top[3], []byte(nil) // an error that is no object: the event's own code
 		switch e[0] {
 		case '{':
 			in, _ := pyMembers(e, "code", "message")
@@ -207,7 +221,11 @@ func inBand(code json.RawMessage, msg string) *InBandError {
 		status = n
 	}
 	if len(msg) > 256 {
-		msg = msg[:256] + "…"
+		cut := 256
+		for cut > 0 && !utf8.RuneStart(msg[cut]) {
+			cut-- // never inside a character
+		}
+		msg = msg[:cut] + "…"
 	}
 	return &InBandError{Status: status, Message: msg}
 }

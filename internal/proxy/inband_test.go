@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 // The watch finds the engines' in-band error events, whatever the reads' boundaries, and
@@ -104,8 +105,8 @@ func BenchmarkWatch(b *testing.B) {
 // clientErrorStatus is the status of the first error event an SSE client dispatches from a whole
 // stream, read by the HTML standard's rules (lines end at CRLF, LF or CR; a field named by the
 // line up to its colon, the whole line without one; a blank line dispatches the data lines joined
-// by LF; [DONE] ends what it reads), its events past the watch's bound (a data line, or the
-// data joined, over maxErrorLine) passed over as the watch passes them; 0 when there is none.
+// by LF; [DONE] ends what it reads), its events past the watch's bound (the data joined over
+// maxErrorLine) passed over as the watch passes them; 0 when there is none.
 func clientErrorStatus(stream []byte) int {
 	var data []byte
 	lines, long := 0, false
@@ -119,9 +120,6 @@ func clientErrorStatus(stream []byte) int {
 			i++
 		}
 		stream = stream[i+1:]
-		if len(line) > maxErrorLine && bytes.HasPrefix(line, []byte("data:")) {
-			long = true
-		}
 		if len(line) == 0 {
 			if lines > 0 && !long {
 				if bytes.HasPrefix(data, []byte("[DONE]")) {
@@ -139,7 +137,7 @@ func clientErrorStatus(stream []byte) int {
 			continue
 		}
 		value = bytes.TrimPrefix(value, []byte(" "))
-		if len(data)+1+len(value) > maxErrorLine {
+		if len(data)+min(lines, 1)+len(value) > maxErrorLine {
 			data, long = nil, true
 			continue
 		}
@@ -217,5 +215,82 @@ func TestWatchHoldsNothingBetweenEvents(t *testing.T) {
 	w.see([]byte(ev[2000:]))
 	if cap(w.partial) != 0 || cap(w.data) != 0 {
 		t.Fatalf("between events the watch holds partial cap %d, data cap %d", cap(w.partial), cap(w.data))
+	}
+}
+
+// A data line longer than an error event's makes its event too long, even when the read that
+// began it ended inside its field's name ("d", "da", "dat", "data"): the line after it is part
+// of the same event, not an event of its own.
+func TestWatchReadsALongDataLineCutInsideItsName(t *testing.T) {
+	for _, next := range []string{`data: {"error":{"message":"boom","code":503}}` + "\n\n", "data: [DONE]\n\n" + `data: {"error":{"code":502}}` + "\n\n"} {
+		stream := "data: " + strings.Repeat("x", 5000) + "\n" + next
+		want := clientErrorStatus([]byte(stream))
+		for cut := 1; cut <= 6; cut++ {
+			var w watch
+			w.see([]byte(stream[:cut]))
+			w.see([]byte(stream[cut:]))
+			got := 0
+			if w.err != nil {
+				got = w.err.Status
+			}
+			if got != want {
+				t.Errorf("first read %q, then %.20q: the watch says %d, a client reads %d", stream[:cut], next, got, want)
+			}
+		}
+	}
+}
+
+// An error event whose data is up to maxErrorLine bytes is looked at, whether it came in one read
+// or cut anywhere; one a byte longer is passed over, cut anywhere.
+func TestWatchLooksAtEveryEventUpToItsBoundHoweverCut(t *testing.T) {
+	head, tail := `{"error":{"code":503,"message":"`, `"}}`
+	for _, size := range []int{maxErrorLine - 3, maxErrorLine, maxErrorLine + 1} {
+		data := head + strings.Repeat("m", size-len(head)-len(tail)) + tail
+		for _, stream := range []string{"data: " + data + "\n\n", "data:" + data + "\r\n\r\n", "data: " + data[:9] + "\ndata: " + data[9:] + "\n\n"} { // cut after {"error":
+			want := 503
+			if len(data) > maxErrorLine || strings.Count(stream, "data") == 2 && len(data)+1 > maxErrorLine {
+				want = 0
+			}
+			if ref := clientErrorStatus([]byte(stream)); ref != want {
+				t.Fatalf("the reference client reads %d for %d bytes of data", ref, len(data))
+			}
+			for _, cut := range []int{len(stream), 1, 3, 6, 100, 2048, 4096, 4100, len(stream) - 3} {
+				cut = min(cut, len(stream))
+				var w watch
+				w.see([]byte(stream[:cut]))
+				w.see([]byte(stream[cut:]))
+				got := 0
+				if w.err != nil {
+					got = w.err.Status
+				}
+				if got != want {
+					t.Errorf("%d bytes of data in %d lines, read cut at %d: %d, want %d", len(data), strings.Count(stream, "data"), cut, got, want)
+				}
+			}
+		}
+	}
+}
+
+// An empty read changes nothing: a CR that ended the read before it still takes the LF after it
+// as its own.
+func TestWatchAnEmptyReadKeepsACRsLF(t *testing.T) {
+	var w watch
+	w.see([]byte(`data: {"error":{"code":503}}` + "\r"))
+	w.see(nil)
+	w.see([]byte("\n" + `data: {"x":1}` + "\r\n\r\n"))
+	if w.err != nil {
+		t.Fatalf("the CRLF cut by an empty read ended the event: %v", w.err)
+	}
+}
+
+// The error's message is cut at 256 bytes, never inside a character; an error given as text
+// takes the event's own code.
+func TestInBandMessageAndCode(t *testing.T) {
+	e := errorEvent([]byte(`{"error":{"code":503,"message":"` + strings.Repeat("é", 200) + `"}}`))
+	if e == nil || !utf8.ValidString(e.Message) || !strings.HasSuffix(e.Message, "…") || len(e.Message) > 256+len("…") {
+		t.Fatalf("a long message: %+v", e)
+	}
+	if e := errorEvent([]byte(`{"error":"overloaded","code":503}`)); e == nil || e.Status != 503 || e.Message != "overloaded" {
+		t.Fatalf("an error given as text beside its code: %+v", e)
 	}
 }

@@ -31,8 +31,12 @@ func pyMembers(d []byte, names ...string) (vals [][]byte, ok bool) {
 		return vals, false
 	}
 	end, ok := pyObject(d, i, 0, func(key, val []byte) {
+		name := key[1 : len(key)-1]
+		if bytes.IndexByte(name, '\\') >= 0 {
+			name = []byte(pyStr(key)) // escapes decoded once, for every name it is compared with
+		}
 		for j, n := range names {
-			if pyKeyIs(key, n) {
+			if string(name) == n {
 				vals[j] = val
 			}
 		}
@@ -232,16 +236,6 @@ func pyNumber(d []byte, i int) (int, bool) {
 		i = e
 	}
 	return i, true
-}
-
-// pyKeyIs says whether the raw key (quotes included, already scanned) names name exactly, its
-// escapes decoded.
-func pyKeyIs(key []byte, name string) bool {
-	inner := key[1 : len(key)-1]
-	if bytes.IndexByte(inner, '\\') < 0 {
-		return string(inner) == name
-	}
-	return pyStr(key) == name
 }
 
 // pyStr is the text of a raw JSON string value; "" for a value that is not a string.
