@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/baton-llm/baton/internal/gwtest"
 )
 
 // countingServer is an httptest server that counts the connections its clients opened.
@@ -84,49 +85,26 @@ func TestWireTransportKeepsConnectionsAndAnswers(t *testing.T) {
 // sent again on a new connection. A connection whose answer was cut short, or whose request was
 // cancelled, is never used again.
 func TestWireTransportSendsAgainOnlyWhatNoAnswerBegan(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	var mode atomic.Value // what the server does with the next connection's request
+	var mode atomic.Value // what the engine does with the next request
 	mode.Store("close-after-answer")
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				br := bufio.NewReader(c)
-				for {
-					req, err := http.ReadRequest(br)
-					if err != nil {
-						return
-					}
-					io.Copy(io.Discard, req.Body)
-					switch mode.Load() {
-					case "close-after-answer": // keeps alive, then closes while idle
-						fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-						time.Sleep(20 * time.Millisecond)
-						return
-					case "short":
-						fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok")
-						return
-					case "slow":
-						fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok")
-						time.Sleep(time.Second)
-						return
-					}
-				}
-			}()
+	base := gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+		io.Copy(io.Discard, req.Body)
+		switch mode.Load() {
+		case "close-after-answer": // keeps alive, then closes while idle
+			fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			time.Sleep(20 * time.Millisecond)
+		case "short":
+			fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok")
+		case "slow":
+			fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok")
+			time.Sleep(time.Second)
 		}
-	}()
+		return false
+	})
 	wt := newWireTransport()
 	defer wt.CloseIdleConnections()
 	client := &http.Client{Transport: wt}
-	url := "http://" + ln.Addr().String() + "/"
+	url := base + "/v1/completions"
 	for i := range 3 {
 		status, got, r := post(context.Background(), client, url, []byte("{}"), nil)
 		if r.Err != nil || status != 200 || string(got) != "ok" {

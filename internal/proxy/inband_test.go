@@ -226,14 +226,7 @@ func TestWatchReadsALongDataLineCutInsideItsName(t *testing.T) {
 		stream := "data: " + strings.Repeat("x", 5000) + "\n" + next
 		want := clientErrorStatus([]byte(stream))
 		for cut := 1; cut <= 6; cut++ {
-			var w watch
-			w.see([]byte(stream[:cut]))
-			w.see([]byte(stream[cut:]))
-			got := 0
-			if w.err != nil {
-				got = w.err.Status
-			}
-			if got != want {
+			if got := watchCut(stream, cut); got != want {
 				t.Errorf("first read %q, then %.20q: the watch says %d, a client reads %d", stream[:cut], next, got, want)
 			}
 		}
@@ -256,19 +249,23 @@ func TestWatchLooksAtEveryEventUpToItsBoundHoweverCut(t *testing.T) {
 			}
 			for _, cut := range []int{len(stream), 1, 3, 6, 100, 2048, 4096, 4100, len(stream) - 3} {
 				cut = min(cut, len(stream))
-				var w watch
-				w.see([]byte(stream[:cut]))
-				w.see([]byte(stream[cut:]))
-				got := 0
-				if w.err != nil {
-					got = w.err.Status
-				}
-				if got != want {
+				if got := watchCut(stream, cut); got != want {
 					t.Errorf("%d bytes of data in %d lines, read cut at %d: %d, want %d", len(data), strings.Count(stream, "data"), cut, got, want)
 				}
 			}
 		}
 	}
+}
+
+// watchCut is the status the watch finds in stream read in two reads, cut at cut; 0 for none.
+func watchCut(stream string, cut int) int {
+	var w watch
+	w.see([]byte(stream[:cut]))
+	w.see([]byte(stream[cut:]))
+	if w.err == nil {
+		return 0
+	}
+	return w.err.Status
 }
 
 // An empty read changes nothing: a CR that ended the read before it still takes the LF after it
