@@ -291,3 +291,19 @@ func TestInBandMessageAndCode(t *testing.T) {
 		t.Fatalf("an error given as text beside its code: %+v", e)
 	}
 }
+
+// openai-python decodes lines with utf-8, which keeps a leading byte order mark: the stream's
+// first line is then a field it does not know, and an error event there is not raised. The
+// watch reads it so; the next error event is counted.
+func TestWatchReadsALeadingBOMAsOpenAIPythonDoes(t *testing.T) {
+	bom := "\xef\xbb\xbf"
+	var w watch
+	w.see([]byte(bom + `data: {"error":{"code":503}}` + "\n\n"))
+	if w.err != nil {
+		t.Fatalf("an error line behind a byte order mark: %v; openai-python ignores the line", w.err)
+	}
+	w.see([]byte(`data: {"error":{"code":502}}` + "\n\n"))
+	if w.err == nil || w.err.Status != 502 {
+		t.Fatalf("the next error event: %v, want 502", w.err)
+	}
+}
