@@ -221,9 +221,17 @@ func FuzzValid(f *testing.F) {
 	for _, s := range []string{`{"a":1}`, `[1,2.5e-3,"x\"\\"]`, `"\u00e9abcdefghij"`, `{"k":"0123456789abcdef\n"}`, "\"\x1f\""} {
 		f.Add([]byte(s))
 	}
+	for _, s := range []string{`{"a":NaN,"b":[-Infinity,Infinity]}`, `-NaN`, `NaNaN`, `[--Infinity]`, `{"NaN":"Infinity"}`} {
+		f.Add([]byte(s))
+	}
+	// Python's constants stand where a value may: read as true by json.Valid, the rest alike.
+	asJSON := strings.NewReplacer("-Infinity", "true", "Infinity", "true", "NaN", "true")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if got, want := Valid(b), json.Valid(b); got != want {
 			t.Fatalf("Valid(%q) = %v, json.Valid = %v", b, got, want)
+		}
+		if got, want := ValidPython(b), json.Valid([]byte(asJSON.Replace(string(b)))); got != want {
+			t.Fatalf("ValidPython(%q) = %v, json.Valid of it with its constants as true = %v", b, got, want)
 		}
 	})
 }

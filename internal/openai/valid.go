@@ -9,11 +9,20 @@ const maxDepth = 10000
 // written for the request path: strings (most of a prompt's bytes) are scanned eight bytes at a
 // time, and it does not allocate.
 func Valid(b []byte) bool {
-	i, ok := validValue(b, skipWS(b, 0), 0)
+	i, ok := validValue(b, skipWS(b, 0), 0, false)
 	return ok && skipWS(b, i) == len(b)
 }
 
-func validValue(b []byte, i, depth int) (int, bool) {
+// ValidPython reports whether b is one value as Python's json.loads reads it: JSON, and the
+// constants NaN, Infinity and -Infinity wherever a value may stand. (It does not check UTF-8,
+// which Python decodes before it parses.)
+func ValidPython(b []byte) bool {
+	i, ok := validValue(b, skipWS(b, 0), 0, true)
+	return ok && skipWS(b, i) == len(b)
+}
+
+// validValue checks the value at b[i]; py admits Python's constants.
+func validValue(b []byte, i, depth int, py bool) (int, bool) {
 	if i >= len(b) {
 		return i, false
 	}
@@ -21,15 +30,21 @@ func validValue(b []byte, i, depth int) (int, bool) {
 	case c == '"':
 		return validString(b, i)
 	case c == '{':
-		return validObject(b, i, depth+1)
+		return validObject(b, i, depth+1, py)
 	case c == '[':
-		return validArray(b, i, depth+1)
+		return validArray(b, i, depth+1, py)
 	case c == 't':
 		return literal(b, i, "true")
 	case c == 'f':
 		return literal(b, i, "false")
 	case c == 'n':
 		return literal(b, i, "null")
+	case py && c == 'N':
+		return literal(b, i, "NaN")
+	case py && c == 'I':
+		return literal(b, i, "Infinity")
+	case py && c == '-' && i+1 < len(b) && b[i+1] == 'I':
+		return literal(b, i, "-Infinity")
 	case c == '-' || (c >= '0' && c <= '9'):
 		return validNumber(b, i)
 	}
@@ -43,7 +58,7 @@ func literal(b []byte, i int, lit string) (int, bool) {
 	return i + len(lit), true
 }
 
-func validObject(b []byte, i, depth int) (int, bool) {
+func validObject(b []byte, i, depth int, py bool) (int, bool) {
 	if depth > maxDepth {
 		return i, false
 	}
@@ -63,7 +78,7 @@ func validObject(b []byte, i, depth int) (int, bool) {
 		if i >= len(b) || b[i] != ':' {
 			return i, false
 		}
-		if i, ok = validValue(b, skipWS(b, i+1), depth); !ok {
+		if i, ok = validValue(b, skipWS(b, i+1), depth, py); !ok {
 			return i, false
 		}
 		i = skipWS(b, i)
@@ -81,7 +96,7 @@ func validObject(b []byte, i, depth int) (int, bool) {
 	}
 }
 
-func validArray(b []byte, i, depth int) (int, bool) {
+func validArray(b []byte, i, depth int, py bool) (int, bool) {
 	if depth > maxDepth {
 		return i, false
 	}
@@ -91,7 +106,7 @@ func validArray(b []byte, i, depth int) (int, bool) {
 	}
 	for {
 		var ok bool
-		if i, ok = validValue(b, i, depth); !ok {
+		if i, ok = validValue(b, i, depth, py); !ok {
 			return i, false
 		}
 		i = skipWS(b, i)
