@@ -9,6 +9,8 @@ import (
 	"testing"
 	"testing/iotest"
 	"time"
+
+	"github.com/baton-llm/baton/internal/ssetest"
 )
 
 func TestEventReader(t *testing.T) {
@@ -83,37 +85,6 @@ func events(r *EventReader) (out []string, err error) {
 	}
 }
 
-// clientEvents is what an SSE client dispatches from a stream, read as the HTML standard's event
-// stream parser reads it: lines end at CRLF, LF or CR; a blank line dispatches the data lines'
-// values (one leading space cut) joined by LF, where there was a data line; an event the stream
-// ends before its blank line is discarded.
-func clientEvents(stream []byte) []string {
-	var out, data []string
-	for len(stream) > 0 {
-		i := bytes.IndexAny(stream, "\r\n")
-		if i < 0 {
-			break // the last line never ended
-		}
-		line := string(stream[:i])
-		if stream[i] == '\r' && i+1 < len(stream) && stream[i+1] == '\n' {
-			i++
-		}
-		stream = stream[i+1:]
-		switch {
-		case line == "":
-			if data != nil {
-				out = append(out, strings.Join(data, "\n"))
-			}
-			data = nil
-		default: // a field: named by the line up to its first colon, the whole line without one
-			if name, value, _ := strings.Cut(line, ":"); name == "data" {
-				data = append(data, strings.TrimPrefix(value, " "))
-			}
-		}
-	}
-	return out
-}
-
 // checkEventsAsAClientReadsThem fails unless events are stream's bytes, every one, and each is
 // where a client's event ends: what a client dispatches from each event alone is what it
 // dispatches from the stream, event for event, and it is what EventDataWhole reads.
@@ -124,7 +95,7 @@ func checkEventsAsAClientReadsThem(t *testing.T, stream []byte, events []string)
 	}
 	var got []string
 	for _, ev := range events {
-		one := clientEvents([]byte(ev))
+		one := ssetest.Dispatched([]byte(ev))
 		if len(one) > 1 {
 			t.Fatalf("event %q of %q holds %d client events", ev, stream, len(one))
 		}
@@ -134,7 +105,7 @@ func checkEventsAsAClientReadsThem(t *testing.T, stream []byte, events []string)
 			t.Fatalf("EventDataWhole(%q) = %q %v; a client reads %q", ev, d, ok, one[0])
 		}
 	}
-	if want := clientEvents(stream); fmt.Sprint(got) != fmt.Sprint(want) {
+	if want := ssetest.Dispatched(stream); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("stream %q: the events %q dispatch %q, a client %q", stream, events, got, want)
 	}
 }
@@ -355,7 +326,7 @@ func TestADataLineWithoutAColonIsAnEmptyDataField(t *testing.T) {
 		if got, ok := EventDataWhole([]byte(ev)); !ok || string(got) != want {
 			t.Errorf("EventDataWhole(%q) = %q %v; a client reads %q", ev, got, ok, want)
 		}
-		if want := clientEvents([]byte(ev)); len(want) != 1 {
+		if want := ssetest.Dispatched([]byte(ev)); len(want) != 1 {
 			t.Fatalf("%q: the reference reads %q", ev, want)
 		}
 	}

@@ -9,45 +9,13 @@ import (
 	"testing"
 
 	"github.com/baton-llm/baton/internal/openai"
+	"github.com/baton-llm/baton/internal/ssetest"
 )
 
-// clientData is what an SSE client (HTML Living Standard, "event stream interpretation")
-// dispatches from a whole stream: a leading U+FEFF is stripped, lines end at CRLF, LF or CR, a
-// "data" field (with or without a colon) appends its value and a LF, a blank line dispatches the
-// buffer without its last LF when the buffer is not empty.
+// clientData is what an SSE client dispatches from a whole stream, a leading U+FEFF stripped
+// as the HTML Living Standard's decoder strips it.
 func clientData(stream []byte) []string {
-	stream = bytes.TrimPrefix(stream, []byte("\xEF\xBB\xBF"))
-	var out []string
-	var buf []byte
-	for len(stream) > 0 {
-		i := bytes.IndexAny(stream, "\r\n")
-		if i < 0 {
-			break
-		}
-		line := stream[:i]
-		if stream[i] == '\r' && i+1 < len(stream) && stream[i+1] == '\n' {
-			i++
-		}
-		stream = stream[i+1:]
-		if len(line) == 0 {
-			if len(buf) > 0 {
-				out = append(out, string(bytes.TrimSuffix(buf, []byte("\n"))))
-			}
-			buf = nil
-			continue
-		}
-		if line[0] == ':' {
-			continue
-		}
-		name, value, found := bytes.Cut(line, []byte(":"))
-		if found {
-			value = bytes.TrimPrefix(value, []byte(" "))
-		}
-		if string(name) == "data" {
-			buf = append(append(buf, value...), '\n')
-		}
-	}
-	return out
+	return ssetest.Dispatched(bytes.TrimPrefix(stream, []byte("\xEF\xBB\xBF")))
 }
 
 // A decode stream relayed as the PD path relays it: split by openai.EventReader, each event

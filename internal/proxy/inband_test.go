@@ -1,10 +1,11 @@
 package proxy
 
 import (
-	"bytes"
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	"github.com/baton-llm/baton/internal/ssetest"
 )
 
 // The watch finds the engines' in-band error events, whatever the reads' boundaries, and
@@ -108,43 +109,16 @@ func BenchmarkWatch(b *testing.B) {
 // by LF; [DONE] ends what it reads), its events past the watch's bound (the data joined over
 // maxErrorLine) passed over as the watch passes them; 0 when there is none.
 func clientErrorStatus(stream []byte) int {
-	var data []byte
-	lines, long := 0, false
-	for len(stream) > 0 {
-		i := bytes.IndexAny(stream, "\r\n")
-		if i < 0 {
-			break
+	for _, data := range ssetest.Dispatched(stream) {
+		switch {
+		case len(data) > maxErrorLine:
+			continue // passed over, as the watch passes it
+		case strings.HasPrefix(data, "[DONE]"):
+			return 0 // a client reads no further
 		}
-		line := stream[:i]
-		if stream[i] == '\r' && i+1 < len(stream) && stream[i+1] == '\n' {
-			i++
+		if e := errorEvent([]byte(data)); e != nil {
+			return e.Status
 		}
-		stream = stream[i+1:]
-		if len(line) == 0 {
-			if lines > 0 && !long {
-				if bytes.HasPrefix(data, []byte("[DONE]")) {
-					return 0 // a client reads no further
-				}
-				if e := errorEvent(data); e != nil {
-					return e.Status
-				}
-			}
-			data, lines, long = nil, 0, false
-			continue
-		}
-		name, value, _ := bytes.Cut(line, []byte(":"))
-		if string(name) != "data" || long {
-			continue
-		}
-		value = bytes.TrimPrefix(value, []byte(" "))
-		if len(data)+min(lines, 1)+len(value) > maxErrorLine {
-			data, long = nil, true
-			continue
-		}
-		if lines++; lines > 1 {
-			data = append(data, '\n')
-		}
-		data = append(data, value...)
 	}
 	return 0
 }
