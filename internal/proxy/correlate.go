@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"slices"
 
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/routes"
@@ -28,7 +29,7 @@ var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (na
 //     request — and is ErrAnotherAnswer;
 //   - else in the answer's id (vLLM's chatcmpl-<id> and cmpl-<id>, on the routes that build it):
 //     an engine once seen doing so must begin every 200 of those routes with this request's id.
-//     The first bytes are held (at most idWindow) until they hold a whole leading id or cannot,
+//     The first bytes are held (at most idWindow past the lines a stream may begin with) until they hold a whole leading id or cannot,
 //     before the relay writes anything; an answer named after another request, or without the
 //     leading id its engine writes first, ends the body with ErrAnotherAnswer (a failure before
 //     the client's head: retried). An error (an answer that is not a 200, or a stream whose first
@@ -187,6 +188,9 @@ func (r *prover) Read(b []byte) (int, error) {
 	// A first read too short to judge (a tiny first chunk, a split segment): hold it and read on.
 	r.held = append(make([]byte, 0, idWindow), b[:n]...)
 	for !ok {
+		if len(r.held) == cap(r.held) { // lines before the first data line (bounded: leadWindow)
+			r.held = slices.Grow(r.held, idWindow)
+		}
 		m, err := r.undecidedRead(r.held[len(r.held):cap(r.held)])
 		r.held = r.held[:len(r.held)+m]
 		if ok, jerr = r.judge(r.held, err); jerr != nil {
@@ -246,6 +250,46 @@ func (r *provingViewer) first() ([]byte, error) {
 	return r.first()
 }
 
+// leadWindow bounds the lines a stream may begin with before its first data line (comments and
+// other fields), read to find the id: vLLM's --sse-keep-alive-interval writes a ": keep-alive"
+// comment event while a stream waits for its first token (vllm/entrypoints/openai/
+// sse_keep_alive.py), and a slow queue or prefill can put a few dozen of them first.
+const leadWindow = 8 << 10
+
+// pastLeadingLines is b past the lines a stream begins with before its first data line — blank
+// lines, comments (":…") and fields other than data ("event:", "id:", "retry:"), which an SSE
+// client passes over — with idFound; idIncomplete while an unended line could still be one, or
+// idNone past leadWindow bytes of them. A JSON answer ('{', '[') has none.
+func pastLeadingLines(b []byte) ([]byte, idVerdict) {
+	skipped := 0
+	for {
+		t := bytes.TrimLeft(b, "\r\n")
+		skipped += len(b) - len(t)
+		b = t
+		if len(b) == 0 {
+			return b, idFound // what follows is judged as it comes (incomplete)
+		}
+		if c := b[0]; c != ':' && !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z') {
+			return b, idFound // JSON, whitespace before it, or bytes that are no stream
+		}
+		if _, ok := cutPrefix(b, "data:"); !ok || bytes.HasPrefix(b, []byte("data:")) {
+			return b, idFound // the first data line, or what could still become one
+		}
+		end := bytes.IndexAny(b, "\r\n")
+		if end < 0 {
+			if skipped+len(b) >= leadWindow {
+				return nil, idNone
+			}
+			return nil, idIncomplete
+		}
+		skipped += end
+		if skipped >= leadWindow {
+			return nil, idNone
+		}
+		b = b[end:]
+	}
+}
+
 // idVerdict is what the first bytes of an answer say of its leading id.
 type idVerdict int
 
@@ -257,10 +301,14 @@ const (
 )
 
 // answerID reads the id an answer begins with — the first key of a JSON answer or of a stream's
-// first event ("data: {...") — where vLLM's response models put it, written compactly
+// first data line ("data: {...", past the comments and other fields before it) — where vLLM's response models put it, written compactly
 // ({"id":"…", or {"id": "…"). An id Baton cannot read plainly (escaped), or not whole within
 // idWindow bytes, is none.
 func answerID(b []byte) ([]byte, idVerdict) {
+	b, v := pastLeadingLines(b)
+	if v != idFound {
+		return nil, v
+	}
 	if len(b) >= idWindow {
 		id, v := leadingID(b[:idWindow])
 		if v == idIncomplete {

@@ -35,18 +35,23 @@ func TestAnswerID(t *testing.T) {
 		`{"error":{"message":"x"}}`:                         {"", idNone},
 		`data: {"error":{"message":"x"}}`:                   {"", idError},
 		`data: {"object":"error","message":"x"}`:            {"", idError},
-		": keep-alive\n\ndata: {\"id\":\"cmpl-after\"}\n\n": {"", idNone},
-		``:         {"", idIncomplete},
-		`  `:       {"", idIncomplete},
-		`da`:       {"", idIncomplete},
-		`data: `:   {"", idIncomplete},
-		`{`:        {"", idIncomplete},
-		`{"i`:      {"", idIncomplete},
-		`{"id"`:    {"", idIncomplete},
-		`{"id": `:  {"", idIncomplete},
-		`{"o`:      {"", idIncomplete},
-		`{"ok":1}`: {"", idNone},
-		`[1]`:      {"", idNone},
+		": keep-alive\n\ndata: {\"id\":\"cmpl-after\"}\n\n": {"cmpl-after", idFound},
+		": keep-alive\r\n\r\n: keep-alive\n\nevent: x\nid: 3\nretry: 9\ndata: {\"id\":\"cmpl-k\"}": {"cmpl-k", idFound},
+		": keep-al":          {"", idIncomplete},
+		": keep-alive\n\nda": {"", idIncomplete},
+		strings.Repeat(": keep-alive\n\n", leadWindow/14+1) + "data: {\"id\":\"cmpl-late\"}": {"", idNone},
+		": " + strings.Repeat("x", leadWindow):                                               {"", idNone},
+		``:                                                                                   {"", idIncomplete},
+		`  `:                                                                                 {"", idIncomplete},
+		`da`:                                                                                 {"", idIncomplete},
+		`data: `:                                                                             {"", idIncomplete},
+		`{`:                                                                                  {"", idIncomplete},
+		`{"i`:                                                                                {"", idIncomplete},
+		`{"id"`:                                                                              {"", idIncomplete},
+		`{"id": `:                                                                            {"", idIncomplete},
+		`{"o`:                                                                                {"", idIncomplete},
+		`{"ok":1}`:                                                                           {"", idNone},
+		`[1]`:                                                                                {"", idNone},
 		`{"id":"` + strings.Repeat("x", 600) + `"`: {"", idNone},
 	} {
 		id, v := answerID([]byte(in))
@@ -119,7 +124,11 @@ func TestAProvenWorkerIsJudgedByItsAnswersFirstBytes(t *testing.T) {
 			`{"choices":[{"text":"no id"}]}`:                                   true,
 			``:                                                                 true,
 			`{"id":"cmpl-req-1`:                                                true,
-			`{"id":"` + strings.Repeat("cmpl-", 200) + `"}`:                    true,
+			// vLLM's --sse-keep-alive-interval: comments before the first token, a few hundred
+			// bytes of them past the id's own window.
+			strings.Repeat(": keep-alive\n\n", 80) + "data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\ndata: [DONE]\n\n": false,
+			strings.Repeat(": keep-alive\n\n", 80) + "data: {\"id\":\"cmpl-req-0\",\"choices\":[]}\n\n":                 true,
+			`{"id":"` + strings.Repeat("cmpl-", 200) + `"}`:                                                             true,
 		} {
 			got, err := readProven(t, proven, body, views)
 			switch {
