@@ -109,7 +109,8 @@ type Server struct {
 	// bounds their number.
 	MaxHeaderBytes int
 	// Reserve and Release hold request body bytes in the process-wide budget the HTTP
-	// listener's bodies share (nil: none): a body past it is refused 503.
+	// listener's bodies share (nil: none): a body past it is refused 503. A chunk's bytes are
+	// charged before they are copied into the body: one that finds no room is never held.
 	Reserve func(n int64) bool
 	Release func(n int64)
 	// MaxDuration bounds one exchange, request and response (0: unbounded): past it the
@@ -275,6 +276,12 @@ func (x *exchange) serve() error {
 		if err == io.EOF {
 			return nil
 		}
+		if status.Code(err) == codes.ResourceExhausted {
+			// A message past the server's MaxRecvMsgSize (MessageBound), refused before it was
+			// read: gRPC has ended the stream with that status.
+			x.err = err.Error()
+			return err
+		}
 		if err != nil {
 			x.err = "the proxy ended the stream: " + status.Code(err).String()
 			return nil
@@ -409,18 +416,8 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 			}
 			return x.send(bodyAck()) // streamed (half duplex): every chunk is answered
 		}
-		if int64(len(x.body))+int64(len(b.GetBody())) > x.s.MaxBody {
-			return x.refuse(&openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
-				Message: fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.MaxBody)}, false)
-		}
-		x.body = append(x.body, b.GetBody()...)
-		if grown := int64(cap(x.body)) - x.held; grown > 0 && x.s.Reserve != nil {
-			if !x.s.Reserve(grown) {
-				x.body = nil
-				return x.refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
-					Message: "request bodies held at once would exceed max_buffered_body_bytes; try again"}, false)
-			}
-			x.held += grown
+		if e := x.take(b.GetBody()); e != nil {
+			return x.refuse(e, false)
 		}
 		if !b.GetEndOfStream() && x.reqMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 			return nil
@@ -501,18 +498,8 @@ func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
 // watchChunk reads one chunk of a body that comes after the pick (STREAMED): the body is held
 // (bounded as any body) until its end, then checked for a field Baton owns.
 func (x *exchange) watchChunk(chunk []byte, end bool) *openai.Error {
-	if int64(len(x.body))+int64(len(chunk)) > x.s.MaxBody {
-		return &openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
-			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.MaxBody)}
-	}
-	x.body = append(x.body, chunk...)
-	if grown := int64(cap(x.body)) - x.held; grown > 0 && x.s.Reserve != nil {
-		if !x.s.Reserve(grown) {
-			x.dropBody()
-			return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
-				Message: "request bodies held at once would exceed max_buffered_body_bytes; try again"}
-		}
-		x.held += grown
+	if e := x.take(chunk); e != nil {
+		return e
 	}
 	if !end {
 		return nil
@@ -527,6 +514,34 @@ func (x *exchange) watchChunk(chunk []byte, end bool) *openai.Error {
 		return &openai.Error{Status: http.StatusBadRequest, Code: openai.CodeOwnedField, Param: f,
 			Message: f + " is a field only Baton sets, and this gateway's ext_proc filter (request_body_mode STREAMED) lets the Endpoint Picker see the body only after it chose: the request is refused rather than sent on with it"}
 	}
+	return nil
+}
+
+// take appends a chunk to the body, bounded by MaxBody. A body that must grow has its new
+// buffer charged before anything is copied into it: a chunk that finds no room in the budget
+// is refused 503 and never held, and the body is let go.
+func (x *exchange) take(chunk []byte) *openai.Error {
+	n := len(x.body) + len(chunk)
+	if int64(n) > x.s.MaxBody {
+		x.dropBody()
+		return &openai.Error{Status: http.StatusRequestEntityTooLarge, Code: openai.CodePayloadTooLarge,
+			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.MaxBody)}
+	}
+	if n > cap(x.body) {
+		size := min(max(n, 2*cap(x.body)), int(x.s.MaxBody))
+		if x.s.Reserve != nil {
+			if !x.s.Reserve(int64(size) - x.held) {
+				x.dropBody()
+				return &openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeOverloaded, RetryAfter: "1",
+					Message: "request bodies held at once would exceed max_buffered_body_bytes; try again"}
+			}
+			x.held = int64(size)
+		}
+		grown := make([]byte, len(x.body), size)
+		copy(grown, x.body)
+		x.body = grown
+	}
+	x.body = append(x.body, chunk...)
 	return nil
 }
 

@@ -5,6 +5,7 @@ package epp_test
 // in a test host the way the gateway counts them.
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -70,14 +71,18 @@ func (b *books) endedWith(status int) []*record.Record {
 	return out
 }
 
-// budget is the process-wide body budget the HTTP listener's bodies and the picker's share.
-type budget struct{ held, limit atomic.Int64 }
+// budget is the process-wide body budget the HTTP listener's bodies and the picker's share;
+// peak is the most it held at once.
+type budget struct{ held, limit, peak atomic.Int64 }
 
 func (b *budget) hand() (func(int64) bool, func(int64)) {
 	take := func(n int64) bool {
-		if b.held.Add(n) > b.limit.Load() {
+		h := b.held.Add(n)
+		if h > b.limit.Load() {
 			b.held.Add(-n)
 			return false
+		}
+		for p := b.peak.Load(); h > p && !b.peak.CompareAndSwap(p, h); p = b.peak.Load() {
 		}
 		return true
 	}
@@ -254,15 +259,28 @@ func requestStream(t *testing.T, ctx context.Context, c extprocv3.ExternalProces
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, m := range []*extprocv3.ProcessingRequest{
-		dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", http.Header{"Content-Type": {"application/json"}}, false),
-		dataplane.RequestBody([]byte(body), true),
-	} {
-		if err := st.Send(m); err != nil {
+	if err := st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", http.Header{"Content-Type": {"application/json"}}, false)); err != nil {
+		t.Fatal(err)
+	}
+	for rest := []byte(body); ; {
+		n := min(len(rest), 64<<10)
+		if err := st.Send(dataplane.RequestBody(rest[:n], n == len(rest))); err != nil {
 			t.Fatal(err)
 		}
+		if rest = rest[n:]; len(rest) == 0 {
+			return st
+		}
 	}
-	return st
+}
+
+// sendSpaces sends n bytes of a body that does not end, in chunks of 64 KiB as a data plane
+// streams them.
+func sendSpaces(st extprocv3.ExternalProcessor_ProcessClient, n int) {
+	for n > 0 {
+		c := min(n, 64<<10)
+		st.Send(dataplane.RequestBody(bytes.Repeat([]byte(" "), c), false))
+		n -= c
+	}
 }
 
 // destinations reads the request path's answers up to the end of the handed-back body and

@@ -67,9 +67,16 @@ func NewGRPC(p Port) (*grpc.Server, *health.Server) {
 	if p.BodyBudget != nil {
 		es.Reserve, es.Release = share(p.BodyBudget, cfg.MaxBufferedBodyBytes)
 	}
+	msg, streams := MessageBound(cfg)
+	if es.MaxStreams <= 0 || streams < es.MaxStreams {
+		es.MaxStreams = streams
+	}
 	srv := grpc.NewServer(
-		// A buffered body arrives in one message: it may be as large as a request body may be.
-		grpc.MaxRecvMsgSize(int(cfg.MaxPayloadSize)+64<<10),
+		// gRPC holds a whole message before the picker sees it, at most this much per stream.
+		grpc.MaxRecvMsgSize(msg),
+		// A fixed window (no BDP growth): what a peer sends ahead of the message being read
+		// stays within 64 KiB a stream, whatever the picker is waiting on.
+		grpc.InitialWindowSize(streamWindow), grpc.InitialConnWindowSize(connWindow),
 		grpc.MaxConcurrentStreams(uint32(cfg.EPPMaxStreamsPerConnection)),
 		// A connection that does not complete its TLS and HTTP/2 handshakes within 5 s is closed
 		// (gRPC's default is 120 s): silent sockets hold a place among the connections briefly.
@@ -98,6 +105,33 @@ func guarded(method, path string) bool {
 	}
 	r := routes.Of(path)
 	return r.Path == "" || r.Inference
+}
+
+// The picker's bounds on what gRPC holds of the messages it receives: the smallest message
+// bound (the largest request headers, 64 KiB, and the chunks a data plane streams a body in,
+// Envoy's 16 KiB, with room to spare), the headroom a body's message needs beyond the body
+// (header fields, metadata), and the flow-control windows.
+const (
+	minMessage   = 128 << 10
+	envelope     = 64 << 10
+	streamWindow = 64 << 10
+	connWindow   = 16 << 20
+)
+
+// MessageBound is the largest ext_proc message the picker's gRPC server takes, and how many
+// exchanges it serves at once. gRPC reads a whole message before the picker sees any of it,
+// so the messages being received are bounded where the budget cannot reach them: each stream
+// gets its share of the picker's part of max_buffered_body_bytes (half of it, over
+// epp_max_streams), at most a body of max_payload_size in one message, at least minMessage.
+// Where minMessage rules, fewer exchanges are served at once (streams), so that the messages
+// in flight never hold more than that part. A body larger than the bound comes in chunks
+// (FULL_DUPLEX_STREAMED, as the protocol asks); a message past the bound (a BUFFERED body
+// larger) ends its stream with RESOURCE_EXHAUSTED before any of it is read.
+func MessageBound(cfg config.Config) (size, streams int) {
+	part := cfg.MaxBufferedBodyBytes / 2
+	n := int64(max(cfg.EPPMaxStreams, 1))
+	size64 := min(max(part/n, minMessage), cfg.MaxPayloadSize+envelope)
+	return int(size64), int(max(min(n, part/size64), 1))
 }
 
 // share is the body budget's part the picker may hold: at most half of total

@@ -17,7 +17,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
+	grpccodes "google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/baton-llm/baton/internal/config"
@@ -77,7 +77,8 @@ func TestPortHandsALargeBodyBackUnchanged(t *testing.T) {
 		mu.Unlock()
 		io.WriteString(w, `{"choices":[]}`)
 	})
-	p := startPicker(t, []config.Worker{up})
+	// Few streams: each may take a 6 MiB body in one message (BUFFERED).
+	p := startPicker(t, []config.Worker{up}, func(c *config.Config) { c.EPPMaxStreams = 4 })
 	body := `{"model":"m","x_unknown":{"n":12345678901234567890,"s":"héllo ✓ \u00e9"},"messages":[{"role":"user","content":"` + strings.Repeat("y", 6<<20) + `"}]}`
 	for _, buffered := range []bool{false, true} {
 		t.Run(fmt.Sprintf("buffered=%v", buffered), func(t *testing.T) {
@@ -248,7 +249,7 @@ func TestPortBadProtocolInput(t *testing.T) {
 	}
 	raw.SendMsg([]byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01})
 	var out []byte
-	if err := raw.RecvMsg(&out); status.Code(err) == codes.OK {
+	if err := raw.RecvMsg(&out); status.Code(err) == grpccodes.OK {
 		t.Fatalf("a malformed message answered: %v", err)
 	}
 	st, err := p.client().Process(context.Background())
@@ -256,12 +257,12 @@ func TestPortBadProtocolInput(t *testing.T) {
 		t.Fatal(err)
 	}
 	st.Send(dataplane.RequestBody([]byte("{}"), true))
-	if _, err := st.Recv(); status.Code(err) != codes.InvalidArgument {
+	if _, err := st.Recv(); status.Code(err) != grpccodes.InvalidArgument {
 		t.Fatalf("a body before headers: %v", err)
 	}
 	st, _ = p.client().Process(context.Background())
 	st.Send(dataplane.ResponseHeaders(http.StatusOK, nil, "", false))
-	if _, err := st.Recv(); status.Code(err) != codes.InvalidArgument {
+	if _, err := st.Recv(); status.Code(err) != grpccodes.InvalidArgument {
 		t.Fatalf("response headers before the request: %v", err)
 	}
 	if eps := destinations(t, requestStream(t, context.Background(), p.client(), `{"model":"m","prompt":"x"}`)); eps[0] != endpointOf(a.URL) {
@@ -318,7 +319,7 @@ func TestPortBoundsTheExchange(t *testing.T) {
 	if w.InFlight() != 1 {
 		t.Fatalf("in flight: %d", w.InFlight())
 	}
-	if _, err := st.Recv(); status.Code(err) != codes.DeadlineExceeded {
+	if _, err := st.Recv(); status.Code(err) != grpccodes.DeadlineExceeded {
 		t.Fatalf("a silent exchange: %v", err)
 	}
 	poll.Until(t, "the request ended", func() bool { return w.InFlight() == 0 })
@@ -394,9 +395,7 @@ func TestPortBodiesShareTheBudget(t *testing.T) {
 		st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
 		return st
 	}
-	chunk := func(st extprocv3.ExternalProcessor_ProcessClient, n int) {
-		st.Send(dataplane.RequestBody(bytes.Repeat([]byte(" "), n), false))
-	}
+	chunk := func(st extprocv3.ExternalProcessor_ProcessClient, n int) { sendSpaces(st, n) }
 	ctx1, cancel1 := context.WithCancel(context.Background())
 	first := opened(ctx1)
 	chunk(first, 1000<<10) // held, the body not ended
@@ -426,6 +425,113 @@ func TestPortBodiesShareTheBudget(t *testing.T) {
 	})
 }
 
+// gRPC holds a whole message before the picker sees it, so a message is bounded by a stream's
+// share of the picker's half of the body budget: many streams at once each sending a body in
+// one message past it are ended RESOURCE_EXHAUSTED with nothing of them held; bodies streamed
+// in chunks are charged before they are held, and never hold more than the picker's half.
+func TestPortMessagesStayWithinTheBudget(t *testing.T) {
+	t.Parallel()
+	p := startPicker(t, []config.Worker{simulated(t)}, func(c *config.Config) {
+		c.MaxPayloadSize, c.MaxBufferedBodyBytes, c.EPPMaxStreams = 4<<20, 16<<20, 64
+	})
+	const streams = 40
+	big := `{"model":"m","prompt":"` + strings.Repeat("y", 1<<20) + `"}`
+	var wg sync.WaitGroup
+	got := make([]grpccodes.Code, streams)
+	for i := range streams {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // a hang fails, not hangs
+			defer cancel()
+			st, err := p.client().Process(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+			st.Send(dataplane.RequestBody([]byte(big), true))
+			m, err := st.Recv()
+			got[i] = status.Code(err)
+			if err == nil {
+				t.Errorf("a body of 1 MiB in one message: answered with a %T", m.Response)
+			}
+		})
+	}
+	wg.Wait()
+	for i, c := range got {
+		if c != grpccodes.ResourceExhausted {
+			t.Errorf("stream %d: %v, want ResourceExhausted", i, c)
+		}
+	}
+	if n := p.budget.peak.Load(); n != 0 {
+		t.Errorf("%d bytes of bodies past the message bound were held", n)
+	}
+
+	// Bodies of 1 MiB in 64 KiB chunks, 40 at once: 40 MiB against the picker's 8 MiB.
+	picked := 0
+	var mu sync.Mutex
+	for range streams {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			st, err := p.client().Process(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
+			for rest := []byte(big); len(rest) > 0; { // a refused stream ends: its sends fail
+				n := min(len(rest), 64<<10)
+				st.Send(dataplane.RequestBody(rest[:n], n == len(rest)))
+				rest = rest[n:]
+			}
+			m, err := st.Recv()
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil && m.GetRequestHeaders() != nil:
+				picked++
+			case err == nil && m.GetImmediateResponse().GetStatus().GetCode() == 503: // no room left
+			default:
+				t.Errorf("a chunked body: %v %v", m, err)
+			}
+		})
+	}
+	wg.Wait()
+	if picked == 0 {
+		t.Error("no chunked body was picked")
+	}
+	if peak := p.budget.peak.Load(); peak > 8<<20 {
+		t.Errorf("the picker held %d bytes of bodies at once, above its half of the budget (%d)", peak, 8<<20)
+	}
+}
+
+// The message bound is a stream's share of the picker's half of max_buffered_body_bytes, at
+// most a body of max_payload_size, at least 128 KiB; where the least rules, fewer streams are
+// served at once, so that the messages in flight never pass that half.
+func TestMessageBound(t *testing.T) {
+	for _, c := range []struct {
+		payload, budget    int64
+		streams            int
+		wantSize, wantMany int
+	}{
+		{32 << 20, 256 << 20, 1024, 128 << 10, 1024}, // the defaults
+		{32 << 20, 256 << 20, 2, 32<<20 + 64<<10, 2}, // few streams: a whole body in one message
+		{4 << 20, 16 << 20, 64, 128 << 10, 64},       // 8 MiB over 64
+		{1 << 20, 2 << 20, 1024, 128 << 10, 8},       // a small budget: fewer streams
+		{64 << 10, 1 << 40, 2, 64<<10 + 64<<10, 2},   // never past a body of max_payload_size
+	} {
+		cfg := config.Default()
+		cfg.MaxPayloadSize, cfg.MaxBufferedBodyBytes, cfg.EPPMaxStreams = c.payload, c.budget, c.streams
+		size, many := epp.MessageBound(cfg)
+		if size != c.wantSize || many != c.wantMany {
+			t.Errorf("payload %d, budget %d, %d streams: %d bytes, %d streams; want %d, %d", c.payload, c.budget, c.streams, size, many, c.wantSize, c.wantMany)
+		}
+		if int64(size)*int64(many) > c.budget/2 {
+			t.Errorf("payload %d, budget %d: %d streams of %d bytes pass half the budget", c.payload, c.budget, many, size)
+		}
+	}
+}
+
 // Bodies a data plane streams and abandons hold at most half of max_buffered_body_bytes: the
 // HTTP listener's bodies still find room in the budget, and the picker's share comes back when
 // the abandoned exchanges are ended.
@@ -440,7 +546,7 @@ func TestPortHoldsHalfTheBodyBudget(t *testing.T) {
 			t.Fatal(err)
 		}
 		st.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
-		st.Send(dataplane.RequestBody(bytes.Repeat([]byte(" "), n), false))
+		sendSpaces(st, n)
 		return st
 	}
 	first := abandon(1536 << 10)
@@ -461,7 +567,7 @@ func TestPortHoldsHalfTheBodyBudget(t *testing.T) {
 		t.Fatalf("the HTTP listener's body found no room while the picker holds %d bytes", p.budget.held.Load())
 	}
 	give(2 << 20)
-	if _, err := first.Recv(); status.Code(err) != codes.DeadlineExceeded {
+	if _, err := first.Recv(); status.Code(err) != grpccodes.DeadlineExceeded {
 		t.Fatalf("the abandoned body: %v", err)
 	}
 	st := requestStream(t, context.Background(), p.client(), `{"model":"m","prompt":"`+strings.Repeat("y", 1800<<10)+`"}`)
@@ -517,14 +623,14 @@ func TestPortStreamsAreBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	extra.Send(dataplane.RequestHeaders(http.MethodPost, "", "/v1/completions", nil, false))
-	if _, err := extra.Recv(); status.Code(err) != codes.ResourceExhausted {
+	if _, err := extra.Recv(); status.Code(err) != grpccodes.ResourceExhausted {
 		t.Fatalf("a fifth stream: %v, want RESOURCE_EXHAUSTED", err)
 	}
 	if n := testutil.ToFloat64(p.metrics.EPPCut.WithLabelValues("max_streams")); n != 1 {
 		t.Errorf("max_streams counted %v", n)
 	}
 	for i, st := range idle {
-		if _, err := st.Recv(); status.Code(err) != codes.DeadlineExceeded {
+		if _, err := st.Recv(); status.Code(err) != grpccodes.DeadlineExceeded {
 			t.Errorf("idle stream %d: %v, want DEADLINE_EXCEEDED after body_timeout", i, err)
 		}
 	}
@@ -748,7 +854,7 @@ func TestPortStreamedBodyEndsAtTheBodyTimeout(t *testing.T) {
 	if m, err := st.Recv(); err != nil || m.GetRequestBody() == nil {
 		t.Fatalf("the chunk's answer: %v %v", m, err)
 	}
-	if _, err := st.Recv(); status.Code(err) != codes.DeadlineExceeded || !strings.Contains(err.Error(), "body_timeout") {
+	if _, err := st.Recv(); status.Code(err) != grpccodes.DeadlineExceeded || !strings.Contains(err.Error(), "body_timeout") {
 		t.Fatalf("a body that never ends: %v, want DEADLINE_EXCEEDED at body_timeout", err)
 	}
 	if n := testutil.ToFloat64(p.metrics.EPPCut.WithLabelValues("request_phase_timeout")); n != 1 {
