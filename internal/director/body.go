@@ -8,16 +8,52 @@ import (
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/record"
+	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
 )
 
 // ForWorkers is body as ws take it: its "model" the workers' name for the request's (not on
-// SGLang's /generate, which takes none) and, on SGLang, its adapter in lora_path.
-func ForWorkers(body []byte, path, client string, sreq *policy.Request, ws ...*worker.Worker) []byte {
+// SGLang's /generate, which takes none) and, on SGLang, its adapter in lora_path and Baton's
+// own rid for the request id id (withRID).
+func ForWorkers(body []byte, path, client, id string, sreq *policy.Request, ws ...*worker.Worker) []byte {
 	if path != "/generate" {
 		body = withModel(body, client, WorkerModel(sreq, ws...))
 	}
-	return withLoRAPath(body, sreq, ws...)
+	return withRID(withLoRAPath(body, sreq, ws...), path, id, ws...)
+}
+
+// withRID is body with SGLang's "rid" Baton's own when every worker of ws is SGLang's, on the
+// routes SGLang names answers on: SGLang's request id, which names its answer ("id") and its
+// stream's every event (serving_base.py _generate_request_id takes the request's rid;
+// serving_chat.py and serving_completions.py write content["meta_info"]["id"]). A client's rid
+// would let it name its answer as it likes — after another request's id, making a worker look as
+// if it named answers after Baton's ids, whose every later answer would then be refused — or
+// reuse an id another request has in flight. Baton sets it to the route's answer prefix and the
+// request id it sends (openai.RIDFor), so that SGLang's answers are proven by their id as vLLM's are.
+// A request of many samples (n > 1, a list of prompts) gets none: SGLang names each sample
+// rid_<i> and the answer after the first (io_struct.py _normalize_rid), and mints its own ids
+// without one; the client's is removed all the same. Other bytes are untouched.
+func withRID(body []byte, path, id string, ws ...*worker.Worker) []byte {
+	r := routes.Of(path)
+	if len(ws) == 0 || r.AnswerID == "" && path != "/generate" {
+		return body
+	}
+	for _, w := range ws {
+		if w.Runtime() != config.RuntimeSGLang {
+			return body
+		}
+	}
+	var b []byte
+	var err error
+	if rid, ok := openai.RIDFor(body, path, id); ok {
+		b, err = openai.Set(body, "rid", rid)
+	} else {
+		b, err = openai.Delete(body, "rid")
+	}
+	if err != nil {
+		return body
+	}
+	return b
 }
 
 // withModel is body with its "model" the workers' name for it, when that differs from the

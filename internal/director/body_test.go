@@ -39,7 +39,7 @@ func TestBodiesForWorkers(t *testing.T) {
 		{"/v1/completions", `{"model":"base","lora_path":null}`, "base", base, []*worker.Worker{sg}, `{"model":"base","lora_path":null}`},
 		{"/v1/completions", `{"model":"alias"}`, "alias", base, []*worker.Worker{v}, `{"model":"base"}`},
 	} {
-		if got := string(ForWorkers([]byte(c.body), c.path, c.client, c.sreq, c.ws...)); got != c.want {
+		if got := string(ForWorkers([]byte(c.body), c.path, c.client, "", c.sreq, c.ws...)); got != c.want {
 			t.Errorf("%s %s to %v: %s, want %s", c.path, c.body, c.ws, got, c.want)
 		}
 	}

@@ -170,7 +170,7 @@ func (p *picker) Pick(ctx context.Context, req *Request) (*Pick, error) {
 		// base:adapter; the fields Baton owns removed (Classify), and the engine's priority
 		// written for a worker marked forward_priority (and, for a pair, its prefill alike).
 		// Other bytes stay as the client sent them.
-		out := director.WithPriority(director.ForWorkers(parsed.Body, req.Path, parsed.Model, sreq, dest), rec.Class, c.Workers()...)
+		out := director.WithPriority(director.ForWorkers(parsed.Body, req.Path, parsed.Model, rid, sreq, dest), rec.Class, c.Workers()...)
 		if len(out) != len(req.Body) || len(out) > 0 && &out[0] != &req.Body[0] {
 			pick.Body = out
 		}

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/worker"
@@ -40,7 +41,7 @@ var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (na
 //
 // The answer is judged by the worker's proof as it stood when the request was sent (proof): a
 // worker judged anew meanwhile (its circuit opened) still has the answers already under way judged.
-func (p *Proxy) correlate(out *http.Request, w *worker.Worker, proof worker.Proof, resp *http.Response, err error) (*http.Response, error) {
+func (p *Proxy) correlate(out *http.Request, body []byte, w *worker.Worker, proof worker.Proof, resp *http.Response, err error) (*http.Response, error) {
 	if err != nil {
 		return resp, err
 	}
@@ -63,7 +64,7 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, proof worker.Proo
 		return resp, nil
 	}
 	prefix := routes.Of(out.URL.Path).AnswerID
-	if prefix == "" {
+	if prefix == "" || !namedByBaton(w, out.URL.Path, body, sent) {
 		return resp, nil
 	}
 	pr := prover{ReadCloser: resp.Body, p: p, w: w, proof: proof, sent: sent, prefix: prefix, left: resp.ContentLength}
@@ -73,6 +74,25 @@ func (p *Proxy) correlate(out *http.Request, w *worker.Worker, proof worker.Proo
 		resp.Body = proving(pr)
 	}
 	return resp, nil
+}
+
+// namedByBaton reports an answer whose id its engine is known to name after the id Baton chose
+// for it, so that the answer may be judged by it and its worker proven by it: vLLM's, named
+// after the X-Request-Id sent (its header wins over a client's request_id in the body,
+// _base_request_id in vllm/entrypoints/openai/engine/serving.py), and SGLang's given Baton's own
+// rid (openai.RIDFor), which its answer is named after exactly. Nothing else is: an engine of
+// another kind, or an SGLang request of many samples (no rid), names its answers its own way, or
+// after what a client put in its body — which must never prove, nor fail, a worker.
+func namedByBaton(w *worker.Worker, path string, body []byte, sent string) bool {
+	switch w.Runtime() {
+	case config.RuntimeVLLM:
+		return true
+	case config.RuntimeSGLang:
+		want, ok := openai.RIDFor(body, path, sent)
+		got, has := openai.Get(body, "rid")
+		return ok && has && bytes.Equal(got, want)
+	}
+	return false
 }
 
 // proving is pr on the heap (apart from correlate, where its address would put it there on

@@ -285,7 +285,7 @@ func TestAnAnswerOutOfStepIsJudgedBeforeItsEnd(t *testing.T) {
 // header or by its id.
 func TestAnAnswerUnderWayIsJudgedAsItsWorkerWasProvenWhenSent(t *testing.T) {
 	for _, byHeader := range []bool{true, false} {
-		w := worker.New(config.Worker{URL: "http://proven"})
+		w := worker.New(config.Worker{URL: "http://proven", Runtime: config.RuntimeVLLM})
 		if byHeader {
 			w.NoteEcho()
 		} else {
@@ -300,7 +300,7 @@ func TestAnAnswerUnderWayIsJudgedAsItsWorkerWasProvenWhenSent(t *testing.T) {
 		if !byHeader {
 			resp.Header = http.Header{}
 		}
-		got, err := (&Proxy{}).correlate(out, w, proof, resp, nil)
+		got, err := (&Proxy{}).correlate(out, []byte(`{}`), w, proof, resp, nil)
 		if err == nil {
 			var b []byte
 			b, err = io.ReadAll(got.Body)

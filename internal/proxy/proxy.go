@@ -299,7 +299,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	if tracing.Enabled() {
 		return p.sendTraced(ctx, out, leg, &c)
 	}
-	return letGo(p.exchange(out, leg, c.Rec))
+	return letGo(p.exchange(out, leg, c.Body, c.Rec))
 }
 
 // newPost is http.NewRequestWithContext(ctx, POST, w.URL+path, body), with the URL parsed once
@@ -320,12 +320,13 @@ func newPost(ctx context.Context, w *worker.Worker, path string, body io.Reader)
 	return out, nil
 }
 
-// exchange sends out to the leg's worker and proves the answer its request's (correlate), by
-// the worker's proof as it stood when the request was sent; the record learns what came.
-func (p *Proxy) exchange(out *http.Request, leg *Leg, rec *record.Record) (*http.Response, error) {
+// exchange sends out (whose body is body) to the leg's worker and proves the answer its
+// request's (correlate), by the worker's proof as it stood when the request was sent; the record
+// learns what came.
+func (p *Proxy) exchange(out *http.Request, leg *Leg, body []byte, rec *record.Record) (*http.Response, error) {
 	proof := leg.W.Proof()
 	resp, err := informational(p.Transport.RoundTrip(out))
-	resp, err = p.correlate(out, leg.W, proof, resp, err)
+	resp, err = p.correlate(out, body, leg.W, proof, resp, err)
 	given(rec, leg, resp, err)
 	return resp, err
 }
@@ -347,7 +348,7 @@ func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *
 	if leg.W.KVConnector != "" {
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
-	resp, err := p.exchange(out, leg, c.Rec)
+	resp, err := p.exchange(out, leg, c.Body, c.Rec)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, LogCause(err))
 	} else {

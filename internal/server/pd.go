@@ -144,7 +144,7 @@ func (s *Server) choosePair(r *http.Request, a *admittedPD, orig []byte, client,
 		s.d.NoteLocalPrefill(p, c.Worker)
 		return c, nil
 	}
-	body := director.ForWorkers(orig, r.URL.Path, client, p.Sel, pair.Prefill, pair.Decode)
+	body := director.ForWorkers(orig, r.URL.Path, client, r.Header.Get(openai.HeaderRequestID), p.Sel, pair.Prefill, pair.Decode)
 	if b := director.WithPriority(body, p.Rec.Class, pair.Prefill, pair.Decode); !bytes.Equal(b, req.Body) {
 		if err := req.SetBody(b); err != nil {
 			c.Release()
@@ -163,7 +163,7 @@ func (s *Server) choosePair(r *http.Request, a *admittedPD, orig []byte, client,
 //go:noinline
 func (s *Server) prefillLocally(w http.ResponseWriter, r *http.Request, a *admittedPD, c director.Choice) error {
 	wk, req, p := c.Worker, a.req, a.plan
-	call := &proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(a.preq.Body, r.URL.Path, req.Model, p.Sel, wk), p.Rec.Class, wk),
+	call := &proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(a.preq.Body, r.URL.Path, req.Model, r.Header.Get(openai.HeaderRequestID), p.Sel, wk), p.Rec.Class, wk),
 		Rec: p.Rec, Orders: a.adm.Orders, Stream: req.Stream}
 	if !s.d.DeclaredAdapter(p.Sel) {
 		return s.proxy.Forward(w, r, wk, call)

@@ -598,7 +598,7 @@ func (s *Server) callOne(r *http.Request, req *openai.Request, p *director.Plan,
 	}
 	wk, rec, sreq := c.Worker, p.Rec, p.Sel
 	p.NoteWorker(wk)
-	call := &proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, req.Model, sreq, wk), rec.Class, wk),
+	call := &proxy.Call{Path: r.URL.Path, Body: director.WithPriority(director.ForWorkers(req.Body, r.URL.Path, req.Model, r.Header.Get(openai.HeaderRequestID), sreq, wk), rec.Class, wk),
 		Rec: rec, Orders: orders, Stream: req.Stream}
 	if fallbackLeft {
 		call.Hold = []int{http.StatusBadRequest} // a context overflow goes to the fallback

@@ -17,9 +17,13 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/gwtest"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/proxy"
+	"github.com/baton-llm/baton/internal/routes"
+	"github.com/baton-llm/baton/internal/sim"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // upstreamClient sends the gateway's requests to the engines with client ("net" or "baton").
@@ -303,5 +307,70 @@ func TestAConnectionThatCarriedAnAnswerOutOfStepIsNotUsedAgain(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// SGLang names its answers after the body's rid. A client sending X-Request-Id: evil and
+// "rid":"chatcmpl-evil" made Baton take the worker for one naming answers after Baton's ids, and
+// every later answer of that worker (named by SGLang's own uuid) was refused as out of step: one
+// request took an SGLang worker out for every tenant. Baton owns rid on SGLang workers: the
+// engine is given Baton's own (the route's prefix and the request id it sends), which proves its
+// answers for real; a client's rid, and a request of many samples, never proves or fails it.
+func TestAClientsRIDNeverTakesAnSGLangWorkerOut(t *testing.T) {
+	t.Parallel()
+	e := simOf(t, sim.Config{Engine: sim.EngineSGLang})
+	var w *worker.Worker
+	_, gw, _ := gateway(t, nil, func(o *Options) {
+		w = serving(t, o, config.Worker{URL: e.URL(), Runtime: config.RuntimeSGLang, Models: []string{"m"}})
+	})
+	for _, route := range []string{"/v1/chat/completions", "/v1/completions"} {
+		prefix := routes.Of(route).AnswerID
+		body := `{"model":"m","prompt":"p","messages":[{"role":"user","content":"p"}],"max_tokens":2,"rid":"` + prefix + `evil"}`
+		for i, stream := range []string{"false", "true"} {
+			b := strings.Replace(body, `"max_tokens":2`, `"max_tokens":2,"stream":`+stream, 1)
+			resp, answer := post(t, gw+route, b, "X-Request-Id", "evil")
+			if resp.StatusCode != 200 {
+				t.Fatalf("%s (stream %s): %d %s", route, stream, resp.StatusCode, answer)
+			}
+			// Then other clients, without a rid, with one of their own, with many samples.
+			for j, other := range []string{
+				`{"model":"m","prompt":"q","messages":[{"role":"user","content":"q"}],"max_tokens":2,"stream":` + stream + `}`,
+				`{"model":"m","prompt":"q","messages":[{"role":"user","content":"q"}],"max_tokens":2,"stream":` + stream + `,"rid":"mine"}`,
+				`{"model":"m","prompt":"q","messages":[{"role":"user","content":"q"}],"max_tokens":2,"stream":` + stream + `,"n":2}`,
+			} {
+				id := fmt.Sprintf("other-%d-%d", i, j)
+				resp, answer := post(t, gw+route, other, "X-Request-Id", id)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%s (stream %s), another client's request %d after a client's rid: %d %s", route, stream, j, resp.StatusCode, answer)
+				}
+				if j < 2 && !strings.Contains(answer, `"id":"`+prefix+id+`"`) {
+					t.Errorf("%s: an answer not named after Baton's rid: %s", route, answer)
+				}
+			}
+		}
+	}
+	if !w.IDEchoes() {
+		t.Error("the SGLang worker was not proven by the ids Baton gave its requests")
+	}
+}
+
+// A worker of no known kind is never proven by the id its answers carry, whatever the answers
+// say: an engine of its own ways (or a client's field it reads) names them, not Baton.
+func TestAWorkerOfNoKnownKindIsNotProvenByItsAnswersID(t *testing.T) {
+	t.Parallel()
+	url := engine(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"id":"cmpl-`+r.Header.Get("X-Request-Id")+`","choices":[{"index":0,"text":"x"}]}`)
+	})
+	var w *worker.Worker
+	_, gw, _ := gateway(t, nil, func(o *Options) {
+		w = serving(t, o, config.Worker{URL: url, Runtime: config.RuntimeGeneric, Models: []string{"m"}})
+	})
+	if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"p"}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	if w.IDEchoes() {
+		t.Error("a generic worker was proven by its answer's id")
 	}
 }

@@ -108,6 +108,8 @@ type rawRequest struct {
 	DisaggPrefillDPRank *int            `json:"disagg_prefill_dp_rank"`
 	ReturnLogprob       bool            `json:"return_logprob"`
 	Priority            *int64          `json:"priority"`
+	// RID is SGLang's request id, which names its answers (vLLM has none).
+	RID json.RawMessage `json:"rid"`
 	template
 }
 
@@ -542,14 +544,43 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 	if aerr := e.pickRank(j, &raw, r); aerr != nil {
 		return nil, aerr
 	}
-	rid := r.Header.Get("X-Request-Id")
-	if rid == "" {
-		rid = randHex(8)
-	}
 	prefix := map[route]string{routeChat: "chatcmpl-", routeCompletions: "cmpl-", routeResponses: "resp_", routeGenerate: "", routeMessages: "msg_"}[rt]
-	j.id = prefix + rid
+	if rid, ok := e.sglangAnswerID(raw.RID, rt, j); ok {
+		j.id = rid
+	} else {
+		rid := r.Header.Get("X-Request-Id")
+		if rid == "" {
+			rid = randHex(8)
+		}
+		j.id = prefix + rid
+	}
 	j.reqID = j.id + "-" + randHex(4) // vLLM ≥ 0.14 randomizes internal ids
 	return j, nil
+}
+
+// sglangAnswerID is the id an SGLang engine names a request's answer with on its OpenAI routes
+// and /generate, and true; false on vLLM. SGLang takes the body's rid and never the
+// X-Request-Id header (serving_base.py _generate_request_id: the request's rid, else the route's
+// prefix and a fresh uuid4; /generate's meta_info id is the rid, else a uuid4 hex); a request of
+// many samples names each rid_<i> and its answer after the first (io_struct.py _normalize_rid).
+func (e *Engine) sglangAnswerID(rawRID json.RawMessage, rt route, j *job) (string, bool) {
+	if e.cfg.Engine != EngineSGLang || rt == routeResponses || rt == routeMessages {
+		return "", false
+	}
+	var rid string
+	if json.Unmarshal(rawRID, &rid) != nil || rid == "" {
+		switch rt {
+		case routeChat:
+			return "chatcmpl-" + randHex(16), true
+		case routeCompletions:
+			return "cmpl-" + randHex(16), true
+		}
+		return randHex(16), true
+	}
+	if j.n > 1 || len(j.items) > 1 {
+		return rid + "_0", true
+	}
+	return rid, true
 }
 
 func firstInt(ps ...*int) int {
