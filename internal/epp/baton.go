@@ -125,7 +125,18 @@ func (p *picker) Pick(ctx context.Context, req *Request) (*Pick, error) {
 			return refuse(&openai.Error{Status: http.StatusServiceUnavailable, Code: openai.CodeNoEndpointInSubset,
 				Message: "the proxy's subset of endpoints for this request is empty"})
 		}
-		sreq.Allow = subsetAllow(req.Subset, p.reg.Snapshot().Workers)
+		workers := p.reg.Snapshot().Workers
+		sreq.Allow = subsetAllow(req.Subset, workers)
+		if disagg && !slices.ContainsFunc(workers, func(w *worker.Worker) bool {
+			return w.Role == config.RolePrefill && w.Available() && sreq.Allow(w)
+		}) {
+			// The hint names no prefill that could serve: a decode it names serves alone, as
+			// llm-d's picker answers (no x-prefiller-host-port). The protocol's 503 is for a hint
+			// of which no endpoint is eligible; an SGLang decode, which cannot serve without a
+			// prefill's bootstrap, is not.
+			inSubset := sreq.Allow
+			plan.Pair, sreq.Allow = false, func(w *worker.Worker) bool { return inSubset(w) && w.Runtime() != config.RuntimeSGLang }
+		}
 	}
 	if class == admit.Batch && p.saturated(role, model, sreq.Allow) {
 		return refuse(&openai.Error{Status: http.StatusTooManyRequests, Code: openai.CodeRequestShed, RetryAfter: "1",

@@ -148,3 +148,67 @@ func TestPickerChoosesAndRefuses(t *testing.T) {
 		t.Errorf("no ready worker: %v", err)
 	}
 }
+
+// In PD mode a subset hint naming only a vLLM decode gets that decode, which serves alone (no
+// x-prefiller-host-port), as llm-d's picker answers; a hint naming a prefill too gets the pair;
+// a hint naming only an SGLang decode, which cannot serve without a prefill, is the protocol's
+// 503.
+func TestPickerSubsetOfADecodeInPDMode(t *testing.T) {
+	var ws []*worker.Worker
+	for _, c := range []config.Worker{
+		{URL: "http://10.0.0.1:8000", Role: config.RolePrefill, Runtime: config.RuntimeVLLM},
+		{URL: "http://10.0.0.2:8000", Role: config.RoleDecode, Runtime: config.RuntimeVLLM},
+		{URL: "http://10.0.0.3:8000", Role: config.RoleDecode, Runtime: config.RuntimeSGLang},
+	} {
+		c.Models = []string{"m"}
+		w := worker.New(c)
+		w.SetInfo(&worker.Info{Runtime: c.Runtime, Models: []worker.Model{{ID: "m"}}})
+		w.SetReady(true)
+		ws = append(ws, w)
+	}
+	prefill, decode, sglang := ws[0], ws[1], ws[2]
+	reg := worker.NewRegistry(ws...)
+	m := metrics.New(reg)
+	policies := map[string]policy.Policy{}
+	for _, role := range []string{config.RolePrefill, config.RoleDecode} {
+		rr, err := policy.New(config.PolicyRoundRobin, config.Default())
+		if err != nil {
+			t.Fatal(err)
+		}
+		policies[role] = rr
+	}
+	d := director.New(director.Options{Registry: reg, Metrics: m, MaxBatchSize: 8, PD: true,
+		Selector: &policy.Selector{Registry: reg, Policies: policies},
+		Models:   func() (map[string]config.ModelConfig, string) { return nil, "" }})
+	h := &host{}
+	p := NewPicker(d, m, h, Options{Fallbacks: 2})
+	ask := func(subset ...string) (*Pick, error) {
+		return p.Pick(context.Background(), &Request{Method: http.MethodPost, Path: "/v1/completions", Header: http.Header{},
+			Body: []byte(`{"model":"m","prompt":"x"}`), HasSubset: true, Subset: subset})
+	}
+	for _, c := range []struct {
+		name        string
+		subset      []string
+		dest, pfill string
+	}{
+		{"the vLLM decode alone", []string{decode.Endpoint}, decode.Endpoint, ""},
+		{"the decode and the prefill", []string{decode.Endpoint, prefill.Endpoint}, decode.Endpoint, prefill.Endpoint},
+	} {
+		pick, err := ask(c.subset...)
+		if err != nil {
+			t.Errorf("%s: %v", c.name, err)
+			continue
+		}
+		if !slices.Equal(pick.Endpoints, []string{c.dest}) || pick.Prefill != c.pfill {
+			t.Errorf("%s: endpoints %v, prefill %q; want [%s], %q", c.name, pick.Endpoints, pick.Prefill, c.dest, c.pfill)
+		}
+		pick.Done(Outcome{Status: 200})
+	}
+	_, err := ask(sglang.Endpoint)
+	if e, ok := errors.AsType[*openai.Error](err); !ok || e.Status != 503 || e.Code != openai.CodeNoEndpointInSubset {
+		t.Errorf("the SGLang decode alone: %v, want 503 %s", err, openai.CodeNoEndpointInSubset)
+	}
+	if h.InFlight() != 0 {
+		t.Errorf("%d left in flight", h.InFlight())
+	}
+}
