@@ -1,12 +1,15 @@
 package director
 
 import (
+	"fmt"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/baton-llm/baton/internal/advisor"
 	"github.com/baton-llm/baton/internal/config"
+	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/pd"
 	"github.com/baton-llm/baton/internal/record"
 )
@@ -60,19 +63,22 @@ func (d *Director) fleetSplit() (prefill, decode int) {
 
 // Advice is the advisor's answer for a fleet of total workers (0: the fleet's) and SLOs (0:
 // the configuration's), beside the fleet's current split and threshold. Advising must hold.
+//
+// The fleet's own answer (every argument 0) is made once per AdviceTTL under adviceMu. A
+// what-if (any argument set) is made fresh from its own copy of the window (Advisor.Fit holds
+// the advisor's lock only while it copies the samples) and holds no lock while it replays the
+// load: a scrape of /metrics, which asks for the fleet's answer, never waits behind one.
 func (d *Director) Advice(total int, ttft, tpot time.Duration) advisor.Advice {
+	if total > 0 || ttft > 0 || tpot > 0 {
+		return d.advise(total, ttft, tpot)
+	}
 	d.adviceMu.Lock()
 	defer d.adviceMu.Unlock()
 	now := time.Now()
-	fleet := total <= 0 && ttft <= 0 && tpot <= 0
-	if fleet && !d.advice.at.IsZero() && now.Sub(d.advice.at) < AdviceTTL {
-		return d.advice.a
+	if d.advice.at.IsZero() || now.Sub(d.advice.at) >= AdviceTTL {
+		d.advice = cachedAdvice{a: d.advise(0, 0, 0), at: now}
 	}
-	a := d.advise(total, ttft, tpot)
-	if fleet {
-		d.advice = cachedAdvice{a: a, at: now}
-	}
-	return a
+	return d.advice.a
 }
 
 // AdviceTTL is how long the fleet's advice (what /metrics and the status page show) is reused:
@@ -102,14 +108,69 @@ func (d *Director) advise(total int, ttft, tpot time.Duration) advisor.Advice {
 	return d.o.Advisor.Fit().Advise(total, p, dc, d.LocalPrefillThreshold(), slo)
 }
 
-// AdviceFor answers a what-if read from a URL's raw query (advisor.ParseQuery); param and msg
-// say what is wrong with a query it refuses.
-func (d *Director) AdviceFor(rawQuery string) (a advisor.Advice, param, msg string) {
+// AdviceFor answers a what-if read from a URL's raw query (advisor.ParseQuery) asked by client
+// (an address: the bound is per address); the error is the answer to give instead: a query it
+// cannot read (400), or one past the what-ifs answered at once (429). A query without
+// parameters is the fleet's own answer, never refused.
+func (d *Director) AdviceFor(client, rawQuery string) (advisor.Advice, *openai.Error) {
 	q, err := advisor.ParseQuery(rawQuery)
 	if err != nil {
-		return a, err.Param, err.Message
+		return advisor.Advice{}, &openai.Error{Status: statusBadRequest, Code: openai.CodeInvalidRequest, Param: err.Param, Message: err.Message}
 	}
-	return d.Advice(q.Total, q.TTFT, q.TPOT), "", ""
+	if q != (advisor.Query{}) {
+		release, refusal := d.whatIfs.acquire(client)
+		if refusal != nil {
+			return advisor.Advice{}, refusal
+		}
+		defer release()
+	}
+	return d.Advice(q.Total, q.TTFT, q.TPOT), nil
+}
+
+// The what-ifs answered at once: each replays the window's load for every split of the fleet
+// it asks about (up to tens of milliseconds of a core), so a client looping on them would take
+// the CPU the gateway serves with; the bound per client keeps one from holding every slot.
+const (
+	MaxWhatIfsPerClient = 2
+	MaxWhatIfs          = 4
+)
+
+// whatIfs counts the what-ifs being answered, in all and by client. The zero value is ready; a
+// client's count is dropped when it falls to 0, so it holds at most MaxWhatIfs clients.
+type whatIfs struct {
+	mu       sync.Mutex
+	all      int
+	byClient map[string]int
+}
+
+// acquire takes a slot for a what-if from client and returns how to give it back; past either
+// bound it takes nothing and returns the refusal to answer with.
+func (l *whatIfs) acquire(client string) (release func(), refusal *openai.Error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case l.byClient[client] >= MaxWhatIfsPerClient:
+		return nil, whatIfRefusal(fmt.Sprintf("this client has %d PD what-ifs being answered, as many as it may: ask again once one is", MaxWhatIfsPerClient))
+	case l.all >= MaxWhatIfs:
+		return nil, whatIfRefusal(fmt.Sprintf("%d PD what-ifs are being answered, as many as Baton answers at once: ask again once one is", MaxWhatIfs))
+	}
+	if l.byClient == nil {
+		l.byClient = map[string]int{}
+	}
+	l.all++
+	l.byClient[client]++
+	return func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.all--
+		if l.byClient[client]--; l.byClient[client] == 0 {
+			delete(l.byClient, client)
+		}
+	}, nil
+}
+
+func whatIfRefusal(msg string) *openai.Error {
+	return &openai.Error{Status: statusTooManyRequests, Code: openai.CodeTooManyWhatIfs, RetryAfter: "1", Message: msg}
 }
 
 // AdviceCollector is the advisor's metrics for the fleet as it stands and the configured SLOs,

@@ -76,10 +76,12 @@ type Director struct {
 	// prefillWholes counts the PD requests an idle prefill served whole (the mirror case).
 	prefillWholes atomic.Int64
 	// advice is the advisor's last answer for the fleet as it stands (Advice(0, 0, 0): what
-	// /metrics and the status page show), reused for AdviceTTL; adviceMu makes one answer at a
-	// time (a flood of scrapes or what-ifs takes at most one core).
+	// /metrics and the status page show), reused for AdviceTTL; adviceMu makes it one answer at
+	// a time (a flood of scrapes takes at most one core). A what-if never takes it: whatIfs
+	// bounds those instead (AdviceFor).
 	adviceMu sync.Mutex
 	advice   cachedAdvice
+	whatIfs  whatIfs
 }
 
 // New returns a director with o.

@@ -50,6 +50,7 @@ var CodeDocs = []CodeDoc{
 	{Status: "503", Codes: []string{CodeAdapterLoadFailed}, When: "the request's LoRA adapter could not be loaded on the worker chosen (the engine refused it, or `--adapter-load-timeout` passed): the adapter, the worker and the engine's reason named; `Retry-After: 1`"},
 	{Status: "503", Codes: []string{CodeQueueFull}, When: "every slot is taken and the request's priority class queue is full (`Retry-After`)"},
 	{Status: "503", Codes: []string{CodeNoEndpointInSubset}, When: "`baton epp`: the gateway's subset hint is empty, or none of its endpoints can serve the request"},
+	{Status: "429", Codes: []string{CodeTooManyWhatIfs}, When: "`GET /pd/advice`: a what-if while 2 of the same client's (4 in all) are being answered (`Retry-After: 1`)"},
 	{Status: "429", Codes: []string{CodeRequestShed}, When: "`baton epp`: a `batch` request while every worker that could serve it is saturated (`Retry-After`)"},
 	{Status: "504", Codes: []string{CodeQueueTimeout}, When: "the request waited its class's queue timeout for a slot (`Retry-After`); 504 because OpenAI's SDKs retry it, as they do every 5xx (a 408 would blame the client)"},
 	{Status: "400", Codes: []string{CodeModelRequired}, When: "the request names no model and there is no `default_model`; or a tenant held to some `models` sent `/generate` without `model`"},

@@ -82,6 +82,10 @@ const (
 	CodeInvalidPriority = "invalid_priority"
 	CodeInternalError   = "internal_error"
 
+	// CodeTooManyWhatIfs: GET /pd/advice asked a what-if while its client, or all clients, had
+	// as many being answered as Baton answers at once.
+	CodeTooManyWhatIfs = "too_many_what_ifs"
+
 	// The admin API's.
 	CodeWorkerExists   = "worker_already_exists"
 	CodeWorkerNotFound = "worker_not_found"
