@@ -271,12 +271,12 @@ func (d *Director) Admit(ctx context.Context, rec *record.Record, preq *pd.Reque
 		return a, false
 	}
 	if a.ls != nil {
-		a.Orders = proxy.Orders{CountEvents: rec.ByEvents, StripUsage: a.ls.strip}
+		a.Orders = proxy.Orders{CountUsage: rec.ByStreamUsage, StripUsage: a.ls.ask.include, AskedEach: a.ls.ask.each, ClientEach: a.ls.ask.clientEach}
 	}
 	if d.o.Advisor != nil && req.Stream && !a.Orders.StripUsage && routes.Of(preq.Path).StreamOptions {
 		// The advisor fits the decodes' pace from streams' usage: a stream not asking for it
 		// asks the engine, the relay keeping it from the client (as for a tenant's).
-		if body, asked := askUsage(req.Body); asked && req.SetBody(body) == nil {
+		if body, ask := askUsage(req.Body, false); ask.include && req.SetBody(body) == nil {
 			a.Orders.StripUsage = true
 		}
 	}

@@ -119,10 +119,10 @@ type lease struct {
 	// counted: estimate is the engines' own count (a cached /tokenize answer), not the body's
 	// bytes / 4.
 	counted bool
-	// strip: Baton asked the engine for the stream's usage, which the client did not
-	// (proxy.Orders.StripUsage).
-	strip bool
-	req   *pd.Request
+	// ask is what Baton asked the engine of the stream's usage beyond what the client did
+	// (proxy.Orders).
+	ask usageAsk
+	req *pd.Request
 }
 
 // admitTenant checks the request against its tenant: a model the tenant may not use is 404
@@ -152,8 +152,8 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 		// Nothing to limit, but the tenant's tokens are counted (baton_tenant_tokens_total): a
 		// stream not asking for usage asks the engine for it, the relay keeping it from the client.
 		if req.Stream && routes.Of(path).StreamOptions {
-			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
-				return &lease{strip: true}, shown, nil, true
+			if body, ask := askUsage(req.Body, false); ask.include && req.SetBody(body) == nil {
+				return &lease{ask: ask}, shown, nil, true
 			}
 		}
 		return nil, shown, nil, true
@@ -207,10 +207,13 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 	l := &lease{ls: leases, estimate: prompt, completion: completion, counted: est.counted, req: preq}
 	rec.Reserved = true
 	if req.Stream {
-		rec.ByEvents = true
+		rec.ByStreamUsage = true
 		if tight != nil && routes.Of(path).StreamOptions {
-			if body, ok := askUsage(req.Body); ok && req.SetBody(body) == nil {
-				l.strip = true
+			// Under a token limit the engine reports the completion on every event, so that a
+			// stream cut short is charged what was generated, however many tokens an event
+			// carried and whatever they were (reasoning, tool-call arguments).
+			if body, ask := askUsage(req.Body, true); (ask.include || ask.each) && req.SetBody(body) == nil {
+				l.ask = ask
 			}
 		}
 	}
@@ -479,23 +482,51 @@ func writeBudget(body []byte, path string, b budgetOf) ([]byte, error) {
 	return openai.Set(body, "sampling_params", sp)
 }
 
-// askUsage returns body with stream_options.include_usage true, and whether Baton had to set it
-// (the client had not asked for usage).
-func askUsage(body []byte) ([]byte, bool) {
+// usageAsk is what Baton asked of a stream's usage beyond what its client asked: include, the
+// usage-only event (stream_options.include_usage); each, usage on every event
+// (continuous_usage_stats), which clientEach says the client had asked already.
+type usageAsk struct {
+	include, each, clientEach bool
+}
+
+// askUsage returns body with stream_options.include_usage true — and continuous_usage_stats
+// true when each, which vLLM and SGLang both take (vLLM's should_include_usage,
+// vllm/entrypoints/openai/serving_engine.py; SGLang's serving_chat.py and
+// serving_completions.py) — and what Baton had to set. A stream_options that is no object is
+// the engine's to refuse: nothing is asked.
+func askUsage(body []byte, each bool) ([]byte, usageAsk) {
+	var ask usageAsk
 	opts, ok := openai.Get(body, "stream_options")
-	if ok && !bytes.Equal(bytes.TrimSpace(opts), []byte("null")) {
-		if v, ok := openai.Get(opts, "include_usage"); ok && bytes.Equal(bytes.TrimSpace(v), []byte("true")) {
-			return body, false
-		}
-		o, err := openai.Set(opts, "include_usage", []byte("true"))
-		if err != nil {
-			return body, false
-		}
-		out, err := openai.Set(body, "stream_options", o)
-		return out, err == nil
+	if !ok || bytes.Equal(bytes.TrimSpace(opts), []byte("null")) {
+		opts = []byte("{}")
 	}
-	out, err := openai.Set(body, "stream_options", []byte(`{"include_usage":true}`))
-	return out, err == nil
+	if len(opts) == 0 || opts[0] != '{' {
+		return body, ask
+	}
+	isTrue := func(key string) bool {
+		v, ok := openai.Get(opts, key)
+		return ok && bytes.Equal(bytes.TrimSpace(v), []byte("true"))
+	}
+	var sets []openai.Field
+	if !isTrue("include_usage") {
+		sets, ask.include = append(sets, openai.Field{Key: "include_usage", Value: []byte("true")}), true
+	}
+	ask.clientEach = isTrue("continuous_usage_stats")
+	if each && !ask.clientEach {
+		sets, ask.each = append(sets, openai.Field{Key: "continuous_usage_stats", Value: []byte("true")}), true
+	}
+	if len(sets) == 0 {
+		return body, usageAsk{}
+	}
+	o, err := openai.Edit(opts, sets, nil)
+	if err != nil {
+		return body, usageAsk{}
+	}
+	out, err := openai.Set(body, "stream_options", o)
+	if err != nil {
+		return body, usageAsk{}
+	}
+	return out, ask
 }
 
 // settleTenant settles a request's lease with what it cost by what the engines did

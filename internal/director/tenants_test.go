@@ -554,16 +554,19 @@ func TestAdmitStreamsAskUsage(t *testing.T) {
 		orders          proxy.Orders
 		options         string // the body's stream_options after, "-" for none
 	}{
-		{"key-a", "/v1/chat/completions", `{"model":"m","messages":[],"max_tokens":5,"stream":true}`, proxy.Orders{CountEvents: true, StripUsage: true}, `{"include_usage":true}`},
+		{"key-a", "/v1/chat/completions", `{"model":"m","messages":[],"max_tokens":5,"stream":true}`, proxy.Orders{CountUsage: true, StripUsage: true, AskedEach: true},
+			`{"include_usage":true,"continuous_usage_stats":true}`},
 		{"key-a", "/v1/completions", `{"model":"m","prompt":"x","max_tokens":5,"stream":true,"stream_options":{"continuous_usage_stats":true}}`,
-			proxy.Orders{CountEvents: true, StripUsage: true}, `{"continuous_usage_stats":true,"include_usage":true}`},
+			proxy.Orders{CountUsage: true, StripUsage: true, ClientEach: true}, `{"continuous_usage_stats":true,"include_usage":true}`},
 		{"key-a", "/v1/chat/completions", `{"model":"m","messages":[],"max_tokens":5,"stream":true,"stream_options":{"include_usage":false}}`,
-			proxy.Orders{CountEvents: true, StripUsage: true}, `{"include_usage":true}`},
+			proxy.Orders{CountUsage: true, StripUsage: true, AskedEach: true}, `{"include_usage":true,"continuous_usage_stats":true}`},
 		{"key-a", "/v1/chat/completions", `{"model":"m","messages":[],"max_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`,
-			proxy.Orders{CountEvents: true}, `{"include_usage":true}`},
-		{"key-a", "/v1/messages", `{"model":"m","messages":[],"max_tokens":5,"stream":true}`, proxy.Orders{CountEvents: true}, "-"},
+			proxy.Orders{CountUsage: true, AskedEach: true}, `{"include_usage":true,"continuous_usage_stats":true}`},
+		{"key-a", "/v1/chat/completions", `{"model":"m","messages":[],"max_tokens":5,"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`,
+			proxy.Orders{CountUsage: true}, `{"include_usage":true,"continuous_usage_stats":true}`},
+		{"key-a", "/v1/messages", `{"model":"m","messages":[],"max_tokens":5,"stream":true}`, proxy.Orders{CountUsage: true}, "-"},
 		{"key-a", "/v1/chat/completions", `{"model":"m","messages":[],"max_tokens":5}`, proxy.Orders{}, "-"},
-		{"key-r", "/v1/chat/completions", `{"model":"m","messages":[],"stream":true}`, proxy.Orders{CountEvents: true}, "-"},
+		{"key-r", "/v1/chat/completions", `{"model":"m","messages":[],"stream":true}`, proxy.Orders{CountUsage: true}, "-"},
 	} {
 		x := f.admitAs(t, c.key, c.path, c.body, "", "")
 		x.a.End()
@@ -575,8 +578,8 @@ func TestAdmitStreamsAskUsage(t *testing.T) {
 		if v, ok := x.preq.Get("stream_options"); ok {
 			opts = string(v)
 		}
-		if x.a.Orders != c.orders || x.rec.ByEvents != c.orders.CountEvents || opts != c.options {
-			t.Errorf("%s %s: orders %+v, by events %v, stream_options %s; want %+v, %s", c.path, c.body, x.a.Orders, x.rec.ByEvents, opts, c.orders, c.options)
+		if x.a.Orders != c.orders || x.rec.ByStreamUsage != c.orders.CountUsage || opts != c.options {
+			t.Errorf("%s %s: orders %+v, by stream usage %v, stream_options %s; want %+v, %s", c.path, c.body, x.a.Orders, x.rec.ByStreamUsage, opts, c.orders, c.options)
 		}
 	}
 }
@@ -944,19 +947,25 @@ func TestWriteBudget(t *testing.T) {
 func TestAskUsage(t *testing.T) {
 	for _, c := range []struct {
 		body, want string
-		set        bool
+		each       bool
+		ask        usageAsk
 	}{
-		{`{"stream":true}`, `{"stream":true,"stream_options":{"include_usage":true}}`, true},
-		{`{"stream":true,"stream_options":null}`, `{"stream":true,"stream_options":{"include_usage":true}}`, true},
-		{`{"stream_options":{"include_usage":true},"stream":true}`, `{"stream_options":{"include_usage":true},"stream":true}`, false},
-		{`{"stream_options":{"include_usage": true }}`, `{"stream_options":{"include_usage": true }}`, false},
-		{`{"stream_options":{"include_usage":false}}`, `{"stream_options":{"include_usage":true}}`, true},
-		{`{"stream_options":{"continuous_usage_stats":true}}`, `{"stream_options":{"continuous_usage_stats":true,"include_usage":true}}`, true},
-		{`{"stream_options":"x"}`, `{"stream_options":"x"}`, false},
+		{`{"stream":true}`, `{"stream":true,"stream_options":{"include_usage":true}}`, false, usageAsk{include: true}},
+		{`{"stream":true,"stream_options":null}`, `{"stream":true,"stream_options":{"include_usage":true}}`, false, usageAsk{include: true}},
+		{`{"stream_options":{"include_usage":true},"stream":true}`, `{"stream_options":{"include_usage":true},"stream":true}`, false, usageAsk{}},
+		{`{"stream_options":{"include_usage": true }}`, `{"stream_options":{"include_usage": true }}`, false, usageAsk{}},
+		{`{"stream_options":{"include_usage":false}}`, `{"stream_options":{"include_usage":true}}`, false, usageAsk{include: true}},
+		{`{"stream_options":{"continuous_usage_stats":true}}`, `{"stream_options":{"continuous_usage_stats":true,"include_usage":true}}`, false, usageAsk{include: true, clientEach: true}},
+		{`{"stream_options":"x"}`, `{"stream_options":"x"}`, false, usageAsk{}},
+		{`{"stream":true}`, `{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, true, usageAsk{include: true, each: true}},
+		{`{"stream_options":{"include_usage":true}}`, `{"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, true, usageAsk{each: true}},
+		{`{"stream_options":{"continuous_usage_stats":false,"include_usage":true}}`, `{"stream_options":{"continuous_usage_stats":true,"include_usage":true}}`, true, usageAsk{each: true}},
+		{`{"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, `{"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, true, usageAsk{}},
+		{`{"stream_options":{"continuous_usage_stats":true}}`, `{"stream_options":{"continuous_usage_stats":true,"include_usage":true}}`, true, usageAsk{include: true, clientEach: true}},
 	} {
-		got, set := askUsage([]byte(c.body))
-		if string(got) != c.want || set != c.set {
-			t.Errorf("%s: %s, %v; want %s, %v", c.body, got, set, c.want, c.set)
+		got, ask := askUsage([]byte(c.body), c.each)
+		if string(got) != c.want || ask != c.ask {
+			t.Errorf("%s (each %v): %s, %+v; want %s, %+v", c.body, c.each, got, ask, c.want, c.ask)
 		}
 	}
 }

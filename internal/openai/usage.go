@@ -141,27 +141,6 @@ func usageOnly(ev []byte) bool {
 	return ok
 }
 
-// CarriesTokens reports whether a stream event carries generated text: a non-empty "content",
-// "text" or "delta" string (chat, completions and /generate, Anthropic's and the Responses API's
-// deltas). It counts the tokens of a stream that ended without usage, one per event — exact for
-// engines that send each token as it is made, as vLLM and SGLang do unless a reader lags.
-func CarriesTokens(ev []byte) bool {
-	for _, key := range [][]byte{[]byte(`"content":"`), []byte(`"text":"`), []byte(`"delta":"`)} {
-		b := ev
-		for {
-			i := bytes.Index(b, key)
-			if i < 0 {
-				break
-			}
-			b = b[i+len(key):]
-			if len(b) > 0 && b[0] != '"' {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 // closingBrace is the index of the brace closing the object b starts with, -1 when cut off.
 func closingBrace(b []byte) int {
 	depth, inString := 0, false
@@ -181,4 +160,54 @@ func closingBrace(b []byte) int {
 		}
 	}
 	return -1
+}
+
+// ChoiceIndex reads the index of the choice a stream event carries — the first "index" of its
+// "choices" array, where vLLM and SGLang write it — and false for an event of no choice (the
+// usage-only event, another API's event).
+func ChoiceIndex(ev []byte) (int, bool) {
+	i := bytes.Index(ev, []byte(`"choices":`))
+	if i < 0 {
+		return 0, false
+	}
+	rest := bytes.TrimLeft(ev[i+len(`"choices":`):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != '[' {
+		return 0, false
+	}
+	if r := bytes.TrimLeft(rest[1:], " \t\r\n"); len(r) == 0 || r[0] != '{' {
+		return 0, false // empty choices
+	}
+	return intAfter(rest, `"index":`)
+}
+
+// WithoutEventUsage is the event ev with its data's top-level "usage" written null (null) or
+// removed, every other byte as it was: the event its engine would have sent had the usage not
+// been asked of it. An event whose data is not one JSON object on one data line is returned as
+// it is.
+func WithoutEventUsage(ev []byte, null bool) []byte {
+	var data []byte
+	rest, lines := ev, 0
+	for len(rest) > 0 {
+		var line []byte
+		line, _, rest = nextLine(rest)
+		if d, found := DataValue(line); found {
+			data, lines = d, lines+1
+		}
+	}
+	if lines != 1 || len(data) == 0 || data[0] != '{' {
+		return ev
+	}
+	var edited []byte
+	var err error
+	if null {
+		edited, err = Set(data, "usage", []byte("null"))
+	} else {
+		edited, err = Delete(data, "usage")
+	}
+	if err != nil {
+		return ev
+	}
+	off := cap(ev) - cap(data) // data is a part of ev
+	out := make([]byte, 0, len(ev)-len(data)+len(edited))
+	return append(append(append(out, ev[:off]...), edited...), ev[off+len(data):]...)
 }

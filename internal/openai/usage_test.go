@@ -83,3 +83,42 @@ func TestAUsageOnlyEventIsReadByItsTopLevelMembers(t *testing.T) {
 		t.Errorf("%q not taken for a usage-only event", ev)
 	}
 }
+
+func TestChoiceIndex(t *testing.T) {
+	for ev, want := range map[string]int{
+		`data: {"id":"x","choices":[{"index":3,"delta":{"content":"a"}}],"usage":{"completion_tokens":2}}`: 3,
+		`data: {"id":"x","choices": [ {"index": 0,"text":"a"}]}`:                                           0,
+		`data: {"id":"x","choices":[],"usage":{"completion_tokens":2}}`:                                    -1,
+		`data: {"type":"message_delta","usage":{"output_tokens":2}}`:                                       -1,
+	} {
+		i, ok := ChoiceIndex([]byte(ev))
+		if !ok {
+			i = -1
+		}
+		if i != want {
+			t.Errorf("ChoiceIndex(%s) = %d, want %d", ev, i, want)
+		}
+	}
+}
+
+// The usage Baton asked of every event is taken out as the engine would have written the event
+// without it: vLLM leaves the member out, SGLang writes it null; every other byte unchanged, an
+// event Baton cannot edit plainly left whole.
+func TestWithoutEventUsage(t *testing.T) {
+	for _, c := range []struct {
+		ev   string
+		null bool
+		want string
+	}{
+		{"data: {\"id\":\"a\",\"choices\":[{\"index\":0}],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\n\n", false, "data: {\"id\":\"a\",\"choices\":[{\"index\":0}]}\n\n"},
+		{"data: {\"id\":\"a\",\"choices\":[{\"index\":0}],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\n\n", true, "data: {\"id\":\"a\",\"choices\":[{\"index\":0}],\"usage\":null}\n\n"},
+		{"data:{\"usage\":{\"completion_tokens\":2},\"x\":18446744073709551617,\"u\":\"\\u00e9\"}\r\n\r\n", false, "data:{\"x\":18446744073709551617,\"u\":\"\\u00e9\"}\r\n\r\n"},
+		{": c\ndata: {\"usage\":{\"completion_tokens\":2},\"id\":\"a\"}\n\n", false, ": c\ndata: {\"id\":\"a\"}\n\n"},
+		{"data: {\"a\":1,\ndata: \"usage\":{}}\n\n", false, "data: {\"a\":1,\ndata: \"usage\":{}}\n\n"},
+		{"data: [DONE]\n\n", false, "data: [DONE]\n\n"},
+	} {
+		if got := string(WithoutEventUsage([]byte(c.ev), c.null)); got != c.want {
+			t.Errorf("WithoutEventUsage(%q, %v) = %q, want %q", c.ev, c.null, got, c.want)
+		}
+	}
+}

@@ -127,7 +127,7 @@ func (l *legs) relay(dresp *http.Response, eventT, bodyT func([]byte) []byte) er
 	if bodyT != nil && !isStream(dresp) {
 		err = relayBody(l.req.Rec, l.rw, dresp, bodyT)
 	} else {
-		err = l.x.Proxy.Relay(l.r.Context(), l.rw, dresp, eventT, l.req.Rec, l.req.Orders, l.dCancel)
+		err = l.x.Proxy.Relay(l.r.Context(), l.rw, dresp, eventT, l.req.Rec, l.req.Orders.On(l.dleg.W), l.dCancel)
 	}
 	prefillFailed := context.Cause(l.dCtx) == errPrefillFailed
 	var re *proxy.ReadError

@@ -379,7 +379,7 @@ func (s *sequence) decode(d *decoding) (started bool, err error) {
 	if d.whole {
 		err = relayBody(s.req.Rec, s.rw, d.resp, d.transform)
 	} else {
-		err = s.x.Proxy.Relay(s.r.Context(), s.rw, d.resp, d.transform, s.req.Rec, s.req.Orders, d.abort)
+		err = s.x.Proxy.Relay(s.r.Context(), s.rw, d.resp, d.transform, s.req.Rec, s.req.Orders.On(d.leg.W), d.abort)
 	}
 	return d.started, s.x.Proxy.Finish(s.r, &d.leg, d.resp.StatusCode, err)
 }

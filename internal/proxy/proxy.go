@@ -25,6 +25,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/metrics"
 	"github.com/baton-llm/baton/internal/openai"
 	"github.com/baton-llm/baton/internal/outcome"
@@ -267,13 +268,36 @@ type Call struct {
 	Stream bool
 }
 
-// Orders are what a relay is asked beyond relaying, for a tenant's accounting: CountEvents
-// counts a stream's token events into the record (a tenant's stream that ends without usage is
-// charged by them); StripUsage: Baton asked the engine for the stream's usage, which the client
-// did not: the relay reads it from the usage-only event and keeps that event from the client,
-// whose bytes stay as the engine would have sent them.
+// Orders are what a relay is asked beyond relaying, for a tenant's accounting: CountUsage reads
+// the usage a stream's events carry into the record (a tenant's stream that ends without its
+// final usage is charged the completion last reported); StripUsage: Baton asked the engine for
+// the stream's usage, which the client did not: the relay reads it from the usage-only event and
+// keeps that event from the client. AskedEach: Baton asked the engine for usage on every event
+// (continuous_usage_stats), and ClientEach says whether the client had asked it too: the relay
+// takes the usage out of every event its client would not have had it on (On, by the engine),
+// so that the client's bytes stay as the engine would have sent them.
 type Orders struct {
-	CountEvents, StripUsage bool
+	CountUsage, StripUsage bool
+	AskedEach, ClientEach  bool
+	// stripEach and nullEach are On's: the usage is taken out of every event but the usage-only
+	// one, written null where the engine writes a null usage on every event (SGLang), removed
+	// where it writes none (vLLM).
+	stripEach, nullEach bool
+}
+
+// On is o for a stream from w's engine. vLLM puts usage on every event only when both
+// include_usage and continuous_usage_stats are asked (should_include_usage,
+// vllm/entrypoints/openai/serving_engine.py) and leaves the member out otherwise; SGLang on
+// continuous_usage_stats alone, and writes "usage":null otherwise (serving_chat.py and
+// serving_completions.py dump every stream response whole).
+func (o Orders) On(w *worker.Worker) Orders {
+	if !o.AskedEach {
+		return o
+	}
+	sglang := w != nil && w.Runtime() == config.RuntimeSGLang
+	clientGets := o.ClientEach && (!o.StripUsage || sglang)
+	o.stripEach, o.nullEach = !clientGets, sglang
+	return o
 }
 
 // Send POSTs c to the leg's worker with the client's allowlisted headers, under ctx.
@@ -441,7 +465,7 @@ func (p *Proxy) Forward(rw http.ResponseWriter, r *http.Request, w *worker.Worke
 		return err
 	}
 	defer f.close()
-	return p.Finish(r, &f.leg, f.resp.StatusCode, p.Relay(r.Context(), rw, f.resp, nil, c.Rec, c.Orders, f.abort))
+	return p.Finish(r, &f.leg, f.resp.StatusCode, p.Relay(r.Context(), rw, f.resp, nil, c.Rec, c.Orders.On(w), f.abort))
 }
 
 // forwarding is a Forward whose answer is being relayed. It lives on the heap, so that the
@@ -641,7 +665,7 @@ func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event 
 	if rl.rec == nil {
 		rl.rec = &record.Record{} // nobody reads what is learnt
 	}
-	if rl.out.stream && resp.StatusCode == http.StatusOK && (o.CountEvents || o.StripUsage) {
+	if rl.out.stream && resp.StatusCode == http.StatusOK && (o.CountUsage || o.StripUsage || o.stripEach) {
 		transform, rl.seen = accounting(rl.rec, o, transform)
 		rl.out.rewrites = true
 	}
@@ -733,6 +757,9 @@ func (rl *relay) done() {
 	rl.tail.done(rl.rec, rl.ended)
 	if rl.seen != nil && rl.seen.p && rl.seen.c && rl.ended {
 		rl.rec.Usage, rl.rec.UsageKnown = rl.seen.u, true
+	}
+	if rl.seen != nil {
+		rl.rec.Streamed, rl.rec.StreamCounted = rl.seen.completion()
 	}
 	if rl.bp != nil {
 		rl.pool.Put(rl.bp)

@@ -86,9 +86,10 @@ func NoteUsage(rec *record.Record, body []byte) {
 }
 
 // accounting wraps a stream's event transform for a tenant's accounting: it reads the usage
-// the events carry (whole, or a part per event as Anthropic's stream gives it), counts the events
-// that carry tokens into rec.Events, and, when Baton asked the engine for usage the client did
-// not (o.StripUsage), takes the usage-only event out of the stream. The usage seen is returned
+// the events carry (whole, or a part per event as Anthropic's stream gives it; with
+// continuous_usage_stats, each choice's completion so far on every event), and, when Baton asked
+// the engine for usage the client did not, takes it out of the stream: the usage-only event
+// (o.StripUsage), and every other event's usage (o.On's stripEach). The usage seen is returned
 // through the pointer, complete when both counts were seen.
 func accounting(rec *record.Record, o Orders, inner func([]byte) []byte) (func([]byte) []byte, *streamUsage) {
 	seen := &streamUsage{}
@@ -96,27 +97,67 @@ func accounting(rec *record.Record, o Orders, inner func([]byte) []byte) (func([
 		if inner != nil {
 			ev = inner(ev)
 		}
-		if u, okP, okC := openai.EventUsage(ev); okP || okC {
-			if okP {
-				seen.u.Prompt, seen.u.Cached, seen.p = u.Prompt, u.Cached, true
-				rec.EnginePrompt = u.Prompt // the engine's count, should the stream not end
-			}
-			if okC {
-				seen.u.Completion, seen.c = u.Completion, true
-			}
+		u, okP, okC := openai.EventUsage(ev)
+		if okP {
+			seen.u.Prompt, seen.u.Cached, seen.p = u.Prompt, u.Cached, true
+			rec.EnginePrompt = u.Prompt // the engine's count, should the stream not end
 		}
-		if o.StripUsage && openai.IsUsageOnlyEvent(ev) {
-			return nil
+		if okC {
+			seen.u.Completion, seen.c = u.Completion, true
+			seen.note(ev, u.Completion)
 		}
-		if openai.CarriesTokens(ev) {
-			rec.Events++
+		if (o.StripUsage || o.stripEach) && openai.IsUsageOnlyEvent(ev) {
+			if o.StripUsage {
+				return nil
+			}
+			return ev
+		}
+		if o.stripEach && (okP || okC) {
+			return openai.WithoutEventUsage(ev, o.nullEach)
 		}
 		return ev
 	}, seen
 }
 
+// maxChoices bounds the choices whose completion a stream's accounting follows (a request's
+// samples are bounded far below it, --max-batch-size).
+const maxChoices = 256
+
 // streamUsage is the usage a stream's events carried.
 type streamUsage struct {
 	u    openai.Usage
 	p, c bool
+	// byChoice is the completion each choice's events last reported (continuous_usage_stats
+	// reports a choice's own count on its events); total, when hasTotal, is the count of an
+	// event for the whole answer (the usage-only event, which names no choice).
+	byChoice []int
+	total    int
+	hasTotal bool
+}
+
+// note records the completion count an event reported: its choice's, or the whole answer's.
+func (s *streamUsage) note(ev []byte, completion int) {
+	i, ok := openai.ChoiceIndex(ev)
+	switch {
+	case !ok:
+		s.total, s.hasTotal = completion, true
+	case i < maxChoices:
+		if i >= len(s.byChoice) {
+			s.byChoice = append(s.byChoice, make([]int, i+1-len(s.byChoice))...)
+		}
+		s.byChoice[i] = completion
+	}
+}
+
+// completion is the completion tokens the stream's events reported last, and whether any did:
+// the whole answer's count when an event gave it, else the sum of its choices'.
+func (s *streamUsage) completion() (int, bool) {
+	if s.hasTotal {
+		return s.total, true
+	}
+	n := 0
+	for _, c := range s.byChoice {
+		n += c
+	}
+	return n, len(s.byChoice) > 0
 }

@@ -59,10 +59,13 @@ type Record struct {
 	Class     Class
 	QueueWait time.Duration
 
-	// ByEvents: the request is a tenant's stream, charged by its token events should it end
-	// without usage; Events is the token events the relay counted (proxy.Orders asks it to).
-	ByEvents bool
-	Events   int
+	// ByStreamUsage: the request is a tenant's stream, charged by the usage its events carried
+	// should it end without its final usage (the engine asked for usage on every event); Streamed
+	// is the completion tokens they reported last, summed over the stream's choices, and
+	// StreamCounted says any came (proxy.Orders asks the relay to read them).
+	ByStreamUsage bool
+	Streamed      int
+	StreamCounted bool
 	// Reserved: the tenant's limits reserved tokens for the request, and its charge is counted
 	// when that reservation is settled (baton_tenant_tokens_total), whether or not its answer
 	// carried usage.
@@ -144,10 +147,11 @@ func (r *Record) NextAttempt() {
 //
 //   - the engine's usage, when the answer carried it whole;
 //   - when a leg that generates was given the request and did not refuse it: the prompt (the
-//     count an engine reported, else the estimate) and, for a stream, one completion token per
-//     token event relayed; a non-streamed answer shows no progress before it ends, so one that
-//     did not end (the client left, the deadline passed, the engine failed) is charged the
-//     completion it asked for, completionEstimate (what the reservation covered);
+//     count an engine reported, else the estimate) and, for a stream, the completion tokens the
+//     engine last reported on its events (continuous_usage_stats); an answer that reported
+//     none before it stopped (a non-streamed one shows no progress before it ends; an engine
+//     that does not report on every event) is charged the completion it asked for,
+//     completionEstimate (what the reservation covered);
 //   - when only a prefill leg computed it (the decode refused it or never started): the prompt;
 //   - nothing when no engine was given it (refused before dispatch, no connection made) or
 //     every engine given it refused it with an error status.
@@ -165,8 +169,8 @@ func (r *Record) Charge(promptEstimate, completionEstimate int) (prompt, complet
 	switch {
 	case !r.AnswerComputed:
 		return prompt, 0
-	case r.ByEvents:
-		return prompt, r.Events
+	case r.ByStreamUsage && r.StreamCounted:
+		return prompt, r.Streamed
 	}
 	return prompt, completionEstimate
 }

@@ -766,3 +766,72 @@ func leaveAfter(t *testing.T, url, key, body string, n int) {
 	defer resp.Body.Close()
 	readEvents(t, resp, n)
 }
+
+// A tenant's stream cut short was charged one token per event that matched three compact
+// spellings: reasoning, tool-call arguments and spaced JSON counted nothing, and an event of k
+// tokens (--stream-interval, speculative decoding) counted one. Under a token limit the engine
+// is asked for its count on every event (continuous_usage_stats) and the stream is charged the
+// last it reported; the client, which asked none of it, sees its events as the engine would have
+// written them (vLLM: no usage; SGLang: a null one), whole and with its final usage when it
+// asked for that.
+func TestTenantCutStreamIsChargedWhatTheEngineReported(t *testing.T) {
+	for _, engine := range []string{sim.EngineVLLM, sim.EngineSGLang} {
+		for _, opts := range []string{"", `,"stream_options":{"include_usage":true}`} {
+			t.Run(engine+opts, func(t *testing.T) {
+				t.Parallel()
+				e := simOf(t, sim.Config{Engine: engine, StreamInterval: 4, DecodePerToken: 10 * time.Millisecond})
+				rt := config.RuntimeVLLM
+				if engine == sim.EngineSGLang {
+					rt = config.RuntimeSGLang
+				}
+				s, gw, _ := gateway(t, nil, func(o *Options) {
+					serving(t, o, config.Worker{URL: e.URL(), Runtime: rt, Models: []string{"m"}})
+					withTenants(t, o, hostile(100_000_000))
+				})
+				body := `{"model":"m","messages":[{"role":"user","content":"` + words(20) + `"}],"max_tokens":400,"ignore_eos":true,"stream":true` + opts + `}`
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw+"/v1/chat/completions", strings.NewReader(body))
+				req.Header.Set("Authorization", "Bearer sk-hostile")
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				r := bufio.NewReader(resp.Body)
+				const events = 11 // the role's event, then ten of four tokens each
+				for n := 0; n < events; {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						t.Fatal(resp.Status, line, err)
+					}
+					if !strings.HasPrefix(line, "data: ") {
+						continue
+					}
+					n++
+					switch {
+					case engine == sim.EngineVLLM && strings.Contains(line, `"usage"`):
+						t.Errorf("an event carries a usage vLLM would not have written: %s", line)
+					case engine == sim.EngineSGLang && !strings.Contains(line, `"usage":null`):
+						t.Errorf("an event lost the null usage SGLang writes: %s", line)
+					}
+				}
+				cancel()
+				resp.Body.Close()
+				got := settledCharge(t, s, "hostile")
+				st := e.Stats()
+				prompt := st.PromptTokensRecompute + st.PromptTokensLocalCache + st.PromptTokensRemote
+				if got < prompt+40 || got > prompt+400 {
+					t.Errorf("charged %d for a stream cut after 40 of its tokens reached the client (prompt %d)", got, prompt)
+				}
+			})
+		}
+	}
+	// A stream read to its end: the client that asked for its usage gets it, once, last.
+	e := simOf(t, sim.Config{Engine: sim.EngineVLLM, StreamInterval: 3})
+	_, gw, _ := gateway(t, []string{e.URL()}, func(o *Options) { withTenants(t, o, hostile(100_000_000)) })
+	resp, b := asTenant(t, gw+"/v1/completions", "sk-hostile", `{"model":"m","prompt":"x","max_tokens":10,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`)
+	last := strings.LastIndex(b, "data: {")
+	if resp.StatusCode != 200 || strings.Count(b, `"usage"`) != 1 || last < 0 || !strings.Contains(b[last:], `"completion_tokens":10`) {
+		t.Errorf("the client asked for the final usage alone: %d %s", resp.StatusCode, b)
+	}
+}

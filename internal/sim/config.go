@@ -140,6 +140,9 @@ type Config struct {
 	// NoPromptTokensDetails answers prompt_tokens_details null, as vLLM does unless started with
 	// --enable-prompt-tokens-details: the usage then says nothing of cached tokens.
 	NoPromptTokensDetails bool
+	// StreamInterval is the tokens a stream's event carries (vLLM's and SGLang's
+	// --stream-interval; speculative decoding sends several at once too); 0 or 1: one per event.
+	StreamInterval int
 
 	Faults Faults // faults applied to every inference request
 }
@@ -277,6 +280,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) (Config, error) {
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 4096, "prefix cache capacity in blocks of 16 tokens (least recently used evicted)")
 	fs.BoolVar(&c.HybridKV, "hybrid-kv", false, "publish KV events as a hybrid-attention model: full-attention and sliding-window groups (vLLM)")
 	fs.BoolVar(&c.NoPromptTokensDetails, "no-prompt-tokens-details", false, "answer prompt_tokens_details null, as vLLM does without --enable-prompt-tokens-details")
+	fs.IntVar(&c.StreamInterval, "stream-interval", 1, "tokens per stream event, as vLLM's and SGLang's --stream-interval")
 	fs.Func("lora-modules", "a LoRA adapter loaded at start, NAME (repeatable, or comma separated)", func(v string) error {
 		for _, n := range strings.Split(v, ",") {
 			if n = strings.TrimSpace(n); n != "" {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 )
 
 const created = 1700000000
@@ -238,31 +239,54 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 		e.stats.generated.Add(1)
 		return nil
 	}
-	chunk := func(idx int, delta map[string]any, finish any) map[string]any {
+	// usageSoFar is what an event of a stream asking continuous_usage_stats carries: its choice's
+	// prompt and the tokens generated for it so far (vLLM's previous_num_tokens[i], SGLang's
+	// completion_tokens[index]); SGLang's events carry a null usage otherwise (its stream
+	// responses are dumped with their unset fields), vLLM's none.
+	usageSoFar := func(prompt, done int) (any, bool) {
+		switch {
+		case j.eachUsage:
+			return map[string]any{"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}, true
+		case e.cfg.Engine == EngineSGLang:
+			return nil, true
+		}
+		return nil, false
+	}
+	chunk := func(idx int, delta map[string]any, finish any, prompt, done int) map[string]any {
 		c := map[string]any{"index": idx, "logprobs": nil, "finish_reason": finish}
 		if j.route == routeChat {
 			c["delta"] = delta
 		} else {
 			c["text"] = delta["content"]
 		}
-		return map[string]any{"id": j.id, "object": j.object() + map[bool]string{true: ".chunk", false: ""}[j.route == routeChat],
+		ev := map[string]any{"id": j.id, "object": j.object() + map[bool]string{true: ".chunk", false: ""}[j.route == routeChat],
 			"created": created, "model": e.cfg.Model, "choices": []any{c}}
+		if u, ok := usageSoFar(prompt, done); ok {
+			ev["usage"] = u
+		}
+		return ev
 	}
+	per := max(1, e.cfg.StreamInterval)
 	switch j.route {
 	case routeChat, routeCompletions:
 		for i, res := range results {
 			for c, ch := range res.choices {
 				idx := i*j.n + c
 				if j.route == routeChat {
-					if err := s.event("", chunk(idx, map[string]any{"role": "assistant", "content": ""}, nil)); err != nil {
+					if err := s.event("", chunk(idx, map[string]any{"role": "assistant", "content": ""}, nil, res.promptTokens, 0)); err != nil {
 						return err
 					}
 				}
-				for _, tok := range ch.tokens {
-					if err := tick(); err != nil {
-						return err
+				for k := 0; k < len(ch.tokens); k += per {
+					var text strings.Builder
+					for _, tok := range ch.tokens[k:min(k+per, len(ch.tokens))] {
+						if err := tick(); err != nil {
+							return err
+						}
+						text.WriteString(TokenText(tok))
 					}
-					if err := s.event("", chunk(idx, map[string]any{"content": TokenText(tok)}, nil)); err != nil {
+					done := min(k+per, len(ch.tokens))
+					if err := s.event("", chunk(idx, map[string]any{"content": text.String()}, nil, res.promptTokens, done)); err != nil {
 						return err
 					}
 				}
@@ -270,7 +294,7 @@ func (e *Engine) writeStream(ctx context.Context, w http.ResponseWriter, j *job,
 				if j.route == routeChat {
 					empty = map[string]any{}
 				}
-				if err := s.event("", chunk(idx, empty, ch.finish)); err != nil {
+				if err := s.event("", chunk(idx, empty, ch.finish, res.promptTokens, len(ch.tokens))); err != nil {
 					return err
 				}
 			}

@@ -47,6 +47,7 @@ type job struct {
 	s             Sampling
 	stream        bool
 	includeUsage  bool
+	eachUsage     bool // every event of the stream carries its choice's usage so far
 	kv            *kvParams
 	rank          int    // DP rank serving this request
 	routed        bool   // the rank was asked for (routed_dp_rank or the rank header)
@@ -89,7 +90,8 @@ type rawRequest struct {
 	SamplingParams *rawSampling    `json:"sampling_params"`
 	Stream         bool            `json:"stream"`
 	StreamOptions  *struct {
-		IncludeUsage bool `json:"include_usage"`
+		IncludeUsage         bool `json:"include_usage"`
+		ContinuousUsageStats bool `json:"continuous_usage_stats"`
 	} `json:"stream_options"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
@@ -467,6 +469,10 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 			return nil, errorf(400, "Stream options can only be defined when `stream=True`.")
 		}
 		j.includeUsage = raw.StreamOptions.IncludeUsage
+		// vLLM puts usage on every event only when both are asked (should_include_usage in
+		// vllm/entrypoints/openai/serving_engine.py: include_usage and continuous_usage_stats);
+		// SGLang on continuous_usage_stats alone (serving_chat.py, serving_completions.py).
+		j.eachUsage = raw.StreamOptions.ContinuousUsageStats && (j.includeUsage || e.cfg.Engine == EngineSGLang)
 	}
 	prompts, aerr := e.prompts(rt, &raw)
 	if aerr != nil {
