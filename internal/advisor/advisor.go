@@ -22,6 +22,9 @@
 //     ·TPOT / N_d requests (Little's law). A step is memory-bound: a prompt it computes itself
 //     (one under the threshold) stalls it only by what its compute takes past α, and the share
 //     f of the decode's time so stalled slows every token: TPOT = (α + β·b) / (1 − f);
+//   - without MinFit streams (whole answers show no TTFT, no TPOT), the pair's fixed part and
+//     α, β from the split requests' durations: duration − prefill leg = fixed + (n + ½)·(α + β·b)
+//     for n output tokens, fitted across requests of different lengths (fitDurations);
 //   - the threshold: the longest uncached length whose local compute costs no more than the
 //     pair's overhead and the step α hides, lowered until the predicted TPOT meets its SLO.
 package advisor
@@ -53,6 +56,9 @@ type Sample struct {
 	// its decode had in flight besides it when it was sent there.
 	TTFT, TPOT time.Duration
 	DecodeBusy int
+	// Duration is arrival to the answer's end, streamed or not (0: unknown). For a whole answer
+	// of a split request it is what tells the decode's pace and the pair's overhead (Fit).
+	Duration time.Duration
 }
 
 // Advisor keeps the latest samples (a ring) over a window and fits them on demand.
@@ -148,6 +154,14 @@ type Fit struct {
 	DecodeBaseS       float64 `json:"decode_base_s"`
 	DecodePerRequestS float64 `json:"decode_per_request_s"`
 	DecodeFrom        int     `json:"decode_from"`
+	// DecodeFromDurations: fewer than MinFit streams showed their TPOT, and the decode's pace and
+	// the pair's overhead (PairFrom, DecodeFrom) were fitted from split requests' durations —
+	// whole answers' and streams' alike — instead (fitDurations).
+	DecodeFromDurations bool `json:"decode_from_durations,omitempty"`
+	// DecodePaceBound: those answers were too alike in length to tell the pace from the fixed
+	// part; DecodeBaseS is the bound they give (the whole decode part over its tokens), no part
+	// of it fixed.
+	DecodePaceBound bool `json:"decode_pace_is_bound,omitempty"`
 
 	uncached []int     // each request's uncached tokens, sorted
 	cum      []float64 // cum[i]: the sum of uncached[:i] (a prediction reads sums, not samples)
@@ -175,6 +189,7 @@ func (a *Advisor) Fit() Fit {
 	f.Rate = float64(len(ss)) / span.Seconds()
 	var px, py, dx, dy []float64
 	var pair, fixed []float64
+	var legs []decodeLeg
 	for _, s := range ss {
 		f.Output += float64(s.Output)
 		f.Uncached += float64(s.Uncached)
@@ -183,6 +198,9 @@ func (a *Advisor) Fit() Fit {
 		if s.Split && s.PrefillTime > 0 {
 			if s.PrefillBusy == 0 {
 				px, py = append(px, float64(s.Uncached)), append(py, s.PrefillTime.Seconds())
+			}
+			if s.Duration > s.PrefillTime && s.Output > 0 {
+				legs = append(legs, decodeLeg{tokens: float64(s.Output), batch: float64(s.DecodeBusy + 1), s: (s.Duration - s.PrefillTime).Seconds()})
 			}
 			if s.TTFT > s.PrefillTime { // streams
 				pair = append(pair, (s.TTFT - s.PrefillTime).Seconds())
@@ -240,7 +258,89 @@ func (a *Advisor) Fit() Fit {
 	if len(pair) > 0 && len(fixed) == 0 { // no stream's TPOT beside its TTFT: the fitted pace stands for it
 		f.PairFixedS = max(0, f.PairOverheadS-1.5*f.DecodeBaseS)
 	}
+	if len(dx) < MinFit && len(legs) >= MinFit { // too few streams: what the durations tell
+		f.fitDurations(legs)
+	}
 	return f
+}
+
+// decodeLeg is what a split request's duration says of its decode: the part of it after its
+// prefill leg (s, seconds), its completion tokens and the requests decoding beside it, itself
+// included (batch).
+type decodeLeg struct{ tokens, batch, s float64 }
+
+// fitDurations fits the decode's pace and the pair's overhead from split requests' durations:
+// what a whole answer shows (its first byte is its last token's, so it has no TTFT, no TPOT).
+//
+// The estimator is the model the predictions use, read over the whole decode part: after the
+// prefill leg come the pair's fixed part F (KV transfer, second hop), the decode step under way
+// when the KV lands and the request's own first (1.5 steps), then a step per further token, a
+// step lasting α + β·b at b requests decoding, so
+//
+//	duration − prefill leg = F + (n + ½)·(α + β·b).
+//
+// A single request cannot tell F from α (one equation, two unknowns), so none is fitted alone
+// (say, less an assumed F); requests of different lengths can. Divided by its n + ½ steps, each
+// request's time per step is α + β·b + F / (n + ½): least squares of that over the window gives
+// α (the intercept), β (the slope over the load) and F (the slope over 1 / (n + ½): what is paid
+// once, spread over fewer steps the shorter the answer). Read per step, a long answer and a
+// short one weigh alike: a request's pace wanders with the batch around it for as long as it
+// decodes, which in seconds grows with its length and would let the longest answers drown what
+// the short ones say of F. b is the decode's load when the request was sent, as the streams'
+// fit reads it.
+//
+// When b does not vary apart from the lengths (every request on an idle decode), β cannot be
+// told and is 0. When the lengths do not vary enough for the tokens' part to span a fifth of a
+// typical decode part, F cannot be told from α: α is then the bound they give — the median
+// decode part over its n + ½ steps, everything counted as pace — F is 0 and DecodePaceBound says
+// so (the predictions err towards too slow a decode, not too fast).
+//
+// The pair's overhead, as the streams' fit defines it (TTFT less the prefill leg), is then
+// F + 1.5 steps at the median load; its fixed part F.
+func (f *Fit) fitDurations(legs []decodeLeg) {
+	steps, perStep, once, load := make([]float64, len(legs)), make([]float64, len(legs)), make([]float64, len(legs)), make([]float64, len(legs))
+	for i, l := range legs {
+		steps[i] = l.tokens + 0.5
+		perStep[i], once[i], load[i] = l.s/steps[i], 1/steps[i], l.batch
+	}
+	alpha, fixed, beta := plane(once, load, perStep)
+	if beta <= 0 { // no load effect told apart: the pace alone
+		alpha, fixed = line(once, perStep)
+		beta = 0
+	}
+	parts := slices.Sorted(func(yield func(float64) bool) {
+		for _, l := range legs {
+			if !yield(l.s) {
+				return
+			}
+		}
+	})
+	f.DecodePaceBound = alpha <= 0 || (slices.Max(steps)-slices.Min(steps))*alpha < 0.2*parts[len(parts)/2]
+	if f.DecodePaceBound {
+		slices.Sort(perStep)
+		alpha, beta, fixed = perStep[len(perStep)/2], 0, 0
+	}
+	slices.Sort(load)
+	f.DecodeBaseS, f.DecodePerRequestS, f.DecodeFrom, f.DecodeFromDurations = max(alpha, 1e-6), beta, len(legs), true
+	f.PairFixedS, f.PairFrom = max(0, fixed), len(legs)
+	f.PairOverheadS = f.PairFixedS + 1.5*(f.DecodeBaseS+beta*load[len(load)/2])
+}
+
+// plane is the least-squares y = b0 + b1·x1 + b2·x2; b1 = b2 = 0 (and b0 the mean) when x1 and
+// x2 do not vary apart (then only a line can be fitted).
+func plane(x1, x2, y []float64) (b0, b1, b2 float64) {
+	m1, m2, my := mean(x1), mean(x2), mean(y)
+	var s11, s12, s22, s1y, s2y float64
+	for i := range y {
+		d1, d2, dy := x1[i]-m1, x2[i]-m2, y[i]-my
+		s11, s12, s22, s1y, s2y = s11+d1*d1, s12+d1*d2, s22+d2*d2, s1y+d1*dy, s2y+d2*dy
+	}
+	det := s11*s22 - s12*s12
+	if det <= 1e-9*s11*s22 {
+		return my, 0, 0
+	}
+	b1, b2 = (s1y*s22-s2y*s12)/det, (s2y*s11-s1y*s12)/det
+	return my - b1*m1 - b2*m2, b1, b2
 }
 
 // line is the least-squares line y = b0 + b1·x; a flat b1 = 0 when x does not vary.

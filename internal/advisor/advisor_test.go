@@ -59,6 +59,96 @@ func TestFitRecoversTheFleetsRates(t *testing.T) {
 	}
 }
 
+// whole is traffic from a known fleet as in synth, each request of its own prompt and output:
+// a prefill leg of o + u / c when idle, then the pair's fixed part (fixed, ±10 %), the decode
+// step under way and the request's own, and a step for each further token, a step lasting
+// α + β·b (±2 %). Streamed, a request shows its TTFT and TPOT; whole, only its duration.
+func whole(t0 time.Time, tr truth, fixed float64, n int, rate float64, prompt, output func(*rand.Rand) int, streamed bool, r *rand.Rand) []Sample {
+	var out []Sample
+	for i := range n {
+		u, o := prompt(r), output(r)
+		busy, b := r.IntN(3), 1+r.IntN(40)
+		leg := tr.o + float64(u)/tr.c
+		if busy > 0 {
+			leg *= 1 + float64(busy)
+		}
+		tpot := (tr.alpha + tr.beta*float64(b)) * (1 + 0.02*r.NormFloat64())
+		ttft := leg + fixed*(1+0.1*r.NormFloat64()) + 1.5*tpot
+		s := Sample{At: t0.Add(time.Duration(float64(i) / rate * float64(time.Second))), Split: true, Prompt: u + 10, Uncached: u, Output: o,
+			PrefillTime: secs(leg), PrefillBusy: busy, DecodeBusy: b - 1, Duration: secs(ttft + float64(o-1)*tpot)}
+		if streamed {
+			s.TTFT, s.TPOT = secs(ttft), secs(tpot)
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// Whole answers (not streamed) teach the decode's pace and the pair's overhead too: 240 of
+// them, of prompts from 100 to 3,100 tokens and outputs from 8 to 400, fit the step α + β·b
+// and the pair's overhead and fixed part about as near the fleet's as the same traffic
+// streamed does, from every request; the fit says it read durations, and advises.
+func TestFitFromWholeAnswers(t *testing.T) {
+	t0 := time.Unix(1_000_000, 0)
+	tr := truth{c: 30_000, o: 0.004, alpha: 0.007, beta: 0.0002}
+	const fixed = 0.012
+	prompt := func(r *rand.Rand) int { return 100 + r.IntN(3000) }
+	output := func(r *rand.Rand) int { return 8 + r.IntN(393) }
+	fitOf := func(streamed bool) Fit {
+		a := &Advisor{Now: func() time.Time { return t0.Add(time.Minute) }}
+		for _, s := range whole(t0, tr, fixed, 240, 4, prompt, output, streamed, rand.New(rand.NewPCG(21, 22))) {
+			a.Observe(s)
+		}
+		return a.Fit()
+	}
+	// The pair's overhead as the streams define it, TTFT less the prefill leg: fixed + 1.5 steps
+	// at the median load (b = 20.5 of 1 to 40).
+	pair := fixed + 1.5*(tr.alpha+tr.beta*20.5)
+	for _, c := range []struct {
+		name     string
+		streamed bool
+	}{{"streamed", true}, {"whole", false}} {
+		f := fitOf(c.streamed)
+		t.Logf("%s: step %.3f ms + %.4f ms·b (want %.3f + %.4f), pair %.2f ms (want %.2f), fixed %.2f ms (want %.2f), from %d and %d requests",
+			c.name, 1000*f.DecodeBaseS, 1000*f.DecodePerRequestS, 1000*tr.alpha, 1000*tr.beta, 1000*f.PairOverheadS, 1000*pair, 1000*f.PairFixedS, 1000*fixed, f.DecodeFrom, f.PairFrom)
+		if !f.Fitted() || f.DecodeFrom != 240 || f.PairFrom != 240 || f.DecodeFromDurations == c.streamed || f.DecodePaceBound {
+			t.Fatalf("%s: fitted %v from %d (decode) and %d (pair) requests, from durations %v, bound %v; want 240 each, from durations %v",
+				c.name, f.Fitted(), f.DecodeFrom, f.PairFrom, f.DecodeFromDurations, f.DecodePaceBound, !c.streamed)
+		}
+		if !near(f.DecodeBaseS, tr.alpha, 0.05) || !near(f.DecodePerRequestS, tr.beta, 0.05) {
+			t.Errorf("%s: TPOT %.5f + %.6f·b, want %.5f + %.6f·b", c.name, f.DecodeBaseS, f.DecodePerRequestS, tr.alpha, tr.beta)
+		}
+		if !near(f.PairOverheadS, pair, 0.1) || !near(f.PairFixedS, fixed, 0.1) {
+			t.Errorf("%s: pair overhead %.4f s (want %.4f), its fixed part %.4f s (want %.4f)", c.name, f.PairOverheadS, pair, f.PairFixedS, fixed)
+		}
+		slo := SLO{TTFT: 2 * time.Second, TPOT: 50 * time.Millisecond}
+		if adv := f.Advise(8, 4, 4, 0, slo); adv.Recommended.TTFTp90S <= 0 || adv.Recommended.TPOTS <= 0 || adv.Fit.DecodeFrom != 240 {
+			t.Errorf("%s: no advice: %+v (%s)", c.name, adv.Recommended, adv.Why)
+		}
+	}
+}
+
+// Whole answers all of one length cannot tell the decode's pace from what the pair pays once:
+// the fit takes the bound they give (every second of the decode part counted as pace), says so,
+// and still advises.
+func TestFitFromWholeAnswersOfOneLength(t *testing.T) {
+	t0 := time.Unix(1_000_000, 0)
+	tr := truth{c: 30_000, o: 0.004, alpha: 0.007, beta: 0.0002}
+	a := &Advisor{Now: func() time.Time { return t0.Add(time.Minute) }}
+	for _, s := range whole(t0, tr, 0.012, 240, 4, func(r *rand.Rand) int { return 100 + r.IntN(3000) }, func(*rand.Rand) int { return 200 }, false, rand.New(rand.NewPCG(23, 24))) {
+		a.Observe(s)
+	}
+	f := a.Fit()
+	// The bound: the decode part over its 200.5 steps, at the median load.
+	bound := (0.012 + 200.5*(tr.alpha+tr.beta*20.5)) / 200.5
+	if !f.Fitted() || !f.DecodePaceBound || !near(f.DecodeBaseS, bound, 0.05) || f.DecodePerRequestS != 0 || f.PairFixedS != 0 {
+		t.Fatalf("fit: fitted %v, bound %v, step %.5f + %.6f·b (want the bound %.5f), fixed %.4f", f.Fitted(), f.DecodePaceBound, f.DecodeBaseS, f.DecodePerRequestS, bound, f.PairFixedS)
+	}
+	if adv := f.Advise(8, 4, 4, 0, SLO{TTFT: 2 * time.Second, TPOT: 50 * time.Millisecond}); adv.Recommended.TTFTp90S <= 0 {
+		t.Errorf("no advice: %+v (%s)", adv.Recommended, adv.Why)
+	}
+}
+
 // Predictions move the right way: more prefill workers lower TTFT, more decode workers lower
 // TPOT, a role past its capacity is reported as such; the advice follows the workload — a
 // long-prompt load wants more prefill than a long-output one.

@@ -30,15 +30,16 @@ func (d *Director) PDEnded(rec *record.Record, ok, usage bool, ttft, dur time.Du
 
 // ObserveEnded hands the advisor a PD request that ended whole (its answer carried usage):
 // split or served by its decode alone, its tokens (the uncached part of the prompt is what the
-// prefill, or the decode alone, computed), its prefill leg, how busy its workers were, and for
-// a stream — whose first byte is its first token's — its TTFT and time per output token.
+// prefill, or the decode alone, computed), its prefill leg, how busy its workers were, its
+// duration (what a whole answer tells of its decode), and for a stream — whose first byte is its
+// first token's — its TTFT and time per output token.
 func (d *Director) ObserveEnded(rec *record.Record, ttft, dur time.Duration) {
 	if d.o.Advisor == nil || rec.Decode == "" {
 		return
 	}
 	u := rec.Usage
 	s := advisor.Sample{At: rec.Start.Add(dur), Split: rec.Prefill != "", Prompt: u.Prompt, Uncached: max(0, u.Prompt-u.Cached), Output: u.Completion,
-		PrefillTime: rec.PrefillTime, PrefillBusy: rec.PrefillBusy, DecodeBusy: rec.DecodeBusy}
+		PrefillTime: rec.PrefillTime, PrefillBusy: rec.PrefillBusy, DecodeBusy: rec.DecodeBusy, Duration: dur}
 	if rec.Stream {
 		s.TTFT = ttft
 		if u.Completion > 1 {
