@@ -180,7 +180,11 @@ func (d *Director) CountBatch(req *pd.Request) *openai.Error {
 		return &openai.Error{Status: statusBadRequest, Code: openai.CodeBatchTooLarge,
 			Message: fmt.Sprintf("the request holds more than %d prompts (max_batch_size)", limit)}
 	}
-	if req.Samples = pd.SamplesOf(req); req.Samples > limit {
+	req.Samples = pd.SamplesOf(req)
+	if req.Rec != nil {
+		req.Rec.Samples = req.Samples
+	}
+	if req.Samples > limit {
 		return &openai.Error{Status: statusBadRequest, Code: openai.CodeBatchTooLarge,
 			Message: fmt.Sprintf("the request asks %d samples per prompt (n, best_of or sampling_params.n), above the limit of %d (max_batch_size)", req.Samples, limit)}
 	}

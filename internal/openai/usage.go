@@ -163,11 +163,17 @@ func closingBrace(b []byte) int {
 }
 
 // ChoiceIndex reads the index of the choice a stream event carries — the first "index" of its
-// "choices" array, where vLLM and SGLang write it — and false for an event of no choice (the
-// usage-only event, another API's event).
+// "choices" array, where vLLM and SGLang write it, or the "index" of a /generate batch's sample
+// event after its meta_info — and false for an event of no choice (the usage-only event, a
+// /generate stream of one sample, another API's event).
 func ChoiceIndex(ev []byte) (int, bool) {
 	i := bytes.Index(ev, []byte(`"choices":`))
 	if i < 0 {
+		if m := bytes.LastIndex(ev, []byte(metaKey)); m >= 0 {
+			if j := bytes.LastIndex(ev[m:], []byte(`"index":`)); j >= 0 {
+				return intAfter(ev[m+j:], `"index":`)
+			}
+		}
 		return 0, false
 	}
 	rest := bytes.TrimLeft(ev[i+len(`"choices":`):], " \t\r\n")
@@ -210,4 +216,94 @@ func WithoutEventUsage(ev []byte, null bool) []byte {
 	off := cap(ev) - cap(data) // data is a part of ev
 	out := make([]byte, 0, len(ev)-len(data)+len(edited))
 	return append(append(append(out, ev[:off]...), edited...), ev[off+len(data):]...)
+}
+
+// metaKey names the usage of an SGLang /generate sample; metaWindow bounds the bytes of one
+// read for its counts, which SGLang writes first (id, finish_reason, prompt_tokens,
+// completion_tokens, cached_tokens; the logprobs after them: tokenizer_manager.py).
+const (
+	metaKey    = `"meta_info":`
+	metaWindow = 1 << 10
+)
+
+// SampleSum adds up the usage of every sample of an SGLang /generate answer that is a list — a
+// batch of prompts, or n samples of one, each an object with its own meta_info — read in the
+// chunks it is relayed in, keeping at most metaWindow bytes. A key inside a string is escaped
+// (\"meta_info\":) and never read as one.
+type SampleSum struct {
+	matched   int    // the bytes of metaKey matched so far
+	capturing bool   // reading a meta_info object
+	obj       []byte // its bytes so far (at most metaWindow)
+	depth     int
+	inString  bool
+	escaped   bool
+	sum       Usage
+	samples   int
+}
+
+// Feed reads the next chunk of the answer.
+func (s *SampleSum) Feed(b []byte) {
+	for _, c := range b {
+		if s.capturing {
+			s.capture(c)
+			continue
+		}
+		switch {
+		case c == metaKey[s.matched]:
+			s.matched++
+		case c == metaKey[0]:
+			s.matched = 1
+		default:
+			s.matched = 0
+		}
+		if s.matched == len(metaKey) {
+			s.matched, s.capturing, s.obj, s.depth, s.inString, s.escaped = 0, true, s.obj[:0], 0, false, false
+		}
+	}
+}
+
+// capture takes the next byte of a meta_info value, adding its counts once its object closed
+// (or its first metaWindow bytes were read).
+func (s *SampleSum) capture(c byte) {
+	if s.depth == 0 && (c == ' ' || c == '\t' || c == '\r' || c == '\n') {
+		return // before the object
+	}
+	if s.depth == 0 && c != '{' {
+		s.capturing = false // not an object (null): no counts
+		return
+	}
+	s.obj = append(s.obj, c)
+	switch {
+	case s.escaped:
+		s.escaped = false
+	case s.inString && c == '\\':
+		s.escaped = true
+	case c == '"':
+		s.inString = !s.inString
+	case s.inString:
+	case c == '{':
+		s.depth++
+	case c == '}':
+		s.depth--
+	}
+	if s.depth == 0 || len(s.obj) >= metaWindow {
+		if u, okP, okC := usageFields(s.obj); okP && okC {
+			s.sum.Prompt += u.Prompt
+			s.sum.Completion += u.Completion
+			s.sum.Cached += u.Cached
+			s.samples++
+		}
+		s.capturing = false
+	}
+}
+
+// Usage is the answer's usage: every sample's completion, and its prompt (and cached) tokens
+// once per prompt — each of a prompt's samples reports the prompt, which was computed once —
+// given samples per prompt (n; 0 or 1: one); false when no sample reported its counts.
+func (s *SampleSum) Usage(samples int) (Usage, bool) {
+	u := s.sum
+	if samples > 1 {
+		u.Prompt, u.Cached = u.Prompt/samples, u.Cached/samples
+	}
+	return u, s.samples > 0
 }

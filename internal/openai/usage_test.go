@@ -122,3 +122,31 @@ func TestWithoutEventUsage(t *testing.T) {
 		}
 	}
 }
+
+// Every sample's usage of a /generate batch is read however the answer is cut into chunks; a
+// key inside a sample's text is no usage, and each prompt is counted once for its samples.
+func TestSampleSum(t *testing.T) {
+	answer := `[{"text":"a \"meta_info\":{\"prompt_tokens\":999,\"completion_tokens\":999}","output_ids":[1],"meta_info":{"id":"r_0","finish_reason":{"type":"length"},"prompt_tokens":30,"completion_tokens":10,"cached_tokens":4,"e2e_latency":0.1}},` +
+		`{"text":"b","output_ids":[2],"meta_info":{"id":"r_1","prompt_tokens":30,"completion_tokens":12,"cached_tokens":4,"output_token_logprobs":[[-0.5,2,null]]},"index":1},` +
+		`{"text":"c","meta_info": null},` +
+		`{"text":"d","meta_info":{"prompt_tokens":50,"completion_tokens":7,"cached_tokens":0}}]`
+	for size := 1; size <= len(answer); size++ {
+		var s SampleSum
+		for b := []byte(answer); len(b) > 0; {
+			n := min(size, len(b))
+			s.Feed(b[:n])
+			b = b[n:]
+		}
+		if u, ok := s.Usage(1); !ok || u != (Usage{Prompt: 110, Completion: 29, Cached: 8}) {
+			t.Fatalf("chunks of %d: %+v, %v", size, u, ok)
+		}
+		if u, _ := s.Usage(2); u != (Usage{Prompt: 55, Completion: 29, Cached: 4}) {
+			t.Fatalf("chunks of %d, two samples a prompt: %+v", size, u)
+		}
+	}
+	var none SampleSum
+	none.Feed([]byte(`[{"text":"x"}]`))
+	if _, ok := none.Usage(1); ok {
+		t.Error("usage read from an answer without any")
+	}
+}

@@ -651,6 +651,8 @@ type relay struct {
 	tail   usageTail
 	rec    *record.Record
 	seen   *streamUsage
+	sum    *openai.SampleSum // a whole answer that is a list: its samples' usage
+	begun  bool              // the whole answer's first byte was seen
 	bp     *[]byte
 	pool   *sync.Pool
 	ended  bool
@@ -727,10 +729,29 @@ func (rl *relay) emit(chunk []byte, flush bool) error {
 			rl.w.see(chunk)
 			rl.tail.keepStream(chunk)
 		} else {
-			rl.tail.keep(chunk)
+			rl.keepWhole(chunk)
 		}
 	}
 	return rl.out.emit(chunk, flush)
+}
+
+// keepWhole keeps what a whole answer's usage is read from: its tail, and every sample's usage
+// of an answer that is a list (SGLang's /generate of a batch or of n samples, whose tail holds
+// the last sample's only).
+func (rl *relay) keepWhole(chunk []byte) {
+	if !rl.begun {
+		if b := bytes.TrimLeft(chunk, " \t\r\n"); len(b) > 0 {
+			rl.begun = true
+			if b[0] == '[' {
+				rl.sum = &openai.SampleSum{}
+			}
+		}
+	}
+	if rl.sum != nil {
+		rl.sum.Feed(chunk)
+		return
+	}
+	rl.tail.keep(chunk)
 }
 
 // end is the relay's result once its body ended with err.
@@ -755,11 +776,19 @@ func (rl *relay) done() {
 		rl.stall.stop()
 	}
 	rl.tail.done(rl.rec, rl.ended)
-	if rl.seen != nil && rl.seen.p && rl.seen.c && rl.ended {
-		rl.rec.Usage, rl.rec.UsageKnown = rl.seen.u, true
+	if rl.seen != nil && rl.ended {
+		if u, ok := rl.seen.whole(rl.rec.Samples); ok {
+			rl.rec.Usage, rl.rec.UsageKnown = u, true
+		}
+	}
+	if rl.sum != nil && rl.ended {
+		rl.rec.Usage, rl.rec.UsageKnown = rl.sum.Usage(rl.rec.Samples)
 	}
 	if rl.seen != nil {
 		rl.rec.Streamed, rl.rec.StreamCounted = rl.seen.completion()
+		if u, _ := rl.seen.whole(rl.rec.Samples); u.Prompt > rl.rec.EnginePrompt {
+			rl.rec.EnginePrompt = u.Prompt // a batch's prompts, not its last sample's
+		}
 	}
 	if rl.bp != nil {
 		rl.pool.Put(rl.bp)

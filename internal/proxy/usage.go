@@ -82,6 +82,12 @@ func (t *usageTail) done(rec *record.Record, ended bool) {
 // NoteUsage writes the usage of a whole answer on rec (the PD path relays non-streamed answers
 // itself, after its usage rewrite).
 func NoteUsage(rec *record.Record, body []byte) {
+	if b := bytes.TrimLeft(body, " \t\r\n"); len(b) > 0 && b[0] == '[' {
+		var s openai.SampleSum // a /generate batch: every sample's
+		s.Feed(body)
+		rec.Usage, rec.UsageKnown = s.Usage(rec.Samples)
+		return
+	}
 	rec.Usage, rec.UsageKnown = openai.LastUsage(body)
 }
 
@@ -104,7 +110,7 @@ func accounting(rec *record.Record, o Orders, inner func([]byte) []byte) (func([
 		}
 		if okC {
 			seen.u.Completion, seen.c = u.Completion, true
-			seen.note(ev, u.Completion)
+			seen.note(ev, u)
 		}
 		if (o.StripUsage || o.stripEach) && openai.IsUsageOnlyEvent(ev) {
 			if o.StripUsage {
@@ -127,25 +133,26 @@ const maxChoices = 256
 type streamUsage struct {
 	u    openai.Usage
 	p, c bool
-	// byChoice is the completion each choice's events last reported (continuous_usage_stats
-	// reports a choice's own count on its events); total, when hasTotal, is the count of an
-	// event for the whole answer (the usage-only event, which names no choice).
-	byChoice []int
+	// byChoice is the usage each choice's (or /generate sample's) events last reported
+	// (continuous_usage_stats reports a choice's own count on its events; a /generate batch
+	// streams each sample's with its index); total, when hasTotal, is the completion of an event
+	// for the whole answer (the usage-only event, or an answer of one sample).
+	byChoice []openai.Usage
 	total    int
 	hasTotal bool
 }
 
-// note records the completion count an event reported: its choice's, or the whole answer's.
-func (s *streamUsage) note(ev []byte, completion int) {
+// note records the usage an event reported: its choice's, or the whole answer's.
+func (s *streamUsage) note(ev []byte, u openai.Usage) {
 	i, ok := openai.ChoiceIndex(ev)
 	switch {
 	case !ok:
-		s.total, s.hasTotal = completion, true
+		s.total, s.hasTotal = u.Completion, true
 	case i < maxChoices:
 		if i >= len(s.byChoice) {
-			s.byChoice = append(s.byChoice, make([]int, i+1-len(s.byChoice))...)
+			s.byChoice = append(s.byChoice, make([]openai.Usage, i+1-len(s.byChoice))...)
 		}
-		s.byChoice[i] = completion
+		s.byChoice[i] = u
 	}
 }
 
@@ -157,7 +164,24 @@ func (s *streamUsage) completion() (int, bool) {
 	}
 	n := 0
 	for _, c := range s.byChoice {
-		n += c
+		n += c.Completion
 	}
 	return n, len(s.byChoice) > 0
+}
+
+// whole is the usage of a stream that ended: its last whole usage (the usage-only event, an
+// answer of one sample), or the sum of its choices' — their prompt once per prompt, given
+// samples per prompt — where no event gave the whole (a /generate batch).
+func (s *streamUsage) whole(samples int) (openai.Usage, bool) {
+	if s.hasTotal || len(s.byChoice) == 0 {
+		return s.u, s.p && s.c
+	}
+	var u openai.Usage
+	for _, c := range s.byChoice {
+		u.Prompt, u.Completion, u.Cached = u.Prompt+c.Prompt, u.Completion+c.Completion, u.Cached+c.Cached
+	}
+	if samples > 1 {
+		u.Prompt, u.Cached = u.Prompt/samples, u.Cached/samples
+	}
+	return u, s.p && s.c
 }

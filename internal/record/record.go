@@ -64,6 +64,9 @@ type Record struct {
 	// is the completion tokens they reported last, summed over the stream's choices, and
 	// StreamCounted says any came (proxy.Orders asks the relay to read them).
 	ByStreamUsage bool
+	// Samples is the samples asked per prompt (n, sampling_params.n; 0: one): each reports the
+	// prompt, which is counted once.
+	Samples int
 	Streamed      int
 	StreamCounted bool
 	// Reserved: the tenant's limits reserved tokens for the request, and its charge is counted

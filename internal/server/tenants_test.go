@@ -835,3 +835,26 @@ func TestTenantCutStreamIsChargedWhatTheEngineReported(t *testing.T) {
 		t.Errorf("the client asked for the final usage alone: %d %s", resp.StatusCode, b)
 	}
 }
+
+// SGLang's /generate answers a batch (a list of prompts, or n samples) with one object per
+// sample, each with its own meta_info: only the last was read, so 12,500 tokens received were
+// charged 1,255. Every sample's completion is charged, and each prompt once.
+func TestTenantGenerateBatchIsChargedEverySample(t *testing.T) {
+	for _, stream := range []bool{false, true} {
+		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
+			t.Parallel()
+			e := simOf(t, sim.Config{Engine: sim.EngineSGLang})
+			s, gw, _ := gateway(t, nil, sglangServing(t, e.URL()), func(o *Options) { withTenants(t, o, hostile(100_000_000)) })
+			body := fmt.Sprintf(`{"text":["%s","%s","%s"],"sampling_params":{"n":2,"max_new_tokens":10,"ignore_eos":true},"stream":%v}`, words(30), words(50), words(70), stream)
+			resp, b := asTenant(t, gw+"/generate", "sk-hostile", body)
+			if resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			st := e.Stats()
+			prompt := st.PromptTokensRecompute + st.PromptTokensLocalCache
+			if got, want := settledCharge(t, s, "hostile"), prompt+3*2*10; got != want {
+				t.Errorf("charged %d for three prompts of %d tokens in all, each sampled twice for 10 tokens: want %d", got, prompt, want)
+			}
+		})
+	}
+}
