@@ -349,19 +349,22 @@ type WorkerView struct {
 	Source   string `json:"source,omitempty"` // config, admin or kubernetes
 	Draining bool   `json:"draining,omitempty"`
 	Cordoned bool   `json:"cordoned,omitempty"` // its pod is not ready
-	// Health sums up the above: ready, registering, unhealthy, cordoned or draining.
-	Health        string   `json:"health"`
-	Breaker       string   `json:"breaker"` // closed, open or half-open
-	Role          string   `json:"role"`
-	Runtime       string   `json:"runtime,omitempty"`
-	Models        []string `json:"models"`
-	Ready         bool     `json:"ready"`
-	Registered    bool     `json:"registered"`
-	InFlight      int64    `json:"in_flight"`
-	Successes     int64    `json:"successes"`
-	Failures      int64    `json:"failures"`
-	BootstrapPort *int     `json:"bootstrap_port,omitempty"`
-	DPSize        int      `json:"dp_size,omitempty"`
+	// Health sums up the above: ready, registering, unhealthy, circuit_open (healthy, but its
+	// circuit is open: its engine failed requests), cordoned or draining.
+	Health  string   `json:"health"`
+	Breaker string   `json:"breaker"` // closed, open or half_open
+	Role    string   `json:"role"`
+	Runtime string   `json:"runtime,omitempty"`
+	Models  []string `json:"models"`
+	// Ready says the worker can be sent requests now: registered, healthy, neither drained nor
+	// cordoned, and its circuit not open (worker.Routable).
+	Ready         bool  `json:"ready"`
+	Registered    bool  `json:"registered"`
+	InFlight      int64 `json:"in_flight"`
+	Successes     int64 `json:"successes"`
+	Failures      int64 `json:"failures"`
+	BootstrapPort *int  `json:"bootstrap_port,omitempty"`
+	DPSize        int   `json:"dp_size,omitempty"`
 	// DPInFlight is the legs Baton has in flight on each DP rank (which it balances).
 	DPInFlight []int64 `json:"dp_in_flight,omitempty"`
 	// KVConnector is the effective connector mode of a vLLM prefill worker.
@@ -424,7 +427,7 @@ func (s *API) serveWorkers(w http.ResponseWriter, _ *http.Request) {
 // View is one worker's state as GET /workers shows it (never its api_key).
 func (s *API) View(wk *worker.Worker, now time.Time) WorkerView {
 	ok, failed := wk.Outcomes()
-	v := WorkerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Cordoned: wk.Cordoned(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Ready(),
+	v := WorkerView{ID: wk.ID, URL: wk.URL, Draining: wk.Draining(), Cordoned: wk.Cordoned(), Role: wk.Role, Runtime: wk.Runtime(), Models: []string{}, Ready: wk.Routable(),
 		Registered: wk.Registered(), InFlight: wk.InFlight(), Successes: ok, Failures: failed,
 		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now), Correlation: wk.Correlation()}
 	if s.o.SourceOf != nil {
@@ -440,6 +443,8 @@ func (s *API) View(wk *worker.Worker, now time.Time) WorkerView {
 		v.Health = "registering"
 	case v.Ready:
 		v.Health = "ready"
+	case wk.Ready():
+		v.Health = "circuit_open"
 	default:
 		v.Health = "unhealthy"
 	}

@@ -9,7 +9,9 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/director"
@@ -314,5 +316,51 @@ func TestWorkersSayWhoseAnswersAreProven(t *testing.T) {
 	w.NoteEcho()
 	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); !strings.Contains(body, `"correlation":"x-request-id"`) {
 		t.Errorf("after an echo: %s", body)
+	}
+}
+
+// GET /workers says ready only of a worker that can be sent requests: a healthy worker whose
+// circuit is open is not ready (health circuit_open), its breaker still shown; ready again once
+// the circuit's timeout passed (the next request would be its half-open probe).
+func TestWorkersNotReadyWhileTheirCircuitIsOpen(t *testing.T) {
+	f := &fakeFleet{reg: worker.NewRegistry()}
+	admin := serve(t, Options{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}, f.reg, tenantsOf(t), true)
+	var now atomic.Int64 // the breaker's clock, in seconds
+	now.Store(1000)
+	w := worker.New(config.Worker{URL: "http://10.0.0.1:8000"})
+	w.UseBreaker(&worker.BreakerConfig{FailureThreshold: 1, SuccessThreshold: 1, Timeout: time.Minute, Now: func() time.Time { return time.Unix(now.Load(), 0) }})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM})
+	w.SetReady(true)
+	if err := f.reg.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	view := func() (ready bool, health, breaker string) {
+		t.Helper()
+		_, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", "")
+		var got struct {
+			Workers []struct {
+				Ready           bool
+				Health, Breaker string
+			}
+		}
+		if err := json.Unmarshal([]byte(body), &got); err != nil || len(got.Workers) != 1 {
+			t.Fatalf("GET /workers: %v %s", err, body)
+		}
+		v := got.Workers[0]
+		return v.Ready, v.Health, v.Breaker
+	}
+	if ready, health, breaker := view(); !ready || health != "ready" || breaker != "closed" {
+		t.Errorf("closed: got ready %v, health %s, breaker %s; want true, ready, closed", ready, health, breaker)
+	}
+	w.Record(http.StatusServiceUnavailable, nil)
+	if ready, health, breaker := view(); ready || health != "circuit_open" || breaker != "open" {
+		t.Errorf("open: got ready %v, health %s, breaker %s; want false, circuit_open, open", ready, health, breaker)
+	}
+	now.Add(60)
+	if ready, health, _ := view(); !ready || health != "ready" {
+		t.Errorf("open past its timeout: got ready %v, health %s; want true, ready", ready, health)
+	}
+	if w.BreakerState() != worker.BreakerOpen {
+		t.Errorf("reading /workers changed the circuit to %s", w.BreakerState())
 	}
 }

@@ -143,6 +143,24 @@ func (w *Worker) Available() bool {
 	return w.Ready() && (w.breaker == nil || w.breaker.allow())
 }
 
+// Routable reports, as a read that changes nothing, whether the worker can be sent requests
+// now: ready, and its circuit closed, half-open, or open past its timeout (the next request
+// turns it half-open). What GET /workers and the status page call ready; selection asks
+// Available, which may turn the circuit half-open and counts its probes.
+func (w *Worker) Routable() bool {
+	return w.Ready() && (w.breaker == nil || w.breaker.admits())
+}
+
+// admits reports, without a transition, whether the circuit takes requests now.
+func (b *breaker) admits() bool {
+	if BreakerState(b.state.Load()) != BreakerOpen {
+		return true
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return BreakerState(b.state.Load()) != BreakerOpen || b.now().Sub(b.openedAt) >= b.cfg.Timeout
+}
+
 // Available returns the available workers among ws, in order. It allocates only when some are
 // not available.
 func Available(ws []*Worker) []*Worker { return Keep(ws, (*Worker).Available) }
