@@ -71,8 +71,8 @@ func (g *Gateway) NewEPP(cfg config.Config) (*grpc.Server, *health.Server) {
 }
 
 // EPPReady reports whether the Endpoint Picker can pick: the worker source synced (discovery
-// listed its pods and found its pool) and the gateway ready (not draining, a ready worker of
-// every model); else why not.
+// listed its pods and found its pool) and the gateway ready (not draining, and any model can be
+// served); else why not.
 func (g *Gateway) EPPReady() (bool, string) {
 	if d := g.discovery.d.Load(); d != nil && !d.Synced() {
 		if p := d.PoolProblem(); p != "" {

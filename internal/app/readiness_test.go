@@ -61,9 +61,10 @@ func TestReadinessFailsWhenTheDecodesCircuitIsOpen(t *testing.T) {
 }
 
 // A model the configuration names that no engine serves — on a worker whose engine lists
-// another, or as an alias's target — fails readiness (naming it) and is never sent to the
-// worker: its requests are Baton's 404, not the engine's.
-func TestReadinessFailsForAModelNoEngineServes(t *testing.T) {
+// another, or as an alias's target (a misspelled model in a live-reloaded configuration) — is
+// named by readiness, which stays ready for the models that are served, and is never sent to
+// the worker: its requests are Baton's 404, not the engine's.
+func TestReadinessNamesAModelNoEngineServes(t *testing.T) {
 	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})
 	for name, tune := range map[string]func(*config.Config){
 		"worker models": func(c *config.Config) {
@@ -79,8 +80,8 @@ func TestReadinessFailsForAModelNoEngineServes(t *testing.T) {
 			tune(&cfg)
 			_, gw := startGateway(t, cfg)
 			status, body := readiness(t, gw.URL)
-			if status != 503 || !strings.Contains(body, `\"ghost\"`) || strings.Contains(body, `\"m\"`) {
-				t.Errorf("readiness %d %s, want 503 naming ghost alone", status, body)
+			if status != 200 || !strings.Contains(body, `"unservable":["model \"ghost\"`) || strings.Contains(body, `\"m\"`) {
+				t.Errorf("readiness %d %s, want 200 naming ghost alone as unservable", status, body)
 			}
 			before := e.Stats().RequestsReceived
 			model := "ghost"

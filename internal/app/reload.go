@@ -61,7 +61,7 @@ func (g *Gateway) Reload() error {
 			g.Log.Error("reload: the TLS certificate could not be read; the one served stays", "err", certErr)
 		}
 	}
-	defer g.Server.WarnUnservable("reload: models that no request can be sent for (readiness fails until they can)")
+	defer g.Server.WarnUnservable("reload: models that no request can be sent for (the gateway stays ready while any model can be served)")
 	werr := g.Fleet.Sync(cfg.AllWorkers(), fleet.SourceConfig)
 	if policies != nil {
 		g.Selector.SetPolicies(policies, modelPolicies)

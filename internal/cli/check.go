@@ -174,9 +174,7 @@ func check(ctx context.Context, g *app.Gateway, pd bool) checkReport {
 			failed++
 		}
 	}
-	if ok, why := g.Server.Ready(); !ok {
-		rep.Unservable = strings.Split(why, "; ")
-	}
+	_, rep.Unservable = g.Server.Director().Readiness() // every model that cannot be served, ready or not
 	switch {
 	case len(rep.Unservable) > 0 && checked > 0 && bad == 0 && failed == 0:
 		rep.Verdict = fmt.Sprintf("%d model(s) cannot be served: %s", len(rep.Unservable), strings.Join(rep.Unservable, "; "))

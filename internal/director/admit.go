@@ -317,9 +317,13 @@ func (d *Director) Acquire(ctx context.Context, rec *record.Record) (release fun
 	return d.admit.acquire(ctx, rec, admit.Default, admit.Default, 0, 0)
 }
 
-// Start runs the queue's promotions while ctx lives.
+// Start runs the queue's promotions, and the look at which models can be served, while ctx lives.
 func (d *Director) Start(ctx context.Context) {
 	d.admit.start(ctx)
+	d.bg.Go(func() {
+		var last map[string]string
+		every(ctx, ServableEvery, func() { last = d.noteServable(last) })
+	})
 	if d.o.LocalRule != nil && d.o.Advisor != nil {
 		d.bg.Go(func() { every(ctx, LocalRefresh, d.RefreshLocal) })
 	}

@@ -102,6 +102,9 @@ func New(o Options) *Director {
 		d.attempts = 1
 	}
 	d.backoff = retry.Backoff{Initial: rc.InitialBackoff, Max: rc.MaxBackoff, Multiplier: rc.BackoffMultiplier, Jitter: rc.JitterFactor}
+	if o.Metrics != nil {
+		o.Metrics.Servable = d.ModelStates // baton_model_servable
+	}
 	return d
 }
 

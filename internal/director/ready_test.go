@@ -8,8 +8,12 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/baton-llm/baton/internal/admit"
 	"github.com/baton-llm/baton/internal/config"
@@ -289,4 +293,109 @@ func TestReadinessNamesTheRoleThatIsMissing(t *testing.T) {
 	if !slices.Equal(missing, want) {
 		t.Errorf("missing %q, want %q", missing, want)
 	}
+}
+
+// A model none of whose workers is available is served through its fallbacks, as its requests
+// are: it is no model readiness misses, unless a name clients use for it has none that serves.
+func TestReadinessCountsAModelServedThroughItsFallbacks(t *testing.T) {
+	down := regular("http://big:8000", "big")
+	down.SetReady(false)
+	f := newFleet(t, []*worker.Worker{down, regular("http://small:8000", "small")},
+		withModels(map[string]config.ModelConfig{"big": {Fallbacks: []string{"small"}}}, ""))
+	if models, missing := f.d.Readiness(); !slices.Equal(models, []string{"big", "small"}) || len(missing) != 0 {
+		t.Errorf("a model whose fallback serves: models %v, missing %v", models, missing)
+	}
+	// An alias to it without fallbacks of its own: its clients cannot be served.
+	g := newFleet(t, []*worker.Worker{down, regular("http://small:8000", "small")},
+		withModels(map[string]config.ModelConfig{"big": {Fallbacks: []string{"small"}}, "large": {Serve: "big"}}, ""))
+	if _, missing := g.d.Readiness(); len(missing) != 1 || !strings.Contains(missing[0], `"big" (served for large)`) {
+		t.Errorf("an alias without a fallback: missing %v", missing)
+	}
+	if models, missing := g.d.Readiness(); !Servable(models, missing) {
+		t.Error("a fleet serving one of its two models is not servable")
+	}
+}
+
+// Servable: ready while any model can be served; with none known, when none is missing.
+func TestServable(t *testing.T) {
+	for _, c := range []struct {
+		models, missing []string
+		want            bool
+	}{
+		{[]string{"a", "b"}, nil, true},
+		{[]string{"a", "b"}, []string{"a: down"}, true},
+		{[]string{"a", "b"}, []string{"a: down", "b: down"}, false},
+		{[]string{}, nil, true},
+		{[]string{}, []string{"no model is known yet"}, false},
+	} {
+		if got := Servable(c.models, c.missing); got != c.want {
+			t.Errorf("Servable(%v, %v) = %v", c.models, c.missing, got)
+		}
+	}
+}
+
+// logLines is a slog handler keeping each record's level, message and attributes as text.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logLines) Handle(_ context.Context, r slog.Record) error {
+	line := r.Level.String() + " " + r.Message
+	r.Attrs(func(a slog.Attr) bool { line += " " + a.String(); return true })
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, line)
+	return nil
+}
+func (l *logLines) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *logLines) WithGroup(string) slog.Handler      { return l }
+
+// A model that can no longer be served while others can (readiness staying 200) is said in a
+// WARN, once, and its return in an INFO; baton_model_servable says each model's state.
+func TestAModelLostIsSaid(t *testing.T) {
+	n := regular("http://n:8000", "n")
+	logs := &logLines{}
+	f := newFleet(t, []*worker.Worker{regular("http://m:8000", "m"), n}, func(o *Options) { o.Log = slog.New(logs) })
+	last := f.d.noteServable(nil)
+	n.SetReady(false)
+	last = f.d.noteServable(last)
+	last = f.d.noteServable(last)
+	metric := testutil.ToFloat64(servableGauge(t, f, "n"))
+	n.SetReady(true)
+	f.d.noteServable(last)
+	want := []string{
+		`WARN a model can no longer be served; the gateway stays ready while any model can model=n why=model "n": no ready worker (unreachable, still registering, unhealthy or drained)`,
+		`INFO a model can be served again model=n`,
+	}
+	if !slices.Equal(logs.lines, want) {
+		t.Errorf("logged:\n%s\nwant:\n%s", strings.Join(logs.lines, "\n"), strings.Join(want, "\n"))
+	}
+	if metric != 0 || testutil.ToFloat64(servableGauge(t, f, "n")) != 1 || testutil.ToFloat64(servableGauge(t, f, "m")) != 1 {
+		t.Errorf("baton_model_servable{model=n} was %v while n could not be served", metric)
+	}
+}
+
+// servableGauge is baton_model_servable{model} as f's metrics report it now.
+func servableGauge(t *testing.T, f *fleet, model string) prometheus.Collector {
+	t.Helper()
+	families, err := f.m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, fam := range families {
+		if fam.GetName() != "baton_model_servable" {
+			continue
+		}
+		for _, m := range fam.GetMetric() {
+			if m.GetLabel()[0].GetValue() == model {
+				g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "x"})
+				g.Set(m.GetGauge().GetValue())
+				return g
+			}
+		}
+	}
+	t.Fatalf("no baton_model_servable{model=%q}", model)
+	return nil
 }

@@ -65,6 +65,9 @@ type Metrics struct {
 	// fallback, a declared LoRA adapter): a label before any worker lists it. Set once, before
 	// serving.
 	Declared func(model string) bool
+	// Servable, when set, returns the models the fleet names and whether each can be served
+	// now (baton_model_servable). Set once, before serving.
+	Servable func() (models []string, servable []bool)
 
 	Requests       *prometheus.CounterVec   // route, model, status
 	Duration       *prometheus.HistogramVec // route, model
@@ -332,7 +335,7 @@ func New(reg *worker.Registry) *Metrics {
 		m.RouteDecisions, m.RouteMatch, m.TTFT, m.InterToken, m.Tokens, m.PairHandoffs,
 		m.TenantRequests, m.TenantTokens, m.TenantRejections, m.ModelWaiting, m.ModelInFlight, m.ModelFallbacks, m.AdapterOps, m.AdapterLoadSeconds,
 		m.EPPDecisions, m.EPPDecisionSeconds, m.EPPServedFallback, m.EPPCut, m.EPPStreams,
-		&workerCollector{reg: reg},
+		&workerCollector{reg: reg}, &modelCollector{m: m},
 		collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(liveHeap)), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -503,6 +506,32 @@ var (
 	outcomeDesc = prometheus.NewDesc("baton_worker_outcomes_total",
 		"Outcome samples of requests a worker served (failure: transport error or 408/500/502/503/504).", []string{"worker", "role", "outcome"}, nil)
 )
+
+var servableDesc = prometheus.NewDesc("baton_model_servable",
+	"1 when a request for the model can be sent now (an available worker, or PD pair, or one of its fallbacks'), else 0; the gateway is ready while any model is 1.", []string{"model"}, nil)
+
+// modelCollector reports each model's baton_model_servable, its label bounded as Model bounds it.
+type modelCollector struct{ m *Metrics }
+
+func (c *modelCollector) Describe(ch chan<- *prometheus.Desc) { ch <- servableDesc }
+
+func (c *modelCollector) Collect(ch chan<- prometheus.Metric) {
+	if c.m.Servable == nil {
+		return
+	}
+	models, servable := c.m.Servable()
+	values := map[string]float64{}
+	for i, model := range models {
+		label := c.m.Model(model)
+		v, seen := values[label]
+		if !seen || v == 1 { // models folded into one label (past the bound): 0 when any is
+			values[label] = map[bool]float64{true: 1, false: 0}[servable[i]]
+		}
+	}
+	for label, v := range values {
+		ch <- prometheus.MustNewConstMetric(servableDesc, prometheus.GaugeValue, v, label)
+	}
+}
 
 type workerCollector struct{ reg *worker.Registry }
 

@@ -344,7 +344,7 @@ func (s *Server) warnUnservable(ctx context.Context) {
 		case <-t.C:
 		}
 		if s.d.Registry().Snapshot().Pending() == 0 || time.Now().After(deadline) {
-			s.WarnUnservable("models that no request can be sent for (readiness fails until they can)")
+			s.WarnUnservable("models that no request can be sent for (the gateway stays ready while any model can be served)")
 			return
 		}
 	}

@@ -334,9 +334,10 @@ func TestServePD(t *testing.T) {
 	}
 }
 
-// Readiness tells the truth: ready only when every model the workers name can be served — a
-// ready worker, or in PD a ready prefill and decode that can hand KV to each other — and a 503
-// that names, per model, what is missing.
+// Readiness means "can serve": ready while any model the workers name can be served — a ready
+// worker, or in PD a ready prefill and decode that can hand KV to each other — naming, per model
+// it cannot serve, what is missing; a 503 when none can. (One model losing its only engine used
+// to take the whole gateway out of its Service: every model down.)
 func TestReadinessPerModel(t *testing.T) {
 	get := func(gw string) (int, string) {
 		resp, err := http.Get(gw + "/readiness")
@@ -360,12 +361,18 @@ func TestReadinessPerModel(t *testing.T) {
 		}
 		return w
 	}
-	// Regular: model "m" is served, model "n"'s only worker is down.
-	_, gw, _ := gateway(t, []string{"http://a:1"}, func(o *Options) {
+	// Regular: model "m" is served, model "n"'s only worker is down: ready, naming n.
+	var a *worker.Worker
+	_, gw, ws := gateway(t, []string{"http://a:1"}, func(o *Options) {
 		add(o, "http://b:1", config.RoleRegular, config.RuntimeVLLM, []string{"n"}, false)
 	})
-	if code, body := get(gw); code != 503 || !strings.Contains(body, `model \"n\": no ready worker`) || strings.Contains(body, `model \"m\"`) {
-		t.Errorf("a model without a ready worker: %d %s", code, body)
+	a = ws[0]
+	if code, body := get(gw); code != 200 || !strings.Contains(body, `"unservable":["model \"n\": no ready worker`) || strings.Contains(body, `model \"m\"`) {
+		t.Errorf("a model without a ready worker, another served: %d %s", code, body)
+	}
+	a.SetReady(false) // and now none: 503, naming both
+	if code, body := get(gw); code != 503 || !strings.Contains(body, `model \"n\": no ready worker`) || !strings.Contains(body, `model \"m\"`) {
+		t.Errorf("no model served: %d %s", code, body)
 	}
 
 	pdFleet := func(decodeRuntime string) string {

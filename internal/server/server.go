@@ -651,7 +651,7 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 	}
 	models, missing := s.d.Readiness()
 	private := s.admin.FleetPrivate() && !s.admin.KeyOK(r)
-	if len(missing) > 0 {
+	if !director.Servable(models, missing) {
 		msg := "not ready: " + strings.Join(missing, "; ")
 		if private {
 			msg = fmt.Sprintf("not ready: %d of %d models cannot be served now (the admin key shows which)", len(missing), max(1, len(models)))
@@ -664,6 +664,9 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 		listed = len(models)
 	}
 	answer := map[string]any{"status": "ready", "models": listed}
+	if len(missing) > 0 { // ready while any model can be served: those that cannot are said
+		answer["unservable"] = map[bool]any{true: len(missing), false: missing}[private]
+	}
 	// Workers that have not registered are said, with why: by URL with the admin key, or where
 	// no client needs a key (anyone may read GET /workers there), else by cause only.
 	if named, byCause := s.d.Unregistered(); len(named) > 0 {
@@ -678,13 +681,13 @@ func (s *Server) serveReadiness(w http.ResponseWriter, r *http.Request) {
 	_, _ = w.Write(body)
 }
 
-// Ready reports what /readiness answers: true when not draining and every model the workers
-// name can be served; else why not.
+// Ready reports what /readiness answers: true when not draining and any model the workers or
+// the configuration name can be served; else why not.
 func (s *Server) Ready() (bool, string) {
 	if s.draining.Load() {
 		return false, "shutting down"
 	}
-	if _, missing := s.d.Readiness(); len(missing) > 0 {
+	if models, missing := s.d.Readiness(); !director.Servable(models, missing) {
 		return false, strings.Join(missing, "; ")
 	}
 	return true, ""

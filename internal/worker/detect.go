@@ -352,7 +352,7 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 			}
 			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
 			if len(in.Unserved) > 0 {
-				r.Log.Warn("worker's configuration names models its engine does not serve: requests for them are not sent to it, and /readiness fails for any no engine serves",
+				r.Log.Warn("worker's configuration names models its engine does not serve: requests for them are not sent to it, and /readiness lists any no engine serves (503 only when no model can be served)",
 					"worker", w.URL, "unserved", in.Unserved)
 			}
 			return
