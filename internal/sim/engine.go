@@ -595,6 +595,9 @@ func sleep(ctx context.Context, d time.Duration) error {
 type apiError struct {
 	status int
 	msg    string
+	// inBand: the engine refuses the request inside the stream it answered 200
+	// (writeStreamRefusal), not with the status.
+	inBand bool
 }
 
 func (e *apiError) Error() string { return fmt.Sprintf("%d: %s", e.status, e.msg) }

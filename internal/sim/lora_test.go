@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -174,6 +175,39 @@ func TestSGLangAdapterAnswersAsSGLangWordsThem(t *testing.T) {
 	if r := post(t, e.URL()+"/generate", `{"text":"hi","lora_path":"a9","sampling_params":{"max_new_tokens":2}}`); r.status != 400 ||
 		!strings.Contains(r.raw, "The following requested LoRA adapters are not loaded: a9") {
 		t.Fatalf("/generate, an adapter not loaded: %d %s", r.status, r.raw)
+	}
+}
+
+// SGLang refuses a streamed request for an adapter not loaded inside the stream, after its 200
+// (the tokenizer manager acquires the adapter inside the generator the stream runs): the
+// refusal is the stream's one event, then [DONE] — SGLang's OpenAI routes' error object with
+// code 400, /generate's {"error": {"message"}}. Not streamed, it is the 400.
+func TestSGLangRefusesAStreamForAnAdapterNotLoadedInsideIt(t *testing.T) {
+	t.Parallel()
+	e := start(t, Config{Engine: EngineSGLang, RuntimeLoRA: true, LoRAAdapters: []string{"a1"}})
+	const refusal = "The following requested LoRA adapters are not loaded: a9\\nLoaded adapters: dict_keys(['a1'])."
+	for _, c := range []struct{ path, body, want string }{
+		{"/v1/completions", `{"model":"` + e.cfg.Model + `:a9","prompt":"hi","max_tokens":2,"stream":true}`,
+			`{"error":{"code":400,"message":"` + refusal + `","object":"error","param":null,"type":"BadRequestError"}}`},
+		{"/v1/chat/completions", `{"model":"` + e.cfg.Model + `","lora_path":"a9","messages":[{"role":"user","content":"hi"}],"max_tokens":2,"stream":true}`,
+			`{"error":{"code":400,"message":"` + refusal + `","object":"error","param":null,"type":"BadRequestError"}}`},
+		{"/generate", `{"text":"hi","lora_path":"a9","stream":true,"sampling_params":{"max_new_tokens":2}}`,
+			`{"error":{"message":"` + refusal + `"}}`},
+	} {
+		r := post(t, e.URL()+c.path, c.body)
+		if r.status != 200 {
+			t.Errorf("%s streamed: got %d %s, want 200 and the refusal in the stream", c.path, r.status, r.raw)
+			continue
+		}
+		if got, want := sseData(t, r.raw), []string{c.want, "[DONE]"}; !slices.Equal(got, want) {
+			t.Errorf("%s streamed: got events %q, want %q", c.path, got, want)
+		}
+		if r := post(t, e.URL()+c.path, strings.Replace(c.body, `"stream":true`, `"stream":false`, 1)); r.status != 400 {
+			t.Errorf("%s not streamed: got %d %s, want 400", c.path, r.status, r.raw)
+		}
+	}
+	if n := e.AdapterRequests("a9"); n != 0 {
+		t.Errorf("the adapter not loaded ran %d requests", n)
 	}
 }
 

@@ -397,3 +397,24 @@ func (e *Engine) writeStreamError(w http.ResponseWriter, j *job, ae *apiError) {
 		_ = s.done()
 	}
 }
+
+// writeStreamRefusal answers a streamed request SGLang refuses before it generates anything: its
+// tokenizer manager's generate_request raises a ValueError (lora_registry.py's acquire of an
+// adapter not loaded) once the stream's 200 is out, and the refusal is the stream's one event,
+// then [DONE]. The OpenAI routes send {"error": {"object": "error", "message", "type":
+// "BadRequestError", "param": null, "code": 400}} (serving_base.py,
+// create_streaming_error_response, called by the stream generators of serving_completions.py and
+// serving_chat.py); /generate sends {"error": {"message"}} (http_server.py, generate_request's
+// stream_results), which names no status.
+func (e *Engine) writeStreamRefusal(w http.ResponseWriter, rt route, ae *apiError) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.WriteHeader(200)
+	s := &sse{w: w, rc: http.NewResponseController(w)}
+	in := map[string]any{"object": "error", "message": ae.msg, "type": "BadRequestError", "param": nil, "code": ae.status}
+	if rt == routeGenerate {
+		in = map[string]any{"message": ae.msg}
+	}
+	if s.event("", map[string]any{"error": in}) == nil {
+		_ = s.done()
+	}
+}

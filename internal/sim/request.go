@@ -439,7 +439,9 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 	// _resolve_lora_path, "priority: model parameter > explicit lora_path", at sgl-project/sglang
 	// main of 2026; releases before the syntax, SGLangModelAdapterIgnored, read lora_path only).
 	// An adapter not loaded is refused by the registry's acquire: 400 "The following requested
-	// LoRA adapters are not loaded: X" (python/sglang/srt/lora/lora_registry.py).
+	// LoRA adapters are not loaded: X" (python/sglang/srt/lora/lora_registry.py). The tokenizer
+	// manager acquires it inside generate_request, which a stream runs after its 200 is out: a
+	// streamed request is refused in its stream (writeStreamRefusal).
 	if e.cfg.Engine == EngineSGLang {
 		if lora == "" && raw.LoRAPath != nil {
 			var err error
@@ -448,7 +450,9 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 			}
 		}
 		if lora != "" && !e.lora.has(lora) {
-			return nil, errorf(400, "The following requested LoRA adapters are not loaded: %s\nLoaded adapters: %s.", lora, e.lora.keys())
+			aerr := errorf(400, "The following requested LoRA adapters are not loaded: %s\nLoaded adapters: %s.", lora, e.lora.keys())
+			aerr.inBand = raw.Stream
+			return nil, aerr
 		}
 	}
 	if raw.Priority != nil {

@@ -57,6 +57,10 @@ func (e *Engine) inference(rt route) http.HandlerFunc {
 		if aerr != nil {
 			e.stats.failed.Add(1)
 			e.refuseKV(body)
+			if aerr.inBand {
+				e.writeStreamRefusal(w, rt, aerr)
+				return
+			}
 			e.writeError(w, aerr)
 			return
 		}
