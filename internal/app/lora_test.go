@@ -331,6 +331,41 @@ func TestAdapterUnloadedByAnotherReplica(t *testing.T) {
 	}
 }
 
+// A streamed request whose adapter another replica unloaded: SGLang answers it 200 and refuses
+// it in the stream's first event. Baton holds that event as the 400 it is, loads the adapter
+// again and sends the request once more — on the OpenAI routes and on /generate — and the client
+// gets the adapter's stream, never the engine's error event.
+func TestStreamedAdapterUnloadedByAnotherReplicaOnSGLang(t *testing.T) {
+	t.Parallel()
+	e := loraEngine(t, sim.Config{Engine: sim.EngineSGLang, Model: "base"})
+	cfg := testConfig(e.URL())
+	cfg.LoadPollInterval = time.Hour // this replica learns of the unload only from the answer
+	cfg.Adapters = []config.Adapter{{Name: "sql", Path: "/adapters/sql", Base: "base"}}
+	_, gw := startGateway(t, cfg)
+	for i, c := range []struct{ path, body string }{
+		{"/v1/completions", `{"model":"sql","prompt":"x","max_tokens":2,"stream":true}`},
+		{"/v1/chat/completions", `{"model":"sql","messages":[{"role":"user","content":"x"}],"max_tokens":2,"stream":true}`},
+		{"/generate", `{"text":"x","lora_path":"sql","stream":true,"sampling_params":{"max_new_tokens":2}}`},
+	} {
+		resp, err := http.Post(e.URL()+"/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"sql"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close() // the first time, nothing was loaded yet: refused, as another replica's unload would be
+		before := e.AdapterRequests("sql")
+		resp, b := gwtest.PostTimeout(t, gw.URL+c.path, c.body)
+		if resp.StatusCode != 200 || strings.Contains(b, `"error"`) || !strings.HasSuffix(b, "data: [DONE]\n\n") {
+			t.Errorf("%s after the other replica's unload: got %d %q, want the adapter's stream", c.path, resp.StatusCode, b)
+		}
+		if e.AdapterRequests("sql") != before+1 {
+			t.Errorf("%s: the adapter ran %d requests, want %d", c.path, e.AdapterRequests("sql"), before+1)
+		}
+		if l, _ := e.LoRAStats(); l != int64(i+1) {
+			t.Errorf("%s: loads %d, want %d (once again after each unload)", c.path, l, i+1)
+		}
+	}
+}
+
 // A client's own lora_path is the model it asks for: on SGLang (every route) and on vLLM alike,
 // the adapter it names is routed and loaded on demand and runs; a tenant allowed only the base
 // model cannot reach an adapter through it; a lora_path naming no adapter Baton serves, several

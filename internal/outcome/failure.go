@@ -26,6 +26,7 @@ var (
 type InBandError struct {
 	Status  int    // the status the event names (500 when it names none)
 	Message string // the event's message, bounded
+	Unnamed bool   // the event names no status (Status is then 500)
 }
 
 func (e *InBandError) Error() string {

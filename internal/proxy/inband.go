@@ -3,7 +3,9 @@ package proxy
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"net/http"
+	"slices"
 	"unicode/utf8"
 
 	"github.com/baton-llm/baton/internal/openai"
@@ -44,6 +46,7 @@ type watch struct {
 	seen    bool   // the current event was looked at in place (line's last)
 	cr      bool   // the last read ended with a CR: a LF next is the rest of its CRLF
 	done    bool   // [DONE] was read: a client reads nothing after it
+	events  int    // the events with data looked at, [DONE] not counted
 	err     *InBandError
 }
 
@@ -147,6 +150,7 @@ func (w *watch) dispatch(data []byte) {
 		w.done = true
 		return
 	}
+	w.events++
 	w.err = errorEvent(data)
 }
 
@@ -215,10 +219,10 @@ func parseErrorEvent(data []byte) *InBandError {
 
 // inBand builds the error of an event naming code (an HTTP status, or anything else) and msg.
 func inBand(code json.RawMessage, msg string) *InBandError {
-	status := http.StatusInternalServerError
+	status, unnamed := http.StatusInternalServerError, true
 	var n int
 	if json.Unmarshal(code, &n) == nil && n >= 400 && n <= 599 {
-		status = n
+		status, unnamed = n, false
 	}
 	if len(msg) > 256 {
 		cut := 256
@@ -227,5 +231,109 @@ func inBand(code json.RawMessage, msg string) *InBandError {
 		}
 		msg = msg[:cut] + "…"
 	}
-	return &InBandError{Status: status, Message: msg}
+	return &InBandError{Status: status, Message: msg, Unnamed: unnamed}
+}
+
+// maxRefusalHead bounds what is read of a stream, before any of it is relayed, to find its first
+// event: an error event's data is at most maxErrorLine, and comments or other fields may come
+// before it (vLLM's keep-alive comments).
+const maxRefusalHead = 2 * maxErrorLine
+
+// refusalStatus is the status a refusal in a stream's first event is held as when the event
+// names none: SGLang's /generate writes {"error": {"message"}} for what it answers 400 when not
+// streamed (http_server.py, generate_request: a ValueError is _create_error_response's 400).
+const refusalStatus = http.StatusBadRequest
+
+// holdRefusal reads a stream's first event before a byte of the stream reaches the client, where
+// the call holds statuses (hold): an engine that refuses a streamed request after its 200 says so
+// in the stream's first event — SGLang raises inside the generator its stream runs
+// (tokenizer_manager.py, generate_request: an adapter not loaded, lora_registry.py's acquire) and
+// sends the error as the stream's one event, then [DONE]. That event, when it names a held
+// status (one naming none as refusalStatus), is held as an answer of that status would be: the
+// leg ends with it and the returned *outcome.Failure carries the event's data as the worker's
+// answer, for the caller to retry or write. Anything else is relayed as it came: what was read is
+// put back in front of resp's body, and holdRefusal returns nil. A failure to read is the
+// read's failure (nothing was relayed: the caller may retry).
+func (p *Proxy) holdRefusal(r *http.Request, leg *Leg, resp *http.Response, hold []int) error {
+	var w watch
+	head := make([]byte, 0, 1<<10)
+	var rerr error
+	for w.err == nil && w.events == 0 && !w.done && len(head) < maxRefusalHead && rerr == nil {
+		if len(head) == cap(head) {
+			head = slices.Grow(head, len(head))
+		}
+		var n int
+		n, rerr = resp.Body.Read(head[len(head):cap(head)])
+		w.see(head[len(head) : len(head)+n])
+		head = head[:len(head)+n]
+	}
+	if rerr != nil && rerr != io.EOF && w.err == nil {
+		return p.Failure(r, leg, rerr)
+	}
+	if ib := w.err; ib != nil && w.events == 1 {
+		status := ib.Status
+		if ib.Unnamed {
+			status = refusalStatus
+		}
+		if slices.Contains(hold, status) {
+			data, _ := openai.EventDataWhole(firstDataEvent(head))
+			leg.Done(status, nil)
+			return &outcome.Failure{Worker: leg.W.URL, Status: status, Header: http.Header{"Content-Type": {"application/json"}}, Body: slices.Clone(data)}
+		}
+	}
+	replay := &replayed{head: head, err: rerr, ReadCloser: resp.Body}
+	if v, ok := resp.Body.(viewer); ok {
+		resp.Body = &replayedViewer{replayed: replay, v: v}
+	} else {
+		resp.Body = replay
+	}
+	return nil
+}
+
+// firstDataEvent is the first event of stream b that has a data line (nil when none ended in b).
+func firstDataEvent(b []byte) []byte {
+	er := openai.NewEventReader(&replayed{head: b, err: io.EOF})
+	for {
+		ev, err := er.Next()
+		if _, ok := openai.EventData(ev); ok || err != nil {
+			return ev
+		}
+	}
+}
+
+// replayed is a body whose first bytes were read already (head), and which ended with err when
+// not nil: those bytes are read again first.
+type replayed struct {
+	io.ReadCloser
+	head []byte
+	err  error
+}
+
+func (b *replayed) Read(p []byte) (int, error) {
+	if len(b.head) > 0 {
+		n := copy(p, b.head)
+		b.head = b.head[n:]
+		return n, nil
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	return b.ReadCloser.Read(p)
+}
+
+// replayedViewer is a replayed body that lends views of its own buffer: head first.
+type replayedViewer struct {
+	*replayed
+	v viewer
+}
+
+func (b *replayedViewer) Next() ([]byte, error) {
+	if h := b.head; len(h) > 0 {
+		b.head = nil
+		return h, nil
+	}
+	if b.err != nil {
+		return nil, b.err
+	}
+	return b.v.Next()
 }

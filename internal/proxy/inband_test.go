@@ -1,10 +1,16 @@
 package proxy
 
 import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"unicode/utf8"
 
+	"github.com/baton-llm/baton/internal/outcome"
 	"github.com/baton-llm/baton/internal/ssetest"
 )
 
@@ -279,5 +285,67 @@ func TestWatchReadsALeadingBOMAsOpenAIPythonDoes(t *testing.T) {
 	w.see([]byte(`data: {"error":{"code":502}}` + "\n\n"))
 	if w.err == nil || w.err.Status != 502 {
 		t.Fatalf("the next error event: %v, want 502", w.err)
+	}
+}
+
+// A stream whose first event is an engine's refusal (SGLang refuses a streamed request inside
+// the stream it answered 200) is held as the answer of the status it names when the call holds
+// that status — nothing reaches the client, and the failure carries the event's data — on both
+// upstream clients; an event naming no status (SGLang's /generate) is held as a 400. A refusal
+// of a status not held, a stream that begins with tokens, or a call that holds nothing is
+// relayed byte for byte as it came, the bytes read to look at its first event included.
+func TestStreamRefusedInItsFirstEventIsHeld(t *testing.T) {
+	const (
+		openAI   = ": keep-alive\n\ndata: {\"error\":{\"object\":\"error\",\"message\":\"The following requested LoRA adapters are not loaded: a9\",\"type\":\"BadRequestError\",\"param\":null,\"code\":400}}\n\ndata: [DONE]\n\n"
+		generate = "data: {\"error\":{\"message\":\"The following requested LoRA adapters are not loaded: a9\"}}\r\n\r\ndata: [DONE]\r\n\r\n"
+		aborted  = "data: {\"error\":{\"message\":\"queue full\",\"code\":503}}\n\ndata: [DONE]\n\n"
+		tokens   = "data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: {\"error\":{\"message\":\"late\",\"code\":400}}\n\ndata: [DONE]\n\n"
+	)
+	for _, client := range []string{"net", "baton"} {
+		for _, c := range []struct {
+			name, stream string
+			hold         []int
+			held         int    // the status held; 0: relayed
+			body         string // the held answer's body
+		}{
+			{"openai route", openAI, []int{404, 400}, 400, `{"error":{"object":"error","message":"The following requested LoRA adapters are not loaded: a9","type":"BadRequestError","param":null,"code":400}}`},
+			{"generate", generate, []int{404, 400}, 400, `{"error":{"message":"The following requested LoRA adapters are not loaded: a9"}}`},
+			{"status not held", aborted, []int{404, 400}, 0, ""},
+			{"tokens first", tokens, []int{404, 400}, 0, ""},
+			{"nothing held", openAI, nil, 0, ""},
+		} {
+			t.Run(client+"/"+c.name, func(t *testing.T) {
+				w := engineAt(t, func(rw http.ResponseWriter, r *http.Request) {
+					rw.Header().Set("Content-Type", "text/event-stream")
+					rw.WriteHeader(http.StatusOK)
+					for _, part := range strings.SplitAfter(c.stream, "\n") { // in pieces, as an engine flushes
+						io.WriteString(rw, part)
+						rw.(http.Flusher).Flush()
+					}
+				})
+				p := forwardProxy(t, client)
+				in, rec := clientRequest(context.Background(), `{"stream":true}`)
+				rw := httptest.NewRecorder()
+				err := p.Forward(rw, in, w, &Call{Path: "/v1/completions", Body: []byte(`{"stream":true}`), Rec: rec, Stream: true, Hold: c.hold})
+				if c.held == 0 {
+					if rw.Code != http.StatusOK || rw.Body.String() != c.stream {
+						t.Errorf("relayed: got %d %q, want 200 %q", rw.Code, rw.Body.String(), c.stream)
+					}
+					return
+				}
+				var f *outcome.Failure
+				if !errors.As(err, &f) || f.Status != c.held || string(f.Body) != c.body || f.Answer != nil {
+					t.Fatalf("got %v, want the held answer %d %s", err, c.held, c.body)
+				}
+				if rw.Body.Len() > 0 || rw.Code != http.StatusOK && rw.Code != 0 {
+					t.Errorf("the client got %d %q before the refusal was held", rw.Code, rw.Body.String())
+				}
+				out := httptest.NewRecorder()
+				WriteFailure(out, f)
+				if out.Code != c.held || out.Header().Get("Content-Type") != "application/json" || out.Body.String() != c.body {
+					t.Errorf("written: got %d %s %q, want %d application/json %q", out.Code, out.Header().Get("Content-Type"), out.Body.String(), c.held, c.body)
+				}
+			})
+		}
 	}
 }

@@ -258,7 +258,9 @@ type Call struct {
 	Header http.Header
 	// Hold, for Forward, are answer statuses to hold to be read rather than relay, besides the
 	// retryable ones: a 400 while a context-window fallback is left, an adapter request's 404
-	// and 400 (its adapter gone). The caller's order for this one call.
+	// and 400 (its adapter gone). A stream whose first event is an engine's refusal of such a
+	// status is held as that answer (holdRefusal: SGLang refuses streams inside them). The
+	// caller's order for this one call.
 	Hold []int
 	// Rec is the request's record: what the call learns goes there (nil: nowhere); Orders are
 	// the tenant's accounting asked of the answer's relay.
@@ -526,6 +528,16 @@ func (p *Proxy) forwardHead(r *http.Request, w *worker.Worker, c *Call) (*forwar
 			return nil, p.KeyRefused(&f.leg, resp)
 		}
 		return nil, p.HoldError(r, &f.leg, resp)
+	}
+	if c.Stream && len(c.Hold) > 0 && resp.StatusCode == http.StatusOK && openai.IsEventStream(resp.Header.Get("Content-Type")) {
+		if err := p.holdRefusal(r, &f.leg, resp, c.Hold); err != nil {
+			defer f.leg.Excuse()
+			resp.Body.Close()
+			if f.abort != nil {
+				f.abort(nil)
+			}
+			return nil, err
+		}
 	}
 	f.resp = resp
 	return f, nil
