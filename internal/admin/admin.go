@@ -381,6 +381,16 @@ type WorkerView struct {
 	Correlation string `json:"correlation"`
 	// KVEvents is Baton's subscription to the engine's KV events, when it has one.
 	KVEvents any `json:"kv_events,omitempty"`
+	// HealthCheck is what its health probes got, once one failed: the probes failed in a row
+	// (0 while they pass) and the last failure — its cause, status, the start of the engine's
+	// answer or the error, and when.
+	HealthCheck *healthCheckView `json:"health_check,omitempty"`
+}
+
+// healthCheckView is a worker's failed health probes in GET /workers.
+type healthCheckView struct {
+	Failing     int                   `json:"failing"`
+	LastFailure *worker.HealthFailure `json:"last_failure"`
 }
 
 // engineView is a worker's engine-reported load in GET /workers.
@@ -432,6 +442,9 @@ func (s *API) View(wk *worker.Worker, now time.Time) WorkerView {
 		BootstrapPort: wk.BootstrapPort, DPSize: wk.DPSize, Labels: wk.Labels, Engine: engineOf(wk, now), Correlation: wk.Correlation()}
 	if s.o.SourceOf != nil {
 		v.Source = s.o.SourceOf(wk.URL)
+	}
+	if failing, last := wk.HealthCheck(); last != nil {
+		v.HealthCheck = &healthCheckView{Failing: failing, LastFailure: last}
 	}
 	v.Breaker = wk.BreakerState().String()
 	switch {

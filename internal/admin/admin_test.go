@@ -1,9 +1,11 @@
 package admin
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -362,5 +364,36 @@ func TestWorkersNotReadyWhileTheirCircuitIsOpen(t *testing.T) {
 	}
 	if w.BreakerState() != worker.BreakerOpen {
 		t.Errorf("reading /workers changed the circuit to %s", w.BreakerState())
+	}
+}
+
+// GET /workers says what a worker's failed health probes got: the probes failed in a row and
+// the last failure's cause, status and the start of the engine's answer.
+func TestWorkersSayWhatTheirHealthProbesGot(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) {
+		rw.WriteHeader(http.StatusServiceUnavailable)
+		io.WriteString(rw, "loading weights")
+	}))
+	defer engine.Close()
+	f := &fakeFleet{reg: worker.NewRegistry()}
+	admin := serve(t, Options{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}, f.reg, tenantsOf(t), true)
+	w := worker.New(config.Worker{URL: engine.URL})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM})
+	w.SetReady(true)
+	if err := f.reg.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	if _, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", ""); strings.Contains(body, "health_check") {
+		t.Errorf("before any failed probe: %s", body)
+	}
+	h := &worker.HealthChecker{Registry: f.reg, Client: engine.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Interval: time.Hour, Timeout: time.Second, FailureThreshold: 1, SuccessThreshold: 1, Endpoint: "/health"}
+	h.CheckAll(context.Background())
+	_, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", "")
+	if want := `"health_check":{"failing":1,"last_failure":{"cause":"status_5xx","status":503,"detail":"loading weights","at":`; !strings.Contains(body, want) {
+		t.Errorf("got %s, want it to hold %s", body, want)
+	}
+	if !strings.Contains(body, `"health":"unhealthy"`) {
+		t.Errorf("after the failed probe: %s", body)
 	}
 }

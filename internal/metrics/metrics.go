@@ -505,6 +505,8 @@ var (
 		"What the engine last reported of its load (running, waiting requests; kv_usage 0..1), while routing trusts it.", []string{"worker", "role", "signal"}, nil)
 	outcomeDesc = prometheus.NewDesc("baton_worker_outcomes_total",
 		"Outcome samples of requests a worker served (failure: transport error or 408/500/502/503/504).", []string{"worker", "role", "outcome"}, nil)
+	healthFailureDesc = prometheus.NewDesc("baton_worker_health_failures_total",
+		"Failed health probes of a worker by cause: status_4xx, status_5xx, status_other (the engine answered outside 2xx), timeout, refused, reset, dns, tls, error (no answer).", []string{"worker", "cause"}, nil)
 )
 
 var servableDesc = prometheus.NewDesc("baton_model_servable",
@@ -541,6 +543,7 @@ func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- outcomeDesc
 	ch <- breakerDesc
 	ch <- engineDesc
+	ch <- healthFailureDesc
 }
 
 func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
@@ -567,6 +570,9 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 		ok, failed := w.Outcomes()
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(ok), w.URL, w.Role, "success")
 		ch <- prometheus.MustNewConstMetric(outcomeDesc, prometheus.CounterValue, float64(failed), w.URL, w.Role, "failure")
+		for i, n := range w.HealthFailures() {
+			ch <- prometheus.MustNewConstMetric(healthFailureDesc, prometheus.CounterValue, float64(n), w.URL, worker.HealthCauses[i])
+		}
 	}
 }
 

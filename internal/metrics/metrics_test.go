@@ -1,6 +1,11 @@
 package metrics
 
 import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
 	"net/http/httptest"
 	"runtime"
 	"runtime/debug"
@@ -8,11 +13,13 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/baton-llm/baton/internal/config"
 	"github.com/baton-llm/baton/internal/policy"
 	"github.com/baton-llm/baton/internal/worker"
 )
@@ -123,5 +130,32 @@ func TestRememberedSeriesCountInTheScrape(t *testing.T) {
 	}
 	if n := m.requests.Len(); n > maxChildren {
 		t.Fatalf("%d series remembered, bound %d", n, maxChildren)
+	}
+}
+
+// baton_worker_health_failures_total counts a worker's failed health probes by cause, every
+// cause of the fixed set a series (none grows the label's values).
+func TestHealthFailuresCountedByCause(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) { rw.WriteHeader(http.StatusServiceUnavailable) }))
+	defer engine.Close()
+	w := worker.New(config.Worker{URL: engine.URL})
+	w.SetInfo(&worker.Info{Runtime: "generic"})
+	w.SetReady(true)
+	reg := worker.NewRegistry(w)
+	m := New(reg)
+	h := &worker.HealthChecker{Registry: reg, Client: engine.Client(), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Interval: time.Hour, Timeout: time.Second, FailureThreshold: 3, SuccessThreshold: 1, Endpoint: "/health"}
+	h.CheckAll(context.Background())
+	h.CheckAll(context.Background())
+	want := "# HELP baton_worker_health_failures_total Failed health probes of a worker by cause: status_4xx, status_5xx, status_other (the engine answered outside 2xx), timeout, refused, reset, dns, tls, error (no answer).\n# TYPE baton_worker_health_failures_total counter\n"
+	for _, cause := range worker.HealthCauses {
+		n := 0
+		if cause == worker.HealthStatus5xx {
+			n = 2
+		}
+		want += fmt.Sprintf("baton_worker_health_failures_total{cause=%q,worker=%q} %d\n", cause, engine.URL, n)
+	}
+	if err := testutil.GatherAndCompare(m.Registry, strings.NewReader(want), "baton_worker_health_failures_total"); err != nil {
+		t.Error(err)
 	}
 }

@@ -3,10 +3,13 @@ package worker
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -212,4 +215,80 @@ func TestRankFor(t *testing.T) {
 	if _, ok := w.RankFor(0, 1); ok {
 		t.Error("a worker without DP ranks got one")
 	}
+}
+
+// A failed health check says what the probe got: the cause (a status class, a timeout, a refused
+// or reset connection), the status and the start of the engine's answer, in the worker's last
+// failure, its count by cause, and the log line that takes it out of rotation.
+func TestHealthCheckSaysWhatTheProbeGot(t *testing.T) {
+	overloaded := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) {
+		rw.WriteHeader(http.StatusServiceUnavailable)
+		io.WriteString(rw, "engine overloaded\n")
+	}))
+	defer overloaded.Close()
+	forbidden := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) { rw.WriteHeader(http.StatusForbidden) }))
+	defer forbidden.Close()
+	silent := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	defer silent.Close()
+	reset := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) {
+		conn, _, err := rw.(http.Hijacker).Hijack()
+		if err == nil {
+			conn.Close() // closed before any answer
+		}
+	}))
+	defer reset.Close()
+	closed := httptest.NewServer(http.NotFoundHandler())
+	closed.Close() // nothing listens there now: refused
+	for _, c := range []struct {
+		url, cause, detail string
+		status             int
+	}{
+		{overloaded.URL, HealthStatus5xx, "engine overloaded", 503},
+		{forbidden.URL, HealthStatus4xx, "", 403},
+		{silent.URL, HealthTimeout, "", 0},
+		{reset.URL, HealthReset, "", 0},
+		{closed.URL, HealthRefused, "", 0},
+	} {
+		t.Run(c.cause, func(t *testing.T) {
+			w := New(config.Worker{URL: c.url})
+			w.SetInfo(&Info{Runtime: "generic"})
+			w.SetReady(true)
+			var log strings.Builder
+			var mu sync.Mutex
+			h := &HealthChecker{Registry: NewRegistry(w), Client: &http.Client{}, Log: slog.New(slog.NewTextHandler(lockedWriter{&mu, &log}, nil)),
+				Interval: time.Hour, Timeout: 100 * time.Millisecond, FailureThreshold: 2, SuccessThreshold: 1, Endpoint: "/health"}
+			h.CheckAll(context.Background())
+			h.CheckAll(context.Background())
+			if w.Ready() {
+				t.Fatal("ready after two failed probes")
+			}
+			failing, last := w.HealthCheck()
+			if failing != 2 || last == nil || last.Cause != c.cause || last.Status != c.status || last.Detail != c.detail && c.detail != "" || last.At.IsZero() {
+				t.Errorf("got %d failing, last %+v; want 2, cause %s, status %d, detail %q", failing, last, c.cause, c.status, c.detail)
+			}
+			counts := w.HealthFailures()
+			for i, cause := range HealthCauses {
+				if want := map[bool]int64{true: 2}[cause == c.cause]; counts[i] != want {
+					t.Errorf("failures of cause %s: got %d, want %d", cause, counts[i], want)
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if line := log.String(); !strings.Contains(line, "out of rotation") || !strings.Contains(line, "cause="+c.cause) ||
+				c.status != 0 && !strings.Contains(line, fmt.Sprintf("status=%d", c.status)) {
+				t.Errorf("the log line says nothing of what the probe got: %s", line)
+			}
+		})
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
 }

@@ -111,6 +111,10 @@ type Worker struct {
 
 	// health check state, owned by the HealthChecker
 	healthFails, healthOKs atomic.Int32
+	// lastHealth is the last failed health probe (nil: none yet); healthCauses counts the failed
+	// probes by cause, indexed as HealthCauses.
+	lastHealth   atomic.Pointer[HealthFailure]
+	healthCauses [len(HealthCauses)]atomic.Int64
 
 	// targets holds URL+path parsed, by path (Target), for at most maxTargets paths.
 	targets  sync.Map // string → *url.URL
