@@ -61,6 +61,12 @@ func (p *Proxy) correlate(out *http.Request, body []byte, w *worker.Worker, proo
 		p.mismatch(w, sent, got)
 		return nil, ErrAnotherAnswer
 	case resp.StatusCode != http.StatusOK:
+		if proof.ByID() && !p.dontReuse(resp.Body) {
+			// An error names no request (vLLM's ErrorResponse has no id): on a worker proven by
+			// its answers' ids, its connection carries nothing more, so that a duplicate of it
+			// never reaches another request.
+			resp.Body = &closingIdle{ReadCloser: resp.Body, p: p, w: w}
+		}
 		return resp, nil
 	}
 	prefix := routes.Of(out.URL.Path).AnswerID
@@ -74,6 +80,49 @@ func (p *Proxy) correlate(out *http.Request, body []byte, w *worker.Worker, proo
 		resp.Body = proving(pr)
 	}
 	return resp, nil
+}
+
+// Unprovable reports a request to w whose answer cannot be proven its own though w's answers can
+// be: w is proven by its answers' ids (not by the X-Request-Id header, which proves every
+// answer), and this one's route names none (/v1/responses, /v1/embeddings, …) or its engine is
+// not given Baton's id (an SGLang request of many samples). Such a request is sent on a
+// connection of its own (Connection: close), so that no answer out of step on it reaches another
+// request.
+func Unprovable(w *worker.Worker, path string, body []byte, sent string) bool {
+	proof := w.Proof()
+	if !proof.ByID() || proof.ByHeader() {
+		return false
+	}
+	return routes.Of(path).AnswerID == "" || !namedByBaton(w, path, body, sent)
+}
+
+// noReuser is an answer body whose connection can be kept from reuse (Baton's own client).
+type noReuser interface{ NoReuse() }
+
+// dontReuse keeps the connection the answer body b came on from being used again once b is
+// read, and reports whether it could: Baton's own client closes it. Over net/http's transport,
+// which cannot single a connection out, the caller closes the worker's idle connections when
+// the body is closed (closingIdle) — a request that took that connection in between is judged
+// by its own answer.
+func (p *Proxy) dontReuse(b io.ReadCloser) bool {
+	if v, ok := b.(noReuser); ok {
+		v.NoReuse()
+		return true
+	}
+	return false
+}
+
+// closingIdle is an answer body after which its worker's idle connections are closed.
+type closingIdle struct {
+	io.ReadCloser
+	p *Proxy
+	w *worker.Worker
+}
+
+func (c *closingIdle) Close() error {
+	err := c.ReadCloser.Close()
+	CloseIdle(c.p.Transport, c.w.URL)
+	return err
 }
 
 // namedByBaton reports an answer whose id its engine is known to name after the id Baton chose
@@ -118,8 +167,11 @@ type prover struct {
 	sent    string
 	prefix  string // the route's: chatcmpl- or cmpl-
 	decided bool
-	held    []byte // the first bytes, read while they could not be judged yet
-	heldErr error  // the read error that came with the last of them
+	// closeIdle: the answer is an error event over net/http's transport, after which the
+	// worker's idle connections are closed (dontReuse).
+	closeIdle bool
+	held      []byte // the first bytes, read while they could not be judged yet
+	heldErr   error  // the read error that came with the last of them
 	// left is what remains of a body of known length (-1: unknown) while it is not judged: its
 	// last byte is not read before the verdict, for a client hands a connection back to its pool
 	// with the read that ends its body, and an answer out of step must close it instead.
@@ -157,6 +209,9 @@ func (r *prover) judge(b []byte, rerr error) (bool, error) {
 		// was whole: its failure is what it is, no evidence of another request's answer.
 		return true, nil
 	case v == idError:
+		if r.proof.ByID() && !r.p.dontReuse(r.ReadCloser) {
+			r.closeIdle = true // an error event names no request: as an error answer
+		}
 		return true, nil // an error carries no id: not judged
 	case v == idFound && len(id) == len(r.prefix)+len(r.sent) && string(id[:len(r.prefix)]) == r.prefix && string(id[len(r.prefix):]) == r.sent:
 		r.w.NoteIDEcho()
@@ -220,6 +275,16 @@ func (r *prover) Read(b []byte) (int, error) {
 		r.heldErr = err
 	}
 	return r.Read(b)
+}
+
+// Close closes the answer, and the worker's idle connections after an error event that could not
+// be kept from reuse (closeIdle).
+func (r *prover) Close() error {
+	err := r.ReadCloser.Close()
+	if r.closeIdle {
+		CloseIdle(r.p.Transport, r.w.URL)
+	}
+	return err
 }
 
 // provingViewer is a prover over a body that lends views of its read buffer (Baton's client).

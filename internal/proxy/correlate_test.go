@@ -313,3 +313,36 @@ func TestAnAnswerUnderWayIsJudgedAsItsWorkerWasProvenWhenSent(t *testing.T) {
 		}
 	}
 }
+
+// noReuseBody records whether its connection was kept from reuse.
+type noReuseBody struct {
+	io.Reader
+	kept bool
+}
+
+func (b *noReuseBody) Close() error { return nil }
+func (b *noReuseBody) NoReuse()     { b.kept = true }
+
+// A stream whose first event is an error names no request: on a worker proven by its answers'
+// ids, as an error answer, its connection carries nothing more; a stream that names its request
+// keeps it.
+func TestAnErrorEventKeepsItsConnectionFromReuse(t *testing.T) {
+	w := worker.New(config.Worker{URL: "http://proven", Runtime: config.RuntimeVLLM})
+	w.NoteIDEcho()
+	for body, kept := range map[string]bool{
+		"data: {\"error\":{\"message\":\"x\"}}\n\ndata: [DONE]\n\n": true,
+		"data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\n":         false,
+	} {
+		b := &noReuseBody{Reader: strings.NewReader(body)}
+		out := httptest.NewRequest(http.MethodPost, "http://proven/v1/completions", nil)
+		out.Header.Set("X-Request-Id", "req-1")
+		resp := &http.Response{StatusCode: 200, Header: http.Header{}, Body: b, ContentLength: -1}
+		got, err := (&Proxy{}).correlate(out, []byte(`{}`), w, w.Proof(), resp, nil)
+		if err == nil {
+			_, err = io.ReadAll(got.Body)
+		}
+		if err != nil || b.kept != kept {
+			t.Errorf("%q: %v, kept from reuse %v, want %v", body, err, b.kept, kept)
+		}
+	}
+}

@@ -322,6 +322,7 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	}
 	out.Header["Content-Type"] = jsonType
 	out.ContentLength = int64(len(c.Body))
+	out.Close = Unprovable(leg.W, c.Path, c.Body, out.Header.Get(openai.HeaderRequestID))
 	if tracing.Enabled() {
 		return p.sendTraced(ctx, out, leg, &c)
 	}

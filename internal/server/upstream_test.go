@@ -374,3 +374,102 @@ func TestAWorkerOfNoKnownKindIsNotProvenByItsAnswersID(t *testing.T) {
 		t.Error("a generic worker was proven by its answer's id")
 	}
 }
+
+// An error names no request, so on a worker proven by its answers' ids it was relayed from a
+// reused connection unjudged: an engine that sent a 400 quoting a client's prompt twice had the
+// duplicate read as the next client's answer. On such a worker a connection that carried an
+// error (an error status, or a stream whose first event is an error) carries nothing more; and
+// a request whose answer names no request (/v1/embeddings, /v1/responses) goes on a connection
+// of its own.
+func TestAnErrorOnAWorkerProvenByIDIsNeverAnotherClientsAnswer(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		var mu sync.Mutex
+		errored := map[net.Conn]string{} // the prompt of the error each connection carried
+		var leaked atomic.Int32
+		engine := gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+			b, _ := io.ReadAll(req.Body)
+			rid := req.Header.Get("X-Request-Id")
+			mu.Lock()
+			prev, stale := errored[c]
+			mu.Unlock()
+			if stale { // out of step: the last error again, as this request's answer
+				leaked.Add(1)
+				body := `{"object":"error","message":"the prompt ` + prev + ` is too long","code":400}`
+				fmt.Fprintf(c, "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+				return true
+			}
+			switch {
+			case strings.Contains(string(b), "secret"):
+				mu.Lock()
+				errored[c] = "secret-of-client-0"
+				mu.Unlock()
+				body := `{"object":"error","message":"the prompt secret-of-client-0 is too long","code":400}`
+				fmt.Fprintf(c, "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+			case req.URL.Path == "/v1/embeddings":
+				body := `{"object":"list","data":[{"embedding":[0.5],"index":0}]}`
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+			default:
+				body := fmt.Sprintf(`{"id":"cmpl-%s","choices":[{"text":"ok"}]}`, rid)
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+			}
+			return true
+		})
+		_, gw, ws := gateway(t, []string{engine}, upstreamClient(t, client))
+		if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"mine"}`); resp.StatusCode != 200 || !ws[0].IDEchoes() {
+			t.Fatalf("the worker is not proven by its answers' id: %d %s", resp.StatusCode, body)
+		}
+		for i := range 4 {
+			if resp, body := post(t, gw+"/v1/completions", `{"model":"m","prompt":"secret"}`); resp.StatusCode != 400 {
+				t.Fatalf("client 0's own error: %d %s", resp.StatusCode, body)
+			}
+			for _, path := range []string{"/v1/completions", "/v1/embeddings"} {
+				resp, body := post(t, gw+path, `{"model":"m","prompt":"mine","input":"mine"}`)
+				if resp.StatusCode != 200 || strings.Contains(body, "secret") {
+					t.Errorf("round %d, %s: another client's error reached this one: %d %s", i, path, resp.StatusCode, body)
+				}
+			}
+		}
+		if n := leaked.Load(); n != 0 {
+			t.Errorf("%d requests were written on a connection that had carried an error", n)
+		}
+	})
+}
+
+// A request whose answer names no request, to a worker proven by its answers' ids, is sent on a
+// connection of its own: nothing out of step on it reaches another request.
+func TestAnUnprovableRouteGetsAConnectionOfItsOwn(t *testing.T) {
+	t.Parallel()
+	eachUpstream(t, func(t *testing.T, client string) {
+		var conns sync.Map
+		var requests atomic.Int32
+		engine := gwtest.SocketEngine(t, func(c net.Conn, req *http.Request) bool {
+			io.Copy(io.Discard, req.Body)
+			if req.URL.Path == "/v1/embeddings" {
+				requests.Add(1)
+				conns.Store(c, true)
+				body := `{"object":"list","data":[{"embedding":[0.5],"index":0}]}`
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+				return true
+			}
+			body := fmt.Sprintf(`{"id":"cmpl-%s","choices":[{"text":"ok"}]}`, req.Header.Get("X-Request-Id"))
+			fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+			return true
+		})
+		_, gw, ws := gateway(t, []string{engine}, upstreamClient(t, client))
+		post(t, gw+"/v1/completions", `{"model":"m","prompt":"mine"}`)
+		if !ws[0].IDEchoes() {
+			t.Fatal("the worker is not proven by its answers' id")
+		}
+		for range 5 {
+			if resp, body := post(t, gw+"/v1/embeddings", `{"model":"m","input":"mine"}`); resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, body)
+			}
+		}
+		n := 0
+		conns.Range(func(any, any) bool { n++; return true })
+		if int(requests.Load()) != n {
+			t.Errorf("%d embeddings went on %d connections: one was used again", requests.Load(), n)
+		}
+	})
+}

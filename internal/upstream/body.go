@@ -312,6 +312,11 @@ func (b *body) read(p []byte) (int, error) {
 	}
 }
 
+// NoReuse has the body's connection closed once the body is read, never handed to another
+// request: for an answer that cannot be proven its request's, so that nothing an engine sent
+// after it reaches another request.
+func (b *body) NoReuse() { b.reusable = false }
+
 // finish ends a body read to its end: the connection goes back to the pool when the
 // cancellation callback never ran and the engine sent nothing more.
 func (b *body) finish() {
