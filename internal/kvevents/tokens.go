@@ -233,3 +233,251 @@ func (t *Tokenizer) Cached() (entries, bytes int) {
 	defer t.mu.Unlock()
 	return len(t.cache), t.bytes
 }
+
+// maxCountAsks bounds the /tokenize asks one prompt's count makes (the texts of a list of
+// prompts, of a conversation an engine cannot template): past it, a text counts by its bytes.
+const maxCountAsks = 64
+
+// textKeys are the members whose strings are a prompt's text, wherever they sit in it (chat
+// and Anthropic content, parts' text, Responses' input, instructions and outputs, a tool call's
+// arguments): each is asked of the engine when the whole cannot be.
+var textKeys = map[string]bool{"content": true, "text": true, "input": true, "instructions": true, "system": true,
+	"prompt": true, "output": true, "arguments": true}
+
+// PromptCount counts the tokens of the prompt of body (a request to path for model), asking
+// the engine at base (cached, as Tokens) for every shape it can count:
+//   - a conversation whole, its chat template applied, when chat says the engine's /tokenize
+//     takes messages (vLLM's TokenizeChatRequest; SGLang's TokenizeRequest takes a prompt
+//     only): a chat's messages, and /v1/responses and /v1/messages mapped to chat messages when
+//     every item is a message of text and no tools are named (chatOf);
+//   - else each text the prompt holds, one ask each (vLLM's TokenizeCompletionRequest takes
+//     one string): a completion's prompt or each of a list of prompts, /generate's text, the
+//     texts of a conversation;
+//   - token ids as given, one token each.
+//
+// What no ask counted — the structure around the texts (roles, the JSON between them, tool
+// definitions, images), a text past maxCountAsks, an ask that failed — counts one token per
+// byte: never less than an engine computes for it, so that a prompt Baton cannot have counted is
+// not charged less than it cost. exact says every part was the engine's own count. ok is false
+// for a route whose prompt Baton does not know.
+func (t *Tokenizer) PromptCount(ctx context.Context, base, apiKey, model, path string, body []byte, chat bool) (n int, exact, ok bool) {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	if chat {
+		if cb, ok := chatOf(path, body); ok {
+			if toks, ok := t.Tokens(ctx, base, apiKey, model, "/v1/chat/completions", cb); ok {
+				return len(toks), true, true
+			}
+		}
+	}
+	p, ok := piecesOf(path, body)
+	if !ok {
+		return 0, false, false
+	}
+	n, exact = p.ids+p.rest, p.rest == 0
+	asks := 0
+	for _, s := range p.texts {
+		if s == "" {
+			continue
+		}
+		if asks < maxCountAsks && ctx.Err() == nil {
+			asks++
+			q, _ := json.Marshal(s)
+			m, _ := json.Marshal(model)
+			req := append(append(append(append([]byte(`{"model":`), m...), `,"prompt":`...), q...), '}')
+			if toks, ok := t.Tokens(ctx, base, apiKey, model, "/v1/completions", req); ok {
+				n += len(toks)
+				continue
+			}
+		}
+		n, exact = n+len(s), false
+	}
+	return n, exact, true
+}
+
+// chatOf is body as a chat's /tokenize takes it (messages and what shapes their template), for
+// the routes whose prompt is a conversation: a chat's own body; a Responses request whose
+// instructions and input are text (a string, or items that are messages of text parts); an
+// Anthropic messages request whose system and messages are text. False when an item or part is
+// anything else (a tool call or its output, an image, reasoning) or tools are named: the engine
+// templates those in its own way, which Baton does not rebuild.
+func chatOf(path string, body []byte) ([]byte, bool) {
+	switch path {
+	case "/v1/chat/completions":
+		return body, true
+	case "/v1/responses", "/v1/messages":
+	default:
+		return nil, false
+	}
+	if _, has := openai.Get(body, "tools"); has {
+		return nil, false
+	}
+	type message struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	var msgs []message
+	add := func(role string, raw []byte) bool {
+		text, ok := textOf(raw)
+		if ok {
+			msgs = append(msgs, message{role, text})
+		}
+		return ok
+	}
+	system, items := "instructions", "input"
+	if path == "/v1/messages" {
+		system, items = "system", "messages"
+	}
+	if raw, has := openai.Get(body, system); has && !isNull(raw) && !add("system", raw) {
+		return nil, false
+	}
+	raw, has := openai.Get(body, items)
+	if !has {
+		return nil, false
+	}
+	if raw = bytes.TrimSpace(raw); len(raw) > 0 && raw[0] == '"' {
+		if !add("user", raw) {
+			return nil, false
+		}
+	} else {
+		var list []struct {
+			Type    string          `json:"type"`
+			Role    string          `json:"role"`
+			Content json.RawMessage `json:"content"`
+		}
+		if json.Unmarshal(raw, &list) != nil || len(list) == 0 {
+			return nil, false
+		}
+		for _, it := range list {
+			role := it.Role
+			if role == "developer" {
+				role = "system" // Responses' developer message is the chat's system message
+			}
+			if it.Type != "" && it.Type != "message" || role == "" || !add(role, it.Content) {
+				return nil, false
+			}
+		}
+	}
+	out, err := json.Marshal(struct {
+		Messages []message `json:"messages"`
+	}{msgs})
+	return out, err == nil
+}
+
+// textOf is the text of a content: a string, or a list of text parts (Responses' input_text and
+// output_text, Anthropic's and chat's text), joined.
+func textOf(raw []byte) (string, bool) {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s, true
+	}
+	var parts []struct {
+		Type string  `json:"type"`
+		Text *string `json:"text"`
+	}
+	if json.Unmarshal(raw, &parts) != nil || len(parts) == 0 {
+		return "", false
+	}
+	var b bytes.Buffer
+	for _, p := range parts {
+		switch p.Type {
+		case "text", "input_text", "output_text":
+		default:
+			return "", false
+		}
+		if p.Text == nil {
+			return "", false
+		}
+		b.WriteString(*p.Text)
+	}
+	return b.String(), true
+}
+
+func isNull(raw []byte) bool { return bytes.Equal(bytes.TrimSpace(raw), []byte("null")) }
+
+// pieces is a prompt taken apart: its texts, its token ids (as given), and the bytes of the
+// rest (the structure around them).
+type pieces struct {
+	texts     []string
+	ids, rest int
+}
+
+// piecesOf takes the prompt of body apart: every string under a text member (textKeys) or
+// standing as a prompt (a member's value, an item of its list), every list of integers as token
+// ids; the rest of the prompt's members (and of what shapes a chat's template: tools) is counted
+// in bytes. False for a route whose prompt Baton does not know.
+func piecesOf(path string, body []byte) (pieces, bool) {
+	r := routes.Of(path)
+	if len(r.Prompt) == 0 {
+		return pieces{}, false
+	}
+	var p pieces
+	members := append(append([]string(nil), r.Prompt...), r.TokenizeExtra...)
+	if r.Batch == routes.BatchCompletions {
+		members = append(members, "prompt_embeds") // no text: its bytes, far more than its tokens
+	}
+	for _, m := range members {
+		raw, has := openai.Get(body, m)
+		if !has || isNull(raw) {
+			continue
+		}
+		d := json.NewDecoder(bytes.NewReader(raw))
+		d.UseNumber()
+		var v any
+		if d.Decode(&v) != nil {
+			p.rest += len(raw)
+			continue
+		}
+		counted := p.walk(v, true)
+		p.rest += max(0, len(raw)-counted)
+	}
+	return p, true
+}
+
+// walk collects v's texts and token ids (text: v stands where a text may) and returns the bytes
+// they took in the body, about: what is not counted in bytes.
+func (p *pieces) walk(v any, text bool) int {
+	switch v := v.(type) {
+	case string:
+		if !text {
+			return 0
+		}
+		p.texts = append(p.texts, v)
+		q, _ := json.Marshal(v)
+		return len(q)
+	case []any:
+		if n, ok := idsOf(v); ok {
+			p.ids += len(v)
+			return n
+		}
+		taken := 0
+		for _, el := range v {
+			taken += p.walk(el, text)
+		}
+		return taken
+	case map[string]any:
+		taken := 0
+		for k, el := range v {
+			taken += p.walk(el, textKeys[k])
+		}
+		return taken
+	}
+	return 0
+}
+
+// idsOf reports whether list is token ids (integers, at least one), and the bytes they took.
+func idsOf(list []any) (int, bool) {
+	n := 0
+	for _, el := range list {
+		num, ok := el.(json.Number)
+		if !ok {
+			return 0, false
+		}
+		if _, err := num.Int64(); err != nil {
+			return 0, false
+		}
+		n += len(num) + 1
+	}
+	return n, len(list) > 0
+}

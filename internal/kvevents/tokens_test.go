@@ -168,3 +168,59 @@ func TestTokenizeRequestCarriesTheTemplate(t *testing.T) {
 		t.Error("a chat without its tools shares the cache key of one with them")
 	}
 }
+
+// A prompt /tokenize cannot take whole is counted in the shapes it can: a conversation as chat
+// messages where the engine templates one, else each text; token ids as given; the rest by its
+// bytes, never by bytes / 4.
+func TestPromptCountAsksEveryShapeItCan(t *testing.T) {
+	var asked []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var q struct {
+			Prompt   *string           `json:"prompt"`
+			Messages []json.RawMessage `json:"messages"`
+		}
+		if json.NewDecoder(r.Body).Decode(&q) != nil {
+			w.WriteHeader(400)
+			return
+		}
+		n := 0
+		switch {
+		case q.Prompt != nil:
+			asked = append(asked, "prompt")
+			n = len(strings.Fields(*q.Prompt))
+		case len(q.Messages) > 0:
+			asked = append(asked, "messages")
+			n = 1000 + len(q.Messages)
+		}
+		json.NewEncoder(w).Encode(map[string]any{"tokens": make([]uint32, n)})
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		name, path, body string
+		chat             bool
+		want             int
+		wantExact        bool
+		wantAsked        string
+	}{
+		{"a list of prompts, item by item", "/v1/completions", `{"prompt":["a b","c d e"]}`, true, 5 + len(`[,]`), false, "prompt prompt"},
+		{"token ids as given", "/v1/completions", `{"prompt":[[1,2,3],[4]]}`, true, 4 + 5, false, ""}, // and the brackets past each id
+		{"responses as chat messages", "/v1/responses", `{"instructions":"be brief","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]}]}`, true, 1002, true, "messages"},
+		{"messages as chat messages", "/v1/messages", `{"system":"be brief","messages":[{"role":"user","content":"hi"}]}`, true, 1002, true, "messages"},
+		{"a chat where the engine takes no messages", "/v1/chat/completions", `{"messages":[{"role":"user","content":"a b c"}]}`, false,
+			3 + len(`[{"role":"user","content":}]`), false, "prompt"},
+		{"a tool call: texts and bytes", "/v1/responses", `{"input":[{"type":"function_call_output","call_id":"c","output":"x y"}]}`, true,
+			2 + len(`[{"type":"function_call_output","call_id":"c","output":}]`), false, "prompt"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			asked = nil
+			tk := &Tokenizer{Client: srv.Client(), Timeout: 5e9}
+			n, exact, ok := tk.PromptCount(t.Context(), srv.URL, "", "m", c.path, []byte(c.body), c.chat)
+			if !ok || n != c.want || exact != c.wantExact {
+				t.Errorf("counted %d (exact %v, ok %v), want %d (exact %v)", n, exact, ok, c.want, c.wantExact)
+			}
+			if got := strings.Join(asked, " "); got != c.wantAsked {
+				t.Errorf("asked %q, want %q", got, c.wantAsked)
+			}
+		})
+	}
+}

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -360,8 +361,10 @@ func (k *KVEvents) PromptTokens(model, path string, body []byte) (int, bool) {
 }
 
 // CountPromptTokens asks the worker at workerURL (the one that computed the request) for the
-// token count of its prompt — its /tokenize, or the tokenizer's cached answer — within ctx.
-// False when the worker is gone or cannot tell (a route /tokenize does not take, a failure).
+// token count of its prompt within ctx: every shape its /tokenize can count is asked
+// (kvevents.Tokenizer.PromptCount: a conversation whole where the engine templates one — vLLM,
+// not SGLang, whose /tokenize takes no messages — else each text), the rest counted one token per
+// byte. False when the worker is gone or the route has no prompt Baton knows.
 func (k *KVEvents) CountPromptTokens(ctx context.Context, workerURL, model, path string, body []byte) (int, bool) {
 	if k.reg == nil {
 		return 0, false
@@ -370,8 +373,31 @@ func (k *KVEvents) CountPromptTokens(ctx context.Context, workerURL, model, path
 	if w == nil {
 		return 0, false
 	}
-	toks, ok := k.tokenizer.Tokens(ctx, w.URL, w.APIKey, model, path, body)
-	return len(toks), ok
+	n, _, ok := k.tokenizer.PromptCount(ctx, w.URL, w.APIKey, model, path, body, w.Runtime() != config.RuntimeSGLang)
+	return n, ok
+}
+
+// AskPromptTokens counts a request's prompt before it is sent (CountPromptTokens) at a worker
+// that serves model, ready ones first; false when none does or the count is not the engines'
+// own throughout (a part counted by its bytes).
+func (k *KVEvents) AskPromptTokens(ctx context.Context, model, path string, body []byte) (int, bool) {
+	if k.reg == nil {
+		return 0, false
+	}
+	var via *worker.Worker
+	for _, w := range k.reg.Snapshot().Workers {
+		if in := w.Info(); in == nil || w.Removed() || !slices.ContainsFunc(in.Models, func(m worker.Model) bool { return m.ID == model }) {
+			continue
+		}
+		if via == nil || w.Ready() && !via.Ready() {
+			via = w
+		}
+	}
+	if via == nil {
+		return 0, false
+	}
+	n, exact, ok := k.tokenizer.PromptCount(ctx, via.URL, via.APIKey, model, path, body, via.Runtime() != config.RuntimeSGLang)
+	return n, ok && exact
 }
 
 // SetTokenizeClient sets the HTTP client the tokenizer asks engines' /tokenize with.
