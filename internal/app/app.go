@@ -294,6 +294,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 	if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto || cfg.PDPrefillServesWhole {
 		local = director.NewLocalRule(cfg.PDLocalPrefillThreshold, cfg.PDLocalPrefillAuto, kv.PromptTokens)
 		local.TPOTSLO = cfg.PDAdviceTPOTSLO
+		local.CountPrompt = kv.CountPromptTokens
 		if cfg.PDLocalPrefillThreshold > 0 || cfg.PDLocalPrefillAuto {
 			sel.LocalPrefill = local.Decide
 		}
@@ -324,7 +325,7 @@ func build(cfg config.Config, log *slog.Logger) (*Gateway, error) {
 		return nil, err
 	}
 	parts.Director.Tenancy = director.Tenancy{Set: tenants.set.Load, Limiter: tenants.limiter, MaxTokens: cfg.TenantMaxTokens, PromptTokens: kv.PromptTokens,
-		CountPrompt: kv.CountPromptTokens}
+		CountPrompt: kv.CountPromptTokens, AskPrompt: kv.AskPromptTokens}
 	if cfg.TrustTenantHeader {
 		parts.Director.Tenancy.TrustHeader = cfg.TenantHeaderName
 	}

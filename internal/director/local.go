@@ -29,6 +29,10 @@ type LocalRule struct {
 	TPOTSLO time.Duration
 	// PromptTokens is a prompt's token count when known (the tokenizer's cached count).
 	PromptTokens func(model, path string, body []byte) (int, bool)
+	// CountPrompt, when set, asks the worker at workerURL for a prompt's token count (every
+	// shape its /tokenize can count, the rest by its bytes): a prompt whose bytes do not settle
+	// the decision is counted by the chosen decode.
+	CountPrompt func(ctx context.Context, workerURL, model, path string, body []byte) (int, bool)
 
 	threshold atomic.Int64
 	fit       atomic.Pointer[localFit]
@@ -67,27 +71,30 @@ func NewLocalRule(threshold int, auto bool, promptTokens func(model, path string
 func (r *LocalRule) Current() int { return int(r.threshold.Load()) }
 
 // Decide is the selector's LocalPrefillFunc.
-func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, req *policy.Request, prefills []*worker.Worker) bool {
+func (r *LocalRule) Decide(ctx context.Context, d *worker.Worker, match float64, req *policy.Request, prefills []*worker.Worker) bool {
 	if d.Runtime() == config.RuntimeSGLang {
 		return false // an SGLang decode refuses a request without a bootstrap room
 	}
-	n, ok := 0, false
-	if r.PromptTokens != nil {
-		n, ok = r.PromptTokens(req.Model, req.Path, req.Body)
+	uncached := func(n int) float64 {
+		if match > 0 {
+			return float64(n) * (1 - min(match, 1))
+		}
+		return float64(n)
 	}
-	if !ok && req.Parsed != nil && req.Path == "/v1/completions" { // the one route whose prompt is "prompt": elsewhere an engine ignores it
-		if raw, has := req.Parsed.Get("prompt"); has {
-			n, ok = tokenIDs(raw)
+	threshold := float64(r.threshold.Load())
+	n, ok := r.promptTokens(req)
+	if !ok {
+		// Its bytes bound its tokens: under the threshold by them, it is under it. Over it, the
+		// decode counts it (a prompt the engine cannot count whole has the rest in bytes); a
+		// prompt taken for its bytes / 4 could put a long one on a decode.
+		n = promptBytes(req.Path, req.Body)
+		if uncached(n) >= threshold && r.CountPrompt != nil {
+			if c, counted := r.CountPrompt(ctx, d.URL, req.Model, req.Path, req.Body); counted && c > 0 {
+				n = c
+			}
 		}
 	}
-	if !ok {
-		n = (len(req.Body) + 3) / 4
-	}
-	uncached := float64(n)
-	if match > 0 {
-		uncached *= 1 - min(match, 1)
-	}
-	if uncached < float64(r.threshold.Load()) {
+	if uncached(n) < threshold {
 		// Exploring splits only where a prefill can take it: with every prefill down, a
 		// prompt under the threshold is still served by its decode.
 		return len(prefills) == 0 || !r.explore.Load() || r.explored.Add(1)%ExploreEvery != 0
@@ -100,7 +107,7 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 	// its compute takes: only a prompt whose compute keeps their next token within the TPOT
 	// SLO, on a decode within it at its batch, may go there (a long document moved off a
 	// queued prefill would stall a whole batch of decodes past it).
-	alone := uncached * f.perToken
+	alone := uncached(n) * f.perToken
 	if slo := r.TPOTSLO.Seconds(); slo > 0 && (alone > slo || f.step+f.perRequest*float64(d.InFlight()+1) > slo) {
 		return false
 	}
@@ -110,6 +117,22 @@ func (r *LocalRule) Decide(_ context.Context, d *worker.Worker, match float64, r
 		wait = min(wait, float64(p.InFlight())*f.splitWork)
 	}
 	return wait > alone+f.step
+}
+
+// promptTokens is a prompt's token count when known without asking: the tokenizer's cached
+// count, or the ids of a prompt given as token ids.
+func (r *LocalRule) promptTokens(req *policy.Request) (int, bool) {
+	if r.PromptTokens != nil {
+		if n, ok := r.PromptTokens(req.Model, req.Path, req.Body); ok {
+			return n, true
+		}
+	}
+	if req.Parsed != nil && req.Path == "/v1/completions" { // the one route whose prompt is "prompt": elsewhere an engine ignores it
+		if raw, has := req.Parsed.Get("prompt"); has {
+			return tokenIDs(raw)
+		}
+	}
+	return 0, false
 }
 
 // ServeWhole is the selector's ServeWhole: with Whole, once the advisor has fitted the

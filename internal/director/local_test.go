@@ -150,3 +150,39 @@ func TestFleetAdviceReusedWithinItsTTL(t *testing.T) {
 		t.Errorf("a what-if answered from %d requests, want %d", what.Fit.Requests, first.Fit.Requests+1)
 	}
 }
+
+// A prompt no cached count sizes is not taken for its bytes / 4: 980 tokens of short words on
+// /v1/responses (1,960 bytes, 490 by the old guess) stay split under a 512 threshold, counted by
+// the chosen decode; a prompt whose bytes are under the threshold goes to its decode without an
+// ask; with no engine to count, its bytes decide.
+func TestLocalRuleSizesUncountedPromptsConservatively(t *testing.T) {
+	dec := worker.New(config.Worker{URL: "http://d:1", Role: config.RoleDecode, Runtime: config.RuntimeVLLM})
+	pf := worker.New(config.Worker{URL: "http://p:1", Role: config.RolePrefill, Runtime: config.RuntimeVLLM})
+	long := `{"model":"m","input":"` + strings.TrimSpace(strings.Repeat("w ", 980)) + `"}`
+	short := `{"model":"m","input":"` + strings.TrimSpace(strings.Repeat("w ", 100)) + `"}`
+	asked := 0
+	r := NewLocalRule(512, false, func(string, string, []byte) (int, bool) { return 0, false })
+	r.CountPrompt = func(_ context.Context, url, _, path string, body []byte) (int, bool) {
+		asked++
+		if url != dec.URL || path != "/v1/responses" {
+			t.Errorf("asked %s for %s, want the chosen decode for /v1/responses", url, path)
+		}
+		return strings.Count(string(body), "w"), true
+	}
+	decide := func(body string) bool {
+		return r.Decide(context.Background(), dec, 0, &policy.Request{Model: "m", Path: "/v1/responses", Body: []byte(body)}, []*worker.Worker{pf})
+	}
+	if decide(long) {
+		t.Errorf("980 tokens under a 512 threshold were served by the decode alone")
+	}
+	if asked != 1 {
+		t.Errorf("the decode was asked %d times for the long prompt's count, want 1", asked)
+	}
+	if !decide(short) || asked != 1 {
+		t.Errorf("a 100-token prompt of 199 bytes: not served alone, or counted (%d asks)", asked)
+	}
+	r.CountPrompt = nil
+	if decide(long) {
+		t.Errorf("no engine to count: 1,960 bytes were taken for fewer than 512 tokens")
+	}
+}

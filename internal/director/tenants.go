@@ -41,6 +41,10 @@ type Tenancy struct {
 	// /tokenize): a request that ended without the engine's usage is charged the engine's own
 	// count of the prompt it computed, not an estimate from the body's bytes.
 	CountPrompt func(ctx context.Context, workerURL, model, path string, body []byte) (int, bool)
+	// AskPrompt, when set, asks a worker serving model for the token count of a prompt before
+	// the request is sent (its /tokenize): the default cap written under a token limit is the
+	// model's context less that count. False when no engine could count it whole.
+	AskPrompt func(ctx context.Context, model, path string, body []byte) (int, bool)
 }
 
 // countPromptTimeout bounds the ask for a prompt's token count when a request is settled.
@@ -166,7 +170,7 @@ func (d *Director) admitTenant(ctx context.Context, rec *record.Record, preq *pd
 		}
 	}
 	if tight != nil {
-		if e := d.budget(preq, est, tight, t.Name); e != nil {
+		if e := d.budget(ctx, preq, est, tight, t.Name); e != nil {
 			if e.Status == statusTooManyRequests { // the limit refused it; a 400 is a malformed request
 				d.metrics.TenantRejections.WithLabelValues(t.Name, tenant.ReasonTokens).Inc()
 			}
@@ -243,12 +247,12 @@ func (dr *Director) refuseTenant(name string, rule *tenant.Rule, d tenant.Decisi
 
 // budget bounds a request of a tenant under a token limit by what its reservation covers: the
 // completion reserved is the request's own cap (completionBudget) times its prompts and
-// samples, uncapped; a request naming no cap gets the route's default written into the body the
-// engines get, so that none generates more than was reserved. A request that could not fit in
-// the tenant's whole bucket (its completion alone, or with its prompt) is refused: 429 naming
+// samples, uncapped; a request naming no cap gets a default written into the body the engines
+// get (defaultCap), so that none generates more than was reserved. A request that could not fit
+// in the tenant's whole bucket (its completion alone, or with its prompt) is refused: 429 naming
 // the field, with x-should-retry false (OpenAI's SDKs do not retry it) and no Retry-After —
 // waiting cannot help it.
-func (d *Director) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string) *openai.Error {
+func (d *Director) budget(ctx context.Context, preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string) *openai.Error {
 	req, path := preq.Request, preq.Path
 	const lower = "is spelled in another letter case than the engines' field: spell it in lower case"
 	// A cap or count Baton cannot read as an integer: an engine may still read it (pydantic
@@ -279,11 +283,8 @@ func (d *Director) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rul
 	case b.missing && b.required:
 		return badField(b.field, "is required on "+path)
 	case b.missing:
-		// The default written is no more than what the tenant's whole bucket holds beside the
-		// prompt: a small bucket gets shorter answers, not a refusal of every request.
-		prompt, _ := est.get()
-		if fit := (rule.TPM - prompt) / (max(1, preq.Batch) * max(1, preq.Samples)); fit >= 1 && fit < b.tokens {
-			b.tokens = fit
+		if e := d.defaultCap(ctx, preq, est, rule, name, &b); e != nil {
+			return e
 		}
 		body, err := writeBudget(req.Body, path, b)
 		if err != nil || req.SetBody(body) != nil {
@@ -310,6 +311,62 @@ func (d *Director) budget(preq *pd.Request, est *tokenEstimate, rule *tenant.Rul
 // badField is the 400 invalid_request of a request member that says what is wrong with it.
 func badField(field, what string) *openai.Error {
 	return &openai.Error{Status: statusBadRequest, Code: openai.CodeInvalidRequest, Param: field, Message: field + " " + what}
+}
+
+// defaultCap sets b, the cap of a request naming none, to what the engines would generate
+// without one. On chat and responses vLLM, SGLang and OpenAI generate to the end of the
+// model's context: the default is the model's context length (contextLen) less the prompt —
+// the engines' own count of it (cached, else asked of a worker serving the model), else its
+// bytes, a bound no tokenizer exceeds — when that, times the request's samples, fits the
+// tenant's whole bucket beside the prompt; otherwise the request is refused, 400 naming the
+// cap: the client must send one that fits (a shorter default would cut its answers silently).
+// Where no worker reports the model's context length, the default is the route's
+// (completionBudget: tenant_max_tokens_estimate), no more than the bucket holds beside the
+// prompt. /v1/completions and /generate keep the engines' own defaults (16, 128).
+func (d *Director) defaultCap(ctx context.Context, preq *pd.Request, est *tokenEstimate, rule *tenant.Rule, name string, b *budgetOf) *openai.Error {
+	req, path := preq.Request, preq.Path
+	copies := max(1, preq.Batch) * max(1, preq.Samples)
+	window, known := 0, false
+	if b.toContext {
+		window, known = d.contextLen(req.Model)
+	}
+	prompt, _ := est.get()
+	if !known {
+		// A small bucket gets shorter answers, not a refusal of every request.
+		if fit := (rule.TPM - prompt) / copies; fit >= 1 && fit < b.tokens {
+			b.tokens = fit
+		}
+		return nil
+	}
+	if !est.counted {
+		if f := d.o.Tenancy.AskPrompt; f != nil {
+			if n, ok := f(ctx, req.Model, path, req.Body); ok && n > 0 {
+				est.prompt, est.counted = n, true
+			}
+		}
+	}
+	if !est.counted {
+		prompt = promptBytes(path, req.Body)
+	} else {
+		prompt = est.prompt
+	}
+	room := window - prompt
+	e := &openai.Error{Status: statusBadRequest, Code: openai.CodeInvalidRequest, Param: b.field}
+	switch fit := (rule.TPM - prompt) / copies; {
+	case room < 1:
+		e.Message = fmt.Sprintf("%s is required here: the prompt (about %d tokens) leaves no room in %s's context of %d tokens",
+			b.field, prompt, req.Model, window)
+	case room*copies+prompt > rule.TPM && fit < 1:
+		e.Message = fmt.Sprintf("%s is required here: this request names no cap, and its prompt (about %d tokens) leaves no room in tenant %s's whole limit of %d tokens per minute",
+			b.field, prompt, name, rule.TPM)
+	case room*copies+prompt > rule.TPM:
+		e.Message = fmt.Sprintf("%s is required here: without it the engine may generate to the end of %s's context, %d tokens beside the prompt (about %d), more than tenant %s's whole limit of %d tokens per minute holds; send %s of at most %d",
+			b.field, req.Model, room, prompt, name, rule.TPM, b.field, fit)
+	default:
+		b.tokens = room
+		return nil
+	}
+	return e
 }
 
 // tokenEstimate is a request's prompt and completion tokens before it is served, worked out the
@@ -363,6 +420,9 @@ type budgetOf struct {
 	// required: the route's protocol makes the cap required (Anthropic's messages); invalid:
 	// field holds something other than a non-negative integer (or null).
 	missing, required, invalid bool
+	// toContext: missing on a route whose engines generate to the end of the model's context
+	// without a cap (chat, responses), tokens being the fallback where that is not known.
+	toContext bool
 }
 
 // listBudget is the completion of SGLang's list-form sampling_params (one per prompt): the
@@ -442,6 +502,8 @@ func completionBudget(req *openai.Request, path string, def int) budgetOf {
 		b.tokens = 16
 	case "/v1/messages":
 		b.required = true
+	case "/v1/chat/completions", "/v1/responses":
+		b.toContext = true
 	}
 	if b.field == "" {
 		b.field = "max_tokens"
@@ -533,16 +595,23 @@ func askUsage(body []byte, each bool) ([]byte, usageAsk) {
 // (record.Charge): the engine's usage when the answer carried one; nothing when no engine was
 // given the request; otherwise its prompt and what was generated for it.
 //
-// A request charged its prompt estimate (no usage came, no engine reported its prompt) is
-// settled once the worker that computed it has counted that prompt (its /tokenize), so that a
-// prompt the body's bytes underestimate (short words, CJK) is charged what the engine computed;
-// the ask runs after the request ended, and a worker that cannot count leaves the estimate.
+// A request charged its prompt (no usage came, no engine reported its prompt) is settled once
+// the worker that computed it has counted that prompt (its /tokenize: every shape it can count,
+// the rest by its bytes), so that a prompt the body's bytes / 4 underestimate (short words, CJK)
+// is charged what the engine computed; the ask runs after the request ended. Without a worker
+// to ask, the prompt is charged its bytes (promptBytes).
 func (d *Director) settleTenant(rec *record.Record, ls *lease) {
 	if ls == nil || ls.ls[0] == nil && ls.ls[1] == nil {
 		return
 	}
+	// Where no engine counts the prompt, it is charged its bytes: a bound no tokenizer exceeds,
+	// where the reservation's bytes / 4 was a guess that short words or CJK double.
+	bound := ls.estimate
+	if !ls.counted {
+		bound = promptBytes(ls.req.Path, ls.req.Request.Body)
+	}
 	if rec.UsageKnown || rec.EnginePrompt > 0 || ls.counted || !rec.AnswerComputed && !rec.PrefillComputed || d.o.Tenancy.CountPrompt == nil {
-		prompt, completion := rec.Charge(ls.estimate, ls.completion)
+		prompt, completion := rec.Charge(bound, ls.completion)
 		ls.settle(d.o.Tenancy.Limiter, prompt+completion)
 		d.countCharge(rec, prompt, completion)
 		return
@@ -554,7 +623,7 @@ func (d *Director) settleTenant(rec *record.Record, ls *lease) {
 	d.settling.Go(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), countPromptTimeout)
 		defer cancel()
-		estimate := ls.estimate
+		estimate := bound
 		if n, ok := d.o.Tenancy.CountPrompt(ctx, worker, model, path, body); ok && n > 0 {
 			estimate = n
 		}
@@ -675,4 +744,86 @@ func (d *Director) TenantViews(ctx context.Context) (out []TenantView, storeErr 
 		out = append(out, v)
 	}
 	return out, storeErr
+}
+
+// contextLen is the most tokens a request for model may hold, prompt and completion, on every
+// worker that serves it: the least max_model_len its engines report on the model's card in
+// /v1/models (vLLM's and SGLang's ModelCard; an adapter's card reports none, and its base
+// model's holds). On SGLang one less: its tokenizer manager refuses a prompt and cap that reach
+// its context length (_validate_one_request, input + max_new_tokens >= context_len in the
+// releases that check it), where vLLM refuses only past it. False when no worker serving model
+// reports one (a configured model its engine did not list, an engine that says nothing).
+func (d *Director) contextLen(model string) (int, bool) {
+	if d.reg == nil {
+		return 0, false
+	}
+	least := 0
+	for _, w := range d.reg.Snapshot().Workers {
+		in := w.Info()
+		if in == nil || w.Removed() {
+			continue
+		}
+		for _, m := range in.Models {
+			if m.ID != model {
+				continue
+			}
+			n := maxModelLen(m.Card)
+			if n <= 0 && m.Parent != "" {
+				for _, b := range in.Models {
+					if b.ID == m.Parent {
+						n = maxModelLen(b.Card)
+					}
+				}
+			}
+			if n <= 0 {
+				continue
+			}
+			if w.Runtime() == config.RuntimeSGLang {
+				n--
+			}
+			if least == 0 || n < least {
+				least = n
+			}
+		}
+	}
+	return least, least > 0
+}
+
+// maxModelLen reads a model card's max_model_len; 0 when it has none (or null, or not an
+// integer).
+func maxModelLen(card json.RawMessage) int {
+	raw, ok := openai.Get(card, "max_model_len")
+	if !ok {
+		return 0
+	}
+	n, err := strconv.Atoi(string(raw))
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
+// promptBytes is the bytes of a request's prompt: its route's prompt members and what shapes a
+// chat's template (tools) — the whole body for a route whose prompt Baton does not know. No
+// tokenizer makes more tokens of a text than it has bytes, so that a prompt no engine counted
+// is never taken for less than it costs (a bound, where bytes / 4 is a guess).
+func promptBytes(path string, body []byte) int {
+	r := routes.Of(path)
+	n := 0
+	for _, members := range [][]string{r.Prompt, r.TokenizeExtra} {
+		for _, m := range members {
+			if raw, ok := openai.Get(body, m); ok {
+				n += len(raw)
+			}
+		}
+	}
+	if r.Batch == routes.BatchCompletions {
+		if raw, ok := openai.Get(body, "prompt_embeds"); ok {
+			n += len(raw)
+		}
+	}
+	if n == 0 {
+		return len(body)
+	}
+	return n
 }

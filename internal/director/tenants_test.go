@@ -856,15 +856,15 @@ func TestCompletionBudget(t *testing.T) {
 		path, body string
 		want       budgetOf
 	}{
-		{"/v1/chat/completions", `{}`, budgetOf{tokens: 500, field: "max_tokens", missing: true}},
-		{"/v1/chat/completions", `{"max_tokens":null}`, budgetOf{tokens: 500, field: "max_tokens", missing: true}},
+		{"/v1/chat/completions", `{}`, budgetOf{tokens: 500, field: "max_tokens", missing: true, toContext: true}},
+		{"/v1/chat/completions", `{"max_tokens":null}`, budgetOf{tokens: 500, field: "max_tokens", missing: true, toContext: true}},
 		{"/v1/chat/completions", `{"max_tokens":10,"max_completion_tokens":20}`, budgetOf{tokens: 20, field: "max_completion_tokens"}},
 		{"/v1/chat/completions", `{"max_tokens":30,"max_completion_tokens":20}`, budgetOf{tokens: 30, field: "max_tokens"}},
 		{"/v1/chat/completions", `{"max_tokens":0}`, budgetOf{tokens: 0, field: "max_tokens"}},
 		{"/v1/chat/completions", `{"max_tokens":10,"max_completion_tokens":"20"}`, budgetOf{field: "max_completion_tokens", invalid: true}},
 		{"/v1/completions", `{}`, budgetOf{tokens: 16, field: "max_tokens", missing: true}},
 		{"/v1/completions", `{"max_tokens":100000}`, budgetOf{tokens: 100000, field: "max_tokens"}},
-		{"/v1/responses", `{}`, budgetOf{tokens: 500, field: "max_output_tokens", missing: true}},
+		{"/v1/responses", `{}`, budgetOf{tokens: 500, field: "max_output_tokens", missing: true, toContext: true}},
 		{"/v1/responses", `{"max_output_tokens":7}`, budgetOf{tokens: 7, field: "max_output_tokens"}},
 		{"/v1/messages", `{}`, budgetOf{tokens: 500, field: "max_tokens", missing: true, required: true}},
 		{"/v1/messages", `{"max_tokens":64}`, budgetOf{tokens: 64, field: "max_tokens"}},

@@ -54,11 +54,13 @@ func withTenants(t *testing.T, o *Options, tenants ...config.Tenant) {
 }
 
 // countingPrompts wires the tenancy's prompt counts to the workers' /tokenize, as the gateway
-// does (kvfleet: a cached answer for a reservation, an ask when a request is settled).
+// does (kvfleet: a cached answer for a reservation, an ask for a default cap and when a request
+// is settled).
 func countingPrompts(o *Options) {
 	kv := kvfleet.New(config.Default(), nil, o.Director.Registry, slog.New(slog.DiscardHandler))
 	kv.SetTokenizeClient(&http.Client{})
 	o.Director.Tenancy.PromptTokens, o.Director.Tenancy.CountPrompt = kv.PromptTokens, kv.CountPromptTokens
+	o.Director.Tenancy.AskPrompt = kv.AskPromptTokens
 }
 
 // hostile is a tenant of key sk-hostile at tpm tokens per minute.
@@ -531,7 +533,7 @@ func TestTenantChargeRules(t *testing.T) {
 		}, 300 * time.Millisecond, `{"model":"m","prompt":"` + prompt + `","max_tokens":100,"ignore_eos":true}`, 400 + 100, 400 + 100},
 		{"engine closed the connection after accepting", func(t *testing.T) string {
 			return hangUp(t, 300*time.Millisecond)
-		}, 0, `{"model":"m","prompt":"` + prompt + `","max_tokens":100}`, 200, 400 + 100},
+		}, 0, `{"model":"m","prompt":"` + prompt + `","max_tokens":100}`, 400, 2*400 + 100}, // an engine that cannot count: the prompt's bytes
 		{"engine cut its stream", func(t *testing.T) string {
 			return simOf(t, sim.Config{Engine: sim.EngineVLLM, Faults: sim.Faults{DropAfter: 5}}).URL()
 		}, 0, `{"model":"m","prompt":"` + prompt + `","max_tokens":100,"ignore_eos":true,"stream":true}`, 400 + 3, 400 + 6},
@@ -855,6 +857,111 @@ func TestTenantGenerateBatchIsChargedEverySample(t *testing.T) {
 			if got, want := settledCharge(t, s, "hostile"), prompt+3*2*10; got != want {
 				t.Errorf("charged %d for three prompts of %d tokens in all, each sampled twice for 10 tokens: want %d", got, prompt, want)
 			}
+		})
+	}
+}
+
+// contextEngine is a vLLM engine of model m whose context is 4,096 tokens, counting every chat
+// prompt 120 tokens (/tokenize, template applied) and recording the bodies of the requests it
+// serves.
+func contextEngine(t *testing.T, seen *bodies) string {
+	return engine(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		if r.URL.Path == "/tokenize" {
+			if !strings.Contains(string(b), `"messages"`) {
+				w.WriteHeader(400)
+				return
+			}
+			io.WriteString(w, `{"count":120,"max_model_len":4096,"tokens":[`+strings.TrimSuffix(strings.Repeat("7,", 120), ",")+`]}`)
+			return
+		}
+		seen.add(r.URL.Path + " " + string(b))
+		io.WriteString(w, `{"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":120,"completion_tokens":1,"total_tokens":121}}`)
+	})
+}
+
+// withContext makes the gateway's workers report model m's card with max_model_len n, as vLLM's
+// and SGLang's /v1/models do.
+func withContext(n int) func(*Options) {
+	return func(o *Options) {
+		for _, w := range o.Director.Registry.Snapshot().Workers {
+			card := []byte(`{"id":"m","object":"model","max_model_len":` + strconv.Itoa(n) + `}`)
+			w.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM, Models: []worker.Model{{ID: "m", Card: card}}})
+		}
+	}
+}
+
+// Without a cap vLLM, SGLang and OpenAI generate to the end of the model's context: the default
+// Baton writes for a limited tenant is that context less the prompt (the engine's count of it),
+// not 1,024 that cut a reasoning model's answers short. A bucket that cannot hold it is a 400
+// naming max_tokens, nothing sent: the client must send a cap that fits.
+func TestTenantDefaultCapIsTheContextLeft(t *testing.T) {
+	var seen bodies
+	url := contextEngine(t, &seen)
+	_, gw, _ := gateway(t, []string{url}, withContext(4096), func(o *Options) { withTenants(t, o, hostile(100_000)) })
+	for _, c := range []struct{ path, body, want string }{
+		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"think hard"}]}`, `,"max_tokens":3976}`},
+		{"/v1/responses", `{"model":"m","input":"think hard"}`, `,"max_output_tokens":3976}`},
+	} {
+		before := len(seen.all())
+		if resp, b := asTenant(t, gw+c.path, "sk-hostile", c.body); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", c.path, resp.StatusCode, b)
+		}
+		want := c.path + " " + strings.TrimSuffix(c.body, "}") + c.want
+		if got := seen.all()[before:]; len(got) != 1 || got[0] != want {
+			t.Errorf("the engine got %q, want %q (4,096 less a prompt of 120)", got, want)
+		}
+	}
+	// 3,976 tokens beside the prompt do not fit a bucket of 3,000: refused, naming the cap.
+	_, gw2, _ := gateway(t, []string{url}, withContext(4096), func(o *Options) { withTenants(t, o, hostile(3000)) })
+	before := len(seen.all())
+	resp, b := asTenant(t, gw2+"/v1/chat/completions", "sk-hostile", `{"model":"m","messages":[{"role":"user","content":"think hard"}]}`)
+	if resp.StatusCode != 400 || errorCode(t, b) != openai.CodeInvalidRequest || !strings.Contains(b, `"param":"max_tokens"`) ||
+		!strings.Contains(b, "send max_tokens of at most 2880") {
+		t.Errorf("no cap, a context larger than the bucket: %d %s, want 400 naming max_tokens", resp.StatusCode, b)
+	}
+	if got := seen.all()[before:]; len(got) != 0 {
+		t.Errorf("the refused request reached the engine: %q", got)
+	}
+	// The cap it asks for is served as sent.
+	if resp, b := asTenant(t, gw2+"/v1/chat/completions", "sk-hostile", `{"model":"m","messages":[{"role":"user","content":"think hard"}],"max_tokens":2880}`); resp.StatusCode != 200 {
+		t.Errorf("the cap the refusal asked for: %d %s", resp.StatusCode, b)
+	}
+}
+
+// A prompt Baton cannot send to /tokenize whole is still charged what the engine computed, cut
+// before its first byte: a list of prompts is counted item by item, /v1/responses and
+// /v1/messages as the chat messages they are (4,800 tokens in 9.6 KB were charged 2,419, their
+// bytes / 4).
+func TestTenantCutUncountableShapesAreChargedTheEnginesCount(t *testing.T) {
+	item := `"` + words(1200) + `"`
+	text := words(4800)
+	chat := `{"model":"m","messages":[{"role":"user","content":"` + text + `"}],"max_tokens":10,"stream":true}`
+	for _, c := range []struct {
+		name, engine, path, body string
+	}{
+		{"a list of prompts", sim.EngineVLLM, "/v1/completions", `{"model":"m","prompt":[` + strings.Repeat(item+",", 3) + item + `],"max_tokens":10,"stream":true}`},
+		{"responses", sim.EngineVLLM, "/v1/responses", `{"model":"m","input":"` + text + `","max_output_tokens":10,"stream":true}`},
+		{"messages", sim.EngineVLLM, "/v1/messages", chat},
+		// SGLang's /tokenize takes no messages: the text is its count, the rest its bytes.
+		{"a chat on SGLang", sim.EngineSGLang, "/v1/chat/completions", chat},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := simOf(t, sim.Config{Engine: c.engine, PrefillPerToken: time.Millisecond})
+			urls, on := []string{e.URL()}, func(*Options) {}
+			if c.engine == sim.EngineSGLang {
+				urls, on = nil, sglangServing(t, e.URL())
+			}
+			s, gw, _ := gateway(t, urls, on, func(o *Options) { withTenants(t, o, hostile(100_000)) })
+			if status := cutAfter(t, gw+c.path, c.body, 300*time.Millisecond); status != 0 {
+				t.Fatalf("answered %d before the cut", status)
+			}
+			got := settledCharge(t, s, "hostile")
+			if got < 4800 || got > 4800+200 {
+				t.Errorf("cut during the prefill of 4,800 tokens: charged %d, want 4,800 (and the template's few)", got)
+			}
+			t.Logf("charged %d for 4,800 tokens in %d bytes", got, len(c.body))
 		})
 	}
 }
