@@ -14,6 +14,7 @@ import (
 	"mime"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -40,7 +41,7 @@ type Options struct {
 	// Open allows the admin routes without a key: they have a listener of their own, on
 	// loopback only — never the API listener, which a proxy on the same host makes look local
 	// for everyone. Even then a keyless request that came through a proxy or from a web page
-	// (Origin, Forwarded, X-Forwarded-*, Via) or names a host that is not loopback (DNS
+	// (a forwarding header or a browser's: proxied) or names a host that is not loopback (DNS
 	// rebinding) is refused. With neither key nor Open, they answer 403.
 	Open bool
 	// Separate: the admin routes have their own listener (AdminHandler); the API listener keeps
@@ -164,7 +165,7 @@ func (s *API) adminAuthed(next http.Handler) http.Handler {
 			return
 		case len(a.Keys) == 0 && (proxied(r.Header) || !loopbackHost(r.Host)):
 			openai.WriteError(w, &openai.Error{Status: http.StatusForbidden, Code: openai.CodeAdminDisabled,
-				Message: "a keyless admin request must come straight from this host: this one came through a proxy or from a web page (Origin, Forwarded, X-Forwarded-*, Via) or names another host; send the admin API key"})
+				Message: "a keyless admin request must come straight from this host: this one came through a proxy or from a web page (a forwarding header — Forwarded, X-Forwarded-*, X-Real-IP, Via, … — or a browser's: Origin, Referer, Sec-Fetch-*) or names another host; send the admin API key"})
 			return
 		case (r.Method == http.MethodPost || r.Method == http.MethodPatch) && !jsonBody(r.Header):
 			openai.WriteError(w, &openai.Error{Status: http.StatusUnsupportedMediaType, Code: openai.CodeUnsupportedMedia,
@@ -176,11 +177,23 @@ func (s *API) adminAuthed(next http.Handler) http.Handler {
 	})
 }
 
-// proxied reports whether a request carries what a proxy or a browser adds: such a request is
-// not the local operator's, whatever address it came from.
+// proxyHeaders are the headers a proxy adds to name the client it forwards for — the standard
+// ones, nginx's common proxy_set_header X-Real-IP, CDNs' and load balancers' own — and
+// browserHeaders those a browser adds to a page's request.
+var (
+	proxyHeaders = []string{"Forwarded", "Via", "X-Real-Ip", "True-Client-Ip", "Cf-Connecting-Ip", "X-Client-Ip",
+		"X-Cluster-Client-Ip", "Fastly-Client-Ip", "Client-Ip", "X-Original-Forwarded-For", "X-Envoy-External-Address",
+		"X-Proxyuser-Ip", "Akamai-Origin-Hop"}
+	browserHeaders = []string{"Origin", "Referer", "Cookie"}
+)
+
+// proxied reports whether a request carries what a proxy or a browser adds (proxyHeaders,
+// X-Forwarded-*, browserHeaders, Sec-Fetch-*): such a request is not the local operator's,
+// whatever address it came from.
 func proxied(h http.Header) bool {
 	for k := range h {
-		if k == "Origin" || k == "Forwarded" || k == "Via" || strings.HasPrefix(k, "X-Forwarded-") {
+		if slices.Contains(proxyHeaders, k) || slices.Contains(browserHeaders, k) ||
+			strings.HasPrefix(k, "X-Forwarded-") || strings.HasPrefix(k, "Sec-Fetch-") {
 			return true
 		}
 	}

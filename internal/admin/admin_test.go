@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -242,6 +243,13 @@ func TestAdminGuard(t *testing.T) {
 		{"open, through a proxy", open, "", map[string]string{"X-Forwarded-For": "203.0.113.9"}, 403, openai.CodeAdminDisabled},
 		{"open, from a web page", open, "", map[string]string{"Origin": "https://evil.example"}, 403, openai.CodeAdminDisabled},
 		{"open, behind Via", open, "", map[string]string{"Via": "1.1 proxy"}, 403, openai.CodeAdminDisabled},
+		{"open, behind nginx's X-Real-IP", open, "", map[string]string{"X-Real-IP": "203.0.113.9"}, 403, openai.CodeAdminDisabled},
+		{"open, behind True-Client-IP", open, "", map[string]string{"True-Client-IP": "203.0.113.9"}, 403, openai.CodeAdminDisabled},
+		{"open, behind CF-Connecting-IP", open, "", map[string]string{"CF-Connecting-IP": "203.0.113.9"}, 403, openai.CodeAdminDisabled},
+		{"open, behind X-Client-IP", open, "", map[string]string{"X-Client-IP": "203.0.113.9"}, 403, openai.CodeAdminDisabled},
+		{"open, from a page (Sec-Fetch-Site)", open, "", map[string]string{"Sec-Fetch-Site": "cross-site"}, 403, openai.CodeAdminDisabled},
+		{"open, from a page (Sec-Fetch-Mode)", open, "", map[string]string{"Sec-Fetch-Mode": "no-cors"}, 403, openai.CodeAdminDisabled},
+		{"open, from a page (Referer)", open, "", map[string]string{"Referer": "https://evil.example/"}, 403, openai.CodeAdminDisabled},
 		{"open, naming another host (DNS rebinding)", open, "", map[string]string{"Host": "evil.example:80"}, 403, openai.CodeAdminDisabled},
 		{"open, naming localhost", open, "", map[string]string{"Host": "localhost:1"}, 200, ""},
 		{"neither key nor loopback listener", closed, "", nil, 403, openai.CodeAdminDisabled},
@@ -395,5 +403,47 @@ func TestWorkersSayWhatTheirHealthProbesGot(t *testing.T) {
 	}
 	if !strings.Contains(body, `"health":"unhealthy"`) {
 		t.Errorf("after the failed probe: %s", body)
+	}
+}
+
+// The POST in REFERENCE.md's admin example is sent as curl sends it, its headers and body read
+// from the document, and adds its worker: an example an operator copies works as written (it
+// once sent no Content-Type and was refused 415).
+func TestTheReferencesAdminExampleWorks(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/REFERENCE.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := strings.Index(string(doc), "curl -X POST localhost:30000/workers")
+	if i < 0 {
+		t.Fatal("REFERENCE.md has no admin POST example")
+	}
+	cmd := string(doc[i:])
+	cmd = cmd[:strings.Index(cmd, "\ncurl ")]
+	cmd = strings.ReplaceAll(cmd, "\\\n", " ")
+	header := http.Header{}
+	for _, m := range regexp.MustCompile(`-H "([^"]+)"`).FindAllStringSubmatch(cmd, -1) {
+		k, v, _ := strings.Cut(m[1], ": ")
+		header.Add(k, strings.ReplaceAll(v, "$ADMIN_KEY", "sk-a"))
+	}
+	body := regexp.MustCompile(`-d '([^']+)'`).FindStringSubmatch(cmd)
+	if body == nil {
+		t.Fatalf("no body in %q", cmd)
+	}
+	if header.Get("Content-Type") == "" && body != nil {
+		header.Set("Content-Type", "application/x-www-form-urlencoded") // what curl -d sends without one
+	}
+	f := &fakeFleet{reg: worker.NewRegistry()}
+	url := serve(t, Options{Keys: []string{"sk-a"}, Separate: true, Fleet: f}, f.reg, tenantsOf(t), true)
+	req, _ := http.NewRequest(http.MethodPost, url+"/workers", strings.NewReader(body[1]))
+	req.Header = header
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusAccepted || len(f.log) != 1 {
+		t.Errorf("the example %q: %d %s", cmd, resp.StatusCode, b)
 	}
 }
