@@ -377,7 +377,10 @@ type WorkerView struct {
 	Successes     int64 `json:"successes"`
 	Failures      int64 `json:"failures"`
 	BootstrapPort *int  `json:"bootstrap_port,omitempty"`
-	DPSize        int   `json:"dp_size,omitempty"`
+	// BootstrapMismatch says that an SGLang prefill's engine reports another bootstrap port than
+	// bootstrap_port (its /server_info disaggregation_bootstrap_port), and which.
+	BootstrapMismatch string `json:"bootstrap_port_mismatch,omitempty"`
+	DPSize            int    `json:"dp_size,omitempty"`
 	// DPInFlight is the legs Baton has in flight on each DP rank (which it balances).
 	DPInFlight []int64 `json:"dp_in_flight,omitempty"`
 	// KVConnector is the effective connector mode of a vLLM prefill worker.
@@ -456,6 +459,7 @@ func (s *API) View(wk *worker.Worker, now time.Time) WorkerView {
 	if s.o.SourceOf != nil {
 		v.Source = s.o.SourceOf(wk.URL)
 	}
+	v.BootstrapMismatch = wk.BootstrapMismatch()
 	if failing, last := wk.HealthCheck(); last != nil {
 		v.HealthCheck = &healthCheckView{Failing: failing, LastFailure: last}
 	}

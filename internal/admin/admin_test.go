@@ -406,6 +406,23 @@ func TestWorkersSayWhatTheirHealthProbesGot(t *testing.T) {
 	}
 }
 
+// GET /workers flags an SGLang prefill whose engine reports another bootstrap port than the one
+// configured.
+func TestWorkersFlagAWrongSGLangBootstrapPort(t *testing.T) {
+	f := &fakeFleet{reg: worker.NewRegistry()}
+	admin := serve(t, Options{Keys: []string{"sk-admin"}, Separate: true, Fleet: f}, f.reg, tenantsOf(t), true)
+	port := 9000
+	w := worker.New(config.Worker{URL: "http://10.0.0.1:8000", Role: config.RolePrefill, BootstrapPort: &port})
+	w.SetInfo(&worker.Info{Runtime: config.RuntimeSGLang, BootstrapPort: 8998})
+	if err := f.reg.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	_, body := send(t, http.MethodGet, admin+"/workers", "sk-admin", "")
+	if want := `"bootstrap_port_mismatch":"its bootstrap port is configured as 9000, but its engine reports 8998`; !strings.Contains(body, want) {
+		t.Errorf("got %s, want it to hold %s", body, want)
+	}
+}
+
 // The POST in REFERENCE.md's admin example is sent as curl sends it, its headers and body read
 // from the document, and adds its worker: an example an operator copies works as written (it
 // once sent no Content-Type and was refused 415).

@@ -120,7 +120,9 @@ type workerResult struct {
 	OK     bool   `json:"ok"`
 	// Cause names why it is not OK, for programs: wrong_key, refused, timeout, not_an_engine,
 	// unreachable (its registration), model_missing (its configuration names a model its engine
-	// does not serve), answer (its check request failed), no_partner, pair_failed, role_unused.
+	// does not serve), bootstrap_port_mismatch (an SGLang prefill configured with another
+	// bootstrap port than its engine reports), answer (its check request failed), no_partner,
+	// pair_failed, role_unused.
 	Cause  string `json:"cause,omitempty"`
 	Reason string `json:"reason,omitempty"` // why it is not OK, in words
 }
@@ -151,6 +153,8 @@ func check(ctx context.Context, g *app.Gateway, pd bool) checkReport {
 			}
 		case len(w.Info().Unserved) > 0:
 			r.Cause, r.Reason = "model_missing", fmt.Sprintf("its configuration names %s, which its engine does not serve (GET /v1/models)", strings.Join(w.Info().Unserved, ", "))
+		case w.BootstrapMismatch() != "":
+			r.Cause, r.Reason = "bootstrap_port_mismatch", w.BootstrapMismatch()
 		case w.Role == config.RoleRegular:
 			r.Status, r.Cause, r.Reason = checkWorker(ctx, g, w)
 			r.OK = r.Reason == ""

@@ -38,15 +38,16 @@ const probeTimeout = 5 * time.Second
 func Detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
 	in, err := detect(ctx, client, w)
 	if err == nil && in.Runtime == config.RuntimeSGLang {
-		in.DPSize, in.KVEvents, in.MaxLoadedLoRAs = sglangServerInfo(ctx, client, w)
+		in.DPSize, in.KVEvents, in.MaxLoadedLoRAs, in.BootstrapPort = sglangServerInfo(ctx, client, w)
 	}
 	return in, err
 }
 
-// sglangServerInfo reads the data parallel size, the KV events publisher and the most LoRA
-// adapters an SGLang engine may hold loaded (its --max-loaded-loras) it reports (0, nil and 0
-// when it does not).
-func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher, int) {
+// sglangServerInfo reads the data parallel size, the KV events publisher, the most LoRA
+// adapters an SGLang engine may hold loaded (its --max-loaded-loras) and its bootstrap port
+// (--disaggregation-bootstrap-port, server_args.py's disaggregation_bootstrap_port, a
+// prefill's) it reports (0, nil, 0 and 0 when it does not).
+func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher, int, int) {
 	for _, p := range []string{"/server_info", "/get_server_info"} {
 		status, body, err := probe(ctx, client, w, p)
 		if err != nil || status != http.StatusOK {
@@ -55,6 +56,7 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 		var v struct {
 			DPSize         int  `json:"dp_size"`
 			MaxLoadedLoRAs *int `json:"max_loaded_loras"`
+			BootstrapPort  *int `json:"disaggregation_bootstrap_port"`
 			KVEvents       *struct {
 				Publisher string `json:"publisher"`
 				Host      string `json:"endpoint_host"`
@@ -65,7 +67,11 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 			} `json:"kv_events"`
 		}
 		if json.Unmarshal(body, &v) != nil {
-			return 0, nil, 0
+			return 0, nil, 0, 0
+		}
+		bport := 0
+		if p := v.BootstrapPort; p != nil && *p >= 1 && *p <= 65535 {
+			bport = *p
 		}
 		maxLoaded := 0
 		if v.MaxLoadedLoRAs != nil && *v.MaxLoadedLoRAs > 0 {
@@ -82,9 +88,23 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 				pub = &KVEventsPublisher{Endpoint: ep, BlockSize: k.BlockSize, DPSize: k.DPSize, Topic: k.Topic}
 			}
 		}
-		return v.DPSize, pub, maxLoaded
+		return v.DPSize, pub, maxLoaded, bport
 	}
-	return 0, nil, 0
+	return 0, nil, 0, 0
+}
+
+// BootstrapMismatch says why w's configured bootstrap port is not its engine's: an SGLang
+// prefill whose /server_info reports another disaggregation_bootstrap_port than the one Baton
+// sends its decodes to (every handoff through it would look for the prefill's bootstrap server
+// where none listens); "" when they agree, or either is unknown.
+func (w *Worker) BootstrapMismatch() string {
+	in := w.Info()
+	if in == nil || w.Role != config.RolePrefill || in.Runtime != config.RuntimeSGLang || w.BootstrapPort == nil ||
+		in.BootstrapPort == 0 || in.BootstrapPort == *w.BootstrapPort {
+		return ""
+	}
+	return fmt.Sprintf("its bootstrap port is configured as %d, but its engine reports %d (/server_info disaggregation_bootstrap_port, --disaggregation-bootstrap-port): decodes would look for its bootstrap server where none listens; give it the engine's port",
+		*w.BootstrapPort, in.BootstrapPort)
 }
 
 func detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
@@ -351,6 +371,10 @@ func (r *Registrar) register(ctx context.Context, w *Worker) {
 				ids[i] = m.ID
 			}
 			r.Log.Info("worker registered", "worker", w.URL, "role", w.Role, "runtime", in.Runtime, "models", ids)
+			if why := w.BootstrapMismatch(); why != "" {
+				r.Log.Warn("SGLang prefill worker's bootstrap port is not its engine's: every PD request through it fails its handoff",
+					"worker", w.URL, "bootstrap_port", *w.BootstrapPort, "engine_bootstrap_port", in.BootstrapPort, "why", why)
+			}
 			if len(in.Unserved) > 0 {
 				r.Log.Warn("worker's configuration names models its engine does not serve: requests for them are not sent to it, and /readiness lists any no engine serves (503 only when no model can be served)",
 					"worker", w.URL, "unserved", in.Unserved)

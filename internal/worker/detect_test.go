@@ -11,6 +11,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -306,5 +307,45 @@ func TestAnUnknownModelOnceWorkersAnswered(t *testing.T) {
 	down.noteRegistration(fmt.Errorf("%w: connection refused", ErrUnreachable))
 	if _, pending := reg.Snapshot().Candidates(config.RoleRegular, "typo"); pending {
 		t.Error("a worker that failed to register makes an unknown model pending (a 503 retried for as long as it is down)")
+	}
+}
+
+// An SGLang prefill configured with another bootstrap port than its engine reports
+// (/server_info disaggregation_bootstrap_port) is flagged at registration: a WARN naming both,
+// and BootstrapMismatch (GET /workers, baton check); one configured as its engine's, or with
+// none configured, is not.
+func TestRegistrationFlagsAWrongSGLangBootstrapPort(t *testing.T) {
+	srv := engine(t, map[string]string{"/v1/models": `{"data":[{"id":"m","owned_by":"sglang"}]}`,
+		"/server_info": `{"disaggregation_mode":"prefill","disaggregation_bootstrap_port":8998}`})
+	port := func(n int) *int { return &n }
+	for _, c := range []struct {
+		name      string
+		port      *int
+		mismatch  bool
+		logPhrase string
+	}{
+		{"wrong", port(9000), true, "bootstrap_port=9000 engine_bootstrap_port=8998"},
+		{"right", port(8998), false, ""},
+		{"none configured", nil, false, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			w := New(config.Worker{URL: srv.URL, Role: config.RolePrefill, BootstrapPort: c.port})
+			var log strings.Builder
+			var mu sync.Mutex
+			r := &Registrar{Registry: NewRegistry(w), Client: srv.Client(), Log: slog.New(slog.NewTextHandler(lockedWriter{&mu, &log}, nil)), MaxInterval: time.Second}
+			r.register(context.Background(), w)
+			if !w.Ready() {
+				t.Fatal("not registered")
+			}
+			why := w.BootstrapMismatch()
+			if got := why != ""; got != c.mismatch {
+				t.Errorf("mismatch flagged %v (%q), want %v", got, why, c.mismatch)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if warned := strings.Contains(log.String(), "level=WARN") && strings.Contains(log.String(), c.logPhrase); warned != c.mismatch {
+				t.Errorf("WARN %v, want %v: %s", warned, c.mismatch, log.String())
+			}
+		})
 	}
 }

@@ -48,6 +48,9 @@ type Info struct {
 	// from /server_info), 0 when unbounded or unknown. vLLM has no such bound: its max_lora
 	// (lora_requests_info) is the adapters one batch may run.
 	MaxLoadedLoRAs int
+	// BootstrapPort is the bootstrap server port the engine reports (SGLang /server_info
+	// disaggregation_bootstrap_port), 0 when unknown; see Worker.BootstrapMismatch.
+	BootstrapPort int
 }
 
 // KVEventsPublisher is an engine's own description of its KV events publisher.
