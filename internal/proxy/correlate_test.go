@@ -331,7 +331,7 @@ func TestAnErrorEventKeepsItsConnectionFromReuse(t *testing.T) {
 	w.NoteIDEcho()
 	for body, kept := range map[string]bool{
 		"data: {\"error\":{\"message\":\"x\"}}\n\ndata: [DONE]\n\n": true,
-		"data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\n":         false,
+		"data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\n":          false,
 	} {
 		b := &noReuseBody{Reader: strings.NewReader(body)}
 		out := httptest.NewRequest(http.MethodPost, "http://proven/v1/completions", nil)

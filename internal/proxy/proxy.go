@@ -703,7 +703,7 @@ func newRelay(rw http.ResponseWriter, resp *http.Response, transform func(event 
 			rl.pool = &streamBufPool
 		}
 		rl.bp = rl.pool.Get().(*[]byte)
-		rl.in.buf = *rl.bp
+		rl.in.buf, rl.in.whole = *rl.bp, !rl.out.stream
 	}
 	return rl
 }
@@ -867,11 +867,15 @@ func (o *relayOut) release() error {
 // source is the worker's side of one Relay: the body as it arrives, or as SSE events passed
 // through transform.
 type source struct {
-	body      io.Reader
-	view      viewer // body's own buffer, when it lends it
-	buf       []byte
-	events    *openai.EventReader
-	transform func([]byte) []byte
+	body io.Reader
+	view viewer // body's own buffer, when it lends it
+	// whole: a whole answer (not a stream), read a buffer full at a time, so that one whose
+	// framing breaks within its first buffer (a bad chunk, a trailer past its bound) fails before
+	// a byte of it is written — the client's 502 — instead of after; begun: a part of it went out.
+	whole, begun bool
+	buf          []byte
+	events       *openai.EventReader
+	transform    func([]byte) []byte
 }
 
 // viewer is a body that lends views of its own read buffer (internal/upstream's), each valid
@@ -887,6 +891,17 @@ func (s *source) next() ([]byte, bool, error) {
 	if s.view != nil {
 		v, err := s.view.Next()
 		return v, true, err
+	}
+	if s.whole {
+		n, err := io.ReadFull(s.body, s.buf)
+		switch {
+		case err == io.ErrUnexpectedEOF:
+			err = io.EOF
+		case err != nil && err != io.EOF && !s.begun:
+			n = 0 // nothing of a first part that broke goes out
+		}
+		s.begun = s.begun || n > 0
+		return s.buf[:n], true, err
 	}
 	if s.events == nil {
 		n, err := s.body.Read(s.buf)

@@ -71,10 +71,18 @@ func TestRelayReportsWhetherAnythingWasWritten(t *testing.T) {
 	if !errors.As(err, &re) || re.Written || !errors.Is(err, broken) || rec.Code != 200 || rec.Body.Len() != 0 {
 		t.Errorf("failure before any byte: %v (written %v), wrote %q", err, re != nil && re.Written, rec.Body.String())
 	}
+	// A whole answer that breaks within its first buffer writes nothing (the client's 502); one
+	// that breaks past it wrote its first part.
 	rec = httptest.NewRecorder()
 	err = testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader("part"), iotest.ErrReader(broken))), nil, nil, Orders{}, nil)
+	if !errors.As(err, &re) || re.Written || rec.Body.Len() != 0 {
+		t.Errorf("failure within the first buffer: %v (written %v), wrote %q", err, re != nil && re.Written, rec.Body.String())
+	}
+	rec = httptest.NewRecorder()
+	long := strings.Repeat("x", 16<<10+4)
+	err = testProxy().Relay(context.Background(), rec, upstreamAnswer(200, nil, io.MultiReader(strings.NewReader(long), iotest.ErrReader(broken))), nil, nil, Orders{}, nil)
 	if !errors.As(err, &re) || !re.Written {
-		t.Errorf("failure after bytes: %v, want a ReadError with Written", err)
+		t.Errorf("failure after a buffer of bytes: %v, want a ReadError with Written", err)
 	}
 }
 

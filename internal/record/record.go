@@ -66,7 +66,7 @@ type Record struct {
 	ByStreamUsage bool
 	// Samples is the samples asked per prompt (n, sampling_params.n; 0: one): each reports the
 	// prompt, which is counted once.
-	Samples int
+	Samples       int
 	Streamed      int
 	StreamCounted bool
 	// Reserved: the tenant's limits reserved tokens for the request, and its charge is counted
