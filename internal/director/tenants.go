@@ -484,7 +484,7 @@ func completionBudget(req *openai.Request, path string, def int) budgetOf {
 	b := budgetOf{tokens: -1}
 	for _, key := range capKeys {
 		if raw, ok := req.Get(key); ok {
-			n, valid := capValue(raw)
+			n, valid := capValueLax(raw)
 			if !valid {
 				return budgetOf{field: key, invalid: true}
 			}
@@ -520,6 +520,32 @@ func capValue(raw []byte) (n int, valid bool) {
 	}
 	n, err := strconv.Atoi(string(raw)) // JSON has no leading +: the body is valid JSON
 	return n, err == nil && n >= 0
+}
+
+// capValueLax reads a cap of the OpenAI routes as vLLM's and SGLang's request models read it
+// (pydantic's lax mode): what capValue reads, a number with no fraction (100.0, 1e2) and a string
+// of digits ("100") too; the engine gets the body as the client sent it.
+func capValueLax(raw []byte) (n int, valid bool) {
+	if n, valid = capValue(raw); valid {
+		return n, true
+	}
+	raw = bytes.TrimSpace(raw)
+	if len(raw) > 2 && raw[0] == '"' && raw[len(raw)-1] == '"' {
+		digits := raw[1 : len(raw)-1]
+		if len(digits) == 0 || len(digits) > 15 || bytes.IndexFunc(digits, func(r rune) bool { return r < '0' || r > '9' }) >= 0 {
+			return 0, false
+		}
+		n, err := strconv.Atoi(string(digits))
+		return n, err == nil
+	}
+	if len(raw) == 0 || (raw[0] < '0' || raw[0] > '9') {
+		return 0, false // not a non-negative number (JSON has no leading + or .)
+	}
+	f, err := strconv.ParseFloat(string(raw), 64)
+	if err != nil || f != math.Trunc(f) || f > 1<<53 {
+		return 0, false
+	}
+	return int(f), true
 }
 
 // writeBudget writes b, a default cap, into body: the route's cap member, or SGLang's

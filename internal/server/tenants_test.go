@@ -442,9 +442,9 @@ func TestTenantCapsMustBeIntegers(t *testing.T) {
 	e := simOf(t, sim.Config{Engine: sim.EngineSGLang})
 	_, gw, _ := gateway(t, nil, sglangServing(t, e.URL()), func(o *Options) { withTenants(t, o, hostile(3000)) })
 	for _, c := range []struct{ path, body, field string }{
-		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":10,"max_tokens":"100000"}`, "max_tokens"},
-		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1e5}`, "max_tokens"},
 		{"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":10.5}`, "max_tokens"},
+		{"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":"1e2"}`, "max_tokens"},
+		{"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":" 100"}`, "max_tokens"},
 		{"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":-1}`, "max_tokens"},
 		{"/generate", `{"text":"hi","sampling_params":{"max_new_tokens":"9999"}}`, "sampling_params.max_new_tokens"},
 	} {
@@ -455,6 +455,22 @@ func TestTenantCapsMustBeIntegers(t *testing.T) {
 	}
 	if n := e.Stats().RequestsReceived; n != 0 {
 		t.Errorf("%d refused requests reached the engine", n)
+	}
+	// A cap spelled as the engines' request models still read it — a number with no fraction, a
+	// string of digits — is that cap: reserved and sent as the client wrote it.
+	for _, cap := range []string{`100.0`, `"100"`, `1e2`} {
+		body := `{"model":"m","prompt":"hi","max_tokens":` + cap + `}`
+		resp, b := asTenant(t, gw+"/v1/completions", "sk-hostile", body)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Ratelimit-Remaining-Tokens") == "" {
+			t.Errorf("max_tokens %s: %d %s", cap, resp.StatusCode, b)
+		}
+	}
+	// Read so, a cap past the tenant's whole bucket is refused as one written plainly.
+	for _, cap := range []string{`"100000"`, `1e5`} {
+		resp, b := asTenant(t, gw+"/v1/chat/completions", "sk-hostile", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":10,"max_tokens":`+cap+`}`)
+		if resp.StatusCode != 429 || !strings.Contains(b, `"param":"max_tokens"`) {
+			t.Errorf("max_tokens %s: %d %s", cap, resp.StatusCode, b)
+		}
 	}
 }
 

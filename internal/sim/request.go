@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"reflect"
 	"strconv"
@@ -93,9 +95,9 @@ type rawRequest struct {
 		IncludeUsage         bool `json:"include_usage"`
 		ContinuousUsageStats bool `json:"continuous_usage_stats"`
 	} `json:"stream_options"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	MaxOutputTokens     *int            `json:"max_output_tokens"`
+	MaxTokens           *laxInt         `json:"max_tokens"`
+	MaxCompletionTokens *laxInt         `json:"max_completion_tokens"`
+	MaxOutputTokens     *laxInt         `json:"max_output_tokens"`
 	MinTokens           *int            `json:"min_tokens"`
 	N                   *int            `json:"n"`
 	Seed                *int64          `json:"seed"`
@@ -411,6 +413,36 @@ func decodeCaseSensitive(body []byte) (rawRequest, error) {
 	return decodeRequest(caseSensitive(body))
 }
 
+// laxInt is a cap of the OpenAI routes as the engines' request models read an int field
+// (pydantic's lax mode: vLLM's OpenAIBaseModel, SGLang's protocol.py models): an integer, a
+// number with no fraction (100.0, 1e2), a string of digits ("100").
+type laxInt int
+
+func (n *laxInt) UnmarshalJSON(b []byte) error {
+	v := b
+	if len(b) > 2 && b[0] == '"' && b[len(b)-1] == '"' {
+		v = b[1 : len(b)-1]
+		if len(v) == 0 || bytes.IndexFunc(v, func(r rune) bool { return r < '0' || r > '9' }) >= 0 {
+			return fmt.Errorf("Input should be a valid integer, unable to parse string as an integer: %s", b)
+		}
+	}
+	f, err := strconv.ParseFloat(string(v), 64)
+	if err != nil || f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+		return fmt.Errorf("Input should be a valid integer: %s", b)
+	}
+	*n = laxInt(f)
+	return nil
+}
+
+// int is n as an *int (nil for none).
+func (n *laxInt) int() *int {
+	if n == nil {
+		return nil
+	}
+	v := int(*n)
+	return &v
+}
+
 // decodeRequest reads a request's members into their fields, numbers as they were written.
 func decodeRequest(body []byte) (rawRequest, error) {
 	var raw rawRequest
@@ -486,18 +518,18 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 	var stop json.RawMessage
 	switch rt {
 	case routeChat:
-		s.MaxTokens = firstInt(raw.MaxCompletionTokens, raw.MaxTokens)
+		s.MaxTokens = firstInt(raw.MaxCompletionTokens.int(), raw.MaxTokens.int())
 		stop = raw.Stop
 	case routeCompletions:
-		s.MaxTokens = firstInt(raw.MaxTokens)
+		s.MaxTokens = firstInt(raw.MaxTokens.int())
 		stop = raw.Stop
 	case routeResponses:
-		s.MaxTokens = firstInt(raw.MaxOutputTokens)
+		s.MaxTokens = firstInt(raw.MaxOutputTokens.int())
 	case routeMessages:
 		if raw.MaxTokens == nil {
 			return nil, errorf(400, "max_tokens: Field required")
 		}
-		s.MaxTokens = *raw.MaxTokens
+		s.MaxTokens = int(*raw.MaxTokens)
 		stop = raw.StopSequences
 		// vLLM's Anthropic messages request has no ignore_eos, nor stop_token_ids: dropped unread.
 		s.IgnoreEOS, s.StopTokenIDs = false, nil
