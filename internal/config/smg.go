@@ -82,6 +82,7 @@ var smgHints = map[string]string{
 	"upstream-http2-only":                    "Baton speaks HTTP/1.1 to the engines (their servers do)",
 	"epd-disaggregation":                     "encode/prefill/decode (multimodal encoders) is out of Baton's scope: it disaggregates prefill and decode",
 	"encode-policy":                          "encode/prefill/decode (multimodal encoders) is out of Baton's scope: it disaggregates prefill and decode",
+	"encode":                                 "encode/prefill/decode (multimodal encoders) is out of Baton's scope: it disaggregates prefill and decode (--prefill, --decode)",
 	"encode-selector":                        "encode/prefill/decode (multimodal encoders) is out of Baton's scope: it disaggregates prefill and decode",
 	"multimodal-tensor-transport":            "Baton relays multimodal bodies as they are; the engines process them",
 	"multimodal-shm-min-bytes":               "Baton relays multimodal bodies as they are; the engines process them",

@@ -62,6 +62,10 @@ func TestSmgSpellings(t *testing.T) {
 		{[]string{"--prot", "8080"}, "did you mean --port?"},
 		{[]string{"--policy", "consistent_hashing"}, "use prefix_hash"},
 		{[]string{"--prometheus-host", "0.0.0.0"}, "the metrics listener binds --host"},
+		// smg's encode workers (E/P/D), named like its --prefill and --decode, which its
+		// argument list parses apart and smg-flags.txt therefore lacks.
+		{[]string{"--encode", "http://e:8000"}, "--encode (smg's): encode/prefill/decode (multimodal encoders) is out of Baton's scope"},
+		{[]string{"--pd-disaggregation", "--encode", "http://e:8000", "9000"}, "--encode (smg's): "},
 	} {
 		if _, err := Parse(tc.args, io.Discard); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%v: %v, want %q", tc.args, err, tc.want)
