@@ -893,11 +893,8 @@ func (s *source) next() ([]byte, bool, error) {
 		return v, true, err
 	}
 	if s.whole {
-		n, err := io.ReadFull(s.body, s.buf)
-		switch {
-		case err == io.ErrUnexpectedEOF:
-			err = io.EOF
-		case err != nil && err != io.EOF && !s.begun:
+		n, err := fill(s.body, s.buf)
+		if err != nil && err != io.EOF && !s.begun {
 			n = 0 // nothing of a first part that broke goes out
 		}
 		s.begun = s.begun || n > 0
@@ -912,6 +909,21 @@ func (s *source) next() ([]byte, bool, error) {
 		ev = s.transform(ev)
 	}
 	return ev, !s.events.Pending(), err
+}
+
+// fill reads from r until buf is full or r fails, and returns what it read with r's error
+// (io.EOF at its end) — unlike io.ReadFull, which reports a body cut short by its engine
+// (io.ErrUnexpectedEOF from the body) and a body that merely ended before buf filled alike.
+func fill(r io.Reader, buf []byte) (int, error) {
+	n := 0
+	for n < len(buf) {
+		m, err := r.Read(buf[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // Classify makes an error that kept worker w from answering (before any response byte) a

@@ -21,6 +21,11 @@ func TestABrokenAnswerBeforeItsFirstByteIs502(t *testing.T) {
 		"huge trailer": "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n" +
 			"X-Pad: " + strings.Repeat("a", 1<<20) + "\r\n\r\n",
 		"bad chunk end": "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}XX0\r\n\r\n",
+		// Cut by the engine's close: a chunked body without its last chunk, a body short of its
+		// Content-Length — known broken within the first buffer, never relayed as whole.
+		"no last chunk": "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" +
+			"2e\r\n{\"object\":\"list\",\"data\":[{\"embedding\":[0.1,0.2\r\n",
+		"short of its length": "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"id\":\"x\"",
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
