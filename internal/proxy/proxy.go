@@ -167,6 +167,47 @@ func WithoutReuse(t http.RoundTripper) http.RoundTripper {
 	return t
 }
 
+// freshOf holds, per transport, the one that sends each request on a new connection (fresh).
+var freshOf sync.Map
+
+// fresh is t for a request that must go on a connection of its own (Unprovable): Baton's own
+// client takes no idle connection for a request that closes its connection; net/http's
+// transport would, so such a request goes through a copy of it that keeps none (Baton's client
+// alike for the https workers it hands to net/http).
+func fresh(t http.RoundTripper) http.RoundTripper {
+	if f, ok := freshOf.Load(t); ok {
+		return f.(http.RoundTripper)
+	}
+	var f http.RoundTripper
+	switch t := t.(type) {
+	case *http.Transport:
+		c := t.Clone()
+		c.DisableKeepAlives = true
+		f = c
+	case *upstream.Transport:
+		f = t
+		if std, ok := t.Fallback.(*http.Transport); ok {
+			c := std.Clone()
+			c.DisableKeepAlives = true
+			f = &schemeSplit{http: t, other: c}
+		}
+	default:
+		f = t
+	}
+	g, _ := freshOf.LoadOrStore(t, f)
+	return g.(http.RoundTripper)
+}
+
+// schemeSplit sends http requests through one transport and the rest through another.
+type schemeSplit struct{ http, other http.RoundTripper }
+
+func (s *schemeSplit) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.URL.Scheme == "http" {
+		return s.http.RoundTrip(r)
+	}
+	return s.other.RoundTrip(r)
+}
+
 // CloseIdle closes the idle connections t keeps to the worker at url: Baton's own client those
 // to its host alone; net/http's transport, which cannot single one host out, every idle
 // connection (a worker leaving is rare; the others reconnect once).
@@ -352,7 +393,11 @@ func newPost(ctx context.Context, w *worker.Worker, path string, body io.Reader)
 // learns what came.
 func (p *Proxy) exchange(out *http.Request, leg *Leg, body []byte, rec *record.Record) (*http.Response, error) {
 	proof := leg.W.Proof()
-	resp, err := informational(p.Transport.RoundTrip(out))
+	rt := p.Transport
+	if out.Close {
+		rt = fresh(rt) // a connection of its own, never one from the pool
+	}
+	resp, err := informational(rt.RoundTrip(out))
 	resp, err = p.correlate(out, body, leg.W, proof, resp, err)
 	given(rec, leg, resp, err)
 	return resp, err

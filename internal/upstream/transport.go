@@ -136,7 +136,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		id = v[0]
 	}
 	for {
-		c, reused, err := t.get(ctx, host, id)
+		c, reused, err := t.get(ctx, host, id, req.Close)
 		if err != nil {
 			return nil, err
 		}
@@ -377,11 +377,12 @@ func parseStatus(line string, resp *http.Response) error {
 	return nil
 }
 
-// get returns an idle connection to host, or dials one.
-func (t *Transport) get(ctx context.Context, host, id string) (*conn, bool, error) {
+// get returns an idle connection to host, or dials one — always, when fresh (a request that
+// closes its connection is sent on a connection of its own).
+func (t *Transport) get(ctx context.Context, host, id string, fresh bool) (*conn, bool, error) {
 	t.mu.Lock()
 	list := t.idle[host]
-	for i := len(list) - 1; i >= 0; i-- {
+	for i := len(list) - 1; i >= 0 && !fresh; i-- {
 		c := list[i]
 		if time.Since(c.idleAt) >= t.IdleTimeout {
 			list = slices.Delete(list, i, i+1)
