@@ -182,7 +182,7 @@ func (d *Director) CountBatch(req *pd.Request) *openai.Error {
 	}
 	req.Samples = pd.SamplesOf(req)
 	if req.Rec != nil {
-		req.Rec.Samples = req.Samples
+		req.Rec.Samples, req.Rec.Prompts = req.Samples, req.Batch
 	}
 	if req.Samples > limit {
 		return &openai.Error{Status: statusBadRequest, Code: openai.CodeBatchTooLarge,

@@ -847,6 +847,7 @@ func (rl *relay) done() {
 		if u, _ := rl.seen.whole(rl.rec.Samples); u.Prompt > rl.rec.EnginePrompt {
 			rl.rec.EnginePrompt = u.Prompt // a batch's prompts, not its last sample's
 		}
+		rl.rec.PromptsReported = rl.seen.prompts(rl.rec.Samples, rl.rec.Prompts)
 	}
 	if rl.bp != nil {
 		rl.pool.Put(rl.bp)

@@ -169,6 +169,26 @@ func (s *streamUsage) completion() (int, bool) {
 	return n, len(s.byChoice) > 0
 }
 
+// prompts is how many of a request's prompts (of samples samples each) the stream's events
+// reported the usage of: all of them when an event gave the whole answer's, else those of the
+// choices seen (choice i is prompt i/samples's, as vLLM and SGLang number a batch's samples).
+func (s *streamUsage) prompts(samples, prompts int) int {
+	if s.hasTotal {
+		return prompts
+	}
+	samples = max(samples, 1)
+	seen := 0
+	for i := 0; i < len(s.byChoice); i += samples {
+		for j := i; j < min(i+samples, len(s.byChoice)); j++ {
+			if s.byChoice[j] != (openai.Usage{}) {
+				seen++
+				break
+			}
+		}
+	}
+	return seen
+}
+
 // whole is the usage of a stream that ended: its last whole usage (the usage-only event, an
 // answer of one sample), or the sum of its choices' — their prompt once per prompt, given
 // samples per prompt — where no event gave the whole (a /generate batch).

@@ -85,9 +85,11 @@ type Record struct {
 	// regular or decode leg; not a decode Baton cancelled, before its answer, because its prefill
 	// failed). Each stays true once set, whatever a retry meets later.
 	// EnginePrompt is the prompt tokens an engine reported before the answer ended (a prefill
-	// leg's usage, a stream's first usage event), 0 when none did.
+	// leg's usage, a stream's first usage event), 0 when none did; of a request of several
+	// prompts (Prompts), PromptsReported is how many of them it covers.
 	PrefillComputed, AnswerComputed bool
 	EnginePrompt                    int
+	Prompts, PromptsReported        int
 
 	// For the PD advisor: the prefill leg's time (dispatch to its answer; 0 when unknown), and
 	// the requests the pair's prefill and decode had in flight besides it when it was chosen.
@@ -166,7 +168,12 @@ func (r *Record) Charge(promptEstimate, completionEstimate int) (prompt, complet
 		return 0, 0
 	}
 	prompt = promptEstimate
-	if r.EnginePrompt > 0 {
+	switch {
+	case r.EnginePrompt > 0 && r.Prompts > 1 && r.PromptsReported < r.Prompts:
+		// Some of its prompts reported (a stream cut before the others' events): the whole
+		// request's count, never the part reported alone.
+		prompt = max(r.EnginePrompt, promptEstimate)
+	case r.EnginePrompt > 0:
 		prompt = r.EnginePrompt
 	}
 	switch {

@@ -981,3 +981,26 @@ func TestTenantCutUncountableShapesAreChargedTheEnginesCount(t *testing.T) {
 		})
 	}
 }
+
+// A list of prompts whose stream is cut after its first prompt's events was charged that
+// prompt alone: a long prompt put second was computed and never charged. Every prompt of the
+// list is charged once, whenever the stream is cut.
+func TestTenantCutStreamOfAListChargesEveryPrompt(t *testing.T) {
+	for _, c := range []struct{ engine, path, body string }{
+		{sim.EngineVLLM, "/v1/completions", `{"model":"m","prompt":["short one","` + words(3000) + `"],"max_tokens":7,"ignore_eos":true,"stream":true}`},
+		{sim.EngineSGLang, "/generate", `{"text":["short one","` + words(3000) + `"],"sampling_params":{"max_new_tokens":7,"ignore_eos":true},"stream":true}`},
+	} {
+		t.Run(c.engine, func(t *testing.T) {
+			e := simOf(t, sim.Config{Engine: c.engine, DecodePerToken: 20 * time.Millisecond})
+			rt := map[string]string{sim.EngineVLLM: config.RuntimeVLLM, sim.EngineSGLang: config.RuntimeSGLang}[c.engine]
+			s, gw, _ := gateway(t, nil, func(o *Options) {
+				serving(t, o, config.Worker{URL: e.URL(), Runtime: rt, Models: []string{"m"}})
+				withTenants(t, o, hostile(100_000_000))
+			})
+			leaveAfter(t, gw+c.path, "sk-hostile", c.body, 3)
+			if got := settledCharge(t, s, "hostile"); got < 3000 {
+				t.Errorf("charged %d for a stream of a 3,000-word prompt and a short one, cut after 3 events", got)
+			}
+		})
+	}
+}
