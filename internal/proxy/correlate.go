@@ -263,6 +263,7 @@ func (r *prover) Read(b []byte) (int, error) {
 	// A first read too short to judge (a tiny first chunk, a split segment): hold it and read on.
 	r.held = append(make([]byte, 0, idWindow), b[:n]...)
 	for !ok {
+		r.held = dropKeepAlives(r.held)
 		if len(r.held) == cap(r.held) { // lines before the first data line (bounded: leadWindow)
 			r.held = slices.Grow(r.held, idWindow)
 		}
@@ -325,7 +326,7 @@ func (r *provingViewer) first() ([]byte, error) {
 	r.held = append(make([]byte, 0, idWindow), b...)
 	for !ok {
 		b, err = r.v.Next()
-		r.held = append(r.held, b...)
+		r.held = append(dropKeepAlives(r.held), b...)
 		if ok, jerr = r.judge(r.held, err); jerr != nil {
 			r.held = nil
 			return nil, jerr
@@ -338,8 +339,37 @@ func (r *provingViewer) first() ([]byte, error) {
 // leadWindow bounds the lines a stream may begin with before its first data line (comments and
 // other fields), read to find the id: vLLM's --sse-keep-alive-interval writes a ": keep-alive"
 // comment event while a stream waits for its first token (vllm/entrypoints/openai/
-// sse_keep_alive.py), and a slow queue or prefill can put a few dozen of them first.
+// sse_keep_alive.py), any number of them while a request queues: past half of it they are
+// dropped (dropKeepAlives), so that only other fields can fill it.
 const leadWindow = 8 << 10
+
+// dropKeepAlives is held, the first bytes of an answer not judged yet, less the comment lines
+// and blank lines it begins with once they pass half of leadWindow: a stream that waits long
+// for its first token (vLLM's --sse-keep-alive-interval writes a comment a second, for as long
+// as a request queues) is judged however long it waited, holding at most leadWindow. The client
+// has seen nothing of the answer yet — not even its head — so the comments dropped kept nothing
+// alive; the rest of the answer is relayed as sent.
+func dropKeepAlives(held []byte) []byte {
+	if len(held) < leadWindow/2 {
+		return held
+	}
+	k := 0
+	for k < len(held) && (held[k] == ':' || held[k] == '\r' || held[k] == '\n') {
+		if held[k] != ':' {
+			k++
+			continue
+		}
+		end := bytes.IndexAny(held[k:], "\r\n")
+		if end < 0 {
+			break // an unended comment: kept until its end comes
+		}
+		k += end
+	}
+	if k == 0 {
+		return held
+	}
+	return held[:copy(held, held[k:])]
+}
 
 // pastLeadingLines is b past the lines a stream begins with before its first data line — blank
 // lines, comments (":…") and fields other than data ("event:", "id:", "retry:"), which an SSE

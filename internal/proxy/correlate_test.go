@@ -346,3 +346,22 @@ func TestAnErrorEventKeepsItsConnectionFromReuse(t *testing.T) {
 		}
 	}
 }
+
+// A stream that waited long for its first token — tens of thousands of vLLM keep-alive
+// comments first — is judged by its id and relayed, its comments dropped past a bound; one
+// named after another request is refused all the same.
+func TestALongWaitOfKeepAlivesIsJudged(t *testing.T) {
+	for _, views := range []bool{false, true} {
+		proven := worker.New(config.Worker{URL: "http://proven"})
+		proven.NoteIDEcho()
+		wait := strings.Repeat(": keep-alive\n\n", 3000) // about 42 KiB
+		rest := "data: {\"id\":\"cmpl-req-1\",\"choices\":[]}\n\ndata: [DONE]\n\n"
+		got, err := readProven(t, proven, wait+rest, views)
+		if err != nil || !strings.HasSuffix(got, rest) || !strings.HasPrefix(got, ": keep-alive\n\n") || len(got) > len(rest)+leadWindow {
+			t.Errorf("views %v: relayed %d bytes, %v; want the answer after at most %d bytes of its comments", views, len(got), err, leadWindow)
+		}
+		if got, err := readProven(t, proven, wait+strings.Replace(rest, "req-1", "req-0", 1), views); !errors.Is(err, ErrAnotherAnswer) || got != "" {
+			t.Errorf("views %v: another request's answer after a long wait: %q, %v", views, got, err)
+		}
+	}
+}
