@@ -226,5 +226,5 @@ func (d *Director) unservable(snap *worker.Snapshot, model string) string {
 			}
 		}
 	}
-	return "no available prefill and decode can hand KV to each other (their runtimes or KV connectors differ)"
+	return "no available prefill and decode can hand KV to each other (their runtimes or KV connectors differ, or a prefill's bootstrap port is not its engine's: GET /workers)"
 }

@@ -98,7 +98,7 @@ func TestReadinessPD(t *testing.T) {
 		{"decode's circuit open", []*worker.Worker{pre("http://p:8000"), tripped(dec("http://d:8000"))}, nil,
 			`model "m": no available decode worker (the circuit of every ready one is open: its engine failed requests)`},
 		{"incompatible", []*worker.Worker{pre("http://p:8000"), dec("http://d:8000")}, []func(*Options){never},
-			`model "m": no available prefill and decode can hand KV to each other (their runtimes or KV connectors differ)`},
+			`model "m": no available prefill and decode can hand KV to each other (their runtimes or KV connectors differ, or a prefill's bootstrap port is not its engine's: GET /workers)`},
 		{"one compatible pair", []*worker.Worker{pre("http://p:8000"), nixl(pre("http://p2:8000")), nixl(dec("http://d:8000"))}, []func(*Options){same}, ""},
 	} {
 		f := newFleet(t, c.ws, append([]func(*Options){disagg}, c.tune...)...)

@@ -108,10 +108,15 @@ func ConnectorFor(w *worker.Worker, def string) Connector {
 // Compatible reports whether decode can take prefill's KV: vLLM pairs with vLLM and every other
 // runtime with any but vLLM; a vLLM prefill with a NIXL or Mooncake connector pairs only with
 // decodes of the same connector (NIXL pull with pull, push with push), or of none configured
-// (unknown: the engine may well have it); def is the default connector name.
+// (unknown: the engine may well have it); def is the default connector name. An SGLang prefill
+// whose engine reports another bootstrap port than the one configured pairs with none: its
+// decodes would wait on a bootstrap server where none listens (worker.BootstrapMismatch).
 func Compatible(prefill, decode *worker.Worker, def string) bool {
 	if (prefill.Runtime() == config.RuntimeVLLM) != (decode.Runtime() == config.RuntimeVLLM) {
 		return false // a vLLM handoff and an SGLang rendezvous never meet
+	}
+	if prefill.BootstrapMismatch() != "" {
+		return false
 	}
 	if prefill.Runtime() != config.RuntimeVLLM {
 		return true
