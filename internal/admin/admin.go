@@ -187,13 +187,17 @@ var (
 	browserHeaders = []string{"Origin", "Referer", "Cookie"}
 )
 
-// proxied reports whether a request carries what a proxy or a browser adds (proxyHeaders,
-// X-Forwarded-*, browserHeaders, Sec-Fetch-*): such a request is not the local operator's,
-// whatever address it came from.
+// proxied reports whether a request carries what a proxy or a browser adds: proxyHeaders,
+// browserHeaders, Sec-Fetch-*, and any name that speaks of forwarding or of a client's address
+// (…Forwarded…, …-IP), read without regard to case or to '_' for '-' (X_Forwarded_For,
+// X-Appengine-User-IP). Such a request is not the local operator's, whatever address it came
+// from.
 func proxied(h http.Header) bool {
 	for k := range h {
-		if slices.Contains(proxyHeaders, k) || slices.Contains(browserHeaders, k) ||
-			strings.HasPrefix(k, "X-Forwarded-") || strings.HasPrefix(k, "Sec-Fetch-") {
+		n := strings.ReplaceAll(strings.ToLower(k), "_", "-")
+		if slices.ContainsFunc(proxyHeaders, func(p string) bool { return strings.EqualFold(p, n) }) ||
+			slices.ContainsFunc(browserHeaders, func(p string) bool { return strings.EqualFold(p, n) }) ||
+			strings.HasPrefix(n, "sec-fetch-") || strings.Contains(n, "forwarded") || strings.HasSuffix(n, "-ip") || n == "x-real-ip" {
 			return true
 		}
 	}
