@@ -107,12 +107,18 @@ func (d *Director) noteServable(last map[string]string) map[string]string {
 	for i, m := range models {
 		now[m] = whys[i]
 	}
+	some := false // a model can still be served: the gateway stays ready
+	for _, why := range now {
+		some = some || why == ""
+	}
 	for m, why := range now {
 		was, known := last[m]
 		switch {
 		case last == nil:
-		case why != "" && was == "":
+		case why != "" && was == "" && some:
 			d.log.Warn("a model can no longer be served; the gateway stays ready while any model can", "model", m, "why", why)
+		case why != "" && was == "":
+			d.log.Warn("a model can no longer be served, and no model can: readiness answers 503", "model", m, "why", why)
 		case why == "" && known && was != "":
 			d.log.Info("a model can be served again", "model", m)
 		}

@@ -399,3 +399,22 @@ func servableGauge(t *testing.T, f *fleet, model string) prometheus.Collector {
 	t.Fatalf("no baton_model_servable{model=%q}", model)
 	return nil
 }
+
+// A configured name no engine serves is its own baton_model_servable series (it fell into
+// "unknown" with every other such name); a model lost when it was the last one says the
+// gateway turned not ready.
+func TestAnUnservedConfiguredModelIsNamed(t *testing.T) {
+	m := regular("http://m:8000", "m")
+	logs := &logLines{}
+	f := newFleet(t, []*worker.Worker{m}, withModels(map[string]config.ModelConfig{"ghost": {Serve: "nothing-here"}}, ""),
+		func(o *Options) { o.Log = slog.New(logs) })
+	if v := testutil.ToFloat64(servableGauge(t, f, "nothing-here")); v != 0 {
+		t.Errorf("baton_model_servable{model=nothing-here} = %v", v)
+	}
+	last := f.d.noteServable(nil)
+	m.SetReady(false)
+	f.d.noteServable(last)
+	if len(logs.lines) != 1 || !strings.Contains(logs.lines[0], "no model can: readiness answers 503") {
+		t.Errorf("logged %q", logs.lines)
+	}
+}

@@ -524,7 +524,19 @@ func (c *modelCollector) Collect(ch chan<- prometheus.Metric) {
 	models, servable := c.m.Servable()
 	values := map[string]float64{}
 	for i, model := range models {
-		label := c.m.Model(model)
+		// The fleet's own names (its workers' and its configuration's, never a client's),
+		// bounded as Model bounds a label: a configured name no engine serves is named.
+		label := model
+		switch {
+		case model == "":
+			label = ModelNone
+		case len(model) > MaxLabelLen || !printable(model):
+			label = ModelUnknown
+		case len(values) >= MaxModels:
+			if _, ok := values[model]; !ok {
+				label = ModelOther
+			}
+		}
 		v, seen := values[label]
 		if !seen || v == 1 { // models folded into one label (past the bound): 0 when any is
 			values[label] = map[bool]float64{true: 1, false: 0}[servable[i]]
