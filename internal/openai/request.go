@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strings"
 )
 
 // Request is the small typed view of a client body that Baton routes on. The raw bytes stay the
@@ -13,7 +14,7 @@ type Request struct {
 	// never reach an engine from a client.
 	Body   []byte
 	Model  string // Top-level "model"; empty when absent or null.
-	Stream bool   // Top-level "stream" is true.
+	Stream bool   // Top-level "stream" is true, as the engines read it (LaxTrue).
 	N      int    // Top-level "n"; 0 when absent.
 	// ReturnLogprob is SGLang /generate's top-level "return_logprob" is true.
 	ReturnLogprob bool
@@ -120,7 +121,7 @@ func ParseRequest(body []byte) (*Request, error) {
 				return false
 			}
 		case "stream":
-			r.Stream = bytes.Equal(raw, []byte("true"))
+			r.Stream = LaxTrue(raw)
 		case "return_logprob":
 			r.ReturnLogprob = bytes.Equal(raw, []byte("true"))
 		case "n":
@@ -266,4 +267,23 @@ func nestedDuplicate(raw []byte) (string, bool) {
 		})
 	}
 	return dup, dup != ""
+}
+
+// LaxTrue reports whether a JSON value is true as vLLM's and SGLang's request models read a
+// boolean (pydantic's lax mode): true, 1, and the strings "1", "on", "t", "true", "y", "yes" in
+// any letter case — a client's "stream": 1 is a stream to the engine, and so to Baton.
+func LaxTrue(raw []byte) bool {
+	raw = bytes.TrimSpace(raw)
+	switch string(raw) {
+	case "true", "1":
+		return true
+	}
+	if len(raw) < 2 || raw[0] != '"' || raw[len(raw)-1] != '"' {
+		return false
+	}
+	switch strings.ToLower(string(raw[1 : len(raw)-1])) {
+	case "1", "on", "t", "true", "y", "yes":
+		return true
+	}
+	return false
 }

@@ -1004,3 +1004,22 @@ func TestTenantCutStreamOfAListChargesEveryPrompt(t *testing.T) {
 		})
 	}
 }
+
+// "stream": 1 or "true" streams on the engines (pydantic reads them as true): Baton took the
+// request for a whole answer, asked no usage of its stream, and charged its whole reservation.
+func TestTenantStreamSpelledLaxlyIsChargedItsUsage(t *testing.T) {
+	e := simOf(t, sim.Config{Engine: sim.EngineVLLM})
+	s, gw, _ := gateway(t, []string{e.URL()}, func(o *Options) { withTenants(t, o, hostile(100_000_000)) })
+	var before int64
+	for _, spelling := range []string{`1`, `"true"`, `"Yes"`} {
+		resp, b := asTenant(t, gw+"/v1/chat/completions", "sk-hostile", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":3000,"stream":`+spelling+`}`)
+		if resp.StatusCode != 200 || !strings.Contains(b, "data: [DONE]") || strings.Contains(b, `"usage"`) {
+			t.Fatalf("stream %s: %d %s", spelling, resp.StatusCode, b)
+		}
+		got := settledCharge(t, s, "hostile")
+		if got-before > 100 {
+			t.Errorf("stream %s: charged %d for a short answer (its reservation: 3000)", spelling, got-before)
+		}
+		before = got
+	}
+}

@@ -90,7 +90,7 @@ type rawRequest struct {
 	Text           json.RawMessage `json:"text"`
 	InputIDs       json.RawMessage `json:"input_ids"`
 	SamplingParams *rawSampling    `json:"sampling_params"`
-	Stream         bool            `json:"stream"`
+	Stream         laxBool         `json:"stream"`
 	StreamOptions  *struct {
 		IncludeUsage         bool `json:"include_usage"`
 		ContinuousUsageStats bool `json:"continuous_usage_stats"`
@@ -413,6 +413,23 @@ func decodeCaseSensitive(body []byte) (rawRequest, error) {
 	return decodeRequest(caseSensitive(body))
 }
 
+// laxBool is a boolean as the engines' request models read it (pydantic's lax mode): true and
+// false, 1 and 0, and the strings 1/0, on/off, t/f, true/false, y/n, yes/no in any letter case.
+type laxBool bool
+
+func (v *laxBool) UnmarshalJSON(b []byte) error {
+	s := strings.ToLower(strings.Trim(string(b), `"`))
+	switch {
+	case string(b) == "true" || string(b) == "1" || len(b) > 1 && b[0] == '"' && (s == "1" || s == "on" || s == "t" || s == "true" || s == "y" || s == "yes"):
+		*v = true
+	case string(b) == "false" || string(b) == "0" || string(b) == "null" || len(b) > 1 && b[0] == '"' && (s == "0" || s == "off" || s == "f" || s == "false" || s == "n" || s == "no"):
+		*v = false
+	default:
+		return fmt.Errorf("Input should be a valid boolean: %s", b)
+	}
+	return nil
+}
+
 // laxInt is a cap of the OpenAI routes as the engines' request models read an int field
 // (pydantic's lax mode: vLLM's OpenAIBaseModel, SGLang's protocol.py models): an integer, a
 // number with no fraction (100.0, 1e2), a string of digits ("100").
@@ -483,7 +500,7 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 		}
 		if lora != "" && !e.lora.has(lora) {
 			aerr := errorf(400, "The following requested LoRA adapters are not loaded: %s\nLoaded adapters: %s.", lora, e.lora.keys())
-			aerr.inBand = raw.Stream
+			aerr.inBand = bool(raw.Stream)
 			return nil, aerr
 		}
 	}
@@ -496,7 +513,7 @@ func (e *Engine) parse(rt route, r *http.Request, body []byte) (*job, *apiError)
 			return nil, errorf(400, "Got priority %d but Priority scheduling is not enabled.", *raw.Priority)
 		}
 	}
-	j := &job{route: rt, stream: raw.Stream, kv: raw.KVTransferParams, prefillRank: -1, n: 1, lora: lora}
+	j := &job{route: rt, stream: bool(raw.Stream), kv: raw.KVTransferParams, prefillRank: -1, n: 1, lora: lora}
 	if aerr := e.checkKVParams(rt, j); aerr != nil {
 		return nil, aerr
 	}
