@@ -482,12 +482,14 @@ func completionBudget(req *openai.Request, path string, def int) budgetOf {
 		return budgetOf{tokens: 128, field: field, missing: true}
 	}
 	b := budgetOf{tokens: -1}
+	null := false // a cap given as null: no cap at all, not the route's default
 	for _, key := range capKeys {
 		if raw, ok := req.Get(key); ok {
 			n, valid := capValueLax(raw)
 			if !valid {
 				return budgetOf{field: key, invalid: true}
 			}
+			null = null || n < 0
 			if n > b.tokens {
 				b.tokens, b.field = n, key
 			}
@@ -500,6 +502,9 @@ func completionBudget(req *openai.Request, path string, def int) budgetOf {
 	switch path {
 	case "/v1/completions":
 		b.tokens = 16
+		if null { // vLLM's null: to the context's end (get_max_tokens, vllm/entrypoints/utils.py; its 16 is for absent)
+			b.tokens, b.toContext = def, true
+		}
 	case "/v1/messages":
 		b.required = true
 	case "/v1/chat/completions", "/v1/responses":

@@ -865,6 +865,8 @@ func TestCompletionBudget(t *testing.T) {
 		{"/v1/chat/completions", `{"max_tokens":10,"max_completion_tokens":20.0}`, budgetOf{tokens: 20, field: "max_completion_tokens"}},
 		{"/v1/chat/completions", `{"max_tokens":10,"max_completion_tokens":"2.0"}`, budgetOf{field: "max_completion_tokens", invalid: true}},
 		{"/v1/completions", `{}`, budgetOf{tokens: 16, field: "max_tokens", missing: true}},
+		// vLLM reads an explicit null as no cap (get_max_tokens): to the context's end.
+		{"/v1/completions", `{"max_tokens":null}`, budgetOf{tokens: 500, field: "max_tokens", missing: true, toContext: true}},
 		{"/v1/completions", `{"max_tokens":100000}`, budgetOf{tokens: 100000, field: "max_tokens"}},
 		{"/v1/responses", `{}`, budgetOf{tokens: 500, field: "max_output_tokens", missing: true, toContext: true}},
 		{"/v1/responses", `{"max_output_tokens":7}`, budgetOf{tokens: 7, field: "max_output_tokens"}},
