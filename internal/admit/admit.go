@@ -478,6 +478,23 @@ func (s *Scheduler) promote(now time.Time) {
 	}
 }
 
+// SetSlots makes the requests served at once n (at least 1): more slots are handed to the
+// waiting at once; fewer take effect as requests end (none is stopped). For slots sized from the
+// engines' capacity, which changes as workers come and go.
+func (s *Scheduler) SetSlots(n int) {
+	s.mu.Lock()
+	s.o.Slots = max(n, 1)
+	s.dispatch(time.Now())
+	s.mu.Unlock()
+}
+
+// Slots is the requests served at once.
+func (s *Scheduler) Slots() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.o.Slots
+}
+
 // Tick runs promotions and hands out free slots; the server calls it periodically so that a
 // promotion does not wait for a request to end.
 func (s *Scheduler) Tick() {

@@ -447,3 +447,23 @@ func BenchmarkEnqueueDispatch(b *testing.B) {
 		}
 	}
 }
+
+// More slots (the engines' capacity grew) go to the waiting at once; fewer take effect as
+// requests end.
+func TestSetSlots(t *testing.T) {
+	s := New(opts(1))
+	h := hold(t, s)
+	q := newQueueing(t, s)
+	q.add(t.Context(), "a", Request{Tenant: "a", Class: Default})
+	q.add(t.Context(), "b", Request{Tenant: "b", Class: Default})
+	s.SetSlots(3)
+	q.waitN(2)
+	s.SetSlots(1)
+	if s.Slots() != 1 || s.InUse() != 3 {
+		t.Errorf("slots %d, in use %d: want 1 and the 3 already served", s.Slots(), s.InUse())
+	}
+	h.Release(0, 0)
+	q.release("a", 0, 0)
+	q.release("b", 0, 0)
+	q.wg.Wait()
+}

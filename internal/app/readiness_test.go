@@ -208,13 +208,14 @@ func TestSmgControlPlaneKeysAreAdminKeys(t *testing.T) {
 
 // smg's priority scheduler flags mean what they mean in smg: --priority-scheduler-default-max-class
 // is the ceiling of requests of no configured ceiling (its system and bulk names too), and
-// --priority-scheduler-enabled needs the bound on requests at once the classes order.
+// --priority-scheduler-enabled without --max-concurrent-requests sizes the requests served at
+// once from the engines' capacity, as smg does (it was refused).
 func TestSmgPrioritySchedulerFlags(t *testing.T) {
 	c, err := config.Parse([]string{"--priority-scheduler-enabled", "--max-concurrent-requests", "4", "--priority-scheduler-default-max-class", "bulk"}, io.Discard)
-	if err != nil || c.DefaultMaxPriority != config.PriorityBatch {
-		t.Fatalf("%v, default max %q", err, c.DefaultMaxPriority)
+	if err != nil || c.DefaultMaxPriority != config.PriorityBatch || c.Admission.SlotsFromEngines {
+		t.Fatalf("%v, default max %q, from engines %v", err, c.DefaultMaxPriority, c.Admission.SlotsFromEngines)
 	}
-	if _, err := config.Parse([]string{"--priority-scheduler-enabled"}, io.Discard); err == nil || !strings.Contains(err.Error(), "--max-concurrent-requests") {
+	if c, err := config.Parse([]string{"--priority-scheduler-enabled"}, io.Discard); err != nil || !c.Admission.SlotsFromEngines {
 		t.Errorf("enabled with no bound: %v", err)
 	}
 	e := simEngine(t, sim.Config{Engine: sim.EngineVLLM})

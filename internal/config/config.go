@@ -176,8 +176,9 @@ type Config struct {
 	// its names system and bulk taken as critical and batch.
 	DefaultMaxPriority string `json:"default_max_priority" flag:"priority-scheduler-default-max-class" default:"interactive" help:"the highest priority class of a tenant without max_priority (critical, interactive, default, batch; smg's system and bulk too)"`
 	// PrioritySchedulerEnabled is smg's switch for its priority scheduler: Baton's classes are
-	// on whenever requests are bounded (--max-concurrent-requests); the flag only checks that.
-	PrioritySchedulerEnabled bool `json:"priority_scheduler_enabled" flag:"priority-scheduler-enabled" help:"smg's: priority classes order the requests waiting for a slot; they need --max-concurrent-requests (on with it, whatever this says)"`
+	// on whenever requests are bounded (--max-concurrent-requests); without that bound the flag
+	// bounds them by the engines' capacity, as smg does (Admission.SlotsFromEngines).
+	PrioritySchedulerEnabled bool `json:"priority_scheduler_enabled" flag:"priority-scheduler-enabled" help:"smg's: priority classes order the requests waiting for a slot, one of --max-concurrent-requests or, without it, of the engines' capacity as smg sizes it"`
 	// PrioritySchedulerConfig and TenantRateLimitConfig are smg's policy files, read into
 	// admission: and tenants: (smgfiles.go); smgNotes what they could not carry over exactly.
 	PrioritySchedulerConfig string `json:"priority_scheduler_config" flag:"priority-scheduler-config" help:"smg's priority scheduler YAML (with --priority-scheduler-enabled): its classes become admission's queue_classes and reserved_slots, its tenant_policies the tenants' max_priority"`
@@ -321,6 +322,10 @@ type Admission struct {
 	Classes map[string]QueueClass `json:"queue_classes"`
 	// ReservedSlots keeps slots for a class and those above it (YAML: {critical: 8}).
 	ReservedSlots map[string]int `json:"reserved_slots"`
+	// SlotsFromEngines sizes the requests served at once from the engines' capacity, as smg's
+	// priority scheduler does (priority_scheduler_enabled without max_concurrent_requests): set
+	// by the configuration, not a key of its own.
+	SlotsFromEngines bool `json:"-"`
 	// NoWorkerWait holds a request for a known model with no ready worker until one is ready
 	// (an engine scaling up from zero), at most this long; 0: no_available_workers at once.
 	NoWorkerWait time.Duration `json:"no_worker_wait" flag:"no-worker-wait" unit:"secs" default:"0s" check:">=0" help:"hold a request for a known model without a ready worker this long for one to become ready (0: refuse at once)"`
@@ -567,9 +572,10 @@ func (c *Config) Validate() error {
 	if !slices.Contains(PriorityClasses, c.DefaultMaxPriority) {
 		bad("default_max_priority %q: want one of %s (smg's system and bulk too)", c.DefaultMaxPriority, strings.Join(PriorityClasses, ", "))
 	}
-	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 {
-		bad("priority_scheduler_enabled: priority classes order the requests waiting for a slot: give --max-concurrent-requests (Baton's classes are on whenever it is set)")
+	if c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0 && len(c.Admission.ReservedSlots) > 0 {
+		bad("priority_scheduler_enabled: slots sized from the engines' capacity reserve none: give --max-concurrent-requests for reserved_slots (reserved_floor, reserved_per_slot)")
 	}
+	c.Admission.SlotsFromEngines = c.PrioritySchedulerEnabled && c.Admission.MaxConcurrentRequests <= 0
 	for _, x := range []struct {
 		name string
 		d    time.Duration

@@ -21,6 +21,7 @@ import (
 	"github.com/baton-llm/baton/internal/record"
 	"github.com/baton-llm/baton/internal/routes"
 	"github.com/baton-llm/baton/internal/tenant"
+	"github.com/baton-llm/baton/internal/worker"
 )
 
 // queueSettings bound the inference requests served at once: Max at once (0 or less: no bound),
@@ -39,6 +40,9 @@ type queueSettings struct {
 	// SmgAnswers answers a full queue 429 and a wait past its timeout 408, as smg's priority
 	// scheduler does; false: 503 and 504.
 	SmgAnswers bool
+	// FromEngines sizes Max from the engines' capacity (Director.capacity), recomputed as the
+	// fleet changes; Max is the first size, before any worker is known.
+	FromEngines bool
 	// RetryAfter is the Retry-After of the queue's refusals; 0: a tenth of the default class's
 	// timeout, at least a second.
 	RetryAfter time.Duration
@@ -60,6 +64,8 @@ type admission struct {
 	// of a slot, with how many were since the last.
 	log  *slog.Logger
 	shed shedLog
+	// fromEngines: the slots are sized from the engines' capacity (Director.sizeSlots).
+	fromEngines bool
 }
 
 // shedLog is what the log was told of load shed: a WARN at most every every, counting the
@@ -95,7 +101,8 @@ func newAdmission(a queueSettings, m *metrics.Metrics, log *slog.Logger) *admiss
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter, log: log, shed: shedLog{every: shedEvery}}
+	ad := &admission{s: admit.New(o), o: o, metrics: m, smg: a.SmgAnswers, retryAfter: a.RetryAfter, log: log, shed: shedLog{every: shedEvery},
+		fromEngines: a.FromEngines}
 	return ad
 }
 
@@ -191,11 +198,61 @@ func (a *admission) reject(reason string, e *openai.Error) *openai.Error {
 
 // admissionOf is the admission settings of the configuration's section a.
 func admissionOf(a config.Admission) queueSettings {
-	o := queueSettings{Max: a.MaxConcurrentRequests, QueueSize: a.QueueSize, QueueTimeout: a.QueueTimeout,
+	o := queueSettings{Max: a.MaxConcurrentRequests, FromEngines: a.SlotsFromEngines, QueueSize: a.QueueSize, QueueTimeout: a.QueueTimeout,
 		PromoteAfter: a.PromoteAfter, InputWeight: a.FairInputWeight, OutputWeight: a.FairOutputWeight, SmgAnswers: a.QueueAnswers == "smg",
 		RetryAfter: a.QueueRetryAfter}
 	o.Reserved, o.Depth, o.Timeout, o.Promote = ClassSettings(a)
+	if o.FromEngines {
+		o.Max = NoWorkerCapacity
+	}
 	return o
+}
+
+// Sized from the engines' capacity, as smg's priority scheduler sizes its slots
+// (model_gateway/src/worker/capacity.rs): the sum of what each available worker that runs
+// requests (regular, or in PD the decodes) reports it runs at once (Worker.MaxRunning),
+// SlotsPerWorker for each that reports nothing, NoWorkerCapacity while none is available.
+const (
+	SlotsPerWorker   = 64
+	NoWorkerCapacity = 1024
+)
+
+// capacity is the requests the fleet's engines run at once, as SlotsPerWorker and
+// NoWorkerCapacity say.
+func (d *Director) capacity() int {
+	role := config.RoleRegular
+	if d.o.PD {
+		role = config.RoleDecode
+	}
+	n, workers := 0, 0
+	for _, w := range worker.Available(d.reg.Snapshot().Workers) {
+		if w.Role != role {
+			continue
+		}
+		workers++
+		if r := w.MaxRunning(); r > 0 {
+			n += r
+		} else {
+			n += SlotsPerWorker
+		}
+	}
+	if workers == 0 {
+		return NoWorkerCapacity
+	}
+	return min(n, 1<<20)
+}
+
+// sizeSlots sizes the slots from the engines' capacity when they are (FromEngines), saying each
+// change in the log.
+func (d *Director) sizeSlots() {
+	a := d.admit
+	if a == nil || !a.fromEngines {
+		return
+	}
+	if n, was := d.capacity(), a.s.Slots(); n != was {
+		a.s.SetSlots(n)
+		d.log.Info("requests served at once sized from the engines' capacity", "slots", n, "was", was)
+	}
 }
 
 // ClassSettings reads reserved_slots and queue_classes by class name (validated by the
@@ -320,9 +377,10 @@ func (d *Director) Acquire(ctx context.Context, rec *record.Record) (release fun
 // Start runs the queue's promotions, and the look at which models can be served, while ctx lives.
 func (d *Director) Start(ctx context.Context) {
 	d.admit.start(ctx)
+	d.sizeSlots()
 	d.bg.Go(func() {
 		var last map[string]string
-		every(ctx, ServableEvery, func() { last = d.noteServable(last) })
+		every(ctx, ServableEvery, func() { last = d.noteServable(last); d.sizeSlots() })
 	})
 	if d.o.LocalRule != nil && d.o.Advisor != nil {
 		d.bg.Go(func() { every(ctx, LocalRefresh, d.RefreshLocal) })

@@ -418,3 +418,33 @@ func TestAnUnservedConfiguredModelIsNamed(t *testing.T) {
 		t.Errorf("logged %q", logs.lines)
 	}
 }
+
+// With smg's priority scheduler and no --max-concurrent-requests the requests served at once
+// are the engines' capacity, as smg sizes them: what each available worker that runs requests
+// reports (or its max_running_requests label), 64 for one that reports nothing, 1024 while none
+// is available; recomputed as the fleet changes.
+func TestSlotsSizedFromTheEngines(t *testing.T) {
+	labelled := worker.New(config.Worker{URL: "http://a:8000", Labels: map[string]string{"max_running_requests": "10"}})
+	labelled.SetInfo(&worker.Info{Runtime: config.RuntimeVLLM})
+	labelled.SetReady(true)
+	reported := regular("http://b:8000", "m")
+	reported.SetInfo(&worker.Info{Runtime: config.RuntimeSGLang, MaxRunning: 48})
+	silent := regular("http://c:8000", "m")
+	f := newFleet(t, []*worker.Worker{labelled, reported, silent}, func(o *Options) {
+		o.Admission = config.Admission{SlotsFromEngines: true, QueueSize: 10, QueueTimeout: time.Minute}
+	})
+	if n := f.d.admit.s.Slots(); n != NoWorkerCapacity {
+		t.Errorf("before any look: %d slots, want %d", n, NoWorkerCapacity)
+	}
+	f.d.sizeSlots()
+	if n := f.d.admit.s.Slots(); n != 10+48+SlotsPerWorker {
+		t.Errorf("%d slots, want %d", n, 10+48+SlotsPerWorker)
+	}
+	labelled.SetReady(false)
+	reported.SetReady(false)
+	silent.SetReady(false)
+	f.d.sizeSlots()
+	if n := f.d.admit.s.Slots(); n != NoWorkerCapacity {
+		t.Errorf("no worker available: %d slots, want %d", n, NoWorkerCapacity)
+	}
+}

@@ -38,16 +38,17 @@ const probeTimeout = 5 * time.Second
 func Detect(ctx context.Context, client *http.Client, w *Worker) (*Info, error) {
 	in, err := detect(ctx, client, w)
 	if err == nil && in.Runtime == config.RuntimeSGLang {
-		in.DPSize, in.KVEvents, in.MaxLoadedLoRAs, in.BootstrapPort = sglangServerInfo(ctx, client, w)
+		in.DPSize, in.KVEvents, in.MaxLoadedLoRAs, in.BootstrapPort, in.MaxRunning = sglangServerInfo(ctx, client, w)
 	}
 	return in, err
 }
 
 // sglangServerInfo reads the data parallel size, the KV events publisher, the most LoRA
-// adapters an SGLang engine may hold loaded (its --max-loaded-loras) and its bootstrap port
+// adapters an SGLang engine may hold loaded (its --max-loaded-loras), its bootstrap port
 // (--disaggregation-bootstrap-port, server_args.py's disaggregation_bootstrap_port, a
-// prefill's) it reports (0, nil, 0 and 0 when it does not).
-func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher, int, int) {
+// prefill's) and the most requests it runs at once (--max-running-requests, server_args.py's
+// max_running_requests) it reports (0, nil, 0, 0 and 0 when it does not).
+func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int, *KVEventsPublisher, int, int, int) {
 	for _, p := range []string{"/server_info", "/get_server_info"} {
 		status, body, err := probe(ctx, client, w, p)
 		if err != nil || status != http.StatusOK {
@@ -56,6 +57,7 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 		var v struct {
 			DPSize         int  `json:"dp_size"`
 			MaxLoadedLoRAs *int `json:"max_loaded_loras"`
+			MaxRunning     *int `json:"max_running_requests"`
 			BootstrapPort  *int `json:"disaggregation_bootstrap_port"`
 			KVEvents       *struct {
 				Publisher string `json:"publisher"`
@@ -67,7 +69,11 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 			} `json:"kv_events"`
 		}
 		if json.Unmarshal(body, &v) != nil {
-			return 0, nil, 0, 0
+			return 0, nil, 0, 0, 0
+		}
+		running := 0
+		if r := v.MaxRunning; r != nil && *r > 0 && *r <= 1<<20 {
+			running = *r
 		}
 		bport := 0
 		if p := v.BootstrapPort; p != nil && *p >= 1 && *p <= 65535 {
@@ -88,9 +94,21 @@ func sglangServerInfo(ctx context.Context, client *http.Client, w *Worker) (int,
 				pub = &KVEventsPublisher{Endpoint: ep, BlockSize: k.BlockSize, DPSize: k.DPSize, Topic: k.Topic}
 			}
 		}
-		return v.DPSize, pub, maxLoaded, bport
+		return v.DPSize, pub, maxLoaded, bport, running
 	}
-	return 0, nil, 0, 0
+	return 0, nil, 0, 0, 0
+}
+
+// MaxRunning is the most requests w's engine runs at once, as it reports it or, for one that
+// does not, as the worker's max_running_requests label (smg's) says; 0 when neither does.
+func (w *Worker) MaxRunning() int {
+	if in := w.Info(); in != nil && in.MaxRunning > 0 {
+		return in.MaxRunning
+	}
+	if n, err := strconv.Atoi(w.configured.Labels["max_running_requests"]); err == nil && n > 0 && n <= 1<<20 {
+		return n
+	}
+	return 0
 }
 
 // BootstrapMismatch says why w's configured bootstrap port is not its engine's: an SGLang

@@ -349,3 +349,28 @@ func TestRegistrationFlagsAWrongSGLangBootstrapPort(t *testing.T) {
 		})
 	}
 }
+
+// An SGLang engine's /server_info max_running_requests is what it runs at once
+// (Worker.MaxRunning); a worker's max_running_requests label (smg's) says it where the engine
+// does not.
+func TestMaxRunningFromTheEngineOrItsLabel(t *testing.T) {
+	srv := engine(t, map[string]string{"/v1/models": `{"data":[{"id":"m","owned_by":"sglang"}]}`,
+		"/server_info": `{"max_running_requests":48}`})
+	w := New(config.Worker{URL: srv.URL})
+	in, err := Detect(context.Background(), srv.Client(), w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.SetInfo(in)
+	if n := w.MaxRunning(); n != 48 {
+		t.Errorf("reported: %d, want 48", n)
+	}
+	l := New(config.Worker{URL: "http://l:8000", Labels: map[string]string{"max_running_requests": "12"}})
+	l.SetInfo(&Info{Runtime: config.RuntimeVLLM})
+	if n := l.MaxRunning(); n != 12 {
+		t.Errorf("labelled: %d, want 12", n)
+	}
+	if n := New(config.Worker{URL: "http://x:8000", Labels: map[string]string{"max_running_requests": "-3"}}).MaxRunning(); n != 0 {
+		t.Errorf("a bad label: %d", n)
+	}
+}

@@ -51,6 +51,10 @@ type Info struct {
 	// BootstrapPort is the bootstrap server port the engine reports (SGLang /server_info
 	// disaggregation_bootstrap_port), 0 when unknown; see Worker.BootstrapMismatch.
 	BootstrapPort int
+	// MaxRunning is the most requests the engine runs at once that it reports (SGLang
+	// /server_info max_running_requests), 0 when unknown; a worker's max_running_requests label
+	// (smg's) says it for an engine that does not.
+	MaxRunning int
 }
 
 // KVEventsPublisher is an engine's own description of its KV events publisher.
