@@ -425,7 +425,7 @@ func (v *laxBool) UnmarshalJSON(b []byte) error {
 	case string(b) == "false" || string(b) == "0" || string(b) == "null" || len(b) > 1 && b[0] == '"' && (s == "0" || s == "off" || s == "f" || s == "false" || s == "n" || s == "no"):
 		*v = false
 	default:
-		return fmt.Errorf("Input should be a valid boolean: %s", b)
+		return fmt.Errorf("input should be a valid boolean: %s", b)
 	}
 	return nil
 }
@@ -440,12 +440,12 @@ func (n *laxInt) UnmarshalJSON(b []byte) error {
 	if len(b) > 2 && b[0] == '"' && b[len(b)-1] == '"' {
 		v = b[1 : len(b)-1]
 		if len(v) == 0 || bytes.IndexFunc(v, func(r rune) bool { return r < '0' || r > '9' }) >= 0 {
-			return fmt.Errorf("Input should be a valid integer, unable to parse string as an integer: %s", b)
+			return fmt.Errorf("input should be a valid integer, unable to parse string as an integer: %s", b)
 		}
 	}
 	f, err := strconv.ParseFloat(string(v), 64)
 	if err != nil || f != math.Trunc(f) || math.Abs(f) > 1<<53 {
-		return fmt.Errorf("Input should be a valid integer: %s", b)
+		return fmt.Errorf("input should be a valid integer: %s", b)
 	}
 	*n = laxInt(f)
 	return nil
