@@ -269,3 +269,80 @@ func Prompt(r Request, seed int) string {
 	}
 	return strings.TrimSuffix(b.String(), " ")
 }
+
+// Oracle is the share of the trace's prompt blocks found cached by an all-knowing router over
+// engines prefix caches of blocks blocks each, evicted least recently used: each request goes to
+// the engine holding the longest prefix of its blocks (ties to the engine that served fewest),
+// and a block is found only as part of such a prefix, as an engine's prefix cache finds it. It
+// is what routing can reach with the fleet's memory, beside Ceiling's unlimited one.
+func Oracle(reqs []Request, engines, blocks int) float64 {
+	if engines < 1 || blocks < 1 {
+		return 0
+	}
+	caches := make([]*lru, engines)
+	served := make([]int, engines)
+	for i := range caches {
+		caches[i] = newLRU(blocks)
+	}
+	total, found := 0, 0
+	for _, r := range reqs {
+		best, bestMatch := 0, -1
+		for e, c := range caches {
+			m := c.prefix(r.HashIDs)
+			if m > bestMatch || m == bestMatch && served[e] < served[best] {
+				best, bestMatch = e, m
+			}
+		}
+		total += len(r.HashIDs)
+		found += bestMatch
+		served[best]++
+		for _, id := range r.HashIDs {
+			caches[best].touch(id)
+		}
+	}
+	if total == 0 {
+		return 0
+	}
+	return float64(found) / float64(total)
+}
+
+// lru is a prefix cache of block ids, evicted least recently used.
+type lru struct {
+	max   int
+	clock int64
+	at    map[int64]int64 // id -> its last use
+	order map[int64]int64 // last use -> id (uses are unique)
+	old   int64           // no use before it is still held
+}
+
+func newLRU(n int) *lru {
+	return &lru{max: n, at: map[int64]int64{}, order: map[int64]int64{}}
+}
+
+// prefix is how many of ids, from the first, the cache holds.
+func (c *lru) prefix(ids []int64) int {
+	for i, id := range ids {
+		if _, ok := c.at[id]; !ok {
+			return i
+		}
+	}
+	return len(ids)
+}
+
+// touch makes id the most recently used, evicting the least recently used past the bound.
+func (c *lru) touch(id int64) {
+	c.clock++
+	if t, ok := c.at[id]; ok {
+		delete(c.order, t)
+	}
+	c.at[id], c.order[c.clock] = c.clock, id
+	for len(c.at) > c.max {
+		for ; ; c.old++ {
+			if victim, ok := c.order[c.old]; ok {
+				delete(c.order, c.old)
+				delete(c.at, victim)
+				break
+			}
+		}
+	}
+}

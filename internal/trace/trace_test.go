@@ -44,6 +44,14 @@ func TestMooncakeAsPublished(t *testing.T) {
 			t.Fatalf("request %d arrives before request %d", i, i-1)
 		}
 	}
+	// Its reuse is all prefix: one engine of unlimited memory finds the whole ceiling; four
+	// engines of bounded memory find less, and more with more memory.
+	if o := Oracle(reqs, 1, 1<<30); o < 0.3664 || o > 0.3665 {
+		t.Errorf("one engine of unlimited memory: %.4f, want the ceiling 0.3664", o)
+	}
+	if small, large := Oracle(reqs, 4, 6000), Oracle(reqs, 4, 20000); small >= large || large >= 0.3664 || small <= 0 {
+		t.Errorf("four engines of 6,000 and 20,000 blocks: %.4f and %.4f", small, large)
+	}
 }
 
 // Azure's conversation trace as published: every request, its times from the first request's,
@@ -140,5 +148,35 @@ func TestPromptsKeepTheTracesReuse(t *testing.T) {
 	}
 	if len(Scale([]Request{a, b}, Scaling{Limit: 1})) != 1 {
 		t.Error("the limit kept more requests")
+	}
+}
+
+// The all-knowing router: each request on the engine holding its longest cached prefix, a block
+// found only as part of a prefix, engines' caches evicted least recently used.
+func TestOracle(t *testing.T) {
+	reqs := []Request{
+		{HashIDs: []int64{0, 1, 2}},
+		{HashIDs: []int64{0, 1, 3}},
+		{HashIDs: []int64{4, 5}},
+		{HashIDs: []int64{0, 1, 2}},
+		{HashIDs: []int64{9, 1, 2}}, // its blocks seen, but not as a prefix
+	}
+	for _, c := range []struct {
+		engines, blocks int
+		want            float64
+	}{
+		{1, 100, 5.0 / 14}, // 0 + 2 + 0 + 3 + 0 of 14 blocks
+		{2, 100, 5.0 / 14}, // {4,5} goes to the idle engine; the rest where their prefix is
+		{1, 3, 2.0 / 14},   // three blocks: 0,1,3 evicts 2; 4,5 evict 0 and 1
+		{3, 1, 0},          // an engine of one block holds a request's last block, never its first
+		{0, 100, 0},        // no engine
+		{1, 0, 0},          // no memory
+	} {
+		if got := Oracle(reqs, c.engines, c.blocks); got < c.want-1e-9 || got > c.want+1e-9 {
+			t.Errorf("%d engines of %d blocks: %.4f, want %.4f", c.engines, c.blocks, got, c.want)
+		}
+	}
+	if o, u := Oracle(reqs, 1, 1000), Ceiling(reqs); o > u {
+		t.Errorf("the oracle %.3f found more than unlimited memory's ceiling %.3f", o, u)
 	}
 }
