@@ -41,7 +41,7 @@ var ErrAnotherAnswer = errors.New("the worker's answer is not this request's (na
 //
 // The answer is judged by the worker's proof as it stood when the request was sent (proof): a
 // worker judged anew meanwhile (its circuit opened) still has the answers already under way judged.
-func (p *Proxy) correlate(out *http.Request, body []byte, w *worker.Worker, proof worker.Proof, resp *http.Response, err error) (*http.Response, error) {
+func (p *Proxy) correlate(out *http.Request, named bool, w *worker.Worker, proof worker.Proof, resp *http.Response, err error) (*http.Response, error) {
 	if err != nil {
 		return resp, err
 	}
@@ -70,7 +70,7 @@ func (p *Proxy) correlate(out *http.Request, body []byte, w *worker.Worker, proo
 		return resp, nil
 	}
 	prefix := routes.Of(out.URL.Path).AnswerID
-	if prefix == "" || !namedByBaton(w, out.URL.Path, body, sent) {
+	if prefix == "" || !named {
 		return resp, nil
 	}
 	pr := prover{ReadCloser: resp.Body, p: p, w: w, proof: proof, sent: sent, prefix: prefix, left: resp.ContentLength}
@@ -82,18 +82,20 @@ func (p *Proxy) correlate(out *http.Request, body []byte, w *worker.Worker, proo
 	return resp, nil
 }
 
-// Unprovable reports a request to w whose answer cannot be proven its own though w's answers can
-// be: w is proven by its answers' ids (not by the X-Request-Id header, which proves every
-// answer), and this one's route names none (/v1/responses, /v1/embeddings, …) or its engine is
-// not given Baton's id (an SGLang request of many samples). Such a request is sent on a
-// connection of its own (Connection: close), so that no answer out of step on it reaches another
-// request.
-func Unprovable(w *worker.Worker, path string, body []byte, sent string) bool {
-	proof := w.Proof()
-	if !proof.ByID() || proof.ByHeader() {
-		return false
-	}
-	return routes.Of(path).AnswerID == "" || !namedByBaton(w, path, body, sent)
+// Named reports a request to w on path, of body, sent with the id sent, whose answer its engine
+// names after that id: a route whose answers carry an id, on an engine that names them after
+// the id Baton chose (namedByBaton).
+func Named(w *worker.Worker, path string, body []byte, sent string) bool {
+	return routes.Of(path).AnswerID != "" && namedByBaton(w, path, body, sent)
+}
+
+// unprovable reports a request whose answer cannot be proven its own (not named, Named) though
+// its worker's answers can be: the worker is proven by its answers' ids (not by the X-Request-Id
+// header, which proves every answer) — a route whose answers carry none (/v1/responses,
+// /v1/embeddings, …), an SGLang request of many samples. Such a request is sent on a connection
+// of its own (Connection: close), so that no answer out of step on it reaches another request.
+func unprovable(proof worker.Proof, named bool) bool {
+	return proof.ByID() && !proof.ByHeader() && !named
 }
 
 // noReuser is an answer body whose connection can be kept from reuse (Baton's own client).

@@ -300,7 +300,7 @@ func TestAnAnswerUnderWayIsJudgedAsItsWorkerWasProvenWhenSent(t *testing.T) {
 		if !byHeader {
 			resp.Header = http.Header{}
 		}
-		got, err := (&Proxy{}).correlate(out, []byte(`{}`), w, proof, resp, nil)
+		got, err := (&Proxy{}).correlate(out, true, w, proof, resp, nil)
 		if err == nil {
 			var b []byte
 			b, err = io.ReadAll(got.Body)
@@ -337,7 +337,7 @@ func TestAnErrorEventKeepsItsConnectionFromReuse(t *testing.T) {
 		out := httptest.NewRequest(http.MethodPost, "http://proven/v1/completions", nil)
 		out.Header.Set("X-Request-Id", "req-1")
 		resp := &http.Response{StatusCode: 200, Header: http.Header{}, Body: b, ContentLength: -1}
-		got, err := (&Proxy{}).correlate(out, []byte(`{}`), w, w.Proof(), resp, nil)
+		got, err := (&Proxy{}).correlate(out, true, w, w.Proof(), resp, nil)
 		if err == nil {
 			_, err = io.ReadAll(got.Body)
 		}

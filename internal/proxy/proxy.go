@@ -170,7 +170,7 @@ func WithoutReuse(t http.RoundTripper) http.RoundTripper {
 // freshOf holds, per transport, the one that sends each request on a new connection (fresh).
 var freshOf sync.Map
 
-// fresh is t for a request that must go on a connection of its own (Unprovable): Baton's own
+// fresh is t for a request that must go on a connection of its own (unprovable): Baton's own
 // client takes no idle connection for a request that closes its connection; net/http's
 // transport would, so such a request goes through a copy of it that keeps none (Baton's client
 // alike for the https workers it hands to net/http).
@@ -363,11 +363,12 @@ func (p *Proxy) Send(ctx context.Context, in *http.Request, leg *Leg, c Call) (*
 	}
 	out.Header["Content-Type"] = jsonType
 	out.ContentLength = int64(len(c.Body))
-	out.Close = Unprovable(leg.W, c.Path, c.Body, out.Header.Get(openai.HeaderRequestID))
+	named := Named(leg.W, c.Path, c.Body, out.Header.Get(openai.HeaderRequestID)) // once: it may scan the body
+	out.Close = unprovable(leg.W.Proof(), named)
 	if tracing.Enabled() {
-		return p.sendTraced(ctx, out, leg, &c)
+		return p.sendTraced(ctx, out, leg, &c, named)
 	}
-	return letGo(p.exchange(out, leg, c.Body, c.Rec))
+	return letGo(p.exchange(out, leg, named, c.Rec))
 }
 
 // newPost is http.NewRequestWithContext(ctx, POST, w.URL+path, body), with the URL parsed once
@@ -388,17 +389,17 @@ func newPost(ctx context.Context, w *worker.Worker, path string, body io.Reader)
 	return out, nil
 }
 
-// exchange sends out (whose body is body) to the leg's worker and proves the answer its
-// request's (correlate), by the worker's proof as it stood when the request was sent; the record
-// learns what came.
-func (p *Proxy) exchange(out *http.Request, leg *Leg, body []byte, rec *record.Record) (*http.Response, error) {
+// exchange sends out to the leg's worker and proves the answer its request's (correlate; named:
+// its engine names it after the id Baton chose, Named), by the worker's proof as it stood when
+// the request was sent; the record learns what came.
+func (p *Proxy) exchange(out *http.Request, leg *Leg, named bool, rec *record.Record) (*http.Response, error) {
 	proof := leg.W.Proof()
 	rt := p.Transport
 	if out.Close {
 		rt = fresh(rt) // a connection of its own, never one from the pool
 	}
 	resp, err := informational(rt.RoundTrip(out))
-	resp, err = p.correlate(out, body, leg.W, proof, resp, err)
+	resp, err = p.correlate(out, named, leg.W, proof, resp, err)
 	given(rec, leg, resp, err)
 	return resp, err
 }
@@ -408,7 +409,7 @@ func (p *Proxy) exchange(out *http.Request, leg *Leg, body []byte, rec *record.R
 // stack, and a goroutine that waits on more than a quarter of its stack keeps all of it.)
 //
 //go:noinline
-func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *Call) (*http.Response, error) {
+func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *Call, named bool) (*http.Response, error) {
 	name := "upstream"
 	if leg.Name != "" {
 		name = leg.Name
@@ -420,7 +421,7 @@ func (p *Proxy) sendTraced(ctx context.Context, out *http.Request, leg *Leg, c *
 	if leg.W.KVConnector != "" {
 		leg.span.SetAttributes(attribute.String("baton.kv_connector", leg.W.KVConnector))
 	}
-	resp, err := p.exchange(out, leg, c.Body, c.Rec)
+	resp, err := p.exchange(out, leg, named, c.Rec)
 	if err != nil {
 		leg.span.SetStatus(codes.Error, LogCause(err))
 	} else {
